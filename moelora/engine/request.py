@@ -1,0 +1,51 @@
+"""Request-level value objects: `SamplingParams` (validated) and `RequestOutput`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moelora.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to decode one request. temperature 0 is greedy; top_k <= 0 and top_p 1 are off."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not self.temperature >= 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int):
+            raise RequestError(f"top_k must be an integer, got {self.top_k!r}")
+        if any(not s for s in self.stop):
+            raise RequestError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class RequestOutput:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    adapter: str | None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop" (eos, stop string or stop id) or "length"

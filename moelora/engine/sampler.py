@@ -1,0 +1,44 @@
+"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+
+Shape legend: B rows (one per sequence), V vocab. `sample(logits [B, V] fp32, params, gens)`.
+Sampling is the exponential-race form of a categorical draw (argmax of p / q with q ~ Exp(1)),
+so greedy and sampled rows share one argmax; each row draws its noise from its own generator,
+which makes a seeded request reproducible whatever it is batched with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from moelora.engine.request import SamplingParams
+
+
+def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    B, V = logits.shape
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                         device=logits.device)
+    logits = logits / temps[:, None]
+    ks = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=logits.device)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(V, device=logits.device)[None, :]
+    drop = rank >= ks[:, None]
+    probs = sorted_logits.softmax(-1)
+    top_ps = torch.tensor([p.top_p for p in params], device=logits.device)
+    drop |= (probs.cumsum(-1) - probs) >= top_ps[:, None]  # keep the smallest prefix reaching top_p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+           generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """logits [B, V] -> token ids [B] (int64, on logits' device)."""
+    logits = logits.float()
+    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+    probs = _filter(logits, params).softmax(-1)
+    noise = torch.empty_like(probs)
+    for i, g in enumerate(generators):
+        noise[i].exponential_(generator=g)
+    sampled = (probs / noise).argmax(-1)
+    return torch.where(greedy, logits.argmax(-1), sampled)

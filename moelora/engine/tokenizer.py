@@ -1,0 +1,70 @@
+"""Tokenizer (`tokenizers` library, from tokenizer.json) and chat template (jinja2).
+
+The chat template is read from `chat_template.jinja`, else from `tokenizer_config.json`'s
+`chat_template` field. Incremental detokenisation decodes the whole generated tail, which is
+exact for byte-level BPE and cheap at the lengths a request produces.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from moelora.errors import ConfigError, RequestError
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        model_dir = Path(model_dir)
+        file = model_dir / "tokenizer.json"
+        if not file.is_file():
+            raise ConfigError(f"no tokenizer.json in {model_dir}")
+        self._tok = HFTokenizer.from_file(str(file))
+        cfg_file = model_dir / "tokenizer_config.json"
+        self.config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        template_file = model_dir / "chat_template.jinja"
+        self.chat_template = (template_file.read_text() if template_file.is_file()
+                              else self.config.get("chat_template"))
+        self.eos_token_id = self._token_id(self.config.get("eos_token"))
+        self.bos_token = _token_text(self.config.get("bos_token"))
+        self.eos_token = _token_text(self.config.get("eos_token"))
+
+    def _token_id(self, token) -> int | None:
+        text = _token_text(token)
+        return None if text is None else self._tok.token_to_id(text)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise RequestError("this model has no chat template; send a plain prompt instead")
+        import jinja2
+
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.TemplateError as e:
+            raise RequestError(f"chat template failed: {e}") from None
+
+
+def _token_text(token) -> str | None:
+    if isinstance(token, dict):
+        return token.get("content")
+    return token
+
+
+def _raise(message: str):
+    raise RequestError(message)

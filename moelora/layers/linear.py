@@ -1,0 +1,56 @@
+"""Linear layer with its own multi-LoRA delta (contract 1: LoRA is part of the layer).
+
+Shape legend: T tokens, N_in / N_out features, S adapter slots, R max rank.
+Slot buffers `lora_a [S, R, N_in]`, `lora_b [S, N_out, R]` have a fixed address for the
+model's lifetime (CUDA graphs capture them); loading an adapter copies into a slot, unloading
+zeroes it. A slot the adapter does not cover at this site stays zero.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moelora.kernels.reference import DenseLoRAArgs, lora_linear_ref
+from moelora.lora.adapter import LoRAWeights
+from moelora.lora.batch import LoRABatch
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
+                 max_loras: int = 0, max_rank: int = 0, backend: str = "torch",
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.backend = backend
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        self.has_lora = max_loras > 0 and max_rank > 0
+        if self.has_lora:
+            self.register_buffer("lora_a", torch.zeros(max_loras, max_rank, in_features, dtype=dtype),
+                                 persistent=False)
+            self.register_buffer("lora_b", torch.zeros(max_loras, out_features, max_rank, dtype=dtype),
+                                 persistent=False)
+
+    def set_lora_slot(self, slot: int, weights: LoRAWeights | None) -> None:
+        """Copy `weights` (a [r, N_in], b [N_out, r]) into `slot`, or zero the slot."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        if weights is None:
+            return
+        r = weights.rank
+        self.lora_a[slot, :r].copy_(weights.a)
+        self.lora_b[slot, :, :r].copy_(weights.b)
+
+    def lora_args(self, lora: LoRABatch | None) -> DenseLoRAArgs | None:
+        if lora is None or not self.has_lora or not lora.active:
+            return None
+        return DenseLoRAArgs(self.lora_a, self.lora_b, lora.token_slots, lora.slot_ranks, lora.active)
+
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        args = self.lora_args(lora)
+        if self.backend == "triton":
+            from moelora.kernels.lora_linear import lora_linear
+
+            return lora_linear(x, self.weight, self.bias, args)
+        return lora_linear_ref(x, self.weight, self.bias, args)

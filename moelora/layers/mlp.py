@@ -1,0 +1,25 @@
+"""Dense SwiGLU MLP (dense layers and shared experts), each projection with its own LoRA.
+
+Shape legend: T tokens, H hidden, I intermediate. x [T, H] -> [T, H].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moelora.layers.linear import Linear
+from moelora.lora.batch import LoRABatch
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, **linear_kw):
+        super().__init__()
+        self.gate_proj = Linear(hidden, intermediate, **linear_kw)
+        self.up_proj = Linear(hidden, intermediate, **linear_kw)
+        self.down_proj = Linear(intermediate, hidden, **linear_kw)
+
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        h = F.silu(self.gate_proj(x, lora)) * self.up_proj(x, lora)
+        return self.down_proj(h, lora)

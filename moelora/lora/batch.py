@@ -1,0 +1,51 @@
+"""`LoRABatch`: the step's token -> adapter-slot plan, built once per step, read by every layer.
+
+Shape legend: T tokens in the step, S adapter slots.
+
+Contract 4: the host lists are turned into device tensors here, once per step; layers only read
+them. `token_slots[t]` is the slot of token t or -1 for the base model (no slot, no compute).
+`active` lists, for the torch backend, each slot present in the step with its rank and its token
+rows, so the torch path never branches on a tensor value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from moelora.kernels.reference import SlotRows
+
+NO_SLOT = -1
+
+
+@dataclass(frozen=True)
+class LoRABatch:
+    token_slots: torch.Tensor  # [T] int32, NO_SLOT = base model
+    slot_ranks: torch.Tensor  # [S] int32, rank of the adapter in each slot (0 = empty)
+    active: tuple[SlotRows, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_slots.shape[0]
+
+    @staticmethod
+    def build(token_slots: Sequence[int], slot_ranks: Sequence[int],
+              device: torch.device | str) -> LoRABatch:
+        """Plan for tokens whose slots are `token_slots` (host ints) given per-slot ranks."""
+        rows: dict[int, list[int]] = {}
+        for t, s in enumerate(token_slots):
+            if s != NO_SLOT:
+                if not 0 <= s < len(slot_ranks):
+                    raise ValueError(f"token {t} names slot {s}, but there are {len(slot_ranks)} slots")
+                rows.setdefault(s, []).append(t)
+        active = tuple(
+            SlotRows(slot=s, rank=int(slot_ranks[s]),
+                     rows=torch.tensor(r, dtype=torch.long).to(device, non_blocking=True))
+            for s, r in sorted(rows.items()) if slot_ranks[s] > 0)
+        return LoRABatch(
+            token_slots=torch.tensor(list(token_slots), dtype=torch.int32).to(device, non_blocking=True),
+            slot_ranks=torch.tensor(list(slot_ranks), dtype=torch.int32).to(device, non_blocking=True),
+            active=active,
+        )

@@ -1,0 +1,106 @@
+"""The GQA MoE decoder shared by Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE.
+
+Shape legend: T tokens in the step, H hidden, V vocab. The families differ only in what
+`ModelConfig` records (q/k norm kind, q/k/v bias, shared expert, sparse layers, top-k
+renormalisation), so they share this module tree; its parameter names are transformers 5's.
+`forward(input_ids [T], positions [T], meta, kv_caches, lora) -> hidden [T, H]`;
+`logits(hidden) -> [T, V]`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moelora.config import ModelConfig
+from moelora.errors import AdapterError
+from moelora.layers.attention import Attention, AttnMetadata
+from moelora.layers.linear import Linear
+from moelora.layers.mlp import DenseMLP
+from moelora.layers.moe import Experts, SparseMoE
+from moelora.layers.norm import RMSNorm
+from moelora.layers.rotary import RotaryEmbedding
+from moelora.lora.adapter import LoRAAdapter
+from moelora.lora.batch import LoRABatch
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int, **kw):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                   bias=cfg.attention_bias, qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps, **kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.is_sparse(idx):
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.top_k,
+                                 cfg.norm_topk_prob, cfg.shared_expert_intermediate_size, **kw)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, **kw)
+
+    def forward(self, x, cos, sin, meta, kv, lora):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv, lora)
+        return h + self.mlp(self.post_attention_layernorm(h), lora)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, **kw):
+        super().__init__()
+        dtype = kw.get("dtype")
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, **kw) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MoECausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, max_loras: int = 0, max_rank: int = 0, backend: str = "torch",
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        self.config = cfg
+        kw = dict(max_loras=max_loras, max_rank=max_rank, backend=backend, dtype=dtype)
+        self.model = Backbone(cfg, **kw)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lora: LoRABatch | None = None
+                ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions)
+        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, meta, kv, lora)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight)
+
+    def weight_params(self) -> dict[str, torch.Tensor]:
+        """Checkpoint destinations, by transformers-5 name (what `load_checkpoint` fills)."""
+        return {n: p for n, p in self.named_parameters() if not n.startswith("rotary")}
+
+    def lora_sites(self) -> dict[str, tuple[nn.Module, str | None]]:
+        """Adapter site key -> (module, expert projection or None), for every LoRA-capable site."""
+        sites: dict[str, tuple[nn.Module, str | None]] = {}
+        for name, mod in self.named_modules():
+            if isinstance(mod, Linear) and mod.has_lora:
+                sites[name] = (mod, None)
+            elif isinstance(mod, Experts) and mod.has_lora:
+                sites[f"{name}.gate_up"] = (mod, "gate_up")
+                sites[f"{name}.down"] = (mod, "down")
+        return sites
+
+    @torch.no_grad()
+    def set_lora_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Write `adapter` into `slot` at every site (sites it lacks are zeroed); None empties it."""
+        sites = self.lora_sites()
+        unknown = sorted(set(adapter.sites) - set(sites)) if adapter is not None else []
+        if unknown:
+            raise AdapterError(f"adapter {adapter.name!r} targets modules this model has no LoRA site for: "
+                               f"{unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+        for key, (mod, proj) in sites.items():
+            weights = adapter.sites.get(key) if adapter is not None else None
+            if proj is None:
+                mod.set_lora_slot(slot, weights)
+            else:
+                mod.set_lora_slot(slot, proj, weights)
