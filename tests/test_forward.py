@@ -10,9 +10,9 @@ import torch
 from oracle import FAMILIES, tiny_hf_model
 
 from moelora.config import ModelConfig
-from moelora.engine.engine import Engine
+from moelora.engine.config import EngineConfig
+from moelora.engine.engine import LLMEngine
 from moelora.lora.adapter import LoRAAdapter, LoRAWeights
-from moelora.lora.batch import NO_SLOT
 from moelora.models.decoder import MoECausalLM
 
 
@@ -23,8 +23,16 @@ def build(hf, max_loras=0, max_rank=0, dtype=torch.float32):
     return model.eval()
 
 
-def engine(model, ranks):
-    return Engine(model, torch.device("cpu"), next(model.parameters()).dtype, lambda: ranks, [], None)
+def engine(model, adapters: dict[str, LoRAAdapter] | None = None, max_loras: int = 4, **kw) -> LLMEngine:
+    """A CPU engine over `model` whose pool serves the given in-memory adapters by name."""
+    adapters = adapters or {}
+    kw = dict(dict(device="cpu", dtype="float32", max_loras=max_loras, max_lora_rank=8, block_size=4,
+                   num_kv_blocks=256, max_model_len=128), **kw)
+    cfg = EngineConfig(**kw).resolve(model.config)
+    eng = LLMEngine(model, None, cfg, lambda name, path: adapters[name])
+    for name in adapters:
+        eng.pool.add(name, name)
+    return eng
 
 
 def random_adapter(model, seed: int, rank: int, frac: float = 1.0) -> LoRAAdapter:
@@ -66,7 +74,7 @@ def test_base_logits_equal_transformers(family):
     ids = torch.randint(0, hf.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = hf(ids).logits
-    ours = engine(model, []).logits(ids.tolist(), [NO_SLOT, NO_SLOT])
+    ours = engine(model).prompt_logits(ids.tolist(), [None, None])
     for row in range(2):
         assert (ours[row] - ref[row]).abs().max() < 1e-4
 
@@ -76,12 +84,11 @@ def test_lora_equals_merged_weights(family):
     hf = tiny_hf_model(family, seed=2)
     model = build(hf, max_loras=2, max_rank=8)
     adapter = random_adapter(model, seed=3, rank=5)
-    model.set_lora_slot(1, adapter)
     ids = torch.randint(0, hf.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = merged_hf(hf, adapter)(ids).logits[0]
         base = hf(ids).logits[0]
-    ours = engine(model, [0, 5]).logits(ids.tolist(), [1])[0]
+    ours = engine(model, {"a": adapter}, max_loras=2).prompt_logits(ids.tolist(), ["a"])[0]
     assert (ref - base).abs().max() > 1e-2  # the adapter really changes the output
     assert (ours - ref).abs().max() < 1e-4
 
@@ -89,21 +96,18 @@ def test_lora_equals_merged_weights(family):
 def test_mixed_batch_equals_each_row_alone():
     hf = tiny_hf_model("qwen2_moe", seed=4)
     model = build(hf, max_loras=4, max_rank=8)
-    ranks = [0, 0, 0, 0]
-    for slot, (seed, rank) in enumerate([(10, 8), (11, 3), (12, 6)]):
-        model.set_lora_slot(slot, random_adapter(model, seed, rank, frac=0.7))
-        ranks[slot] = rank
+    adapters = {f"a{seed}": random_adapter(model, seed, rank, frac=0.7) for seed, rank in [(10, 8), (11, 3), (12, 6)]}
     g = torch.Generator().manual_seed(5)
-    lengths, slots = [7, 12, 3, 9, 1, 5], [0, NO_SLOT, 1, 2, 0, NO_SLOT]
+    lengths, names = [7, 12, 3, 9, 1, 5], ["a10", None, "a11", "a12", "a10", None]
     seqs = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
-    eng = engine(model, ranks)
-    batched = eng.logits(seqs, slots)
-    for seq, slot, got in zip(seqs, slots, batched, strict=True):
-        alone = eng.logits([seq], [slot])[0]
+    eng = engine(model, adapters)
+    batched = eng.prompt_logits(seqs, names)
+    for seq, name, got in zip(seqs, names, batched, strict=True):
+        alone = eng.prompt_logits([seq], [name])[0]
         assert got.shape == alone.shape
         assert (got - alone).abs().max() < 1e-5
     # different adapters really give different logits on the same tokens
     same = [seqs[1]] * 4
-    outs = eng.logits(same, [0, 1, 2, NO_SLOT])
+    outs = eng.prompt_logits(same, ["a10", "a11", "a12", None])
     for i in range(3):
         assert (outs[i] - outs[3]).abs().max() > 1e-2

@@ -1,116 +1,150 @@
-"""The foundation's generation loop: one static batch, prefill all, then decode together.
+"""`LLMEngine`: requests in, tokens out, one `step()` at a time, on any device.
 
-Every step builds its inputs, `AttnMetadata` and `LoRABatch` on the host once (contract 4) and
-runs the model on all live sequences at once, whatever adapters they name. The continuous-batching
-GPU engine (paged cache, scheduler, CUDA graphs) replaces this loop; the model interface stays.
+The same scheduler, paged KV cache and adapter pool run on the CPU (torch kernels) and on CUDA
+(Triton kernels). A step: schedule -> put the step's adapters in device slots -> build inputs
+once -> run the model -> sample -> append tokens, apply stop rules, publish full KV blocks to
+the prefix cache, free finished requests' blocks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Sequence
 
 import torch
 
-from moelora.engine.kv_cache import ContiguousKVCache
-from moelora.engine.request import RequestOutput, SamplingParams
+from moelora.engine.config import EngineConfig
+from moelora.engine.kv_cache import PagedKVCache
+from moelora.engine.request import Request, SamplingParams, Status
+from moelora.engine.runner import ModelRunner
 from moelora.engine.sampler import sample
+from moelora.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from moelora.engine.tokenizer import Tokenizer
 from moelora.errors import RequestError
-from moelora.layers.attention import AttnMetadata, SeqSpan
-from moelora.lora.batch import NO_SLOT, LoRABatch
+from moelora.lora.pool import AdapterPool
 
 
-@dataclass
-class Sequence_:
-    row: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    slot: int
-    out: RequestOutput
-    generator: torch.Generator | None
-    done: bool = False
-    cached: int = 0
+class LLMEngine:
+    def __init__(self, model, tokenizer: Tokenizer | None, cfg: EngineConfig, load_adapter):
+        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.model_config = model.config
+        self.device = cfg.torch_device
+        self.pool = AdapterPool(cfg.max_loras, cfg.max_cpu_loras, load_adapter, model.set_lora_slot)
+        self.cache = PagedKVCache(model.config, cfg.num_kv_blocks, cfg.block_size, self.device, cfg.torch_dtype)
+        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_loras,
+                                                   cfg.enable_prefix_caching), self.cache.allocator)
+        self.runner = ModelRunner(model, self.cache, self.device)
+        self.requests: dict[str, Request] = {}
+        eos = set(model.config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos = eos
+        self._counter = 0
 
-
-class Engine:
-    def __init__(self, model, device: torch.device, dtype: torch.dtype, slot_ranks: Callable[[], list[int]],
-                 eos_token_ids: Sequence[int], decode: Callable[[list[int]], str] | None):
-        self.model, self.device, self.dtype = model, device, dtype
-        self.slot_ranks = slot_ranks
-        self.eos = set(eos_token_ids)
-        self.decode = decode
-        self.max_len = model.config.max_position_embeddings
-
-    def _step(self, seqs: list[Sequence_], chunks: list[list[int]], cache) -> torch.Tensor:
-        """Run one forward over `chunks[i]` new tokens of `seqs[i]`; returns hidden [T, H]."""
-        ids, pos, slots, spans, offset = [], [], [], [], 0
-        for s, chunk in zip(seqs, chunks, strict=True):
-            spans.append(SeqSpan(s.row, s.cached, len(chunk), offset))
-            ids += chunk
-            pos += range(s.cached, s.cached + len(chunk))
-            slots += [s.slot] * len(chunk)
-            offset += len(chunk)
-            s.cached += len(chunk)
-        lora = LoRABatch.build(slots, self.slot_ranks(), self.device) if any(
-            x != NO_SLOT for x in slots) else None
-        ids_t = torch.tensor(ids, dtype=torch.long).to(self.device)
-        pos_t = torch.tensor(pos, dtype=torch.long).to(self.device)
-        return self.model(ids_t, pos_t, AttnMetadata(tuple(spans)), cache.layers, lora)
-
-    @torch.inference_mode()
-    def logits(self, token_ids: list[list[int]], slots: list[int]) -> list[torch.Tensor]:
-        """fp32 logits of every position of every sequence, all in one batch."""
-        self._check_lengths([len(t) for t in token_ids])
-        seqs = [Sequence_(i, t, SamplingParams(), s, RequestOutput(None, t, None), None)
-                for i, (t, s) in enumerate(zip(token_ids, slots, strict=True))]
-        cache = ContiguousKVCache(self.model.config, len(seqs), max(len(t) for t in token_ids),
-                                  self.device, self.dtype)
-        hidden = self._step(seqs, token_ids, cache)
-        logits = self.model.logits(hidden).float()
-        return list(logits.split([len(t) for t in token_ids]))
-
-    def _check_lengths(self, lengths: list[int]) -> None:
-        for i, n in enumerate(lengths):
-            if n == 0:
-                raise RequestError(f"prompt {i} is empty")
-            if n > self.max_len:
-                raise RequestError(f"prompt {i} has {n} tokens, more than max_model_len={self.max_len}")
-
-    @torch.inference_mode()
-    def generate(self, seqs: list[Sequence_]) -> None:
-        self._check_lengths([len(s.prompt_ids) for s in seqs])
-        max_len = min(self.max_len, max(len(s.prompt_ids) + s.params.max_tokens for s in seqs))
-        cache = ContiguousKVCache(self.model.config, len(seqs), max_len, self.device, self.dtype)
-        live, chunks = seqs, [s.prompt_ids for s in seqs]
-        while live:
-            hidden = self._step(live, chunks, cache)
-            last = torch.tensor([c - 1 for c in _cumsum([len(c) for c in chunks])], device=self.device)
-            logits = self.model.logits(hidden.index_select(0, last))
-            tokens = sample(logits, [s.params for s in live], [s.generator for s in live]).tolist()
-            for s, tok in zip(live, tokens, strict=True):
-                self._append(s, tok, max_len)
-            live = [s for s in live if not s.done]
-            chunks = [[s.out.token_ids[-1]] for s in live]
-
-    def _append(self, s: Sequence_, tok: int, max_len: int) -> None:
-        p, out = s.params, s.out
-        if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
-            s.done, out.finish_reason = True, "stop"
+    # requests -----------------------------------------------------------------------------------
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams, adapter: str | None = None,
+                    request_id: str | None = None) -> Request:
+        if adapter is not None and adapter not in self.pool.names:
+            raise RequestError(f"unknown adapter {adapter!r}; loaded: {self.pool.names}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer.json; pass token ids")
+            ids = self.tokenizer.encode(prompt)
         else:
-            out.token_ids.append(tok)
-            if self.decode is not None:
-                out.text = self.decode(out.token_ids)
-                cut = min((i for i in (out.text.find(x) for x in p.stop) if i >= 0), default=-1)
-                if cut >= 0:
-                    out.text, s.done, out.finish_reason = out.text[:cut], True, "stop"
-                    return
-            if len(out.token_ids) >= p.max_tokens or s.cached >= max_len:
-                s.done, out.finish_reason = True, "length"
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if len(ids) >= self.cfg.max_model_len:
+            raise RequestError(f"the prompt has {len(ids)} tokens; max_model_len is {self.cfg.max_model_len} "
+                               "(prompt plus at least one generated token)")
+        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (size {self.model_config.vocab_size})")
+        if request_id is None:
+            self._counter += 1
+            request_id = f"req-{self._counter}"
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in flight")
+        gen = torch.Generator(self.device).manual_seed(params.seed) if params.seed is not None else None
+        req = Request(request_id, ids, params, adapter, prompt if isinstance(prompt, str) else None,
+                      arrival=time.monotonic(), generator=gen)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
 
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.finished:
+            self.scheduler.finish(req, "abort")
 
-def _cumsum(xs: list[int]) -> list[int]:
-    total, out = 0, []
-    for x in xs:
-        total += x
-        out.append(total)
-    return out
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # stepping -----------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one step; returns the requests that got a token or finished in it."""
+        if not self.scheduler.has_work():
+            return []
+        step = self.scheduler.schedule()
+        slot_of = self.pool.acquire(r.adapter for r in step.requests)
+        inputs = self.runner.prepare(step, slot_of, self.pool.slot_ranks)
+        logits = self.runner.run(inputs)
+        sampled = step.requests and self._sample(step, inputs.sample_index, logits)
+        for req, n in zip(step.requests, step.num_new, strict=True):
+            req.num_computed += n
+        changed = []
+        for i, tok in (sampled or {}).items():
+            req = step.requests[i]
+            self._append(req, tok)
+            changed.append(req)
+        for req in step.requests:
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+            else:
+                self.scheduler.register_computed(req)
+        return changed
+
+    def _sample(self, step: ScheduledStep, index: tuple[int, ...], logits: torch.Tensor) -> dict[int, int]:
+        if not index:
+            return {}
+        reqs = [step.requests[i] for i in index]
+        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
+        return dict(zip(index, tokens, strict=True))
+
+    def _append(self, req: Request, tok: int) -> None:
+        p = req.params
+        if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
+            self.scheduler.finish(req, "stop")
+            return
+        req.output_ids.append(tok)
+        if self.tokenizer is not None:
+            req.text = self.tokenizer.decode(req.output_ids)
+            cut = min((i for i in (req.text.find(s) for s in p.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                req.text = req.text[:cut]
+                self.scheduler.finish(req, "stop")
+                return
+        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.cfg.max_model_len:
+            self.scheduler.finish(req, "length")
+
+    # verification -------------------------------------------------------------------------------
+    def prompt_logits(self, token_ids: list[list[int]], adapters: list[str | None]) -> list[torch.Tensor]:
+        """fp32 logits of every position of each sequence, computed as one batch (no caching)."""
+        reqs = []
+        for i, (ids, name) in enumerate(zip(token_ids, adapters, strict=True)):
+            if name is not None and name not in self.pool.names:
+                raise RequestError(f"unknown adapter {name!r}; loaded: {self.pool.names}")
+            if not ids or len(ids) > self.cfg.max_model_len:
+                raise RequestError(f"sequence {i} has {len(ids)} tokens; allowed 1..{self.cfg.max_model_len}")
+            reqs.append(Request(f"logits-{i}", list(ids), SamplingParams(), name, status=Status.RUNNING))
+        try:
+            for r in reqs:
+                if not self.scheduler._ensure_blocks(r, r.num_tokens):
+                    raise RequestError("not enough free KV cache blocks for these sequences right now")
+            step = ScheduledStep(reqs, [r.num_tokens for r in reqs], [])
+            slot_of = self.pool.acquire(adapters)
+            logits = self.runner.run(self.runner.prepare(step, slot_of, self.pool.slot_ranks), all_logits=True)
+        finally:
+            for r in reqs:
+                self.scheduler.free_blocks(r)
+        return list(logits.split([len(t) for t in token_ids]))

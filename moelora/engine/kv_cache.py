@@ -1,19 +1,105 @@
-"""A contiguous KV cache: one row of `max_len` positions per sequence, per layer.
+"""Paged KV cache: fixed-size blocks, a block allocator with reference counts, a prefix cache.
 
-Shape legend: L layers, Rw rows (sequences), M max length, N_kv kv heads, D head_dim.
-This is the foundation's cache; the paged cache of the GPU engine replaces it.
+Shape legend: L layers, NB blocks, BS block size (tokens), N_kv kv heads, D head_dim.
+Device storage is one (k, v) pair of [NB, BS, N_kv, D] per layer, allocated once. The allocator
+is host-only logic (unit-tested without a GPU).
+
+Prefix caching: a full block is keyed by (adapter key, the hash of the previous block, its
+token ids). The adapter is part of the key because every layer's K/V depends on the adapter
+(LoRA on q/k/v and on every earlier layer), so two adapters never share KV. A block whose
+refcount drops to zero stays cached (and reusable) until the allocator needs it, oldest first.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from moelora.config import ModelConfig
+from moelora.errors import CapacityError
 
 
-class ContiguousKVCache:
-    def __init__(self, cfg: ModelConfig, rows: int, max_len: int, device, dtype: torch.dtype):
-        shape = (rows, max_len, cfg.num_kv_heads, cfg.head_dim)
-        self.max_len = max_len
+class BlockAllocator:
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise CapacityError(f"KV cache needs >= 1 block of >= 1 token, got {num_blocks} x {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2...
+        self._ref = [0] * num_blocks
+        self._hash_of: dict[int, int] = {}  # block -> prefix hash, for cached blocks
+        self._cached: dict[int, int] = {}  # prefix hash -> block
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks with ref 0, LRU first
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now (never-used plus evictable cached ones)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def allocate(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        elif self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            del self._cached[self._hash_of.pop(block)]
+        else:
+            raise CapacityError("out of KV cache blocks")
+        self._ref[block] = 1
+        return block
+
+    def free(self, block: int) -> None:
+        assert self._ref[block] > 0, f"double free of block {block}"
+        self._ref[block] -= 1
+        if self._ref[block] == 0:
+            if block in self._hash_of:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
+
+    def lookup(self, prefix_hash: int) -> int | None:
+        """A cached block for this prefix hash, with its refcount taken, or None."""
+        block = self._cached.get(prefix_hash)
+        if block is None:
+            return None
+        if self._ref[block] == 0:
+            del self._evictable[block]
+        self._ref[block] += 1
+        return block
+
+    def register(self, block: int, prefix_hash: int) -> None:
+        """Record that `block` holds the full block whose prefix hash is `prefix_hash`."""
+        if prefix_hash in self._cached or block in self._hash_of:
+            return
+        self._cached[prefix_hash] = block
+        self._hash_of[block] = prefix_hash
+
+    def reset_prefix_cache(self) -> None:
+        for block in list(self._evictable):
+            self._free.append(block)
+        self._evictable.clear()
+        self._cached.clear()
+        self._hash_of.clear()
+
+
+def block_hash(adapter_key: str | None, parent: int | None, tokens: tuple[int, ...]) -> int:
+    return hash((adapter_key, parent, tokens))
+
+
+class PagedKVCache:
+    """Device storage for every layer plus the allocator that hands out its blocks."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device, dtype: torch.dtype):
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.block_size = block_size
+        self.allocator = BlockAllocator(num_blocks, block_size)
         self.layers = [(torch.zeros(shape, device=device, dtype=dtype),
                         torch.zeros(shape, device=device, dtype=dtype)) for _ in range(cfg.num_layers)]
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem

@@ -49,3 +49,42 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None  # "stop" (eos, stop string or stop id) or "length"
+
+
+class Status:
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence in the engine. `num_computed` tokens of `all_ids` have their KV in cache."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    adapter: str | None = None
+    prompt: str | None = None
+    arrival: float = 0.0
+    output_ids: list[int] = field(default_factory=list)
+    status: str = Status.WAITING
+    num_computed: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
+    finish_reason: str | None = None
+    text: str = ""
+    num_preemptions: int = 0
+    generator: object = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED

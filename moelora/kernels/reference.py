@@ -117,3 +117,106 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         w = topk_weights.reshape(-1).index_select(0, route).to(torch.float32)
         out.index_add_(0, tok, y.to(torch.float32) * w[:, None])
     return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing plan (contract 3). The type lives here, next to its torch twin, so the torch backend
+# needs no Triton; `moelora.kernels.moe_plan` re-exports it with the Triton builder.
+
+EXPERT_SORTED_PADDED = "expert_sorted_padded"
+
+
+@dataclass(frozen=True)
+class MoERoutingPlan:
+    """Expert-sorted, block-padded route order shared by every expert GEMM of one MoE call.
+
+    Route id r = t * K + k. `sorted_route_ids` [max_padded] int32 lists each expert's routes in
+    ascending route id, each expert's run padded with the sentinel T*K to a multiple of block_m,
+    experts in ascending id, then sentinels to the end. `expert_of_block` [max_blocks] int32 is
+    the expert of each block_m-row block, -1 past `num_padded` [1] int32 (device tensor). Sizes
+    depend on T, K, E and block_m only (see `plan_capacity`), so the plan is CUDA-graph safe.
+    """
+
+    sorted_route_ids: torch.Tensor
+    expert_of_block: torch.Tensor
+    num_padded: torch.Tensor
+    block_m: int
+    num_tokens: int
+    top_k: int
+    num_experts: int
+    layout: str = EXPERT_SORTED_PADDED
+
+    @property
+    def num_routes(self) -> int:
+        return self.num_tokens * self.top_k
+
+    @property
+    def max_blocks(self) -> int:
+        return self.expert_of_block.shape[0]
+
+
+def plan_capacity(num_routes: int, num_experts: int, block_m: int) -> tuple[int, int]:
+    """(max_padded, max_blocks): each non-empty expert pads at most block_m - 1 rows."""
+    worst = num_routes + min(num_experts, num_routes) * (block_m - 1)
+    max_blocks = -(-worst // block_m)
+    return max_blocks * block_m, max_blocks
+
+
+def build_routing_plan_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoERoutingPlan:
+    """Torch twin of `moe_plan.build_routing_plan` (bit-identical plan, no host sync)."""
+    T, K = topk_ids.shape
+    n, dev = T * K, topk_ids.device
+    max_padded, max_blocks = plan_capacity(n, num_experts, block_m)
+    flat = topk_ids.reshape(-1).long()
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pend = torch.cumsum(padded, 0)
+    poff = pend - padded
+    order = torch.argsort(flat, stable=True)
+    sorted_e = flat.index_select(0, order)
+    first = torch.cumsum(counts, 0) - counts
+    dest = poff.index_select(0, sorted_e) + torch.arange(n, device=dev) - first.index_select(0, sorted_e)
+    sorted_ids = torch.full((max_padded,), n, dtype=torch.int32, device=dev)
+    sorted_ids.index_copy_(0, dest, order.to(torch.int32))
+    total = pend[-1:] if num_experts > 0 else torch.zeros(1, dtype=torch.long, device=dev)
+    starts = torch.arange(max_blocks, device=dev) * block_m
+    eob = torch.searchsorted(pend, starts, right=True)
+    eob = torch.where(starts < total, eob, torch.full_like(eob, -1))
+    return MoERoutingPlan(sorted_route_ids=sorted_ids, expert_of_block=eob.to(torch.int32),
+                          num_padded=total.to(torch.int32), block_m=block_m, num_tokens=T, top_k=K,
+                          num_experts=num_experts)
+
+
+def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """Store the step's k/v [T, N_kv, D] at flat cache positions `slot_mapping` [T] of the caller's
+    caches [NB, BS, N_kv, D] (the caches are `out=` buffers; the inputs are only read)."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
+    """Causal GQA attention of the step's queries q [T, N, D] over each sequence's cached context.
+
+    Writes k/v [T, N_kv, D] into the caches first (`write_kv_ref`), then for every sequence in
+    `meta.seqs` gathers its blocks and attends; query i of a sequence sits at position
+    seq_len - q_len + i. Returns a new [T, N, D] tensor.
+    """
+    write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+    T, N, D = q.shape
+    bs, n_kv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    for s in meta.seqs:
+        blocks = meta.block_tables[s.table_row, : -(-s.seq_len // bs)].long()
+        keys = k_cache.index_select(0, blocks).reshape(-1, n_kv, D)[: s.seq_len]
+        vals = v_cache.index_select(0, blocks).reshape(-1, n_kv, D)[: s.seq_len]
+        keys = keys.repeat_interleave(N // n_kv, dim=1).transpose(0, 1).to(q.dtype)  # [N, L, D]
+        vals = vals.repeat_interleave(N // n_kv, dim=1).transpose(0, 1).to(q.dtype)
+        qs = q[s.q_offset:s.q_offset + s.q_len].transpose(0, 1)  # [N, n, D]
+        q_pos = torch.arange(s.seq_len - s.q_len, s.seq_len, device=q.device)[:, None]
+        mask = torch.arange(s.seq_len, device=q.device)[None, :] <= q_pos
+        o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, scale=scale)
+        out[s.q_offset:s.q_offset + s.q_len] = o.transpose(0, 1)
+    return out

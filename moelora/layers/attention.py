@@ -2,9 +2,9 @@
 
 Shape legend: T tokens in the step (all sequences concatenated), H hidden, N query heads,
 N_kv key/value heads, D head_dim, L cached length of one sequence.
-The KV cache belongs to the caller (the engine): `kv = (k [rows, L_max, N_kv, D], v ...)`; this
-layer writes the step's new keys/values into the rows and positions `AttnMetadata` names (an
-`out=` buffer the caller owns, contract 2) and reads each sequence's prefix back.
+The paged KV cache belongs to the caller (the engine): `kv = (k [NB, BS, N_kv, D], v ...)`; the
+attention op writes the step's new keys/values at `AttnMetadata.slot_mapping` (an `out=` buffer
+the caller owns, contract 2) and reads each sequence's blocks back through `block_tables`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moelora.layers.linear import Linear
@@ -22,18 +21,30 @@ from moelora.lora.batch import LoRABatch
 
 
 @dataclass(frozen=True)
-class SeqSpan:
-    """One sequence in the step: cache row, tokens already cached, new tokens, offset in T."""
+class SeqSlice:
+    """Host view of one sequence in the step: its query rows and its context length."""
 
-    row: int
-    start: int
-    length: int
-    offset: int
+    q_offset: int
+    q_len: int
+    seq_len: int  # cached + new tokens
+    table_row: int  # row of `block_tables`
 
 
 @dataclass(frozen=True)
 class AttnMetadata:
-    seqs: tuple[SeqSpan, ...]
+    """Per-step paged-attention plan (built once by the runner, read by every layer).
+
+    slot_mapping [T] int64: flat cache position (block * BS + offset) of each new token;
+    block_tables [B, MB] int32; seq_lens [B] int32; query_start [B + 1] int32.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start: torch.Tensor
+    seqs: tuple[SeqSlice, ...]
+    max_seq_len: int
+    max_query_len: int
 
 
 class Attention(nn.Module):
@@ -46,6 +57,7 @@ class Attention(nn.Module):
         self.v_proj = Linear(hidden, num_kv_heads * head_dim, bias=bias, **kw)
         self.o_proj = Linear(num_heads * head_dim, hidden, **kw)
         self.qk_norm = qk_norm
+        self.backend = kw.get("backend", "torch")
         if qk_norm == "per_head":
             self.q_norm, self.k_norm = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
         elif qk_norm == "whole":
@@ -64,21 +76,10 @@ class Attention(nn.Module):
         if self.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = torch.empty_like(q)
-        for s in meta.seqs:
-            out[s.offset:s.offset + s.length] = self._attend_one(q, k, v, s, kv)
-        return self.o_proj(out.view(T, -1), lora)
-
-    def _attend_one(self, q, k, v, s: SeqSpan, kv) -> torch.Tensor:
         k_cache, v_cache = kv
-        end = s.start + s.length
-        k_cache[s.row, s.start:end] = k[s.offset:s.offset + s.length]
-        v_cache[s.row, s.start:end] = v[s.offset:s.offset + s.length]
-        groups = self.num_heads // self.num_kv_heads
-        keys = k_cache[s.row, :end].repeat_interleave(groups, dim=1).transpose(0, 1)  # [N, L, D]
-        vals = v_cache[s.row, :end].repeat_interleave(groups, dim=1).transpose(0, 1)
-        qs = q[s.offset:s.offset + s.length].transpose(0, 1)  # [N, n, D]
-        q_pos = torch.arange(s.start, end, device=q.device)[:, None]
-        mask = torch.arange(end, device=q.device)[None, :] <= q_pos  # [n, L]
-        o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask)
-        return o.transpose(0, 1)
+        if self.backend == "triton":
+            from moelora.kernels.attention import paged_attention
+        else:
+            from moelora.kernels.reference import paged_attention_ref as paged_attention
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.head_dim ** -0.5)
+        return self.o_proj(out.reshape(T, -1), lora)

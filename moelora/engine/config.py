@@ -1,0 +1,82 @@
+"""`EngineConfig`: frozen engine settings (contract 8); `resolve()` fills every derived value.
+
+Memory plan on CUDA (`gpu_memory_utilization` of the card): weights and all adapter slots are
+allocated first, a profiling forward at the full token budget measures activations, and only
+what is left becomes KV blocks, so loading adapters later can never run out of memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from moelora.config import ModelConfig
+from moelora.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str | None = None  # None/"auto": cuda if available
+    dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's dtype on CUDA
+    kernel_backend: str | None = None  # torch | triton; default triton on CUDA
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # default: from gpu_memory_utilization (CUDA) or a CPU default
+    gpu_memory_utilization: float = 0.9
+    max_loras: int = 8
+    max_lora_rank: int = 64
+    max_cpu_loras: int | None = None  # default: max(32, max_loras)
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def resolve(self, model: ModelConfig) -> EngineConfig:
+        device = self.device
+        if device in (None, "auto"):
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device={device!r} requested but CUDA is not available")
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "float32" if torch.device(device).type == "cpu" else model.dtype
+        if dtype not in DTYPES:
+            raise ConfigError(f"dtype must be auto or one of {', '.join(DTYPES)}; got {dtype!r}")
+        backend = self.kernel_backend or ("triton" if torch.device(device).type == "cuda" else "torch")
+        if backend not in ("torch", "triton"):
+            raise ConfigError(f"kernel_backend must be 'torch' or 'triton', got {backend!r}")
+        max_len = self.max_model_len or model.max_position_embeddings
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
+            value = max_len if name == "max_model_len" else getattr(self, name)
+            if value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
+        if max_len > model.max_position_embeddings:
+            raise ConfigError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
+                              f"{model.max_position_embeddings}")
+        if self.max_loras < 0 or self.max_lora_rank < 0:
+            raise ConfigError("max_loras and max_lora_rank must be >= 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        return dataclasses.replace(
+            self, device=device, dtype=dtype, kernel_backend=backend, max_model_len=max_len,
+            max_cpu_loras=self.max_cpu_loras or max(32, self.max_loras))
+
+    def with_kv_blocks(self, num_blocks: int) -> EngineConfig:
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        if num_blocks < blocks_per_seq:
+            raise ConfigError(f"only {num_blocks} KV blocks fit, but one sequence of max_model_len="
+                              f"{self.max_model_len} needs {blocks_per_seq}; lower max_model_len or raise "
+                              "gpu_memory_utilization")
+        return dataclasses.replace(self, num_kv_blocks=num_blocks)

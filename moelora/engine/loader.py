@@ -1,0 +1,71 @@
+"""Build a ready `LLMEngine` from a model directory: config, model, weights, tokenizer, KV pool."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from moelora.config import ModelConfig
+from moelora.engine.config import EngineConfig
+from moelora.engine.engine import LLMEngine
+from moelora.engine.kv_cache import PagedKVCache
+from moelora.engine.tokenizer import Tokenizer
+from moelora.models.registry import model_class
+
+_CPU_DEFAULT_KV_TOKENS = 1 << 16
+
+
+def _kv_blocks(cfg: EngineConfig, model_cfg: ModelConfig, model) -> int:
+    if cfg.num_kv_blocks is not None:
+        return cfg.num_kv_blocks
+    per_block = PagedKVCache.bytes_per_block(model_cfg, cfg.block_size, cfg.torch_dtype)
+    if cfg.torch_device.type != "cuda":
+        want = max(_CPU_DEFAULT_KV_TOKENS, cfg.max_model_len * 2)
+        return -(-want // cfg.block_size)
+    torch.cuda.synchronize(cfg.torch_device)
+    free, total = torch.cuda.mem_get_info(cfg.torch_device)
+    activations = _profile_activations(cfg, model_cfg, model)
+    budget = total * cfg.gpu_memory_utilization - (total - free) - activations
+    return max(0, int(budget // per_block))
+
+
+def _profile_activations(cfg: EngineConfig, model_cfg: ModelConfig, model) -> int:
+    """Peak extra memory of a forward at the full token budget (one block table, one sequence)."""
+    from moelora.engine.request import Request, SamplingParams, Status
+    from moelora.engine.runner import ModelRunner
+    from moelora.engine.scheduler import ScheduledStep
+
+    n = min(cfg.max_num_batched_tokens, cfg.max_model_len)
+    cache = PagedKVCache(model_cfg, -(-n // cfg.block_size), cfg.block_size, cfg.torch_device, cfg.torch_dtype)
+    req = Request("profile", [0] * n, SamplingParams(), status=Status.RUNNING)
+    req.block_ids = list(range(cache.allocator.num_blocks))
+    before = torch.cuda.memory_allocated(cfg.torch_device)
+    torch.cuda.reset_peak_memory_stats(cfg.torch_device)
+    runner = ModelRunner(model, cache, cfg.torch_device)
+    runner.run(runner.prepare(ScheduledStep([req], [n], []), {}, [0] * cfg.max_loras))
+    peak = torch.cuda.max_memory_allocated(cfg.torch_device) - before
+    del cache, runner
+    torch.cuda.empty_cache()
+    return int(peak * 1.2)
+
+
+def build_engine(model_dir: str | Path, cfg: EngineConfig | None = None, progress: bool = False) -> LLMEngine:
+    from moelora.lora.formats import load_adapter
+    from moelora.models.weights import load_checkpoint
+
+    model_dir = Path(model_dir)
+    model_cfg = ModelConfig.from_hf(model_dir)
+    cfg = (cfg or EngineConfig()).resolve(model_cfg)
+    with torch.device(cfg.torch_device):
+        model = model_class(model_cfg)(model_cfg, max_loras=cfg.max_loras, max_rank=cfg.max_lora_rank,
+                                       backend=cfg.kernel_backend, dtype=cfg.torch_dtype)
+    load_checkpoint(model_dir, model.weight_params(), progress=progress)
+    model.eval()
+    cfg = cfg.with_kv_blocks(_kv_blocks(cfg, model_cfg, model))
+    tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+
+    def load(name: str, path: Path):
+        return load_adapter(path, model_cfg, name=name, max_rank=cfg.max_lora_rank)
+
+    return LLMEngine(model, tokenizer, cfg, load)

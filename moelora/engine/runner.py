@@ -1,0 +1,73 @@
+"""The model runner: the one place host lists become device tensors (contract 4).
+
+Shape legend: T tokens in the step, B sequences, MB max blocks per sequence, V vocab.
+`prepare(step, slot_of)` builds input ids, positions, the paged `AttnMetadata` and the
+`LoRABatch` once per step; `run(...)` executes the model and returns the logits of the rows
+that sample (the last computed token of each request that reaches its end this step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moelora.engine.kv_cache import PagedKVCache
+from moelora.engine.scheduler import ScheduledStep
+from moelora.layers.attention import AttnMetadata, SeqSlice
+from moelora.lora.batch import NO_SLOT, LoRABatch
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttnMetadata
+    lora: LoRABatch | None
+    sample_rows: torch.Tensor  # [B_s] rows of the step whose logits are sampled
+    sample_index: tuple[int, ...]  # index into step.requests of each sampled row
+
+
+class ModelRunner:
+    def __init__(self, model, cache: PagedKVCache, device: torch.device):
+        self.model, self.cache, self.device = model, cache, device
+
+    def _tensor(self, values, dtype) -> torch.Tensor:
+        t = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return t.to(self.device, non_blocking=True)
+
+    def prepare(self, step: ScheduledStep, slot_of: dict[str, int], slot_ranks: list[int]) -> StepInputs:
+        bs = self.cache.block_size
+        ids, pos, slots, slot_map, seqs, sample_rows, sample_index = [], [], [], [], [], [], []
+        max_blocks = max(len(r.block_ids) for r in step.requests)
+        tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in step.requests]
+        offset = 0
+        for i, (req, n) in enumerate(zip(step.requests, step.num_new, strict=True)):
+            start, tokens = req.num_computed, req.all_ids
+            ids += tokens[start:start + n]
+            pos += range(start, start + n)
+            slot_map += [req.block_ids[p // bs] * bs + p % bs for p in range(start, start + n)]
+            slots += [NO_SLOT if req.adapter is None else slot_of[req.adapter]] * n
+            seqs.append(SeqSlice(offset, n, start + n, i))
+            offset += n
+            if start + n == req.num_tokens:
+                sample_rows.append(offset - 1)
+                sample_index.append(i)
+        starts = [0]
+        for s in seqs:
+            starts.append(starts[-1] + s.q_len)
+        meta = AttnMetadata(
+            slot_mapping=self._tensor(slot_map, torch.long), block_tables=self._tensor(tables, torch.int32),
+            seq_lens=self._tensor([s.seq_len for s in seqs], torch.int32),
+            query_start=self._tensor(starts, torch.int32), seqs=tuple(seqs),
+            max_seq_len=max(s.seq_len for s in seqs), max_query_len=max(s.q_len for s in seqs))
+        lora = LoRABatch.build(slots, slot_ranks, self.device) if any(s != NO_SLOT for s in slots) else None
+        return StepInputs(self._tensor(ids, torch.long), self._tensor(pos, torch.long), meta, lora,
+                          self._tensor(sample_rows, torch.long), tuple(sample_index))
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs, all_logits: bool = False) -> torch.Tensor:
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.cache.layers, inputs.lora)
+        if not all_logits:
+            hidden = hidden.index_select(0, inputs.sample_rows)
+        return self.model.logits(hidden).float()

@@ -1,0 +1,182 @@
+"""Continuous-batching scheduler: host-only logic, unit-tested without a GPU.
+
+Each step: running requests first (decodes before prefill chunks), then new requests, within a
+token budget (chunked prefill) and `max_num_seqs`. KV blocks are taken as needed; when none are
+left, the newest running request is preempted (its blocks freed, recomputed later from its
+tokens). A request is admitted only while the distinct adapters of the running set fit the GPU
+adapter slots. Among waiting requests, the adapter that has been served the fewest tokens goes
+first (arrival order inside an adapter), so one adapter's flood cannot starve another.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from moelora.engine.kv_cache import BlockAllocator, block_hash
+from moelora.engine.request import Request, Status
+from moelora.errors import CapacityError
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_loras: int = 8
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class ScheduledStep:
+    requests: list[Request]
+    num_new: list[int]  # tokens each request computes this step
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, allocator: BlockAllocator):
+        self.cfg, self.allocator = cfg, allocator
+        self.block_size = allocator.block_size
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.served: dict[str | None, int] = defaultdict(int)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def running_adapters(self) -> set[str]:
+        return {r.adapter for r in self.running if r.adapter is not None}
+
+    # blocks -------------------------------------------------------------------------------------
+    def _ensure_blocks(self, req: Request, num_tokens: int) -> bool:
+        need = -(-num_tokens // self.block_size) - len(req.block_ids)
+        if need > self.allocator.num_free:
+            return False
+        for _ in range(max(0, need)):
+            req.block_ids.append(self.allocator.allocate())
+        return True
+
+    def free_blocks(self, req: Request) -> None:
+        for block in req.block_ids:
+            self.allocator.free(block)
+        req.block_ids, req.num_cached_blocks = [], 0
+
+    def _match_prefix(self, req: Request) -> None:
+        """Reuse cached blocks for the request's leading full blocks (keeping >= 1 token to compute)."""
+        if not self.cfg.enable_prefix_caching:
+            return
+        ids, parent = req.all_ids, None
+        for i in range((len(ids) - 1) // self.block_size):
+            h = block_hash(req.adapter, parent, tuple(ids[i * self.block_size:(i + 1) * self.block_size]))
+            block = self.allocator.lookup(h)
+            if block is None:
+                break
+            req.block_ids.append(block)
+            parent = h
+        req.num_cached_blocks = len(req.block_ids)
+        req.num_computed = len(req.block_ids) * self.block_size
+
+    def register_computed(self, req: Request) -> None:
+        """After a step: publish the request's newly completed full blocks to the prefix cache."""
+        if not self.cfg.enable_prefix_caching:
+            return
+        ids, bs = req.all_ids, self.block_size
+        parent = None
+        for i in range(req.num_computed // bs):
+            h = block_hash(req.adapter, parent, tuple(ids[i * bs:(i + 1) * bs]))
+            if i >= req.num_cached_blocks:
+                self.allocator.register(req.block_ids[i], h)
+            parent = h
+        req.num_cached_blocks = req.num_computed // bs
+
+    # scheduling ---------------------------------------------------------------------------------
+    def _preempt_newest(self, step: ScheduledStep) -> Request | None:
+        victim = max(self.running, key=lambda r: r.arrival, default=None)
+        if victim is None:
+            return None
+        self.running.remove(victim)
+        if victim in step.requests:
+            i = step.requests.index(victim)
+            del step.requests[i], step.num_new[i]
+        self.free_blocks(victim)
+        victim.num_computed, victim.status = 0, Status.WAITING
+        victim.num_preemptions += 1
+        self.waiting.insert(0, victim)
+        step.preempted.append(victim)
+        return victim
+
+    def _schedule_running(self, step: ScheduledStep, budget: int) -> int:
+        order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed > 1, r.arrival))
+        for req in order:
+            if req not in self.running or budget <= 0:
+                continue
+            n = min(req.num_tokens - req.num_computed, budget)
+            while not self._ensure_blocks(req, req.num_computed + n):
+                if self._preempt_newest(step) is req:
+                    break
+            if req in self.running:
+                step.requests.append(req)
+                step.num_new.append(n)
+                budget -= n
+        return budget
+
+    def _next_waiting(self, blocked: set[str | None]) -> Request | None:
+        candidates = [r for r in self.waiting if r.adapter not in blocked]
+        if not candidates:
+            return None
+        preempted = [r for r in candidates if r.num_preemptions > 0]
+        if preempted:  # recompute what was preempted before admitting anything new
+            return min(preempted, key=lambda r: r.arrival)
+        return min(candidates, key=lambda r: (self.served[r.adapter], r.arrival))
+
+    def _admit(self, step: ScheduledStep, budget: int) -> None:
+        blocked: set[str | None] = set()
+        while budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self._next_waiting(blocked)
+            if req is None:
+                return
+            adapters = self.running_adapters()
+            if req.adapter is not None and req.adapter not in adapters and len(adapters) >= self.cfg.max_loras:
+                blocked.add(req.adapter)
+                continue
+            self._match_prefix(req)
+            n = min(req.num_tokens - req.num_computed, budget)
+            if not self._ensure_blocks(req, req.num_computed + n):
+                self.free_blocks(req)
+                req.num_computed = 0
+                return
+            self.waiting.remove(req)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            step.requests.append(req)
+            step.num_new.append(n)
+            budget -= n
+
+    def schedule(self) -> ScheduledStep:
+        step = ScheduledStep([], [], [])
+        budget = self._schedule_running(step, self.cfg.max_num_batched_tokens)
+        if not step.preempted:
+            self._admit(step, budget)
+        for req, n in zip(step.requests, step.num_new, strict=True):
+            self.served[req.adapter] += n
+        if not step.requests and self.waiting and not self.running:
+            req = self.waiting[0]
+            raise CapacityError(f"request {req.request_id} needs {req.num_tokens} tokens of KV cache, more "
+                                f"than the whole cache holds ({self.allocator.num_blocks} blocks of "
+                                f"{self.block_size})")
+        return step
+
+    def finish(self, req: Request, reason: str) -> None:
+        req.status, req.finish_reason = Status.FINISHED, reason
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.free_blocks(req)
