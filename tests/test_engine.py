@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from oracle import tiny_hf_model
+from test_forward import build, engine, random_adapter
 
 from moelora.engine.request import SamplingParams
 from moelora.errors import RequestError
-from oracle import tiny_hf_model
-from test_forward import build, engine, random_adapter
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,12 @@ class EngineConfig:
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None  # default: max(32, max_loras)
     enable_prefix_caching: bool = True
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # off switch for CUDA-graph decode
+    overlap_shared_experts: bool = True  # off switch for the shared expert's second stream
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return self.torch_device.type == "cuda" and self.kernel_backend == "triton" and not self.enforce_eager
 
     @property
     def torch_device(self) -> torch.device:

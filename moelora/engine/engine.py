@@ -14,13 +14,15 @@ from collections.abc import Sequence
 import torch
 
 from moelora.engine.config import EngineConfig
+from moelora.engine.cuda_graphs import CudaGraphRunner
 from moelora.engine.kv_cache import PagedKVCache
 from moelora.engine.request import Request, SamplingParams, Status
 from moelora.engine.runner import ModelRunner
-from moelora.engine.sampler import sample
+from moelora.engine.sampler import sample, token_logprobs
 from moelora.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from moelora.engine.tokenizer import Tokenizer
 from moelora.errors import RequestError
+from moelora.layers.moe import SparseMoE
 from moelora.lora.pool import AdapterPool
 
 
@@ -34,6 +36,14 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_loras,
                                                    cfg.enable_prefix_caching), self.cache.allocator)
         self.runner = ModelRunner(model, self.cache, self.device)
+        for module in model.modules():
+            if isinstance(module, SparseMoE):
+                module.overlap_shared = cfg.overlap_shared_experts
+        self.graphs = None
+        if cfg.use_cuda_graphs:
+            dummy = self.cache.allocator.allocate()  # padding rows of a graph bucket write here, forever
+            self.graphs = CudaGraphRunner(model, self.cache, cfg.max_num_seqs, cfg.max_model_len, cfg.max_loras, dummy)
+            self.graphs.capture()
         self.requests: dict[str, Request] = {}
         eos = set(model.config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -88,14 +98,18 @@ class LLMEngine:
         step = self.scheduler.schedule()
         slot_of = self.pool.acquire(r.adapter for r in step.requests)
         inputs = self.runner.prepare(step, slot_of, self.pool.slot_ranks)
-        logits = self.runner.run(inputs)
+        decode_only = len(inputs.sample_index) == len(step.requests) == step.num_tokens
+        if self.graphs is not None and decode_only and self.graphs.can_run(len(step.requests)):
+            logits = self.graphs.run(inputs, self.pool.slot_ranks)
+        else:
+            logits = self.runner.run(inputs)
         sampled = step.requests and self._sample(step, inputs.sample_index, logits)
         for req, n in zip(step.requests, step.num_new, strict=True):
             req.num_computed += n
         changed = []
-        for i, tok in (sampled or {}).items():
+        for i, (tok, logprob) in (sampled or {}).items():
             req = step.requests[i]
-            self._append(req, tok)
+            self._append(req, tok, logprob)
             changed.append(req)
         for req in step.requests:
             if req.finished:
@@ -104,20 +118,24 @@ class LLMEngine:
                 self.scheduler.register_computed(req)
         return changed
 
-    def _sample(self, step: ScheduledStep, index: tuple[int, ...], logits: torch.Tensor) -> dict[int, int]:
+    def _sample(self, step: ScheduledStep, index: tuple[int, ...], logits: torch.Tensor) -> dict[int, tuple]:
+        """index into step.requests -> (sampled token, its logprobs entry or None)."""
         if not index:
             return {}
         reqs = [step.requests[i] for i in index]
-        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
-        return dict(zip(index, tokens, strict=True))
+        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        logprobs = token_logprobs(logits, tokens, [r.params.logprobs for r in reqs])
+        return dict(zip(index, zip(tokens.tolist(), logprobs, strict=True), strict=True))
 
-    def _append(self, req: Request, tok: int) -> None:
+    def _append(self, req: Request, tok: int, logprob=None) -> None:
         p = req.params
         if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
-            self.scheduler.finish(req, "stop")
+            self._finish(req, "stop")
             return
         req.output_ids.append(tok)
-        if self.tokenizer is not None:
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        if self.tokenizer is not None and p.stop:  # only stop strings need the text while decoding
             req.text = self.tokenizer.decode(req.output_ids)
             cut = min((i for i in (req.text.find(s) for s in p.stop) if i >= 0), default=-1)
             if cut >= 0:
@@ -125,7 +143,12 @@ class LLMEngine:
                 self.scheduler.finish(req, "stop")
                 return
         if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.cfg.max_model_len:
-            self.scheduler.finish(req, "length")
+            self._finish(req, "length")
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if self.tokenizer is not None and not req.params.stop:  # decoded once, at the end
+            req.text = self.tokenizer.decode(req.output_ids)
+        self.scheduler.finish(req, reason)
 
     # verification -------------------------------------------------------------------------------
     def prompt_logits(self, token_ids: list[list[int]], adapters: list[str | None]) -> list[torch.Tensor]:

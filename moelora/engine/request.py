@@ -19,6 +19,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # per token: the sampled token's logprob and the top `logprobs` (0: none)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -35,6 +36,8 @@ class SamplingParams:
             raise RequestError(f"top_k must be an integer, got {self.top_k!r}")
         if any(not s for s in self.stop):
             raise RequestError("stop strings must be non-empty")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise RequestError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -76,6 +79,7 @@ class Request:
     text: str = ""
     num_preemptions: int = 0
     generator: object = None
+    logprobs: list = field(default_factory=list)  # per output token, when params.logprobs is set: see sampler
 
     @property
     def all_ids(self) -> list[int]:

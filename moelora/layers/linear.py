@@ -43,7 +43,7 @@ class Linear(nn.Module):
         self.lora_b[slot, :, :r].copy_(weights.b)
 
     def lora_args(self, lora: LoRABatch | None) -> DenseLoRAArgs | None:
-        if lora is None or not self.has_lora or not lora.active:
+        if lora is None or not self.has_lora:
             return None
         return DenseLoRAArgs(self.lora_a, self.lora_b, lora.token_slots, lora.slot_ranks, lora.active)
 

@@ -47,7 +47,7 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 lora: LoRABatch | None) -> torch.Tensor:
         args = None
-        if lora is not None and self.has_lora and lora.active:
+        if lora is not None and self.has_lora:
             args = ExpertLoRAArgs(self.lora_gate_up_a, self.lora_gate_up_b, self.lora_down_a,
                                   self.lora_down_b, lora.token_slots, lora.slot_ranks, lora.active)
         if self.backend == "triton":
@@ -58,19 +58,44 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
+    """`overlap_shared`: run the shared expert on a second CUDA stream, concurrently with the
+    routed experts (set by the engine from its config; ignored on the CPU)."""
+
     def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, renormalize: bool,
                  shared_inter: int = 0, **kw):
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
+        self.overlap_shared = False
+        self._side_stream: torch.cuda.Stream | None = None
         self.gate = Linear(hidden, num_experts, **kw)
         self.experts = Experts(num_experts, hidden, inter, **kw)
         self.shared_expert = DenseMLP(hidden, shared_inter, **kw) if shared_inter else None
         self.shared_expert_gate = Linear(hidden, 1, **kw) if shared_inter else None
 
+    def _shared(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        return torch.sigmoid(self.shared_expert_gate(x, lora)) * self.shared_expert(x, lora)
+
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        if self.shared_expert is None:
+            weights, ids = softmax_topk(self.gate(x, lora), self.top_k, self.renormalize)
+            return self.experts(x, weights, ids, lora)
+        if not (self.overlap_shared and x.is_cuda):
+            weights, ids = softmax_topk(self.gate(x, lora), self.top_k, self.renormalize)
+            return self.experts(x, weights, ids, lora) + self._shared(x, lora)
+        # Fork. Side stream reads: x, the LoRABatch tensors, shared-expert weights and LoRA slots;
+        # writes: only `shared` (new tensors it allocates). Main stream reads the same inputs and
+        # writes only new tensors (router logits, routed output). Nothing read across the fork is
+        # written before the join: x is the caller's, never written in place (contract 2).
+        main = torch.cuda.current_stream(x.device)
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(x.device)
+        side = self._side_stream
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            shared = self._shared(x, lora)
         weights, ids = softmax_topk(self.gate(x, lora), self.top_k, self.renormalize)
-        out = self.experts(x, weights, ids, lora)
-        if self.shared_expert is not None:
-            gate = torch.sigmoid(self.shared_expert_gate(x, lora))
-            out = out + gate * self.shared_expert(x, lora)
-        return out
+        routed = self.experts(x, weights, ids, lora)
+        main.wait_stream(side)  # join: `shared` is complete before main reads it
+        shared.record_stream(main)  # allocated on side, freed on main's timeline
+        x.record_stream(side)
+        return routed + shared

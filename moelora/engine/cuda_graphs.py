@@ -1,0 +1,98 @@
+"""CUDA-graph decode: one captured graph per batch-size bucket, whatever adapters are active.
+
+Shape legend: B bucket size, MB max blocks per sequence, S adapter slots, V vocab.
+Every input of a decode step lives in a static buffer of fixed address; a replay copies the
+step's values in (contract 4) and pads the bucket with rows on no adapter that read and write a
+reserved dummy KV block. The LoRA path is always captured (rows on no adapter cost nothing in the
+kernels), so one graph per bucket serves any number and ranks of active adapters.
+Needs the Triton backend: the torch twins loop on the host and cannot be captured.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moelora.engine.runner import StepInputs
+from moelora.layers.attention import AttnMetadata, SeqSlice
+from moelora.lora.batch import NO_SLOT, LoRABatch
+
+
+def default_buckets(max_num_seqs: int) -> list[int]:
+    small = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    return small + list(range(16, max_num_seqs, 16)) + [max_num_seqs]
+
+
+class CudaGraphRunner:
+    def __init__(self, model, cache, max_num_seqs: int, max_model_len: int, num_slots: int, dummy_block: int):
+        self.model, self.cache = model, cache
+        self.buckets = sorted(set(default_buckets(max_num_seqs)))
+        self.max_model_len = max_model_len
+        self.dummy_slot = dummy_block * cache.block_size
+        dev = cache.layers[0][0].device
+        B, MB = self.buckets[-1], -(-max_model_len // cache.block_size)
+        self.input_ids = torch.zeros(B, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(B, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((B,), self.dummy_slot, dtype=torch.long, device=dev)
+        self.block_tables = torch.full((B, MB), dummy_block, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.ones(B, dtype=torch.int32, device=dev)
+        self.query_start = torch.arange(B + 1, dtype=torch.int32, device=dev)
+        self.token_slots = torch.full((B,), NO_SLOT, dtype=torch.int32, device=dev)
+        self.slot_ranks = torch.zeros(max(num_slots, 1), dtype=torch.int32, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def _forward(self, B: int) -> torch.Tensor:
+        meta = AttnMetadata(self.slot_mapping[:B], self.block_tables[:B], self.seq_lens[:B],
+                            self.query_start[:B + 1], tuple(SeqSlice(i, 1, 1, i) for i in range(B)),
+                            max_seq_len=self.max_model_len, max_query_len=1)
+        lora = LoRABatch(self.token_slots[:B], self.slot_ranks, ())
+        hidden = self.model(self.input_ids[:B], self.positions[:B], meta, self.cache.layers, lora)
+        return self.model.logits(hidden).float()
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: compile kernels, settle allocations
+            for B in self.buckets:
+                self._forward(B)
+        torch.cuda.current_stream().wait_stream(side)
+        for B in reversed(self.buckets):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self._forward(B)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[B] = (graph, logits)
+        torch.cuda.synchronize()
+
+    def can_run(self, num_seqs: int) -> bool:
+        return num_seqs <= self.buckets[-1]
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs, slot_ranks: list[int]) -> torch.Tensor:
+        """Replay the bucket graph for a decode step (one token per sequence) -> logits [n, V]."""
+        n = inputs.input_ids.shape[0]
+        B = next(b for b in self.buckets if b >= n)
+        meta = inputs.meta
+        self.input_ids[:n].copy_(inputs.input_ids, non_blocking=True)
+        self.positions[:n].copy_(inputs.positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
+        self.block_tables[:n, : meta.block_tables.shape[1]].copy_(meta.block_tables, non_blocking=True)
+        self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
+        if inputs.lora is None:
+            self.token_slots[:n].fill_(NO_SLOT)
+        else:
+            self.token_slots[:n].copy_(inputs.lora.token_slots, non_blocking=True)
+        ranks = torch.tensor(slot_ranks or [0], dtype=torch.int32)
+        self.slot_ranks.copy_(ranks.to(self.slot_ranks.device, non_blocking=True))
+        if n < B:  # padding rows: no adapter, the dummy KV block, context of 1
+            self.input_ids[n:B].zero_()
+            self.positions[n:B].zero_()
+            self.slot_mapping[n:B].fill_(self.dummy_slot)
+            self.block_tables[n:B, 0].fill_(self.dummy_slot // self.cache.block_size)
+            self.seq_lens[n:B].fill_(1)
+            self.token_slots[n:B].fill_(NO_SLOT)
+        graph, logits = self.graphs[B]
+        graph.replay()
+        return logits[:n]
