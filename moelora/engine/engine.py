@@ -32,7 +32,8 @@ class LLMEngine:
         self.model_config = model.config
         self.device = cfg.torch_device
         self.pool = AdapterPool(cfg.max_loras, cfg.max_cpu_loras, load_adapter, model.set_lora_slot)
-        self.cache = PagedKVCache(model.config, cfg.num_kv_blocks, cfg.block_size, self.device, cfg.torch_dtype)
+        self.cache = PagedKVCache(model.kv_cache_shapes(), cfg.num_kv_blocks, cfg.block_size, self.device,
+                                  cfg.torch_dtype)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_loras,
                                                    cfg.enable_prefix_caching), self.cache.allocator)
         self.runner = ModelRunner(model, self.cache, self.device)

@@ -12,11 +12,11 @@ refcount drops to zero stays cached (and reusable) until the allocator needs it,
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 import torch
 
-from moelora.config import ModelConfig
 from moelora.errors import CapacityError
 
 
@@ -90,16 +90,22 @@ def block_hash(adapter_key: str | None, parent: int | None, tokens: tuple[int, .
 
 
 class PagedKVCache:
-    """Device storage for every layer plus the allocator that hands out its blocks."""
+    """Device storage for every layer plus the allocator that hands out its blocks.
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device, dtype: torch.dtype):
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    The model declares what one token stores per layer (`model.kv_cache_shapes()`: e.g.
+    ((N_kv, D), (N_kv, D)) for GQA keys and values, one latent vector for MLA); each becomes a
+    tensor [NB, BS, *shape], allocated once.
+    """
+
+    def __init__(self, token_shapes: list[tuple[tuple[int, ...], ...]], num_blocks: int, block_size: int,
+                 device, dtype: torch.dtype):
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks, block_size)
-        self.layers = [(torch.zeros(shape, device=device, dtype=dtype),
-                        torch.zeros(shape, device=device, dtype=dtype)) for _ in range(cfg.num_layers)]
+        self.layers = [tuple(torch.zeros((num_blocks, block_size, *shape), device=device, dtype=dtype)
+                             for shape in layer) for layer in token_shapes]
 
     @staticmethod
-    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(token_shapes: list[tuple[tuple[int, ...], ...]], block_size: int, dtype: torch.dtype) -> int:
         elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        per_token = sum(math.prod(shape) for layer in token_shapes for shape in layer)
+        return per_token * block_size * elem

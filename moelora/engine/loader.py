@@ -19,7 +19,7 @@ _CPU_DEFAULT_KV_TOKENS = 1 << 16
 def _kv_blocks(cfg: EngineConfig, model_cfg: ModelConfig, model) -> int:
     if cfg.num_kv_blocks is not None:
         return cfg.num_kv_blocks
-    per_block = PagedKVCache.bytes_per_block(model_cfg, cfg.block_size, cfg.torch_dtype)
+    per_block = PagedKVCache.bytes_per_block(model.kv_cache_shapes(), cfg.block_size, cfg.torch_dtype)
     if cfg.torch_device.type != "cuda":
         want = max(_CPU_DEFAULT_KV_TOKENS, cfg.max_model_len * 2)
         return -(-want // cfg.block_size)
@@ -37,7 +37,8 @@ def _profile_activations(cfg: EngineConfig, model_cfg: ModelConfig, model) -> in
     from moelora.engine.scheduler import ScheduledStep
 
     n = min(cfg.max_num_batched_tokens, cfg.max_model_len)
-    cache = PagedKVCache(model_cfg, -(-n // cfg.block_size), cfg.block_size, cfg.torch_device, cfg.torch_dtype)
+    cache = PagedKVCache(model.kv_cache_shapes(), -(-n // cfg.block_size), cfg.block_size, cfg.torch_device,
+                         cfg.torch_dtype)
     req = Request("profile", [0] * n, SamplingParams(), status=Status.RUNNING)
     req.block_ids = list(range(cache.allocator.num_blocks))
     before = torch.cuda.memory_allocated(cfg.torch_device)

@@ -63,13 +63,18 @@ class MoECausalLM(nn.Module):
             cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lora: LoRABatch | None = None
+                kv_caches: list[tuple[torch.Tensor, ...]], lora: LoRABatch | None = None
                 ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions)
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, meta, kv, lora)
         return self.model.norm(x)
+
+    def kv_cache_shapes(self) -> list[tuple[tuple[int, ...], ...]]:
+        """What one token stores in the paged cache, per layer: keys and values [N_kv, D]."""
+        kv = (self.config.num_kv_heads, self.config.head_dim)
+        return [(kv, kv) for _ in range(self.config.num_layers)]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
