@@ -52,7 +52,7 @@ def _profile_activations(cfg: EngineConfig, model_cfg: ModelConfig, model) -> in
 
 
 def build_engine(model_dir: str | Path, cfg: EngineConfig | None = None, progress: bool = False) -> LLMEngine:
-    from moelora.lora.formats import load_adapter
+    from moelora.lora.loader import load_adapter
     from moelora.models.weights import load_checkpoint
 
     model_dir = Path(model_dir)

@@ -1,0 +1,165 @@
+"""Command line: `moelora generate | verify | demo | serve`.
+
+With no MODEL argument the bundled demo model is used, with its adapters registered by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moelora.errors import MoeLoRAError
+
+
+def _lora_pairs(items: list[str] | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items or []:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--lora expects NAME=PATH, got {item!r}")
+        out[name] = path
+    return out
+
+
+def _model_and_adapters(args) -> tuple[str, dict[str, str]]:
+    adapters = _lora_pairs(args.lora)
+    if args.model:
+        return args.model, adapters
+    from moelora.demo import demo_adapters, demo_model_dir
+
+    return str(demo_model_dir()), {**demo_adapters(), **adapters}
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="HF model directory (default: the bundled demo)")
+    p.add_argument("--lora", action="append", metavar="NAME=PATH", help="register an adapter")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
+    p.add_argument("--max-lora-rank", type=int, default=64)
+    p.add_argument("--max-loras", type=int, default=8)
+
+
+def cmd_generate(args) -> int:
+    from moelora import LLM, SamplingParams
+
+    model, adapters = _model_and_adapters(args)
+    llm = LLM(model, adapters, device=args.device, dtype=args.dtype, max_lora_rank=args.max_lora_rank,
+              max_loras=max(args.max_loras, len(adapters)))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
+    names = args.adapter or [None]
+    for name in names:
+        adapter = None if name in (None, "base") else name
+        if args.chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, adapter)
+        else:
+            outs = llm.generate(args.prompts, params, adapter)
+        for prompt, out in zip(args.prompts, outs, strict=True):
+            print(f"[{name or 'base'}] {prompt!r} -> {out.text!r} ({out.finish_reason})")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from moelora.verify import verify
+
+    model, adapters = _model_and_adapters(args)
+    worst = verify(model, adapters, tolerance=args.tolerance, print_fn=print)
+    return 0 if worst <= args.tolerance else 1
+
+
+def cmd_demo(args) -> int:
+    from moelora.demo.show import show_demo
+
+    show_demo(device=args.device)
+    return 0
+
+
+# serve ------------------------------------------------------------------------------------------
+
+
+def _serve_demo() -> tuple[str, dict[str, str]]:
+    import moelora.demo as demo
+
+    if hasattr(demo, "demo_model_dir"):
+        return str(demo.demo_model_dir()), {k: str(v) for k, v in demo.demo_adapters().items()}
+    return str(demo.model_dir()), {n: str(demo.adapter_dir(n)) for n in demo.ADAPTER_NAMES}
+
+
+def cmd_serve(args) -> int:
+    from moelora.engine.config import EngineConfig
+    from moelora.server.launch import build_server, parse_lora_modules, run_server
+
+    model, adapters = (args.model, {}) if args.model else _serve_demo()
+    names = args.served_model_name or ([args.model] if args.model else ["moelora-demo"])
+    for name, path in {**_lora_pairs(args.lora), **parse_lora_modules(args.lora_modules)}.items():
+        if name in adapters and adapters[name] != path:
+            raise SystemExit(f"adapter {name!r} is given twice with different paths")
+        adapters[name] = path
+    cfg = EngineConfig(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                       max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+                       max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+                       enforce_eager=args.enforce_eager)
+    app = build_server(model, adapters, cfg, names, args.max_waiting_requests, progress=True)
+    run_server(app, args.host, args.port, args.uvicorn_log_level)
+    return 0
+
+
+def _serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (vLLM's flag and endpoint names)")
+    _common(serve)
+    serve.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH|JSON",
+                       help='adapters, as name=path or {"name": ..., "path": ...}')
+    serve.add_argument("--enable-lora", action="store_true", help="accepted for vLLM compatibility (always on)")
+    serve.add_argument("--served-model-name", nargs="+", help="names of the base model (default: MODEL)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-cpu-loras", type=int, default=None)
+    serve.add_argument("--max-num-seqs", type=int, default=64)
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    serve.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    serve.add_argument("--max-waiting-requests", type=int, default=1024,
+                       help="answer 503 (Retry-After) while this many requests wait to be scheduled")
+    serve.add_argument("--uvicorn-log-level", default="info")
+    serve.set_defaults(func=cmd_serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moelora", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text with the base model and adapters")
+    _common(gen)
+    gen.add_argument("--adapter", action="append", help="adapter name per run ('base' for none); repeatable")
+    gen.add_argument("--prompt", dest="prompts", action="append", required=True, help="a prompt; repeatable")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append")
+    gen.set_defaults(func=cmd_generate)
+    ver = sub.add_parser("verify", help="compare logits with transformers + PEFT (needs the dev extra)")
+    _common(ver)
+    ver.add_argument("--tolerance", type=float, default=1e-3)
+    ver.set_defaults(func=cmd_verify)
+    demo = sub.add_parser("demo", help="the bundled model: base and every adapter on the same inputs")
+    demo.add_argument("--device", default=None)
+    demo.set_defaults(func=cmd_demo)
+    _serve_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except MoeLoRAError as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
