@@ -1,0 +1,128 @@
+"""Shared pieces of the MoE kernel benchmark and tuner: shapes, inputs, LoRA pools, timing, bounds.
+
+Shape legend: T (= M) tokens, H hidden, I expert intermediate, E experts, K top-k, S slots, R rank.
+Timing: CUDA-graph replay of one whole MoE call (plan included), median of triton's do_bench,
+which zeroes a 256 MB buffer between runs (L2 flushed). Ceilings measured in the same process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+
+from moelora.kernels.fused_moe import fused_moe
+from moelora.kernels.reference import ExpertLoRAArgs
+
+SHAPES = {
+    "qwen3_30b_a3b": dict(E=128, K=8, H=2048, I=768),
+    "dsv2_lite": dict(E=64, K=6, H=2048, I=1408),
+    "mixtral_8x7b": dict(E=8, K=2, H=4096, I=14336),
+}
+MS = (1, 8, 32, 128, 512, 4096)
+# name -> (adapters spread over tokens, pool max rank, adapter rank)
+LORA_VARIANTS = {
+    "off": (0, 0, 0),
+    "1ad_r16": (1, 16, 16),
+    "8ad_r16": (8, 16, 16),
+    "8ad_r64": (8, 64, 64),
+    "8ad_r8": (8, 8, 8),
+    "8ad_r8_pool64": (8, 64, 8),
+}
+SLOTS = 8
+
+
+@dataclasses.dataclass
+class Layer:
+    shape: dict
+    w_gu: torch.Tensor
+    w_d: torch.Tensor
+    pools: dict  # pool max rank -> (gate_up_a, gate_up_b, down_a, down_b)
+
+
+def make_layer(shape: dict, pool_ranks=(8, 16, 64), seed=0) -> Layer:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    E, H, inter = shape["E"], shape["H"], shape["I"]
+
+    def rn(*s, scale):
+        return (torch.randn(*s, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+    pools = {}
+    for r in pool_ranks:
+        pools[r] = (rn(SLOTS, E, r, H, scale=H ** -0.5), rn(SLOTS, E, 2 * inter, r, scale=r ** -0.5),
+                    rn(SLOTS, E, r, inter, scale=inter ** -0.5), rn(SLOTS, E, H, r, scale=r ** -0.5))
+    return Layer(shape, rn(E, 2 * inter, H, scale=H ** -0.5), rn(E, H, inter, scale=inter ** -0.5), pools)
+
+
+def make_inputs(layer: Layer, M: int, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed + M)
+    E, K, H = layer.shape["E"], layer.shape["K"], layer.shape["H"]
+    x = torch.randn(M, H, generator=g, device="cuda").to(torch.bfloat16)
+    logits = torch.randn(M, E, generator=g, device="cuda")
+    w, ids = torch.softmax(logits, dim=-1).topk(K, dim=-1)
+    return x, (w / w.sum(-1, keepdim=True)).to(torch.bfloat16), ids.to(torch.int32)
+
+
+def make_lora(layer: Layer, M: int, variant: str):
+    n_ad, pool_r, rank = LORA_VARIANTS[variant]
+    if n_ad == 0:
+        return None
+    ga, gb, da, db = layer.pools[pool_r]
+    slots = (torch.arange(M, device="cuda") % n_ad).to(torch.int32)
+    ranks = torch.full((SLOTS,), rank, dtype=torch.int32, device="cuda")
+    if rank < pool_r:  # the pool's convention: zeros beyond the slot's rank
+        ga, gb, da, db = ga.clone(), gb.clone(), da.clone(), db.clone()
+        for t in (ga[:, :, rank:], gb[..., rank:], da[:, :, rank:], db[..., rank:]):
+            t.zero_()
+    return ExpertLoRAArgs(ga, gb, da, db, slots, ranks, active=())
+
+
+def bytes_bound(layer: Layer, x, ids, lora) -> int:
+    """Fewest bytes: distinct experts' weights + distinct (adapter, expert) LoRA A/B + x and out."""
+    E, H, inter = layer.shape["E"], layer.shape["H"], layer.shape["I"]
+    flat = ids.reshape(-1).long()
+    n = len(torch.unique(flat)) * 3 * H * inter * 2 + 2 * x.numel() * 2
+    if lora is not None:
+        tok_slot = lora.token_slots.long().repeat_interleave(ids.shape[1])
+        pairs = torch.unique(tok_slot * E + flat)
+        rank = int(lora.slot_ranks[0])
+        n += len(pairs) * rank * (H + 2 * inter + inter + H) * 2
+    return n
+
+
+def graph_time_ms(fn, rep=40) -> float:
+    fn()  # compile and warm outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return triton.testing.do_bench(g.replay, warmup=5, rep=rep, return_mode="median")
+
+
+def eager_time_ms(fn, rep=40) -> float:
+    return triton.testing.do_bench(fn, warmup=5, rep=rep, return_mode="median")
+
+
+def moe_call(layer: Layer, x, wts, ids, lora, config=None):
+    out = torch.empty_like(x)
+    return lambda: fused_moe(x, layer.w_gu, layer.w_d, wts, ids, lora=lora, out=out, config=config)
+
+
+def _copy_gbps() -> float:
+    a = torch.randn(256 * 2 ** 20, device="cuda")  # 1 GiB
+    b = torch.empty_like(a)
+    t = triton.testing.do_bench(lambda: b.copy_(a), warmup=10, rep=100, return_mode="median")
+    return 2 * a.numel() * 4 / (t * 1e-3) / 1e9
+
+
+def _matmul_tflops(n=8192) -> float:
+    p = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    t = triton.testing.do_bench(lambda: p @ q, warmup=25, rep=200, return_mode="median")
+    return 2 * n ** 3 / (t * 1e-3) / 1e12
+
+
+def measure_ceilings() -> tuple[float, float]:
+    """(copy GB/s counting read + write, bf16 matmul TFLOP/s), both on random data."""
+    return _copy_gbps(), _matmul_tflops()

@@ -1,0 +1,90 @@
+"""Benchmark: one routed-expert MoE layer, LoRA off / on, at three real shapes (not a test).
+
+Shape legend: M tokens, H hidden, I expert intermediate, E experts, K top-k, R rank.
+Usage: python benchmarks/moe_lora_layer.py [CSV path] [--shapes a,b] [--ms 1,8] [--variants off,8ad_r16]
+Writes the CSV to the path, else $OUT/moe_lora_layer.csv, else ./moe_lora_layer.csv. Prints, per
+row, the CUDA-graph replay median, achieved GB/s and its ratio to the bytes bound (distinct
+experts' weights + distinct (adapter, expert) LoRA A/B + activations, over the copy bandwidth
+measured in this run), TFLOP/s vs the measured bf16 matmul peak, and the ratio to LoRA off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from moe_bench_common import (  # noqa: E402
+    LORA_VARIANTS,
+    MS,
+    SHAPES,
+    bytes_bound,
+    eager_time_ms,
+    graph_time_ms,
+    make_inputs,
+    make_layer,
+    make_lora,
+    measure_ceilings,
+    moe_call,
+)
+
+EAGER_VARIANTS = ("off", "8ad_r16")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("csv", nargs="?")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--variants", default=",".join(LORA_VARIANTS))
+    args = ap.parse_args(argv)
+    out_dir = os.environ.get("OUT", ".")
+    path = Path(args.csv or Path(out_dir) / "moe_lora_layer.csv")
+    bw, peak = measure_ceilings()
+    gpu = torch.cuda.get_device_name()
+    print(f"# {gpu}: copy {bw:.0f} GB/s, bf16 matmul {peak:.0f} TFLOP/s; triton {__import__('triton').__version__}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = path.open("w", newline="")
+    writer = None
+    rows = []
+    for sname in args.shapes.split(","):
+        shape = SHAPES[sname]
+        layer = make_layer(shape)
+        for M in map(int, args.ms.split(",")):
+            x, wts, ids = make_inputs(layer, M)
+            t_off = None
+            for var in args.variants.split(","):
+                lora = make_lora(layer, M, var)
+                fn = moe_call(layer, x, wts, ids, lora)
+                t = graph_time_ms(fn)
+                t_eager = eager_time_ms(fn) if var in EAGER_VARIANTS else float("nan")
+                t_off = t if var == "off" else t_off
+                nbytes = bytes_bound(layer, x, ids, lora)
+                flops = 2 * M * shape["K"] * 3 * shape["H"] * shape["I"]
+                bound_ms = nbytes / (bw * 1e9) * 1e3
+                rows.append(dict(gpu=gpu, shape=sname, M=M, variant=var, graph_ms=t, eager_ms=t_eager,
+                                 bytes=nbytes, gbps=nbytes / (t * 1e-3) / 1e9, x_bytes_bound=t / bound_ms,
+                                 tflops=flops / (t * 1e-3) / 1e12, pct_peak=100 * flops / (t * 1e-3) / 1e12 / peak,
+                                 vs_off=t / t_off if t_off else float("nan"), copy_gbps=bw, peak_tflops=peak))
+                r = rows[-1]
+                if writer is None:
+                    writer = csv.DictWriter(f, fieldnames=list(r))
+                    writer.writeheader()
+                writer.writerow(r)
+                f.flush()
+                print(f"{sname:14s} M={M:5d} {var:14s} {t * 1e3:9.1f} us  eager {t_eager * 1e3:8.1f} us  "
+                      f"{r['gbps']:6.0f} GB/s  x{r['x_bytes_bound']:.2f} bound  {r['tflops']:6.1f} TF/s "
+                      f"({r['pct_peak']:4.1f}%)  vs_off {r['vs_off']:.3f}", flush=True)
+        del layer
+        torch.cuda.empty_cache()
+    f.close()
+    print(f"# wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Offline tuner: picks fused_moe launch configs per (shape, M) on this GPU and writes the table
+moelora/kernels/configs/fused_moe_<gpu>.json (and a copy plus all timings under $OUT).
+
+Shape legend: M tokens, H hidden, I expert intermediate, E experts, K top-k.
+Per (shape, M): time the LoRA-off layer (CUDA-graph replay, L2 flushed, median) over a short
+candidate list of tiles chosen by routes per expert, keep the fastest; then try TMA on it; then
+pick lora_shrink (inline / separate) and lora_split_k on 8 adapters of rank 16. Usage:
+  python benchmarks/tune_fused_moe.py [--shapes a,b] [--ms 1,8] [--lora-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from moe_bench_common import MS, SHAPES, graph_time_ms, make_inputs, make_layer, make_lora, moe_call  # noqa: E402
+
+from moelora.kernels.moe_config import CONFIG_DIR, FusedMoEConfig, GemmTile, device_tag, shape_key  # noqa: E402
+
+DECODE_TILES = [(64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 4, 3), (32, 256, 4, 3), (16, 256, 4, 4)]
+MID_TILES = [(64, 128, 4, 3), (128, 64, 4, 4)]
+LARGE_TILES = [(128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3)]
+
+
+def candidates(M: int, shape: dict) -> list[FusedMoEConfig]:
+    per_expert = M * shape["K"] / shape["E"]
+    if per_expert <= 4:
+        combos = [(16, t) for t in DECODE_TILES]
+    elif per_expert <= 48:
+        combos = [(bm, t) for bm in (16, 32) for t in MID_TILES]
+    else:
+        combos = [(bm, t) for bm in (64,) for t in LARGE_TILES] + [(128, (128, 64, 8, 3)), (128, (256, 64, 8, 3))]
+    return [FusedMoEConfig(bm, GemmTile(*t), GemmTile(*t)) for bm, t in combos]
+
+
+def timed(layer, x, wts, ids, lora, cfg) -> float:
+    try:
+        return graph_time_ms(moe_call(layer, x, wts, ids, lora, cfg), rep=25)
+    except Exception as exc:  # out of shared memory / registers for this tile: skip it
+        print(f"  skip {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+        torch.cuda.synchronize()
+        return float("inf")
+
+
+def tune_lora(layer, M, base: FusedMoEConfig, log) -> FusedMoEConfig:
+    """Keep base's tiles; pick lora_shrink / lora_split_k on 8 adapters of rank 16."""
+    x, wts, ids = make_inputs(layer, M)
+    lora = make_lora(layer, M, "8ad_r16")
+    trials = [dataclasses.replace(base, lora_shrink="separate", lora_split_k=k) for k in (1, 4, 8)]
+    trials.append(dataclasses.replace(base, lora_shrink="inline"))
+    scored = []
+    for cfg in trials:
+        t = timed(layer, x, wts, ids, lora, cfg)
+        scored.append((t, cfg))
+        log.append(dict(M=M, what=f"lora_{cfg.lora_shrink}_{cfg.lora_split_k}", config=json.dumps(cfg.to_dict()),
+                        ms=t))
+    t_best, best = min(scored, key=lambda p: p[0])
+    print(f"  M={M:5d} 8ad_r16 " + "  ".join(f"{c.lora_shrink}/{c.lora_split_k} {t * 1e3:7.1f}" for t, c in scored)
+          + f"  -> {best.lora_shrink}/{best.lora_split_k}", flush=True)
+    return best
+
+
+def tune_one(layer, M, log):
+    x, wts, ids = make_inputs(layer, M)
+    scored = []
+    for cfg in candidates(M, layer.shape):
+        t = timed(layer, x, wts, ids, None, cfg)
+        scored.append((t, cfg))
+        log.append(dict(M=M, what="tile", config=json.dumps(cfg.to_dict()), ms=t))
+    t_best, best = min(scored, key=lambda p: p[0])
+    tma = dataclasses.replace(best, use_tma=True)
+    t_tma = timed(layer, x, wts, ids, None, tma)
+    log.append(dict(M=M, what="tma", config=json.dumps(tma.to_dict()), ms=t_tma))
+    if t_tma < 0.98 * t_best:
+        best, t_best = tma, t_tma
+    print(f"  M={M:5d} off {t_best * 1e3:8.1f} us (tma {t_tma * 1e3:8.1f}) -> {best}", flush=True)
+    return tune_lora(layer, M, best, log)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--lora-only", action="store_true", help="keep the table's tiles, re-pick the LoRA fields")
+    args = ap.parse_args(argv)
+    gpu = torch.cuda.get_device_name()
+    path = CONFIG_DIR / f"fused_moe_{device_tag(gpu)}.json"
+    table = json.loads(path.read_text()) if path.is_file() else {"device": gpu, "configs": {}}
+    log = []
+    for sname in args.shapes.split(","):
+        shape = SHAPES[sname]
+        print(f"# {sname} {shape}", flush=True)
+        layer = make_layer(shape, pool_ranks=(16,))
+        key = shape_key(shape["E"], shape["H"], shape["I"], torch.bfloat16)
+        per_m = table["configs"].setdefault(key, {})
+        for M in map(int, args.ms.split(",")):
+            if args.lora_only and str(M) in per_m:
+                per_m[str(M)] = tune_lora(layer, M, FusedMoEConfig.from_dict(per_m[str(M)]), log).to_dict()
+            else:
+                per_m[str(M)] = tune_one(layer, M, log).to_dict()
+            for row in log:
+                row.setdefault("shape", sname)
+        del layer
+        torch.cuda.empty_cache()
+    text = json.dumps(table, indent=1, sort_keys=True) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    out = Path(os.environ.get("OUT", "."))
+    (out / path.name).write_text(text)
+    with (out / "tune_fused_moe.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["shape", "M", "what", "config", "ms"])
+        w.writeheader()
+        w.writerows(log)
+    print(f"# wrote {path} and {out / path.name}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""Fused routed-expert MoE with per-token multi-LoRA: launcher over the Triton kernels of moe_gemm.
+
+Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, S adapter slots,
+R max rank, P plan rows (max_padded).
+  x [T, H], w_gate_up [E, 2I, H] (gate rows then up rows), w_down [E, H, I],
+  topk_weights [T, K] (float), topk_ids [T, K] (int32/int64) -> out [T, H] (x's dtype)
+  lora: ExpertLoRAArgs (gate_up_a [S, E, R, H], gate_up_b [S, E, 2I, R], down_a [S, E, R, I],
+        down_b [S, E, H, R], token_slots [T] int32 (-1: none), slot_ranks [S] int32)
+
+Launches (one stream, no host sync, fixed sizes: CUDA-graph safe):
+  plan -> [shrink x A_gu] -> gate_up GEMM + LoRA + SiLU*up -> h [P, I]
+       -> [shrink h A_d] -> down GEMM + LoRA, x routing weight -> y [T*K, H] -> sum over K -> out
+(bracketed launches only on the separate-shrink path: lora_shrink="separate", or any pool of
+max rank > 16). The top-k combine sums y's K rows in a fixed order, so results are deterministic.
+x and the weights are never written (contract 2). Rows on slot -1 do no LoRA work; a slot of
+rank r reads only r rows of A / columns of B and, on the separate path, loops over ceil(r/16)
+rank chunks whatever the pool's max rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from moelora.errors import ConfigError
+from moelora.kernels.moe_config import FusedMoEConfig, tuned_fused_moe_config
+from moelora.kernels.moe_gemm import combine_kernel, down_kernel, gate_up_kernel, lora_shrink_kernel
+from moelora.kernels.moe_plan import EXPERT_SORTED_PADDED, MoERoutingPlan, build_routing_plan
+from moelora.kernels.reference import ExpertLoRAArgs
+
+ACCEPTED_LAYOUTS = (EXPERT_SORTED_PADDED,)
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LORA_RC = 16  # rank columns per step of the separate shrink/expand: cost follows each slot's own rank
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids):
+    _need(x.dim() == 2 and x.dtype in _FLOAT_DTYPES, f"x must be [T, H] fp16/bf16/fp32, got "
+          f"{tuple(x.shape)} {x.dtype}")
+    T, H = x.shape
+    _need(w_gate_up.dim() == 3 and w_gate_up.shape[2] == H and w_gate_up.shape[1] % 2 == 0,
+          f"w_gate_up must be [E, 2I, H={H}], got {tuple(w_gate_up.shape)}")
+    E, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+    _need(tuple(w_down.shape) == (E, H, inter), f"w_down must be [E={E}, H={H}, I={inter}], got {tuple(w_down.shape)}")
+    _need(topk_ids.dim() == 2 and topk_ids.shape[0] == T and topk_ids.dtype in (torch.int32, torch.int64),
+          f"topk_ids must be [T={T}, K] int32/int64, got {tuple(topk_ids.shape)} {topk_ids.dtype}")
+    _need(topk_weights.shape == topk_ids.shape and topk_weights.is_floating_point(),
+          f"topk_weights must be float {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
+    for name, t in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        _need(t.dtype == x.dtype, f"{name} dtype {t.dtype} != x dtype {x.dtype}")
+        _need(t.is_contiguous(), f"{name} must be contiguous")
+    _need(x.stride(1) == 1, "x must have unit stride in its last dim")
+    for t in (w_gate_up, w_down, topk_weights, topk_ids):
+        _need(t.device == x.device, f"all inputs must be on {x.device}")
+    return T, H, E, inter, topk_ids.shape[1]
+
+
+def _check_lora(lora: ExpertLoRAArgs, T, H, E, inter):
+    S, _, R, _ = lora.gate_up_a.shape
+    want = {"gate_up_a": (S, E, R, H), "gate_up_b": (S, E, 2 * inter, R), "down_a": (S, E, R, inter),
+            "down_b": (S, E, H, R)}
+    for name, shape in want.items():
+        t = getattr(lora, name)
+        _need(tuple(t.shape) == shape, f"lora.{name} must be {shape}, got {tuple(t.shape)}")
+        _need(t.stride(-1) == 1 and t.is_floating_point(), f"lora.{name} must be float, unit last stride")
+    _need(tuple(lora.token_slots.shape) == (T,) and lora.token_slots.dtype == torch.int32,
+          f"lora.token_slots must be [T={T}] int32, got {tuple(lora.token_slots.shape)} {lora.token_slots.dtype}")
+    _need(tuple(lora.slot_ranks.shape) == (S,) and lora.slot_ranks.dtype == torch.int32,
+          f"lora.slot_ranks must be [S={S}] int32, got {tuple(lora.slot_ranks.shape)} {lora.slot_ranks.dtype}")
+    return max(16, triton.next_power_of_2(R))
+
+
+def _check_tma(x, H, inter, cfg: FusedMoEConfig):
+    if not cfg.use_tma:
+        return
+    if not (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9):
+        raise ConfigError("use_tma=True needs a CUDA GPU of compute capability >= 9.0 (Hopper)")
+    if (H * x.element_size()) % 16 or (inter * x.element_size()) % 16:
+        raise ConfigError(f"use_tma=True needs 16-byte rows: H={H}, I={inter} in {x.dtype}")
+
+
+def _check_plan(plan: MoERoutingPlan, T, K, E, block_m):
+    if plan.layout not in ACCEPTED_LAYOUTS:
+        raise ConfigError(f"fused_moe accepts plan layouts {ACCEPTED_LAYOUTS}, got {plan.layout!r}")
+    _need((plan.num_tokens, plan.top_k, plan.num_experts, plan.block_m) == (T, K, E, block_m),
+          f"plan is for (T, K, E, block_m)={(plan.num_tokens, plan.top_k, plan.num_experts, plan.block_m)}, "
+          f"call needs {(T, K, E, block_m)}")
+
+
+def _lora_kernel_args(lora: ExpertLoRAArgs | None, dummy: torch.Tensor, which: str):
+    """Pointer and stride arguments of one GEMM's LoRA (gate_up or down); dummies without LoRA."""
+    if lora is None:
+        return dict(slots_ptr=dummy, ranks_ptr=dummy, a_ptr=dummy, b_ptr=dummy, stride_as=0, stride_ae=0,
+                    stride_ar=0, stride_bs=0, stride_be=0, stride_bn=0)
+    a, b = getattr(lora, f"{which}_a"), getattr(lora, f"{which}_b")
+    return dict(slots_ptr=lora.token_slots, ranks_ptr=lora.slot_ranks, a_ptr=a, b_ptr=b,
+                stride_as=a.stride(0), stride_ae=a.stride(1), stride_ar=a.stride(2),
+                stride_bs=b.stride(0), stride_be=b.stride(1), stride_bn=b.stride(2))
+
+
+def _shrink(src, xa, plan, lora, which, gather, k_dim, block_r, cfg):
+    a = getattr(lora, f"{which}_a")
+    split = cfg.lora_split_k
+    k_split = triton.cdiv(triton.cdiv(k_dim, split), cfg.lora_block_k) * cfg.lora_block_k
+    lora_shrink_kernel[(plan.max_blocks, split)](
+        src, xa, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots,
+        lora.slot_ranks, a, plan.num_routes, plan.top_k, k_dim, k_split, xa.shape[1], src.stride(0),
+        a.stride(0), a.stride(1), a.stride(2), GATHER_TOKENS=gather, BM=plan.block_m, BLOCK_R=block_r,
+        LORA_BK=cfg.lora_block_k, LORA_RC=_LORA_RC, num_warps=4, num_stages=2)
+
+
+def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, *, lora: ExpertLoRAArgs | None = None, out: torch.Tensor | None = None,
+              config: FusedMoEConfig | None = None, plan: MoERoutingPlan | None = None) -> torch.Tensor:
+    """Routed experts (+ routed LoRA) of `fused_moe_ref`, on the GPU. Returns `out` ([T, H], x's dtype;
+    a new tensor unless the caller passes its own `out=`). `plan` may be passed to share one routing
+    plan with other consumers; it must match this call's T, K, E and the config's block_m."""
+    T, H, E, inter, K = _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids)
+    block_r = _check_lora(lora, T, H, E, inter) if lora is not None else 16
+    if config is None:
+        name = torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
+        config = tuned_fused_moe_config(E, H, inter, T, K, x.dtype, name)
+    _check_tma(x, H, inter, config)
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _need(tuple(out.shape) == (T, H) and out.dtype == x.dtype and out.stride(1) == 1,
+          f"out must be [T={T}, H={H}] {x.dtype} with unit last stride")
+    if T == 0:
+        return out
+    _need(all(out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+              for t in (x, w_gate_up, w_down)), "out must not alias an input (contract 2)")
+    if plan is None:
+        plan = build_routing_plan(topk_ids, E, config.block_m)
+    _check_plan(plan, T, K, E, config.block_m)
+    P, BM, gu, dn = plan.sorted_route_ids.shape[0], config.block_m, config.gate_up, config.down
+    h = torch.empty(P, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
+    # inline computes BLOCK_R = pow2(pool rank) columns whatever the slot's rank; only a rank-16 pool
+    # keeps that rank-proportional, so wider pools always take the rank-chunked separate path.
+    separate = lora is not None and (config.lora_shrink == "separate" or block_r > _LORA_RC)
+    xa = torch.empty(config.lora_split_k, P, block_r, dtype=torch.float32, device=x.device) if separate else x
+    common = dict(sorted_ids_ptr=plan.sorted_route_ids, eob_ptr=plan.expert_of_block,
+                  num_padded_ptr=plan.num_padded, xa_ptr=xa, n_routes=T * K, top_k=K, H=H, inter=inter,
+                  num_blocks=plan.max_blocks, BM=BM, GROUP_M=config.group_m, HAS_LORA=lora is not None,
+                  INLINE_SHRINK=lora is not None and not separate, XA_SPLIT=config.lora_split_k,
+                  BLOCK_R=block_r, LORA_BK=config.lora_block_k, LORA_RC=_LORA_RC, USE_TMA=config.use_tma)
+    w_gu, w_dn, h_in = w_gate_up, w_down, h
+    if config.use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        w_gu = TensorDescriptor.from_tensor(w_gate_up.view(E * 2 * inter, H), [gu.block_n, gu.block_k])
+        w_dn = TensorDescriptor.from_tensor(w_down.view(E * H, inter), [dn.block_n, dn.block_k])
+        h_in = TensorDescriptor.from_tensor(h, [BM, dn.block_k])
+    if separate:
+        _shrink(x, xa, plan, lora, "gate_up", True, H, block_r, config)
+    gate_up_kernel[(plan.max_blocks * triton.cdiv(inter, gu.block_n),)](
+        x, w_gu, h, stride_xt=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
+        stride_hp=h.stride(0), BN=gu.block_n, BK=gu.block_k, num_warps=gu.num_warps,
+        num_stages=gu.num_stages, **common, **_lora_kernel_args(lora, x, "gate_up"))
+    if separate:
+        _shrink(h, xa, plan, lora, "down", False, inter, block_r, config)
+    down_kernel[(plan.max_blocks * triton.cdiv(H, dn.block_n),)](
+        h_in, h, w_dn, y, topk_weights.contiguous(), stride_hp=h.stride(0), stride_we=w_down.stride(0),
+        stride_wn=w_down.stride(1), stride_yr=y.stride(0), BN=dn.block_n, BK=dn.block_k,
+        num_warps=dn.num_warps, num_stages=dn.num_stages, **common, **_lora_kernel_args(lora, x, "down"))
+    bt = 1 if T < 64 else 4
+    bh = min(1024, triton.next_power_of_2(H))
+    combine_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](
+        y, out, T, H, y.stride(0), out.stride(0), TOP_K=K, BT=bt, BH=bh, num_warps=4)
+    return out

@@ -1,0 +1,46 @@
+"""Triton building blocks shared by the LoRA kernels (routed experts and dense linears).
+
+Shape legend: BM rows, BN output columns, R rank (BLOCK_R = pow2 >= 16 >= R), k_dim the input
+features. A [R, k_dim] and B [N, R] are one (slot, expert) or one slot's matrices, unit last
+stride. Loads are masked to the slot's rank: an adapter of rank r moves r rows of A / columns
+of B whatever the pool's R.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def lora_shrink_rows(src_ptr, rows, stride_src, sel, a_ptr, stride_ar, rank, k_start, k_end,
+                     BM: tl.constexpr, BLOCK_R: tl.constexpr, LORA_BK: tl.constexpr):
+    """[BM, BLOCK_R] fp32: src[rows, k_start:k_end] @ A[:, k_start:k_end]^T for the rows in `sel`
+    (zero elsewhere), rank-masked."""
+    offs_r = tl.arange(0, BLOCK_R)
+    xa = tl.zeros((BM, BLOCK_R), tl.float32)
+    for k0 in range(k_start, k_end, LORA_BK):
+        offs_k = k0 + tl.arange(0, LORA_BK)
+        kmask = offs_k < k_end
+        xt = tl.load(src_ptr + rows[:, None].to(tl.int64) * stride_src + offs_k[None, :],
+                     mask=sel[:, None] & kmask[None, :], other=0.0)
+        at = tl.load(a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None],
+                     mask=(offs_r[None, :] < rank) & kmask[:, None], other=0.0)
+        xa += tl.dot(xt, at.to(xt.dtype))
+    return xa
+
+
+@triton.jit
+def lora_b_tile(b_ptr, offs_n, n_limit, stride_bn, rank, BLOCK_R: tl.constexpr):
+    """[BLOCK_R, BN] tile of B^T (B is [N, R]), rank- and column-masked."""
+    offs_r = tl.arange(0, BLOCK_R)
+    return tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None],
+                   mask=(offs_r[:, None] < rank) & (offs_n[None, :] < n_limit), other=0.0)
+
+
+@triton.jit
+def lora_a_tile(a_ptr, k0, offs_k, k_dim, stride_ar, rank, BLOCK_R: tl.constexpr):
+    """[BK, BLOCK_R] tile of A^T (A is [R, k_dim]) at depth k0, rank- and depth-masked."""
+    offs_r = tl.arange(0, BLOCK_R)
+    return tl.load(a_ptr + offs_r[None, :] * stride_ar + (k0 + offs_k)[:, None],
+                   mask=(offs_r[None, :] < rank) & ((k0 + offs_k) < k_dim)[:, None], other=0.0)

@@ -1,0 +1,131 @@
+"""Launch configs of the fused MoE kernels: a frozen dataclass, and tuned tables per GPU.
+
+Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k.
+
+Tables live in `configs/fused_moe_<gpu>.json` (written by benchmarks/tune_fused_moe.py):
+  {"device": "...", "configs": {"E=128,H=2048,I=768,dtype=bfloat16": {"<M>": {config fields}}}}
+A launch picks the smallest tuned M >= T (else the largest); shapes with no table entry fall
+back to `default_fused_moe_config`. Nothing is autotuned at serving time.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+LORA_SHRINK_MODES = ("inline", "separate")
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    """Tile of one expert GEMM: BN output columns x BK reduction depth per step."""
+
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class FusedMoEConfig:
+    """block_m is the plan's block (rows per program, shared by both GEMMs).
+
+    lora_shrink "inline": each GEMM program computes rows @ A^T itself, fused into its K-loop (no
+    extra launch; best at decode, where blocks hold few rows and few slots). "separate": one
+    shrink kernel per GEMM (grid blocks x lora_split_k) writes xa [split, P, R] once per block,
+    and the GEMM epilogue only expands (best for large M, where the inline shrink would repeat
+    once per output tile; also the only path for pools of max rank > 16, where it loops over the
+    slot's own rank in 16-column chunks). use_tma: Hopper tensor descriptors for the
+    weight (and down-GEMM activation) tiles; the off switch of that path (contract 6)."""
+
+    block_m: int = 16
+    gate_up: GemmTile = field(default_factory=GemmTile)
+    down: GemmTile = field(default_factory=GemmTile)
+    group_m: int = 8
+    lora_shrink: str = "separate"
+    lora_block_k: int = 128
+    lora_split_k: int = 8
+    use_tma: bool = False
+
+    def __post_init__(self):
+        pow2 = [self.block_m, self.gate_up.block_n, self.gate_up.block_k, self.down.block_n,
+                self.down.block_k, self.lora_block_k]
+        if any(v < 16 or v & (v - 1) for v in pow2):
+            raise ValueError(f"block sizes must be powers of two >= 16: {self}")
+        if self.lora_split_k < 1:
+            raise ValueError(f"lora_split_k must be >= 1, got {self.lora_split_k}")
+        if self.lora_shrink not in LORA_SHRINK_MODES:
+            raise ValueError(f"lora_shrink must be one of {LORA_SHRINK_MODES}, got {self.lora_shrink!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> FusedMoEConfig:
+        d = dict(d)
+        for k in ("gate_up", "down"):
+            if k in d:
+                d[k] = GemmTile(**d[k])
+        return FusedMoEConfig(**d)
+
+
+def default_lora_split_k(num_tokens: int, top_k: int) -> int:
+    """Split of the separate LoRA shrink's reduction: many splits when there are few plan blocks
+    (decode), none when the blocks alone fill the GPU (each split re-reads its partials)."""
+    routes = num_tokens * top_k
+    return 8 if routes <= 1024 else 2 if routes <= 8192 else 1
+
+
+def default_fused_moe_config(num_experts: int, hidden: int, inter: int, num_tokens: int,
+                             top_k: int) -> FusedMoEConfig:
+    """Heuristic for shapes with no tuned entry, by routes per expert."""
+    per_expert = num_tokens * top_k / max(1, num_experts)
+    split = default_lora_split_k(num_tokens, top_k)
+    if per_expert <= 16:
+        tile = GemmTile(64, 128, 4, 4)
+        return FusedMoEConfig(16, tile, tile, lora_shrink="separate", lora_split_k=split)
+    if per_expert <= 64:
+        tile = GemmTile(64, 128, 4, 3)
+        return FusedMoEConfig(32, tile, tile, lora_shrink="separate", lora_split_k=split)
+    tile = GemmTile(128, 64, 8, 3)
+    return FusedMoEConfig(64, tile, tile, lora_shrink="separate", lora_split_k=split)
+
+
+def device_tag(device_name: str) -> str:
+    """'NVIDIA H200' -> 'nvidia_h200' (the config file suffix)."""
+    return re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_")
+
+
+def shape_key(num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> str:
+    return f"E={num_experts},H={hidden},I={inter},dtype={str(dtype).removeprefix('torch.')}"
+
+
+@functools.lru_cache(maxsize=16)
+def _load_table(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        return {}
+    return json.loads(p.read_text())["configs"]
+
+
+@functools.lru_cache(maxsize=1024)
+def tuned_fused_moe_config(num_experts: int, hidden: int, inter: int, num_tokens: int, top_k: int,
+                           dtype: torch.dtype, device_name: str) -> FusedMoEConfig:
+    """The tuned config for this shape on `device_name`, else the heuristic default."""
+    table = _load_table(str(CONFIG_DIR / f"fused_moe_{device_tag(device_name)}.json"))
+    per_m = table.get(shape_key(num_experts, hidden, inter, dtype))
+    if not per_m:
+        return default_fused_moe_config(num_experts, hidden, inter, num_tokens, top_k)
+    ms = sorted(int(m) for m in per_m)
+    pick = next((m for m in ms if m >= num_tokens), ms[-1])
+    return FusedMoEConfig.from_dict(per_m[str(pick)])
+
+
+def with_tma(config: FusedMoEConfig, use_tma: bool = True) -> FusedMoEConfig:
+    return replace(config, use_tma=use_tma)

@@ -1,0 +1,306 @@
+"""Triton kernels of the routed-expert GEMMs over a `MoERoutingPlan`, with the routed LoRA delta.
+
+Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, S adapter slots,
+R max rank (BLOCK_R = max(16, next_pow2(R))), P = plan rows (max_padded), BM = plan block_m.
+  x [T, H]            w_gate_up [E, 2I, H]   -> h [P, I]   (plan row order; padding rows unwritten)
+  h [P, I]            w_down    [E, H, I]    -> y [T*K, H] (route order, routing weight applied)
+  lora gate_up A [S, E, R, H], B [S, E, 2I, R]; down A [S, E, R, I], B [S, E, H, R]
+  xa [SPLIT, P, BLOCK_R] fp32: split-K partial LoRA shrinks (x A^T) per plan row ("separate").
+
+Program (pid_m, pid_n) owns rows [pid_m*BM, +BM) of the plan (one expert) and BN output columns.
+LoRA is computed in the base GEMM's own layout (contract 3); rows of one block may be on
+different slots (or none: slot -1 never enters any LoRA work).
+  inline (decode): the two largest distinct slots of the block are fused into the base K-loop:
+    each step also multiplies the x tile it already holds by A[s, e] (rank-masked loads, so a
+    rank-8 adapter in a rank-64 pool moves rank-8 bytes); the epilogue adds (xa) B[s, e]^T for
+    each before the activation / routing weight. Further slots (rare at decode) get a second
+    pass in the epilogue.
+  separate (prefill): lora_shrink_kernel computes xa once per block (grid blocks x SPLIT, so the
+    slot loop is short), and the GEMM epilogue only expands, slot by slot.
+USE_TMA: weight tiles (and h in the down GEMM, whose rows are contiguous in plan order) come
+through Hopper tensor descriptors; LoRA and everything else is unchanged.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from moelora.kernels.lora_tiles import lora_a_tile, lora_b_tile, lora_shrink_rows
+
+
+@triton.jit
+def _tile_ids(num_blocks, num_n, GROUP_M: tl.constexpr):
+    """Grouped order: GROUP_M consecutive blocks (often one expert) share each weight tile in L2."""
+    pid = tl.program_id(0)
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    size = tl.minimum(num_blocks - first_m, GROUP_M)
+    return first_m + (pid % width) % size, (pid % width) // size
+
+
+@triton.jit
+def _plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BM: tl.constexpr):
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    route = tl.load(sorted_ids_ptr + offs_m)
+    valid = route < n_routes
+    return offs_m, route, valid, route // top_k
+
+
+@triton.jit
+def _slot_base(ptr, s, e, stride_s, stride_e):
+    return ptr + tl.maximum(s, 0).to(tl.int64) * stride_s + e * stride_e
+
+
+@triton.jit
+def _rank_of(ranks_ptr, s):
+    return tl.where(s >= 0, tl.load(ranks_ptr + tl.maximum(s, 0)), 0)
+
+
+@triton.jit
+def _lora_head(slots_ptr, ranks_ptr, tok, valid):
+    """Row slots, the two largest distinct slots s0, s1 with their ranks (rank 0 when absent),
+    and the rows left for the epilogue loop (slot, or -1 once s0/s1 took them)."""
+    slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
+    s0 = tl.max(slot, axis=0)
+    rest = tl.where(slot == s0, -1, slot)
+    s1 = tl.max(rest, axis=0)
+    rest = tl.where(rest == s1, -1, rest)
+    return slot, rest, s0, _rank_of(ranks_ptr, s0), s1, _rank_of(ranks_ptr, s1)
+
+
+@triton.jit
+def _xa_chunk(xa_ptr, offs_m, sel, P, r0, SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, RC: tl.constexpr):
+    """Rank columns [r0, r0+RC) of the block's xa, summed over the SPLIT partials; rows not in sel
+    read nothing (and give 0)."""
+    offs_r = r0 + tl.arange(0, RC)
+    xa = tl.zeros((offs_m.shape[0], RC), tl.float32)
+    for sp in tl.static_range(SPLIT):
+        xa += tl.load(xa_ptr + (sp * P + offs_m[:, None]).to(tl.int64) * BLOCK_R + offs_r[None, :],
+                      mask=sel[:, None], other=0.0)
+    return xa
+
+
+@triton.jit
+def gate_up_kernel(
+    x_ptr, w, h_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr,
+    slots_ptr, ranks_ptr, a_ptr, b_ptr, xa_ptr,
+    n_routes, top_k, H, inter, num_blocks,
+    stride_xt, stride_we, stride_wn, stride_hp,
+    stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_LORA: tl.constexpr, INLINE_SHRINK: tl.constexpr, XA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
+    LORA_BK: tl.constexpr, LORA_RC: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    pid_m, pid_n = _tile_ids(num_blocks, tl.cdiv(inter, BN), GROUP_M)
+    if pid_m * BM >= tl.load(num_padded_ptr):
+        return
+    e = tl.load(eob_ptr + pid_m).to(tl.int64)
+    offs_m, route, valid, tok = _plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    x_rows = x_ptr + tok[:, None].to(tl.int64) * stride_xt
+    dt = x_ptr.dtype.element_ty
+    acc_g = tl.zeros((BM, BN), tl.float32)
+    acc_u = tl.zeros((BM, BN), tl.float32)
+    xa0 = tl.zeros((BM, BLOCK_R), tl.float32)
+    xa1 = tl.zeros((BM, BLOCK_R), tl.float32)
+    if HAS_LORA:
+        slot, rest, s0, r0, s1, r1 = _lora_head(slots_ptr, ranks_ptr, tok, valid)
+        a0 = _slot_base(a_ptr, s0, e, stride_as, stride_ae)
+        a1 = _slot_base(a_ptr, s1, e, stride_as, stride_ae)
+    if USE_TMA:
+        row_g = (e * 2 * inter + pid_n * BN).to(tl.int32)
+    else:
+        wg_ptrs = w + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    for k0 in range(0, H, BK):
+        k_ok = (k0 + offs_k) < H
+        xt = tl.load(x_rows + (k0 + offs_k)[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        if USE_TMA:
+            acc_g = tl.dot(xt, w.load([row_g, k0]).T, acc_g)
+            acc_u = tl.dot(xt, w.load([row_g + inter, k0]).T, acc_u)
+        else:
+            n_ok = offs_n[None, :] < inter
+            wg = tl.load(wg_ptrs + k0, mask=n_ok & k_ok[:, None], other=0.0)
+            wu = tl.load(wg_ptrs + inter * stride_wn + k0, mask=n_ok & k_ok[:, None], other=0.0)
+            acc_g = tl.dot(xt, wg, acc_g)
+            acc_u = tl.dot(xt, wu, acc_u)
+        if INLINE_SHRINK:
+            xa0 = tl.dot(xt, lora_a_tile(a0, k0, offs_k, H, stride_ar, r0, BLOCK_R).to(dt), xa0)
+            xa1 = tl.dot(xt, lora_a_tile(a1, k0, offs_k, H, stride_ar, r1, BLOCK_R).to(dt), xa1)
+    if HAS_LORA:
+        if INLINE_SHRINK:
+            if r0 > 0:
+                b0 = _slot_base(b_ptr, s0, e, stride_bs, stride_be)
+                xs = tl.where((slot == s0)[:, None], xa0, 0.0).to(dt)
+                acc_g = tl.dot(xs, lora_b_tile(b0, offs_n, inter, stride_bn, r0, BLOCK_R).to(dt), acc_g)
+                acc_u = tl.dot(xs, lora_b_tile(b0 + inter * stride_bn, offs_n, inter, stride_bn, r0,
+                                               BLOCK_R).to(dt), acc_u)
+            if r1 > 0:
+                b1 = _slot_base(b_ptr, s1, e, stride_bs, stride_be)
+                xs = tl.where((slot == s1)[:, None], xa1, 0.0).to(dt)
+                acc_g = tl.dot(xs, lora_b_tile(b1, offs_n, inter, stride_bn, r1, BLOCK_R).to(dt), acc_g)
+                acc_u = tl.dot(xs, lora_b_tile(b1 + inter * stride_bn, offs_n, inter, stride_bn, r1,
+                                               BLOCK_R).to(dt), acc_u)
+            s = tl.max(rest, axis=0)
+            while s >= 0:  # slots beyond the two fused ones: a second pass over x (from L2)
+                sel = rest == s
+                rank = tl.load(ranks_ptr + s)
+                if rank > 0:
+                    b_se = _slot_base(b_ptr, s, e, stride_bs, stride_be)
+                    a_se = _slot_base(a_ptr, s, e, stride_as, stride_ae)
+                    xs = lora_shrink_rows(x_ptr, tok, stride_xt, sel, a_se, stride_ar, rank, 0, H, BM, BLOCK_R,
+                                          LORA_BK).to(dt)
+                    acc_g = tl.dot(xs, lora_b_tile(b_se, offs_n, inter, stride_bn, rank, BLOCK_R).to(dt), acc_g)
+                    acc_u = tl.dot(xs, lora_b_tile(b_se + inter * stride_bn, offs_n, inter, stride_bn, rank,
+                                                   BLOCK_R).to(dt), acc_u)
+                rest = tl.where(sel, -1, rest)
+                s = tl.max(rest, axis=0)
+        else:  # xa precomputed: expand only, LORA_RC rank columns at a time, up to the slot's rank
+            s = tl.max(slot, axis=0)
+            while s >= 0:
+                sel = slot == s
+                rank = tl.load(ranks_ptr + s)
+                b_se = _slot_base(b_ptr, s, e, stride_bs, stride_be)
+                for r0 in range(0, rank, LORA_RC):
+                    xs = _xa_chunk(xa_ptr, offs_m, sel, num_blocks * BM, r0, XA_SPLIT, BLOCK_R, LORA_RC).to(dt)
+                    acc_g = tl.dot(xs, lora_b_tile(b_se + r0, offs_n, inter, stride_bn, rank - r0, LORA_RC).to(dt),
+                                   acc_g)
+                    acc_u = tl.dot(xs, lora_b_tile(b_se + inter * stride_bn + r0, offs_n, inter, stride_bn, rank - r0,
+                                                   LORA_RC).to(dt), acc_u)
+                slot = tl.where(sel, -1, slot)
+                s = tl.max(slot, axis=0)
+    hv = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_hp + offs_n[None, :],
+             hv.to(h_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < inter))
+
+
+@triton.jit
+def down_kernel(
+    h, h_ptr, w, y_ptr, topk_w_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr,
+    slots_ptr, ranks_ptr, a_ptr, b_ptr, xa_ptr,
+    n_routes, top_k, H, inter, num_blocks,
+    stride_hp, stride_we, stride_wn, stride_yr,
+    stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_LORA: tl.constexpr, INLINE_SHRINK: tl.constexpr, XA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
+    LORA_BK: tl.constexpr, LORA_RC: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    pid_m, pid_n = _tile_ids(num_blocks, tl.cdiv(H, BN), GROUP_M)
+    if pid_m * BM >= tl.load(num_padded_ptr):
+        return
+    e = tl.load(eob_ptr + pid_m).to(tl.int64)
+    offs_m, route, valid, tok = _plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    dt = h_ptr.dtype.element_ty
+    acc = tl.zeros((BM, BN), tl.float32)
+    xa0 = tl.zeros((BM, BLOCK_R), tl.float32)
+    xa1 = tl.zeros((BM, BLOCK_R), tl.float32)
+    if HAS_LORA:
+        slot, rest, s0, r0, s1, r1 = _lora_head(slots_ptr, ranks_ptr, tok, valid)
+        a0 = _slot_base(a_ptr, s0, e, stride_as, stride_ae)
+        a1 = _slot_base(a_ptr, s1, e, stride_as, stride_ae)
+    if USE_TMA:
+        row_w = (e * H + pid_n * BN).to(tl.int32)
+    else:
+        h_rows = h + offs_m[:, None].to(tl.int64) * stride_hp
+        w_ptrs = w + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    for k0 in range(0, inter, BK):
+        if USE_TMA:
+            ht = h.load([pid_m * BM, k0])
+            acc = tl.dot(ht, w.load([row_w, k0]).T, acc)
+        else:
+            k_ok = (k0 + offs_k) < inter
+            ht = tl.load(h_rows + (k0 + offs_k)[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+            wt = tl.load(w_ptrs + k0, mask=(offs_n[None, :] < H) & k_ok[:, None], other=0.0)
+            acc = tl.dot(ht, wt, acc)
+        if INLINE_SHRINK:
+            xa0 = tl.dot(ht, lora_a_tile(a0, k0, offs_k, inter, stride_ar, r0, BLOCK_R).to(dt), xa0)
+            xa1 = tl.dot(ht, lora_a_tile(a1, k0, offs_k, inter, stride_ar, r1, BLOCK_R).to(dt), xa1)
+    if HAS_LORA:
+        if INLINE_SHRINK:
+            if r0 > 0:
+                xs = tl.where((slot == s0)[:, None], xa0, 0.0).to(dt)
+                acc = tl.dot(xs, lora_b_tile(_slot_base(b_ptr, s0, e, stride_bs, stride_be), offs_n, H, stride_bn,
+                                             r0, BLOCK_R).to(dt), acc)
+            if r1 > 0:
+                xs = tl.where((slot == s1)[:, None], xa1, 0.0).to(dt)
+                acc = tl.dot(xs, lora_b_tile(_slot_base(b_ptr, s1, e, stride_bs, stride_be), offs_n, H, stride_bn,
+                                             r1, BLOCK_R).to(dt), acc)
+            s = tl.max(rest, axis=0)
+            while s >= 0:  # slots beyond the two fused ones: a second pass over h (from L2)
+                sel = rest == s
+                rank = tl.load(ranks_ptr + s)
+                if rank > 0:
+                    a_se = _slot_base(a_ptr, s, e, stride_as, stride_ae)
+                    xs = lora_shrink_rows(h_ptr, offs_m, stride_hp, sel, a_se, stride_ar, rank, 0, inter, BM,
+                                          BLOCK_R, LORA_BK).to(dt)
+                    acc = tl.dot(xs, lora_b_tile(_slot_base(b_ptr, s, e, stride_bs, stride_be), offs_n, H,
+                                                 stride_bn, rank, BLOCK_R).to(dt), acc)
+                rest = tl.where(sel, -1, rest)
+                s = tl.max(rest, axis=0)
+        else:  # xa precomputed: expand only, LORA_RC rank columns at a time, up to the slot's rank
+            s = tl.max(slot, axis=0)
+            while s >= 0:
+                sel = slot == s
+                rank = tl.load(ranks_ptr + s)
+                b_se = _slot_base(b_ptr, s, e, stride_bs, stride_be)
+                for r0 in range(0, rank, LORA_RC):
+                    xs = _xa_chunk(xa_ptr, offs_m, sel, num_blocks * BM, r0, XA_SPLIT, BLOCK_R, LORA_RC).to(dt)
+                    acc = tl.dot(xs, lora_b_tile(b_se + r0, offs_n, H, stride_bn, rank - r0, LORA_RC).to(dt), acc)
+                slot = tl.where(sel, -1, slot)
+                s = tl.max(slot, axis=0)
+    wt_route = tl.load(topk_w_ptr + route, mask=valid, other=0.0).to(tl.float32)
+    acc = acc * wt_route[:, None]
+    tl.store(y_ptr + route[:, None].to(tl.int64) * stride_yr + offs_n[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < H))
+
+
+@triton.jit
+def lora_shrink_kernel(
+    src_ptr, xa_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr, slots_ptr, ranks_ptr, a_ptr,
+    n_routes, top_k, k_dim, k_split, P, stride_src, stride_as, stride_ae, stride_ar,
+    GATHER_TOKENS: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr, LORA_BK: tl.constexpr,
+    LORA_RC: tl.constexpr,
+):
+    """xa[sp, rows, :rank] = src rows (x[token] or h[plan row]) @ A[s, e, :rank, k-split sp]^T for
+    every slot s of the block (rows of no slot are not written, and never read); grid
+    (blocks, SPLIT) keeps each program's serial slot loop short."""
+    pid_m = tl.program_id(0)
+    sp = tl.program_id(1)
+    if pid_m * BM >= tl.load(num_padded_ptr):
+        return
+    e = tl.load(eob_ptr + pid_m).to(tl.int64)
+    offs_m, route, valid, tok = _plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BM)
+    rows = tok if GATHER_TOKENS else offs_m
+    k_start = sp * k_split
+    k_end = tl.minimum(k_dim, k_start + k_split)
+    slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
+    s = tl.max(slot, axis=0)
+    while s >= 0:
+        sel = slot == s
+        rank = tl.load(ranks_ptr + s)
+        a_se = _slot_base(a_ptr, s, e, stride_as, stride_ae)
+        for r0 in range(0, rank, LORA_RC):  # only the slot's own rank columns, LORA_RC at a time
+            part = lora_shrink_rows(src_ptr, rows, stride_src, sel, a_se + r0 * stride_ar, stride_ar, rank - r0,
+                                    k_start, k_end, BM, LORA_RC, LORA_BK)
+            tl.store(xa_ptr + (sp * P + offs_m[:, None]).to(tl.int64) * BLOCK_R + (r0 + tl.arange(0, LORA_RC))[None, :],
+                     part, mask=sel[:, None])
+        slot = tl.where(sel, -1, slot)
+        s = tl.max(slot, axis=0)
+
+
+@triton.jit
+def combine_kernel(y_ptr, out_ptr, T, H, stride_yr, stride_ot, TOP_K: tl.constexpr, BT: tl.constexpr,
+                   BH: tl.constexpr):
+    """out[t] = sum_k y[t*K + k] in fp32, in fixed k order (deterministic, no atomics)."""
+    offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    mask = (offs_t[:, None] < T) & (offs_h[None, :] < H)
+    acc = tl.zeros((BT, BH), tl.float32)
+    for k in tl.static_range(TOP_K):
+        rows = (offs_t * TOP_K + k).to(tl.int64)
+        acc += tl.load(y_ptr + rows[:, None] * stride_yr + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_t[:, None].to(tl.int64) * stride_ot + offs_h[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,163 @@
+"""Routing plan on the device: expert-sorted, block-padded route order (contract 3).
+
+Shape legend: T tokens, K top-k, E experts, BM = block_m rows per GEMM block,
+P = max_padded = max_blocks * BM (from T, K, E, BM only: `plan_capacity`), C routes per chunk.
+
+`build_routing_plan(topk_ids [T, K], E, BM)` -> `MoERoutingPlan`. A counting sort with no host
+sync and fixed output sizes, so it can be captured in a CUDA graph. Small batches (decode) use
+one program and one launch; large ones three launches (count per chunk / scan / scatter) so the
+chunks run in parallel. Every output position is written by exactly one program (routes,
+per-expert padding and the tail are disjoint), so no phase needs a barrier. Within an expert,
+routes keep ascending route id: the plan is bit-identical to `reference.build_routing_plan_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moelora.kernels.reference import (
+    EXPERT_SORTED_PADDED,
+    MoERoutingPlan,
+    build_routing_plan_ref,
+    plan_capacity,
+)
+
+__all__ = ["EXPERT_SORTED_PADDED", "MoERoutingPlan", "build_routing_plan", "build_routing_plan_ref",
+           "plan_capacity"]
+
+LAYOUTS = (EXPERT_SORTED_PADDED,)
+_SINGLE_PROGRAM_MAX_CHUNKS = 8  # up to 8 chunks one program is cheaper than three launches
+
+
+@triton.jit
+def _chunk_onehot(ids_ptr, start, n_routes, E, C: tl.constexpr, BLOCK_E: tl.constexpr):
+    offs = start + tl.arange(0, C)
+    valid = offs < n_routes
+    e = tl.load(ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
+    cols = tl.arange(0, BLOCK_E)
+    onehot = ((e[:, None] == cols[None, :]) & (cols[None, :] < E)).to(tl.int32)
+    return offs, valid, onehot
+
+
+@triton.jit
+def _scatter_chunk(ids_ptr, sorted_ptr, start, base, n_routes, E, C: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Write the chunk's route ids at base[e] + rank-within-chunk; return the advanced base."""
+    offs, valid, onehot = _chunk_onehot(ids_ptr, start, n_routes, E, C, BLOCK_E)
+    rank = tl.sum((tl.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
+    pos = tl.sum(onehot * base[None, :], axis=1) + rank
+    tl.store(sorted_ptr + pos, offs.to(tl.int32), mask=valid)
+    return base + tl.sum(onehot, axis=0)
+
+
+@triton.jit
+def _layout(counts, sorted_ptr, eob_ptr, num_padded_ptr, n_routes, E, max_blocks,
+            BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+    """From per-expert counts: padding sentinels, tail sentinels, expert_of_block, num_padded.
+    Returns the padded start offset of every expert."""
+    cols = tl.arange(0, BLOCK_E)
+    padded = (counts + BM - 1) // BM * BM
+    pend = tl.cumsum(padded, axis=0)
+    poff = pend - padded
+    total = tl.sum(padded, axis=0)
+    j = tl.arange(0, BM)
+    pad_mask = (j[None, :] < (padded - counts)[:, None]) & (cols[:, None] < E)
+    sentinel = tl.full((BLOCK_E, BM), 0, tl.int32) + n_routes
+    tl.store(sorted_ptr + (poff + counts)[:, None] + j[None, :], sentinel, mask=pad_mask)
+    for b0 in range(0, max_blocks, BLOCK_B):
+        blk = b0 + tl.arange(0, BLOCK_B)
+        start = blk * BM
+        ends_before = (pend[None, :] <= start[:, None]) & (cols[None, :] < E)
+        expert = tl.sum(ends_before.to(tl.int32), axis=1)
+        expert = tl.where(start < total, expert, -1)
+        tl.store(eob_ptr + blk, expert, mask=blk < max_blocks)
+        tail = (start[:, None] >= total) & (blk[:, None] < max_blocks)
+        tl.store(sorted_ptr + start[:, None] + j[None, :], tl.full((BLOCK_B, BM), 0, tl.int32) + n_routes,
+                 mask=tail)
+    tl.store(num_padded_ptr, total)
+    return poff
+
+
+@triton.jit
+def _plan_single_kernel(ids_ptr, sorted_ptr, eob_ptr, num_padded_ptr, n_routes, E, max_blocks,
+                        BM: tl.constexpr, C: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+    counts = tl.zeros((BLOCK_E,), tl.int32)
+    for start in range(0, n_routes, C):
+        _, _, onehot = _chunk_onehot(ids_ptr, start, n_routes, E, C, BLOCK_E)
+        counts += tl.sum(onehot, axis=0)
+    base = _layout(counts, sorted_ptr, eob_ptr, num_padded_ptr, n_routes, E, max_blocks, BM, BLOCK_E, BLOCK_B)
+    for start in range(0, n_routes, C):
+        base = _scatter_chunk(ids_ptr, sorted_ptr, start, base, n_routes, E, C, BLOCK_E)
+
+
+@triton.jit
+def _plan_count_kernel(ids_ptr, counts_ptr, n_routes, E, C: tl.constexpr, BLOCK_E: tl.constexpr):
+    c = tl.program_id(0)
+    _, _, onehot = _chunk_onehot(ids_ptr, c * C, n_routes, E, C, BLOCK_E)
+    tl.store(counts_ptr + c * BLOCK_E + tl.arange(0, BLOCK_E), tl.sum(onehot, axis=0))
+
+
+@triton.jit
+def _plan_scan_kernel(counts_ptr, base_ptr, sorted_ptr, eob_ptr, num_padded_ptr, n_chunks, n_routes, E,
+                      max_blocks, BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+    cols = tl.arange(0, BLOCK_E)
+    counts = tl.zeros((BLOCK_E,), tl.int32)
+    for c in range(0, n_chunks):
+        counts += tl.load(counts_ptr + c * BLOCK_E + cols)
+    base = _layout(counts, sorted_ptr, eob_ptr, num_padded_ptr, n_routes, E, max_blocks, BM, BLOCK_E, BLOCK_B)
+    for c in range(0, n_chunks):
+        tl.store(base_ptr + c * BLOCK_E + cols, base)
+        base += tl.load(counts_ptr + c * BLOCK_E + cols)
+
+
+@triton.jit
+def _plan_scatter_kernel(ids_ptr, base_ptr, sorted_ptr, n_routes, E, C: tl.constexpr, BLOCK_E: tl.constexpr):
+    c = tl.program_id(0)
+    base = tl.load(base_ptr + c * BLOCK_E + tl.arange(0, BLOCK_E))
+    _scatter_chunk(ids_ptr, sorted_ptr, c * C, base, n_routes, E, C, BLOCK_E)
+
+
+def build_routing_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
+                       layout: str = EXPERT_SORTED_PADDED) -> MoERoutingPlan:
+    """Expert-sorted, block_m-padded plan for topk_ids [T, K] (int32/int64, values in [0, E)).
+
+    Raises ValueError for a layout no consumer accepts, a block_m that is not a power of two
+    >= 16, or mis-shaped ids. Launches on topk_ids' device; never syncs with the host."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"routing-plan layout {layout!r} is not one of {LAYOUTS}")
+    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be [T, K] int32/int64, got {tuple(topk_ids.shape)} {topk_ids.dtype}")
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    T, K = topk_ids.shape
+    n = T * K
+    max_padded, max_blocks = plan_capacity(n, num_experts, block_m)
+    dev = topk_ids.device
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
+    eob = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    plan = MoERoutingPlan(sorted_route_ids=sorted_ids, expert_of_block=eob, num_padded=num_padded,
+                          block_m=block_m, num_tokens=T, top_k=K, num_experts=num_experts, layout=layout)
+    if n == 0:
+        num_padded.zero_()
+        return plan
+    ids = topk_ids.contiguous().view(-1)
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    chunk = min(256, max(16, 16384 // block_e), max(16, triton.next_power_of_2(n)))
+    block_b = max(16, min(128, 4096 // block_m, triton.next_power_of_2(max_blocks)))
+    n_chunks = triton.cdiv(n, chunk)
+    if n_chunks <= _SINGLE_PROGRAM_MAX_CHUNKS:
+        _plan_single_kernel[(1,)](ids, sorted_ids, eob, num_padded, n, num_experts, max_blocks,
+                                  BM=block_m, C=chunk, BLOCK_E=block_e, BLOCK_B=block_b, num_warps=8)
+        return plan
+    counts = torch.empty(n_chunks, block_e, dtype=torch.int32, device=dev)
+    bases = torch.empty_like(counts)
+    _plan_count_kernel[(n_chunks,)](ids, counts, n, num_experts, C=chunk, BLOCK_E=block_e, num_warps=4)
+    _plan_scan_kernel[(1,)](counts, bases, sorted_ids, eob, num_padded, n_chunks, n, num_experts, max_blocks,
+                            BM=block_m, BLOCK_E=block_e, BLOCK_B=block_b, num_warps=8)
+    _plan_scatter_kernel[(n_chunks,)](ids, bases, sorted_ids, n, num_experts, C=chunk, BLOCK_E=block_e,
+                                      num_warps=4)
+    return plan

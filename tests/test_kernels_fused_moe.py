@@ -1,0 +1,247 @@
+"""fused_moe (Triton) vs fused_moe_ref (torch twin): base experts, routed multi-LoRA, TMA, graphs.
+
+Interpreter tests (tiny, fp16/fp32) run when TRITON_INTERPRET=1 or on CUDA; `gpu` tests run real
+shapes in bf16 against an fp32 reference (relative error <= 1e-2).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from moelora.errors import ConfigError  # noqa: E402
+from moelora.kernels.fused_moe import fused_moe  # noqa: E402
+from moelora.kernels.moe_config import FusedMoEConfig, GemmTile  # noqa: E402
+from moelora.kernels.moe_plan import build_routing_plan  # noqa: E402
+from moelora.kernels.reference import ExpertLoRAArgs, SlotRows, fused_moe_ref  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cuda" if CUDA and not INTERP else "cpu"
+kernel_test = pytest.mark.skipif(not (INTERP or CUDA), reason="needs TRITON_INTERPRET=1 or CUDA")
+gpu_only = pytest.mark.skipif(not CUDA or INTERP, reason="needs CUDA (not the interpreter)")
+TINY = GemmTile(32, 32, 4, 2)
+
+
+def tiny_config(shrink="inline", tma=False, bm=16):
+    return FusedMoEConfig(bm, TINY, TINY, lora_shrink=shrink, lora_block_k=32, use_tma=tma)
+
+
+def make_case(T, H, inter, E, K, *, ranks=(), R=0, dtype=torch.float32, device="cpu", seed=0,
+              slots=None, one_expert=None):
+    """Random MoE inputs (never zeros). ranks: per-slot rank (0 = empty slot); slots: token slots."""
+    g = torch.Generator().manual_seed(seed)  # routing and slots
+    gd = torch.Generator(device=device).manual_seed(seed)  # tensors, drawn where they live
+
+    def rn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gd, device=device) * scale).to(dtype)
+
+    x = rn(T, H)
+    w_gu, w_d = rn(E, 2 * inter, H, scale=H ** -0.5), rn(E, H, inter, scale=inter ** -0.5)
+    if one_expert is not None:
+        ids = torch.full((T, K), one_expert, dtype=torch.int64)
+    else:
+        ids = torch.rand(T, E, generator=g).topk(K, dim=1).indices
+    wts = (torch.rand(T, K, generator=g) + 0.1).to(dtype).to(device)
+    lora = None
+    if ranks:
+        S = len(ranks)
+        ga, gb = rn(S, E, R, H, scale=H ** -0.5), rn(S, E, 2 * inter, R, scale=R ** -0.5)
+        da, db = rn(S, E, R, inter, scale=inter ** -0.5), rn(S, E, H, R, scale=R ** -0.5)
+        for s, r in enumerate(ranks):  # a slot of rank r < R has zeros beyond column r
+            for t in (ga[s, :, r:], gb[s, :, :, r:], da[s, :, r:], db[s, :, :, r:]):
+                t.zero_()
+        if slots is None:
+            slots = torch.randint(-1, S, (T,), generator=g, dtype=torch.int32)
+        slots = torch.as_tensor(slots, dtype=torch.int32)
+        active = tuple(SlotRows(s, ranks[s], (slots == s).nonzero().squeeze(1).to(device))
+                       for s in range(S) if ranks[s] > 0 and bool((slots == s).any()))
+        lora = ExpertLoRAArgs(ga, gb, da, db, slots.to(device), torch.tensor(ranks, dtype=torch.int32,
+                              device=device), active)
+    return x, w_gu, w_d, wts, ids.to(device), lora
+
+
+def reference(x, w_gu, w_d, wts, ids, lora, dtype=torch.float64):
+    up = lambda t: t.to(dtype)
+    lr = None
+    if lora is not None:
+        lr = ExpertLoRAArgs(up(lora.gate_up_a), up(lora.gate_up_b), up(lora.down_a), up(lora.down_b),
+                            lora.token_slots, lora.slot_ranks, lora.active)
+    return fused_moe_ref(up(x), up(w_gu), up(w_d), up(wts), ids, lora=lr)
+
+
+def rel_err(got, want):
+    assert not torch.isnan(got).any(), "NaN in output (unwritten rows?)"
+    return ((got.to(want.dtype) - want).norm() / want.norm()).item()
+
+
+def run_checked(case, config, tol):
+    x, w_gu, w_d, wts, ids, lora = case
+    x_before = x.clone()
+    out = torch.full_like(x, float("nan"))
+    got = fused_moe(x, w_gu, w_d, wts, ids, lora=lora, out=out, config=config)
+    assert got is out
+    assert torch.equal(x, x_before), "fused_moe wrote into its input"
+    err = rel_err(got, reference(*case))
+    assert err <= tol, err
+    return got
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 1e-2)])
+def test_base_experts_awkward_sizes(dtype, tol):
+    run_checked(make_case(7, 40, 24, 5, 2, dtype=dtype, device=DEV, seed=1), tiny_config(), tol)
+
+
+@kernel_test
+def test_one_token_and_zero_tokens():
+    run_checked(make_case(1, 48, 40, 6, 3, ranks=(24, 8), R=24, device=DEV, seed=2, slots=[1]),
+                tiny_config(), 1e-4)
+    x, w_gu, w_d, wts, ids, _ = make_case(0, 32, 16, 4, 2, device=DEV)
+    assert fused_moe(x, w_gu, w_d, wts, ids, config=tiny_config()).shape == (0, 32)
+
+
+# "inline" is only taken for pools of rank <= 16 (wider pools go the rank-chunked separate path)
+SHRINK_POOLS = [("inline", 16), ("separate", 24)]
+
+
+@kernel_test
+@pytest.mark.parametrize("shrink,R", SHRINK_POOLS)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 1e-2)])
+def test_mixed_adapters_ranks_below_max(shrink, R, dtype, tol):
+    # slot 0 full rank, slot 1 rank 5 of R, slot 2 empty (rank 0); some rows on no adapter
+    case = make_case(9, 48, 40, 6, 2, ranks=(R, 5, 0), R=R, dtype=dtype, device=DEV, seed=3,
+                     slots=[0, -1, 1, 1, 0, 2, -1, 1, 0])
+    run_checked(case, tiny_config(shrink), tol)
+
+
+@kernel_test
+@pytest.mark.parametrize("shrink,R", SHRINK_POOLS)
+def test_many_slots_in_one_block(shrink, R):
+    # 3 experts, 14 tokens: blocks hold 4 adapters (more than the 2 fused into the K-loop) and no-adapter rows
+    case = make_case(14, 32, 24, 3, 2, ranks=(R, 5, 16, 8), R=R, dtype=torch.float16, device=DEV, seed=7,
+                     slots=[0, 1, 2, 3, -1, 3, 2, 1, 0, -1, 1, 2, 3, 0])
+    run_checked(case, tiny_config(shrink), 1e-2)
+
+
+@kernel_test
+def test_all_routes_on_one_expert_with_empty_experts():
+    case = make_case(20, 32, 24, 6, 1, ranks=(16, 3), R=16, device=DEV, seed=4, one_expert=4)
+    run_checked(case, tiny_config("separate"), 1e-4)
+
+
+@kernel_test
+def test_tma_layout_equals_plain_in_interpreter():
+    if not INTERP:
+        pytest.skip("the GPU twin of this test is test_gpu_tma_equals_plain_with_lora")
+    import moelora.kernels.fused_moe as fm
+
+    case = make_case(11, 48, 40, 6, 2, ranks=(24, 8), R=24, device=DEV, seed=5)
+    plain = fused_moe(*case[:5], lora=case[5], config=tiny_config())
+    check = fm._check_tma
+    fm._check_tma = lambda *a: None  # the interpreter has no Hopper; run the same kernel code
+    try:
+        tma = fused_moe(*case[:5], lora=case[5], config=tiny_config(tma=True))
+    finally:
+        fm._check_tma = check
+    assert torch.equal(tma, plain)
+
+
+@kernel_test
+def test_shared_plan_and_validation():
+    x, w_gu, w_d, wts, ids, lora = make_case(5, 32, 16, 4, 2, ranks=(16,), R=16, device=DEV, seed=6)
+    plan = build_routing_plan(ids, 4, 16)
+    got = fused_moe(x, w_gu, w_d, wts, ids, lora=lora, config=tiny_config(), plan=plan)
+    assert rel_err(got, reference(x, w_gu, w_d, wts, ids, lora)) < 1e-4
+    with pytest.raises(ValueError, match="block_m"):
+        fused_moe(x, w_gu, w_d, wts, ids, config=tiny_config(bm=32), plan=plan)
+    with pytest.raises(ValueError, match="w_down"):
+        fused_moe(x, w_gu, w_d[:, :, :-1], wts, ids, config=tiny_config())
+    with pytest.raises(ValueError, match="alias"):
+        fused_moe(x, w_gu, w_d, wts, ids, out=x, config=tiny_config())
+    if not CUDA:
+        with pytest.raises(ConfigError, match="tma"):
+            fused_moe(x, w_gu, w_d, wts, ids, config=tiny_config(tma=True))
+
+
+# ---------------------------------------------------------------- GPU, real shapes, bf16 ---------
+
+QWEN3 = dict(H=2048, I=768, E=128, K=8)
+MIXTRAL = dict(H=4096, I=14336, E=8, K=2)
+
+
+def gpu_case(shape, T, seed, ranks=(64, 16, 8, 0, 64, 32, 16, 8), R=64):
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randint(-1, len(ranks), (T,), generator=g, dtype=torch.int32) if ranks else None
+    return make_case(T, shape["H"], shape["I"], shape["E"], shape["K"], ranks=ranks, R=R,
+                     dtype=torch.bfloat16, device="cuda", seed=seed, slots=slots)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("T", [1, 33, 512])
+@pytest.mark.parametrize("shrink", ["inline", "separate"])
+def test_gpu_qwen3_shape_bf16_lora(T, shrink):
+    pool = dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16) if shrink == "inline" else {}
+    case = gpu_case(QWEN3, T, seed=T, **pool)
+    from moelora.kernels.moe_config import tuned_fused_moe_config
+
+    cfg = tuned_fused_moe_config(128, 2048, 768, T, 8, torch.bfloat16, torch.cuda.get_device_name())
+    cfg = replace(cfg, lora_shrink=shrink, use_tma=False)
+    torch.cuda.set_sync_debug_mode("error")  # contract 5: no host sync in the forward
+    try:
+        out = fused_moe(*case[:5], lora=case[5], out=torch.full_like(case[0], float("nan")), config=cfg)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert rel_err(out, reference(*case, dtype=torch.float32)) <= 1e-2
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("T", [3, 200])
+def test_gpu_mixtral_shape_bf16(T):
+    case = gpu_case(MIXTRAL, T, seed=10 + T, ranks=(16, 8), R=16)
+    out = fused_moe(*case[:5], lora=case[5])
+    assert rel_err(out, reference(*case, dtype=torch.float32)) <= 1e-2
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("T", [1, 64, 700])
+def test_gpu_tma_equals_plain_with_lora(T):
+    case = gpu_case(QWEN3, T, seed=20 + T)
+    from moelora.kernels.moe_config import tuned_fused_moe_config, with_tma
+
+    cfg = tuned_fused_moe_config(128, 2048, 768, T, 8, torch.bfloat16, torch.cuda.get_device_name())
+    plain = fused_moe(*case[:5], lora=case[5], config=with_tma(cfg, False))
+    tma = fused_moe(*case[:5], lora=case[5], config=with_tma(cfg, True))
+    assert rel_err(tma, plain.float()) <= 1e-3
+    assert rel_err(tma, reference(*case, dtype=torch.float32)) <= 1e-2
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_gpu_cuda_graph_replay_equals_eager_and_is_deterministic():
+    T = 24
+    static = gpu_case(QWEN3, T, seed=30)
+    x, w_gu, w_d, wts, ids, lora = static
+    out = torch.empty_like(x)
+    fused_moe(x, w_gu, w_d, wts, ids, lora=lora, out=out)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe(x, w_gu, w_d, wts, ids, lora=lora, out=out)
+    fresh = gpu_case(QWEN3, T, seed=31)  # same weights are not needed: copy every input
+    for dst, src in zip(static[:5], fresh[:5], strict=True):
+        dst.copy_(src)
+    for f in ("gate_up_a", "gate_up_b", "down_a", "down_b", "token_slots", "slot_ranks"):
+        getattr(lora, f).copy_(getattr(fresh[5], f))
+    graph.replay()
+    eager = fused_moe(*fresh[:5], lora=fresh[5])
+    assert torch.equal(out, eager)
+    assert torch.equal(eager, fused_moe(*fresh[:5], lora=fresh[5]))

@@ -1,0 +1,103 @@
+"""Routing plan kernel vs its torch twin (bit-identical), plus the plan's invariants.
+
+Interpreter tests run when TRITON_INTERPRET=1 (set before triton is imported: `make test` runs
+the kernel tests in their own pytest process) or on CUDA; `gpu` tests need CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from moelora.kernels.moe_plan import (  # noqa: E402
+    build_routing_plan,
+    build_routing_plan_ref,
+    plan_capacity,
+)
+
+CUDA = torch.cuda.is_available()
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cuda" if CUDA and not INTERP else "cpu"
+kernel_test = pytest.mark.skipif(not (INTERP or CUDA), reason="needs TRITON_INTERPRET=1 or CUDA")
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA or INTERP, reason="needs CUDA (not the interpreter)")]
+
+
+def _topk_ids(T, K, E, dtype=torch.int64, device="cpu", gen=None):
+    if T == 0:
+        return torch.empty(0, K, dtype=dtype, device=device)
+    scores = torch.rand(T, E, generator=gen)
+    return scores.topk(K, dim=1).indices.to(dtype).to(device)
+
+
+def _check_plan(ids, E, bm):
+    plan = build_routing_plan(ids, E, bm)
+    ref = build_routing_plan_ref(ids, E, bm)
+    for f in ("sorted_route_ids", "expert_of_block", "num_padded"):
+        got, want = getattr(plan, f), getattr(ref, f)
+        assert got.dtype == torch.int32 and got.shape == want.shape, f
+        assert torch.equal(got.cpu(), want.cpu()), f
+    # invariants: every route exactly once, padding is the sentinel, blocks hold one expert
+    T, K = ids.shape
+    n = T * K
+    sid = plan.sorted_route_ids.cpu().long()
+    npad = int(plan.num_padded.cpu()[0])
+    assert npad % bm == 0 and sid.shape[0] == plan_capacity(n, E, bm)[0] >= npad
+    assert torch.equal(torch.sort(sid[sid < n]).values, torch.arange(n))
+    assert bool((sid[npad:] == n).all())
+    eob = plan.expert_of_block.cpu().long()
+    flat = ids.reshape(-1).cpu().long()
+    for b in range(eob.shape[0]):
+        rows = sid[b * bm:(b + 1) * bm]
+        real = rows[rows < n]
+        if b * bm >= npad:
+            assert eob[b] == -1
+        else:
+            assert bool((flat[real] == eob[b]).all())
+    return plan
+
+
+@kernel_test
+@pytest.mark.parametrize("T,K,E,bm", [(0, 2, 4, 16), (1, 1, 3, 16), (1, 8, 128, 16), (5, 3, 7, 16),
+                                      (37, 4, 6, 32), (300, 8, 16, 16), (700, 6, 64, 64)])
+def test_plan_matches_twin(T, K, E, bm):
+    gen = torch.Generator().manual_seed(T * 131 + E)
+    _check_plan(_topk_ids(T, K, E, gen=gen, device=DEV), E, bm)
+
+
+@kernel_test
+def test_plan_all_routes_one_expert_and_empty_experts():
+    ids = torch.full((40, 1), 3, dtype=torch.int32, device=DEV)
+    plan = _check_plan(ids, 9, 16)
+    assert int(plan.num_padded.cpu()[0]) == 48
+    assert plan.expert_of_block.cpu().tolist()[:3] == [3, 3, 3]
+
+
+@kernel_test
+def test_plan_int32_ids_and_rejects_bad_args():
+    ids = _topk_ids(9, 2, 5, dtype=torch.int32, device=DEV)
+    _check_plan(ids, 5, 16)
+    with pytest.raises(ValueError, match="layout"):
+        build_routing_plan(ids, 5, 16, layout="route_major")
+    with pytest.raises(ValueError, match="block_m"):
+        build_routing_plan(ids, 5, 24)
+    with pytest.raises(ValueError, match="topk_ids"):
+        build_routing_plan(ids.float(), 5, 16)
+
+
+@pytest.mark.parametrize("T,K,E,bm", [(1, 8, 128, 16), (33, 6, 64, 16), (4096, 8, 128, 64), (4096, 2, 8, 128)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or INTERP, reason="needs CUDA (not the interpreter)")
+def test_plan_gpu_real_sizes_no_sync(T, K, E, bm):
+    ids = _topk_ids(T, K, E, device="cuda", gen=torch.Generator().manual_seed(T))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        plan = build_routing_plan(ids, E, bm)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = build_routing_plan_ref(ids, E, bm)
+    for f in ("sorted_route_ids", "expert_of_block", "num_padded"):
+        assert torch.equal(getattr(plan, f), getattr(ref, f)), f
