@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+# Grouped routers, shared experts, dense first layers; DeepSeek with multi-head latent attention.
+DEEPSEEK_GLM_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe")
 
 
 def tiny_hf_config(family: str, **overrides):
@@ -35,14 +37,40 @@ def tiny_hf_config(family: str, **overrides):
     elif family == "olmoe":
         cfg = dict(common, num_experts=6, intermediate_size=40, norm_topk_prob=False)
         cls = tf.OlmoeConfig
+    elif family in DEEPSEEK_GLM_FAMILIES:
+        cfg, cls = _deepseek_glm_config(family, common)
     else:
         raise ValueError(family)
     cfg.update(overrides)
     return cls(**cfg)
 
 
-def randomize_(model, seed: int = 0, std: float = 0.08, router_std: float = 0.3) -> None:
-    """Fill every parameter with random values (routers wider, norms near 1)."""
+def _deepseek_glm_config(family: str, common: dict):
+    """Awkward sizes: v_head_dim != qk_nope_head_dim, odd head counts, groups that bind."""
+    import transformers as tf
+
+    moe = dict(moe_intermediate_size=16, intermediate_size=40, first_k_dense_replace=1, n_shared_experts=2)
+    mla = dict(kv_lora_rank=20, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10)
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if family == "deepseek_v2":
+        cfg = dict(common, **moe, **mla, num_attention_heads=3, num_key_value_heads=3, q_lora_rank=None,
+                   n_routed_experts=6, topk_method="group_limited_greedy", n_group=3, topk_group=2,
+                   routed_scaling_factor=1.5, norm_topk_prob=False, rope_parameters=rope)
+        return cfg, tf.DeepseekV2Config
+    if family == "deepseek_v3":
+        cfg = dict(common, **dict(moe, n_shared_experts=1), **mla, num_key_value_heads=4, q_lora_rank=24,
+                   n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3, routed_scaling_factor=2.5,
+                   norm_topk_prob=True, rope_interleave=True, attention_bias=True, rope_parameters=rope)
+        return cfg, tf.DeepseekV3Config
+    cfg = dict(common, **moe, head_dim=16, n_routed_experts=6, n_group=2, topk_group=1, routed_scaling_factor=1.8,
+               norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+               rope_parameters=dict(rope, partial_rotary_factor=0.5))
+    return cfg, tf.Glm4MoeConfig
+
+
+def randomize_(model, seed: int = 0, std: float = 0.08, router_std: float = 0.3, bias_std: float = 0.1) -> None:
+    """Fill every parameter with random values (routers wider, norms near 1), and the router
+    correction bias buffers (DeepSeek-V3, GLM) too."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -53,6 +81,9 @@ def randomize_(model, seed: int = 0, std: float = 0.08, router_std: float = 0.3)
                 p.copy_(router_std * noise)
             else:
                 p.copy_(std * noise)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(bias_std * torch.randn(b.shape, generator=g, dtype=torch.float64))
 
 
 def tiny_hf_model(family: str, *, seed: int = 0, dtype=torch.float32, **overrides):

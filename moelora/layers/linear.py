@@ -54,3 +54,15 @@ class Linear(nn.Module):
 
             return lora_linear(x, self.weight, self.bias, args)
         return lora_linear_ref(x, self.weight, self.bias, args)
+
+    def forward_one_slot(self, x: torch.Tensor, slot: torch.Tensor | None) -> torch.Tensor:
+        """Rows that all belong to one adapter slot, given as a 0-d int device tensor (-1: none), so
+        rows outside the step (an MLA layer's cached latents) get their request's LoRA with no host
+        sync. The slot's full R columns are used: a lower-rank slot is zero beyond its rank."""
+        y = self.forward(x)
+        if slot is None or not self.has_lora:
+            return y
+        index = slot.clamp(min=0).long().view(1)
+        a = self.lora_a.index_select(0, index)[0].to(x.dtype)  # [R, N_in]
+        b = self.lora_b.index_select(0, index)[0].to(x.dtype)  # [N_out, R]
+        return y + ((x @ a.t()) @ b.t()) * (slot >= 0).to(x.dtype)

@@ -1,8 +1,10 @@
-"""Sparse MoE block: router, routed experts with their LoRA, optional gated shared expert.
+"""Sparse MoE block: router, routed experts with their LoRA, optional shared expert(s).
 
 Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, S adapter slots,
 R max rank. Parameter names follow transformers 5 (`gate.weight`, `experts.gate_up_proj
-[E, 2I, H]`, `experts.down_proj [E, H, I]`, `shared_expert.*`, `shared_expert_gate.weight`).
+[E, 2I, H]`, `experts.down_proj [E, H, I]`; Qwen2's gated `shared_expert.*` +
+`shared_expert_gate.weight`, or DeepSeek/GLM's ungated `shared_experts.*`; DeepSeek/GLM's fp32
+`gate.weight` and `gate.e_score_correction_bias`).
 Expert LoRA slots: gate_up a [S, E, R, H] / b [S, E, 2I, R]; down a [S, E, R, I] / b [S, E, H, R].
 """
 
@@ -14,7 +16,7 @@ from torch import nn
 from moelora.kernels.reference import ExpertLoRAArgs, fused_moe_ref
 from moelora.layers.linear import Linear
 from moelora.layers.mlp import DenseMLP
-from moelora.layers.router import softmax_topk
+from moelora.layers.router import Router, RoutingSpec, route
 from moelora.lora.adapter import LoRAWeights
 from moelora.lora.batch import LoRABatch
 
@@ -58,31 +60,49 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """`overlap_shared`: run the shared expert on a second CUDA stream, concurrently with the
-    routed experts (set by the engine from its config; ignored on the CPU)."""
+    """`overlap_shared`: run the shared expert(s) on a second CUDA stream, concurrently with the
+    routed experts (set by the engine from its config; ignored on the CPU).
+
+    `shared_inter`: Qwen2's sigmoid-gated `shared_expert`; `shared_experts_inter`: DeepSeek/GLM's
+    ungated `shared_experts` (moe_intermediate_size * n_shared_experts). `routing` defaults to the
+    softmax router of the first four families (`gate` in the model dtype); the other methods use the
+    fp32 `Router`.
+    """
 
     def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, renormalize: bool,
-                 shared_inter: int = 0, **kw):
+                 shared_inter: int = 0, *, routing: RoutingSpec | None = None, shared_experts_inter: int = 0,
+                 correction_bias: bool = False, **kw):
         super().__init__()
+        self.routing = routing or RoutingSpec("softmax", top_k, renormalize)
         self.top_k, self.renormalize = top_k, renormalize
         self.overlap_shared = False
         self._side_stream: torch.cuda.Stream | None = None
-        self.gate = Linear(hidden, num_experts, **kw)
+        if self.routing.fp32_router:
+            self.gate = Router(hidden, num_experts, correction_bias=correction_bias, **kw)
+        else:
+            self.gate = Linear(hidden, num_experts, **kw)
         self.experts = Experts(num_experts, hidden, inter, **kw)
         self.shared_expert = DenseMLP(hidden, shared_inter, **kw) if shared_inter else None
         self.shared_expert_gate = Linear(hidden, 1, **kw) if shared_inter else None
+        self.shared_experts = DenseMLP(hidden, shared_experts_inter, **kw) if shared_experts_inter else None
+        self.has_shared = self.shared_expert is not None or self.shared_experts is not None
 
     def _shared(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        if self.shared_experts is not None:
+            return self.shared_experts(x, lora)
         return torch.sigmoid(self.shared_expert_gate(x, lora)) * self.shared_expert(x, lora)
 
+    def _routed(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        bias = getattr(self.gate, "e_score_correction_bias", None)
+        weights, ids = route(self.gate(x, lora), self.routing, bias)
+        return self.experts(x, weights, ids, lora)
+
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        if self.shared_expert is None:
-            weights, ids = softmax_topk(self.gate(x, lora), self.top_k, self.renormalize)
-            return self.experts(x, weights, ids, lora)
+        if not self.has_shared:
+            return self._routed(x, lora)
         if not (self.overlap_shared and x.is_cuda):
-            weights, ids = softmax_topk(self.gate(x, lora), self.top_k, self.renormalize)
-            return self.experts(x, weights, ids, lora) + self._shared(x, lora)
-        # Fork. Side stream reads: x, the LoRABatch tensors, shared-expert weights and LoRA slots;
+            return self._routed(x, lora) + self._shared(x, lora)
+        # Fork. Side stream reads: x, the LoRABatch tensors, shared-expert(s) weights and LoRA slots;
         # writes: only `shared` (new tensors it allocates). Main stream reads the same inputs and
         # writes only new tensors (router logits, routed output). Nothing read across the fork is
         # written before the join: x is the caller's, never written in place (contract 2).
@@ -93,8 +113,7 @@ class SparseMoE(nn.Module):
         side.wait_stream(main)
         with torch.cuda.stream(side):
             shared = self._shared(x, lora)
-        weights, ids = softmax_topk(self.gate(x, lora), self.top_k, self.renormalize)
-        routed = self.experts(x, weights, ids, lora)
+        routed = self._routed(x, lora)
         main.wait_stream(side)  # join: `shared` is complete before main reads it
         shared.record_stream(main)  # allocated on side, freed on main's timeline
         x.record_stream(side)

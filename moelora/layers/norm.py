@@ -1,4 +1,7 @@
-"""RMSNorm. Shape legend: [..., D] -> [..., D]; computed in fp32, returned in the input dtype."""
+"""RMSNorm. Shape legend: [..., D] -> [..., D]; computed in fp32, returned in the input dtype.
+
+The weight stays fp32 whatever the model dtype; the product is cast back to the input dtype, which
+for a bf16/fp16 checkpoint (weights exactly representable) equals transformers' product in that dtype."""
 
 from __future__ import annotations
 
@@ -15,4 +18,4 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return (self.weight * xf.to(x.dtype)).to(x.dtype)

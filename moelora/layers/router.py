@@ -1,14 +1,43 @@
-"""Top-k routing for the softmax-router families (Qwen2/3-MoE, Mixtral, OLMoE).
+"""Top-k routing: every family's scoring and expert selection, as transformers 5 computes it.
 
-Shape legend: T tokens, E experts, K top-k. logits [T, E] -> (weights [T, K] fp32, ids [T, K]).
-All four families compute softmax in fp32 over all experts, take the top k, and renormalise the
-k weights when `renormalize` (Mixtral always; Qwen/OLMoE per `norm_topk_prob`). Mixtral's
-"top-k of logits, then softmax of those k" is the same function.
+Shape legend: T tokens, E experts, K top-k, G groups. logits [T, E] -> (weights [T, K] fp32, ids [T, K]).
+
+- "softmax" (Qwen2/3-MoE, Mixtral, OLMoE): softmax in fp32 over all experts, take the top k, and
+  renormalise the k weights when `renormalize` (Mixtral always; Qwen/OLMoE per `norm_topk_prob`).
+  Mixtral's "top-k of logits, then softmax of those k" is the same function.
+- "greedy" (DeepSeek-V2): softmax, top k, weights * routed_scaling_factor (never renormalised).
+- "group_limited_greedy" (DeepSeek-V2): as greedy, but only from the `topk_group` groups (of
+  `n_group` contiguous experts) whose best expert scores highest; other experts' scores become 0.
+- "noaux_tc" (DeepSeek-V3, GLM-4-MoE): sigmoid scores; selection on score + e_score_correction_bias,
+  only from the `topk_group` groups with the highest sum of their two best biased scores (others
+  -inf); weights are the unbiased scores of the chosen experts, renormalised (sum + 1e-20) when
+  `renormalize`, then * routed_scaling_factor.
+The DeepSeek/GLM router weight and bias are fp32 and the logits are computed in fp32 (`Router`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from torch import nn
+
+from moelora.layers.linear import Linear
+from moelora.lora.batch import LoRABatch
+
+
+@dataclass(frozen=True)
+class RoutingSpec:
+    method: str  # softmax | greedy | group_limited_greedy | noaux_tc
+    top_k: int
+    renormalize: bool
+    n_group: int = 1
+    topk_group: int = 1
+    scaling: float = 1.0  # routed_scaling_factor
+
+    @property
+    def fp32_router(self) -> bool:
+        return self.method != "softmax"
 
 
 def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -17,3 +46,56 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def _keep_groups(choice: torch.Tensor, group_scores: torch.Tensor, topk_group: int, fill: float) -> torch.Tensor:
+    """choice [T, E] with every expert outside the `topk_group` best groups (group_scores [T, G]) set to fill."""
+    T, G = group_scores.shape
+    best = torch.topk(group_scores, topk_group, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, best, True)
+    keep = keep[:, :, None].expand(T, G, choice.shape[1] // G).reshape(T, -1)
+    return choice.masked_fill(~keep, fill)
+
+
+def grouped_topk(logits: torch.Tensor, spec: RoutingSpec,
+                 correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DeepSeek / GLM routers (see module docstring). logits [T, E] fp32."""
+    T, E = logits.shape
+    logits = logits.float()
+    if spec.method in ("greedy", "group_limited_greedy"):
+        scores = logits.softmax(dim=-1)
+        if spec.method == "group_limited_greedy":
+            group_best = scores.view(T, spec.n_group, E // spec.n_group).amax(dim=-1)
+            scores = _keep_groups(scores, group_best, spec.topk_group, 0.0)
+        weights, ids = torch.topk(scores, spec.top_k, dim=-1)
+        return weights * spec.scaling, ids
+    assert spec.method == "noaux_tc", spec.method
+    scores = logits.sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    group_top2 = choice.view(T, spec.n_group, E // spec.n_group).topk(2, dim=-1).values.sum(dim=-1)
+    choice = _keep_groups(choice, group_top2, spec.topk_group, float("-inf"))
+    ids = torch.topk(choice, spec.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if spec.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * spec.scaling, ids
+
+
+def route(logits: torch.Tensor, spec: RoutingSpec,
+          correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if spec.method == "softmax":
+        return softmax_topk(logits, spec.top_k, spec.renormalize)
+    return grouped_topk(logits, spec, correction_bias)
+
+
+class Router(Linear):
+    """The fp32 router of DeepSeek / GLM (`gate.weight` [E, H] and optional `gate.e_score_correction_bias`
+    [E], both fp32 whatever the model dtype; its LoRA slots are fp32 too). x [T, H] -> logits [T, E] fp32."""
+
+    def __init__(self, hidden: int, num_experts: int, *, correction_bias: bool, **kw):
+        super().__init__(hidden, num_experts, **dict(kw, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(num_experts, dtype=torch.float32)) if correction_bias else None
+
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        return super().forward(x.float(), lora)

@@ -5,10 +5,12 @@ Shape legend: H hidden, I expert intermediate, E experts, r rank (per site, per 
 Keys are ``base_model.model.<module>.lora_A.weight`` / ``.lora_B.weight`` (PEFT saves them without
 the adapter name). ``<module>`` is one of, with ``L = model.layers.{i}``:
 
-- dense sites, ``lora_A [r, in]``, ``lora_B [out, r]``: ``L.self_attn.{q,k,v,o}_proj``,
-  ``L.mlp.{gate,up,down}_proj`` (dense layers), ``L.mlp.shared_expert.{gate,up,down}_proj``,
-  ``L.mlp.shared_expert_gate``, ``L.mlp.gate`` (the router; a PEFT ``target_parameters``
-  wrapper of ``mlp.gate.weight`` saves the same keys);
+- dense sites, ``lora_A [r, in]``, ``lora_B [out, r]``: ``L.self_attn.{q,k,v,o}_proj``, or for
+  MLA (DeepSeek) ``L.self_attn.{q_proj | q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj}``,
+  ``L.mlp.{gate,up,down}_proj`` (dense layers), ``L.mlp.shared_expert.{gate,up,down}_proj`` (Qwen2),
+  ``L.mlp.shared_experts.{gate,up,down}_proj`` (DeepSeek/GLM), ``L.mlp.shared_expert_gate``,
+  ``L.mlp.gate`` (the router; a PEFT ``target_parameters`` wrapper of ``mlp.gate.weight`` saves
+  the same keys);
 - (a) per expert, 2D as above: ``L.mlp.experts.{e}.{gate,up,down}_proj``; Mixtral Hub names
   ``L.block_sparse_moe.experts.{e}.{w1,w3,w2}`` (gate, up, down) and ``L.block_sparse_moe.gate``.
   Every expert must be present for a targeted projection; ranks may differ between experts
@@ -51,7 +53,9 @@ _SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B"}
 _L = r"model\.layers\.(?P<layer>\d+)\."
 _KINDS = (  # (kind, pattern on the normalised module name); first full match wins
     ("attn", re.compile(_L + r"self_attn\.(?P<proj>[qkvo])_proj")),
+    ("mla", re.compile(_L + r"self_attn\.(?P<proj>q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj)")),
     ("shared", re.compile(_L + r"mlp\.shared_expert\.(?P<proj>gate|up|down)_proj")),
+    ("shared_experts", re.compile(_L + r"mlp\.shared_experts\.(?P<proj>gate|up|down)_proj")),
     ("shared_gate", re.compile(_L + r"mlp\.shared_expert_gate")),
     ("router", re.compile(_L + r"mlp\.gate")),
     ("dense", re.compile(_L + r"mlp\.(?P<proj>gate|up|down)_proj")),
@@ -245,30 +249,59 @@ def _placement_problem(kind, match, m: _Module, hp: LoRAHyperParams, config: Mod
     sparse = config.is_sparse(layer)
     if kind == "dense" and sparse:
         return f"layer {layer} is an MoE layer, it has no dense MLP"
-    if kind not in ("attn", "dense") and not sparse:
+    if kind not in ("attn", "mla", "dense") and not sparse:
         return f"layer {layer} is a dense layer, it has no experts or router"
     if kind in ("shared", "shared_gate") and config.shared_expert_intermediate_size == 0:
         return "the model has no shared expert"
+    if kind == "shared_experts" and config.shared_experts_intermediate_size == 0:
+        return "the model has no shared_experts"
+    if kind in ("attn", "mla"):
+        problem = _attention_problem(kind, match["proj"], config)
+        if problem:
+            return problem
     wrapped = kind == "wrapper" or (kind == "router" and hp.targets_parameter(m.name + ".weight"))
     if not wrapped and not hp.layer_is_transformed(m.name):
         return f"layer {layer} is not in layers_to_transform={list(hp.layers_to_transform or ())}"
     return None
 
 
+def _attention_problem(kind: str, proj: str, c: ModelConfig) -> str | None:
+    """Why an attention projection does not exist in this model's attention (None when it does)."""
+    if c.attention != "mla":
+        return f"self_attn.{proj} is an MLA projection; this model's attention is GQA" if kind == "mla" else None
+    if kind == "attn" and proj in ("k", "v"):
+        return f"MLA attention has no {proj}_proj (keys and values come from kv_a_proj_with_mqa / kv_b_proj)"
+    if kind == "attn" and proj == "q" and c.q_lora_rank is not None:
+        return "this MLA model has q_a_proj / q_b_proj (q_lora_rank is set), no q_proj"
+    if kind == "mla" and proj in ("q_a_proj", "q_b_proj") and c.q_lora_rank is None:
+        return f"this MLA model has q_proj (q_lora_rank is None), no {proj}"
+    return None
+
+
 def _site_name(kind: str, layer: int, proj: str | None) -> str:
     base = f"model.layers.{layer}."
-    return base + {"attn": f"self_attn.{proj}_proj", "dense": f"mlp.{proj}_proj",
-                   "shared": f"mlp.shared_expert.{proj}_proj", "shared_gate": "mlp.shared_expert_gate",
-                   "router": "mlp.gate"}[kind]
+    return base + {"attn": f"self_attn.{proj}_proj", "mla": f"self_attn.{proj}", "dense": f"mlp.{proj}_proj",
+                   "shared": f"mlp.shared_expert.{proj}_proj", "shared_experts": f"mlp.shared_experts.{proj}_proj",
+                   "shared_gate": "mlp.shared_expert_gate", "router": "mlp.gate"}[kind]
+
+
+def _mla_dims(proj: str, c: ModelConfig) -> tuple[int, int]:
+    h, n, qk = c.hidden_size, c.num_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
+    return {"q": (h, n * qk), "o": (n * c.v_head_dim, h), "q_a_proj": (h, c.q_lora_rank or 0),
+            "q_b_proj": (c.q_lora_rank or 0, n * qk), "kv_a_proj_with_mqa": (h, c.latent_cache_dim),
+            "kv_b_proj": (c.kv_lora_rank, n * (c.qk_nope_head_dim + c.v_head_dim))}[proj]
 
 
 def _site_dims(kind: str, proj: str | None, c: ModelConfig) -> tuple[int, int]:
     """(in, out) of a dense site."""
     h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    if kind == "mla" or (kind == "attn" and c.attention == "mla"):
+        return _mla_dims(proj, c)
     if kind == "attn":
         return {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h)}[proj]
-    if kind in ("dense", "shared"):
-        inter = c.intermediate_size if kind == "dense" else c.shared_expert_intermediate_size
+    if kind in ("dense", "shared", "shared_experts"):
+        inter = {"dense": c.intermediate_size, "shared": c.shared_expert_intermediate_size,
+                 "shared_experts": c.shared_experts_intermediate_size}[kind]
         return (inter, h) if proj == "down" else (h, inter)
     return (h, 1) if kind == "shared_gate" else (h, c.num_experts)
 

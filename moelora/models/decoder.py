@@ -1,8 +1,10 @@
-"""The GQA MoE decoder shared by Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE.
+"""The MoE decoder shared by Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE and GLM-4-MoE (GQA attention),
+and, with its attention swapped for MLA, DeepSeek-V2/V3 (`moelora.models.deepseek`).
 
 Shape legend: T tokens in the step, H hidden, V vocab. The families differ only in what
-`ModelConfig` records (q/k norm kind, q/k/v bias, shared expert, sparse layers, top-k
-renormalisation), so they share this module tree; its parameter names are transformers 5's.
+`ModelConfig` records (q/k norm kind, q/k/v bias, partial rotary, shared expert(s), sparse and
+dense layers, router method), so they share this module tree; its parameter names are
+transformers 5's.
 `forward(input_ids [T], positions [T], meta, kv_caches, lora) -> hidden [T, H]`;
 `logits(hidden) -> [T, V]`.
 """
@@ -20,20 +22,33 @@ from moelora.layers.mlp import DenseMLP
 from moelora.layers.moe import Experts, SparseMoE
 from moelora.layers.norm import RMSNorm
 from moelora.layers.rotary import RotaryEmbedding
+from moelora.layers.router import RoutingSpec
 from moelora.lora.adapter import LoRAAdapter
 from moelora.lora.batch import LoRABatch
 
 
+def gqa_attention(cfg: ModelConfig, **kw) -> nn.Module:
+    return Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                     bias=cfg.attention_bias, qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps, **kw)
+
+
+def sparse_moe(cfg: ModelConfig, **kw) -> SparseMoE:
+    routing = RoutingSpec(cfg.topk_method, cfg.top_k, cfg.norm_topk_prob, cfg.n_group, cfg.topk_group,
+                          cfg.routed_scaling_factor)
+    return SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.top_k, cfg.norm_topk_prob,
+                     cfg.shared_expert_intermediate_size, routing=routing,
+                     shared_experts_inter=cfg.shared_experts_intermediate_size,
+                     correction_bias=cfg.router_correction_bias, **kw)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, idx: int, **kw):
+    def __init__(self, cfg: ModelConfig, idx: int, make_attention=gqa_attention, **kw):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                   bias=cfg.attention_bias, qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps, **kw)
+        self.self_attn = make_attention(cfg, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.is_sparse(idx):
-            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.top_k,
-                                 cfg.norm_topk_prob, cfg.shared_expert_intermediate_size, **kw)
+            self.mlp = sparse_moe(cfg, **kw)
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, **kw)
 
@@ -43,24 +58,32 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, **kw):
+    def __init__(self, cfg: ModelConfig, make_attention=gqa_attention, **kw):
         super().__init__()
         dtype = kw.get("dtype")
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, **kw) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, make_attention, **kw) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class MoECausalLM(nn.Module):
+    # Whether decode may be captured in CUDA graphs (every layer has a graph-safe path).
+    supports_cuda_graphs = True
+
     def __init__(self, cfg: ModelConfig, *, max_loras: int = 0, max_rank: int = 0, backend: str = "torch",
                  dtype: torch.dtype | None = None):
         super().__init__()
         self.config = cfg
         kw = dict(max_loras=max_loras, max_rank=max_rank, backend=backend, dtype=dtype)
-        self.model = Backbone(cfg, **kw)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.model = Backbone(cfg, self.make_attention, **kw)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_yarn)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+
+    @staticmethod
+    def make_attention(cfg: ModelConfig, **kw) -> nn.Module:
+        """The attention module of one layer (a family with another attention overrides this)."""
+        return gqa_attention(cfg, **kw)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 kv_caches: list[tuple[torch.Tensor, ...]], lora: LoRABatch | None = None

@@ -12,6 +12,9 @@ _FAMILIES = {
     "qwen2_moe": "moelora.models.decoder:MoECausalLM",
     "mixtral": "moelora.models.decoder:MoECausalLM",
     "olmoe": "moelora.models.decoder:MoECausalLM",
+    "glm4_moe": "moelora.models.decoder:MoECausalLM",
+    "deepseek_v2": "moelora.models.deepseek:DeepseekCausalLM",
+    "deepseek_v3": "moelora.models.deepseek:DeepseekCausalLM",
 }
 
 

@@ -14,12 +14,19 @@ Accepted on-disk forms (safetensors only; `.bin`/`.pt` checkpoints are refused):
 Every other key must equal a moelora (= transformers 5 in-memory) parameter name. Per-expert
 tensors are copied straight into their slice of the fused destination; nothing is held twice.
 
+DeepSeek/GLM names need no mapping: `mlp.shared_experts.*`, `mlp.gate.weight` and
+`mlp.gate.e_score_correction_bias` are the in-memory names, and their per-expert keys are the Hub
+form above. Destinations keep their own dtype (the fp32 router weight and correction bias stay fp32).
+
 Strictness: every checkpoint key must land somewhere and every destination element (every expert
 slice) must be written exactly once, with the right shape; otherwise `CheckpointError`. All of that
-is checked from the safetensors headers before any tensor data is read. Two kinds of key are
-ignored: rotary-embedding buffers (`rotary_emb.inv_freq`), which are not weights, and
+is checked from the safetensors headers before any tensor data is read. Three kinds of key are
+ignored: rotary-embedding buffers (`rotary_emb.inv_freq`), which are not weights;
 `lm_head.weight` when the caller passes no `lm_head.weight` (tied embeddings) and its shape equals
-`model.embed_tokens.weight` -- transformers also drops that copy and ties the head to the embedding.
+`model.embed_tokens.weight` -- transformers also drops that copy and ties the head to the embedding;
+and the multi-token-prediction layers DeepSeek-V3 / GLM-4.5 ship after the decoder
+(`model.layers.{k}.*` with k past the last decoder layer, only when the checkpoint holds that
+layer's `model.layers.{k}.eh_proj.weight`), which moelora does not run -- as transformers ignores them.
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ EMBED = "model.embed_tokens.weight"
 _SHOW_MISSING = 8
 
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.(original_)?inv_freq$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_MTP_MARK = "eh_proj.weight"  # the embedding/hidden projection only a multi-token-prediction layer has
 _PER_EXPERT = re.compile(
     r"^(?P<prefix>(?:.*\.)?)(?:mlp\.experts\.(?P<e1>\d+)\.(?P<hub>gate_proj|up_proj|down_proj)"
     r"|block_sparse_moe\.experts\.(?P<e2>\d+)\.(?P<mix>w1|w3|w2))\.weight$"
@@ -202,14 +211,26 @@ def _target_of(key: str, shape: tuple[int, ...], params: dict[str, torch.Tensor]
     return target
 
 
+def _mtp_layers(keys, params: dict[str, torch.Tensor]) -> set[str]:
+    """Layer prefixes (`model.layers.{k}.`) of multi-token-prediction layers past the decoder."""
+    keys = set(keys)
+    num_layers = 1 + max((int(m[1]) for m in map(_LAYER.match, params) if m), default=-1)
+    return {m[0] for m in map(_LAYER.match, keys) if m and int(m[1]) >= num_layers
+            and f"{m[0]}{_MTP_MARK}" in keys}
+
+
 def _plan(headers, params: dict[str, torch.Tensor]) -> dict[Path, list[tuple[str, KeyTarget]]]:
     """Per file, the (key, target) copies to make; raises on any unknown, duplicate, mis-shaped or
     missing tensor before a byte of tensor data is read."""
     written: dict[str, set] = {name: set() for name in params}
     plan: dict[Path, list[tuple[str, KeyTarget]]] = {}
+    mtp = _mtp_layers((k for s in headers.values() for k in s), params)
     for path, shapes in headers.items():
         copies = plan.setdefault(path, [])
         for key, shape in shapes.items():
+            layer = _LAYER.match(key)
+            if layer and layer[0] in mtp:
+                continue
             target = _target_of(key, shape, params)
             if target is None:
                 continue
