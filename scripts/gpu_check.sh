@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# `make gpu-check`: the kernel tests marked `gpu`, then the MoE-LoRA layer benchmark, on a CUDA
-# machine. Logs and CSVs go under $OUT (default ./gpu_check_out). TUNE=1 first re-tunes the fused
-# MoE launch configs (writes moelora/kernels/configs/fused_moe_<gpu>.json and a copy under $OUT).
+# `make gpu-check`: every test marked `gpu`, then the benchmarks, on a CUDA machine.
+# Logs and CSVs go under $OUT (default ./gpu_check_out). Stages (all on by default):
+#   TESTS=1  pytest -m gpu over tests/ (kernels, engine equivalences, demo under graphs)
+#   LAYER=1  benchmarks/moe_lora_layer.py (TUNE=1 first re-tunes the fused MoE launch configs)
+#   DECODE=1 benchmarks/decode.py (DECODE_ARGS, e.g. "--layers 48")
 # Exit status: non-zero if any stage failed; every stage runs regardless.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -10,9 +12,18 @@ mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 rc=0
-"$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels_*.py 2>&1 | tee "$OUT/kernel_tests.log" || rc=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/gpu.txt"
+git rev-parse HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
+if [ "${TESTS:-1}" = 1 ]; then
+  "$PY" -m pytest -m gpu -q -p no:cacheprovider -rs ${TEST_ARGS:-tests/} 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+fi
 if [ "${TUNE:-0}" = 1 ]; then
   "$PY" benchmarks/tune_fused_moe.py 2>&1 | tee "$OUT/tune.log" || rc=1
 fi
-"$PY" benchmarks/moe_lora_layer.py "$OUT/moe_lora_layer.csv" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/moe_lora_layer.log" || rc=1
+if [ "${LAYER:-1}" = 1 ]; then
+  "$PY" benchmarks/moe_lora_layer.py "$OUT/moe_lora_layer.csv" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/moe_lora_layer.log" || rc=1
+fi
+if [ "${DECODE:-1}" = 1 ]; then
+  "$PY" benchmarks/decode.py "$OUT/decode.csv" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" || rc=1
+fi
 exit $rc

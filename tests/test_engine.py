@@ -115,3 +115,18 @@ def test_abort_frees_blocks_and_bad_requests_are_refused(setup):
         eng.add_request([1, 10_000], SamplingParams(), None)
     with pytest.raises(RequestError, match="max_tokens"):
         SamplingParams(max_tokens=-1)
+
+
+def test_reused_adapter_name_never_reuses_old_kv(setup):
+    model, adapters = setup
+    swapped = {"x": adapters["x"], "y": adapters["y"]}
+    eng = engine(model, swapped, block_size=2)
+    p = list(range(5, 21))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    before = run(eng, [p], ["x"], params)[0]
+    eng.pool.remove("x")
+    swapped["x"] = adapters["y"]  # the same name now loads other weights
+    eng.pool.add("x", "x")
+    after = run(eng, [p], ["x"], params)[0]
+    fresh = run(engine(model, {"x": adapters["y"]}), [p], ["x"], params)[0]
+    assert after == fresh and before != fresh

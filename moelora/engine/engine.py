@@ -37,11 +37,13 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_loras,
                                                    cfg.enable_prefix_caching), self.cache.allocator)
         self.runner = ModelRunner(model, self.cache, self.device)
-        for module in model.modules():
+        for module in model.modules():  # the engine owns the model: its config picks the fast paths
             if isinstance(module, SparseMoE):
                 module.overlap_shared = cfg.overlap_shared_experts
+            if hasattr(module, "backend"):
+                module.backend = cfg.kernel_backend
         self.graphs = None
-        if cfg.use_cuda_graphs:
+        if cfg.use_cuda_graphs and getattr(model, "supports_cuda_graphs", False):
             dummy = self.cache.allocator.allocate()  # padding rows of a graph bucket write here, forever
             self.graphs = CudaGraphRunner(model, self.cache, cfg.max_num_seqs, cfg.max_model_len, cfg.max_loras, dummy)
             self.graphs.capture()
@@ -78,7 +80,7 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in flight")
         gen = torch.Generator(self.device).manual_seed(params.seed) if params.seed is not None else None
         req = Request(request_id, ids, params, adapter, prompt if isinstance(prompt, str) else None,
-                      arrival=time.monotonic(), generator=gen)
+                      arrival=time.monotonic(), generator=gen, cache_key=self.pool.cache_key(adapter))
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req

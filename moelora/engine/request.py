@@ -79,6 +79,7 @@ class Request:
     text: str = ""
     num_preemptions: int = 0
     generator: object = None
+    cache_key: str | None = None  # the adapter's prefix-cache identity (None: base model)
     logprobs: list = field(default_factory=list)  # per output token, when params.logprobs is set: see sampler
 
     @property

@@ -17,9 +17,7 @@ from moelora.engine.request import SamplingParams
 
 def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     B, V = logits.shape
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                         device=logits.device)
-    logits = logits / temps[:, None]
+    logits = logits / _temperatures(logits, params)
     ks = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=logits.device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(V, device=logits.device)[None, :]
@@ -35,13 +33,21 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """logits [B, V] -> token ids [B] (int64, on logits' device)."""
     logits = logits.float()
+    if all(p.greedy for p in params):  # the common decode case: no sort, no noise
+        return logits.argmax(-1)
     greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-    probs = _filter(logits, params).softmax(-1)
-    noise = torch.empty_like(probs)
+    needs_filter = any(p.top_p < 1 or p.top_k > 0 for p in params)
+    probs = (_filter(logits, params) if needs_filter else logits / _temperatures(logits, params)).softmax(-1)
+    noise = torch.empty_like(probs).exponential_()  # one draw for all unseeded rows
     for i, g in enumerate(generators):
-        noise[i].exponential_(generator=g)
+        if g is not None:  # seeded rows draw from their own generator: reproducible in any batch
+            noise[i].exponential_(generator=g)
     sampled = (probs / noise).argmax(-1)
     return torch.where(greedy, logits.argmax(-1), sampled)
+
+
+def _temperatures(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    return torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device)[:, None]
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, wants: Sequence[int | None]) -> list:

@@ -74,7 +74,7 @@ class Scheduler:
             return
         ids, parent = req.all_ids, None
         for i in range((len(ids) - 1) // self.block_size):
-            h = block_hash(req.adapter, parent, tuple(ids[i * self.block_size:(i + 1) * self.block_size]))
+            h = block_hash(req.cache_key, parent, tuple(ids[i * self.block_size:(i + 1) * self.block_size]))
             block = self.allocator.lookup(h)
             if block is None:
                 break
@@ -90,7 +90,7 @@ class Scheduler:
         ids, bs = req.all_ids, self.block_size
         parent = None
         for i in range(req.num_computed // bs):
-            h = block_hash(req.adapter, parent, tuple(ids[i * bs:(i + 1) * bs]))
+            h = block_hash(req.cache_key, parent, tuple(ids[i * bs:(i + 1) * bs]))
             if i >= req.num_cached_blocks:
                 self.allocator.register(req.block_ids[i], h)
             parent = h

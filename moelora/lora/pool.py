@@ -31,6 +31,8 @@ class AdapterPool:
         self.slot_ranks = [0] * max_loras
         self.loads = 0
         self.evictions = 0
+        self._added = 0
+        self._cache_keys: dict[str, str] = {}
 
     @property
     def names(self) -> list[str]:
@@ -45,13 +47,21 @@ class AdapterPool:
             raise AdapterError(f"an adapter named {name!r} is already registered")
         adapter = self._load(name, Path(path))
         self._paths[name] = (Path(path), pinned)
+        self._added += 1
+        self._cache_keys[name] = f"{name}#{self._added}"
         self._cache(name, adapter)
         return adapter
+
+    def cache_key(self, name: str | None) -> str | None:
+        """Prefix-cache identity of an adapter: a new one each time a name is (re)registered, so KV
+        computed with a removed adapter is never reused for another adapter of the same name."""
+        return None if name is None else self._cache_keys[name]
 
     def remove(self, name: str) -> None:
         if name not in self._paths:
             raise AdapterError(f"no adapter named {name!r}; registered: {self.names}")
         del self._paths[name]
+        del self._cache_keys[name]
         self._cpu.pop(name, None)
         slot = self._slot_of.pop(name, None)
         if slot is not None:
