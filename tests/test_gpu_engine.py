@@ -57,16 +57,15 @@ def generate(eng, prompts, names, max_tokens):
     return reqs
 
 
-def teacher_forced_diff(eager, reqs) -> float:
-    """Max |logprob(graph run) - logprob(eager prefill of the same tokens)| over every token."""
+def forced_logprob_diff(reference_engine, reqs) -> float:
+    """Runs the same requests greedily on `reference_engine`; every token must be identical (no
+    divergence) and the result is the max |logprob difference| over all generated tokens."""
+    ref = generate(reference_engine, [r.prompt_ids for r in reqs], [r.adapter for r in reqs],
+                   len(reqs[0].output_ids))
     worst = 0.0
-    for r in reqs:
-        ids = r.prompt_ids + r.output_ids
-        logits = eager.prompt_logits([ids], [r.adapter])[0]
-        logp = torch.log_softmax(logits[len(r.prompt_ids) - 1:-1], dim=-1)
-        ref = logp.gather(1, torch.tensor(r.output_ids, device=logp.device)[:, None]).squeeze(1)
-        got = torch.tensor([lp for lp, _ in r.logprobs], device=logp.device)
-        worst = max(worst, (ref - got).abs().max().item())
+    for got, want in zip(reqs, ref, strict=True):
+        assert got.output_ids == want.output_ids, f"tokens diverge for {got.request_id} ({got.adapter})"
+        worst = max(worst, max(abs(a[0] - b[0]) for a, b in zip(got.logprobs, want.logprobs, strict=True)))
     return worst
 
 
@@ -77,8 +76,7 @@ def test_cuda_graph_decode_matches_eager(model_and_adapters):
     assert graphed.graphs is not None
     reqs = generate(graphed, prompts, names, 256)
     assert all(len(r.output_ids) == 256 for r in reqs)
-    eager = gpu_engine(model, adapters, enforce_eager=True)
-    assert teacher_forced_diff(eager, reqs) <= 0.05
+    assert forced_logprob_diff(gpu_engine(model, adapters, enforce_eager=True), reqs) <= 0.05
 
 
 def test_two_streams_match_one(model_and_adapters):
@@ -86,17 +84,26 @@ def test_two_streams_match_one(model_and_adapters):
     prompts, names = workload(seed=1)
     two = generate(gpu_engine(model, adapters, overlap_shared_experts=True), prompts, names, 64)
     one_engine = gpu_engine(model, adapters, overlap_shared_experts=False, enforce_eager=True)
-    assert teacher_forced_diff(one_engine, two) <= 0.05
+    assert forced_logprob_diff(one_engine, two) <= 0.05
 
 
-def test_triton_backend_matches_torch_backend(model_and_adapters):
-    model, adapters = model_and_adapters
+def test_triton_backend_is_as_accurate_as_torch_backend():
+    """Against an fp32 torch reference, the Triton backend in bf16 must be as accurate as the torch
+    backend in bf16 (a random tiny model is ill-conditioned: both land near 0.13 relative error,
+    measured on an H200, so a fixed absolute tolerance would say nothing)."""
+    hf = tiny_hf_model("qwen2_moe", seed=3, **SIZES)
     prompts, names = workload(n=10, seed=2)
-    tri = gpu_engine(model, adapters, enforce_eager=True).prompt_logits(prompts, names)
-    ref = gpu_engine(model, adapters, kernel_backend="torch").prompt_logits(prompts, names)  # re-sets the backend
-    for a, b in zip(tri, ref, strict=True):
-        rel = (a - b).norm() / b.norm()
-        assert rel < 1e-2
+    ref_model = build(hf, max_loras=4, max_rank=16).to("cuda", torch.float32)
+    adapters = {f"a{i}": random_adapter(ref_model, 40 + i, r, frac=0.8) for i, r in enumerate((16, 8, 4, 12))}
+    ref = gpu_engine(ref_model, adapters, dtype="float32", kernel_backend="torch").prompt_logits(prompts, names)
+    model = build(hf, max_loras=4, max_rank=16).to("cuda", torch.bfloat16)
+    torch_bf16 = gpu_engine(model, adapters, kernel_backend="torch").prompt_logits(prompts, names)
+    triton_bf16 = gpu_engine(model, adapters, enforce_eager=True).prompt_logits(prompts, names)
+
+    def err(outs):
+        return max(((a - b).norm() / b.norm()).item() for a, b in zip(outs, ref, strict=True))
+
+    assert err(triton_bf16) <= 1.25 * err(torch_bf16) + 1e-3, (err(triton_bf16), err(torch_bf16))
 
 
 def test_decode_forward_has_no_host_sync(model_and_adapters):

@@ -1,0 +1,36 @@
+"""Which Triton kernel carries the half-precision error? Prefill logits of the random tiny Qwen2-MoE
+with the Triton backend on one module kind at a time, each against an fp32 torch reference."""
+
+import sys
+
+import torch
+
+sys.path.insert(0, "tests")
+from oracle import tiny_hf_model  # noqa: E402
+from test_forward import build, random_adapter  # noqa: E402
+from test_gpu_engine import SIZES, gpu_engine, workload  # noqa: E402
+
+from moelora.layers.attention import Attention  # noqa: E402
+from moelora.layers.linear import Linear  # noqa: E402
+from moelora.layers.moe import Experts  # noqa: E402
+
+hf = tiny_hf_model("qwen2_moe", seed=3, **SIZES)
+prompts, names = workload(n=8)
+ref_model = build(hf, max_loras=4, max_rank=16).to("cuda", torch.float32)
+adapters = {f"a{i}": random_adapter(ref_model, 40 + i, r, frac=0.8) for i, r in enumerate((16, 8, 4, 12))}
+ref = gpu_engine(ref_model, adapters, dtype="float32", kernel_backend="torch").prompt_logits(prompts, names)
+for dtype in ("float16", "bfloat16"):
+    model = build(hf, max_loras=4, max_rank=16).to("cuda", getattr(torch, dtype))
+    for kinds in ((), (Attention,), (Linear,), (Experts,), (Attention, Linear, Experts)):
+        eng = gpu_engine(model, adapters, dtype=dtype, kernel_backend="torch")
+        for m in model.modules():
+            if isinstance(m, kinds):
+                m.backend = "triton"
+        for lora in (True, False):
+            nm = names if lora else [None] * len(names)
+            out = eng.prompt_logits(prompts, nm)
+            r = ref if lora else gpu_engine(ref_model, adapters, dtype="float32", kernel_backend="torch"
+                                           ).prompt_logits(prompts, nm)
+            err = max(((a - b).norm() / b.norm()).item() for a, b in zip(out, r, strict=True))
+            label = "+".join(k.__name__ for k in kinds) or "none (torch)"
+            print(f"{dtype:9} triton on {label:28} lora={lora!s:5} rel err vs fp32: {err:.2e}", flush=True)
