@@ -25,9 +25,9 @@ def _model_and_adapters(args) -> tuple[str, dict[str, str]]:
     adapters = _lora_pairs(args.lora)
     if args.model:
         return args.model, adapters
-    from moelora.demo import demo_adapters, demo_model_dir
+    from moelora.demo import ADAPTER_NAMES, adapter_dir, model_dir
 
-    return str(demo_model_dir()), {**demo_adapters(), **adapters}
+    return str(model_dir()), {**{name: str(adapter_dir(name)) for name in ADAPTER_NAMES}, **adapters}
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -70,28 +70,20 @@ def cmd_verify(args) -> int:
 def cmd_demo(args) -> int:
     from moelora.demo.show import show_demo
 
-    show_demo(device=args.device)
-    return 0
+    wrong = show_demo(device=args.device)
+    return 0 if wrong == 0 else 1
 
 
 # serve ------------------------------------------------------------------------------------------
-
-
-def _serve_demo() -> tuple[str, dict[str, str]]:
-    import moelora.demo as demo
-
-    if hasattr(demo, "demo_model_dir"):
-        return str(demo.demo_model_dir()), {k: str(v) for k, v in demo.demo_adapters().items()}
-    return str(demo.model_dir()), {n: str(demo.adapter_dir(n)) for n in demo.ADAPTER_NAMES}
 
 
 def cmd_serve(args) -> int:
     from moelora.engine.config import EngineConfig
     from moelora.server.launch import build_server, parse_lora_modules, run_server
 
-    model, adapters = (args.model, {}) if args.model else _serve_demo()
+    model, adapters = _model_and_adapters(args)  # no MODEL: the demo and its adapters, plus --lora
     names = args.served_model_name or ([args.model] if args.model else ["moelora-demo"])
-    for name, path in {**_lora_pairs(args.lora), **parse_lora_modules(args.lora_modules)}.items():
+    for name, path in parse_lora_modules(args.lora_modules).items():
         if name in adapters and adapters[name] != path:
             raise SystemExit(f"adapter {name!r} is given twice with different paths")
         adapters[name] = path

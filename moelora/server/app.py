@@ -1,0 +1,202 @@
+"""The FastAPI app: OpenAI-compatible routes, adapter management, health and metrics.
+
+Routes (vLLM's names): POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
+POST /v1/load_lora_adapter {lora_name, lora_path}, POST /v1/unload_lora_adapter {lora_name},
+GET /health, GET /metrics, GET /version.
+
+Every error has OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 for an invalid
+or unimplemented parameter, a malformed body, a prompt that does not fit max_model_len, or an
+adapter that fails to load (the server and the other adapters are untouched); 404 for an unknown
+model/adapter; 409 for unloading an adapter that has requests in flight (nothing is cancelled:
+retry once they finish); 503 with Retry-After when too many requests wait to be scheduled.
+
+A client that disconnects aborts its request: for streams, Starlette cancels the response
+iterator (and a background task aborts whatever is left); for whole responses, `_unless_disconnected`
+races the handler against the client's disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from moelora.errors import MoeLoRAError
+from moelora.server.async_engine import AdapterBusy, AsyncEngine, EngineDead, UnknownAdapter
+from moelora.server.metrics import ServerMetrics
+from moelora.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+    error_body,
+)
+from moelora.server.serving import OpenAIServing, Result, ServerConfig
+
+log = logging.getLogger("moelora.server")
+
+
+def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
+    """An app serving `engine`; its lifespan starts and stops the engine thread."""
+    if engine.engine.tokenizer is None:
+        raise MoeLoRAError("the server needs a model with tokenizer.json")
+    metrics = ServerMetrics(lambda: engine.stats)
+    serving = OpenAIServing(engine, cfg, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="moelora", lifespan=lifespan)
+    app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
+    _error_handlers(app, metrics)
+
+    async def respond(request: Request, handler, body) -> Response:
+        if not body.stream:
+            result = await _unless_disconnected(request, handler(body))
+            return JSONResponse(result.body) if result is not None else Response(status_code=499)
+        result: Result = await handler(body)
+        return StreamingResponse(result.sse, media_type="text/event-stream",
+                                 background=BackgroundTask(result.stream.abort))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await respond(request, serving.completion, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await respond(request, serving.chat, body)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": serving.model_cards()}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        if body.lora_name in cfg.served_model_names:
+            raise ApiError(400, f"'{body.lora_name}' is the base model's name", "lora_name")
+        try:
+            await engine.load_adapter(body.lora_name, body.lora_path)
+        except EngineDead as e:
+            raise ApiError(503, str(e)) from None
+        except Exception as e:  # the adapter's own error: bad path, files, shapes, values
+            log.info("adapter %r from %s refused: %s", body.lora_name, body.lora_path, e)
+            raise ApiError(400, f"failed to load adapter '{body.lora_name}': {type(e).__name__}: {e}",
+                           "lora_path") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        try:
+            await engine.unload_adapter(body.lora_name)
+        except UnknownAdapter as e:
+            raise ApiError(404, str(e), "lora_name") from None
+        except AdapterBusy as e:
+            raise ApiError(409, str(e), "lora_name") from None
+        except EngineDead as e:
+            raise ApiError(503, str(e)) from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            raise ApiError(503, "the engine thread is not running")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics_route():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/version")
+    async def version():
+        from moelora import __version__
+
+        return {"version": __version__}
+
+    return app
+
+
+async def _unless_disconnected(request: Request, work):
+    """Run `work`; if the client disconnects first, cancel it (its cleanup aborts the request)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if task.cancelled():
+        await asyncio.gather(task, return_exceptions=True)
+        return None
+    return task.result()
+
+
+def _error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    def reply(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+        metrics.errors.labels(str(status)).inc()
+        return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        return reply(exc.status, exc.message, exc.param, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        return reply(400, *validation_message(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return reply(exc.status_code, str(exc.detail), None, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception):
+        log.exception("internal error")
+        return reply(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _field_path(loc) -> str:
+    """A pydantic error location as a field path, without union-member tags ('str', 'list[int]')."""
+    parts = []
+    for part in loc:
+        if part == "body" and not parts:
+            continue
+        if isinstance(part, str) and (part in ("str", "int", "float", "bool") or not part.isidentifier()
+                                      or part[:1].isupper()):
+            continue
+        parts.append(str(part))
+    return ".".join(parts)
+
+
+def validation_message(errors) -> tuple[str, str | None]:
+    """(message, param) for the first pydantic error; unknown fields and malformed JSON named as such."""
+    if not errors:
+        return "invalid request body", None
+    err = errors[0]
+    path = _field_path(err.get("loc", ()))
+    kind = err.get("type", "")
+    if kind == "json_invalid":
+        return f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", None
+    if kind == "extra_forbidden":
+        return f"unknown field '{path}' (not part of this API, or not implemented)", path
+    if kind == "missing":
+        return f"'{path}' is required", path
+    if not path:
+        return f"invalid request body: {err.get('msg')}", None
+    return f"invalid value for '{path}': {err.get('msg')}", path

@@ -1,0 +1,365 @@
+"""`AsyncEngine`: the one thread that owns the `LLMEngine`, and the asyncio face of it.
+
+Everything that touches the engine (add, abort, step, adapter load/unload, reading its state)
+runs in a single background thread, so the engine needs no locks. Callers on the event loop
+send commands through a thread-safe queue; the thread drains the queue, steps while there is
+work (and blocks on the queue while there is none), and hands each request's new token ids to
+its asyncio queue with one `loop.call_soon_threadsafe` per step. The thread only ships token
+ids: detokenisation happens on the event loop (`detokenize.py`), off the step's critical path.
+
+After every command batch and every step the thread publishes an immutable `EngineStats`
+(queue lengths, KV and adapter-slot use, the registered adapters), which the server reads
+without touching the engine. Admission control: `open()` refuses (`Overloaded`) while the
+requests not yet scheduled (in the command queue or the scheduler's waiting list) reach
+`max_waiting`; the count is exact because both sides update it under one lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from moelora.engine.engine import LLMEngine
+from moelora.engine.request import SamplingParams
+from moelora.errors import AdapterError, MoeLoRAError
+
+log = logging.getLogger("moelora.server")
+
+
+class UnknownAdapter(MoeLoRAError):
+    """No adapter of that name is registered."""
+
+
+class AdapterBusy(MoeLoRAError):
+    """The adapter has requests in flight."""
+
+
+class Overloaded(MoeLoRAError):
+    """Too many requests are waiting to be scheduled."""
+
+
+class EngineDead(MoeLoRAError):
+    """The engine thread is not running (shut down or crashed)."""
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    prompt_ids: list[int]
+    params: SamplingParams
+    adapter: str | None
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one step produced for one sequence of a stream (`index` into the stream's specs)."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list
+    finish_reason: str | None  # stop | length | abort | error, or None while running
+    final_text: str | None  # the engine's whole text, once finished (cut at a stop string)
+    time: float  # time.monotonic() after the step
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    waiting: int = 0
+    running: int = 0
+    kv_used: int = 0
+    kv_total: int = 0
+    slots_in_use: int = 0
+    slots_total: int = 0
+    loads: int = 0
+    evictions: int = 0
+    adapters: tuple[tuple[str, str], ...] = ()  # (name, path) of every registered adapter, in load order
+    in_flight: dict[str | None, int] = field(default_factory=dict)  # live sequences per adapter
+
+
+@dataclass
+class _Live:
+    stream: RequestStream
+    index: int
+    adapter: str | None
+    sent: int = 0
+
+
+class RequestStream:
+    """The event-loop side of one HTTP request's sequences: an async iterator of `Delta`s."""
+
+    def __init__(self, engine: AsyncEngine, n: int, loop: asyncio.AbstractEventLoop):
+        self._engine, self.loop = engine, loop
+        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self.request_ids = [f"{engine.next_id()}-{i}" for i in range(n)]
+        self._open = set(range(n))
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Delta:
+        if not self._open:
+            raise StopAsyncIteration
+        delta = await self.queue.get()
+        if delta.finish_reason is not None:
+            self._open.discard(delta.index)
+        return delta
+
+    @property
+    def finished(self) -> bool:
+        return not self._open
+
+    def abort(self) -> None:
+        """Abort every unfinished sequence (safe to call from `finally`, even when cancelled)."""
+        if self._open:
+            self._engine.send(("abort", [self.request_ids[i] for i in self._open]))
+            self._open.clear()
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, adapters: dict[str, str] | None = None, max_waiting: int = 1024):
+        self.engine, self.max_waiting = engine, max_waiting
+        self._adapters = dict(adapters or {})  # name -> path, owned by the engine thread after start
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}
+        self._lock = threading.Lock()
+        self._pending = 0  # sequences sent to `open` and not yet added to the engine
+        self._ids = itertools.count()
+        self._stats = EngineStats()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._publish()
+
+    # event-loop side ----------------------------------------------------------------------------
+    def next_id(self) -> str:
+        return f"srv{next(self._ids)}"
+
+    def send(self, command: tuple) -> None:
+        self._commands.put(command)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def queue_length(self) -> int:
+        with self._lock:
+            return self._pending + self._stats.waiting
+
+    async def open(self, specs: Sequence[GenerateSpec]) -> RequestStream:
+        """Add every spec as one engine request (all or none); raises UnknownAdapter, RequestError,
+        Overloaded or EngineDead."""
+        if not self.alive:
+            raise EngineDead("the engine is not running")
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._pending + self._stats.waiting >= self.max_waiting:
+                raise Overloaded(f"{self._pending + self._stats.waiting} requests are waiting "
+                                 f"(limit {self.max_waiting}); retry later")
+            self._pending += len(specs)
+        stream = RequestStream(self, len(specs), loop)
+        future = loop.create_future()
+        self.send(("add", stream, list(specs), loop, future))
+        try:
+            await future
+        except BaseException:  # refused, or cancelled: an add that still happens is undone by the abort after it
+            stream.abort()
+            raise
+        return stream
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        await self._call("load", name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._call("unload", name)
+
+    async def _call(self, kind: str, *args):
+        if not self.alive:
+            raise EngineDead("the engine is not running")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.send((kind, *args, loop, future))
+        return await future
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="moelora-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._thread is None:
+            return
+        self._stopping = True
+        self.send(("stop",))
+        self._thread.join(timeout)
+        if not self._thread.is_alive():  # commands sent while it stopped still get an answer
+            self._drain_commands("the engine stopped")
+
+    # engine thread ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                busy = self.engine.has_unfinished()
+                command = self._commands.get() if not busy else self._get_nowait()
+                while command is not None:
+                    if command[0] == "stop":
+                        return
+                    self._execute(command)
+                    command = self._get_nowait()
+                self._publish()
+                if self.engine.has_unfinished():
+                    self._step()
+        except BaseException:
+            log.exception("engine thread crashed")
+            raise
+        finally:
+            self._stopping = True
+            self._fail_live("the engine stopped")
+            self._drain_commands("the engine stopped")
+
+    def _get_nowait(self):
+        try:
+            return self._commands.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _execute(self, command: tuple) -> None:
+        kind, *args = command
+        if kind == "abort":
+            for rid in args[0]:
+                if self._live.pop(rid, None) is not None:
+                    self.engine.abort(rid)
+            return
+        *payload, loop, future = args
+        try:
+            result = getattr(self, f"_do_{kind}")(*payload)
+        except Exception as e:  # delivered to the caller, the thread keeps serving
+            _resolve(loop, future, error=e)
+        else:
+            self._publish()  # before the caller hears back: it may read the stats next
+            _resolve(loop, future, result=result)
+
+    def _do_add(self, stream: RequestStream, specs: list[GenerateSpec]) -> None:
+        added = []
+        try:
+            for i, (rid, spec) in enumerate(zip(stream.request_ids, specs, strict=True)):
+                if spec.adapter is not None and spec.adapter not in self._adapters:
+                    raise UnknownAdapter(f"adapter {spec.adapter!r} is not loaded")
+                self.engine.add_request(spec.prompt_ids, spec.params, spec.adapter, request_id=rid)
+                added.append(rid)
+                self._live[rid] = _Live(stream, i, spec.adapter)
+        except Exception:
+            for rid in added:
+                self._live.pop(rid, None)
+                self.engine.abort(rid)
+            raise
+        finally:
+            with self._lock:
+                self._pending -= len(specs)
+                self._publish()
+
+    def _do_load(self, name: str, path: str) -> None:
+        if name in self._adapters:
+            raise AdapterError(f"an adapter named {name!r} is already loaded")
+        self.engine.pool.add(name, path)
+        self._adapters[name] = path
+
+    def _do_unload(self, name: str) -> None:
+        if name not in self._adapters:
+            raise UnknownAdapter(f"adapter {name!r} is not loaded")
+        busy = sum(1 for live in self._live.values() if live.adapter == name)
+        if busy:
+            raise AdapterBusy(f"adapter {name!r} has {busy} requests in flight; retry when they finish")
+        self.engine.pool.remove(name)
+        del self._adapters[name]  # its cached KV is keyed by pool.cache_key: a reload never reuses it
+
+    def _step(self) -> None:
+        try:
+            changed = self.engine.step()
+        except Exception as e:  # a failed step fails the requests in it, not the server
+            log.exception("engine step failed")
+            self._fail_live(f"engine step failed: {type(e).__name__}: {e}")
+            return
+        now = time.monotonic()
+        batches: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        for req in changed:
+            live = self._live.get(req.request_id)
+            if live is None:
+                continue
+            new = req.output_ids[live.sent:]
+            logprobs = req.logprobs[live.sent:] if req.params.logprobs is not None else []
+            live.sent = len(req.output_ids)
+            final = req.text if req.finished else None
+            if req.finished:
+                del self._live[req.request_id]
+            delta = Delta(live.index, new, logprobs, req.finish_reason, final, now)
+            batches[live.stream.loop].append((live.stream.queue, delta))
+        for loop, items in batches.items():
+            _deliver(loop, items)
+        self._publish()
+
+    def _fail_live(self, message: str) -> None:
+        """Abort every live request and tell its stream why."""
+        now = time.monotonic()
+        batches: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        for rid, live in list(self._live.items()):
+            self.engine.abort(rid)
+            batches[live.stream.loop].append(
+                (live.stream.queue, Delta(live.index, [], [], "error", None, now, error=message)))
+        self._live.clear()
+        for loop, items in batches.items():
+            _deliver(loop, items)
+        self._publish()
+
+    def _drain_commands(self, message: str) -> None:
+        """On the way out: answer every caller still waiting on a command."""
+        while (command := self._get_nowait()) is not None:
+            if command[0] in ("abort", "stop"):
+                continue
+            if command[0] == "add":
+                with self._lock:
+                    self._pending -= len(command[2])
+            _resolve(command[-2], command[-1], error=EngineDead(message))
+
+    def _publish(self) -> None:
+        eng, pool = self.engine, self.engine.pool
+        in_flight: dict[str | None, int] = defaultdict(int)
+        for live in self._live.values():
+            in_flight[live.adapter] += 1
+        self._stats = EngineStats(
+            waiting=len(eng.scheduler.waiting), running=len(eng.scheduler.running),
+            kv_used=eng.cache.allocator.num_used, kv_total=eng.cache.allocator.num_blocks,
+            slots_in_use=pool.slots_in_use(), slots_total=pool.max_loras, loads=pool.loads,
+            evictions=pool.evictions, adapters=tuple(self._adapters.items()), in_flight=dict(in_flight))
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, items: list) -> None:
+    def put_all():
+        for q, delta in items:
+            q.put_nowait(delta)
+    try:
+        loop.call_soon_threadsafe(put_all)
+    except RuntimeError:  # the loop is closed: nobody is listening any more
+        pass
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result=None, error=None) -> None:
+    def set_():
+        if future.done():  # the caller was cancelled
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    try:
+        loop.call_soon_threadsafe(set_)
+    except RuntimeError:
+        pass

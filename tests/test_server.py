@@ -1,0 +1,404 @@
+"""The OpenAI-compatible server, end to end: a real uvicorn on a free loopback port, driven by the
+official `openai` client (and raw httpx where a client would not send such a request).
+
+The model is a tiny random Qwen3-MoE saved with `save_pretrained`, a byte-level tokenizer and a
+chat template built here, and per-expert PEFT adapters written by `oracle_lora`; the engine runs
+on the CPU with 2 adapter slots and a CPU cache of 2 adapters, so serving four adapters exercises
+slot evictions and reloads from disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import oracle_lora as ol
+import pytest
+from oracle import tiny_hf_model
+from prometheus_client.parser import text_string_to_metric_families
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from moelora.engine.config import EngineConfig  # noqa: E402
+from moelora.server.launch import build_server  # noqa: E402
+
+SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")  # ids 256..259
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+BASE = "tiny-base"
+ADAPTERS = ("alpha", "beta", "gamma")
+GREEDY = dict(temperature=0, max_tokens=12)
+TIMEOUT = 60.0
+
+
+# ------------------------------------------------------------------------------------ fixtures
+
+
+def byte_tokenizer():
+    """Byte-level BPE without merges (token id == byte), then the four special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        chars[b] = chr(b) if b in printable else chr(256 + extra)
+        extra += b not in printable
+    tok = Tokenizer(models.BPE(vocab={c: b for b, c in chars.items()}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL))
+    return tok
+
+
+def write_model(root: Path) -> tuple[Path, object]:
+    hf = tiny_hf_model("qwen3_moe", seed=11, vocab_size=260, max_position_embeddings=256, bos_token_id=256,
+                       eos_token_id=258, pad_token_id=259)
+    out = root / "model"
+    hf.save_pretrained(str(out))
+    byte_tokenizer().save(str(out / "tokenizer.json"))
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": None}))
+    return out, hf
+
+
+def make_assets(root: Path) -> tuple[Path, dict[str, Path]]:
+    """The model directory and four adapters (ADAPTERS served from the start, "delta" to load later)."""
+    model_dir, hf = write_model(root)
+    adapters = {}
+    for i, name in enumerate((*ADAPTERS, "delta")):
+        raw = ol.per_expert_lora(hf, seed=100 + i, r=4, std=0.3)
+        adapters[name] = ol.write_per_expert(raw, root / "adapters" / name)
+    return model_dir, adapters
+
+
+def free_port() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@contextmanager
+def running_server(model_dir, adapters, max_waiting=1024, **engine_kw):
+    """The test model with `adapters`, served; yields (base_url, app)."""
+    kw = dict(device="cpu", dtype="float32", max_loras=2, max_cpu_loras=2, max_lora_rank=8, max_num_seqs=64,
+              block_size=4, num_kv_blocks=2048)
+    cfg = EngineConfig(**{**kw, **engine_kw})
+    app = build_server(model_dir, {n: str(p) for n, p in adapters.items()}, cfg, [BASE], max_waiting)
+    with serving(app) as url:
+        yield url, app
+
+
+@contextmanager
+def serving(app):
+    """uvicorn in a thread on a kernel-chosen loopback port, started and stopped within bounded waits."""
+    sock = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    host, port = sock.getsockname()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+        assert not thread.is_alive(), "server did not stop"
+
+
+def make_client(url: str):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+
+
+# test_server_errors.py has the same three fixtures (one server per module)
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return make_assets(tmp_path_factory.mktemp("server"))
+
+
+@pytest.fixture(scope="module")
+def server(assets):
+    model_dir, adapters = assets
+    with running_server(model_dir, {n: adapters[n] for n in ADAPTERS}) as (url, app):
+        yield url, app
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return make_client(server[0])
+
+
+def wait_idle(app, timeout=15.0):
+    """Poll until the engine holds no request and no KV block (bounded)."""
+    engine = app.state.engine
+    deadline = time.monotonic() + timeout
+    while True:
+        s = engine.stats
+        if s.waiting == s.running == s.kv_used == 0 and not s.in_flight and engine.queue_length() == 0:
+            return s
+        assert time.monotonic() < deadline, f"engine not idle after {timeout}s: {s}"
+        time.sleep(0.02)
+
+
+def metrics(url) -> dict:
+    """{(sample name, frozenset(labels)): value} of every sample on /metrics."""
+    text = httpx.get(url + "/metrics", timeout=TIMEOUT).text
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def metric(m: dict, name: str, **labels) -> float:
+    return sum(v for (n, ls), v in m.items() if n == name and set(labels.items()) <= ls)
+
+
+PROMPTS = ["the cat sat on", "hello world", "abc xyz", "moe lora!", "serve me", "tokens out", "q", "12345"]
+
+
+def complete(client, model, prompt, **kw):
+    return client.completions.create(model=model, prompt=prompt, **{**GREEDY, **kw})
+
+
+def streamed_text(stream) -> tuple[dict[int, str], dict[int, str], object]:
+    """(text by choice, finish_reason by choice, usage) of a streamed completion or chat."""
+    texts, reasons, usage = {}, {}, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            piece = c.text if hasattr(c, "text") else (c.delta.content or "")
+            texts[c.index] = texts.get(c.index, "") + piece
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    return texts, reasons, usage
+
+
+# ---------------------------------------------------------------------------------- happy paths
+
+
+def test_health_and_models(server, client, assets):
+    url, _ = server
+    assert httpx.get(url + "/health", timeout=TIMEOUT).status_code == 200
+    cards = {m.id: m for m in client.models.list().data}
+    assert list(cards) == [BASE, *ADAPTERS]
+    assert cards[BASE].parent is None and cards[BASE].root == str(assets[0])
+    for name in ADAPTERS:
+        assert cards[name].parent == BASE and cards[name].root == str(assets[1][name])
+
+
+def test_completions_every_adapter_stream_equals_whole(client):
+    outs = {}
+    for model in (BASE, *ADAPTERS):
+        whole = complete(client, model, PROMPTS[0])
+        choice = whole.choices[0]
+        assert choice.finish_reason in ("stop", "length") and whole.model == model
+        assert whole.usage.prompt_tokens == len(PROMPTS[0].encode())
+        assert 0 < whole.usage.completion_tokens <= GREEDY["max_tokens"] or choice.finish_reason == "stop"
+        texts, reasons, usage = streamed_text(complete(client, model, PROMPTS[0], stream=True,
+                                                       stream_options={"include_usage": True}))
+        assert texts == {0: choice.text} and reasons == {0: choice.finish_reason}
+        assert usage.completion_tokens == whole.usage.completion_tokens
+        outs[model] = choice.text
+    assert len(set(outs.values())) == len(outs), f"adapters should change the output: {outs}"
+
+
+def test_chat_whole_stream_and_logprobs(client):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    whole = client.chat.completions.create(model="beta", messages=messages, logprobs=True, top_logprobs=3, **GREEDY)
+    choice = whole.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    content = choice.logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    for entry in content:  # greedy: the chosen token is the most likely one
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+    chunks = list(client.chat.completions.create(model="beta", messages=messages, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    texts, reasons, _ = streamed_text(iter(chunks))
+    assert texts == {0: choice.message.content} and reasons == {0: choice.finish_reason}
+
+
+def test_n_seed_top_k_top_p_and_completion_logprobs(client):
+    kw = dict(n=3, temperature=1.0, top_p=0.9, seed=7, max_tokens=8, extra_body={"top_k": 50})
+    first = complete(client, "alpha", PROMPTS[1], **kw)
+    again = complete(client, "alpha", PROMPTS[1], **kw)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert len({c.text for c in first.choices}) > 1
+    lp = complete(client, BASE, [PROMPTS[2], PROMPTS[3]], logprobs=2).choices
+    assert len(lp) == 2
+    for c in lp:
+        assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) == len(c.logprobs.top_logprobs)
+        assert all(len(top) <= 2 for top in c.logprobs.top_logprobs)
+        assert c.logprobs.text_offset[0] == 0
+
+
+def test_stop_strings_whole_and_streamed(client):
+    full = complete(client, "gamma", PROMPTS[4], max_tokens=20, extra_body={"ignore_eos": True}).choices[0].text
+    i = next(i for i, ch in enumerate(full) if i > 0 and ch != "\ufffd")
+    stop = full[i]
+    expected = full[:full.index(stop)]
+    whole = complete(client, "gamma", PROMPTS[4], max_tokens=20, stop=[stop], extra_body={"ignore_eos": True})
+    assert (whole.choices[0].text, whole.choices[0].finish_reason) == (expected, "stop")
+    texts, reasons, _ = streamed_text(complete(client, "gamma", PROMPTS[4], max_tokens=20, stop=stop, stream=True,
+                                               extra_body={"ignore_eos": True}))
+    assert texts == {0: expected} and reasons == {0: "stop"}
+
+
+# ---------------------------------------------------------------------------- adapters at run time
+
+
+def post(url, path, body, **kw):
+    return httpx.post(url + path, json=body, timeout=TIMEOUT, **kw)
+
+
+def test_load_use_unload_at_run_time(server, client, assets):
+    url, _ = server
+    path = str(assets[1]["delta"])
+    r = post(url, "/v1/load_lora_adapter", {"lora_name": "delta", "lora_path": path})
+    assert r.status_code == 200, r.text
+    assert [m.id for m in client.models.list().data] == [BASE, *ADAPTERS, "delta"]
+    assert complete(client, "delta", PROMPTS[0]).choices[0].text != complete(client, BASE, PROMPTS[0]).choices[0].text
+    again = post(url, "/v1/load_lora_adapter", {"lora_name": "delta", "lora_path": path})
+    assert again.status_code == 400 and "already" in again.json()["error"]["message"]
+    clash = post(url, "/v1/load_lora_adapter", {"lora_name": BASE, "lora_path": path})
+    assert clash.status_code == 400 and clash.json()["error"]["param"] == "lora_name"
+    assert post(url, "/v1/unload_lora_adapter", {"lora_name": "delta"}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        complete(client, "delta", PROMPTS[0])
+    gone = post(url, "/v1/unload_lora_adapter", {"lora_name": "delta"})
+    assert gone.status_code == 404 and gone.json()["error"]["type"] == "NotFoundError"
+    assert [m.id for m in client.models.list().data] == [BASE, *ADAPTERS]
+
+
+def test_reloading_a_name_with_other_weights_does_not_reuse_its_cached_kv(server, client, assets):
+    url, _ = server
+    paths = assets[1]
+    prompt = PROMPTS[0] + " and a longer prompt that fills many KV blocks"
+    load = lambda name, path: post(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+    assert load("delta", paths["delta"]).status_code == 200
+    old = complete(client, "delta", prompt).choices[0].text  # its full prompt blocks are now cached
+    assert post(url, "/v1/unload_lora_adapter", {"lora_name": "delta"}).status_code == 200
+    assert load("delta", paths["alpha"]).status_code == 200  # the same name, other weights
+    try:
+        assert complete(client, "delta", prompt).choices[0].text == complete(client, "alpha", prompt).choices[0].text
+        assert old != complete(client, "alpha", prompt).choices[0].text
+    finally:
+        assert post(url, "/v1/unload_lora_adapter", {"lora_name": "delta"}).status_code == 200
+
+
+# ------------------------------------------------------------------------ load and disconnects
+
+MODELS = (BASE, *ADAPTERS)
+LOAD_N, LOAD_TOKENS = 64, 8
+
+
+def load_requests() -> list[tuple[str, str]]:
+    """(model, prompt) of every concurrent request: all models, distinct prompts of various lengths."""
+    return [(MODELS[i % len(MODELS)], f"{PROMPTS[i % len(PROMPTS)]} #{i}" + "." * (i % 5)) for i in range(LOAD_N)]
+
+
+def test_64_concurrent_streams_equal_each_request_alone(server, client):
+    url, app = server
+    alone = {}
+    for model, prompt in sorted(load_requests()):  # one model after another: fewer adapter swaps
+        c = complete(client, model, prompt, max_tokens=LOAD_TOKENS).choices[0]
+        alone[model, prompt] = (c.text, c.finish_reason)
+
+    async def one(aclient, model, prompt):
+        stream = await aclient.completions.create(model=model, prompt=prompt, stream=True, temperature=0,
+                                                  max_tokens=LOAD_TOKENS)
+        text, reason = "", None
+        async for chunk in stream:
+            for c in chunk.choices:
+                text += c.text
+                reason = c.finish_reason or reason
+        return text, reason
+
+    async def all_at_once():
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                                      timeout=TIMEOUT) as aclient:
+            jobs = [one(aclient, m, p) for m, p in load_requests()]
+            return await asyncio.wait_for(asyncio.gather(*jobs), timeout=TIMEOUT)
+
+    start = time.monotonic()
+    results = asyncio.run(all_at_once())
+    elapsed = time.monotonic() - start
+    print(f"64 concurrent streams: {elapsed:.2f}s")
+    for (model, prompt), got in zip(load_requests(), results, strict=True):
+        assert got[1] in ("stop", "length"), (model, prompt, got)
+        assert got == alone[model, prompt], (model, prompt)
+    assert elapsed < TIMEOUT
+    wait_idle(app)
+
+
+def _sse_lines(response, count):
+    lines = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            lines.append(line)
+            if len(lines) == count:
+                return lines
+    return lines
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server):
+    url, app = server
+    aborted = metric(metrics(url), "moelora:requests_total", model="gamma", outcome="abort")
+    body = {"model": "gamma", "prompt": PROMPTS[3], "max_tokens": 240, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=TIMEOUT) as http, http.stream("POST", url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        assert len(_sse_lines(r, 3)) == 3
+        assert app.state.engine.stats.kv_used > 0
+    # the connection is closed here, long before 240 tokens
+    wait_idle(app)
+    assert metric(metrics(url), "moelora:requests_total", model="gamma", outcome="abort") == aborted + 1
+
+
+def test_client_disconnect_while_waiting_for_whole_response_aborts(server):
+    url, app = server
+    aborted = metric(metrics(url), "moelora:requests_total", model=BASE, outcome="abort")
+    body = {"model": BASE, "prompt": PROMPTS[2], "max_tokens": 240, "ignore_eos": True, "n": 4}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(TIMEOUT, read=0.3))
+    wait_idle(app)
+    assert metric(metrics(url), "moelora:requests_total", model=BASE, outcome="abort") == aborted + 4
+
+
+# ---------------------------------------------------------------------------------------- metrics
+
+
+def test_metrics_are_scraped_and_parsed(server, client):
+    url, _ = server
+    for model in MODELS:
+        complete(client, model, PROMPTS[0], max_tokens=3)
+    for status, bad in ((400, {"max_tokens": 0}), (404, {"model": "nope"})):
+        assert post(url, "/v1/completions", {"model": BASE, "prompt": "hi", **bad}).status_code == status
+    m = metrics(url)
+    for model in MODELS:
+        assert metric(m, "moelora:requests_total", model=model) > 0, model
+        assert metric(m, "moelora:prompt_tokens_total", model=model) > 0
+        assert metric(m, "moelora:generation_tokens_total", model=model) > 0
+        assert metric(m, "moelora:time_to_first_token_seconds_count", model=model) > 0
+        assert metric(m, "moelora:inter_token_latency_seconds_count", model=model) > 0
+        assert metric(m, "moelora:e2e_request_latency_seconds_count", model=model) > 0
+    assert metric(m, "moelora:requests_total", outcome="length") > 0
+    assert metric(m, "moelora:request_errors_total", status="400") > 0
+    assert metric(m, "moelora:request_errors_total", status="404") > 0
+    assert metric(m, "moelora:num_requests_waiting") == metric(m, "moelora:num_requests_running") == 0
+    assert metric(m, "moelora:kv_cache_usage_perc") == 0 and metric(m, "moelora:kv_cache_blocks_total") == 2048
+    assert 0 < metric(m, "moelora:lora_slots_in_use") <= metric(m, "moelora:lora_slots_total") == 2
+    assert metric(m, "moelora:lora_adapters_registered") == len(ADAPTERS)
+    assert metric(m, "moelora:lora_evictions_total") > 0  # 3 adapters took turns in 2 slots
+    assert metric(m, "moelora:lora_loads_total") > 0  # and in a CPU cache of 2
