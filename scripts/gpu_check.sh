@@ -13,7 +13,7 @@ PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 rc=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/gpu.txt"
-git rev-parse HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
+echo "commit ${COMMIT:-unknown (pass COMMIT=...)}" | tee -a "$OUT/gpu.txt"
 if [ "${TESTS:-1}" = 1 ]; then
   "$PY" -m pytest -m gpu -q -p no:cacheprovider -rs ${TEST_ARGS:-tests/} 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
 fi

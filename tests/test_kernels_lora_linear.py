@@ -1,19 +1,20 @@
-"""lora_linear (cuBLAS base + Triton LoRA delta) vs lora_linear_ref (torch twin).
+"""lora_linear (cuBLAS base + Triton LoRA delta, split and fused paths) vs lora_linear_ref (torch twin).
 
 Interpreter tests (tiny, fp16/fp32) run when TRITON_INTERPRET=1 or on CUDA; `gpu` tests run real
-shapes in bf16 against an fp32 reference (relative error <= 1e-2).
+shapes in bf16 against an fp32 reference (relative error <= 1e-2), under CUDA graphs too.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
 
-from moelora.kernels.lora_linear import LoRALinearConfig, lora_linear  # noqa: E402
+from moelora.kernels.lora_linear import LoRALinearConfig, default_lora_linear_config, lora_linear  # noqa: E402
 from moelora.kernels.reference import DenseLoRAArgs, SlotRows, lora_linear_ref  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -21,7 +22,10 @@ INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cuda" if CUDA and not INTERP else "cpu"
 kernel_test = pytest.mark.skipif(not (INTERP or CUDA), reason="needs TRITON_INTERPRET=1 or CUDA")
 gpu_only = pytest.mark.skipif(not CUDA or INTERP, reason="needs CUDA (not the interpreter)")
-TINY = LoRALinearConfig(16, 32, 32, 4, 2)
+# Tiny blocks so that tiny shapes still span several row blocks, N tiles and N_in chunks.
+TINY = {"split": LoRALinearConfig("split", 16, 32, 16, 16, split_k=3),
+        "fused": LoRALinearConfig("fused", 16, 32, 32)}
+MODES = tuple(TINY)
 
 
 def make_case(T, n_in, n_out, ranks, R, *, bias=True, dtype=torch.float32, device="cpu", seed=0, slots=None):
@@ -37,62 +41,158 @@ def make_case(T, n_in, n_out, ranks, R, *, bias=True, dtype=torch.float32, devic
         return x, w, b, None
     S = len(ranks)
     a, bb = rn(S, R, n_in, scale=n_in ** -0.5), rn(S, n_out, R, scale=R ** -0.5)
-    for s, r in enumerate(ranks):
-        a[s, r:].zero_()
-        bb[s, :, r:].zero_()
+    for s, r in enumerate(ranks):  # NaN beyond the rank: kernels must read only the first r columns
+        a[s, r:] = float("nan")
+        bb[s, :, r:] = float("nan")
     if slots is None:
         slots = torch.randint(-1, S, (T,), generator=g, dtype=torch.int32)
     slots = torch.as_tensor(slots, dtype=torch.int32)
-    active = tuple(SlotRows(s, ranks[s], (slots == s).nonzero().squeeze(1).to(device))
-                   for s in range(S) if ranks[s] > 0 and bool((slots == s).any()))
-    lora = DenseLoRAArgs(a, bb, slots.to(device), torch.tensor(ranks, dtype=torch.int32, device=device), active)
-    return x, w, b, lora
+    return x, w, b, DenseLoRAArgs(a, bb, slots.to(device), torch.tensor(ranks, dtype=torch.int32, device=device),
+                                  active_rows(slots, ranks, device))
 
 
-def check(case, tol, config=None, ref_dtype=torch.float64):
+def active_rows(slots, ranks, device):
+    slots = slots.cpu()
+    return tuple(SlotRows(s, ranks[s], (slots == s).nonzero().squeeze(1).to(device))
+                 for s in range(len(ranks)) if ranks[s] > 0 and bool((slots == s).any()))
+
+
+def rel_err(got, want):
+    return ((got.to(want.dtype) - want).norm() / want.norm()).item() if want.numel() and want.norm() > 0 else 0.0
+
+
+def reference(case, ref_dtype):
     x, w, b, lora = case
-    up = lambda t: None if t is None else t.to(ref_dtype)
+    up = lambda t: None if t is None else t.to(ref_dtype)  # noqa: E731
     lr = lora and DenseLoRAArgs(up(lora.a), up(lora.b), lora.token_slots, lora.slot_ranks, lora.active)
-    want = lora_linear_ref(up(x), up(w), up(b), lr)
+    return lora_linear_ref(up(x), up(w), up(b), lr), lora_linear_ref(up(x), up(w), up(b), None)
+
+
+def check(case, tol, config=None, ref_dtype=torch.float64, delta_tol=None):
+    """Whole output within `tol` of the reference, and the LoRA delta alone (output minus this
+    launcher's own base GEMM) within `delta_tol` of the reference delta."""
+    x, w, b, lora = case
+    want, want_base = reference(case, ref_dtype)
     x_before = x.clone()
     out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
     got = lora_linear(x, w, b, lora, out=out, config=config)
     assert got is out and torch.equal(x, x_before)
     assert not torch.isnan(got).any()
-    err = ((got.to(ref_dtype) - want).norm() / want.norm()).item() if want.numel() else 0.0
-    assert err <= tol, err
+    assert rel_err(got, want) <= tol
+    if lora is not None and delta_tol is not None:
+        base = lora_linear(x, w, b, None)
+        assert rel_err(got.to(ref_dtype) - base.to(ref_dtype), want - want_base) <= delta_tol
+    rows_off = (lora.token_slots < 0) if lora is not None else torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+    if bool(rows_off.any()):  # rows on no adapter get exactly the base GEMM
+        assert torch.equal(got[rows_off], lora_linear(x, w, b, None)[rows_off])
+    return got
 
 
 @kernel_test
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 1e-2)])
-def test_mixed_slots_ranks_below_max(dtype, tol):
-    case = make_case(21, 40, 72, (24, 5, 0), 24, dtype=dtype, device=DEV, seed=1,
-                     slots=[0, -1, 1, 2, 1] * 4 + [-1])
-    check(case, tol, TINY)
+def test_mixed_slots_ranks_below_max(mode, dtype, tol):
+    case = make_case(37, 40, 72, (24, 5, 0, 17), 24, dtype=dtype, device=DEV, seed=1,
+                     slots=[0, -1, 1, 2, 1, 3] * 6 + [-1])
+    check(case, tol, TINY[mode], delta_tol=tol * 5)
 
 
 @kernel_test
-def test_no_lora_no_bias_one_and_zero_tokens():
-    check(make_case(1, 40, 24, (), 0, bias=False, device=DEV, seed=2), 1e-5, TINY)
-    check(make_case(1, 40, 24, (16,), 16, device=DEV, seed=3, slots=[0]), 1e-4, TINY)
-    check(make_case(3, 40, 24, (16,), 16, device=DEV, seed=3, slots=[-1, -1, -1]), 1e-5, TINY)
+@pytest.mark.parametrize("mode", MODES)
+def test_one_slot_per_row_block_and_empty_blocks(mode):
+    # rows 0-15: slot 1 only; 16-31: no adapter; 32-47: slot 0 rank 3 in a pool of max rank 40; 48-52 mixed
+    slots = [1] * 16 + [-1] * 16 + [0] * 16 + [1, -1, 0, 0, 1]
+    case = make_case(53, 33, 50, (3, 40), 40, device=DEV, seed=5, slots=slots)
+    check(case, 1e-4, TINY[mode], delta_tol=1e-4)
+
+
+@kernel_test
+@pytest.mark.parametrize("slot_lanes", [1, 2, 3, 8])
+def test_slot_lanes_fewer_and_more_than_distinct_slots(slot_lanes):
+    """Six slots interleaved (up to 6 distinct per block): lanes below that make the last lane loop."""
+    slots = [0, 1, 2, 3, 4, 5, -1, 5, 3] * 4 + [2, 2]
+    case = make_case(38, 45, 40, (16, 3, 9, 16, 1, 12), 16, dtype=torch.float16, device=DEV, seed=9, slots=slots)
+    cfg = LoRALinearConfig("split", 16, 32, 16, 16, split_k=2, slot_lanes=slot_lanes)
+    check(case, 1e-2, cfg, delta_tol=2e-2)
+
+
+@kernel_test
+@pytest.mark.parametrize("split_k", [0, 1, 2, 7])
+def test_shrink_split_over_n_in(split_k):
+    """N_in chunks that do not divide it (97 = 3 x 32 + 1 with BK 16) and more chunks than BK steps."""
+    case = make_case(20, 97, 40, (16, 7), 16, dtype=torch.float16, device=DEV, seed=6)
+    check(case, 1e-2, LoRALinearConfig("split", 16, 16, 16, 16, split_k=split_k), delta_tol=2e-2)
+
+
+@kernel_test
+@pytest.mark.parametrize("mode", MODES)
+def test_no_lora_no_bias_one_and_zero_tokens(mode):
+    cfg = TINY[mode]
+    check(make_case(1, 40, 24, (), 0, bias=False, device=DEV, seed=2), 1e-5, cfg)
+    check(make_case(1, 40, 24, (16,), 16, device=DEV, seed=3, slots=[0]), 1e-4, cfg, delta_tol=1e-4)
+    check(make_case(1, 40, 24, (16, 8), 16, device=DEV, seed=3, slots=[1]), 1e-4, cfg, delta_tol=1e-4)
+    check(make_case(3, 40, 24, (16,), 16, device=DEV, seed=3, slots=[-1, -1, -1]), 1e-5, cfg)
+    check(make_case(18, 40, 24, (16, 4), 16, bias=False, device=DEV, seed=3, slots=[-1] * 18), 1e-5, cfg)
     x, w, b, lora = make_case(0, 40, 24, (16,), 16, device=DEV, seed=4)
-    assert lora_linear(x, w, b, lora, config=TINY).shape == (0, 24)
+    assert lora_linear(x, w, b, lora, config=cfg).shape == (0, 24)
 
 
 @kernel_test
-def test_rejects_bad_shapes():
+def test_default_configs_run():
+    for T in (1, 40):
+        case = make_case(T, 48, 40, (16, 2), 16, device=DEV, seed=7)
+        for mode in MODES:
+            check(case, 1e-4, default_lora_linear_config(T, mode), delta_tol=1e-4)
+    check(make_case(5, 48, 40, (16, 2), 16, device=DEV, seed=8), 1e-4, delta_tol=1e-4)  # config=None
+
+
+@kernel_test
+def test_rejects_bad_shapes_and_configs():
     x, w, b, lora = make_case(4, 32, 16, (16,), 16, device=DEV)
     with pytest.raises(ValueError, match="weight"):
         lora_linear(x, w[:, :-1], b, lora)
     with pytest.raises(ValueError, match="token_slots"):
         lora_linear(x[:3], w, b, lora)
+    with pytest.raises(ValueError, match="mode"):
+        LoRALinearConfig("slow")
+    with pytest.raises(ValueError, match="block_n"):
+        LoRALinearConfig(block_n=48)
+    with pytest.raises(ValueError, match="slot_lanes"):
+        LoRALinearConfig(slot_lanes=0)
+
+
+GPU_SHAPES = [(2048, 4096), (2048, 512)]
+
+
+def gpu_slots(T, n_slots, seed):
+    """Requests interleaved over the slots (the decode worst case), a few rows on no adapter."""
+    slots = torch.arange(T, dtype=torch.int32) % n_slots
+    if T > 4:
+        slots[torch.randperm(T, generator=torch.Generator().manual_seed(seed))[: T // 8]] = -1
+    return slots
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("n_in,n_out", GPU_SHAPES)
+@pytest.mark.parametrize("T", [1, 64, 256])
+@pytest.mark.parametrize("ranks,R", [((16,) * 8, 16), ((8,) * 8, 64), ((16,), 16)], ids=["8x16", "8x8in64", "1x16"])
+def test_gpu_real_shape_bf16(mode, n_in, n_out, T, ranks, R):
+    case = make_case(T, n_in, n_out, ranks, R, dtype=torch.bfloat16, device="cuda", seed=T + R,
+                     slots=gpu_slots(T, len(ranks), T))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        lora_linear(*case, config=default_lora_linear_config(T, mode))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    check(case, 1e-2, default_lora_linear_config(T, mode), ref_dtype=torch.float32, delta_tol=3e-2)
 
 
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("T", [1, 77, 1000])
-def test_gpu_real_shape_bf16(T):
+def test_gpu_mixed_ranks_bf16(T):
     ranks = (64, 16, 8, 0, 32, 16, 8, 64)
     case = make_case(T, 2048, 5120 + 64, ranks, 64, dtype=torch.bfloat16, device="cuda", seed=T)
     torch.cuda.set_sync_debug_mode("error")
@@ -100,4 +200,48 @@ def test_gpu_real_shape_bf16(T):
         lora_linear(*case)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    check(case, 1e-2, ref_dtype=torch.float32)
+    check(case, 1e-2, ref_dtype=torch.float32, delta_tol=3e-2)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("slot_lanes", [1, 3, 8])
+@pytest.mark.parametrize("T", [8, 256])
+def test_gpu_many_slots_few_lanes_bf16(slot_lanes, T):
+    """24 slots, rows on random slots: more distinct slots per row block than lanes."""
+    ranks = tuple((16, 8, 4, 12)[i % 4] for i in range(24))
+    case = make_case(T, 2048, 1024, ranks, 16, dtype=torch.bfloat16, device="cuda", seed=50 + T)
+    check(case, 1e-2, replace(default_lora_linear_config(T), slot_lanes=slot_lanes), ref_dtype=torch.float32,
+          delta_tol=3e-2)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("T", [1, 64, 256])
+def test_gpu_cuda_graph_replay(mode, T):
+    """Capture once; replay after new x, weights, adapters and token slots are copied in place."""
+    ranks, n_in, n_out = (16, 8, 16, 4), 2048, 512
+    cfg = default_lora_linear_config(T, mode)
+    x, w, b, lora = make_case(T, n_in, n_out, ranks, 16, dtype=torch.bfloat16, device="cuda", seed=40,
+                              slots=gpu_slots(T, 4, 40))
+    out = torch.empty(T, n_out, dtype=torch.bfloat16, device="cuda")
+    lora_linear(x, w, b, lora, out=out, config=cfg)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        lora_linear(x, w, b, lora, out=out, config=cfg)
+    fresh_slots = torch.randint(-1, 4, (T,), generator=torch.Generator().manual_seed(41), dtype=torch.int32)
+    fresh = make_case(T, n_in, n_out, (4, 16, 2, 16), 16, dtype=torch.bfloat16, device="cuda", seed=41,
+                      slots=fresh_slots)
+    for dst, src in zip((x, w, b), fresh[:3], strict=True):
+        dst.copy_(src)
+    for f in ("a", "b", "token_slots", "slot_ranks"):
+        getattr(lora, f).copy_(getattr(fresh[3], f))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = lora_linear(*fresh, config=cfg)
+    assert torch.equal(eager, lora_linear(*fresh, config=cfg))  # no atomics: deterministic
+    assert rel_err(out, eager.float()) <= 2e-3
+    assert rel_err(out, reference(fresh, torch.float32)[0]) <= 1e-2

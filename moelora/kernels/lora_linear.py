@@ -1,15 +1,31 @@
 """Dense linear with per-token multi-LoRA: y = x W^T + b + x A_s^T B_s^T (s = slot of the row).
 
-Shape legend: T tokens, N_in / N_out in / out features, S adapter slots, R max rank.
+Shape legend: T tokens, N_in / N_out in / out features, S adapter slots, R max rank
+(BLOCK_R = pow2 >= max(16, R)), P shrink splits over N_in.
   x [T, N_in], weight [N_out, N_in], bias [N_out] | None
   lora: DenseLoRAArgs (a [S, R, N_in], b [S, N_out, R] with scaling folded in,
         token_slots [T] int32 (-1: no adapter), slot_ranks [S] int32)       -> y [T, N_out]
 
 The base projection is one cuBLAS GEMM into the output buffer this launcher allocates (or the
-caller's `out=`); one Triton kernel then adds the LoRA delta into that buffer, tile by tile:
-program (m, n) walks the distinct slots of its BM rows and, 16 rank columns at a time up to the
-slot's own rank, shrinks rows @ A_s^T over N_in and adds (xa) @ B_s^T to its [BM, BN] tile.
-Tiles whose rows have no adapter exit after one load, and rows with slot -1 are neither read nor written. No host sync.
+caller's `out=`); the LoRA delta is then added into that buffer by one of two paths:
+
+- "split" (default): a shrink kernel computes xa = x[t] @ A_slot(t)[:rank]^T once per row into an
+  fp32 buffer xa [P, T, BLOCK_R], then an expand kernel adds xa[t] @ B_slot(t)[:, :rank]^T to each
+  [BM, BN] output tile (summing the P partials). Shrink program (m, p, lane) takes BM rows, the
+  p-th chunk of N_in (so small T still fills the GPU) and the lane-th distinct slot among its rows;
+  expand program (m, n, lane) likewise. A row has one slot, so lanes touch disjoint rows: no
+  atomics, deterministic. With up to `slot_lanes` distinct slots per row block every program
+  handles one slot, so its chain of dependent loads is short: slots and ranks (one round trip),
+  then one pipelined N_in chunk (shrink) or y, the partials and one B tile at once (expand), not
+  one chain per slot; the last lane takes any further slots in turn. Every row is shrunk
+  once, A is read once per (row block, slot, N_in chunk) and B once per (row block, slot, N tile),
+  each only up to the slot's own rank (masked loads move no bytes).
+- "fused": the older single kernel: program (m, n) shrinks its rows over the full N_in for each
+  distinct slot and expands into its tile, so the shrink repeats N_out / BN times. One launch
+  fewer; kept as an off switch and for comparison.
+
+Row blocks with no adapter exit after one load; rows with slot -1 are neither read nor written
+by the LoRA kernels. Grids depend on shapes only and nothing syncs with the host (graph-safe).
 """
 
 from __future__ import annotations
@@ -24,26 +40,146 @@ from moelora.kernels.lora_tiles import lora_b_tile, lora_shrink_rows
 from moelora.kernels.reference import DenseLoRAArgs
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MODES = ("split", "fused")
+# Shrink programs to aim for with one slot per row block (split over N_in when T alone gives fewer):
+# about one per SM on an H200 (132); more slots multiply them through the slot lanes.
+_SHRINK_TARGET_PROGRAMS = 128
 
 
 @dataclass(frozen=True)
 class LoRALinearConfig:
+    """Block sizes of the LoRA delta. `mode`: "split" (shrink + expand kernels) or "fused" (one
+    kernel). block_m / block_n: the output tile (expand, or fused); block_k: depth step of the
+    shrink; shrink_block_m: rows per shrink program; split_k: N_in chunks of the shrink (0: from
+    the shapes); slot_lanes: programs per row block that each take one distinct slot (the last one
+    takes the rest). num_warps / num_stages: the expand (or fused) kernel; the shrink runs 4 warps
+    and shrink_num_stages. All block sizes are powers of two >= 16 (tl.dot)."""
+
+    mode: str = "split"
     block_m: int = 16
-    block_n: int = 128
+    block_n: int = 64
     block_k: int = 128
+    shrink_block_m: int = 16
+    split_k: int = 0
+    slot_lanes: int = 8
     num_warps: int = 4
     num_stages: int = 2
+    shrink_num_stages: int = 3
+
+    def __post_init__(self):
+        if self.mode not in _MODES:
+            raise ValueError(f"LoRALinearConfig.mode must be one of {_MODES}, got {self.mode!r}")
+        for name in ("block_m", "block_n", "block_k", "shrink_block_m"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"LoRALinearConfig.{name} must be a power of two >= 16, got {v}")
+        if self.slot_lanes < 1:
+            raise ValueError(f"LoRALinearConfig.slot_lanes must be >= 1, got {self.slot_lanes}")
+        if self.split_k < 0:
+            raise ValueError(f"LoRALinearConfig.split_k must be >= 0, got {self.split_k}")
 
 
-def default_lora_linear_config(num_tokens: int) -> LoRALinearConfig:
-    """Decode: short row blocks; prefill: wide N tiles, so the in-program shrink repeats less."""
+def default_lora_linear_config(num_tokens: int, mode: str = "split") -> LoRALinearConfig:
+    """Decode: short row blocks, many programs; prefill: taller expand tiles, so B is re-read by
+    fewer row blocks. Fused: wide N tiles at prefill, so its in-program shrink repeats less."""
+    if mode == "fused":
+        if num_tokens <= 32:
+            return LoRALinearConfig("fused", 16, 64, 256, num_warps=4)
+        return LoRALinearConfig("fused", 64, 256, 64, num_warps=8)
     if num_tokens <= 32:
-        return LoRALinearConfig(16, 64, 256, 4, 2)
-    return LoRALinearConfig(64, 256, 64, 8, 2)
+        return LoRALinearConfig("split", 16, 64, 128, 16)
+    return LoRALinearConfig("split", 64, 128, 128, 16, num_warps=8)
 
 
 @triton.jit
-def _lora_delta_add_kernel(
+def _lane_rows(slots_ptr, ranks_ptr, offs_t, T, n_slots, lane, n_lanes, S_P2: tl.constexpr):
+    """The rows a lane owns: (slot vector with the `lane` largest distinct slots dropped, first slot
+    to handle or -1, mask of the rows this lane handles, all slot ranks [S_P2]). A lane below the
+    last handles one slot; the last handles every slot left. The ranks are loaded with the slots,
+    so a slot's rank costs no extra round trip."""
+    slot = tl.load(slots_ptr + offs_t, mask=offs_t < T, other=-1)
+    offs_s = tl.arange(0, S_P2)
+    ranks = tl.load(ranks_ptr + offs_s, mask=offs_s < n_slots, other=0)
+    s = tl.max(slot, axis=0)
+    for _ in range(lane):
+        slot = tl.where(slot == s, -1, slot)
+        s = tl.max(slot, axis=0)
+    mine = (slot >= tl.where(lane == n_lanes - 1, 0, s)) & (slot <= s)  # slots left are all <= s
+    return slot, s, mine, ranks
+
+
+@triton.jit
+def _rank_of(ranks, s, S_P2: tl.constexpr):
+    return tl.sum(tl.where(tl.arange(0, S_P2) == s, ranks, 0), axis=0)
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, T, N_in, n_slots, k_chunk, n_lanes,
+    stride_xt, stride_xap, stride_as, stride_ar,
+    BM: tl.constexpr, BLOCK_R: tl.constexpr, BK: tl.constexpr, S_P2: tl.constexpr,
+):
+    """xa[p, t, :] = x[t, chunk p] @ A_slot(t)[:rank, chunk p]^T (fp32) for the rows with a slot.
+    Program (m, p, lane) takes the lane-th distinct slot of its rows (the last lane: all the rest)."""
+    offs_t = tl.program_id(0) * BM + tl.arange(0, BM)
+    lane = tl.program_id(2)
+    slot, s, mine, ranks = _lane_rows(slots_ptr, ranks_ptr, offs_t, T, n_slots, lane, n_lanes, S_P2)
+    if s < 0:
+        return
+    k_start = tl.program_id(1) * k_chunk
+    k_end = tl.minimum(k_start + k_chunk, N_in)
+    xa = tl.zeros((BM, BLOCK_R), tl.float32)
+    while s >= 0:  # masked loads move no bytes: each row of x is read once, A once per slot
+        sel = slot == s
+        xa += lora_shrink_rows(x_ptr, offs_t, stride_xt, sel, a_ptr + s.to(tl.int64) * stride_as, stride_ar,
+                               _rank_of(ranks, s, S_P2), k_start, k_end, BM, BLOCK_R, BK)
+        slot = tl.where(sel, -1, slot)
+        s = tl.where(lane == n_lanes - 1, tl.max(slot, axis=0), -1)
+    offs_r = tl.arange(0, BLOCK_R)
+    xa_ptrs = (xa_ptr + tl.program_id(1).to(tl.int64) * stride_xap + offs_t[:, None].to(tl.int64) * BLOCK_R
+               + offs_r[None, :])
+    tl.store(xa_ptrs, xa, mask=mine[:, None])
+
+
+@triton.jit
+def _lora_expand_add_kernel(
+    xa_ptr, y_ptr, b_ptr, slots_ptr, ranks_ptr, T, N_out, n_slots, n_lanes,
+    stride_xap, stride_yt, stride_bs, stride_bn,
+    BM: tl.constexpr, BN: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, S_P2: tl.constexpr,
+):
+    """y[t, n tile] += (sum_p xa[p, t]) @ B_slot(t)[n tile, :rank]^T for the rows with a slot.
+    Program (m, n, lane) takes the lane-th distinct slot of its rows (the last lane: all the rest);
+    a row has one slot, so lanes write disjoint rows."""
+    offs_t = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    lane = tl.program_id(2)
+    slot, s, mine, ranks = _lane_rows(slots_ptr, ranks_ptr, offs_t, T, n_slots, lane, n_lanes, S_P2)
+    if s < 0:
+        return
+    # Everything whose address is known is loaded before the slot loop: y, and the P partials
+    # (unrolled, all in flight at once), so the chain is slots -> {y, xa, B} -> store.
+    y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
+    mask = mine[:, None] & (offs_n[None, :] < N_out)
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    offs_r = tl.arange(0, BLOCK_R)
+    xa = tl.zeros((BM, BLOCK_R), tl.float32)
+    for p in tl.static_range(SPLIT):
+        xa += tl.load(xa_ptr + p * stride_xap + offs_t[:, None].to(tl.int64) * BLOCK_R + offs_r[None, :],
+                      mask=mine[:, None], other=0.0)
+    xa = xa.to(y_ptr.dtype.element_ty)  # the twin's precision: xa in the activation dtype
+    acc = tl.zeros((BM, BN), tl.float32)
+    while s >= 0:
+        sel = slot == s
+        bt = lora_b_tile(b_ptr + s.to(tl.int64) * stride_bs, offs_n, N_out, stride_bn, _rank_of(ranks, s, S_P2),
+                         BLOCK_R)
+        acc = tl.dot(tl.where(sel[:, None], xa, 0.0).to(xa.dtype), bt.to(xa.dtype), acc)
+        slot = tl.where(sel, -1, slot)
+        s = tl.where(lane == n_lanes - 1, tl.max(slot, axis=0), -1)
+    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _lora_delta_add_fused_kernel(
     x_ptr, y_ptr, a_ptr, b_ptr, slots_ptr, ranks_ptr, T, N_in, N_out,
     stride_xt, stride_yt, stride_as, stride_ar, stride_bs, stride_bn,
     BM: tl.constexpr, BN: tl.constexpr, RC: tl.constexpr, BK: tl.constexpr,
@@ -97,6 +233,45 @@ def _check(x, weight, bias, lora):
     return T, n_in, n_out
 
 
+def _shrink_split(T: int, n_in: int, block_r: int, cfg: LoRALinearConfig) -> tuple[int, int]:
+    """(P chunks, chunk length): N_in cut into BK multiples so that row blocks x P ~ the target.
+    The expand keeps P partial [BM, BLOCK_R] fp32 tiles in flight: P is capped so that they stay
+    within ~32 registers a thread (sm_90 builds spilled beyond that at BM 64, R 64)."""
+    n_kb = max(1, triton.cdiv(n_in, cfg.block_k))
+    want = cfg.split_k
+    if not want:
+        budget = max(1, 32 * 32 * cfg.num_warps // (cfg.block_m * block_r))
+        want = min(budget, triton.cdiv(_SHRINK_TARGET_PROGRAMS, triton.cdiv(T, cfg.shrink_block_m)))
+    chunk = triton.cdiv(n_kb, max(1, min(want, n_kb))) * cfg.block_k
+    return max(1, triton.cdiv(n_in, chunk)), chunk
+
+
+def _add_delta_split(x, out, lora, T, n_in, n_out, cfg):
+    S, R = lora.a.shape[0], lora.a.shape[1]
+    block_r = max(16, triton.next_power_of_2(R))
+    n_split, chunk = _shrink_split(T, n_in, block_r, cfg)
+    xa = torch.empty(n_split, T, block_r, dtype=torch.float32, device=x.device)
+    lanes = min(S, cfg.shrink_block_m, cfg.slot_lanes)
+    s_p2 = triton.next_power_of_2(S)
+    _lora_shrink_kernel[(triton.cdiv(T, cfg.shrink_block_m), n_split, lanes)](
+        x, xa, lora.a, lora.token_slots, lora.slot_ranks, T, n_in, S, chunk, lanes, x.stride(0), xa.stride(0),
+        lora.a.stride(0), lora.a.stride(1), BM=cfg.shrink_block_m, BLOCK_R=block_r, BK=cfg.block_k, S_P2=s_p2,
+        num_warps=4, num_stages=cfg.shrink_num_stages)
+    lanes = min(S, cfg.block_m, cfg.slot_lanes)
+    _lora_expand_add_kernel[(triton.cdiv(T, cfg.block_m), triton.cdiv(n_out, cfg.block_n), lanes)](
+        xa, out, lora.b, lora.token_slots, lora.slot_ranks, T, n_out, S, lanes, xa.stride(0), out.stride(0),
+        lora.b.stride(0), lora.b.stride(1), BM=cfg.block_m, BN=cfg.block_n, BLOCK_R=block_r, SPLIT=n_split,
+        S_P2=s_p2, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _add_delta_fused(x, out, lora, T, n_in, n_out, cfg):
+    grid = (triton.cdiv(T, cfg.block_m), triton.cdiv(n_out, cfg.block_n))
+    _lora_delta_add_fused_kernel[grid](
+        x, out, lora.a, lora.b, lora.token_slots, lora.slot_ranks, T, n_in, n_out, x.stride(0), out.stride(0),
+        lora.a.stride(0), lora.a.stride(1), lora.b.stride(0), lora.b.stride(1), BM=cfg.block_m,
+        BN=cfg.block_n, RC=16, BK=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 lora: DenseLoRAArgs | None, *, out: torch.Tensor | None = None,
                 config: LoRALinearConfig | None = None) -> torch.Tensor:
@@ -114,12 +289,11 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         torch.mm(x, weight.t(), out=out)
     else:
         torch.addmm(bias, x, weight.t(), out=out)
-    if lora is None:
+    if lora is None or lora.a.shape[0] == 0:
         return out
     cfg = config or default_lora_linear_config(T)
-    grid = (triton.cdiv(T, cfg.block_m), triton.cdiv(n_out, cfg.block_n))
-    _lora_delta_add_kernel[grid](
-        x, out, lora.a, lora.b, lora.token_slots, lora.slot_ranks, T, n_in, n_out, x.stride(0), out.stride(0),
-        lora.a.stride(0), lora.a.stride(1), lora.b.stride(0), lora.b.stride(1), BM=cfg.block_m,
-        BN=cfg.block_n, RC=16, BK=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.mode == "fused":
+        _add_delta_fused(x, out, lora, T, n_in, n_out, cfg)
+    else:
+        _add_delta_split(x, out, lora, T, n_in, n_out, cfg)
     return out

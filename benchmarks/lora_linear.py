@@ -1,0 +1,200 @@
+"""Benchmark: dense multi-LoRA linear (`lora_linear`) at the attention projections of Qwen3-30B-A3B.
+
+Shape legend: T tokens, N_in / N_out features, S = 8 adapter slots, R pool max rank, r adapter rank.
+Shapes: q 2048->4096, k 2048->512, v 2048->512, o 4096->2048 (bf16, no bias). Variants: no LoRA,
+1 adapter r16, 8 adapters r16, 8 adapters r64, 8 adapters r8 in a max-rank-64 pool; adapters are
+interleaved over the rows (row t on slot t % n, as in decode), each LoRA variant in every `--modes`.
+
+Timing is what decode runs: one CUDA graph holding `--layers` consecutive calls, each on its own
+weights and LoRA pool (so weights come from HBM, not L2), replayed under triton's do_bench (median,
+L2 flushed before every replay); the per-call time is the replay over the number of calls. "single"
+is one call per graph replay (includes the graph launch). Prints the per-call time, achieved GB/s
+against the copy bandwidth measured here (bytes: W, x, y and the A/B rows of the distinct slots up
+to their rank), the ratio to no LoRA, and per T the sum over q/k/v/o x 48 layers (one decode step).
+
+usage: python benchmarks/lora_linear.py [OUT.csv] [--ts 1,8,64,256,1024] [--shapes q,k,v,o]
+       [--variants off,1ad_r16,8ad_r16,8ad_r64,8ad_r8_pool64] [--modes split,fused] [--layers 0 (auto)]
+       [--sweep 8ad_r16,...]   (also time these variants over a grid of split-path configs; prints the best)
+Writes the CSV to the path, else $OUT/lora_linear.csv, else ./lora_linear.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from moelora.kernels.lora_linear import LoRALinearConfig, default_lora_linear_config, lora_linear  # noqa: E402
+from moelora.kernels.reference import DenseLoRAArgs  # noqa: E402
+
+SHAPES = {"q": (2048, 4096), "k": (2048, 512), "v": (2048, 512), "o": (4096, 2048)}
+TS = (1, 8, 64, 256, 1024)
+SLOTS = 8
+MODEL_LAYERS = 48
+# name -> (adapters spread over the rows, pool max rank R, adapter rank r)
+VARIANTS = {"off": (0, 0, 0), "1ad_r16": (1, 16, 16), "8ad_r16": (8, 16, 16), "8ad_r64": (8, 64, 64),
+            "8ad_r8_pool64": (8, 64, 8)}
+# Weights cycled through per graph: enough that a call's W is not in L2 (50 MB on an H100/H200).
+COLD_BYTES = 256 << 20
+
+
+def make_layers(n_in: int, n_out: int, n_layers: int, pool_ranks, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rn(*s, scale):
+        return (torch.randn(*s, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+    return [dict(w=rn(n_out, n_in, scale=n_in ** -0.5),
+                 pools={r: (rn(SLOTS, r, n_in, scale=n_in ** -0.5), rn(SLOTS, n_out, r, scale=r ** -0.5))
+                        for r in pool_ranks})
+            for _ in range(n_layers)]
+
+
+def lora_args(layer: dict, T: int, variant: str) -> DenseLoRAArgs | None:
+    n_ad, pool_r, rank = VARIANTS[variant]
+    if n_ad == 0:
+        return None
+    a, b = layer["pools"][pool_r]  # a lower rank reads only its first `rank` columns: no zeroing needed
+    slots = (torch.arange(T, device="cuda") % n_ad).to(torch.int32)
+    ranks = torch.full((SLOTS,), rank, dtype=torch.int32, device="cuda")
+    return DenseLoRAArgs(a, b, slots, ranks, active=())
+
+
+def call_bytes(T: int, n_in: int, n_out: int, variant: str) -> int:
+    n_ad, _, rank = VARIANTS[variant]
+    return 2 * (n_out * n_in + T * n_in + T * n_out + min(n_ad, T) * rank * (n_in + n_out))
+
+
+def graph_ms(calls) -> float:
+    for c in calls:  # compile and warm outside capture
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=50, return_mode="median")
+
+
+def copy_gbps() -> float:
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    t = triton.testing.do_bench(lambda: b.copy_(a), warmup=10, rep=100, return_mode="median")
+    return 2 * a.numel() / (t * 1e-3) / 1e9
+
+
+def cfg_name(cfg: LoRALinearConfig | None) -> str:
+    if cfg is None:
+        return "-"
+    if cfg.mode == "fused":
+        return f"fused/bm{cfg.block_m}/bn{cfg.block_n}/bk{cfg.block_k}/w{cfg.num_warps}"
+    return (f"split/bm{cfg.block_m}/bn{cfg.block_n}/w{cfg.num_warps}/sk{cfg.split_k}/lanes{cfg.slot_lanes}"
+            f"/sbk{cfg.block_k}/ss{cfg.shrink_num_stages}")
+
+
+def sweep_configs(T: int) -> list[LoRALinearConfig]:
+    """Split-path candidates for --sweep: expand tile x warps x shrink split, and one-lane (serial slots)."""
+    base = default_lora_linear_config(T)
+    cfgs = [replace(base, block_m=bm, block_n=bn, num_warps=w, split_k=sk)
+            for bm, bn, w in ((16, 64, 4), (16, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4),
+                              (64, 128, 8), (128, 128, 8))
+            for sk in (0, 2, 8)]
+    return cfgs + [replace(base, slot_lanes=1), replace(base, block_k=64), replace(base, shrink_num_stages=2)]
+
+
+def bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep=()):
+    n_in, n_out = SHAPES[sname]
+    x = torch.randn(T, n_in, device="cuda").to(torch.bfloat16)
+    out = torch.empty(T, n_out, device="cuda", dtype=torch.bfloat16)
+    runs = [(var, default_lora_linear_config(T, mode) if VARIANTS[var][0] else None, False)
+            for var in variants for mode in (modes if VARIANTS[var][0] else ("-",))]
+    runs += [(var, cfg, True) for var in sweep for cfg in sweep_configs(T)]
+    rows, t_off = [], None
+    for var, cfg, swept in runs:
+        # LoRA args built once, before capture (fixed-address buffers, as the runner's step plan)
+        calls = [partial(lora_linear, x, ly["w"], None, lora_args(ly, T, var), out=out, config=cfg) for ly in layers]
+        t_chain = graph_ms(calls) / len(calls)
+        t_single = float("nan") if swept else graph_ms(calls[:1])
+        t_off = t_chain if var == "off" else t_off
+        nbytes = call_bytes(T, n_in, n_out, var)
+        bound_ms = nbytes / (bw * 1e9) * 1e3
+        rows.append(dict(gpu=gpu, shape=sname, n_in=n_in, n_out=n_out, T=T, variant=var,
+                         mode=cfg.mode if cfg else "-", config=cfg_name(cfg), sweep=swept, graph_us=t_chain * 1e3,
+                         single_us=t_single * 1e3, bytes=nbytes, gbps=nbytes / (t_chain * 1e-3) / 1e9,
+                         x_bytes_bound=t_chain / bound_ms, vs_off=t_chain / t_off if t_off else float("nan"),
+                         copy_gbps=bw, layers=len(layers)))
+        r = rows[-1]
+        print(f"{sname} {n_in:5d}->{n_out:<5d} T={T:5d} {var:14s} {r['config']:44s} {r['graph_us']:8.2f} us/call "
+              f"(single {r['single_us']:7.2f})  {r['gbps']:6.0f} GB/s  x{r['x_bytes_bound']:5.2f} bound  "
+              f"vs_off {r['vs_off']:.3f}", flush=True)
+    for var in sweep:
+        cand = [r for r in rows if r["sweep"] and r["variant"] == var]
+        best = min(cand, key=lambda r: r["graph_us"])
+        dflt = next((r for r in rows if not r["sweep"] and r["variant"] == var and r["mode"] == "split"), None)
+        ref = f" (default split {dflt['graph_us']:.2f} us)" if dflt else ""
+        print(f"# best {sname} T={T} {var}: {best['config']} {best['graph_us']:.2f} us{ref}")
+    return rows
+
+
+def print_step_summary(rows):
+    """Per T and (variant, mode): sum over the projections present x 48 layers, as one decode step."""
+    print(f"\n# per decode step ({MODEL_LAYERS} layers x the projections benchmarked)")
+    rows = [r for r in rows if not r["sweep"]]
+    keys = sorted({(r["T"], r["variant"], r["mode"]) for r in rows},
+                  key=lambda k: (k[0], list(VARIANTS).index(k[1]), k[2]))
+    for T, var, mode in keys:
+        tot = sum(r["graph_us"] for r in rows if (r["T"], r["variant"], r["mode"]) == (T, var, mode))
+        off = sum(r["graph_us"] for r in rows if (r["T"], r["variant"]) == (T, "off"))
+        ratio = tot / off if off else float("nan")
+        print(f"T={T:5d} {var:14s} {mode:6s} {tot * MODEL_LAYERS / 1e3:8.3f} ms/step  vs_off {ratio:.3f}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("csv", nargs="?")
+    ap.add_argument("--ts", default=",".join(map(str, TS)))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--modes", default="split,fused")
+    ap.add_argument("--layers", type=int, default=0, help="calls per graph (0: enough to keep W out of L2)")
+    ap.add_argument("--sweep", default="", help="variants (e.g. 8ad_r16) to also time over split-path configs")
+    args = ap.parse_args(argv)
+    path = Path(args.csv or Path(os.environ.get("OUT", ".")) / "lora_linear.csv")
+    variants = args.variants.split(",")
+    if "off" not in variants:
+        variants.insert(0, "off")
+    modes = tuple(args.modes.split(","))
+    sweep = [v for v in args.sweep.split(",") if v]
+    pool_ranks = sorted({VARIANTS[v][1] for v in variants + sweep if VARIANTS[v][0]})
+    bw = copy_gbps()
+    gpu = torch.cuda.get_device_name()
+    print(f"# {gpu}: copy {bw:.0f} GB/s; triton {triton.__version__}; torch {torch.__version__}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for sname in args.shapes.split(","):
+        n_in, n_out = SHAPES[sname]
+        n_layers = args.layers or min(MODEL_LAYERS, max(4, triton.cdiv(COLD_BYTES, 2 * n_in * n_out)))
+        layers = make_layers(n_in, n_out, n_layers, pool_ranks)
+        for T in map(int, args.ts.split(",")):
+            rows += bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep)
+        del layers
+        torch.cuda.empty_cache()
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print_step_summary(rows)
+    print(f"# wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
