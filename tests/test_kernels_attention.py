@@ -9,7 +9,6 @@ of a wrong block or slot shows), and block-table padding that points at a random
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import pytest
@@ -17,15 +16,12 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from kernel_env import CUDA, DEV, INTERP, gpu_only, kernel_test  # noqa: E402,F401
+
 from moelora.kernels.attention import AttentionConfig, default_num_splits, paged_attention  # noqa: E402
 from moelora.kernels.reference import paged_attention_ref  # noqa: E402
 from moelora.layers.attention import AttnMetadata, SeqSlice  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-DEV = "cuda" if CUDA and not INTERP else "cpu"
-kernel_test = pytest.mark.skipif(not (INTERP or CUDA), reason="needs TRITON_INTERPRET=1 or CUDA")
-gpu_only = pytest.mark.skipif(not CUDA or INTERP, reason="needs CUDA (not the interpreter)")
 TINY = AttentionConfig(block_m=16, block_n=16)
 
 

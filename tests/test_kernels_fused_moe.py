@@ -6,7 +6,6 @@ shapes in bf16 against an fp32 reference (relative error <= 1e-2).
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import pytest
@@ -14,17 +13,14 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from kernel_env import CUDA, DEV, INTERP, gpu_only, kernel_test  # noqa: E402,F401
+
 from moelora.errors import ConfigError  # noqa: E402
 from moelora.kernels.fused_moe import fused_moe  # noqa: E402
 from moelora.kernels.moe_config import FusedMoEConfig, GemmTile  # noqa: E402
 from moelora.kernels.moe_plan import build_routing_plan  # noqa: E402
 from moelora.kernels.reference import ExpertLoRAArgs, SlotRows, fused_moe_ref  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-DEV = "cuda" if CUDA and not INTERP else "cpu"
-kernel_test = pytest.mark.skipif(not (INTERP or CUDA), reason="needs TRITON_INTERPRET=1 or CUDA")
-gpu_only = pytest.mark.skipif(not CUDA or INTERP, reason="needs CUDA (not the interpreter)")
 TINY = GemmTile(32, 32, 4, 2)
 
 

@@ -6,7 +6,6 @@ shapes in bf16 against an fp32 reference (relative error <= 1e-2), under CUDA gr
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import pytest
@@ -14,14 +13,11 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from kernel_env import CUDA, DEV, INTERP, gpu_only, kernel_test  # noqa: E402,F401
+
 from moelora.kernels.lora_linear import LoRALinearConfig, default_lora_linear_config, lora_linear  # noqa: E402
 from moelora.kernels.reference import DenseLoRAArgs, SlotRows, lora_linear_ref  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-DEV = "cuda" if CUDA and not INTERP else "cpu"
-kernel_test = pytest.mark.skipif(not (INTERP or CUDA), reason="needs TRITON_INTERPRET=1 or CUDA")
-gpu_only = pytest.mark.skipif(not CUDA or INTERP, reason="needs CUDA (not the interpreter)")
 # Tiny blocks so that tiny shapes still span several row blocks, N tiles and N_in chunks.
 TINY = {"split": LoRALinearConfig("split", 16, 32, 16, 16, split_k=3),
         "fused": LoRALinearConfig("fused", 16, 32, 32)}

@@ -1,0 +1,12 @@
+"""Where kernel tests run: on CUDA at real sizes, or on the CPU under TRITON_INTERPRET=1 at tiny sizes."""
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cuda" if CUDA and not INTERP else "cpu"
+kernel_test = pytest.mark.skipif(not (INTERP or CUDA), reason="needs TRITON_INTERPRET=1 or CUDA")
+gpu_only = pytest.mark.skipif(not CUDA or INTERP, reason="needs CUDA (not the interpreter)")
