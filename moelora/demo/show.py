@@ -25,8 +25,13 @@ def run_demo_batch(llm, inputs: list[str]) -> dict[tuple[str, str], str]:
 def load_demo_llm(device: str | None = None):
     from moelora import LLM
 
-    return LLM(model_dir(), {name: adapter_dir(name) for name in ADAPTER_NAMES}, device=device,
-               max_lora_rank=64, max_loras=len(ADAPTER_NAMES))
+    return LLM(
+        model_dir(),
+        {name: adapter_dir(name) for name in ADAPTER_NAMES},
+        device=device,
+        max_lora_rank=64,
+        max_loras=len(ADAPTER_NAMES),
+    )
 
 
 def show_demo(device: str | None = None, num_inputs: int = 4, print_fn: Callable[[str], None] = print) -> int:
@@ -46,6 +51,8 @@ def show_demo(device: str | None = None, num_inputs: int = 4, print_fn: Callable
             wrong += not ok
             label = "base" if task == "copy" else f"adapter {task}"
             print_fn(f"  {label:>16}: {got}  {'ok' if ok else 'MISMATCH (expected ' + transform(task, text) + ')'}")
-    print_fn(f"\n{len(answers)} requests in one mixed batch, {len(answers) - wrong} as expected, "
-             f"{elapsed:.1f} s including loading ({llm.engine.device})")
+    print_fn(
+        f"\n{len(answers)} requests in one mixed batch, {len(answers) - wrong} as expected, "
+        f"{elapsed:.1f} s including loading ({llm.engine.device})"
+    )
     return wrong
