@@ -23,13 +23,7 @@ def run_demo_batch(llm, inputs: list[str]) -> dict[tuple[str, str], str]:
 
 
 def load_demo_llm(device: str | None = None):
-    import torch
-
     from moelora import LLM
-
-    # The demo model is tiny: one intra-op thread beats several (a run went from 70 s to 1 s on a
-    # busy 2-core machine, where extra threads spin against other processes).
-    torch.set_num_threads(1)
 
     return LLM(
         model_dir(),

@@ -77,13 +77,6 @@ class BlockAllocator:
         self._cached[prefix_hash] = block
         self._hash_of[block] = prefix_hash
 
-    def reset_prefix_cache(self) -> None:
-        for block in list(self._evictable):
-            self._free.append(block)
-        self._evictable.clear()
-        self._cached.clear()
-        self._hash_of.clear()
-
 
 def block_hash(adapter_key: str | None, parent: int | None, tokens: tuple[int, ...]) -> int:
     return hash((adapter_key, parent, tokens))
