@@ -2,6 +2,7 @@
 
 Shape legend: M tokens, H hidden, I expert intermediate, E experts, K top-k, R rank.
 Usage: python benchmarks/moe_lora_layer.py [CSV path] [--shapes a,b] [--ms 1,8] [--variants off,8ad_r16]
+       [--shrink table,gather]   (LoRA variants once per shrink mode; "table": the tuned config's own)
 Writes the CSV to the path, else $OUT/moe_lora_layer.csv, else ./moe_lora_layer.csv. Prints, per
 row, the CUDA-graph replay median, achieved GB/s and its ratio to the bytes bound (distinct
 experts' weights + distinct (adapter, expert) LoRA A/B + activations, over the copy bandwidth
@@ -14,6 +15,7 @@ import argparse
 import csv
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,6 +35,8 @@ from moe_bench_common import (  # noqa: E402
     moe_call,
 )
 
+from moelora.kernels.moe_config import tuned_fused_moe_config  # noqa: E402
+
 EAGER_VARIANTS = ("off", "8ad_r16")
 
 
@@ -42,6 +46,7 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--variants", default=",".join(LORA_VARIANTS))
+    ap.add_argument("--shrink", default="table")
     args = ap.parse_args(argv)
     out_dir = os.environ.get("OUT", ".")
     path = Path(args.csv or Path(out_dir) / "moe_lora_layer.csv")
@@ -58,11 +63,18 @@ def main(argv=None):
         for M in map(int, args.ms.split(",")):
             x, wts, ids = make_inputs(layer, M)
             t_off = None
-            for var in args.variants.split(","):
+            runs = [(v, m) for v in args.variants.split(",") for m in (["table"] if v == "off" else
+                                                                         args.shrink.split(","))]
+            for var, mode in runs:
                 lora = make_lora(layer, M, var)
-                fn = moe_call(layer, x, wts, ids, lora)
+                cfg = None
+                if mode != "table":
+                    cfg = replace(tuned_fused_moe_config(shape["E"], shape["H"], shape["I"], M, shape["K"],
+                                                         torch.bfloat16, gpu), lora_shrink=mode)
+                    var = f"{var}/{mode}"
+                fn = moe_call(layer, x, wts, ids, lora, cfg)
                 t = graph_time_ms(fn)
-                t_eager = eager_time_ms(fn) if var in EAGER_VARIANTS else float("nan")
+                t_eager = eager_time_ms(fn) if var.split('/')[0] in EAGER_VARIANTS else float("nan")
                 t_off = t if var == "off" else t_off
                 nbytes = bytes_bound(layer, x, ids, lora)
                 flops = 2 * M * shape["K"] * 3 * shape["H"] * shape["I"]

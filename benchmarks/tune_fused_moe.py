@@ -4,7 +4,7 @@ moelora/kernels/configs/fused_moe_<gpu>.json (and a copy plus all timings under 
 Shape legend: M tokens, H hidden, I expert intermediate, E experts, K top-k.
 Per (shape, M): time the LoRA-off layer (CUDA-graph replay, L2 flushed, median) over a short
 candidate list of tiles chosen by routes per expert, keep the fastest; then try TMA on it; then
-pick lora_shrink (inline / separate) and lora_split_k on 8 adapters of rank 16. Usage:
+pick lora_shrink (inline / separate / route) and lora_split_k on 8 adapters of rank 16. Usage:
   python benchmarks/tune_fused_moe.py [--shapes a,b] [--ms 1,8] [--lora-only]
 """
 
@@ -56,6 +56,7 @@ def tune_lora(layer, M, base: FusedMoEConfig, log) -> FusedMoEConfig:
     lora = make_lora(layer, M, "8ad_r16")
     trials = [dataclasses.replace(base, lora_shrink="separate", lora_split_k=k) for k in (1, 4, 8)]
     trials.append(dataclasses.replace(base, lora_shrink="inline"))
+    trials.append(dataclasses.replace(base, lora_shrink="route"))
     scored = []
     for cfg in trials:
         t = timed(layer, x, wts, ids, lora, cfg)

@@ -98,12 +98,14 @@ def test_base_experts_awkward_sizes(dtype, tol):
 def test_one_token_and_zero_tokens():
     run_checked(make_case(1, 48, 40, 6, 3, ranks=(24, 8), R=24, device=DEV, seed=2, slots=[1]),
                 tiny_config(), 1e-4)
+    run_checked(make_case(7, 48, 40, 6, 3, ranks=(24, 8, 3), R=24, device=DEV, seed=8, slots=[1, 0, -1, 2, 2, 1, 0]),
+                tiny_config("route"), 1e-4)
     x, w_gu, w_d, wts, ids, _ = make_case(0, 32, 16, 4, 2, device=DEV)
     assert fused_moe(x, w_gu, w_d, wts, ids, config=tiny_config()).shape == (0, 32)
 
 
 # "inline" is only taken for pools of rank <= 16 (wider pools go the rank-chunked separate path)
-SHRINK_POOLS = [("inline", 16), ("separate", 24)]
+SHRINK_POOLS = [("inline", 16), ("separate", 24), ("route", 24), ("route", 16)]
 
 
 @kernel_test
@@ -129,6 +131,7 @@ def test_many_slots_in_one_block(shrink, R):
 def test_all_routes_on_one_expert_with_empty_experts():
     case = make_case(20, 32, 24, 6, 1, ranks=(16, 3), R=16, device=DEV, seed=4, one_expert=4)
     run_checked(case, tiny_config("separate"), 1e-4)
+    run_checked(case, tiny_config("route"), 1e-4)
 
 
 @kernel_test
@@ -181,7 +184,7 @@ def gpu_case(shape, T, seed, ranks=(64, 16, 8, 0, 64, 32, 16, 8), R=64):
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("T", [1, 33, 512])
-@pytest.mark.parametrize("shrink", ["inline", "separate"])
+@pytest.mark.parametrize("shrink", ["inline", "separate", "route"])
 def test_gpu_qwen3_shape_bf16_lora(T, shrink):
     pool = dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16) if shrink == "inline" else {}
     case = gpu_case(QWEN3, T, seed=T, **pool)

@@ -11,10 +11,12 @@ Launches (one stream, no host sync, fixed sizes: CUDA-graph safe):
   plan -> [shrink x A_gu] -> gate_up GEMM + LoRA + SiLU*up -> h [P, I]
        -> [shrink h A_d] -> down GEMM + LoRA, x routing weight -> y [T*K, H] -> sum over K -> out
 (bracketed launches only on the separate-shrink path: lora_shrink="separate", or any pool of
-max rank > 16). The top-k combine sums y's K rows in a fixed order, so results are deterministic.
-x and the weights are never written (contract 2). Rows on slot -1 do no LoRA work; a slot of
-rank r reads only r rows of A / columns of B and, on the separate path, loops over ceil(r/16)
-rank chunks whatever the pool's max rank.
+max rank > 16 under "inline"; under "route" they compute each route's whole delta instead,
+[T*K, 2I] and [T*K, H] in x's dtype, which the GEMM epilogues add). The top-k combine sums y's
+K rows in a fixed order, so results are deterministic. x and the weights are never written
+(contract 2). Rows on slot -1 do no LoRA work; a slot of rank r reads only r rows of A /
+columns of B and, on the separate path, loops over ceil(r/16) rank chunks whatever the pool's
+max rank.
 """
 
 from __future__ import annotations
@@ -24,13 +26,15 @@ import triton
 
 from moelora.errors import ConfigError
 from moelora.kernels.moe_config import FusedMoEConfig, tuned_fused_moe_config
-from moelora.kernels.moe_gemm import combine_kernel, down_kernel, gate_up_kernel, lora_shrink_kernel
+from moelora.kernels.moe_gemm import combine_kernel, down_kernel, gate_up_kernel
+from moelora.kernels.moe_lora import lora_route_delta_kernel, lora_shrink_kernel
 from moelora.kernels.moe_plan import EXPERT_SORTED_PADDED, MoERoutingPlan, build_routing_plan
 from moelora.kernels.reference import ExpertLoRAArgs
 
 ACCEPTED_LAYOUTS = (EXPERT_SORTED_PADDED,)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LORA_RC = 16  # rank columns per step of the separate shrink/expand: cost follows each slot's own rank
+_ROUTE_TARGET_PROGRAMS = 264  # "route" LoRA: programs to aim for (2 per SM on a 132-SM H200)
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -113,6 +117,23 @@ def _shrink(src, xa, plan, lora, which, gather, k_dim, block_r, cfg):
         LORA_BK=cfg.lora_block_k, LORA_RC=_LORA_RC, num_warps=4, num_stages=2)
 
 
+def _route_delta(src, delta, plan, topk_ids, lora, which):
+    """delta [T*K, N] of every route with LoRA (gate_up: N = 2I from x; down: N = H from h [P, I])."""
+    a, b = getattr(lora, f"{which}_a"), getattr(lora, f"{which}_b")
+    by_row = which == "down"
+    n_out, k_dim = b.shape[2], a.shape[3]
+    rows = plan.sorted_route_ids.shape[0] if by_row else plan.num_routes
+    step = 4096 // _LORA_RC  # [RC, step] tiles: 4096 elements per load
+    # enough programs to cover the SMs twice even at a few routes, each streaming whole B rows
+    n_split = max(1, min(triton.cdiv(n_out, step), triton.cdiv(_ROUTE_TARGET_PROGRAMS, plan.num_routes)))
+    per_split = triton.cdiv(triton.cdiv(n_out, n_split), step) * step
+    lora_route_delta_kernel[(rows, triton.cdiv(n_out, per_split))](
+        src, delta, topk_ids, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots,
+        lora.slot_ranks, a, b, plan.num_routes, plan.top_k, k_dim, n_out, per_split, src.stride(0), delta.stride(0),
+        a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2), BY_PLAN_ROW=by_row,
+        BM=plan.block_m, RC=_LORA_RC, BK=step, BN=step, num_warps=4)
+
+
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, lora: ExpertLoRAArgs | None = None, out: torch.Tensor | None = None,
               config: FusedMoEConfig | None = None, plan: MoERoutingPlan | None = None) -> torch.Tensor:
@@ -141,12 +162,21 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
     # inline computes BLOCK_R = pow2(pool rank) columns whatever the slot's rank; only a rank-16 pool
     # keeps that rank-proportional, so wider pools always take the rank-chunked separate path.
-    separate = lora is not None and (config.lora_shrink == "separate" or block_r > _LORA_RC)
-    xa = torch.empty(config.lora_split_k, P, block_r, dtype=torch.float32, device=x.device) if separate else x
+    mode = config.lora_shrink if lora is not None else None
+    if mode == "inline" and block_r > _LORA_RC:
+        mode = "separate"
+    xa = delta_gu = delta_d = x  # dummies where a path does not use them
+    if mode == "separate":
+        xa = torch.empty(config.lora_split_k, P, block_r, dtype=torch.float32, device=x.device)
+    elif mode == "route":
+        d_dtype = x.dtype if block_r <= _LORA_RC else torch.float32  # one rank chunk, or several summed
+        delta_gu = torch.empty(T * K, 2 * inter, dtype=d_dtype, device=x.device)
+        delta_d = torch.empty(T * K, H, dtype=d_dtype, device=x.device)
     common = dict(sorted_ids_ptr=plan.sorted_route_ids, eob_ptr=plan.expert_of_block,
-                  num_padded_ptr=plan.num_padded, xa_ptr=xa, n_routes=T * K, top_k=K, H=H, inter=inter,
-                  num_blocks=plan.max_blocks, BM=BM, GROUP_M=config.group_m, HAS_LORA=lora is not None,
-                  INLINE_SHRINK=lora is not None and not separate, XA_SPLIT=config.lora_split_k,
+                  num_padded_ptr=plan.num_padded, n_routes=T * K, top_k=K, H=H, inter=inter,
+                  num_blocks=plan.max_blocks, BM=BM, GROUP_M=config.group_m, HAS_LORA=mode in ("inline", "separate"),
+                  LORA_DELTA=mode == "route", xa_ptr=xa,
+                  INLINE_SHRINK=mode == "inline", XA_SPLIT=config.lora_split_k,
                   BLOCK_R=block_r, LORA_BK=config.lora_block_k, LORA_RC=_LORA_RC, USE_TMA=config.use_tma)
     w_gu, w_dn, h_in = w_gate_up, w_down, h
     if config.use_tma:
@@ -155,18 +185,23 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         w_gu = TensorDescriptor.from_tensor(w_gate_up.view(E * 2 * inter, H), [gu.block_n, gu.block_k])
         w_dn = TensorDescriptor.from_tensor(w_down.view(E * H, inter), [dn.block_n, dn.block_k])
         h_in = TensorDescriptor.from_tensor(h, [BM, dn.block_k])
-    if separate:
+    if mode == "separate":
         _shrink(x, xa, plan, lora, "gate_up", True, H, block_r, config)
+    elif mode == "route":
+        _route_delta(x, delta_gu, plan, topk_ids, lora, "gate_up")
     gate_up_kernel[(plan.max_blocks * triton.cdiv(inter, gu.block_n),)](
         x, w_gu, h, stride_xt=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
-        stride_hp=h.stride(0), BN=gu.block_n, BK=gu.block_k, num_warps=gu.num_warps,
-        num_stages=gu.num_stages, **common, **_lora_kernel_args(lora, x, "gate_up"))
-    if separate:
+        stride_hp=h.stride(0), BN=gu.block_n, BK=gu.block_k, num_warps=gu.num_warps, delta_ptr=delta_gu,
+        stride_dr=delta_gu.stride(0), num_stages=gu.num_stages, **common, **_lora_kernel_args(lora, x, "gate_up"))
+    if mode == "separate":
         _shrink(h, xa, plan, lora, "down", False, inter, block_r, config)
+    elif mode == "route":
+        _route_delta(h, delta_d, plan, topk_ids, lora, "down")
     down_kernel[(plan.max_blocks * triton.cdiv(H, dn.block_n),)](
         h_in, h, w_dn, y, topk_weights.contiguous(), stride_hp=h.stride(0), stride_we=w_down.stride(0),
-        stride_wn=w_down.stride(1), stride_yr=y.stride(0), BN=dn.block_n, BK=dn.block_k,
-        num_warps=dn.num_warps, num_stages=dn.num_stages, **common, **_lora_kernel_args(lora, x, "down"))
+        stride_wn=w_down.stride(1), stride_yr=y.stride(0), BN=dn.block_n, BK=dn.block_k, delta_ptr=delta_d,
+        stride_dr=delta_d.stride(0), num_warps=dn.num_warps, num_stages=dn.num_stages, **common,
+        **_lora_kernel_args(lora, x, "down"))
     bt = 1 if T < 64 else 4
     bh = min(1024, triton.next_power_of_2(H))
     combine_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 CONFIG_DIR = Path(__file__).parent / "configs"
-LORA_SHRINK_MODES = ("inline", "separate")
+LORA_SHRINK_MODES = ("inline", "separate", "route")
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,11 @@ class FusedMoEConfig:
     shrink kernel per GEMM (grid blocks x lora_split_k) writes xa [split, P, R] once per block,
     and the GEMM epilogue only expands (best for large M, where the inline shrink would repeat
     once per output tile; also the only path for pools of max rank > 16, where it loops over the
-    slot's own rank in 16-column chunks). use_tma: Hopper tensor descriptors for the
-    weight (and down-GEMM activation) tiles; the off switch of that path (contract 6)."""
+    slot's own rank in 16-column chunks). "route": one kernel per GEMM computes each route's whole
+    delta (shrink and expand GEMVs, x's dtype) before it, and the epilogue adds delta[route] (no
+    loop over a block's slots; decode, where blocks hold few rows on many slots). use_tma: Hopper
+    tensor descriptors for the weight (and down-GEMM activation) tiles; the off switch of that
+    path (contract 6)."""
 
     block_m: int = 16
     gate_up: GemmTile = field(default_factory=GemmTile)

@@ -15,8 +15,10 @@ different slots (or none: slot -1 never enters any LoRA work).
     rank-8 adapter in a rank-64 pool moves rank-8 bytes); the epilogue adds (xa) B[s, e]^T for
     each before the activation / routing weight. Further slots (rare at decode) get a second
     pass in the epilogue.
-  separate (prefill): lora_shrink_kernel computes xa once per block (grid blocks x SPLIT, so the
-    slot loop is short), and the GEMM epilogue only expands, slot by slot.
+  separate (prefill): lora_shrink_kernel (moe_lora) computes xa first, and the GEMM epilogue
+    only expands, slot by slot.
+  route (decode, LORA_DELTA): lora_route_delta_kernel (moe_lora) computes each route's whole
+    delta first; the epilogue adds delta[route] to the tile (HAS_LORA is off: no slot loop).
 USE_TMA: weight tiles (and h in the down GEMM, whose rows are contiguous in plan order) come
 through Hopper tensor descriptors; LoRA and everything else is unchanged.
 """
@@ -70,6 +72,14 @@ def _lora_head(slots_ptr, ranks_ptr, tok, valid):
 
 
 @triton.jit
+def _delta_rows(slots_ptr, ranks_ptr, tok, valid):
+    """Rows whose route has a LoRA delta: a slot, of rank > 0 at this site (as the delta kernel skips)."""
+    slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
+    rank = tl.load(ranks_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0)
+    return rank > 0
+
+
+@triton.jit
 def _xa_chunk(xa_ptr, offs_m, sel, P, r0, SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, RC: tl.constexpr):
     """Rank columns [r0, r0+RC) of the block's xa, summed over the SPLIT partials; rows not in sel
     read nothing (and give 0)."""
@@ -84,13 +94,13 @@ def _xa_chunk(xa_ptr, offs_m, sel, P, r0, SPLIT: tl.constexpr, BLOCK_R: tl.const
 @triton.jit
 def gate_up_kernel(
     x_ptr, w, h_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr,
-    slots_ptr, ranks_ptr, a_ptr, b_ptr, xa_ptr,
+    slots_ptr, ranks_ptr, a_ptr, b_ptr, xa_ptr, delta_ptr,
     n_routes, top_k, H, inter, num_blocks,
-    stride_xt, stride_we, stride_wn, stride_hp,
+    stride_xt, stride_we, stride_wn, stride_hp, stride_dr,
     stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_LORA: tl.constexpr, INLINE_SHRINK: tl.constexpr, XA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
-    LORA_BK: tl.constexpr, LORA_RC: tl.constexpr, USE_TMA: tl.constexpr,
+    LORA_BK: tl.constexpr, LORA_RC: tl.constexpr, USE_TMA: tl.constexpr, LORA_DELTA: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(num_blocks, tl.cdiv(inter, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_padded_ptr):
@@ -170,6 +180,11 @@ def gate_up_kernel(
                                                    LORA_RC).to(dt), acc_u)
                 slot = tl.where(sel, -1, slot)
                 s = tl.max(slot, axis=0)
+    if LORA_DELTA:  # "route": the delta of each route was computed before this kernel
+        d_rows = delta_ptr + route[:, None].to(tl.int64) * stride_dr + offs_n[None, :]
+        live = _delta_rows(slots_ptr, ranks_ptr, tok, valid)[:, None] & (offs_n[None, :] < inter)
+        acc_g += tl.load(d_rows, mask=live, other=0.0).to(tl.float32)
+        acc_u += tl.load(d_rows + inter, mask=live, other=0.0).to(tl.float32)
     hv = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_hp + offs_n[None, :],
              hv.to(h_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < inter))
@@ -178,13 +193,13 @@ def gate_up_kernel(
 @triton.jit
 def down_kernel(
     h, h_ptr, w, y_ptr, topk_w_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr,
-    slots_ptr, ranks_ptr, a_ptr, b_ptr, xa_ptr,
+    slots_ptr, ranks_ptr, a_ptr, b_ptr, xa_ptr, delta_ptr,
     n_routes, top_k, H, inter, num_blocks,
-    stride_hp, stride_we, stride_wn, stride_yr,
+    stride_hp, stride_we, stride_wn, stride_yr, stride_dr,
     stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_LORA: tl.constexpr, INLINE_SHRINK: tl.constexpr, XA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
-    LORA_BK: tl.constexpr, LORA_RC: tl.constexpr, USE_TMA: tl.constexpr,
+    LORA_BK: tl.constexpr, LORA_RC: tl.constexpr, USE_TMA: tl.constexpr, LORA_DELTA: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(num_blocks, tl.cdiv(H, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_padded_ptr):
@@ -251,44 +266,14 @@ def down_kernel(
                     acc = tl.dot(xs, lora_b_tile(b_se + r0, offs_n, H, stride_bn, rank - r0, LORA_RC).to(dt), acc)
                 slot = tl.where(sel, -1, slot)
                 s = tl.max(slot, axis=0)
+    if LORA_DELTA:
+        live = _delta_rows(slots_ptr, ranks_ptr, tok, valid)[:, None] & (offs_n[None, :] < H)
+        acc += tl.load(delta_ptr + route[:, None].to(tl.int64) * stride_dr + offs_n[None, :], mask=live,
+                       other=0.0).to(tl.float32)
     wt_route = tl.load(topk_w_ptr + route, mask=valid, other=0.0).to(tl.float32)
     acc = acc * wt_route[:, None]
     tl.store(y_ptr + route[:, None].to(tl.int64) * stride_yr + offs_n[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < H))
-
-
-@triton.jit
-def lora_shrink_kernel(
-    src_ptr, xa_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr, slots_ptr, ranks_ptr, a_ptr,
-    n_routes, top_k, k_dim, k_split, P, stride_src, stride_as, stride_ae, stride_ar,
-    GATHER_TOKENS: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr, LORA_BK: tl.constexpr,
-    LORA_RC: tl.constexpr,
-):
-    """xa[sp, rows, :rank] = src rows (x[token] or h[plan row]) @ A[s, e, :rank, k-split sp]^T for
-    every slot s of the block (rows of no slot are not written, and never read); grid
-    (blocks, SPLIT) keeps each program's serial slot loop short."""
-    pid_m = tl.program_id(0)
-    sp = tl.program_id(1)
-    if pid_m * BM >= tl.load(num_padded_ptr):
-        return
-    e = tl.load(eob_ptr + pid_m).to(tl.int64)
-    offs_m, route, valid, tok = _plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BM)
-    rows = tok if GATHER_TOKENS else offs_m
-    k_start = sp * k_split
-    k_end = tl.minimum(k_dim, k_start + k_split)
-    slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
-    s = tl.max(slot, axis=0)
-    while s >= 0:
-        sel = slot == s
-        rank = tl.load(ranks_ptr + s)
-        a_se = _slot_base(a_ptr, s, e, stride_as, stride_ae)
-        for r0 in range(0, rank, LORA_RC):  # only the slot's own rank columns, LORA_RC at a time
-            part = lora_shrink_rows(src_ptr, rows, stride_src, sel, a_se + r0 * stride_ar, stride_ar, rank - r0,
-                                    k_start, k_end, BM, LORA_RC, LORA_BK)
-            tl.store(xa_ptr + (sp * P + offs_m[:, None]).to(tl.int64) * BLOCK_R + (r0 + tl.arange(0, LORA_RC))[None, :],
-                     part, mask=sel[:, None])
-        slot = tl.where(sel, -1, slot)
-        s = tl.max(slot, axis=0)
 
 
 @triton.jit

@@ -5,8 +5,8 @@ P = max_padded = max_blocks * BM (from T, K, E, BM only: `plan_capacity`), C rou
 
 `build_routing_plan(topk_ids [T, K], E, BM)` -> `MoERoutingPlan`. A counting sort with no host
 sync and fixed output sizes, so it can be captured in a CUDA graph. Small batches (decode) use
-one program and one launch; large ones three launches (count per chunk / scan / scatter) so the
-chunks run in parallel. Every output position is written by exactly one program (routes,
+one launch of one program per expert; large ones three launches (count per chunk / scan /
+scatter) so the chunks run in parallel. Every output position is written by exactly one program (routes,
 per-expert padding and the tail are disjoint), so no phase needs a barrier. Within an expert,
 routes keep ascending route id: the plan is bit-identical to `reference.build_routing_plan_ref`.
 """
@@ -28,7 +28,9 @@ __all__ = ["EXPERT_SORTED_PADDED", "MoERoutingPlan", "build_routing_plan", "buil
            "plan_capacity"]
 
 LAYOUTS = (EXPERT_SORTED_PADDED,)
-_SINGLE_PROGRAM_MAX_CHUNKS = 8  # up to 8 chunks one program is cheaper than three launches
+# Up to this many routes, one launch of E programs (each re-counting all ids) beats three launches;
+# the old single-program plan cost 31 us per layer at 512 routes on the H200 (48-layer decode profile).
+_PER_EXPERT_MAX_ROUTES = 4096
 
 
 @triton.jit
@@ -80,15 +82,41 @@ def _layout(counts, sorted_ptr, eob_ptr, num_padded_ptr, n_routes, E, max_blocks
 
 
 @triton.jit
-def _plan_single_kernel(ids_ptr, sorted_ptr, eob_ptr, num_padded_ptr, n_routes, E, max_blocks,
+def _plan_expert_kernel(ids_ptr, sorted_ptr, eob_ptr, num_padded_ptr, n_routes, E, max_blocks,
                         BM: tl.constexpr, C: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Program e: every program counts all experts (a histogram of the n ids, cheap for small n),
+    then writes only its own expert's rows (ascending route ids), padding and blocks, plus a
+    strided share of the tail blocks past the padded total."""
+    e = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_E)
     counts = tl.zeros((BLOCK_E,), tl.int32)
     for start in range(0, n_routes, C):
         _, _, onehot = _chunk_onehot(ids_ptr, start, n_routes, E, C, BLOCK_E)
         counts += tl.sum(onehot, axis=0)
-    base = _layout(counts, sorted_ptr, eob_ptr, num_padded_ptr, n_routes, E, max_blocks, BM, BLOCK_E, BLOCK_B)
+    padded = (counts + BM - 1) // BM * BM
+    poff = tl.cumsum(padded, axis=0) - padded
+    total = tl.sum(padded, axis=0)
+    mine = cols == e
+    count = tl.sum(tl.where(mine, counts, 0), axis=0)
+    off = tl.sum(tl.where(mine, poff, 0), axis=0)
+    base = off
     for start in range(0, n_routes, C):
-        base = _scatter_chunk(ids_ptr, sorted_ptr, start, base, n_routes, E, C, BLOCK_E)
+        offs = start + tl.arange(0, C)
+        sel = (tl.load(ids_ptr + offs, mask=offs < n_routes, other=-1) == e).to(tl.int32)
+        tl.store(sorted_ptr + base + tl.cumsum(sel, axis=0) - 1, offs.to(tl.int32), mask=sel != 0)
+        base += tl.sum(sel, axis=0)
+    j = tl.arange(0, BM)
+    n_pad = (count + BM - 1) // BM * BM - count
+    tl.store(sorted_ptr + off + count + j, tl.full((BM,), 0, tl.int32) + n_routes, mask=j < n_pad)
+    for b0 in range(0, (count + n_pad) // BM, BLOCK_B):
+        blk = b0 + tl.arange(0, BLOCK_B)
+        tl.store(eob_ptr + off // BM + blk, tl.full((BLOCK_B,), 0, tl.int32) + e,
+                 mask=blk < (count + n_pad) // BM)
+    for b in range(total // BM + e, max_blocks, E):  # the tail: blocks past the padded total
+        tl.store(eob_ptr + b, -1)
+        tl.store(sorted_ptr + b * BM + j, tl.full((BM,), 0, tl.int32) + n_routes)
+    if e == 0:
+        tl.store(num_padded_ptr, total)
 
 
 @triton.jit
@@ -149,9 +177,9 @@ def build_routing_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int, *
     chunk = min(256, max(16, 16384 // block_e), max(16, triton.next_power_of_2(n)))
     block_b = max(16, min(128, 4096 // block_m, triton.next_power_of_2(max_blocks)))
     n_chunks = triton.cdiv(n, chunk)
-    if n_chunks <= _SINGLE_PROGRAM_MAX_CHUNKS:
-        _plan_single_kernel[(1,)](ids, sorted_ids, eob, num_padded, n, num_experts, max_blocks,
-                                  BM=block_m, C=chunk, BLOCK_E=block_e, BLOCK_B=block_b, num_warps=8)
+    if n <= _PER_EXPERT_MAX_ROUTES:
+        _plan_expert_kernel[(num_experts,)](ids, sorted_ids, eob, num_padded, n, num_experts, max_blocks,
+                                            BM=block_m, C=chunk, BLOCK_E=block_e, BLOCK_B=block_b, num_warps=4)
         return plan
     counts = torch.empty(n_chunks, block_e, dtype=torch.int32, device=dev)
     bases = torch.empty_like(counts)

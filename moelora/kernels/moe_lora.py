@@ -1,0 +1,119 @@
+"""Routed-expert LoRA kernels that run outside the base GEMMs (the GEMM epilogues consume them).
+
+Shape legend: T tokens, K top-k, H hidden, I expert intermediate, S adapter slots, E experts,
+R max rank (BLOCK_R = max(16, next_pow2(R))), P plan rows (max_padded), BM plan block_m,
+SPLIT reduction splits, RC = 16 rank columns per step (cost follows each slot's own rank).
+
+- `lora_shrink_kernel` ("separate"): xa [SPLIT, P, BLOCK_R] fp32 partials of src rows @ A^T,
+  src = x (gathered by token) or h (plan rows); program (plan block, split); the block's rows are
+  grouped by slot and each slot is one tl.dot over its rows; the GEMM epilogue expands slot by
+  slot. Best when blocks are full (prefill).
+- `lora_route_delta_kernel` ("route"): the whole delta of a route, shrink and expand, as two
+  GEMVs in one program: delta[route] = ((src row @ A[s, e, :rank]^T) in x's dtype) @
+  B[s, e, :, :rank]^T -> [T*K, N], RC rank columns at a time (a rank-8 slot in a rank-64 pool
+  costs rank 8); the delta buffer is x's dtype for pools of rank <= 16 (one chunk: the rounding
+  of the torch twin) and fp32 above (chunks accumulate in place, one program per row and split). gate_up: one
+  program per (route, N split), src x[route // K]; down: one per (plan row, N split), src h[row].
+  The GEMM epilogue adds delta[route] to its tile: a plain load, no loop over the block's slots.
+  Every program streams its own A/B rows with no dependence on the other rows of its block
+  (decode: a block holds a few routes on as many slots).
+Rows on no slot, or on a slot whose rank at this site is 0, are neither read nor written (and
+never read back).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from moelora.kernels.lora_tiles import lora_shrink_rows
+from moelora.kernels.moe_gemm import _plan_rows, _slot_base
+
+
+@triton.jit
+def lora_shrink_kernel(
+    src_ptr, xa_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr, slots_ptr, ranks_ptr, a_ptr,
+    n_routes, top_k, k_dim, k_split, P, stride_src, stride_as, stride_ae, stride_ar,
+    GATHER_TOKENS: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr, LORA_BK: tl.constexpr,
+    LORA_RC: tl.constexpr,
+):
+    """xa[sp, rows, :rank] = src rows (x[token] or h[plan row]) @ A[s, e, :rank, k-split sp]^T for
+    every slot s of the block; grid (blocks, SPLIT) keeps each program's serial slot loop short."""
+    pid_m = tl.program_id(0)
+    sp = tl.program_id(1)
+    if pid_m * BM >= tl.load(num_padded_ptr):
+        return
+    e = tl.load(eob_ptr + pid_m).to(tl.int64)
+    offs_m, route, valid, tok = _plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BM)
+    rows = tok if GATHER_TOKENS else offs_m
+    k_start = sp * k_split
+    k_end = tl.minimum(k_dim, k_start + k_split)
+    slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
+    s = tl.max(slot, axis=0)
+    while s >= 0:
+        sel = slot == s
+        rank = tl.load(ranks_ptr + s)
+        a_se = _slot_base(a_ptr, s, e, stride_as, stride_ae)
+        for r0 in range(0, rank, LORA_RC):  # only the slot's own rank columns, LORA_RC at a time
+            part = lora_shrink_rows(src_ptr, rows, stride_src, sel, a_se + r0 * stride_ar, stride_ar, rank - r0,
+                                    k_start, k_end, BM, LORA_RC, LORA_BK)
+            tl.store(xa_ptr + (sp * P + offs_m[:, None]).to(tl.int64) * BLOCK_R + (r0 + tl.arange(0, LORA_RC))[None, :],
+                     part, mask=sel[:, None])
+        slot = tl.where(sel, -1, slot)
+        s = tl.max(slot, axis=0)
+
+
+
+@triton.jit
+def lora_route_delta_kernel(
+    src_ptr, delta_ptr, ids_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr, slots_ptr, ranks_ptr, a_ptr, b_ptr,
+    n_routes, top_k, k_dim, n_out, n_per_split, stride_src, stride_d,
+    stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn,
+    BY_PLAN_ROW: tl.constexpr, BM: tl.constexpr, RC: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+):
+    """delta[route, n] for the n of split program_id(1); see the module docstring."""
+    pid = tl.program_id(0)
+    if BY_PLAN_ROW:  # down: plan row pid of h
+        if pid >= tl.load(num_padded_ptr):
+            return
+        route = tl.load(sorted_ids_ptr + pid)
+        if route >= n_routes:
+            return
+        e = tl.load(eob_ptr + pid // BM).to(tl.int64)
+        src = src_ptr + pid.to(tl.int64) * stride_src
+    else:  # gate_up: route pid reads its token's row of x
+        route = pid
+        e = tl.load(ids_ptr + pid).to(tl.int64)
+        src = src_ptr + (pid // top_k).to(tl.int64) * stride_src
+    s = tl.load(slots_ptr + route // top_k)
+    if s < 0:
+        return
+    rank = tl.load(ranks_ptr + s)
+    if rank == 0:
+        return
+    a_base = a_ptr + s.to(tl.int64) * stride_as + e * stride_ae
+    b_base = b_ptr + s.to(tl.int64) * stride_bs + e * stride_be
+    n_start = tl.program_id(1) * n_per_split
+    n_end = tl.minimum(n_out, n_start + n_per_split)
+    d_row = delta_ptr + route.to(tl.int64) * stride_d
+    for r0 in range(0, rank, RC):  # the slot's own rank, RC columns at a time
+        offs_r = r0 + tl.arange(0, RC)
+        r_ok = offs_r < rank
+        xa = tl.zeros((RC,), tl.float32)
+        for k0 in range(0, k_dim, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            k_ok = offs_k < k_dim
+            xv = tl.load(src + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            a = tl.load(a_base + offs_r[:, None] * stride_ar + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            xa += tl.sum(a.to(tl.float32) * xv[None, :], axis=1)
+        xa = xa.to(src_ptr.dtype.element_ty).to(tl.float32)
+        for n0 in range(n_start, n_end, BN):
+            offs_n = n0 + tl.arange(0, BN)
+            n_ok = offs_n < n_end
+            b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
+                        other=0.0)
+            d = tl.sum(b.to(tl.float32) * xa[None, :], axis=1)
+            if r0 > 0:  # this program stored the earlier chunks' sum here
+                d += tl.load(d_row + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            tl.store(d_row + offs_n, d.to(delta_ptr.dtype.element_ty), mask=n_ok)
