@@ -220,3 +220,88 @@ def paged_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
         o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, scale=scale)
         out[s.q_offset:s.q_offset + s.q_len] = o.transpose(0, 1)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Small fused ops (norm.py, rotary.py, softmax_topk.py, silu_mul.py). D a normalised width, N heads,
+# Dr rotary dims. RMSNorm's torch path is `rms_norm_ref` itself.
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] -> [..., D] in x's dtype: fp32 statistics, the normalised row rounded to the dtype,
+    times the (fp32) weight, rounded again."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * xf.to(x.dtype)).to(x.dtype)
+
+
+def add_rms_norm_ref(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h = x + delta in the dtype, rms_norm_ref(h)): the residual add and the next norm."""
+    h = x + delta
+    return h, rms_norm_ref(h, weight, eps)
+
+
+def rotate_half_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary of x [T, N, D] over its first Dr dims (cos/sin [T, Dr] fp32, rounded to x's dtype);
+    the rest passes through. The same arithmetic as `moelora.layers.rotary.apply_rotary`."""
+    rd = cos.shape[-1]
+    head, tail = x[..., :rd], x[..., rd:]
+    half = rd // 2
+    rotated = torch.cat((-head[..., half:], head[..., :half]), dim=-1)
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    return torch.cat((head * cos + rotated * sin, tail), dim=-1)
+
+
+def qk_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optional per-head RMSNorm (over D) of q [T, Nq, D] and k [T, Nk, D], then rotate-half rotary."""
+    if q_weight is not None:
+        q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
+    return rotate_half_ref(q, cos, sin), rotate_half_ref(k, cos, sin)
+
+
+def softmax_topk_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights [T, K] fp32, ids [T, K] int32): softmax in fp32, top k, renormalised."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up in the dtype; with up None, gate is gate_up [T, 2I] split in halves."""
+    if up is None:
+        gate, up = gate.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def mla_decode_attention_ref(q_abs: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor,
+                             cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
+    """Decode MLA with absorbed weights over the latent cache (twin of `mla_attention.mla_decode_attention`).
+
+    q_abs [T, N, C], q_rope [T, N, Dr], entries [T, C + Dr] are written into the caller's cache
+    [NB, BS, C + Dr] at meta.slot_mapping first. Each sequence b (one query row, query_start[b])
+    attends over its seq_lens[b] cached positions:
+      o_lat = softmax_j(scale * (q_abs . latent_j + q_rope . krot_j)) . latent_j   -> new [T, N, C]
+    No host loop or sync: every block-table row is gathered whole ([B, MB * BS, C + Dr]) and masked
+    past seq_len; scores and softmax in fp32 (fp64 stays fp64).
+    """
+    T, N, C = q_abs.shape
+    width = cache.shape[-1]
+    cache.view(-1, width).index_copy_(0, meta.slot_mapping, entries.to(cache.dtype))
+    B, MB = meta.block_tables.shape
+    acc = torch.promote_types(q_abs.dtype, torch.float32)
+    ctx = cache.index_select(0, meta.block_tables.reshape(-1).long()).view(B, -1, width).to(acc)  # [B, L, C + Dr]
+    starts = meta.query_start.long()
+    rows = starts[:-1].clamp(max=max(T - 1, 0))
+    has_query = (starts[1:] > starts[:-1]).to(acc)
+    qa, qr = q_abs.index_select(0, rows).to(acc), q_rope.index_select(0, rows).to(acc)  # [B, N, .]
+    s = (qa @ ctx[..., :C].transpose(1, 2) + qr @ ctx[..., C:].transpose(1, 2)) * scale  # [B, N, L]
+    beyond = torch.arange(ctx.shape[1], device=ctx.device)[None, :] >= meta.seq_lens.long()[:, None]
+    p = torch.softmax(s.masked_fill(beyond[:, None, :], float("-inf")), dim=-1)
+    o = (p @ ctx[..., :C]) * has_query[:, None, None]  # [B, N, C]
+    out = torch.zeros(T, N, C, dtype=acc, device=q_abs.device)
+    return out.index_add_(0, rows, o).to(q_abs.dtype)

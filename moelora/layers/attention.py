@@ -5,6 +5,8 @@ N_kv key/value heads, D head_dim, L cached length of one sequence.
 The paged KV cache belongs to the caller (the engine): `kv = (k [NB, BS, N_kv, D], v ...)`; the
 attention op writes the step's new keys/values at `AttnMetadata.slot_mapping` (an `out=` buffer
 the caller owns, contract 2) and reads each sequence's blocks back through `block_tables`.
+Under backend "triton" the per-head q/k norm and the rotary of q and k are one fused launch
+(`moelora.kernels.rotary.qk_norm_rope`); the torch path is RMSNorm then `apply_rotary`.
 """
 
 from __future__ import annotations
@@ -56,13 +58,13 @@ class Attention(nn.Module):
         self.k_proj = Linear(hidden, num_kv_heads * head_dim, bias=bias, **kw)
         self.v_proj = Linear(hidden, num_kv_heads * head_dim, bias=bias, **kw)
         self.o_proj = Linear(num_heads * head_dim, hidden, **kw)
-        self.qk_norm = qk_norm
+        self.qk_norm, self.eps = qk_norm, eps
         self.backend = kw.get("backend", "torch")
         if qk_norm == "per_head":
-            self.q_norm, self.k_norm = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
+            self.q_norm, self.k_norm = RMSNorm(head_dim, eps, self.backend), RMSNorm(head_dim, eps, self.backend)
         elif qk_norm == "whole":
-            self.q_norm = RMSNorm(num_heads * head_dim, eps)
-            self.k_norm = RMSNorm(num_kv_heads * head_dim, eps)
+            self.q_norm = RMSNorm(num_heads * head_dim, eps, self.backend)
+            self.k_norm = RMSNorm(num_kv_heads * head_dim, eps, self.backend)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
                 kv: tuple[torch.Tensor, torch.Tensor], lora: LoRABatch | None = None) -> torch.Tensor:
@@ -73,13 +75,19 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.qk_norm == "per_head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        k_cache, v_cache = kv
-        if self.backend == "triton":
+        if self.backend == "triton":  # per-head norm (if any) and rotary of q and k: one launch
             from moelora.kernels.attention import paged_attention
+            from moelora.kernels.rotary import qk_norm_rope
+
+            per_head = self.qk_norm == "per_head"
+            q, k = qk_norm_rope(q, k, cos, sin, self.q_norm.weight if per_head else None,
+                                self.k_norm.weight if per_head else None, self.eps)
         else:
             from moelora.kernels.reference import paged_attention_ref as paged_attention
+
+            if self.qk_norm == "per_head":
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k_cache, v_cache = kv
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.head_dim ** -0.5)
         return self.o_proj(out.reshape(T, -1), lora)

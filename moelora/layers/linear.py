@@ -1,9 +1,16 @@
 """Linear layer with its own multi-LoRA delta (contract 1: LoRA is part of the layer).
 
 Shape legend: T tokens, N_in / N_out features, S adapter slots, R max rank.
-Slot buffers `lora_a [S, R, N_in]`, `lora_b [S, N_out, R]` have a fixed address for the
-model's lifetime (CUDA graphs capture them); loading an adapter copies into a slot, unloading
-zeroes it. A slot the adapter does not cover at this site stays zero.
+Slot buffers `lora_a [S, R, N_in]`, `lora_b [S, N_out, R]` and `lora_ranks [S]` int32 have a
+fixed address for the model's lifetime (CUDA graphs capture them); loading an adapter copies into
+a slot, unloading zeroes it. A slot the adapter does not cover at this site stays zero.
+
+`lora_ranks` is this site's own rank per slot (0: the slot is empty or its adapter has no LoRA
+here), and it is what the kernels read (`DenseLoRAArgs.slot_ranks`), not the adapter's global
+rank in `LoRABatch.slot_ranks`: a site an adapter does not cover (e.g. the router `mlp.gate`)
+then costs no LoRA work. The torch twin loops over `LoRABatch.active` with the host-side global
+rank instead (reading the device ranks would sync); that is exact, as columns beyond a site's own
+rank are zero.
 """
 
 from __future__ import annotations
@@ -31,21 +38,23 @@ class Linear(nn.Module):
                                  persistent=False)
             self.register_buffer("lora_b", torch.zeros(max_loras, out_features, max_rank, dtype=dtype),
                                  persistent=False)
+            self.register_buffer("lora_ranks", torch.zeros(max_loras, dtype=torch.int32), persistent=False)
 
     def set_lora_slot(self, slot: int, weights: LoRAWeights | None) -> None:
-        """Copy `weights` (a [r, N_in], b [N_out, r]) into `slot`, or zero the slot."""
+        """Copy `weights` (a [r, N_in], b [N_out, r]) into `slot` and set its site rank to r, or
+        zero the slot and its rank. Runs between steps (adapter load / eviction), never in a graph."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
-        if weights is None:
-            return
-        r = weights.rank
-        self.lora_a[slot, :r].copy_(weights.a)
-        self.lora_b[slot, :, :r].copy_(weights.b)
+        r = 0 if weights is None else weights.rank
+        if r:
+            self.lora_a[slot, :r].copy_(weights.a)
+            self.lora_b[slot, :, :r].copy_(weights.b)
+        self.lora_ranks[slot] = r
 
     def lora_args(self, lora: LoRABatch | None) -> DenseLoRAArgs | None:
         if lora is None or not self.has_lora:
             return None
-        return DenseLoRAArgs(self.lora_a, self.lora_b, lora.token_slots, lora.slot_ranks, lora.active)
+        return DenseLoRAArgs(self.lora_a, self.lora_b, lora.token_slots, self.lora_ranks, lora.active)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         args = self.lora_args(lora)

@@ -1,6 +1,7 @@
 """Dense SwiGLU MLP (dense layers and shared experts), each projection with its own LoRA.
 
 Shape legend: T tokens, H hidden, I intermediate. x [T, H] -> [T, H].
+Under backend "triton" silu(gate) * up is one launch (`moelora.kernels.silu_mul`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ class DenseMLP(nn.Module):
         self.gate_proj = Linear(hidden, intermediate, **linear_kw)
         self.up_proj = Linear(hidden, intermediate, **linear_kw)
         self.down_proj = Linear(intermediate, hidden, **linear_kw)
+        self.backend = linear_kw.get("backend", "torch")
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        h = F.silu(self.gate_proj(x, lora)) * self.up_proj(x, lora)
+        gate, up = self.gate_proj(x, lora), self.up_proj(x, lora)
+        if self.backend == "triton":
+            from moelora.kernels.silu_mul import silu_mul
+
+            h = silu_mul(gate, up)
+        else:
+            h = F.silu(gate) * up
         return self.down_proj(h, lora)

@@ -5,7 +5,11 @@ R max rank. Parameter names follow transformers 5 (`gate.weight`, `experts.gate_
 [E, 2I, H]`, `experts.down_proj [E, H, I]`; Qwen2's gated `shared_expert.*` +
 `shared_expert_gate.weight`, or DeepSeek/GLM's ungated `shared_experts.*`; DeepSeek/GLM's fp32
 `gate.weight` and `gate.e_score_correction_bias`).
-Expert LoRA slots: gate_up a [S, E, R, H] / b [S, E, 2I, R]; down a [S, E, R, I] / b [S, E, H, R].
+Expert LoRA slots: gate_up a [S, E, R, H] / b [S, E, 2I, R]; down a [S, E, R, I] / b [S, E, H, R];
+site ranks [S] int32: `lora_gate_up_ranks`, `lora_down_ranks` (each projection's rank in the slot, 0
+when the adapter has no LoRA there or the slot is empty) and `lora_ranks`, their per-slot maximum,
+which is what the kernels read (`ExpertLoRAArgs.slot_ranks` is one field for both projections): an
+adapter with no expert LoRA costs the routed experts no LoRA work.
 """
 
 from __future__ import annotations
@@ -35,23 +39,31 @@ class Experts(nn.Module):
             for name, shape in (("lora_gate_up_a", (S, E, R, H)), ("lora_gate_up_b", (S, E, 2 * inner, R)),
                                 ("lora_down_a", (S, E, R, inner)), ("lora_down_b", (S, E, H, R))):
                 self.register_buffer(name, torch.zeros(shape, dtype=dtype), persistent=False)
+            for name in ("lora_gate_up_ranks", "lora_down_ranks", "lora_ranks"):
+                self.register_buffer(name, torch.zeros(S, dtype=torch.int32), persistent=False)
 
     def set_lora_slot(self, slot: int, proj: str, weights: LoRAWeights | None) -> None:
-        """proj: "gate_up" or "down"; weights a [E, r, in], b [E, out, r], or None to zero."""
+        """proj: "gate_up" or "down"; weights a [E, r, in], b [E, out, r], or None to zero. Sets the
+        projection's site rank (r or 0) and the slot's combined rank. Runs between steps, never in a graph."""
         a, b = getattr(self, f"lora_{proj}_a"), getattr(self, f"lora_{proj}_b")
         a[slot].zero_()
         b[slot].zero_()
-        if weights is not None:
-            r = weights.rank
+        r = 0 if weights is None else weights.rank
+        if r:
             a[slot, :, :r].copy_(weights.a)
             b[slot, :, :, :r].copy_(weights.b)
+        getattr(self, f"lora_{proj}_ranks")[slot] = r
+        torch.maximum(self.lora_gate_up_ranks[slot], self.lora_down_ranks[slot], out=self.lora_ranks[slot])
+
+    def lora_args(self, lora: LoRABatch | None) -> ExpertLoRAArgs | None:
+        if lora is None or not self.has_lora:
+            return None
+        return ExpertLoRAArgs(self.lora_gate_up_a, self.lora_gate_up_b, self.lora_down_a, self.lora_down_b,
+                              lora.token_slots, self.lora_ranks, lora.active)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 lora: LoRABatch | None) -> torch.Tensor:
-        args = None
-        if lora is not None and self.has_lora:
-            args = ExpertLoRAArgs(self.lora_gate_up_a, self.lora_gate_up_b, self.lora_down_a,
-                                  self.lora_down_b, lora.token_slots, lora.slot_ranks, lora.active)
+        args = self.lora_args(lora)
         if self.backend == "triton":
             from moelora.kernels.fused_moe import fused_moe
 
@@ -75,6 +87,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.routing = routing or RoutingSpec("softmax", top_k, renormalize)
         self.top_k, self.renormalize = top_k, renormalize
+        self.backend = kw.get("backend", "torch")  # the router's; experts, gate, shared MLPs carry their own
         self.overlap_shared = False
         self._side_stream: torch.cuda.Stream | None = None
         if self.routing.fp32_router:
@@ -94,7 +107,7 @@ class SparseMoE(nn.Module):
 
     def _routed(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         bias = getattr(self.gate, "e_score_correction_bias", None)
-        weights, ids = route(self.gate(x, lora), self.routing, bias)
+        weights, ids = route(self.gate(x, lora), self.routing, bias, self.backend)
         return self.experts(x, weights, ids, lora)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:

@@ -1,4 +1,9 @@
-"""RMSNorm. Shape legend: [..., D] -> [..., D]; computed in fp32, returned in the input dtype.
+"""RMSNorm, alone or fused with the residual add before it.
+
+Shape legend: [..., D] -> [..., D]; computed in fp32, returned in the input dtype.
+`forward(x)` -> rms_norm(x); `add_forward(x, delta)` -> (h = x + delta, rms_norm(h)), the residual
+stream of the decoder (delta None: h = x). Under backend "triton" either is one kernel launch
+(`moelora.kernels.norm`); the torch path is `rms_norm_ref`, the semantics that kernel reproduces.
 
 The weight stays fp32 whatever the model dtype; the product is cast back to the input dtype, which
 for a bf16/fp16 checkpoint (weights exactly representable) equals transformers' product in that dtype."""
@@ -8,14 +13,38 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moelora.kernels.reference import rms_norm_ref
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [T, D] with unit stride along D (a view where possible)."""
+    if x.dim() == 2 and (x.stride(-1) == 1 or x.numel() == 0):
+        return x
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, backend: str = "torch"):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * xf.to(x.dtype)).to(x.dtype)
+        if self.backend == "triton":
+            from moelora.kernels.norm import rms_norm
+
+            return rms_norm(_rows(x), self.weight, self.eps).view(x.shape)
+        return rms_norm_ref(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, rms_norm(h)) with h = x + delta rounded to the dtype (x itself when delta is None)."""
+        if delta is None:
+            return x, self(x)
+        if self.backend == "triton":
+            from moelora.kernels.norm import add_rms_norm
+
+            h, y = add_rms_norm(_rows(x), _rows(delta), self.weight, self.eps)
+            return h.view(x.shape), y.view(x.shape)
+        h = x + delta
+        return h, rms_norm_ref(h, self.weight, self.eps)

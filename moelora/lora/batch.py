@@ -6,6 +6,13 @@ Contract 4: the host lists are turned into device tensors here, once per step; l
 them. `token_slots[t]` is the slot of token t or -1 for the base model (no slot, no compute).
 `active` lists, for the torch backend, each slot present in the step with its rank and its token
 rows, so the torch path never branches on a tensor value.
+
+Ranks here are each adapter's global rank (its largest site rank). The kernels do not read
+`slot_ranks`: every LoRA site owns its own `lora_ranks [S]` device buffer (written when a slot is
+loaded, 0 where the adapter does not cover the site), so a site an adapter skips costs no LoRA
+work. The torch twins use `active`'s global rank, which is exact because a slot's weights are zero
+beyond the site's own rank. `slot_ranks` stays part of the plan (the CUDA-graph runner refreshes
+it in place each step) for consumers that want the adapter-level rank.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ NO_SLOT = -1
 @dataclass(frozen=True)
 class LoRABatch:
     token_slots: torch.Tensor  # [T] int32, NO_SLOT = base model
-    slot_ranks: torch.Tensor  # [S] int32, rank of the adapter in each slot (0 = empty)
+    slot_ranks: torch.Tensor  # [S] int32, global rank of the adapter in each slot (0 = empty); sites use their own
     active: tuple[SlotRows, ...]
 
     @property

@@ -4,7 +4,9 @@ The pool owns names -> (path, pinned), a CPU cache of validated `LoRAAdapter`s (
 `max_cpu_loras`, least recently used dropped first, pinned ones never), and which adapter sits
 in which device slot. Writing a slot is delegated to `write_slot(slot, adapter | None)` (the
 model's `set_lora_slot`), so this module knows nothing of layers. An evicted slot is zeroed. The
-base model is "no slot": it never occupies one and costs no LoRA compute.
+base model is "no slot": it never occupies one and costs no LoRA compute. `slot_ranks` is each
+slot's adapter-level rank (host ints, for the step's `LoRABatch`); every site keeps its own rank per
+slot on the device, written by `write_slot`.
 """
 
 from __future__ import annotations

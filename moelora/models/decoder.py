@@ -42,19 +42,27 @@ def sparse_moe(cfg: ModelConfig, **kw) -> SparseMoE:
 
 
 class DecoderLayer(nn.Module):
+    """One pre-norm block. The residual stream enters as (residual, delta) -- the layer input is
+    residual + delta, delta None for the first layer -- and leaves as (h, mlp_out), the next layer's
+    pair: the add before each norm is fused into that norm (`RMSNorm.add_forward`), two launches a
+    layer under the Triton backend, with the torch backend's sums and roundings unchanged."""
+
     def __init__(self, cfg: ModelConfig, idx: int, make_attention=gqa_attention, **kw):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        backend = kw.get("backend", "torch")
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.self_attn = make_attention(cfg, **kw)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         if cfg.is_sparse(idx):
             self.mlp = sparse_moe(cfg, **kw)
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, **kw)
 
-    def forward(self, x, cos, sin, meta, kv, lora):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv, lora)
-        return h + self.mlp(self.post_attention_layernorm(h), lora)
+    def forward(self, residual: torch.Tensor, delta: torch.Tensor | None, cos, sin, meta, kv, lora
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, normed = self.input_layernorm.add_forward(residual, delta)
+        h, normed = self.post_attention_layernorm.add_forward(x, self.self_attn(normed, cos, sin, meta, kv, lora))
+        return h, self.mlp(normed, lora)
 
 
 class Backbone(nn.Module):
@@ -63,7 +71,7 @@ class Backbone(nn.Module):
         dtype = kw.get("dtype")
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, make_attention, **kw) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kw.get("backend", "torch"))
 
 
 class MoECausalLM(nn.Module):
@@ -88,11 +96,11 @@ class MoECausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 kv_caches: list[tuple[torch.Tensor, ...]], lora: LoRABatch | None = None
                 ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        residual, delta = self.model.embed_tokens(input_ids), None
         cos, sin = self.rotary(positions)
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, meta, kv, lora)
-        return self.model.norm(x)
+            residual, delta = layer(residual, delta, cos, sin, meta, kv, lora)
+        return self.model.norm.add_forward(residual, delta)[1]
 
     def kv_cache_shapes(self) -> list[tuple[tuple[int, ...], ...]]:
         """What one token stores in the paged cache, per layer: keys and values [N_kv, D]."""

@@ -1,0 +1,49 @@
+"""Launcher argument checks shared by the small fused kernels (norm, rotary, softmax_topk, silu_mul).
+
+A launcher validates what it documents and raises ValueError naming the argument, the shape or
+dtype it wanted and the one it got; it then allocates its output or takes the caller's `out=`,
+which must have the output's shape and dtype, a unit last stride, and share no storage with an
+input (contract 2).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def check_rows(name: str, t: torch.Tensor, shape: tuple[int, ...] | None = None,
+               dtype: torch.dtype | None = None) -> None:
+    """A float activation of `shape` (any row stride) with unit stride in its last dim."""
+    need(t.dtype in FLOAT_DTYPES if dtype is None else t.dtype == dtype,
+         f"{name} must be {dtype or 'fp16/bf16/fp32'}, got {t.dtype}")
+    if shape is not None:
+        need(tuple(t.shape) == tuple(shape), f"{name} must be {tuple(shape)}, got {tuple(t.shape)}")
+    need(t.numel() == 0 or t.stride(-1) == 1, f"{name} must have unit stride in its last dim")
+
+
+def check_vector(name: str, t: torch.Tensor, n: int, device: torch.device) -> None:
+    need(tuple(t.shape) == (n,) and t.is_floating_point(), f"{name} must be a float [{n}], got "
+         f"{tuple(t.shape)} {t.dtype}")
+    need(t.device == device and t.is_contiguous(), f"{name} must be contiguous on {device}")
+
+
+def output(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+           inputs: tuple[torch.Tensor | None, ...], name: str = "out") -> torch.Tensor:
+    """The caller's `out` after checking it, or a new contiguous tensor."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    need(tuple(out.shape) == tuple(shape) and out.dtype == dtype and out.device == device,
+         f"{name} must be {tuple(shape)} {dtype} on {device}, got {tuple(out.shape)} {out.dtype} on {out.device}")
+    need(out.numel() == 0 or out.stride(-1) == 1, f"{name} must have unit stride in its last dim")
+    if out.numel():
+        ptr = out.untyped_storage().data_ptr()
+        need(all(t is None or t.numel() == 0 or t.untyped_storage().data_ptr() != ptr for t in inputs),
+             f"{name} must not share storage with an input (contract 2)")
+    return out

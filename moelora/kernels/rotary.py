@@ -1,0 +1,123 @@
+"""Fused per-head q/k RMSNorm + rotary (rotate-half, full or partial), q and k in one launch.
+
+Shape legend: T tokens, Nq / Nk query / key heads, D head_dim, Dr rotary dims (even, <= D).
+  qk_norm_rope(q [T, Nq, D], k [T, Nk, D], cos [T, Dr] fp32, sin [T, Dr] fp32,
+               q_weight [D] | None, k_weight [D] | None, eps) -> (q_out [T, Nq, D], k_out [T, Nk, D])
+
+Each head is RMS-normalised over D when its weight is given (Qwen3 / GLM per-head q/k norm; None
+for models without it, or whose norm spans all heads and ran before), then its first Dr dims turn
+by rotate-half: out[i] = x[i] cos[i] - x[i + Dr/2] sin[i] for i < Dr/2,
+out[i] = x[i] cos[i] + x[i - Dr/2] sin[i] for Dr/2 <= i < Dr; dims >= Dr pass through.
+Numerics are `qk_norm_rope_ref` (RMSNorm's torch path, then `apply_rotary`): the kernel rounds to
+the activation dtype wherever torch does -- the normalised head, its product with the weight,
+cos and sin (`cos.to(x.dtype)`), each of the two rotary products, and their sum -- so with fp16/bf16
+it agrees with the torch path up to the norm's rsqrt and summation order.
+
+Program (t, b) takes BLOCK_H heads of token t: blocks [0, cdiv(Nq, BLOCK_H)) are q's, the rest k's.
+A head's rotary partner dims are a second (cached) load of the same row. q / k may be strided views
+(the [T, N*D] projection output viewed as heads) with unit stride along D; outputs are new tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moelora.kernels.checks import check_rows, check_vector, need, output
+
+
+@triton.jit
+def _round(v, like_ptr):
+    """v (fp32) rounded to the dtype `like_ptr` points to, back in fp32."""
+    return v.to(like_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _norm_rope_heads(x_ptr, o_ptr, w_ptr, cos_ptr, sin_ptr, t, hb, N, D, DR, stride_xt, stride_xh,
+                     stride_ot, stride_oh, stride_ct, stride_st, eps,
+                     HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    half = DR // 2
+    rot = d < DR
+    partner = tl.where(d < half, d + half, d - half)
+    mask = (heads < N)[:, None] & (d < D)[None, :]
+    rmask = mask & rot[None, :]
+    row = x_ptr + t * stride_xt + heads[:, None].to(tl.int64) * stride_xh
+    x = tl.load(row + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(row + partner[None, :], mask=rmask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        scale = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+        w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)[None, :]
+        wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)[None, :]
+        x = _round(w * _round(x * scale, o_ptr), o_ptr)
+        xp = _round(wp * _round(xp * scale, o_ptr), o_ptr)
+    c = _round(tl.load(cos_ptr + t * stride_ct + d, mask=rot, other=0.0), o_ptr)[None, :]
+    s = _round(tl.load(sin_ptr + t * stride_st + d, mask=rot, other=0.0), o_ptr)[None, :]
+    xp = tl.where((d < half)[None, :], -xp, xp)
+    y = _round(_round(x * c, o_ptr) + _round(xp * s, o_ptr), o_ptr)
+    y = tl.where(rot[None, :], y, x)
+    out = o_ptr + t * stride_ot + heads[:, None].to(tl.int64) * stride_oh + d[None, :]
+    tl.store(out, y.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, NQ, NK, D, DR,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
+                         stride_ct, stride_st, eps, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
+    q_blocks = tl.cdiv(NQ, BLOCK_H)
+    if b < q_blocks:
+        _norm_rope_heads(q_ptr, qo_ptr, qw_ptr, cos_ptr, sin_ptr, t, b, NQ, D, DR, stride_qt, stride_qh,
+                         stride_qot, stride_qoh, stride_ct, stride_st, eps, HAS_NORM, BLOCK_H, BLOCK_D)
+    else:
+        _norm_rope_heads(k_ptr, ko_ptr, kw_ptr, cos_ptr, sin_ptr, t, b - q_blocks, NK, D, DR, stride_kt, stride_kh,
+                         stride_kot, stride_koh, stride_ct, stride_st, eps, HAS_NORM, BLOCK_H, BLOCK_D)
+
+
+def _check(q, k, cos, sin, q_weight, k_weight) -> tuple[int, int, int, int, int]:
+    need(q.dim() == 3 and k.dim() == 3, f"q, k must be [T, N, D], got {tuple(q.shape)}, {tuple(k.shape)}")
+    T, NQ, D = q.shape
+    NK = k.shape[1]
+    check_rows("q", q)
+    check_rows("k", k, (T, NK, D), q.dtype)
+    need(cos.dim() == 2 and cos.shape[0] == T, f"cos must be [T={T}, Dr], got {tuple(cos.shape)}")
+    DR = cos.shape[1]
+    need(0 < DR <= D and DR % 2 == 0, f"rotary dims Dr={DR} must be even and in (0, D={D}]")
+    for name, t in (("cos", cos), ("sin", sin)):
+        check_rows(name, t, (T, DR), torch.float32)
+    need((q_weight is None) == (k_weight is None), "q_weight and k_weight must both be given or both None")
+    if q_weight is not None:
+        check_vector("q_weight", q_weight, D, q.device)
+        check_vector("k_weight", k_weight, D, q.device)
+    need(all(t.device == q.device for t in (k, cos, sin)), f"all inputs must be on {q.device}")
+    return T, NQ, NK, D, DR
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, *,
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_out, k_out): optional per-head RMSNorm, then rotary, of q [T, Nq, D] and k [T, Nk, D]
+    (fp16/bf16/fp32, only read). `out`: the caller's (q_out, k_out) buffers."""
+    T, NQ, NK, D, DR = _check(q, k, cos, sin, q_weight, k_weight)
+    qo_buf, ko_buf = out if out is not None else (None, None)
+    inputs = (q, k, cos, sin, q_weight, k_weight)
+    q_out = output(qo_buf, (T, NQ, D), q.dtype, q.device, inputs, "out[0]")
+    k_out = output(ko_buf, (T, NK, D), q.dtype, q.device, inputs + (q_out,), "out[1]")
+    if T == 0 or D == 0:
+        return q_out, k_out
+    block_d = triton.next_power_of_2(D)
+    # ~1K elements per program: at decode (T = 1..64) Qwen3-30B's 32 + 4 heads of 128 make 5 programs
+    # per token, so even one token spreads over a few SMs.
+    block_h = min(triton.next_power_of_2(max(NQ, NK)), max(1, 1024 // block_d))
+    grid = (T, triton.cdiv(NQ, block_h) + triton.cdiv(NK, block_h))
+    has_norm = q_weight is not None
+    _qk_norm_rope_kernel[grid](
+        q, k, q_out, k_out, q_weight if has_norm else cos, k_weight if has_norm else cos, cos, sin, NQ, NK, D, DR,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1), k_out.stride(0),
+        k_out.stride(1), cos.stride(0), sin.stride(0), float(eps), HAS_NORM=has_norm, BLOCK_H=block_h,
+        BLOCK_D=block_d, num_warps=4 if block_h * block_d >= 1024 else 1)
+    return q_out, k_out

@@ -1,0 +1,50 @@
+"""SwiGLU's activation: silu(gate) * up in one launch (dense MLPs and shared experts).
+
+Shape legend: T tokens, I intermediate.
+  silu_mul(gate [T, I], up [T, I]) -> [T, I]
+  silu_mul(gate_up [T, 2I])        -> [T, I]   (gate = the first I columns, up = the last I)
+
+Numerics are `silu_mul_ref` (= DenseMLP's torch path `F.silu(gate) * up`): silu in fp32 from the
+activation, rounded to the dtype, then the product in fp32, rounded again. Inputs may have any row
+stride (unit stride along I) and are only read; the output is a new tensor or the caller's `out=`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moelora.kernels.checks import check_rows, need, output
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, inter, stride_g, stride_u, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(o_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(o_ptr + row * stride_o + cols, (act * u).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up, or of the two halves of `gate` when `up` is None."""
+    need(gate.dim() == 2, f"gate must be [T, I] (or gate_up [T, 2I]), got {tuple(gate.shape)}")
+    check_rows("gate", gate)
+    if up is None:
+        need(gate.shape[1] % 2 == 0, f"gate_up must be [T, 2I], got {tuple(gate.shape)}")
+        half = gate.shape[1] // 2
+        gate, up = gate[:, :half], gate[:, half:]
+    check_rows("up", up, tuple(gate.shape), gate.dtype)
+    need(up.device == gate.device, f"up must be on {gate.device}")
+    T, inter = gate.shape
+    out = output(out, (T, inter), gate.dtype, gate.device, (gate, up))
+    if T == 0 or inter == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(inter))
+    _silu_mul_kernel[(T, triton.cdiv(inter, block))](
+        gate, up, out, inter, gate.stride(0), up.stride(0), out.stride(0), BLOCK=block,
+        num_warps=4 if block >= 512 else 1)
+    return out

@@ -1,0 +1,88 @@
+"""The softmax router of Qwen2/3-MoE, Mixtral and OLMoE in one launch: softmax, top-k, renormalise.
+
+Shape legend: T tokens, E experts (<= 1024), K top-k (<= E).
+  softmax_topk(logits [T, E] fp16/bf16/fp32, K, renormalize)
+      -> (topk_weights [T, K] fp32, topk_ids [T, K] int32)
+
+Numerics are `softmax_topk_ref` (= `moelora.layers.router.softmax_topk`, ids as int32): softmax in
+fp32 over all E experts (exp(l - max) / sum), the K largest probabilities in descending order, and,
+when `renormalize`, each divided by the sum of the K. Selection runs on the fp32 probabilities, as
+torch.topk does. Ties (frequent with bf16 logits: E=128, K=8, T=1000 held ~160 rows with a tie in
+the top k): among equal probabilities the lowest expert id is taken first. So where a tie straddles
+the k-th place the kernel keeps the same experts as torch.topk on CUDA, whose radix select keeps the
+lowest ids (checked on an H200, torch 2.11: identical sets on 4096 rows at E/K = 60/4..256/16). The
+order of equal probabilities inside the top k follows no rule in torch (its sort of the k winners is
+not stable; its CPU topk differs again), so ids may be a permutation of torch's within a run of equal
+weights -- the same (id, weight) pairs, which is all the experts read. Probabilities within an ulp of
+each other may still be ordered differently, as torch's exp and sum differ in the last bit.
+The DeepSeek / GLM routers (sigmoid, grouped) stay on the torch path.
+
+One program takes BLOCK_T tokens x all E experts in registers and picks the K winners by K rounds
+of (max, lowest index holding it, knock it out): K <= 16 rounds over E <= 256 are a few hundred
+register ops, far below the launch cost this kernel removes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moelora.kernels.checks import check_rows, need, output
+
+_MAX_EXPERTS = 1024
+
+
+@triton.jit
+def _softmax_topk_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_l, stride_w, stride_i,
+                         K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok = rows < T
+    mask = row_ok[:, None] & (cols < E)[None, :]
+    rows64 = rows.to(tl.int64)
+    logits = tl.load(logits_ptr + rows64[:, None] * stride_l + cols[None, :], mask=mask,
+                     other=float("-inf")).to(tl.float32)
+    top = tl.max(logits, axis=1)
+    top = tl.where(row_ok, top, 0.0)  # padding rows: no -inf - -inf ...
+    p = tl.where(mask, tl.exp(logits - top[:, None]), 0.0)
+    p = p / tl.where(row_ok, tl.sum(p, axis=1), 1.0)[:, None]  # ... and no 0 / 0
+    cand = tl.where(mask, p, -1.0)  # probabilities are >= 0: -1 is never picked before a real expert
+    ks = tl.arange(0, BLOCK_K)
+    weights = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
+    ids = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
+    for i in tl.static_range(K):
+        best = tl.max(cand, axis=1)
+        pick = tl.min(tl.where(cand == best[:, None], cols[None, :], BLOCK_E), axis=1)  # lowest id on ties
+        weights = tl.where(ks[None, :] == i, best[:, None], weights)
+        ids = tl.where(ks[None, :] == i, pick[:, None], ids)
+        cand = tl.where(cols[None, :] == pick[:, None], -1.0, cand)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, axis=1)[:, None]
+    out_mask = row_ok[:, None] & (ks < K)[None, :]
+    tl.store(w_ptr + rows64[:, None] * stride_w + ks[None, :], weights, mask=out_mask)
+    tl.store(ids_ptr + rows64[:, None] * stride_i + ks[None, :], ids, mask=out_mask)
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, *,
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights [T, K] fp32, topk_ids [T, K] int32) of the router logits [T, E] (only read).
+    `out`: the caller's (weights, ids) buffers."""
+    need(logits.dim() == 2, f"logits must be [T, E], got {tuple(logits.shape)}")
+    check_rows("logits", logits)
+    T, E = logits.shape
+    need(0 < E <= _MAX_EXPERTS, f"the kernel takes 1..{_MAX_EXPERTS} experts, got E={E}")
+    need(0 < top_k <= E, f"top_k must be in [1, E={E}], got {top_k}")
+    w_buf, i_buf = out if out is not None else (None, None)
+    weights = output(w_buf, (T, top_k), torch.float32, logits.device, (logits,), "out[0]")
+    ids = output(i_buf, (T, top_k), torch.int32, logits.device, (logits, weights), "out[1]")
+    if T == 0:
+        return weights, ids
+    block_e = triton.next_power_of_2(E)
+    block_t = max(1, min(16, 2048 // block_e))
+    _softmax_topk_kernel[(triton.cdiv(T, block_t),)](
+        logits, weights, ids, T, E, logits.stride(0), weights.stride(0), ids.stride(0), K=top_k,
+        RENORMALIZE=bool(renormalize), BLOCK_T=block_t, BLOCK_E=block_e,
+        BLOCK_K=triton.next_power_of_2(top_k), num_warps=4 if block_t * block_e >= 1024 else 1)
+    return weights, ids

@@ -1,0 +1,157 @@
+"""Per-site LoRA ranks: every site owns a fixed-address `lora_ranks [S]` int32 buffer holding the rank
+of the weights written into each slot there (0: the slot is empty or its adapter does not cover the
+site), and hands it to the kernels instead of the adapter's global rank. Loading, removing and
+evicting adapters keep the buffers right; `.to()` keeps them; outputs do not change.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import tiny_hf_model
+from test_forward import build, engine, merged_hf
+
+from moelora.layers.linear import Linear
+from moelora.layers.moe import Experts
+from moelora.lora.adapter import LoRAAdapter, LoRAWeights
+from moelora.lora.batch import LoRABatch
+from moelora.models.decoder import MoECausalLM
+
+SLOTS, RANK = 3, 8
+
+
+def partial_adapter(model: MoECausalLM, name: str, seed: int, ranks: dict[str, int]) -> LoRAAdapter:
+    """Random non-zero LoRA on the sites whose key ends with one of `ranks`' suffixes, at that rank."""
+    g = torch.Generator().manual_seed(seed)
+    sites = {}
+    for key, (mod, proj) in model.lora_sites().items():
+        rank = next((r for suffix, r in ranks.items() if key.endswith(suffix)), 0)
+        if not rank:
+            continue
+        if proj is None:
+            shape_a, shape_b = (rank, mod.in_features), (mod.out_features, rank)
+        else:
+            a_buf, b_buf = getattr(mod, f"lora_{proj}_a"), getattr(mod, f"lora_{proj}_b")
+            shape_a, shape_b = (a_buf.shape[1], rank, a_buf.shape[3]), (b_buf.shape[1], b_buf.shape[2], rank)
+        sites[key] = LoRAWeights(0.2 * torch.randn(shape_a, generator=g), 0.2 * torch.randn(shape_b, generator=g))
+    return LoRAAdapter(name, "", sites)
+
+
+def site_ranks(model: MoECausalLM) -> dict[str, list[int]]:
+    """Site key -> its ranks buffer as a host list (the buffer that site hands its kernels)."""
+    out = {}
+    for key, (mod, proj) in model.lora_sites().items():
+        buf = mod.lora_ranks if proj is None else getattr(mod, f"lora_{proj}_ranks")
+        out[key] = buf.tolist()
+    return out
+
+
+def expected(model: MoECausalLM, by_slot: dict[int, LoRAAdapter]) -> dict[str, list[int]]:
+    want = {key: [0] * SLOTS for key in model.lora_sites()}
+    for slot, adapter in by_slot.items():
+        for key, w in adapter.sites.items():
+            want[key][slot] = w.rank
+    return want
+
+
+def check_experts_combined(model: MoECausalLM) -> None:
+    """The ranks the expert kernels read (one field for both projections) are the per-slot maximum."""
+    for mod in model.modules():
+        if isinstance(mod, Experts) and mod.has_lora:
+            assert mod.lora_ranks.tolist() == torch.maximum(mod.lora_gate_up_ranks, mod.lora_down_ranks).tolist()
+
+
+# Attention q/v at rank 3, routed gate_up at 5, the dense MLP's down at 8; no o/k, no router gate, no
+# expert down: those sites must read rank 0 for this adapter's slot.
+PARTIAL = {"self_attn.q_proj": 3, "self_attn.v_proj": 3, "experts.gate_up": 5, "mlp.down_proj": 8}
+OTHER = {"self_attn.o_proj": 2, "mlp.gate": 4, "experts.down": 6}
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_hf_model("qwen3_moe", seed=31)
+
+
+def test_set_lora_slot_writes_each_sites_rank(hf):
+    model = build(hf, max_loras=SLOTS, max_rank=RANK)
+    a, b = partial_adapter(model, "a", 1, PARTIAL), partial_adapter(model, "b", 2, OTHER)
+    assert site_ranks(model) == expected(model, {})
+    model.set_lora_slot(1, a)
+    model.set_lora_slot(2, b)
+    got = site_ranks(model)
+    assert got == expected(model, {1: a, 2: b})
+    assert got["model.layers.0.self_attn.q_proj"] == [0, 3, 0]
+    assert got["model.layers.0.self_attn.o_proj"] == [0, 0, 2]
+    assert got["model.layers.0.mlp.gate"] == [0, 0, 4]
+    assert got["model.layers.0.mlp.experts.gate_up"] == [0, 5, 0]
+    assert got["model.layers.0.mlp.experts.down"] == [0, 0, 6]
+    assert got["model.layers.0.self_attn.k_proj"] == [0, 0, 0]
+    check_experts_combined(model)
+    model.set_lora_slot(2, a)  # overwrite: b's sites go back to 0
+    assert site_ranks(model) == expected(model, {1: a, 2: a})
+    model.set_lora_slot(1, None)
+    assert site_ranks(model) == expected(model, {2: a})
+    check_experts_combined(model)
+
+
+def test_ranks_buffers_are_fixed_address_non_persistent_and_move_with_the_model(hf):
+    model = build(hf, max_loras=SLOTS, max_rank=RANK)
+    lin = model.model.layers[0].self_attn.q_proj
+    experts = model.model.layers[0].mlp.experts
+    ptrs = [lin.lora_ranks.data_ptr(), experts.lora_ranks.data_ptr(), experts.lora_down_ranks.data_ptr()]
+    model.set_lora_slot(0, partial_adapter(model, "a", 1, PARTIAL))
+    model.set_lora_slot(0, None)
+    model.set_lora_slot(1, partial_adapter(model, "b", 2, OTHER))
+    assert ptrs == [lin.lora_ranks.data_ptr(), experts.lora_ranks.data_ptr(), experts.lora_down_ranks.data_ptr()]
+    assert not any(k.endswith("ranks") for k in model.state_dict())
+    buffers = dict(model.named_buffers())
+    assert "model.layers.0.self_attn.q_proj.lora_ranks" in buffers
+    assert "model.layers.0.mlp.experts.lora_gate_up_ranks" in buffers
+    before = site_ranks(model)
+    moved = model.to(torch.float64).to("cpu")  # a dtype move keeps the int32 ranks (values and dtype)
+    assert site_ranks(moved) == before
+    assert lin.lora_ranks.dtype == torch.int32 and experts.lora_ranks.dtype == torch.int32
+
+
+def test_sites_hand_their_own_ranks_to_the_kernels(hf):
+    model = build(hf, max_loras=SLOTS, max_rank=RANK)
+    model.set_lora_slot(1, partial_adapter(model, "a", 1, PARTIAL))
+    batch = LoRABatch.build([1, -1, 1], [0, RANK, 0], "cpu")
+    lin = model.model.layers[0].self_attn.o_proj
+    args = lin.lora_args(batch)
+    assert args.slot_ranks is lin.lora_ranks and args.slot_ranks.tolist() == [0, 0, 0]
+    assert batch.slot_ranks.tolist() == [0, RANK, 0]  # the plan keeps the adapter-level ranks
+    router = model.model.layers[0].mlp.gate
+    assert isinstance(router, Linear) and router.lora_args(batch).slot_ranks is router.lora_ranks
+
+
+def test_pool_eviction_and_removal_zero_site_ranks(hf):
+    model = build(hf, max_loras=1, max_rank=RANK)
+    a, b = partial_adapter(model, "a", 1, PARTIAL), partial_adapter(model, "b", 2, OTHER)
+    eng = engine(model, {"a": a, "b": b}, max_loras=1)
+    ranks_of = lambda: {k: v[0] for k, v in site_ranks(model).items()}  # noqa: E731
+    eng.pool.acquire(["a"])
+    assert ranks_of() == {k: (a.sites[k].rank if k in a.sites else 0) for k in model.lora_sites()}
+    eng.pool.acquire(["b"])  # evicts a from the only slot
+    assert eng.pool.evictions == 1
+    assert ranks_of() == {k: (b.sites[k].rank if k in b.sites else 0) for k in model.lora_sites()}
+    eng.pool.remove("b")
+    assert set(ranks_of().values()) == {0}
+
+
+def test_partial_adapters_equal_merged_weights_and_mix(hf):
+    """Outputs with site ranks: each partial adapter equals its merged-weight oracle, and a mixed batch
+    of both and the base equals each row alone."""
+    model = build(hf, max_loras=2, max_rank=RANK)
+    adapters = {"a": partial_adapter(model, "a", 1, PARTIAL), "b": partial_adapter(model, "b", 2, OTHER)}
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (5, 3, 7)]
+    names = ["a", None, "b"]
+    eng = engine(model, adapters, max_loras=2)
+    mixed = eng.prompt_logits(seqs, names)
+    for seq, name, got in zip(seqs, names, mixed, strict=True):
+        alone = eng.prompt_logits([seq], [name])[0]
+        assert (got - alone).abs().max() < 1e-5
+        with torch.no_grad():
+            ref = (hf if name is None else merged_hf(hf, adapters[name]))(torch.tensor([seq])).logits[0]
+        assert (got - ref).abs().max() < 1e-4
