@@ -1,13 +1,23 @@
-"""Decode throughput of a Qwen3-30B-A3B-shaped model (random bf16 weights) on one GPU.
+"""Decode throughput of a Qwen3-30B-A3B- or DeepSeek-V2-Lite-shaped model (random bf16 weights) on one GPU.
 
 Concurrency 1..256 with no LoRA (an engine without LoRA slots), 1 adapter, and 8 adapters of
 rank 16 spread over the requests (an engine with 8 slots). Each run: prefill short prompts,
 then time `--steps` CUDA-graph decode steps (CUDA events). Prints the step time, tokens/s, the
-bytes bound of a step (attention + dense weights + distinct experts the batch touches under
-uniform routing + LoRA A/B of distinct (adapter, expert) pairs + KV read, over the copy
-bandwidth measured here) and the LoRA / no-LoRA throughput ratio. Writes a CSV.
+bytes bound of a step over the copy bandwidth measured here, and the LoRA / no-LoRA throughput
+ratio. Writes a CSV (one row per model, config and concurrency).
 
-usage: python benchmarks/decode.py OUT.csv [--layers 48] [--conc 1,8,32,64,128,256] [--steps 20]
+Bytes bound of a step, per layer: the attention projections (GQA q/k/v/o; MLA q_proj or q_a/q_b,
+kv_a_proj_with_mqa, kv_b_proj, o_proj), the distinct routed experts the batch touches under uniform
+routing (E (1 - (1 - K/E)^B), each 3 H I) plus shared experts on sparse layers, the dense MLP on dense
+layers, LoRA A/B of every adapted projection per adapter and of the distinct (adapter, expert) pairs,
+and the KV read (GQA: 2 N_kv D per cached token; MLA: the latent C + Dr); plus the LM head. Routers
+and norms are left out (< 1%).
+
+--model qwen3_30b (default), dsv2_lite (DeepSeek-V2-Lite: 27 layers, MLA with C 512, 64 experts top-6,
+2 shared experts, first layer dense) or all (both, one after the other).
+
+usage: python benchmarks/decode.py OUT.csv [--model qwen3_30b|dsv2_lite|all] [--layers N]
+       [--conc 1,8,32,64,128,256] [--steps 20]
 """
 
 from __future__ import annotations
@@ -27,10 +37,19 @@ from moelora.engine.engine import LLMEngine  # noqa: E402
 from moelora.engine.request import SamplingParams  # noqa: E402
 from moelora.lora.adapter import LoRAAdapter, LoRAWeights  # noqa: E402
 from moelora.models.decoder import MoECausalLM  # noqa: E402
+from moelora.models.registry import model_class  # noqa: E402
 
 QWEN3_30B = dict(family="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,
                  num_kv_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
                  top_k=8, norm_topk_prob=True, qk_norm="per_head", max_position_embeddings=4096, dtype="bfloat16")
+# DeepSeek-V2-Lite's config.json (shared experts: 2 x 1408 = 2816 wide; layer 0 dense, 10944 wide).
+DSV2_LITE = dict(family="deepseek_v2", vocab_size=102400, hidden_size=2048, num_layers=27, num_heads=16,
+                 num_kv_heads=16, head_dim=128 + 64, intermediate_size=10944, moe_intermediate_size=1408,
+                 num_experts=64, top_k=6, norm_topk_prob=False, attention="mla", q_lora_rank=None, kv_lora_rank=512,
+                 qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, topk_method="greedy",
+                 routed_scaling_factor=1.0, n_shared_experts=2, first_k_dense_replace=1, rope_interleave=True,
+                 max_position_embeddings=4096, dtype="bfloat16")
+MODELS = {"qwen3_30b": QWEN3_30B, "dsv2_lite": DSV2_LITE}
 
 
 def copy_bandwidth() -> float:
@@ -49,7 +68,7 @@ def copy_bandwidth() -> float:
 
 def random_model(cfg: ModelConfig, max_loras: int, rank: int) -> MoECausalLM:
     with torch.device("cuda"):
-        model = MoECausalLM(cfg, max_loras=max_loras, max_rank=rank, backend="triton", dtype=torch.bfloat16)
+        model = model_class(cfg)(cfg, max_loras=max_loras, max_rank=rank, backend="triton", dtype=torch.bfloat16)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -74,19 +93,42 @@ def random_adapter(model: MoECausalLM, name: str, rank: int, seed: int) -> LoRAA
     return LoRAAdapter(name, "", sites)
 
 
+def attention_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """(in, out) of each attention projection of one layer."""
+    H, N = cfg.hidden_size, cfg.num_heads
+    if cfg.attention != "mla":
+        D, kv = cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return [(H, N * D), (H, kv), (H, kv), (N * D, H)]
+    C, Dr, Dn, Dv = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+    q = [(H, cfg.q_lora_rank), (cfg.q_lora_rank, N * (Dn + Dr))] if cfg.q_lora_rank else [(H, N * (Dn + Dr))]
+    return q + [(H, C + Dr), (C, N * (Dn + Dv)), (N * Dv, H)]
+
+
+def kv_per_token(cfg: ModelConfig) -> int:
+    """Cache elements one token holds in one layer."""
+    return cfg.latent_cache_dim if cfg.attention == "mla" else 2 * cfg.num_kv_heads * cfg.head_dim
+
+
 def step_bytes(cfg: ModelConfig, conc: int, n_adapters: int, rank: int, ctx: int) -> float:
-    H, inter, E, K, L = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.top_k, cfg.num_layers
-    attn = H * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.num_heads * cfg.head_dim * H
+    H, inter, E, K = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.top_k
+    shapes = attention_shapes(cfg)
+    attn = sum(i * o for i, o in shapes)
+    attn_lora = n_adapters * rank * sum(i + o for i, o in shapes)
+    kv = conc * ctx * kv_per_token(cfg)
+    shared = cfg.shared_experts_intermediate_size or cfg.shared_expert_intermediate_size
     touched = E * (1 - (1 - K / E) ** conc)
-    experts = touched * 3 * H * inter
-    lora = 0.0
+    sparse = touched * 3 * H * inter + 3 * H * shared
+    sparse_lora = 0.0
     if n_adapters:
-        per_adapter_tokens = conc / n_adapters
-        pairs = n_adapters * E * (1 - (1 - K / E) ** per_adapter_tokens)
-        lora = pairs * rank * (H + 2 * inter + inter + H) + n_adapters * rank * 2 * (attn / H)
-    kv = conc * ctx * 2 * cfg.num_kv_heads * cfg.head_dim
-    head = cfg.vocab_size * H
-    return 2.0 * (L * (attn + experts + lora + kv) + head)
+        pairs = n_adapters * E * (1 - (1 - K / E) ** (conc / n_adapters))
+        sparse_lora = pairs * rank * (2 * H + 3 * inter) + n_adapters * rank * 3 * (H + shared) * (shared > 0)
+    dense = 3 * H * cfg.intermediate_size
+    dense_lora = n_adapters * rank * 3 * (H + cfg.intermediate_size)
+    n_sparse = len(cfg.sparse_layers)
+    n_dense = cfg.num_layers - n_sparse
+    per_model = (cfg.num_layers * (attn + attn_lora + kv) + n_sparse * (sparse + sparse_lora)
+                 + n_dense * (dense + dense_lora))
+    return 2.0 * (per_model + cfg.vocab_size * H)
 
 
 def measure(eng: LLMEngine, conc: int, names: list, steps: int, prompt_len: int = 32) -> float:
@@ -119,43 +161,55 @@ def engine(model, cfg: ModelConfig, max_loras: int, rank: int, max_seqs: int, ad
     return eng
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("out")
-    ap.add_argument("--layers", type=int, default=48)
-    ap.add_argument("--conc", default="1,8,32,64,128,256")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--rank", type=int, default=16)
-    args = ap.parse_args()
-    concs = [int(c) for c in args.conc.split(",")]
-    cfg = ModelConfig(**{**QWEN3_30B, "num_layers": args.layers}).resolve()
-    bw = copy_bandwidth()
-    print(f"GPU {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, layers {args.layers}")
-    model = random_model(cfg, 8, args.rank)
-    adapters = {f"a{i}": random_adapter(model, f"a{i}", args.rank, i) for i in range(8)}
-    rows = []
-    lora_eng = engine(model, cfg, 8, args.rank, max(concs), adapters)
+def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank: int, bw: float) -> list[dict]:
+    spec = MODELS[name]
+    cfg = ModelConfig(**{**spec, "num_layers": layers or spec["num_layers"]}).resolve()
+    print(f"model {name}, layers {cfg.num_layers}")
+    model = random_model(cfg, 8, rank)
+    adapters = {f"a{i}": random_adapter(model, f"a{i}", rank, i) for i in range(8)}
+    lora_eng = engine(model, cfg, 8, rank, max(concs), adapters)
     results = {}
     for conc in concs:
         for label, names in (("1 adapter", ["a0"]), ("8 adapters", list(adapters))):
-            results[(label, conc)] = measure(lora_eng, conc, names, args.steps)
+            results[(label, conc)] = measure(lora_eng, conc, names, steps)
     del lora_eng
     for m in model.modules():  # the same weights without LoRA slots: the no-LoRA baseline
         if hasattr(m, "has_lora"):
             m.has_lora = False
     base_eng = engine(model, cfg, 0, 0, max(concs), {})
     for conc in concs:
-        results[("no LoRA", conc)] = measure(base_eng, conc, [None], args.steps)
+        results[("no LoRA", conc)] = measure(base_eng, conc, [None], steps)
+    del base_eng, model
+    torch.cuda.empty_cache()
+    rows = []
     print(f"{'config':>11} {'conc':>5} {'step ms':>8} {'tok/s':>9} {'bound ms':>9} {'x bound':>8} {'vs noLoRA':>9}")
     for conc in concs:
         for label, n in (("no LoRA", 0), ("1 adapter", 1), ("8 adapters", 8)):
             t = results[(label, conc)]
-            bound = step_bytes(cfg, conc, n, args.rank, 40) / bw
+            bound = step_bytes(cfg, conc, n, rank, 40) / bw
             ratio = results[("no LoRA", conc)] / t
-            rows.append(dict(config=label, concurrency=conc, step_ms=t * 1e3, tokens_per_s=conc / t,
+            rows.append(dict(model=name, config=label, concurrency=conc, step_ms=t * 1e3, tokens_per_s=conc / t,
                              bound_ms=bound * 1e3, x_bound=t / bound, throughput_vs_nolora=ratio))
             print(f"{label:>11} {conc:>5} {t * 1e3:8.2f} {conc / t:9.0f} {bound * 1e3:9.2f} {t / bound:8.2f} "
                   f"{ratio:9.3f}")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--model", default="qwen3_30b", choices=[*MODELS, "all"])
+    ap.add_argument("--layers", type=int, default=None, help="default: the model's own layer count")
+    ap.add_argument("--conc", default="1,8,32,64,128,256")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rank", type=int, default=16)
+    args = ap.parse_args()
+    concs = [int(c) for c in args.conc.split(",")]
+    bw = copy_bandwidth()
+    print(f"GPU {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
+    rows = []
+    for name in (list(MODELS) if args.model == "all" else [args.model]):
+        rows += run_model(name, args.layers, concs, args.steps, args.rank, bw)
     with open(args.out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

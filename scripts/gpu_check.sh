@@ -3,7 +3,8 @@
 # Logs and CSVs go under $OUT (default ./gpu_check_out). Stages (all on by default):
 #   TESTS=1  pytest -m gpu over tests/ (kernels, engine equivalences, demo under graphs)
 #   LAYER=1  benchmarks/moe_lora_layer.py (TUNE=1 first re-tunes the fused MoE launch configs)
-#   DECODE=1 benchmarks/decode.py (DECODE_ARGS, e.g. "--layers 48")
+#   DECODE=1 benchmarks/decode.py (DECODE_ARGS, e.g. "--model all --conc 1,8,64,256")
+#   PROFILE=0 benchmarks/decode_profile.py (PROFILE_ARGS): host phases, graph replay, top kernels
 # Exit status: non-zero if any stage failed; every stage runs regardless.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,5 +26,8 @@ if [ "${LAYER:-1}" = 1 ]; then
 fi
 if [ "${DECODE:-1}" = 1 ]; then
   "$PY" benchmarks/decode.py "$OUT/decode.csv" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" || rc=1
+fi
+if [ "${PROFILE:-0}" = 1 ]; then
+  "$PY" benchmarks/decode_profile.py "$OUT/decode_profile.txt" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/decode_profile.log" || rc=1
 fi
 exit $rc

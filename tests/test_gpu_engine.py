@@ -1,5 +1,9 @@
 """GPU engine equivalences (contract 6): CUDA graphs vs eager, two streams vs one, the stream
-sanitizer, no host sync in the forward, and a planted in-place race that the test must catch."""
+sanitizer, no host sync in the forward, and a planted in-place race that the test must catch.
+
+Each model test runs on a tiny Qwen2-MoE (gated shared expert) and a tiny DeepSeek-V3 (MLA attention
+with its absorbed decode under CUDA graphs, grouped noaux_tc router, dense first layer, shared and
+routed experts), with LoRA on every site of the DeepSeek model (every MLA projection included)."""
 
 from __future__ import annotations
 
@@ -12,9 +16,11 @@ import torch
 from oracle import tiny_hf_model
 from test_forward import build, random_adapter
 
+from moelora.config import ModelConfig
 from moelora.engine.config import EngineConfig
 from moelora.engine.engine import LLMEngine
 from moelora.engine.request import SamplingParams
+from moelora.models.registry import model_class
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -23,12 +29,37 @@ SIZES = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, moe_
              max_position_embeddings=1024, num_hidden_layers=2, mlp_only_layers=[])
 
 
-@pytest.fixture(scope="module")
-def model_and_adapters():
-    hf = tiny_hf_model("qwen2_moe", seed=3, **SIZES)
-    model = build(hf, max_loras=4, max_rank=16).to("cuda", torch.bfloat16)
-    adapters = {f"a{i}": random_adapter(model, 40 + i, r, frac=0.8) for i, r in enumerate((16, 8, 4, 12))}
-    return model, adapters
+# DeepSeek-V3 with awkward MLA widths (C 80, Dv 24 != Dn 32), 8 heads, groups that bind, 1 dense layer.
+DSV3_SIZES = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=96, kv_lora_rank=80,
+                  qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24, moe_intermediate_size=128,
+                  intermediate_size=384, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3,
+                  n_shared_experts=2, first_k_dense_replace=1, vocab_size=512, max_position_embeddings=1024,
+                  num_hidden_layers=3)
+FAMILIES = ("qwen2_moe", "deepseek_v3")
+
+
+def tiny_model(family: str, dtype: torch.dtype = torch.bfloat16, max_loras: int = 4, max_rank: int = 16):
+    if family == "qwen2_moe":
+        return build(tiny_hf_model("qwen2_moe", seed=3, **SIZES), max_loras=max_loras, max_rank=max_rank).to(
+            "cuda", dtype)
+    hf = tiny_hf_model(family, seed=3, **DSV3_SIZES)
+    raw = dict(hf.config.to_dict(), architectures=[type(hf).__name__])
+    cfg = ModelConfig.from_dict(raw)
+    model = model_class(cfg)(cfg, max_loras=max_loras, max_rank=max_rank, dtype=dtype)  # router and norms stay fp32
+    model.load_state_dict(hf.state_dict(), strict=True)
+    return model.eval().to("cuda")
+
+
+def tiny_adapters(model, family: str, frac: float | None = None) -> dict:
+    if frac is None:
+        frac = 0.8 if family == "qwen2_moe" else 1.0  # DeepSeek: every site, all MLA projections
+    return {f"a{i}": random_adapter(model, 40 + i, r, frac=frac) for i, r in enumerate((16, 8, 4, 12))}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def model_and_adapters(request):
+    model = tiny_model(request.param)
+    return model, tiny_adapters(model, request.param)
 
 
 def gpu_engine(model, adapters, **kw) -> LLMEngine:
@@ -87,16 +118,16 @@ def test_two_streams_match_one(model_and_adapters):
     assert forced_logprob_diff(one_engine, two) <= 0.05
 
 
-def test_triton_backend_is_as_accurate_as_torch_backend():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_triton_backend_is_as_accurate_as_torch_backend(family):
     """Against an fp32 torch reference, the Triton backend in bf16 must be as accurate as the torch
     backend in bf16 (a random tiny model is ill-conditioned: both land near 0.13 relative error,
-    measured on an H200, so a fixed absolute tolerance would say nothing)."""
-    hf = tiny_hf_model("qwen2_moe", seed=3, **SIZES)
+    measured on an H200 for Qwen2-MoE, so a fixed absolute tolerance would say nothing)."""
     prompts, names = workload(n=10, seed=2)
-    ref_model = build(hf, max_loras=4, max_rank=16).to("cuda", torch.float32)
-    adapters = {f"a{i}": random_adapter(ref_model, 40 + i, r, frac=0.8) for i, r in enumerate((16, 8, 4, 12))}
+    ref_model = tiny_model(family, torch.float32)
+    adapters = tiny_adapters(ref_model, family)
     ref = gpu_engine(ref_model, adapters, dtype="float32", kernel_backend="torch").prompt_logits(prompts, names)
-    model = build(hf, max_loras=4, max_rank=16).to("cuda", torch.bfloat16)
+    model = tiny_model(family)
     torch_bf16 = gpu_engine(model, adapters, kernel_backend="torch").prompt_logits(prompts, names)
     triton_bf16 = gpu_engine(model, adapters, enforce_eager=True).prompt_logits(prompts, names)
 
@@ -128,21 +159,19 @@ def test_decode_forward_has_no_host_sync(model_and_adapters):
 SANITIZER_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {tests!r})
-from test_gpu_engine import SIZES, gpu_engine, workload, generate
-from oracle import tiny_hf_model
-from test_forward import build, random_adapter
-hf = tiny_hf_model("qwen2_moe", seed=3, **SIZES)
-model = build(hf, max_loras=4, max_rank=16).to("cuda", torch.bfloat16)
-adapters = {{f"a{{i}}": random_adapter(model, 40 + i, r) for i, r in enumerate((16, 8, 4, 12))}}
+from test_gpu_engine import gpu_engine, workload, generate, tiny_model, tiny_adapters
+model = tiny_model({family!r})
+adapters = tiny_adapters(model, {family!r}, frac=1.0)
 prompts, names = workload(n=8)
 generate(gpu_engine(model, adapters, enforce_eager=True, overlap_shared_experts=True), prompts, names, 8)
 print("SANITIZER-RUN-DONE")
 """
 
 
-def test_stream_sanitizer_reports_nothing():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stream_sanitizer_reports_nothing(family):
     env = dict(os.environ, TORCH_CUDA_SANITIZER="1")
-    script = SANITIZER_SCRIPT.format(tests=os.path.dirname(__file__))
+    script = SANITIZER_SCRIPT.format(tests=os.path.dirname(__file__), family=family)
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert "SANITIZER-RUN-DONE" in proc.stdout, proc.stderr[-3000:]
     assert "CSAN" not in proc.stderr and "data race" not in proc.stderr.lower(), proc.stderr[-3000:]

@@ -1,7 +1,8 @@
 """Multi-head latent attention (DeepSeek-V2/V3) on a paged latent cache, LoRA on every projection.
 
 Shape legend: T tokens in the step, H hidden, N heads, Dn qk_nope_head_dim, Dr qk_rope_head_dim,
-Dv v_head_dim, C kv_lora_rank, Q q_lora_rank, L cached length of one sequence, NB blocks, BS block size.
+Dv v_head_dim, C kv_lora_rank, Q q_lora_rank, L cached length of one sequence, NB blocks, BS block size,
+S adapter slots, R max LoRA rank.
 
 Projections (transformers 5 names, each an ordinary LoRA `Linear` site): `q_proj` [H -> N(Dn+Dr)], or
 `q_a_proj` [H -> Q] + `q_a_layernorm` + `q_b_proj` [Q -> N(Dn+Dr)] when q_lora_rank is set;
@@ -11,16 +12,30 @@ Projections (transformers 5 names, each an ordinary LoRA `Linear` site): `q_proj
 The cache (`kv = (latent [NB, BS, C + Dr],)`, owned by the engine) stores per token the normalised
 latent and the rotated single-head key: C + Dr values (576 for DeepSeek-V3) instead of the
 N(Dn + Dr + Dv) of expanded K/V (40960). The step writes its entries at `slot_mapping` (an `out=`
-buffer the caller owns, contract 2); then, per sequence, the torch path gathers its latents,
-expands them through `kv_b_proj` with that sequence's adapter (`Linear.forward_one_slot`: LoRA on
-kv_b_proj changes the K/V derived from the cached latent, so it is applied at read time; the latent
-itself already carries LoRA of kv_a_proj_with_mqa and of every earlier layer, which is why the
-prefix cache keys blocks by adapter) and attends causally.
-The GPU decode form (weight absorption: q_nope @ W_uk and o @ W_uv folded so attention runs on the
-latent directly) and its Triton kernel are not written yet; this path has no CUDA-graph form.
+buffer the caller owns, contract 2) and attends in one of two forms:
+
+- expanded (prefill and extend, and decode when `absorb_decode` is off; eager only): per sequence,
+  gather its latents, expand them through `kv_b_proj` with that sequence's adapter
+  (`Linear.forward_one_slot`: LoRA on kv_b_proj changes the K/V derived from the cached latent, so it
+  is applied at read time; the latent itself already carries LoRA of kv_a_proj_with_mqa and of every
+  earlier layer, which is why the prefix cache keys blocks by adapter) and attend causally.
+- absorbed (decode steps, meta.max_query_len == 1; no host loop or sync, CUDA-graph safe): with
+  W_kv_b viewed [N, Dn + Dv, C], W_uk = [:, :Dn], W_uv = [:, Dn:], and the token's slot s (A_s [R, C],
+  B_s viewed [N, Dn + Dv, R], zero beyond the slot's rank, scaling folded in):
+    q_abs = q_nope W_uk + (q_nope B_s,uk) A_s                                        [T, N, C]
+    o_lat = softmax(scale (q_abs . latent + q_rope . krot)) . latent                 [T, N, C]
+    out   = o_lat W_uv^T + (o_lat A_s^T) B_s,uv^T                                    [T, N, Dv]
+  exactly the expanded result (k_nope = (W_uk + B_s,uk A_s) latent, v likewise). The attention core is
+  `kernels.mla_attention` (backend "triton") or its torch twin `mla_decode_attention_ref`. The LoRA
+  terms are computed for every slot in one batched matmul per side and the token's slot is then
+  selected by a one-hot mask (rows on no adapter select nothing): per-token gathers of B_s would
+  take T N (Dn + Dv) R elements, the all-slot form N T S R; the slot buffers are read as they are
+  at each step, so an adapter written into a slot later is seen by a captured graph.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +72,8 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, _INNER_NORM_EPS)
         self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), **kw)
         self.o_proj = Linear(num_heads * v_head_dim, hidden, bias=bias, **kw)
+        self.backend = kw.get("backend", "torch")  # the engine sets it on every module that has it
+        self.absorb_decode = True  # off switch: decode through the expanded torch path (eager only)
 
     def _query(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         if not self.q_lora:
@@ -65,18 +82,90 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
                 kv: tuple[torch.Tensor], lora: LoRABatch | None = None) -> torch.Tensor:
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise ConfigError("MLA attention has no CUDA-graph path yet: run DeepSeek models with enforce_eager=True")
         T, N, C = x.shape[0], self.num_heads, self.kv_lora_rank
+        absorbed = self.absorb_decode and meta.max_query_len == 1
+        if not absorbed and x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise ConfigError("MLA attention is graph-safe only for decode steps with absorb_decode on: "
+                              "run this model with enforce_eager=True")
         q = self._query(x, lora).view(T, N, self.nope + self.rope)
         q = torch.cat((q[..., :self.nope], self.rotate(q[..., self.nope:], cos, sin)), dim=-1)
         compressed = self.kv_a_proj_with_mqa(x, lora)
         latent = self.kv_a_layernorm(compressed[:, :C])
         k_rot = self.rotate(compressed[:, None, C:], cos, sin)[:, 0]
+        entries = torch.cat((latent, k_rot), dim=-1)
         (cache,) = kv
-        out = mla_attention_ref(q, torch.cat((latent, k_rot), dim=-1), cache, meta, self.kv_b_proj, lora,
-                                self.nope, self.v_dim, self.scale)
+        if absorbed:
+            out = self._decode_absorbed(q, entries, cache, meta, lora)
+        else:
+            out = mla_attention_ref(q, entries, cache, meta, self.kv_b_proj, lora, self.nope, self.v_dim, self.scale)
         return self.o_proj(out.reshape(T, N * self.v_dim), lora)
+
+    def _decode_absorbed(self, q: torch.Tensor, entries: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata,
+                         lora: LoRABatch | None) -> torch.Tensor:
+        """Decode step (one query per sequence) in the absorbed form -> new [T, N, Dv]."""
+        q_nope, q_rope = q[..., :self.nope], q[..., self.nope:]
+        slots = _SlotSelect.of(self.kv_b_proj, lora)
+        q_abs = absorb_query(q_nope, self.kv_b_proj, slots)
+        if self.backend == "triton":
+            from moelora.kernels.mla_attention import mla_decode_attention
+        else:
+            from moelora.kernels.reference import mla_decode_attention_ref as mla_decode_attention
+        o_lat = mla_decode_attention(q_abs, q_rope, entries, cache, meta, self.scale)
+        return expand_output(o_lat, self.kv_b_proj, self.nope, slots)
+
+
+@dataclass(frozen=True)
+class _SlotSelect:
+    """The step's per-token LoRA slot on kv_b_proj: one-hot [T, S] (rows on no adapter: all zero), each
+    token's A_s [T, R, C] (slot clamped to 0 for rows on no adapter; their one-hot zeroes every use) and
+    every slot's B [S, N(Dn + Dv), R]."""
+
+    onehot: torch.Tensor
+    a_tok: torch.Tensor
+    b: torch.Tensor
+
+    @staticmethod
+    def of(kv_b_proj: Linear, lora: LoRABatch | None) -> _SlotSelect | None:
+        if lora is None or not kv_b_proj.has_lora:
+            return None
+        a, b = kv_b_proj.lora_a, kv_b_proj.lora_b  # [S, R, C], [S, N(Dn + Dv), R]
+        dtype = kv_b_proj.weight.dtype
+        slots = lora.token_slots.long()
+        onehot = (slots[:, None] == torch.arange(a.shape[0], device=slots.device)[None, :]).to(dtype)
+        return _SlotSelect(onehot, a.index_select(0, slots.clamp(min=0)).to(dtype), b.to(dtype))
+
+
+def absorb_query(q_nope: torch.Tensor, kv_b_proj: Linear, slots: _SlotSelect | None) -> torch.Tensor:
+    """q_nope [T, N, Dn] -> q_abs [T, N, C] = q_nope W_uk (+ (q_nope B_s,uk) A_s). W_uk, W_uv are views of
+    kv_b_proj.weight [N(Dn + Dv), C]; it has no bias (DeepSeek's has none; the absorbed forms assume it)."""
+    assert kv_b_proj.bias is None
+    T, N, nope = q_nope.shape
+    C = kv_b_proj.in_features
+    w = kv_b_proj.weight.view(N, -1, C)
+    qn = q_nope.transpose(0, 1)  # [N, T, Dn]
+    q_abs = torch.bmm(qn, w[:, :nope]).transpose(0, 1)  # [T, N, C]
+    if slots is None:
+        return q_abs
+    S, _, R = slots.b.shape
+    b_uk = slots.b.view(S, N, -1, R)[:, :, :nope].permute(1, 2, 0, 3).reshape(N, nope, S * R)
+    u = torch.bmm(qn, b_uk).view(N, T, S, R)  # every slot's q_nope B_s,uk
+    u = (u * slots.onehot[None, :, :, None]).sum(2)  # the token's own slot [N, T, R]
+    return q_abs + torch.bmm(u.transpose(0, 1), slots.a_tok)
+
+
+def expand_output(o_lat: torch.Tensor, kv_b_proj: Linear, nope: int, slots: _SlotSelect | None) -> torch.Tensor:
+    """o_lat [T, N, C] -> out [T, N, Dv] = o_lat W_uv^T (+ (o_lat A_s^T) B_s,uv^T)."""
+    T, N, C = o_lat.shape
+    w = kv_b_proj.weight.view(N, -1, C)
+    out = torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)  # [T, N, Dv]
+    if slots is None:
+        return out
+    S, _, R = slots.b.shape
+    v_dim = w.shape[1] - nope
+    w_rank = torch.bmm(o_lat, slots.a_tok.transpose(1, 2))  # [T, N, R] with the token's A_s
+    w_rank = w_rank[:, :, None, :] * slots.onehot[:, None, :, None]  # [T, N, S, R]: only the token's slot
+    b_uv = slots.b.view(S, N, -1, R)[:, :, nope:].permute(1, 0, 3, 2).reshape(N, S * R, v_dim)
+    return out + torch.bmm(w_rank.transpose(0, 1).reshape(N, T, S * R), b_uv).transpose(0, 1)
 
 
 def write_latent_ref(entries: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

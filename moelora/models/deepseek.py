@@ -5,7 +5,8 @@ correction bias, ungated shared experts, dense first layers -- is configuration 
 - attention is `MLAttention` (q_proj or q_a_proj/q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj);
   softmax scale (qk_nope + qk_rope)^-0.5, times YaRN's mscale_all_dim factor squared under YaRN;
 - rotary covers qk_rope_head_dim, in interleaved pairs (V2 always, V3 per `rope_interleave`);
-- each layer caches one vector per token: kv_lora_rank + qk_rope_head_dim.
+- each layer caches one vector per token: kv_lora_rank + qk_rope_head_dim; decode steps attend on it
+  directly (weights absorbed, `moelora.layers.mla`), so decode is captured in CUDA graphs as for GQA.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from moelora.models.decoder import MoECausalLM
 
 
 class DeepseekCausalLM(MoECausalLM):
-    supports_cuda_graphs = False  # MLA has only the eager torch path so far
+    supports_cuda_graphs = True  # decode steps run MLA in the absorbed form (no host loop or sync)
 
     @staticmethod
     def make_attention(cfg: ModelConfig, **kw) -> nn.Module:

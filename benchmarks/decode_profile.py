@@ -1,0 +1,161 @@
+"""Where a decode step's time goes: host phases, graph replay, and the kernels of one eager step.
+
+For the Qwen3-30B-A3B-shaped model of `benchmarks/decode.py` (random bf16 weights) at a few
+concurrencies, with no LoRA and with 8 adapters of rank 16:
+  - step wall time (median), and each host phase of `LLMEngine.step` timed with a device sync
+    before and after it (schedule, adapter acquire, input prepare, graph run, sample; the rest is
+    token bookkeeping);
+  - the decode graph's replay alone (CUDA events, median);
+  - one eager forward of the same inputs under torch.profiler: kernel count, summed kernel time,
+    and the top kernels by total time.
+Prints tables and writes them to OUT.txt.
+
+usage: python benchmarks/decode_profile.py OUT.txt [--layers 48] [--conc 1,64] [--top 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 2)[0])
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+
+from decode import QWEN3_30B, engine, random_adapter, random_model  # noqa: E402
+
+from moelora.config import ModelConfig  # noqa: E402
+from moelora.engine.request import SamplingParams  # noqa: E402
+
+PHASES = (("scheduler", "schedule"), ("pool", "acquire"), ("runner", "prepare"), ("graphs", "run"), (None, "_sample"))
+
+
+def timed(fn, sink: list):
+    def wrapper(*a, **kw):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn(*a, **kw)
+        torch.cuda.synchronize()
+        sink.append(time.perf_counter() - t0)
+        return out
+    return wrapper
+
+
+def median(xs):
+    return sorted(xs)[len(xs) // 2] if xs else float("nan")
+
+
+def start(eng, conc, names, steps):
+    g = torch.Generator().manual_seed(conc)
+    params = SamplingParams(max_tokens=steps * 4 + 16, temperature=0, ignore_eos=True)
+    reqs = [eng.add_request(torch.randint(0, 1000, (32,), generator=g).tolist(), params, names[i % len(names)])
+            for i in range(conc)]
+    while any(len(r.output_ids) == 0 for r in reqs):
+        eng.step()
+    eng.step()
+    torch.cuda.synchronize()
+    return reqs
+
+
+def profile_point(eng, conc, names, steps, top, log):
+    reqs = start(eng, conc, names, steps)
+    walls = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        eng.step()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
+    sinks, saved = {}, []
+    for owner, name in PHASES:
+        obj = eng if owner is None else getattr(eng, owner)
+        sinks[name] = []
+        saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, timed(getattr(obj, name), sinks[name]))
+    phased = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        eng.step()
+        torch.cuda.synchronize()
+        phased.append(time.perf_counter() - t0)
+    for obj, name, fn in saved:
+        setattr(obj, name, fn)
+    # the graph alone, and one eager forward of the same step's inputs under the profiler
+    step = eng.scheduler.schedule()
+    slot_of = eng.pool.acquire(r.adapter for r in step.requests)
+    inputs = eng.runner.prepare(step, slot_of, eng.pool.slot_ranks)
+    eng.graphs.run(inputs, eng.pool.slot_ranks)
+    B = next(b for b in eng.graphs.buckets if b >= conc)
+    graph = eng.graphs.graphs[B][0]
+    replays = []
+    for _ in range(steps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        torch.cuda.synchronize()
+        replays.append(s.elapsed_time(e) / 1e3)
+    eng.runner.run(inputs)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        eng.runner.run(inputs)
+        torch.cuda.synchronize()
+    per_name = defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[ev.name][0] += 1
+            per_name[ev.name][1] += ev.device_time_total
+    for r in reqs:
+        eng.abort(r.request_id)
+    n_kernels = sum(c for c, _ in per_name.values())
+    kernel_us = sum(t for _, t in per_name.values())
+    log(f"  step wall median {median(walls) * 1e3:.2f} ms; with phase syncs {median(phased) * 1e3:.2f} ms; "
+        f"graph replay alone {median(replays) * 1e3:.2f} ms")
+    rest = median(phased) - sum(median(v) for v in sinks.values())
+    log("  phases (ms): " + ", ".join(f"{k} {median(v) * 1e3:.3f}" for k, v in sinks.items())
+        + f", rest {rest * 1e3:.3f}")
+    log(f"  eager forward: {n_kernels} kernels, {kernel_us / 1e3:.2f} ms summed kernel time")
+    for name, (count, us) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]:
+        log(f"    {us / 1e3:7.3f} ms {count:5d}x  {name[:110]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--conc", default="1,64")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--top", type=int, default=20)
+    args = ap.parse_args()
+    lines = []
+
+    def log(s=""):
+        print(s, flush=True)
+        lines.append(s)
+
+    concs = [int(c) for c in args.conc.split(",")]
+    cfg = ModelConfig(**{**QWEN3_30B, "num_layers": args.layers}).resolve()
+    model = random_model(cfg, 8, 16)
+    adapters = {f"a{i}": random_adapter(model, f"a{i}", 16, i) for i in range(8)}
+    eng = engine(model, cfg, 8, 16, max(concs), adapters)
+    log(f"GPU {torch.cuda.get_device_name()}, {args.layers} layers, Qwen3-30B-A3B shape, bf16")
+    for conc in concs:
+        for label, names in (("8 adapters r16", list(adapters)), ("LoRA engine, base rows", [None])):
+            log(f"conc {conc}, {label}:")
+            profile_point(eng, conc, names, args.steps, args.top, log)
+    del eng
+    for m in model.modules():
+        if hasattr(m, "has_lora"):
+            m.has_lora = False
+    eng = engine(model, cfg, 0, 0, max(concs), {})
+    for conc in concs:
+        log(f"conc {conc}, no LoRA (engine without slots):")
+        profile_point(eng, conc, [None], args.steps, args.top, log)
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
