@@ -118,6 +118,16 @@ def test_two_streams_match_one(model_and_adapters):
     assert forced_logprob_diff(one_engine, two) <= 0.05
 
 
+def test_async_adapter_loading_matches_synchronous(model_and_adapters):
+    """2 slots for 4 adapters: slots are rewritten (on the side stream) while other requests decode."""
+    model, adapters = model_and_adapters
+    prompts, names = workload(n=16, seed=4)
+    eng = gpu_engine(model, adapters, max_loras=2, async_adapter_loading=True)
+    reqs = generate(eng, prompts, names, 32)
+    assert eng.pool.evictions > 0
+    assert forced_logprob_diff(gpu_engine(model, adapters, max_loras=2, async_adapter_loading=False), reqs) <= 0.05
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_triton_backend_is_as_accurate_as_torch_backend(family):
     """Against an fp32 torch reference, the Triton backend in bf16 must be as accurate as the torch
@@ -164,6 +174,8 @@ model = tiny_model({family!r})
 adapters = tiny_adapters(model, {family!r}, frac=1.0)
 prompts, names = workload(n=8)
 generate(gpu_engine(model, adapters, enforce_eager=True, overlap_shared_experts=True), prompts, names, 8)
+# adapter slots written on the side stream while other requests decode (2 slots, 4 adapters: churn)
+generate(gpu_engine(model, adapters, enforce_eager=True, max_loras=2, async_adapter_loading=True), prompts, names, 8)
 print("SANITIZER-RUN-DONE")
 """
 

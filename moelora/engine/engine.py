@@ -31,11 +31,12 @@ class LLMEngine:
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.model_config = model.config
         self.device = cfg.torch_device
-        self.pool = AdapterPool(cfg.max_loras, cfg.max_cpu_loras, load_adapter, model.set_lora_slot)
+        self.pool = self._adapter_pool(cfg, load_adapter)
         self.cache = PagedKVCache(model.kv_cache_shapes(), cfg.num_kv_blocks, cfg.block_size, self.device,
                                   cfg.torch_dtype)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_loras,
-                                                   cfg.enable_prefix_caching), self.cache.allocator)
+                                                   cfg.enable_prefix_caching), self.cache.allocator,
+                                   adapter_ready=self.pool.ensure if cfg.async_adapter_loading else None)
         self.runner = ModelRunner(model, self.cache, self.device)
         for module in model.modules():  # the engine owns the model: its config picks the fast paths
             if isinstance(module, SparseMoE):
@@ -53,6 +54,17 @@ class LLMEngine:
             eos.add(tokenizer.eos_token_id)
         self.eos = eos
         self._counter = 0
+
+    def _adapter_pool(self, cfg: EngineConfig, load_adapter) -> AdapterPool:
+        """Slot writes through a side stream on CUDA when `async_adapter_loading` (adapters staged once
+        in the slots' dtype and page-locked, so the copies are asynchronous); synchronous otherwise."""
+        if not (cfg.async_adapter_loading and self.device.type == "cuda"):
+            return AdapterPool(cfg.max_loras, cfg.max_cpu_loras, load_adapter, self.model.set_lora_slot)
+        from moelora.engine.adapter_loads import SideStreamLoads
+
+        return AdapterPool(cfg.max_loras, cfg.max_cpu_loras, load_adapter, self.model.set_lora_slot,
+                           loads=SideStreamLoads(self.device),
+                           stage=lambda adapter: adapter.staged(cfg.torch_dtype, pin=True))
 
     # requests -----------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams, adapter: str | None = None,

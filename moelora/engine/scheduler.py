@@ -5,12 +5,15 @@ token budget (chunked prefill) and `max_num_seqs`. KV blocks are taken as needed
 left, the newest running request is preempted (its blocks freed, recomputed later from its
 tokens). A request is admitted only while the distinct adapters of the running set fit the GPU
 adapter slots. Among waiting requests, the adapter that has been served the fewest tokens goes
-first (arrival order inside an adapter), so one adapter's flood cannot starve another.
+first (arrival order inside an adapter), so one adapter's flood cannot starve another. With an
+`adapter_ready(name, running_adapters)` check (the pool's `ensure`), a request whose adapter is
+still being copied to its slot waits without holding back the requests behind it.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from moelora.engine.kv_cache import BlockAllocator, block_hash
@@ -38,8 +41,10 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, allocator: BlockAllocator):
+    def __init__(self, cfg: SchedulerConfig, allocator: BlockAllocator,
+                 adapter_ready: Callable[[str, set[str]], bool] | None = None):
         self.cfg, self.allocator = cfg, allocator
+        self.adapter_ready = adapter_ready
         self.block_size = allocator.block_size
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -145,6 +150,10 @@ class Scheduler:
             adapters = self.running_adapters()
             if req.adapter is not None and req.adapter not in adapters and len(adapters) >= self.cfg.max_loras:
                 blocked.add(req.adapter)
+                continue
+            if req.adapter is not None and self.adapter_ready is not None and not self.adapter_ready(
+                    req.adapter, adapters):
+                blocked.add(req.adapter)  # its slot is still being written: admit the others meanwhile
                 continue
             self._match_prefix(req)
             n = min(req.num_tokens - req.num_computed, budget)

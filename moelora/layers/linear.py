@@ -47,8 +47,8 @@ class Linear(nn.Module):
         self.lora_b[slot].zero_()
         r = 0 if weights is None else weights.rank
         if r:
-            self.lora_a[slot, :r].copy_(weights.a)
-            self.lora_b[slot, :, :r].copy_(weights.b)
+            self.lora_a[slot, :r].copy_(weights.a, non_blocking=True)
+            self.lora_b[slot, :, :r].copy_(weights.b, non_blocking=True)
         self.lora_ranks[slot] = r
 
     def lora_args(self, lora: LoRABatch | None) -> DenseLoRAArgs | None:

@@ -50,8 +50,8 @@ class Experts(nn.Module):
         b[slot].zero_()
         r = 0 if weights is None else weights.rank
         if r:
-            a[slot, :, :r].copy_(weights.a)
-            b[slot, :, :, :r].copy_(weights.b)
+            a[slot, :, :r].copy_(weights.a, non_blocking=True)
+            b[slot, :, :, :r].copy_(weights.b, non_blocking=True)
         getattr(self, f"lora_{proj}_ranks")[slot] = r
         torch.maximum(self.lora_gate_up_ranks[slot], self.lora_down_ranks[slot], out=self.lora_ranks[slot])
 

@@ -48,3 +48,11 @@ class LoRAAdapter:
     @property
     def max_rank(self) -> int:
         return max((w.rank for w in self.sites.values()), default=0)
+
+    def staged(self, dtype: torch.dtype, pin: bool) -> LoRAAdapter:
+        """A copy in `dtype` (the slots' dtype), in page-locked memory when `pin`, so a host-to-device
+        copy into a slot can run asynchronously on a side stream."""
+        def conv(t: torch.Tensor) -> torch.Tensor:
+            t = t.to(dtype)
+            return t.pin_memory() if pin else t
+        return LoRAAdapter(self.name, self.path, {k: LoRAWeights(conv(w.a), conv(w.b)) for k, w in self.sites.items()})
