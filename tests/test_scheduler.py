@@ -150,3 +150,23 @@ def test_pool_slots_lru_pinning_and_zeroing():
         pool.acquire(["aa", "bbb", "cccc"])
     pool.remove("cccc")
     assert writes[-1][1] is None  # the slot was zeroed
+
+
+def test_incremental_block_hashes_equal_the_full_chain():
+    """register_computed hashes only newly completed blocks; the chain must be what hashing every
+    block from the start gives, and a second request with the same tokens must hit every block."""
+    bs = 4
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=6), BlockAllocator(64, bs))
+    r = req(1, 9, "a", max_tokens=20)
+    r.cache_key = "a#1"
+    s.add(r)
+    for _ in range(12):  # chunked prefill (6 + 3), then decode steps across block boundaries
+        run_step(s)
+    ids, parent, chain = r.all_ids, None, []
+    for i in range(r.num_computed // bs):
+        parent = block_hash("a#1", parent, tuple(ids[i * bs:(i + 1) * bs]))
+        chain.append(parent)
+    assert r.block_hashes == chain and r.num_cached_blocks == len(chain) >= 4
+    twin = Request("twin", list(ids), SamplingParams(max_tokens=1), "a", cache_key="a#1")
+    s._match_prefix(twin)
+    assert twin.block_ids == r.block_ids[:len(twin.block_ids)] and len(twin.block_ids) == (len(ids) - 1) // bs

@@ -75,6 +75,7 @@ class Request:
     num_computed: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
+    block_hashes: list = field(default_factory=list)  # chain hash of each of those blocks, in order
     finish_reason: str | None = None
     text: str = ""
     num_preemptions: int = 0
@@ -85,6 +86,15 @@ class Request:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def token_slice(self, start: int, n: int) -> list[int]:
+        """all_ids[start:start + n] without building all_ids (a decode step reads one token)."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p:start - p + n]
+        if start + n <= p:
+            return self.prompt_ids[start:start + n]
+        return self.prompt_ids[start:] + self.output_ids[:start + n - p]
 
     @property
     def num_tokens(self) -> int:

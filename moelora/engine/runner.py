@@ -46,8 +46,8 @@ class ModelRunner:
         tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in step.requests]
         offset = 0
         for i, (req, n) in enumerate(zip(step.requests, step.num_new, strict=True)):
-            start, tokens = req.num_computed, req.all_ids
-            ids += tokens[start:start + n]
+            start = req.num_computed
+            ids += req.token_slice(start, n)
             pos += range(start, start + n)
             slot_map += [req.block_ids[p // bs] * bs + p % bs for p in range(start, start + n)]
             slots += [NO_SLOT if req.adapter is None else slot_of[req.adapter]] * n

@@ -71,7 +71,7 @@ class Scheduler:
     def free_blocks(self, req: Request) -> None:
         for block in req.block_ids:
             self.allocator.free(block)
-        req.block_ids, req.num_cached_blocks = [], 0
+        req.block_ids, req.num_cached_blocks, req.block_hashes = [], 0, []
 
     def _match_prefix(self, req: Request) -> None:
         """Reuse cached blocks for the request's leading full blocks (keeping >= 1 token to compute)."""
@@ -84,6 +84,7 @@ class Scheduler:
             if block is None:
                 break
             req.block_ids.append(block)
+            req.block_hashes.append(h)
             parent = h
         req.num_cached_blocks = len(req.block_ids)
         req.num_computed = len(req.block_ids) * self.block_size
@@ -92,14 +93,17 @@ class Scheduler:
         """After a step: publish the request's newly completed full blocks to the prefix cache."""
         if not self.cfg.enable_prefix_caching:
             return
-        ids, bs = req.all_ids, self.block_size
-        parent = None
-        for i in range(req.num_computed // bs):
-            h = block_hash(req.cache_key, parent, tuple(ids[i * bs:(i + 1) * bs]))
-            if i >= req.num_cached_blocks:
-                self.allocator.register(req.block_ids[i], h)
+        bs, full = self.block_size, req.num_computed // self.block_size
+        if full <= req.num_cached_blocks:  # most decode steps: no block completed
+            return
+        # only the new blocks are hashed, chained on the last published one (was: every block, every step)
+        parent = req.block_hashes[-1] if req.block_hashes else None
+        for i in range(req.num_cached_blocks, full):
+            h = block_hash(req.cache_key, parent, tuple(req.token_slice(i * bs, bs)))
+            self.allocator.register(req.block_ids[i], h)
+            req.block_hashes.append(h)
             parent = h
-        req.num_cached_blocks = req.num_computed // bs
+        req.num_cached_blocks = full
 
     # scheduling ---------------------------------------------------------------------------------
     def _preempt_newest(self, step: ScheduledStep) -> Request | None:
@@ -120,13 +124,15 @@ class Scheduler:
     def _schedule_running(self, step: ScheduledStep, budget: int) -> int:
         order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed > 1, r.arrival))
         for req in order:
-            if req not in self.running or budget <= 0:
-                continue
+            if budget <= 0:
+                break
+            if req.status != Status.RUNNING:  # preempted earlier in this loop (status checks, not list scans:
+                continue  # O(1) per request instead of O(running) at 256 requests)
             n = min(req.num_tokens - req.num_computed, budget)
             while not self._ensure_blocks(req, req.num_computed + n):
                 if self._preempt_newest(step) is req:
                     break
-            if req in self.running:
+            if req.status == Status.RUNNING:
                 step.requests.append(req)
                 step.num_new.append(n)
                 budget -= n
