@@ -159,10 +159,8 @@ def test_engine_decode_absorbed_equals_expanded(monkeypatch):
     monkeypatch.setattr(MLAttention, "_decode_absorbed", counting)
 
     def generate(absorb: bool):
-        for m in model.modules():
-            if isinstance(m, MLAttention):
-                m.absorb_decode = absorb
-        eng = engine(model, adapters, block_size=4)
+        eng = engine(model, adapters, block_size=4, mla_absorbed_decode=absorb)  # the engine's off switch
+        assert all(m.absorb_decode == absorb for m in model.modules() if isinstance(m, MLAttention))
         logits, run_step = [], eng.runner.run
         eng.runner.run = lambda inputs, all_logits=False: logits.append(run_step(inputs, all_logits)) or logits[-1]
         reqs = [eng.add_request(p, params, a) for p, a in zip(ps, names, strict=True)]

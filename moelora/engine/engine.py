@@ -22,6 +22,7 @@ from moelora.engine.sampler import sample, token_logprobs
 from moelora.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from moelora.engine.tokenizer import Tokenizer
 from moelora.errors import RequestError
+from moelora.layers.mla import MLAttention
 from moelora.layers.moe import SparseMoE
 from moelora.lora.pool import AdapterPool
 
@@ -41,10 +42,14 @@ class LLMEngine:
         for module in model.modules():  # the engine owns the model: its config picks the fast paths
             if isinstance(module, SparseMoE):
                 module.overlap_shared = cfg.overlap_shared_experts
+            if isinstance(module, MLAttention):
+                module.absorb_decode = cfg.mla_absorbed_decode
             if hasattr(module, "backend"):
                 module.backend = cfg.kernel_backend
         self.graphs = None
-        if cfg.use_cuda_graphs and getattr(model, "supports_cuda_graphs", False):
+        # MLA's expanded decode loops over sequences on the host: graphs need the absorbed form
+        graph_safe = cfg.mla_absorbed_decode or not any(isinstance(m, MLAttention) for m in model.modules())
+        if cfg.use_cuda_graphs and graph_safe and getattr(model, "supports_cuda_graphs", False):
             dummy = self.cache.allocator.allocate()  # padding rows of a graph bucket write here, forever
             self.graphs = CudaGraphRunner(model, self.cache, cfg.max_num_seqs, cfg.max_model_len, cfg.max_loras, dummy)
             self.graphs.capture()

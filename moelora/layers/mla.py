@@ -73,7 +73,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), **kw)
         self.o_proj = Linear(num_heads * v_head_dim, hidden, bias=bias, **kw)
         self.backend = kw.get("backend", "torch")  # the engine sets it on every module that has it
-        self.absorb_decode = True  # off switch: decode through the expanded torch path (eager only)
+        self.absorb_decode = True  # EngineConfig.mla_absorbed_decode; off: the expanded torch path (eager only)
 
     def _query(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         if not self.q_lora:
