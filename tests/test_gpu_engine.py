@@ -35,14 +35,21 @@ DSV3_SIZES = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=8,
                   intermediate_size=384, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3,
                   n_shared_experts=2, first_k_dense_replace=1, vocab_size=512, max_position_embeddings=1024,
                   num_hidden_layers=3)
-FAMILIES = ("qwen2_moe", "deepseek_v3")
+# GLM-4-MoE: partial rotary (half of head_dim 32) with per-head q/k norm, sigmoid grouped router,
+# a shared expert, 1 dense layer.
+GLM_SIZES = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=32, moe_intermediate_size=128,
+                 intermediate_size=384, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3,
+                 n_shared_experts=1, first_k_dense_replace=1, vocab_size=512, max_position_embeddings=1024,
+                 num_hidden_layers=3)
+FAMILY_SIZES = {"deepseek_v3": DSV3_SIZES, "glm4_moe": GLM_SIZES}
+FAMILIES = ("qwen2_moe", "deepseek_v3", "glm4_moe")
 
 
 def tiny_model(family: str, dtype: torch.dtype = torch.bfloat16, max_loras: int = 4, max_rank: int = 16):
     if family == "qwen2_moe":
         return build(tiny_hf_model("qwen2_moe", seed=3, **SIZES), max_loras=max_loras, max_rank=max_rank).to(
             "cuda", dtype)
-    hf = tiny_hf_model(family, seed=3, **DSV3_SIZES)
+    hf = tiny_hf_model(family, seed=3, **FAMILY_SIZES[family])
     raw = dict(hf.config.to_dict(), architectures=[type(hf).__name__])
     cfg = ModelConfig.from_dict(raw)
     model = model_class(cfg)(cfg, max_loras=max_loras, max_rank=max_rank, dtype=dtype)  # router and norms stay fp32
@@ -52,7 +59,7 @@ def tiny_model(family: str, dtype: torch.dtype = torch.bfloat16, max_loras: int 
 
 def tiny_adapters(model, family: str, frac: float | None = None) -> dict:
     if frac is None:
-        frac = 0.8 if family == "qwen2_moe" else 1.0  # DeepSeek: every site, all MLA projections
+        frac = 0.8 if family == "qwen2_moe" else 1.0  # DeepSeek / GLM: every site, all attention projections
     return {f"a{i}": random_adapter(model, 40 + i, r, frac=frac) for i, r in enumerate((16, 8, 4, 12))}
 
 

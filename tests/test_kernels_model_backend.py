@@ -60,3 +60,34 @@ def test_triton_backend_logits_equal_torch_backend(family, fused, monkeypatch):
     for a, b in zip(got, want, strict=True):
         assert a.shape == b.shape
         assert (a - b).abs().max() <= 1e-4 * max(1.0, b.abs().max().item())
+
+
+# glm4_moe: partial rotary with per-head q/k norm, sigmoid group-limited router (torch), shared experts,
+# a dense first layer; deepseek_v3: MLA (its inner norms on the rms_norm kernel), shared experts.
+@kernel_test
+@pytest.mark.parametrize("family,fused", [("glm4_moe", {"qk_norm_rope", "silu_mul"}),
+                                          ("deepseek_v3", {"rms_norm", "silu_mul"})])
+def test_triton_backend_logits_equal_torch_backend_glm_deepseek(family, fused, monkeypatch):
+    from oracle import randomize_
+
+    from moelora.config import ModelConfig
+    from moelora.models.registry import model_class
+
+    hf = tiny_hf_model(family, seed=31)
+    randomize_(hf, seed=31)  # random correction bias and wide routers: selection has a margin
+    cfg = ModelConfig.from_dict(dict(hf.config.to_dict(), architectures=[type(hf).__name__]))
+    model = model_class(cfg)(cfg, max_loras=2, max_rank=4)
+    model.load_state_dict(hf.state_dict(), strict=True)
+    model = model.eval().to(DEV)
+    adapters = {"a": random_adapter(model, seed=32, rank=4, frac=0.7)}
+    g = torch.Generator().manual_seed(33)
+    seqs = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (5, 1, 8)]
+    names = ["a", None, "a"]
+    want = engine(model, adapters, max_loras=2, device=DEV, kernel_backend="torch").prompt_logits(seqs, names)
+    calls = count_launches(monkeypatch)
+    got = engine(model, adapters, max_loras=2, device=DEV, kernel_backend="triton").prompt_logits(seqs, names)
+    assert calls["add_rms_norm"] == 2 * hf.config.num_hidden_layers
+    assert calls["softmax_topk"] == 0 and all(calls[name] >= 1 for name in fused), calls
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape
+        assert (a - b).abs().max() <= 1e-4 * max(1.0, b.abs().max().item())
