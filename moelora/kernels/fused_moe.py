@@ -134,6 +134,34 @@ def _route_delta(src, delta, plan, topk_ids, lora, which):
         BM=plan.block_m, RC=_LORA_RC, BK=step, BN=step, num_warps=4)
 
 
+def _lora_buffers(lora, config: FusedMoEConfig, block_r: int, x: torch.Tensor, P: int, n_routes: int, inter: int):
+    """(mode, xa, delta_gu, delta_d): the LoRA path this call takes and its scratch buffers (x as a
+    dummy where a path has none). "inline" computes BLOCK_R = pow2(pool rank) columns whatever the
+    slot's rank; only a rank-16 pool keeps that rank-proportional, so wider pools go "separate"."""
+    mode = config.lora_shrink if lora is not None else None
+    if mode == "inline" and block_r > _LORA_RC:
+        mode = "separate"
+    xa = delta_gu = delta_d = x
+    if mode == "separate":
+        xa = torch.empty(config.lora_split_k, P, block_r, dtype=torch.float32, device=x.device)
+    elif mode == "route":
+        d_dtype = x.dtype if block_r <= _LORA_RC else torch.float32  # one rank chunk, or several summed
+        delta_gu = torch.empty(n_routes, 2 * inter, dtype=d_dtype, device=x.device)
+        delta_d = torch.empty(n_routes, x.shape[1], dtype=d_dtype, device=x.device)
+    return mode, xa, delta_gu, delta_d
+
+
+def _tma_operands(w_gate_up: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, config: FusedMoEConfig):
+    """Hopper tensor descriptors of the weight tiles and of the down GEMM's activation tiles."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    E, two_i, H = w_gate_up.shape
+    gu, dn = config.gate_up, config.down
+    return (TensorDescriptor.from_tensor(w_gate_up.view(E * two_i, H), [gu.block_n, gu.block_k]),
+            TensorDescriptor.from_tensor(w_down.view(E * H, two_i // 2), [dn.block_n, dn.block_k]),
+            TensorDescriptor.from_tensor(h, [config.block_m, dn.block_k]))
+
+
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, lora: ExpertLoRAArgs | None = None, out: torch.Tensor | None = None,
               config: FusedMoEConfig | None = None, plan: MoERoutingPlan | None = None) -> torch.Tensor:
@@ -160,31 +188,14 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     P, BM, gu, dn = plan.sorted_route_ids.shape[0], config.block_m, config.gate_up, config.down
     h = torch.empty(P, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
-    # inline computes BLOCK_R = pow2(pool rank) columns whatever the slot's rank; only a rank-16 pool
-    # keeps that rank-proportional, so wider pools always take the rank-chunked separate path.
-    mode = config.lora_shrink if lora is not None else None
-    if mode == "inline" and block_r > _LORA_RC:
-        mode = "separate"
-    xa = delta_gu = delta_d = x  # dummies where a path does not use them
-    if mode == "separate":
-        xa = torch.empty(config.lora_split_k, P, block_r, dtype=torch.float32, device=x.device)
-    elif mode == "route":
-        d_dtype = x.dtype if block_r <= _LORA_RC else torch.float32  # one rank chunk, or several summed
-        delta_gu = torch.empty(T * K, 2 * inter, dtype=d_dtype, device=x.device)
-        delta_d = torch.empty(T * K, H, dtype=d_dtype, device=x.device)
+    mode, xa, delta_gu, delta_d = _lora_buffers(lora, config, block_r, x, P, T * K, inter)
     common = dict(sorted_ids_ptr=plan.sorted_route_ids, eob_ptr=plan.expert_of_block,
                   num_padded_ptr=plan.num_padded, n_routes=T * K, top_k=K, H=H, inter=inter,
                   num_blocks=plan.max_blocks, BM=BM, GROUP_M=config.group_m, HAS_LORA=mode in ("inline", "separate"),
                   LORA_DELTA=mode == "route", xa_ptr=xa,
                   INLINE_SHRINK=mode == "inline", XA_SPLIT=config.lora_split_k,
                   BLOCK_R=block_r, LORA_BK=config.lora_block_k, LORA_RC=_LORA_RC, USE_TMA=config.use_tma)
-    w_gu, w_dn, h_in = w_gate_up, w_down, h
-    if config.use_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        w_gu = TensorDescriptor.from_tensor(w_gate_up.view(E * 2 * inter, H), [gu.block_n, gu.block_k])
-        w_dn = TensorDescriptor.from_tensor(w_down.view(E * H, inter), [dn.block_n, dn.block_k])
-        h_in = TensorDescriptor.from_tensor(h, [BM, dn.block_k])
+    w_gu, w_dn, h_in = _tma_operands(w_gate_up, w_down, h, config) if config.use_tma else (w_gate_up, w_down, h)
     if mode == "separate":
         _shrink(x, xa, plan, lora, "gate_up", True, H, block_r, config)
     elif mode == "route":
