@@ -35,6 +35,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # off switch for CUDA-graph decode
     overlap_shared_experts: bool = True  # off switch for the shared expert's second stream
+    merge_qkv: bool = True  # off switch for the merged q/k/v projection (one GEMM, one LoRA pair)
     # Write adapter slots on a side stream (CUDA) while other requests run; requests of a loading
     # adapter wait for its write. Off by default until the GPU equivalence and sanitizer tests of
     # tests/test_gpu_engine.py have run on a GPU (written, not yet run there).
