@@ -1,7 +1,9 @@
 """Benchmark: dense multi-LoRA linear (`lora_linear`) at the attention projections of Qwen3-30B-A3B.
 
 Shape legend: T tokens, N_in / N_out features, S = 8 adapter slots, R pool max rank, r adapter rank.
-Shapes: q 2048->4096, k 2048->512, v 2048->512, o 4096->2048 (bf16, no bias). Variants: no LoRA,
+Shapes: q 2048->4096, k 2048->512, v 2048->512, o 4096->2048, and qkv 2048->4096+512+512: q/k/v merged
+(`MergedLinear`: one GEMM, one LoRA shrink + expand with 3 output segments, each at rank r), timed
+next to q, k and v separately (bf16, no bias). Variants: no LoRA,
 1 adapter r16, 8 adapters r16, 8 adapters r64, 8 adapters r8 in a max-rank-64 pool; adapters are
 interleaved over the rows (row t on slot t % n, as in decode), each LoRA variant in every `--modes`.
 
@@ -10,9 +12,10 @@ weights and LoRA pool (so weights come from HBM, not L2), replayed under triton'
 L2 flushed before every replay); the per-call time is the replay over the number of calls. "single"
 is one call per graph replay (includes the graph launch). Prints the per-call time, achieved GB/s
 against the copy bandwidth measured here (bytes: W, x, y and the A/B rows of the distinct slots up
-to their rank), the ratio to no LoRA, and per T the sum over q/k/v/o x 48 layers (one decode step).
+to their rank), the ratio to no LoRA, and per T the sum over q/k/v/o x 48 layers (one decode step),
+and with qkv measured, the same step with qkv in place of q, k and v.
 
-usage: python benchmarks/lora_linear.py [OUT.csv] [--ts 1,8,64,256,1024] [--shapes q,k,v,o]
+usage: python benchmarks/lora_linear.py [OUT.csv] [--ts 1,8,64,256,1024] [--shapes q,k,v,qkv,o]
        [--variants off,1ad_r16,8ad_r16,8ad_r64,8ad_r8_pool64] [--modes split,fused] [--layers 0 (auto)]
        [--sweep 8ad_r16,...]   (also time these variants over a grid of split-path configs; prints the best)
 Writes the CSV to the path, else $OUT/lora_linear.csv, else ./lora_linear.csv.
@@ -36,7 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moelora.kernels.lora_linear import LoRALinearConfig, default_lora_linear_config, lora_linear  # noqa: E402
 from moelora.kernels.reference import DenseLoRAArgs  # noqa: E402
 
-SHAPES = {"q": (2048, 4096), "k": (2048, 512), "v": (2048, 512), "o": (4096, 2048)}
+SHAPES = {"q": (2048, 4096), "k": (2048, 512), "v": (2048, 512), "qkv": (2048, 5120), "o": (4096, 2048)}
+# merged shapes: output segments, and the shapes they stand for
+SEGMENTS = {"qkv": (4096, 512, 512)}
+MERGES = {"qkv": ("q", "k", "v")}
 TS = (1, 8, 64, 256, 1024)
 SLOTS = 8
 MODEL_LAYERS = 48
@@ -47,31 +53,32 @@ VARIANTS = {"off": (0, 0, 0), "1ad_r16": (1, 16, 16), "8ad_r16": (8, 16, 16), "8
 COLD_BYTES = 256 << 20
 
 
-def make_layers(n_in: int, n_out: int, n_layers: int, pool_ranks, seed=0):
+def make_layers(n_in: int, n_out: int, n_layers: int, pool_ranks, seed=0, n_seg: int = 1):
+    """Per layer: W [N_out, N_in] and, per pool rank R, A [S, n_seg R, N_in] and B [S, N_out, R]."""
     g = torch.Generator(device="cuda").manual_seed(seed)
 
     def rn(*s, scale):
         return (torch.randn(*s, generator=g, device="cuda") * scale).to(torch.bfloat16)
 
     return [dict(w=rn(n_out, n_in, scale=n_in ** -0.5),
-                 pools={r: (rn(SLOTS, r, n_in, scale=n_in ** -0.5), rn(SLOTS, n_out, r, scale=r ** -0.5))
+                 pools={r: (rn(SLOTS, n_seg * r, n_in, scale=n_in ** -0.5), rn(SLOTS, n_out, r, scale=r ** -0.5))
                         for r in pool_ranks})
             for _ in range(n_layers)]
 
 
-def lora_args(layer: dict, T: int, variant: str) -> DenseLoRAArgs | None:
+def lora_args(layer: dict, T: int, variant: str, segments: tuple[int, ...] = ()) -> DenseLoRAArgs | None:
     n_ad, pool_r, rank = VARIANTS[variant]
     if n_ad == 0:
         return None
     a, b = layer["pools"][pool_r]  # a lower rank reads only its first `rank` columns: no zeroing needed
     slots = (torch.arange(T, device="cuda") % n_ad).to(torch.int32)
-    ranks = torch.full((SLOTS,), rank, dtype=torch.int32, device="cuda")
-    return DenseLoRAArgs(a, b, slots, ranks, active=())
+    ranks = torch.full((len(segments), SLOTS) if segments else (SLOTS,), rank, dtype=torch.int32, device="cuda")
+    return DenseLoRAArgs(a, b, slots, ranks, active=(), segments=segments)
 
 
-def call_bytes(T: int, n_in: int, n_out: int, variant: str) -> int:
+def call_bytes(T: int, n_in: int, n_out: int, variant: str, n_seg: int = 1) -> int:
     n_ad, _, rank = VARIANTS[variant]
-    return 2 * (n_out * n_in + T * n_in + T * n_out + min(n_ad, T) * rank * (n_in + n_out))
+    return 2 * (n_out * n_in + T * n_in + T * n_out + min(n_ad, T) * rank * (n_seg * n_in + n_out))
 
 
 def graph_ms(calls) -> float:
@@ -113,6 +120,7 @@ def sweep_configs(T: int) -> list[LoRALinearConfig]:
 
 def bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep=()):
     n_in, n_out = SHAPES[sname]
+    segments = SEGMENTS.get(sname, ())
     x = torch.randn(T, n_in, device="cuda").to(torch.bfloat16)
     out = torch.empty(T, n_out, device="cuda", dtype=torch.bfloat16)
     runs = [(var, default_lora_linear_config(T, mode) if VARIANTS[var][0] else None, False)
@@ -121,11 +129,12 @@ def bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep=()):
     rows, t_off = [], None
     for var, cfg, swept in runs:
         # LoRA args built once, before capture (fixed-address buffers, as the runner's step plan)
-        calls = [partial(lora_linear, x, ly["w"], None, lora_args(ly, T, var), out=out, config=cfg) for ly in layers]
+        calls = [partial(lora_linear, x, ly["w"], None, lora_args(ly, T, var, segments), out=out, config=cfg)
+                 for ly in layers]
         t_chain = graph_ms(calls) / len(calls)
         t_single = float("nan") if swept else graph_ms(calls[:1])
         t_off = t_chain if var == "off" else t_off
-        nbytes = call_bytes(T, n_in, n_out, var)
+        nbytes = call_bytes(T, n_in, n_out, var, max(1, len(segments)))
         bound_ms = nbytes / (bw * 1e9) * 1e3
         rows.append(dict(gpu=gpu, shape=sname, n_in=n_in, n_out=n_out, T=T, variant=var,
                          mode=cfg.mode if cfg else "-", config=cfg_name(cfg), sweep=swept, graph_us=t_chain * 1e3,
@@ -145,17 +154,33 @@ def bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep=()):
     return rows
 
 
+def step_shapes(measured: set[str]) -> dict[str, set[str]]:
+    """The projections one decode step runs, per way of running them: "separate" (the unmerged shapes
+    measured) and, for each merged shape measured, that shape in place of its parts."""
+    merged = set(MERGES)
+    ways = {"separate": measured - merged}
+    for name, parts in MERGES.items():
+        if name in measured:
+            ways[name] = (measured - merged - set(parts)) | {name}
+    return {way: shapes for way, shapes in ways.items() if shapes}
+
+
 def print_step_summary(rows):
-    """Per T and (variant, mode): sum over the projections present x 48 layers, as one decode step."""
+    """Per T and (variant, mode): sum over the projections present x 48 layers, as one decode step (q/k/v
+    separately, and merged when qkv was measured)."""
     print(f"\n# per decode step ({MODEL_LAYERS} layers x the projections benchmarked)")
     rows = [r for r in rows if not r["sweep"]]
+    ways = step_shapes({r["shape"] for r in rows})
     keys = sorted({(r["T"], r["variant"], r["mode"]) for r in rows},
                   key=lambda k: (k[0], list(VARIANTS).index(k[1]), k[2]))
     for T, var, mode in keys:
-        tot = sum(r["graph_us"] for r in rows if (r["T"], r["variant"], r["mode"]) == (T, var, mode))
-        off = sum(r["graph_us"] for r in rows if (r["T"], r["variant"]) == (T, "off"))
-        ratio = tot / off if off else float("nan")
-        print(f"T={T:5d} {var:14s} {mode:6s} {tot * MODEL_LAYERS / 1e3:8.3f} ms/step  vs_off {ratio:.3f}")
+        for way, shapes in ways.items():
+            tot = sum(r["graph_us"] for r in rows
+                      if (r["T"], r["variant"], r["mode"]) == (T, var, mode) and r["shape"] in shapes)
+            off = sum(r["graph_us"] for r in rows if (r["T"], r["variant"]) == (T, "off") and r["shape"] in shapes)
+            ratio = tot / off if off else float("nan")
+            print(f"T={T:5d} {var:14s} {mode:6s} {way:8s} {tot * MODEL_LAYERS / 1e3:8.3f} ms/step  "
+                  f"vs_off {ratio:.3f}")
 
 
 def main(argv=None):
@@ -183,7 +208,7 @@ def main(argv=None):
     for sname in args.shapes.split(","):
         n_in, n_out = SHAPES[sname]
         n_layers = args.layers or min(MODEL_LAYERS, max(4, triton.cdiv(COLD_BYTES, 2 * n_in * n_out)))
-        layers = make_layers(n_in, n_out, n_layers, pool_ranks)
+        layers = make_layers(n_in, n_out, n_layers, pool_ranks, n_seg=max(1, len(SEGMENTS.get(sname, ()))))
         for T in map(int, args.ts.split(",")):
             rows += bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep)
         del layers

@@ -1,6 +1,7 @@
 """A whole tiny model on the Triton backend equals the torch backend (under TRITON_INTERPRET=1 on the
 CPU, or on CUDA): every family's wiring of the fused norm / residual, q/k norm + rotary, softmax
-router and SiLU·up kernels, next to the attention, MoE and LoRA kernels, with a mixed-adapter batch.
+router and SiLU·up kernels, next to the attention, MoE and LoRA kernels, with a mixed-adapter batch; q/k/v as one
+merged projection (one `lora_linear` launch with segments per layer) and, with `merge_qkv=False`, as three.
 Shape legend: T tokens of the step, V vocab.
 """
 
@@ -15,6 +16,7 @@ from kernel_env import DEV, kernel_test  # noqa: E402
 from oracle import tiny_hf_model  # noqa: E402
 from test_forward import build, engine, random_adapter  # noqa: E402
 
+import moelora.kernels.lora_linear as lora_kernels  # noqa: E402
 import moelora.kernels.norm as norm_kernels  # noqa: E402
 import moelora.kernels.rotary as rotary_kernels  # noqa: E402
 import moelora.kernels.silu_mul as silu_kernels  # noqa: E402
@@ -38,6 +40,30 @@ def count_launches(monkeypatch) -> dict[str, int]:
     return calls
 
 
+def record_lora_linear(monkeypatch) -> list[tuple[int, tuple[int, ...]]]:
+    """(N_out, LoRA segments) of every `lora_linear` launch (the layers import it per call)."""
+    calls = []
+    fn = lora_kernels.lora_linear
+
+    def recorded(x, weight, bias, lora, **kw):
+        calls.append((weight.shape[0], lora.segments if lora is not None else ()))
+        return fn(x, weight, bias, lora, **kw)
+
+    monkeypatch.setattr(lora_kernels, "lora_linear", recorded)
+    return calls
+
+
+def prompts(hf, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (6, 1, 9)]
+
+
+def assert_close(got, want):
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape
+        assert (a - b).abs().max() <= 1e-4 * max(1.0, b.abs().max().item())
+
+
 # qwen3_moe: per-head q/k norm and a dense layer; qwen2_moe: gated shared expert, q/k/v bias, a dense
 # layer, no q/k norm; olmoe: q/k norm over all heads.
 @kernel_test
@@ -48,18 +74,19 @@ def test_triton_backend_logits_equal_torch_backend(family, fused, monkeypatch):
     hf = tiny_hf_model(family, seed=21)
     model = build(hf, max_loras=2, max_rank=4).to(DEV)
     adapters = {"a": random_adapter(model, seed=22, rank=4, frac=0.6)}
-    g = torch.Generator().manual_seed(23)
-    seqs = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (6, 1, 9)]
+    seqs = prompts(hf, 23)
     names = ["a", None, "a"]
     want = engine(model, adapters, max_loras=2, device=DEV, kernel_backend="torch").prompt_logits(seqs, names)
     calls = count_launches(monkeypatch)
+    lora_calls = record_lora_linear(monkeypatch)
     got = engine(model, adapters, max_loras=2, device=DEV, kernel_backend="triton").prompt_logits(seqs, names)
     layers = hf.config.num_hidden_layers
     assert calls["add_rms_norm"] == 2 * layers  # one add + norm per layer and step, and the final one
     assert calls["softmax_topk"] >= 1 and all(calls[name] >= 1 for name in fused), calls
-    for a, b in zip(got, want, strict=True):
-        assert a.shape == b.shape
-        assert (a - b).abs().max() <= 1e-4 * max(1.0, b.abs().max().item())
+    c = model.config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    assert [call for call in lora_calls if call[1]] == [(q + 2 * kv, (q, kv, kv))] * layers  # q/k/v: one launch
+    assert_close(got, want)
 
 
 # glm4_moe: partial rotary with per-head q/k norm, sigmoid group-limited router (torch), shared experts,
@@ -91,3 +118,24 @@ def test_triton_backend_logits_equal_torch_backend_glm_deepseek(family, fused, m
     for a, b in zip(got, want, strict=True):
         assert a.shape == b.shape
         assert (a - b).abs().max() <= 1e-4 * max(1.0, b.abs().max().item())
+
+
+@kernel_test
+def test_unmerged_qkv_equals_torch_backend_with_two_more_launches_a_layer(monkeypatch):
+    """The off switch (`merge_qkv=False`): q, k and v each through their own segment (views of the merged
+    weight, bias and LoRA buffers); the same logits as the merged torch path, two more launches a layer."""
+    hf = tiny_hf_model("qwen2_moe", seed=24)  # q/k/v bias
+    model = build(hf, max_loras=2, max_rank=4).to(DEV)
+    adapters = {"a": random_adapter(model, seed=25, rank=4), "b": random_adapter(model, seed=26, rank=3, frac=0.5)}
+    seqs, names = prompts(hf, 27), ["a", None, "b"]
+    want = engine(model, adapters, max_loras=2, device=DEV, kernel_backend="torch").prompt_logits(seqs, names)
+    counts = {}
+    for merge in (True, False):
+        lora_calls = record_lora_linear(monkeypatch)
+        got = engine(model, adapters, max_loras=2, device=DEV, kernel_backend="triton",
+                     merge_qkv=merge).prompt_logits(seqs, names)
+        assert_close(got, want)
+        counts[merge] = (len(lora_calls), sum(bool(segs) for _, segs in lora_calls))
+    layers = hf.config.num_hidden_layers
+    assert counts[True][1] == layers and counts[False][1] == 0
+    assert counts[False][0] == counts[True][0] + 2 * layers

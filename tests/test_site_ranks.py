@@ -105,7 +105,10 @@ def test_ranks_buffers_are_fixed_address_non_persistent_and_move_with_the_model(
     assert ptrs == [lin.lora_ranks.data_ptr(), experts.lora_ranks.data_ptr(), experts.lora_down_ranks.data_ptr()]
     assert not any(k.endswith("ranks") for k in model.state_dict())
     buffers = dict(model.named_buffers())
-    assert "model.layers.0.self_attn.q_proj.lora_ranks" in buffers
+    assert "model.layers.0.self_attn.o_proj.lora_ranks" in buffers
+    # q/k/v are segments of one merged projection: their ranks are rows of its [3, S] buffer
+    assert tuple(buffers["model.layers.0.self_attn.qkv_proj.lora_ranks"].shape) == (3, SLOTS)
+    assert "model.layers.0.self_attn.q_proj.lora_ranks" not in buffers
     assert "model.layers.0.mlp.experts.lora_gate_up_ranks" in buffers
     before = site_ranks(model)
     moved = model.to(torch.float64).to("cpu")  # a dtype move keeps the int32 ranks (values and dtype)

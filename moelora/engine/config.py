@@ -36,6 +36,7 @@ class EngineConfig:
     enforce_eager: bool = False  # off switch for CUDA-graph decode
     overlap_shared_experts: bool = True  # off switch for the shared expert's second stream
     mla_absorbed_decode: bool = True  # off switch for MLA's absorbed decode (off: expanded path, no graphs)
+    merge_qkv: bool = True  # off switch for the merged q/k/v projection (one GEMM, one LoRA pair)
     # Write adapter slots on a side stream (CUDA) while other requests run; requests of a loading
     # adapter wait for its write. Off by default until the GPU equivalence and sanitizer tests of
     # tests/test_gpu_engine.py have run on a GPU (written, not yet run there).

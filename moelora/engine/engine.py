@@ -22,6 +22,7 @@ from moelora.engine.sampler import sample, token_logprobs
 from moelora.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from moelora.engine.tokenizer import Tokenizer
 from moelora.errors import RequestError
+from moelora.layers.attention import Attention
 from moelora.layers.mla import MLAttention
 from moelora.layers.moe import SparseMoE
 from moelora.lora.pool import AdapterPool
@@ -44,6 +45,8 @@ class LLMEngine:
                 module.overlap_shared = cfg.overlap_shared_experts
             if isinstance(module, MLAttention):
                 module.absorb_decode = cfg.mla_absorbed_decode
+            if isinstance(module, Attention):
+                module.merge_qkv = cfg.merge_qkv
             if hasattr(module, "backend"):
                 module.backend = cfg.kernel_backend
         self.graphs = None

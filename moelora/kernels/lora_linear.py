@@ -5,6 +5,9 @@ Shape legend: T tokens, N_in / N_out in / out features, S adapter slots, R max r
   x [T, N_in], weight [N_out, N_in], bias [N_out] | None
   lora: DenseLoRAArgs (a [S, R, N_in], b [S, N_out, R] with scaling folded in,
         token_slots [T] int32 (-1: no adapter), slot_ranks [S] int32)       -> y [T, N_out]
+  with output segments (G linears merged into one, e.g. q/k/v; `DenseLoRAArgs.segments` = sizes N_g):
+        a [S, G*R, N_in] (segment g: rows [gR, gR + R)), b [S, N_out, R] (segment g: rows
+        [off_g, off_g + N_g)), slot_ranks [G, S] int32 (contiguous)           -> y [T, N_out]
 
 The base projection is one cuBLAS GEMM into the output buffer this launcher allocates (or the
 caller's `out=`); the LoRA delta is then added into that buffer by one of two paths:
@@ -24,19 +27,27 @@ caller's `out=`); the LoRA delta is then added into that buffer by one of two pa
   distinct slot and expands into its tile, so the shrink repeats N_out / BN times. One launch
   fewer; kept as an off switch and for comparison.
 
+Segments (G > 1) keep one shrink and one expand launch: shrink program (m, p G + g, lane) is the
+unsegmented one on segment g's A rows [gR, gR + R) and ranks [g], writing xa [P, T, G, BLOCK_R]
+(BLOCK_R = pow2 >= max(16, R)); an expand tile takes, for each segment its columns overlap (one,
+unless a segment boundary is not a multiple of BN), that segment's xa and B rows, rank- and
+column-masked. Segment boundaries are compile-time constants (`SEG_BOUNDS`); a segment of rank 0 for
+a slot moves no x, A or B bytes and skips its dots. G == 1 compiles to the unsegmented kernels.
+
 Row blocks with no adapter exit after one load; rows with slot -1 are neither read nor written
 by the LoRA kernels. Grids depend on shapes only and nothing syncs with the host (graph-safe).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.lora_tiles import lora_b_tile, lora_shrink_rows
+from moelora.kernels.lora_tiles import load_slot_ranks, lora_b_tile, lora_b_tile_cols, lora_shrink_rows, segment_rank
 from moelora.kernels.reference import DenseLoRAArgs
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -92,14 +103,14 @@ def default_lora_linear_config(num_tokens: int, mode: str = "split") -> LoRALine
 
 
 @triton.jit
-def _lane_rows(slots_ptr, ranks_ptr, offs_t, T, n_slots, lane, n_lanes, S_P2: tl.constexpr):
+def _lane_rows(slots_ptr, ranks_ptr, offs_t, T, n_slots, lane, n_lanes, S_P2: tl.constexpr, G: tl.constexpr,
+               G_P2: tl.constexpr):
     """The rows a lane owns: (slot vector with the `lane` largest distinct slots dropped, first slot
-    to handle or -1, mask of the rows this lane handles, all slot ranks [S_P2]). A lane below the
-    last handles one slot; the last handles every slot left. The ranks are loaded with the slots,
-    so a slot's rank costs no extra round trip."""
+    to handle or -1, mask of the rows this lane handles, all slot ranks [S_P2], or [G_P2, S_P2] for
+    G segments). A lane below the last handles one slot; the last handles every slot left. The ranks
+    are loaded with the slots, so a slot's rank costs no extra round trip."""
     slot = tl.load(slots_ptr + offs_t, mask=offs_t < T, other=-1)
-    offs_s = tl.arange(0, S_P2)
-    ranks = tl.load(ranks_ptr + offs_s, mask=offs_s < n_slots, other=0)
+    ranks = load_slot_ranks(ranks_ptr, n_slots, S_P2, G, G_P2)
     s = tl.max(slot, axis=0)
     for _ in range(lane):
         slot = tl.where(slot == s, -1, slot)
@@ -115,28 +126,38 @@ def _rank_of(ranks, s, S_P2: tl.constexpr):
 
 @triton.jit
 def _lora_shrink_kernel(
-    x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, T, N_in, n_slots, k_chunk, n_lanes,
+    x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, T, N_in, n_slots, k_chunk, n_lanes, R_SEG,
     stride_xt, stride_xap, stride_as, stride_ar,
-    BM: tl.constexpr, BLOCK_R: tl.constexpr, BK: tl.constexpr, S_P2: tl.constexpr,
+    BM: tl.constexpr, BLOCK_R: tl.constexpr, BK: tl.constexpr, S_P2: tl.constexpr, G: tl.constexpr,
 ):
-    """xa[p, t, :] = x[t, chunk p] @ A_slot(t)[:rank, chunk p]^T (fp32) for the rows with a slot.
-    Program (m, p, lane) takes the lane-th distinct slot of its rows (the last lane: all the rest)."""
+    """xa[p, t, g] = x[t, chunk p] @ A_g,slot(t)[:rank_g, chunk p]^T (fp32) for the rows with a slot,
+    A_g the merged A's rows [g R_SEG, g R_SEG + R_SEG), into xa columns [g BLOCK_R, (g + 1) BLOCK_R)
+    (G = 1: A and ranks [S] as they are). Program (m, p G + g, lane) takes the lane-th distinct slot
+    of its rows (the last lane: all the rest); a slot of rank 0 at g reads nothing.
+    One program per segment, not one over all G*R rows: its A tile [BK, BLOCK_R] is what G = 1 has
+    (a [128, 256] tile for q/k/v at r64 compiled for sm_90 to 6.6 KB of spills a thread)."""
     offs_t = tl.program_id(0) * BM + tl.arange(0, BM)
+    p = tl.program_id(1) // G
+    g = tl.program_id(1) % G
     lane = tl.program_id(2)
-    slot, s, mine, ranks = _lane_rows(slots_ptr, ranks_ptr, offs_t, T, n_slots, lane, n_lanes, S_P2)
+    slot, s, mine, ranks = _lane_rows(slots_ptr, ranks_ptr + g * n_slots, offs_t, T, n_slots, lane, n_lanes, S_P2,
+                                      1, 1)
     if s < 0:
         return
-    k_start = tl.program_id(1) * k_chunk
+    k_start = p * k_chunk
     k_end = tl.minimum(k_start + k_chunk, N_in)
+    a_g = a_ptr + (g * R_SEG).to(tl.int64) * stride_ar
     xa = tl.zeros((BM, BLOCK_R), tl.float32)
     while s >= 0:  # masked loads move no bytes: each row of x is read once, A once per slot
         sel = slot == s
-        xa += lora_shrink_rows(x_ptr, offs_t, stride_xt, sel, a_ptr + s.to(tl.int64) * stride_as, stride_ar,
-                               _rank_of(ranks, s, S_P2), k_start, k_end, BM, BLOCK_R, BK)
+        rank = _rank_of(ranks, s, S_P2)
+        if rank > 0:
+            xa += lora_shrink_rows(x_ptr, offs_t, stride_xt, sel, a_g + s.to(tl.int64) * stride_as, stride_ar, rank,
+                                   k_start, k_end, BM, BLOCK_R, BK)
         slot = tl.where(sel, -1, slot)
         s = tl.where(lane == n_lanes - 1, tl.max(slot, axis=0), -1)
     offs_r = tl.arange(0, BLOCK_R)
-    xa_ptrs = (xa_ptr + tl.program_id(1).to(tl.int64) * stride_xap + offs_t[:, None].to(tl.int64) * BLOCK_R
+    xa_ptrs = (xa_ptr + p.to(tl.int64) * stride_xap + offs_t[:, None].to(tl.int64) * (G * BLOCK_R) + g * BLOCK_R
                + offs_r[None, :])
     tl.store(xa_ptrs, xa, mask=mine[:, None])
 
@@ -146,14 +167,16 @@ def _lora_expand_add_kernel(
     xa_ptr, y_ptr, b_ptr, slots_ptr, ranks_ptr, T, N_out, n_slots, n_lanes,
     stride_xap, stride_yt, stride_bs, stride_bn,
     BM: tl.constexpr, BN: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, S_P2: tl.constexpr,
+    G: tl.constexpr, G_P2: tl.constexpr, SEG_BOUNDS: tl.constexpr,
 ):
-    """y[t, n tile] += (sum_p xa[p, t]) @ B_slot(t)[n tile, :rank]^T for the rows with a slot.
+    """y[t, n tile] += (sum_p xa[p, t]) @ B_slot(t)[n tile, :rank]^T for the rows with a slot (with G
+    segments: each column's segment's xa columns, B rows and rank; see `_expand_segments`).
     Program (m, n, lane) takes the lane-th distinct slot of its rows (the last lane: all the rest);
     a row has one slot, so lanes write disjoint rows."""
     offs_t = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     lane = tl.program_id(2)
-    slot, s, mine, ranks = _lane_rows(slots_ptr, ranks_ptr, offs_t, T, n_slots, lane, n_lanes, S_P2)
+    slot, s, mine, ranks = _lane_rows(slots_ptr, ranks_ptr, offs_t, T, n_slots, lane, n_lanes, S_P2, G, G_P2)
     if s < 0:
         return
     # Everything whose address is known is loaded before the slot loop: y, and the P partials
@@ -161,28 +184,67 @@ def _lora_expand_add_kernel(
     y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
     mask = mine[:, None] & (offs_n[None, :] < N_out)
     y = tl.load(y_ptrs, mask=mask, other=0.0)
-    offs_r = tl.arange(0, BLOCK_R)
-    xa = tl.zeros((BM, BLOCK_R), tl.float32)
-    for p in tl.static_range(SPLIT):
-        xa += tl.load(xa_ptr + p * stride_xap + offs_t[:, None].to(tl.int64) * BLOCK_R + offs_r[None, :],
-                      mask=mine[:, None], other=0.0)
-    xa = xa.to(y_ptr.dtype.element_ty)  # the twin's precision: xa in the activation dtype
-    acc = tl.zeros((BM, BN), tl.float32)
-    while s >= 0:
-        sel = slot == s
-        bt = lora_b_tile(b_ptr + s.to(tl.int64) * stride_bs, offs_n, N_out, stride_bn, _rank_of(ranks, s, S_P2),
-                         BLOCK_R)
-        acc = tl.dot(tl.where(sel[:, None], xa, 0.0).to(xa.dtype), bt.to(xa.dtype), acc)
-        slot = tl.where(sel, -1, slot)
-        s = tl.where(lane == n_lanes - 1, tl.max(slot, axis=0), -1)
+    if G == 1:
+        offs_r = tl.arange(0, BLOCK_R)
+        xa = tl.zeros((BM, BLOCK_R), tl.float32)
+        for p in tl.static_range(SPLIT):
+            xa += tl.load(xa_ptr + p * stride_xap + offs_t[:, None].to(tl.int64) * BLOCK_R + offs_r[None, :],
+                          mask=mine[:, None], other=0.0)
+        xa = xa.to(y_ptr.dtype.element_ty)  # the twin's precision: xa in the activation dtype
+        acc = tl.zeros((BM, BN), tl.float32)
+        while s >= 0:
+            sel = slot == s
+            bt = lora_b_tile(b_ptr + s.to(tl.int64) * stride_bs, offs_n, N_out, stride_bn, _rank_of(ranks, s, S_P2),
+                             BLOCK_R)
+            acc = tl.dot(tl.where(sel[:, None], xa, 0.0).to(xa.dtype), bt.to(xa.dtype), acc)
+            slot = tl.where(sel, -1, slot)
+            s = tl.where(lane == n_lanes - 1, tl.max(slot, axis=0), -1)
+    else:
+        acc = _expand_segments(xa_ptr, y_ptr, b_ptr, slot, s, ranks, offs_t, offs_n, mine, lane, n_lanes, stride_xap,
+                               stride_bs, stride_bn, BM, BN, BLOCK_R, SPLIT, S_P2, G, G_P2, SEG_BOUNDS)
     tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
+def _expand_segments(xa_ptr, y_ptr, b_ptr, slot0, s0, ranks, offs_t, offs_n, mine, lane, n_lanes, stride_xap,
+                     stride_bs, stride_bn, BM: tl.constexpr, BN: tl.constexpr, BLOCK_R: tl.constexpr,
+                     SPLIT: tl.constexpr, S_P2: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
+                     SEG_BOUNDS: tl.constexpr):
+    """[BM, BN] fp32 delta of an output tile of a merged projection: for each segment g whose columns
+    [SEG_BOUNDS[g], SEG_BOUNDS[g + 1]) the tile overlaps (one when BN divides the boundaries), xa's
+    segment-g columns (the P partials summed) times that segment's B rows, up to the slot's rank
+    there; a segment of rank 0 for the slot is skipped."""
+    n0 = tl.program_id(1) * BN
+    offs_r = tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BM, BN), tl.float32)
+    for g in tl.static_range(G):
+        lo = SEG_BOUNDS[g]
+        hi = SEG_BOUNDS[g + 1]
+        if (n0 < hi) & (n0 + BN > lo):
+            xa = tl.zeros((BM, BLOCK_R), tl.float32)
+            for p in tl.static_range(SPLIT):
+                xa += tl.load(xa_ptr + p * stride_xap + offs_t[:, None].to(tl.int64) * (G * BLOCK_R) + g * BLOCK_R
+                              + offs_r[None, :], mask=mine[:, None], other=0.0)
+            xa = xa.to(y_ptr.dtype.element_ty)
+            slot = slot0
+            s = s0
+            while s >= 0:
+                sel = slot == s
+                rank = segment_rank(ranks, s, g, S_P2, G_P2)
+                if rank > 0:
+                    bt = lora_b_tile_cols(b_ptr + s.to(tl.int64) * stride_bs, offs_n, lo, hi, stride_bn, rank, BLOCK_R)
+                    acc = tl.dot(tl.where(sel[:, None], xa, 0.0).to(xa.dtype), bt.to(xa.dtype), acc)
+                slot = tl.where(sel, -1, slot)
+                s = tl.where(lane == n_lanes - 1, tl.max(slot, axis=0), -1)
+    return acc
+
+
+@triton.jit
 def _lora_delta_add_fused_kernel(
-    x_ptr, y_ptr, a_ptr, b_ptr, slots_ptr, ranks_ptr, T, N_in, N_out,
+    x_ptr, y_ptr, a_ptr, b_ptr, slots_ptr, ranks_ptr, T, N_in, N_out, n_slots, R_SEG,
     stride_xt, stride_yt, stride_as, stride_ar, stride_bs, stride_bn,
-    BM: tl.constexpr, BN: tl.constexpr, RC: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, RC: tl.constexpr, BK: tl.constexpr, G: tl.constexpr,
+    SEG_BOUNDS: tl.constexpr,
 ):
     offs_t = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -194,13 +256,27 @@ def _lora_delta_add_fused_kernel(
     acc = tl.zeros((BM, BN), tl.float32)
     while s >= 0:
         sel = slot == s
-        rank = tl.load(ranks_ptr + s)
         a_s = a_ptr + s.to(tl.int64) * stride_as
         b_s = b_ptr + s.to(tl.int64) * stride_bs
-        for r0 in range(0, rank, RC):  # only the slot's own rank columns, RC at a time
-            xa = lora_shrink_rows(x_ptr, offs_t, stride_xt, sel, a_s + r0 * stride_ar, stride_ar, rank - r0, 0, N_in,
-                                  BM, RC, BK).to(x_ptr.dtype.element_ty)
-            acc = tl.dot(xa, lora_b_tile(b_s + r0, offs_n, N_out, stride_bn, rank - r0, RC).to(xa.dtype), acc)
+        if G == 1:
+            rank = tl.load(ranks_ptr + s)
+            for r0 in range(0, rank, RC):  # only the slot's own rank columns, RC at a time
+                xa = lora_shrink_rows(x_ptr, offs_t, stride_xt, sel, a_s + r0 * stride_ar, stride_ar, rank - r0, 0,
+                                      N_in, BM, RC, BK).to(x_ptr.dtype.element_ty)
+                acc = tl.dot(xa, lora_b_tile(b_s + r0, offs_n, N_out, stride_bn, rank - r0, RC).to(xa.dtype), acc)
+        else:
+            n0 = tl.program_id(1) * BN
+            for g in tl.static_range(G):  # the segments this tile overlaps, each up to its own rank
+                lo = SEG_BOUNDS[g]
+                hi = SEG_BOUNDS[g + 1]
+                if (n0 < hi) & (n0 + BN > lo):
+                    rank = tl.load(ranks_ptr + g * n_slots + s)
+                    a_g = a_s + g * R_SEG * stride_ar
+                    for r0 in range(0, rank, RC):
+                        xa = lora_shrink_rows(x_ptr, offs_t, stride_xt, sel, a_g + r0 * stride_ar, stride_ar,
+                                              rank - r0, 0, N_in, BM, RC, BK).to(x_ptr.dtype.element_ty)
+                        bt = lora_b_tile_cols(b_s + r0, offs_n, lo, hi, stride_bn, rank - r0, RC)
+                        acc = tl.dot(xa, bt.to(xa.dtype), acc)
         slot = tl.where(sel, -1, slot)
         s = tl.max(slot, axis=0)
     y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
@@ -219,18 +295,42 @@ def _check(x, weight, bias, lora):
     n_out = weight.shape[0]
     if bias is not None and (tuple(bias.shape) != (n_out,) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be [N_out={n_out}] {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
-    if lora is None:
-        return T, n_in, n_out
-    S, R = lora.a.shape[0], lora.a.shape[1]
-    for name, t, shape in (("a", lora.a, (S, R, n_in)), ("b", lora.b, (S, n_out, R))):
+    if lora is not None:
+        _check_lora(lora, T, n_in, n_out)
+    return T, n_in, n_out
+
+
+def _check_lora(lora, T, n_in, n_out):
+    segs = lora.segments
+    G = max(1, len(segs))
+    S, GR = lora.a.shape[0], lora.a.shape[1]
+    if segs and (sum(segs) != n_out or min(segs) < 0 or GR % G):
+        raise ValueError(f"lora.segments must be sizes summing to N_out={n_out}, and a's rows a multiple of their "
+                         f"number, got {segs} and a {tuple(lora.a.shape)}")
+    R = GR // G
+    for name, t, shape in (("a", lora.a, (S, GR, n_in)), ("b", lora.b, (S, n_out, R))):
         if tuple(t.shape) != shape or t.stride(-1) != 1 or not t.is_floating_point():
             raise ValueError(f"lora.{name} must be float {shape} with unit last stride, got {tuple(t.shape)}")
     if tuple(lora.token_slots.shape) != (T,) or lora.token_slots.dtype != torch.int32:
         raise ValueError(f"lora.token_slots must be [T={T}] int32, got {tuple(lora.token_slots.shape)} "
                          f"{lora.token_slots.dtype}")
-    if tuple(lora.slot_ranks.shape) != (S,) or lora.slot_ranks.dtype != torch.int32:
-        raise ValueError(f"lora.slot_ranks must be [S={S}] int32, got {tuple(lora.slot_ranks.shape)}")
-    return T, n_in, n_out
+    ranks_shape = (G, S) if segs else (S,)
+    if tuple(lora.slot_ranks.shape) != ranks_shape or lora.slot_ranks.dtype != torch.int32 \
+            or not lora.slot_ranks.is_contiguous():
+        raise ValueError(f"lora.slot_ranks must be contiguous {list(ranks_shape)} int32, got "
+                         f"{tuple(lora.slot_ranks.shape)} {lora.slot_ranks.dtype}")
+
+
+class _Segments:
+    """Launch constants of `lora`'s output segments: G, the pool rank R per segment, the output
+    column bounds (None when unsegmented) and BLOCK_R (xa columns per segment)."""
+
+    def __init__(self, lora: DenseLoRAArgs):
+        self.G = max(1, len(lora.segments))
+        self.r_seg = lora.a.shape[1] // self.G
+        self.bounds = tuple(itertools.accumulate(lora.segments, initial=0)) if self.G > 1 else None
+        self.block_r = max(16, triton.next_power_of_2(self.r_seg))
+        self.g_p2 = triton.next_power_of_2(self.G)
 
 
 def _shrink_split(T: int, n_in: int, block_r: int, cfg: LoRALinearConfig) -> tuple[int, int]:
@@ -247,29 +347,32 @@ def _shrink_split(T: int, n_in: int, block_r: int, cfg: LoRALinearConfig) -> tup
 
 
 def _add_delta_split(x, out, lora, T, n_in, n_out, cfg):
-    S, R = lora.a.shape[0], lora.a.shape[1]
-    block_r = max(16, triton.next_power_of_2(R))
-    n_split, chunk = _shrink_split(T, n_in, block_r, cfg)
-    xa = torch.empty(n_split, T, block_r, dtype=torch.float32, device=x.device)
+    S = lora.a.shape[0]
+    seg = _Segments(lora)
+    n_split, chunk = _shrink_split(T, n_in, seg.block_r, cfg)
+    xa = torch.empty(n_split, T, seg.G * seg.block_r, dtype=torch.float32, device=x.device)
     lanes = min(S, cfg.shrink_block_m, cfg.slot_lanes)
     s_p2 = triton.next_power_of_2(S)
-    _lora_shrink_kernel[(triton.cdiv(T, cfg.shrink_block_m), n_split, lanes)](
-        x, xa, lora.a, lora.token_slots, lora.slot_ranks, T, n_in, S, chunk, lanes, x.stride(0), xa.stride(0),
-        lora.a.stride(0), lora.a.stride(1), BM=cfg.shrink_block_m, BLOCK_R=block_r, BK=cfg.block_k, S_P2=s_p2,
-        num_warps=4, num_stages=cfg.shrink_num_stages)
+    _lora_shrink_kernel[(triton.cdiv(T, cfg.shrink_block_m), n_split * seg.G, lanes)](
+        x, xa, lora.a, lora.token_slots, lora.slot_ranks, T, n_in, S, chunk, lanes, seg.r_seg, x.stride(0),
+        xa.stride(0), lora.a.stride(0), lora.a.stride(1), BM=cfg.shrink_block_m, BLOCK_R=seg.block_r,
+        BK=cfg.block_k, S_P2=s_p2, G=seg.G, num_warps=4, num_stages=cfg.shrink_num_stages)
     lanes = min(S, cfg.block_m, cfg.slot_lanes)
     _lora_expand_add_kernel[(triton.cdiv(T, cfg.block_m), triton.cdiv(n_out, cfg.block_n), lanes)](
         xa, out, lora.b, lora.token_slots, lora.slot_ranks, T, n_out, S, lanes, xa.stride(0), out.stride(0),
-        lora.b.stride(0), lora.b.stride(1), BM=cfg.block_m, BN=cfg.block_n, BLOCK_R=block_r, SPLIT=n_split,
-        S_P2=s_p2, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        lora.b.stride(0), lora.b.stride(1), BM=cfg.block_m, BN=cfg.block_n, BLOCK_R=seg.block_r, SPLIT=n_split,
+        S_P2=s_p2, G=seg.G, G_P2=seg.g_p2, SEG_BOUNDS=seg.bounds, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
 
 
 def _add_delta_fused(x, out, lora, T, n_in, n_out, cfg):
+    seg = _Segments(lora)
     grid = (triton.cdiv(T, cfg.block_m), triton.cdiv(n_out, cfg.block_n))
     _lora_delta_add_fused_kernel[grid](
-        x, out, lora.a, lora.b, lora.token_slots, lora.slot_ranks, T, n_in, n_out, x.stride(0), out.stride(0),
-        lora.a.stride(0), lora.a.stride(1), lora.b.stride(0), lora.b.stride(1), BM=cfg.block_m,
-        BN=cfg.block_n, RC=16, BK=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        x, out, lora.a, lora.b, lora.token_slots, lora.slot_ranks, T, n_in, n_out, lora.a.shape[0], seg.r_seg,
+        x.stride(0), out.stride(0), lora.a.stride(0), lora.a.stride(1), lora.b.stride(0), lora.b.stride(1),
+        BM=cfg.block_m, BN=cfg.block_n, RC=16, BK=cfg.block_k, G=seg.G, SEG_BOUNDS=seg.bounds,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -44,3 +44,34 @@ def lora_a_tile(a_ptr, k0, offs_k, k_dim, stride_ar, rank, BLOCK_R: tl.constexpr
     offs_r = tl.arange(0, BLOCK_R)
     return tl.load(a_ptr + offs_r[None, :] * stride_ar + (k0 + offs_k)[:, None],
                    mask=(offs_r[None, :] < rank) & ((k0 + offs_k) < k_dim)[:, None], other=0.0)
+
+
+@triton.jit
+def lora_b_tile_cols(b_ptr, offs_n, n_lo, n_hi, stride_bn, rank, BLOCK_R: tl.constexpr):
+    """[BLOCK_R, BN] tile of B^T (B is [N, R]) for output rows in [n_lo, n_hi) only: one segment of
+    a merged projection's B, rank- and segment-masked."""
+    offs_r = tl.arange(0, BLOCK_R)
+    cols = (offs_n >= n_lo) & (offs_n < n_hi)
+    return tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None],
+                   mask=(offs_r[:, None] < rank) & cols[None, :], other=0.0)
+
+
+@triton.jit
+def load_slot_ranks(ranks_ptr, n_slots, S_P2: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr):
+    """Every slot's rank: [S_P2] from ranks [S] (G == 1), or [G_P2, S_P2] from ranks [G, S] (contiguous);
+    zero past S and G."""
+    offs_s = tl.arange(0, S_P2)
+    if G == 1:
+        ranks = tl.load(ranks_ptr + offs_s, mask=offs_s < n_slots, other=0)
+    else:
+        offs_g = tl.arange(0, G_P2)
+        ranks = tl.load(ranks_ptr + offs_g[:, None] * n_slots + offs_s[None, :],
+                        mask=(offs_g[:, None] < G) & (offs_s[None, :] < n_slots), other=0)
+    return ranks
+
+
+@triton.jit
+def segment_rank(ranks, s, g, S_P2: tl.constexpr, G_P2: tl.constexpr):
+    """Rank of slot s at segment g, from `load_slot_ranks`' [G_P2, S_P2] tile (no memory access)."""
+    hit = (tl.arange(0, G_P2)[:, None] == g) & (tl.arange(0, S_P2)[None, :] == s)
+    return tl.sum(tl.sum(tl.where(hit, ranks, 0), axis=1), axis=0)

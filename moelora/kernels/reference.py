@@ -30,13 +30,21 @@ class SlotRows:
 
 @dataclass(frozen=True)
 class DenseLoRAArgs:
-    """LoRA on a linear layer: a [S, R, N_in], b [S, N_out, R] (scaling folded into b)."""
+    """LoRA on a linear layer: a [S, R, N_in], b [S, N_out, R] (scaling folded into b).
+
+    With output segments -- `segments` = (N_0, .., N_{G-1}) summing to N_out: G linears over the
+    same input merged into one, e.g. q/k/v -- a is [S, G*R, N_in] (segment g's A in rows
+    [gR, gR + R)), b is [S, N_out, R] (segment g's B in rows [off_g, off_g + N_g), off_g the sum of
+    the sizes before it) and slot_ranks is [G, S] (each segment's own rank per slot). Output
+    column n of segment g gets x @ A_g[:rank]^T @ B_g[n, :rank]^T. Empty `segments`: one segment,
+    slot_ranks [S]."""
 
     a: torch.Tensor
     b: torch.Tensor
     token_slots: torch.Tensor  # [T] int32, -1 = no adapter
-    slot_ranks: torch.Tensor  # [S] int32
+    slot_ranks: torch.Tensor  # [S] int32, or [G, S] with segments
     active: tuple[SlotRows, ...]
+    segments: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -55,14 +63,21 @@ class ExpertLoRAArgs:
 
 def lora_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     lora: DenseLoRAArgs | None) -> torch.Tensor:
-    """y = x @ W^T + bias + (x @ A_s^T @ B_s^T for rows on slot s). x [T, N_in] -> [T, N_out]."""
+    """y = x @ W^T + bias + (x @ A_s^T @ B_s^T for rows on slot s). x [T, N_in] -> [T, N_out].
+    With segments, each segment's columns get its own A_g / B_g (see `DenseLoRAArgs`)."""
     y = F.linear(x, weight, bias)
     if lora is None:
         return y
+    sizes = lora.segments or (y.shape[1],)
+    r_seg = lora.a.shape[1] // len(sizes)
     for sr in lora.active:
-        xa = x.index_select(0, sr.rows) @ lora.a[sr.slot, : sr.rank].to(x.dtype).t()
-        delta = xa @ lora.b[sr.slot, :, : sr.rank].to(x.dtype).t()
-        y = y.index_add(0, sr.rows, delta)
+        xs = x.index_select(0, sr.rows)
+        deltas, off = [], 0
+        for g, n in enumerate(sizes):
+            xa = xs @ lora.a[sr.slot, g * r_seg: g * r_seg + sr.rank].to(x.dtype).t()
+            deltas.append(xa @ lora.b[sr.slot, off:off + n, : sr.rank].to(x.dtype).t())
+            off += n
+        y = y.index_add(0, sr.rows, deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=1))
     return y
 
 

@@ -1,5 +1,10 @@
 """GQA self-attention with its own LoRA on q/k/v/o, optional q/k norm, rotary, and a KV cache.
 
+q/k/v are one `MergedLinear` (`qkv_proj`: weight [N*D + 2*N_kv*D, H], one GEMM and one LoRA shrink +
+expand); `q_proj`, `k_proj`, `v_proj` are its segments, each still a LoRA site and checkpoint name of
+its own (`self_attn.q_proj.weight`, adapter site `...self_attn.q_proj`). `merge_qkv = False` (the
+engine's `EngineConfig.merge_qkv`) is the off switch: three projections, each with its own LoRA.
+
 Shape legend: T tokens in the step (all sequences concatenated), H hidden, N query heads,
 N_kv key/value heads, D head_dim, L cached length of one sequence.
 The paged KV cache belongs to the caller (the engine): `kv = (k [NB, BS, N_kv, D], v ...)`; the
@@ -16,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moelora.layers.linear import Linear
+from moelora.layers.linear import Linear, MergedLinear
 from moelora.layers.norm import RMSNorm
 from moelora.layers.rotary import apply_rotary
 from moelora.lora.batch import LoRABatch
@@ -54,9 +59,10 @@ class Attention(nn.Module):
                  qk_norm: str, eps: float, **kw):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = Linear(hidden, num_heads * head_dim, bias=bias, **kw)
-        self.k_proj = Linear(hidden, num_kv_heads * head_dim, bias=bias, **kw)
-        self.v_proj = Linear(hidden, num_kv_heads * head_dim, bias=bias, **kw)
+        kv = num_kv_heads * head_dim
+        self.qkv_proj = MergedLinear(hidden, (num_heads * head_dim, kv, kv), bias=bias, **kw)
+        self.q_proj, self.k_proj, self.v_proj = self.qkv_proj.segments
+        self.merge_qkv = True
         self.o_proj = Linear(num_heads * head_dim, hidden, **kw)
         self.qk_norm, self.eps = qk_norm, eps
         self.backend = kw.get("backend", "torch")
@@ -69,7 +75,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
                 kv: tuple[torch.Tensor, torch.Tensor], lora: LoRABatch | None = None) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.q_proj(x, lora), self.k_proj(x, lora), self.v_proj(x, lora)
+        if self.merge_qkv:  # q, k, v: column views of one [T, N*D + 2*N_kv*D] output
+            q, k, v = self.qkv_proj(x, lora).split(self.qkv_proj.out_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x, lora), self.k_proj(x, lora), self.v_proj(x, lora)
         if self.qk_norm == "whole":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(T, self.num_heads, self.head_dim)

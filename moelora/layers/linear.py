@@ -1,6 +1,6 @@
-"""Linear layer with its own multi-LoRA delta (contract 1: LoRA is part of the layer).
+"""Linear layers with their own multi-LoRA delta (contract 1: LoRA is part of the layer).
 
-Shape legend: T tokens, N_in / N_out features, S adapter slots, R max rank.
+Shape legend: T tokens, N_in / N_out features, S adapter slots, R max rank, G output segments.
 Slot buffers `lora_a [S, R, N_in]`, `lora_b [S, N_out, R]` and `lora_ranks [S]` int32 have a
 fixed address for the model's lifetime (CUDA graphs capture them); loading an adapter copies into
 a slot, unloading zeroes it. A slot the adapter does not cover at this site stays zero.
@@ -11,9 +11,20 @@ rank in `LoRABatch.slot_ranks`: a site an adapter does not cover (e.g. the route
 then costs no LoRA work. The torch twin loops over `LoRABatch.active` with the host-side global
 rank instead (reading the device ranks would sync); that is exact, as columns beyond a site's own
 rank are zero.
+
+`MergedLinear` is G linears over the same input as one (attention's q/k/v): weight
+[N_out = sum N_g, N_in] (one GEMM), `lora_a [S, G*R, N_in]` (segment g: rows [gR, gR + R)),
+`lora_b [S, N_out, R]` (segment g: its output rows), `lora_ranks [G, S]`; its LoRA delta is one
+shrink and one expand launch (`DenseLoRAArgs.segments`). Each segment is still a site and a
+checkpoint name of its own: a `LinearSegment` (e.g. `self_attn.q_proj`) whose weight, bias and
+LoRA buffers are views into the merged ones, taken on every access (so they follow `.to()`), and
+which saves and loads `q_proj.weight` / `q_proj.bias` in `state_dict()` / `load_state_dict()`; the
+merged module itself has no state-dict keys.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 from torch import nn
@@ -23,22 +34,19 @@ from moelora.lora.adapter import LoRAWeights
 from moelora.lora.batch import LoRABatch
 
 
-class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
-                 max_loras: int = 0, max_rank: int = 0, backend: str = "torch",
-                 dtype: torch.dtype | None = None):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.backend = backend
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
-        self.has_lora = max_loras > 0 and max_rank > 0
-        if self.has_lora:
-            self.register_buffer("lora_a", torch.zeros(max_loras, max_rank, in_features, dtype=dtype),
-                                 persistent=False)
-            self.register_buffer("lora_b", torch.zeros(max_loras, out_features, max_rank, dtype=dtype),
-                                 persistent=False)
-            self.register_buffer("lora_ranks", torch.zeros(max_loras, dtype=torch.int32), persistent=False)
+def _project(backend: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             args: DenseLoRAArgs | None) -> torch.Tensor:
+    if backend == "triton":
+        from moelora.kernels.lora_linear import lora_linear
+
+        return lora_linear(x, weight, bias, args)
+    return lora_linear_ref(x, weight, bias, args)
+
+
+class LinearSite(nn.Module):
+    """A dense LoRA site: y = x W^T + b + its LoRA delta. Subclasses provide `weight` [N_out, N_in],
+    `bias`, `lora_a` [S, R, N_in], `lora_b` [S, N_out, R], `lora_ranks` [S], `has_lora`, `backend`,
+    `in_features` and `out_features`."""
 
     def set_lora_slot(self, slot: int, weights: LoRAWeights | None) -> None:
         """Copy `weights` (a [r, N_in], b [N_out, r]) into `slot` and set its site rank to r, or
@@ -57,12 +65,7 @@ class Linear(nn.Module):
         return DenseLoRAArgs(self.lora_a, self.lora_b, lora.token_slots, self.lora_ranks, lora.active)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        args = self.lora_args(lora)
-        if self.backend == "triton":
-            from moelora.kernels.lora_linear import lora_linear
-
-            return lora_linear(x, self.weight, self.bias, args)
-        return lora_linear_ref(x, self.weight, self.bias, args)
+        return _project(self.backend, x, self.weight, self.bias, self.lora_args(lora))
 
     def forward_one_slot(self, x: torch.Tensor, slot: torch.Tensor | None) -> torch.Tensor:
         """Rows that all belong to one adapter slot, given as a 0-d int device tensor (-1: none), so
@@ -75,3 +78,126 @@ class Linear(nn.Module):
         a = self.lora_a.index_select(0, index)[0].to(x.dtype)  # [R, N_in]
         b = self.lora_b.index_select(0, index)[0].to(x.dtype)  # [N_out, R]
         return y + ((x @ a.t()) @ b.t()) * (slot >= 0).to(x.dtype)
+
+
+class Linear(LinearSite):
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
+                 max_loras: int = 0, max_rank: int = 0, backend: str = "torch",
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.backend = backend
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        self.has_lora = max_loras > 0 and max_rank > 0
+        if self.has_lora:
+            self.register_buffer("lora_a", torch.zeros(max_loras, max_rank, in_features, dtype=dtype),
+                                 persistent=False)
+            self.register_buffer("lora_b", torch.zeros(max_loras, out_features, max_rank, dtype=dtype),
+                                 persistent=False)
+            self.register_buffer("lora_ranks", torch.zeros(max_loras, dtype=torch.int32), persistent=False)
+
+
+class MergedLinear(nn.Module):
+    """G linears over one input, `out_sizes` (N_0, .., N_{G-1}): forward -> y [T, sum N_g], one GEMM
+    and one LoRA shrink + expand. Its segments (`segments`) are the sites and checkpoint names; the
+    owner registers them as its own children under their names (see `Attention`)."""
+
+    def __init__(self, in_features: int, out_sizes: tuple[int, ...], *, bias: bool = False,
+                 max_loras: int = 0, max_rank: int = 0, backend: str = "torch",
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        self.in_features, self.out_sizes = in_features, tuple(out_sizes)
+        self.out_features = sum(self.out_sizes)
+        self.bounds = tuple(itertools.accumulate(self.out_sizes, initial=0))
+        self.backend, self.max_rank = backend, max_rank
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(self.out_features, dtype=dtype)) if bias else None
+        self.has_lora = max_loras > 0 and max_rank > 0
+        G = len(self.out_sizes)
+        if self.has_lora:
+            self.register_buffer("lora_a", torch.zeros(max_loras, G * max_rank, in_features, dtype=dtype),
+                                 persistent=False)
+            self.register_buffer("lora_b", torch.zeros(max_loras, self.out_features, max_rank, dtype=dtype),
+                                 persistent=False)
+            self.register_buffer("lora_ranks", torch.zeros(G, max_loras, dtype=torch.int32), persistent=False)
+        self.segments = tuple(LinearSegment(self, g) for g in range(G))
+
+    def lora_args(self, lora: LoRABatch | None) -> DenseLoRAArgs | None:
+        if lora is None or not self.has_lora:
+            return None
+        return DenseLoRAArgs(self.lora_a, self.lora_b, lora.token_slots, self.lora_ranks, lora.active,
+                             self.out_sizes)
+
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        return _project(self.backend, x, self.weight, self.bias, self.lora_args(lora))
+
+    # The segments save and load the weights under their own names.
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        pass
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix))
+
+
+class LinearSegment(LinearSite):
+    """Output segment g of a `MergedLinear` as a site of its own: weight [N_g, N_in], bias [N_g],
+    lora_a [S, R, N_in], lora_b [S, N_g, R] and lora_ranks [S] are views into the merged tensors.
+    `forward` runs this segment alone (three of them: the unmerged q/k/v path)."""
+
+    def __init__(self, merged: MergedLinear, index: int):
+        super().__init__()
+        object.__setattr__(self, "merged", merged)  # a plain reference: the owner registers both modules
+        self.index = index
+        self.in_features, self.out_features = merged.in_features, merged.out_sizes[index]
+        self.has_lora, self.backend = merged.has_lora, merged.backend
+        self._rows = slice(merged.bounds[index], merged.bounds[index + 1])
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.merged.weight[self._rows]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return None if self.merged.bias is None else self.merged.bias[self._rows]
+
+    @property
+    def lora_a(self) -> torch.Tensor:
+        R = self.merged.max_rank
+        return self.merged.lora_a[:, self.index * R:(self.index + 1) * R]
+
+    @property
+    def lora_b(self) -> torch.Tensor:
+        return self.merged.lora_b[:, self._rows]
+
+    @property
+    def lora_ranks(self) -> torch.Tensor:
+        return self.merged.lora_ranks[self.index]
+
+    def _checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight} | ({} if self.bias is None else {"bias": self.bias})
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for name, t in self._checkpoint_tensors().items():
+            destination[prefix + name] = t if keep_vars else t.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        own = self._checkpoint_tensors()
+        for name, dest in own.items():
+            key = prefix + name
+            if key not in state_dict:
+                if strict:
+                    missing_keys.append(key)
+                continue
+            src = state_dict[key]
+            if src.shape != dest.shape:
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape {src.shape} from "
+                                  f"checkpoint, the shape in current model is {dest.shape}.")
+                continue
+            with torch.no_grad():
+                dest.copy_(src)
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in own)

@@ -17,7 +17,7 @@ from torch import nn
 from moelora.config import ModelConfig
 from moelora.errors import AdapterError
 from moelora.layers.attention import Attention, AttnMetadata
-from moelora.layers.linear import Linear
+from moelora.layers.linear import LinearSite
 from moelora.layers.mlp import DenseMLP
 from moelora.layers.moe import Experts, SparseMoE
 from moelora.layers.norm import RMSNorm
@@ -112,14 +112,15 @@ class MoECausalLM(nn.Module):
         return torch.nn.functional.linear(hidden, weight)
 
     def weight_params(self) -> dict[str, torch.Tensor]:
-        """Checkpoint destinations, by transformers-5 name (what `load_checkpoint` fills)."""
-        return {n: p for n, p in self.named_parameters() if not n.startswith("rotary")}
+        """Checkpoint destinations, by transformers-5 name (what `load_checkpoint` fills): the
+        parameters, with a merged projection's as its segments' views (`self_attn.q_proj.weight`)."""
+        return {n: p for n, p in self.state_dict(keep_vars=True).items() if not n.startswith("rotary")}
 
     def lora_sites(self) -> dict[str, tuple[nn.Module, str | None]]:
         """Adapter site key -> (module, expert projection or None), for every LoRA-capable site."""
         sites: dict[str, tuple[nn.Module, str | None]] = {}
         for name, mod in self.named_modules():
-            if isinstance(mod, Linear) and mod.has_lora:
+            if isinstance(mod, LinearSite) and mod.has_lora:
                 sites[name] = (mod, None)
             elif isinstance(mod, Experts) and mod.has_lora:
                 sites[f"{name}.gate_up"] = (mod, "gate_up")
