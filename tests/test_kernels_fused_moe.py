@@ -105,7 +105,7 @@ def test_one_token_and_zero_tokens():
 
 
 # "inline" is only taken for pools of rank <= 16 (wider pools go the rank-chunked separate path)
-SHRINK_POOLS = [("inline", 16), ("separate", 24), ("route", 24), ("route", 16)]
+SHRINK_POOLS = [("inline", 16), ("separate", 24), ("route", 24), ("route", 16), ("route", 64)]
 
 
 @kernel_test

@@ -117,7 +117,7 @@ def _shrink(src, xa, plan, lora, which, gather, k_dim, block_r, cfg):
         LORA_BK=cfg.lora_block_k, LORA_RC=_LORA_RC, num_warps=4, num_stages=2)
 
 
-def _route_delta(src, delta, plan, topk_ids, lora, which):
+def _route_delta(src, delta, plan, topk_ids, lora, which, block_r):
     """delta [T*K, N] of every route with LoRA (gate_up: N = 2I from x; down: N = H from h [P, I])."""
     a, b = getattr(lora, f"{which}_a"), getattr(lora, f"{which}_b")
     by_row = which == "down"
@@ -131,7 +131,8 @@ def _route_delta(src, delta, plan, topk_ids, lora, which):
         src, delta, topk_ids, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots,
         lora.slot_ranks, a, b, plan.num_routes, plan.top_k, k_dim, n_out, per_split, src.stride(0), delta.stride(0),
         a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2), BY_PLAN_ROW=by_row,
-        BM=plan.block_m, RC=_LORA_RC, BK=step, BN=step, num_warps=4)
+        BM=plan.block_m, RC=_LORA_RC, BK=step, BN=step, WIDE_RC=max(_LORA_RC, block_r), WIDE_MIN=2 * _LORA_RC,
+        num_warps=4)
 
 
 def _lora_buffers(lora, config: FusedMoEConfig, block_r: int, x: torch.Tensor, P: int, n_routes: int, inter: int):
@@ -199,7 +200,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     if mode == "separate":
         _shrink(x, xa, plan, lora, "gate_up", True, H, block_r, config)
     elif mode == "route":
-        _route_delta(x, delta_gu, plan, topk_ids, lora, "gate_up")
+        _route_delta(x, delta_gu, plan, topk_ids, lora, "gate_up", block_r)
     gate_up_kernel[(plan.max_blocks * triton.cdiv(inter, gu.block_n),)](
         x, w_gu, h, stride_xt=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
         stride_hp=h.stride(0), BN=gu.block_n, BK=gu.block_k, num_warps=gu.num_warps, delta_ptr=delta_gu,
@@ -207,7 +208,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     if mode == "separate":
         _shrink(h, xa, plan, lora, "down", False, inter, block_r, config)
     elif mode == "route":
-        _route_delta(h, delta_d, plan, topk_ids, lora, "down")
+        _route_delta(h, delta_d, plan, topk_ids, lora, "down", block_r)
     down_kernel[(plan.max_blocks * triton.cdiv(H, dn.block_n),)](
         h_in, h, w_dn, y, topk_weights.contiguous(), stride_hp=h.stride(0), stride_we=w_down.stride(0),
         stride_wn=w_down.stride(1), stride_yr=y.stride(0), BN=dn.block_n, BK=dn.block_k, delta_ptr=delta_d,
