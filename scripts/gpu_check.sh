@@ -16,7 +16,9 @@ rc=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/gpu.txt"
 echo "commit ${COMMIT:-unknown (pass COMMIT=...)}" | tee -a "$OUT/gpu.txt"
 if [ "${TESTS:-1}" = 1 ]; then
-  "$PY" -m pytest -m gpu -q -p no:cacheprovider -rs ${TEST_ARGS:-tests/} 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+  skip=""  # the server tests import fastapi at collection; GPU images often lack it (and they have no gpu tests)
+  "$PY" -c "import fastapi" 2>/dev/null || skip="--ignore-glob=tests/test_server*"
+  "$PY" -m pytest -m gpu -q -p no:cacheprovider -rs $skip ${TEST_ARGS:-tests/} 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
 fi
 if [ "${TUNE:-0}" = 1 ]; then
   "$PY" benchmarks/tune_fused_moe.py 2>&1 | tee "$OUT/tune.log" || rc=1
