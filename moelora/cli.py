@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from moelora.errors import MoeLoRAError
+
+if TYPE_CHECKING:
+    from moelora.engine.config import EngineConfig
 
 
 def _lora_pairs(items: list[str] | None) -> dict[str, str]:
@@ -83,8 +87,20 @@ def cmd_demo(args) -> int:
 # serve ------------------------------------------------------------------------------------------
 
 
-def cmd_serve(args) -> int:
+def serve_engine_config(args) -> EngineConfig:
+    """The engine config of `moelora serve` (its flags follow vLLM's names where vLLM has one)."""
     from moelora.engine.config import EngineConfig
+
+    return EngineConfig(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                        max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+                        enforce_eager=args.enforce_eager, kernel_backend=args.kernel_backend,
+                        async_adapter_loading=args.async_adapter_loading,
+                        overlap_shared_experts=not args.no_overlap_shared_experts,
+                        enable_prefix_caching=not args.no_enable_prefix_caching)
+
+
+def cmd_serve(args) -> int:
     from moelora.server.launch import build_server, parse_lora_modules, run_server
 
     model, adapters = _model_and_adapters(args)  # no MODEL: the demo and its adapters, plus --lora
@@ -93,10 +109,7 @@ def cmd_serve(args) -> int:
         if name in adapters and adapters[name] != path:
             raise SystemExit(f"adapter {name!r} is given twice with different paths")
         adapters[name] = path
-    cfg = EngineConfig(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                       max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-                       max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-                       enforce_eager=args.enforce_eager)
+    cfg = serve_engine_config(args)
     app = build_server(model, adapters, cfg, names, args.max_waiting_requests, progress=True)
     run_server(app, args.host, args.port, args.uvicorn_log_level)
     return 0
@@ -116,6 +129,13 @@ def _serve_parser(sub) -> None:
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     serve.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    serve.add_argument("--kernel-backend", choices=["triton", "torch"], default=None,
+                       help="default: triton on CUDA, torch on the CPU")
+    serve.add_argument("--async-adapter-loading", action="store_true",
+                       help="write adapter slots on a side stream while other requests run (experimental)")
+    serve.add_argument("--no-overlap-shared-experts", action="store_true",
+                       help="run shared experts on the main stream (off switch of the second stream)")
+    serve.add_argument("--no-enable-prefix-caching", action="store_true", help="no prefix caching")
     serve.add_argument("--max-waiting-requests", type=int, default=1024,
                        help="answer 503 (Retry-After) while this many requests wait to be scheduled")
     serve.add_argument("--uvicorn-log-level", default="info")

@@ -44,3 +44,17 @@ def test_verify_catches_a_mismatch_and_a_broken_checkpoint(tmp_path, capsys, mon
 def test_bad_lora_argument():
     with pytest.raises(SystemExit, match="NAME=PATH"):
         main(["verify", "x", "--lora", "nopath"])
+
+
+def test_serve_flags_reach_the_engine_config():
+    from moelora.cli import build_parser, serve_engine_config
+
+    args = build_parser().parse_args(["serve", "--async-adapter-loading", "--kernel-backend", "torch",
+                                      "--no-overlap-shared-experts", "--no-enable-prefix-caching", "--enforce-eager",
+                                      "--max-loras", "3"])
+    cfg = serve_engine_config(args)
+    assert (cfg.async_adapter_loading, cfg.kernel_backend, cfg.overlap_shared_experts, cfg.enable_prefix_caching,
+            cfg.enforce_eager, cfg.max_loras) == (True, "torch", False, False, True, 3)
+    default = serve_engine_config(build_parser().parse_args(["serve"]))
+    assert (default.async_adapter_loading, default.kernel_backend, default.overlap_shared_experts,
+            default.enable_prefix_caching) == (False, None, True, True)
