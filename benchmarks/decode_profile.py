@@ -44,6 +44,29 @@ def timed(fn, sink: list):
     return wrapper
 
 
+CATEGORIES = (  # first match wins: Triton kernel names (exact or prefix), substrings of cuBLAS/ATen names
+    ("moe lora", ("=lora_shrink_kernel", "=lora_route_delta_kernel")),
+    ("dense lora", ("^_lora_",)),
+    ("moe gemm + plan + combine", ("=gate_up_kernel", "=down_kernel", "=combine_kernel", "^_plan_")),
+    ("attention", ("^_decode", "^_prefill", "^_store", "^_mla")),
+    ("fused norm/rotary/router/silu", ("=_rms_norm_kernel", "=_qk_norm_rope_kernel", "=_softmax_topk_kernel",
+                                       "=_silu_mul_kernel")),
+    ("cuBLAS GEMM", ("nvjet", "gemm", "cutlass", "xmma")),
+)
+
+
+def _matches(name: str, key: str) -> bool:
+    if key[0] == "=":
+        return name == key[1:]
+    if key[0] == "^":
+        return name.startswith(key[1:])
+    return key in name
+
+
+def category(name: str) -> str:
+    return next((cat for cat, keys in CATEGORIES if any(_matches(name, k) for k in keys)), "other torch kernels")
+
+
 def median(xs):
     return sorted(xs)[len(xs) // 2] if xs else float("nan")
 
@@ -117,6 +140,12 @@ def profile_point(eng, conc, names, steps, top, log):
     log("  phases (ms): " + ", ".join(f"{k} {median(v) * 1e3:.3f}" for k, v in sinks.items())
         + f", rest {rest * 1e3:.3f}")
     log(f"  eager forward: {n_kernels} kernels, {kernel_us / 1e3:.2f} ms summed kernel time")
+    per_cat = defaultdict(lambda: [0, 0.0])
+    for name, (count, us) in per_name.items():
+        per_cat[category(name)][0] += count
+        per_cat[category(name)][1] += us
+    log("  by kind: " + "; ".join(f"{cat} {us / 1e3:.2f} ms ({count})"
+                                  for cat, (count, us) in sorted(per_cat.items(), key=lambda kv: -kv[1][1])))
     for name, (count, us) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]:
         log(f"    {us / 1e3:7.3f} ms {count:5d}x  {name[:110]}")
 
