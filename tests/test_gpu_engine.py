@@ -125,6 +125,14 @@ def test_two_streams_match_one(model_and_adapters):
     assert forced_logprob_diff(one_engine, two) <= 0.05
 
 
+def test_overlapped_scheduling_matches_synchronous(model_and_adapters):
+    """Step n+1 launched (graphs) before step n is read back, input ids gathered on the device."""
+    model, adapters = model_and_adapters
+    prompts, names = workload(n=24, seed=5)
+    reqs = generate(gpu_engine(model, adapters, async_scheduling=True), prompts, names, 48)
+    assert forced_logprob_diff(gpu_engine(model, adapters), reqs) <= 0.05
+
+
 def test_async_adapter_loading_matches_synchronous(model_and_adapters):
     """2 slots for 4 adapters: slots are rewritten (on the side stream) while other requests decode."""
     model, adapters = model_and_adapters
@@ -183,6 +191,7 @@ prompts, names = workload(n=8)
 generate(gpu_engine(model, adapters, enforce_eager=True, overlap_shared_experts=True), prompts, names, 8)
 # adapter slots written on the side stream while other requests decode (2 slots, 4 adapters: churn)
 generate(gpu_engine(model, adapters, enforce_eager=True, max_loras=2, async_adapter_loading=True), prompts, names, 8)
+generate(gpu_engine(model, adapters, enforce_eager=True, async_scheduling=True), prompts, names, 8)
 print("SANITIZER-RUN-DONE")
 """
 

@@ -41,6 +41,10 @@ class EngineConfig:
     # adapter wait for its write. Off by default until the GPU equivalence and sanitizer tests of
     # tests/test_gpu_engine.py have run on a GPU (written, not yet run there).
     async_adapter_loading: bool = False
+    # Overlapped scheduling: launch step n+1 (its input ids gathered on the device from step n's
+    # samples) before reading step n back, so host work overlaps the device. Off by default until
+    # its GPU tests have run (equivalence on the CPU engine: tests/test_overlap_scheduling.py).
+    async_scheduling: bool = False
 
     @property
     def use_cuda_graphs(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -18,7 +19,7 @@ from moelora.engine.cuda_graphs import CudaGraphRunner
 from moelora.engine.kv_cache import PagedKVCache
 from moelora.engine.request import Request, SamplingParams, Status
 from moelora.engine.runner import ModelRunner
-from moelora.engine.sampler import sample, token_logprobs
+from moelora.engine.sampler import logprobs_on_device, logprobs_to_host, sample, token_logprobs
 from moelora.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from moelora.engine.tokenizer import Tokenizer
 from moelora.errors import RequestError
@@ -26,6 +27,17 @@ from moelora.layers.attention import Attention
 from moelora.layers.mla import MLAttention
 from moelora.layers.moe import SparseMoE
 from moelora.lora.pool import AdapterPool
+
+
+@dataclass
+class _Launched:
+    """A step whose forward and sampling are enqueued on the device but not read back (overlapped
+    scheduling): `tokens[i]` is the token of `reqs[i]`."""
+
+    step: ScheduledStep
+    reqs: list[Request]
+    tokens: torch.Tensor | None
+    logprobs: tuple | None  # `logprobs_on_device` output, or None when no request asked
 
 
 class LLMEngine:
@@ -62,6 +74,7 @@ class LLMEngine:
             eos.add(tokenizer.eos_token_id)
         self.eos = eos
         self._counter = 0
+        self._launched: _Launched | None = None  # overlapped scheduling: the step in flight
 
     def _adapter_pool(self, cfg: EngineConfig, load_adapter) -> AdapterPool:
         """Slot writes through a side stream on CUDA when `async_adapter_loading` (adapters staged once
@@ -111,11 +124,14 @@ class LLMEngine:
             self.scheduler.finish(req, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._launched is not None
 
     # stepping -----------------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one step; returns the requests that got a token or finished in it."""
+        """Run one step; returns the requests that got a token or finished in it (with
+        `async_scheduling`, those of the step launched by the previous call)."""
+        if self.cfg.async_scheduling:
+            return self._step_overlapped()
         if not self.scheduler.has_work():
             return []
         step = self.scheduler.schedule()
@@ -135,6 +151,64 @@ class LLMEngine:
             self._append(req, tok, logprob)
             changed.append(req)
         for req in step.requests:
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+            else:
+                self.scheduler.register_computed(req)
+        return changed
+
+    def _step_overlapped(self) -> list[Request]:
+        """Schedule and launch step n+1 while step n runs on the device, then read step n back.
+        Step n+1 takes the tokens step n sampled straight from the device (runner `pending`), so the
+        host never waits for the device before launching; stop rules see a token one step later, and
+        a row computed for a request that stopped in step n is dropped. Everything runs on one
+        stream, so step n+1's cache writes and slot changes land after step n's reads."""
+        prev, self._launched = self._launched, None
+        if self.scheduler.has_work():
+            pending = (prev.tokens, {r: i for i, r in enumerate(prev.reqs)}) if prev and prev.reqs else None
+            step = self.scheduler.schedule()
+            if step.requests:
+                self._launched = self._launch(step, pending)
+        return self._read_back(prev) if prev is not None else []
+
+    def _launch(self, step: ScheduledStep, pending) -> _Launched:
+        slot_of = self.pool.acquire(r.adapter for r in step.requests)
+        inputs = self.runner.prepare(step, slot_of, self.pool.slot_ranks, pending)
+        decode_only = len(inputs.sample_index) == len(step.requests) == step.num_tokens
+        if self.graphs is not None and decode_only and self.graphs.can_run(len(step.requests)):
+            logits = self.graphs.run(inputs, self.pool.slot_ranks)
+        else:
+            logits = self.runner.run(inputs)
+        reqs = [step.requests[i] for i in inputs.sample_index]
+        tokens = logprobs = None
+        if reqs:
+            tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+            wants = [r.params.logprobs for r in reqs]
+            if any(w is not None for w in wants):  # computed now: a graph's logits buffer is reused
+                logprobs = logprobs_on_device(logits, tokens, wants)
+        for req, n in zip(step.requests, step.num_new, strict=True):
+            req.num_computed += n
+        for req in reqs:
+            req.num_pending += 1
+            known_after = len(req.output_ids) + req.num_pending
+            if known_after >= req.params.max_tokens or len(req.prompt_ids) + known_after >= self.cfg.max_model_len:
+                self.scheduler.hold(req)  # finishes by length when read: schedule it no more
+        return _Launched(step, reqs, tokens, logprobs)
+
+    def _read_back(self, launched: _Launched) -> list[Request]:
+        changed = []
+        if launched.reqs:
+            tokens = launched.tokens.tolist()  # the one host sync of a step
+            logprobs = logprobs_to_host(launched.logprobs) if launched.logprobs else [None] * len(tokens)
+            for req, tok, logprob in zip(launched.reqs, tokens, logprobs, strict=True):
+                if req.finished:  # stopped or aborted after this step was launched: drop the row
+                    continue
+                req.num_pending -= 1
+                self._append(req, tok, logprob)
+                if req.finished:
+                    req.num_pending = 0
+                changed.append(req)
+        for req in launched.step.requests:
             if req.finished:
                 self.requests.pop(req.request_id, None)
             else:
@@ -165,7 +239,7 @@ class LLMEngine:
                 req.text = req.text[:cut]
                 self.scheduler.finish(req, "stop")
                 return
-        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.cfg.max_model_len:
+        if len(req.output_ids) >= p.max_tokens or len(req.prompt_ids) + len(req.output_ids) >= self.cfg.max_model_len:
             self._finish(req, "length")
 
     def _finish(self, req: Request, reason: str) -> None:
@@ -176,6 +250,9 @@ class LLMEngine:
     # verification -------------------------------------------------------------------------------
     def prompt_logits(self, token_ids: list[list[int]], adapters: list[str | None]) -> list[torch.Tensor]:
         """fp32 logits of every position of each sequence, computed as one batch (no caching)."""
+        if self._launched is not None:  # overlapped scheduling: settle the step in flight first
+            launched, self._launched = self._launched, None
+            self._read_back(launched)
         reqs = []
         for i, (ids, name) in enumerate(zip(token_ids, adapters, strict=True)):
             if name is not None and name not in self.pool.names:

@@ -60,6 +60,9 @@ class Status:
     FINISHED = "finished"
 
 
+PENDING = -1  # token id placeholder of a token sampled on the device and not read back yet
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence in the engine. `num_computed` tokens of `all_ids` have their KV in cache."""
@@ -82,23 +85,31 @@ class Request:
     generator: object = None
     cache_key: str | None = None  # the adapter's prefix-cache identity (None: base model)
     logprobs: list = field(default_factory=list)  # per output token, when params.logprobs is set: see sampler
+    # Overlapped scheduling: tokens sampled on the device but not read back yet. They count in
+    # num_tokens (the next step computes them) and read as PENDING in token_slice; output_ids holds
+    # read tokens only.
+    num_pending: int = 0
 
     @property
     def all_ids(self) -> list[int]:
+        """The known token ids (prompt + read outputs); pending tokens are not included."""
         return self.prompt_ids + self.output_ids
 
     def token_slice(self, start: int, n: int) -> list[int]:
-        """all_ids[start:start + n] without building all_ids (a decode step reads one token)."""
-        p = len(self.prompt_ids)
+        """Token ids [start, start + n) without building all_ids (a decode step reads one token);
+        a position whose token is still pending reads PENDING."""
+        p, known = len(self.prompt_ids), len(self.prompt_ids) + len(self.output_ids)
+        pending = [PENDING] * max(0, start + n - max(start, known))
+        n -= len(pending)
         if start >= p:
-            return self.output_ids[start - p:start - p + n]
+            return self.output_ids[start - p:start - p + n] + pending
         if start + n <= p:
-            return self.prompt_ids[start:start + n]
-        return self.prompt_ids[start:] + self.output_ids[:start + n - p]
+            return self.prompt_ids[start:start + n] + pending
+        return self.prompt_ids[start:] + self.output_ids[:start + n - p] + pending
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
 
     @property
     def finished(self) -> bool:

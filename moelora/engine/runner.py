@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from moelora.engine.kv_cache import PagedKVCache
+from moelora.engine.request import PENDING
 from moelora.engine.scheduler import ScheduledStep
 from moelora.layers.attention import AttnMetadata, SeqSlice
 from moelora.lora.batch import NO_SLOT, LoRABatch
@@ -39,7 +40,10 @@ class ModelRunner:
         flat = flat.to(self.device, non_blocking=True)
         return list(flat.split([len(values) for values in lists]))
 
-    def prepare(self, step: ScheduledStep, slot_of: dict[str, int], slot_ranks: list[int]) -> StepInputs:
+    def prepare(self, step: ScheduledStep, slot_of: dict[str, int], slot_ranks: list[int],
+                pending: tuple[torch.Tensor, dict] | None = None) -> StepInputs:
+        """`pending` (overlapped scheduling): (the previous step's sampled tokens on the device, request
+        -> its row there); a position whose token is still PENDING takes its id from that tensor."""
         bs = self.cache.block_size
         ids, pos, slots, slot_map, seqs, sample_rows, sample_index = [], [], [], [], [], [], []
         max_blocks = max(len(r.block_ids) for r in step.requests)
@@ -60,8 +64,16 @@ class ModelRunner:
         for s in seqs:
             starts.append(starts[-1] + s.q_len)
         flat_tables = [b for row in tables for b in row]
-        ids_t, pos_t, slot_map_t, seq_lens_t, starts_t, rows_t, tables_t = self._upload(
-            ids, pos, slot_map, [s.seq_len for s in seqs], starts, sample_rows, flat_tables)
+        src = []
+        if pending is not None and PENDING in ids:
+            row_of, offset = pending[1], 0
+            for req, n in zip(step.requests, step.num_new, strict=True):
+                src += [row_of[req] if t == PENDING else -1 for t in ids[offset:offset + n]]
+                offset += n
+        ids_t, pos_t, slot_map_t, seq_lens_t, starts_t, rows_t, tables_t, src_t = self._upload(
+            ids, pos, slot_map, [s.seq_len for s in seqs], starts, sample_rows, flat_tables, src)
+        if src:  # device-side: the tokens the previous step sampled, never read back to the host here
+            ids_t = torch.where(src_t >= 0, pending[0].index_select(0, src_t.clamp(min=0)), ids_t)
         meta = AttnMetadata(
             slot_mapping=slot_map_t, block_tables=tables_t.view(len(tables), max_blocks).to(torch.int32),
             seq_lens=seq_lens_t.to(torch.int32), query_start=starts_t.to(torch.int32), seqs=tuple(seqs),

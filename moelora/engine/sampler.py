@@ -53,16 +53,29 @@ def _temperatures(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, wants: Sequence[int | None]) -> list:
     """Per row: None where `wants[i]` is None, else (logprob of `tokens[i]`, ((id, logprob), ...) of the
     `wants[i]` most likely tokens), from the model's own distribution (before temperature, top-k, top-p)."""
+    return logprobs_to_host(logprobs_on_device(logits, tokens, wants))
+
+
+def logprobs_on_device(logits: torch.Tensor, tokens: torch.Tensor, wants: Sequence[int | None]):
+    """The device half of `token_logprobs` (no sync): what `logprobs_to_host` reads back later, so
+    the logits buffer may be overwritten in between (a CUDA graph's static output)."""
     rows = [i for i, k in enumerate(wants) if k is not None]
+    if not rows:
+        return (list(wants), rows, None, None, None)
+    index = torch.tensor(rows, device=logits.device)
+    lp = logits.index_select(0, index).float().log_softmax(-1)
+    chosen = lp.gather(1, tokens.index_select(0, index)[:, None])[:, 0]
+    k = max(wants[i] for i in rows)
+    top_lp, top_id = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    return (list(wants), rows, chosen, top_lp, top_id)
+
+
+def logprobs_to_host(pending) -> list:
+    wants, rows, chosen, top_lp, top_id = pending
     out: list = [None] * len(wants)
     if not rows:
         return out
-    index = torch.tensor(rows, device=logits.device)
-    lp = logits.index_select(0, index).float().log_softmax(-1)
-    chosen = lp.gather(1, tokens.index_select(0, index)[:, None])[:, 0].tolist()
-    k = max(wants[i] for i in rows)
-    top_lp, top_id = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    top_lp, top_id = top_lp.tolist(), top_id.tolist()
+    chosen, top_lp, top_id = chosen.tolist(), top_lp.tolist(), top_id.tolist()
     for j, i in enumerate(rows):
         out[i] = (chosen[j], tuple(zip(top_id[j][:wants[i]], top_lp[j][:wants[i]], strict=True)))
     return out

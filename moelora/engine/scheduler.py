@@ -49,6 +49,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.served: dict[str | None, int] = defaultdict(int)
+        self.held: list[Request] = []  # certain to finish when their pending token is read: not scheduled
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -93,7 +94,8 @@ class Scheduler:
         """After a step: publish the request's newly completed full blocks to the prefix cache."""
         if not self.cfg.enable_prefix_caching:
             return
-        bs, full = self.block_size, req.num_computed // self.block_size
+        known = len(req.prompt_ids) + len(req.output_ids)  # pending (unread) tokens cannot be hashed yet
+        bs, full = self.block_size, min(req.num_computed, known) // self.block_size
         if full <= req.num_cached_blocks:  # most decode steps: no block completed
             return
         # only the new blocks are hashed, chained on the last published one (was: every block, every step)
@@ -181,15 +183,24 @@ class Scheduler:
             self._admit(step, budget)
         for req, n in zip(step.requests, step.num_new, strict=True):
             self.served[req.adapter] += n
-        if not step.requests and self.waiting and not self.running:
+        if not step.requests and self.waiting and not self.running and not self.held:
             req = self.waiting[0]
             raise CapacityError(f"request {req.request_id} needs {req.num_tokens} tokens of KV cache, more "
                                 f"than the whole cache holds ({self.allocator.num_blocks} blocks of "
                                 f"{self.block_size})")
         return step
 
+    def hold(self, req: Request) -> None:
+        """Overlapped scheduling: `req` finishes by length once its pending token is read; keep its
+        blocks but schedule it no more (`finish` releases it)."""
+        if req in self.running:
+            self.running.remove(req)
+            self.held.append(req)
+
     def finish(self, req: Request, reason: str) -> None:
         req.status, req.finish_reason = Status.FINISHED, reason
+        if req in self.held:
+            self.held.remove(req)
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
