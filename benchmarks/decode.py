@@ -17,7 +17,7 @@ and norms are left out (< 1%).
 2 shared experts, first layer dense) or all (both, one after the other).
 
 usage: python benchmarks/decode.py OUT.csv [--model qwen3_30b|dsv2_lite|all] [--layers N]
-       [--conc 1,8,32,64,128,256] [--steps 20]
+       [--conc 1,8,32,64,128,256] [--steps 20] [--async-scheduling]
 """
 
 from __future__ import annotations
@@ -151,23 +151,25 @@ def measure(eng: LLMEngine, conc: int, names: list, steps: int, prompt_len: int 
     return sorted(times)[len(times) // 2]
 
 
-def engine(model, cfg: ModelConfig, max_loras: int, rank: int, max_seqs: int, adapters: dict) -> LLMEngine:
+def engine(model, cfg: ModelConfig, max_loras: int, rank: int, max_seqs: int, adapters: dict,
+           **engine_kw) -> LLMEngine:
     ecfg = EngineConfig(device="cuda", dtype="bfloat16", kernel_backend="triton", max_loras=max_loras,
                         max_lora_rank=rank, max_num_seqs=max_seqs, max_model_len=512, num_kv_blocks=max_seqs * 40,
-                        block_size=16).resolve(cfg)
+                        block_size=16, **engine_kw).resolve(cfg)
     eng = LLMEngine(model, None, ecfg, lambda name, path: adapters[name])
     for name in adapters:
         eng.pool.add(name, name)
     return eng
 
 
-def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank: int, bw: float) -> list[dict]:
+def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank: int, bw: float,
+              engine_kw: dict) -> list[dict]:
     spec = MODELS[name]
     cfg = ModelConfig(**{**spec, "num_layers": layers or spec["num_layers"]}).resolve()
     print(f"model {name}, layers {cfg.num_layers}")
     model = random_model(cfg, 8, rank)
     adapters = {f"a{i}": random_adapter(model, f"a{i}", rank, i) for i in range(8)}
-    lora_eng = engine(model, cfg, 8, rank, max(concs), adapters)
+    lora_eng = engine(model, cfg, 8, rank, max(concs), adapters, **engine_kw)
     results = {}
     for conc in concs:
         for label, names in (("1 adapter", ["a0"]), ("8 adapters", list(adapters))):
@@ -176,7 +178,7 @@ def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank:
     for m in model.modules():  # the same weights without LoRA slots: the no-LoRA baseline
         if hasattr(m, "has_lora"):
             m.has_lora = False
-    base_eng = engine(model, cfg, 0, 0, max(concs), {})
+    base_eng = engine(model, cfg, 0, 0, max(concs), {}, **engine_kw)
     for conc in concs:
         results[("no LoRA", conc)] = measure(base_eng, conc, [None], steps)
     del base_eng, model
@@ -203,13 +205,15 @@ def main() -> None:
     ap.add_argument("--conc", default="1,8,32,64,128,256")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--async-scheduling", action="store_true", help="EngineConfig.async_scheduling")
     args = ap.parse_args()
     concs = [int(c) for c in args.conc.split(",")]
     bw = copy_bandwidth()
     print(f"GPU {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = []
     for name in (list(MODELS) if args.model == "all" else [args.model]):
-        rows += run_model(name, args.layers, concs, args.steps, args.rank, bw)
+        rows += run_model(name, args.layers, concs, args.steps, args.rank, bw,
+                          dict(async_scheduling=args.async_scheduling))
     with open(args.out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
