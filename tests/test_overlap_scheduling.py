@@ -87,3 +87,17 @@ def test_abort_while_a_step_is_in_flight(setup):  # noqa: F811
         eng.step()
     assert a.finish_reason == "abort" and b.finish_reason == "length" and len(b.output_ids) == 5
     assert eng.cache.allocator.num_used == 0
+
+
+def test_abort_returns_blocks_and_leaves_nothing_unfinished(setup):  # noqa: F811
+    """What test_engine checks of aborts holds with a step in flight: blocks are back at once and
+    nothing is left unfinished (the in-flight rows are dropped by the next step)."""
+    model, adapters = setup
+    eng = engine(model, adapters, async_scheduling=True)
+    r = eng.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=50, ignore_eos=True), "x")
+    eng.step()
+    eng.step()
+    assert eng.cache.allocator.num_used > 0 and r.output_ids
+    eng.abort(r.request_id)
+    assert eng.cache.allocator.num_used == 0 and not eng.has_unfinished()
+    assert eng.step() == [] and eng._launched is None

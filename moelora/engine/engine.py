@@ -124,7 +124,10 @@ class LLMEngine:
             self.scheduler.finish(req, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._launched is not None
+        """Requests wait, run, or have a token in flight (a step in flight whose requests all
+        stopped or were aborted holds nothing anyone waits for: the next step drops it)."""
+        launched = self._launched
+        return self.scheduler.has_work() or (launched is not None and any(not r.finished for r in launched.reqs))
 
     # stepping -----------------------------------------------------------------------------------
     def step(self) -> list[Request]:
