@@ -19,7 +19,7 @@ from moelora.engine.cuda_graphs import CudaGraphRunner
 from moelora.engine.kv_cache import PagedKVCache
 from moelora.engine.request import Request, SamplingParams, Status
 from moelora.engine.runner import ModelRunner
-from moelora.engine.sampler import logprobs_on_device, logprobs_to_host, sample, token_logprobs
+from moelora.engine.sampler import logprobs_on_device, logprobs_to_host, sample
 from moelora.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from moelora.engine.tokenizer import Tokenizer
 from moelora.errors import RequestError
@@ -138,27 +138,7 @@ class LLMEngine:
         if not self.scheduler.has_work():
             return []
         step = self.scheduler.schedule()
-        slot_of = self.pool.acquire(r.adapter for r in step.requests)
-        inputs = self.runner.prepare(step, slot_of, self.pool.slot_ranks)
-        decode_only = len(inputs.sample_index) == len(step.requests) == step.num_tokens
-        if self.graphs is not None and decode_only and self.graphs.can_run(len(step.requests)):
-            logits = self.graphs.run(inputs, self.pool.slot_ranks)
-        else:
-            logits = self.runner.run(inputs)
-        sampled = step.requests and self._sample(step, inputs.sample_index, logits)
-        for req, n in zip(step.requests, step.num_new, strict=True):
-            req.num_computed += n
-        changed = []
-        for i, (tok, logprob) in (sampled or {}).items():
-            req = step.requests[i]
-            self._append(req, tok, logprob)
-            changed.append(req)
-        for req in step.requests:
-            if req.finished:
-                self.requests.pop(req.request_id, None)
-            else:
-                self.scheduler.register_computed(req)
-        return changed
+        return self._read_back(self._launch(step, None)) if step.requests else []
 
     def _step_overlapped(self) -> list[Request]:
         """Schedule and launch step n+1 while step n runs on the device, then read step n back.
@@ -175,6 +155,8 @@ class LLMEngine:
         return self._read_back(prev) if prev is not None else []
 
     def _launch(self, step: ScheduledStep, pending) -> _Launched:
+        """Run the model and sample on the device; no host sync (the synchronous step reads it back
+        at once, the overlapped one a step later)."""
         slot_of = self.pool.acquire(r.adapter for r in step.requests)
         inputs = self.runner.prepare(step, slot_of, self.pool.slot_ranks, pending)
         decode_only = len(inputs.sample_index) == len(step.requests) == step.num_tokens
@@ -217,15 +199,6 @@ class LLMEngine:
             else:
                 self.scheduler.register_computed(req)
         return changed
-
-    def _sample(self, step: ScheduledStep, index: tuple[int, ...], logits: torch.Tensor) -> dict[int, tuple]:
-        """index into step.requests -> (sampled token, its logprobs entry or None)."""
-        if not index:
-            return {}
-        reqs = [step.requests[i] for i in index]
-        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        logprobs = token_logprobs(logits, tokens, [r.params.logprobs for r in reqs])
-        return dict(zip(index, zip(tokens.tolist(), logprobs, strict=True), strict=True))
 
     def _append(self, req: Request, tok: int, logprob=None) -> None:
         p = req.params

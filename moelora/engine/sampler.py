@@ -50,15 +50,11 @@ def _temperatures(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     return torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device)[:, None]
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, wants: Sequence[int | None]) -> list:
-    """Per row: None where `wants[i]` is None, else (logprob of `tokens[i]`, ((id, logprob), ...) of the
-    `wants[i]` most likely tokens), from the model's own distribution (before temperature, top-k, top-p)."""
-    return logprobs_to_host(logprobs_on_device(logits, tokens, wants))
-
-
 def logprobs_on_device(logits: torch.Tensor, tokens: torch.Tensor, wants: Sequence[int | None]):
-    """The device half of `token_logprobs` (no sync): what `logprobs_to_host` reads back later, so
-    the logits buffer may be overwritten in between (a CUDA graph's static output)."""
+    """Per row i with `wants[i]` not None: the logprob of `tokens[i]` and the `wants[i]` most likely
+    tokens, from the model's own distribution (before temperature, top-k, top-p). Computed on the
+    device with no sync; `logprobs_to_host` reads it back later, so the logits buffer may be
+    overwritten in between (a CUDA graph's static output)."""
     rows = [i for i, k in enumerate(wants) if k is not None]
     if not rows:
         return (list(wants), rows, None, None, None)
@@ -71,6 +67,7 @@ def logprobs_on_device(logits: torch.Tensor, tokens: torch.Tensor, wants: Sequen
 
 
 def logprobs_to_host(pending) -> list:
+    """Per row: None where nothing was asked, else (logprob, ((id, logprob), ...))."""
     wants, rows, chosen, top_lp, top_id = pending
     out: list = [None] * len(wants)
     if not rows:

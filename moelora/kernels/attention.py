@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.checks import need_pow2
+
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: keeps exp2(m_old - m_new) NaN-free
 _MAX_HEAD_DIM = 256
@@ -46,10 +48,7 @@ class AttentionConfig:
     num_stages: int = 2
 
     def __post_init__(self):
-        for name in ("block_m", "block_n"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"AttentionConfig.{name} must be a power of two >= 16 (tl.dot), got {v}")
+        need_pow2("AttentionConfig", block_m=self.block_m, block_n=self.block_n)
 
 
 def default_attention_config(head_dim: int, max_query_len: int, dtype: torch.dtype = torch.bfloat16

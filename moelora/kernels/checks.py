@@ -1,4 +1,5 @@
-"""Launcher argument checks shared by the small fused kernels (norm, rotary, softmax_topk, silu_mul).
+"""Launcher argument checks shared by the kernels (the small fused ones use them all; the block-size
+check `need_pow2` serves every launch config).
 
 A launcher validates what it documents and raises ValueError naming the argument, the shape or
 dtype it wanted and the one it got; it then allocates its output or takes the caller's `out=`,
@@ -16,6 +17,12 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def need(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
+
+
+def need_pow2(owner: str, **blocks: int) -> None:
+    """Each block size a power of two >= 16 (the smallest tl.dot operand)."""
+    for name, v in blocks.items():
+        need(v >= 16 and not v & (v - 1), f"{owner}.{name} must be a power of two >= 16 (tl.dot), got {v}")
 
 
 def check_rows(name: str, t: torch.Tensor, shape: tuple[int, ...] | None = None,

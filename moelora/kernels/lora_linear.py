@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.checks import need_pow2
 from moelora.kernels.lora_tiles import load_slot_ranks, lora_b_tile, lora_b_tile_cols, lora_shrink_rows, segment_rank
 from moelora.kernels.reference import DenseLoRAArgs
 
@@ -80,10 +81,8 @@ class LoRALinearConfig:
     def __post_init__(self):
         if self.mode not in _MODES:
             raise ValueError(f"LoRALinearConfig.mode must be one of {_MODES}, got {self.mode!r}")
-        for name in ("block_m", "block_n", "block_k", "shrink_block_m"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"LoRALinearConfig.{name} must be a power of two >= 16, got {v}")
+        need_pow2("LoRALinearConfig", block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
+                  shrink_block_m=self.shrink_block_m)
         if self.slot_lanes < 1:
             raise ValueError(f"LoRALinearConfig.slot_lanes must be >= 1, got {self.slot_lanes}")
         if self.split_k < 0:

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.attention import _NEG, _decode_reduce_kernel, default_num_splits
+from moelora.kernels.checks import need_pow2
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_LATENT = 1024
@@ -48,10 +49,7 @@ class MLAConfig:
     num_stages: int = 2
 
     def __post_init__(self):
-        for name in ("block_h", "block_n"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"MLAConfig.{name} must be a power of two >= 16 (tl.dot), got {v}")
+        need_pow2("MLAConfig", block_h=self.block_h, block_n=self.block_n)
 
 
 def default_mla_config(num_heads: int, latent: int, dtype: torch.dtype = torch.bfloat16, batch: int = 1

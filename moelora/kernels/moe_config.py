@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from moelora.kernels.checks import need_pow2
+
 CONFIG_DIR = Path(__file__).parent / "configs"
 LORA_SHRINK_MODES = ("inline", "separate", "route")
 
@@ -57,10 +59,9 @@ class FusedMoEConfig:
     use_tma: bool = False
 
     def __post_init__(self):
-        pow2 = [self.block_m, self.gate_up.block_n, self.gate_up.block_k, self.down.block_n,
-                self.down.block_k, self.lora_block_k]
-        if any(v < 16 or v & (v - 1) for v in pow2):
-            raise ValueError(f"block sizes must be powers of two >= 16: {self}")
+        need_pow2("FusedMoEConfig", block_m=self.block_m, gate_up_block_n=self.gate_up.block_n,
+                  gate_up_block_k=self.gate_up.block_k, down_block_n=self.down.block_n,
+                  down_block_k=self.down.block_k, lora_block_k=self.lora_block_k)
         if self.lora_split_k < 1:
             raise ValueError(f"lora_split_k must be >= 1, got {self.lora_split_k}")
         if self.lora_shrink not in LORA_SHRINK_MODES:
