@@ -109,7 +109,7 @@ def profile_point(eng, conc, names, steps, top, log):
     step = eng.scheduler.schedule()
     slot_of = eng.pool.acquire(r.adapter for r in step.requests)
     inputs = eng.runner.prepare(step, slot_of, eng.pool.slot_ranks)
-    eng.graphs.run(inputs, eng.pool.slot_ranks)
+    eng.graphs.run(inputs)
     B = next(b for b in eng.graphs.buckets if b >= conc)
     graph = eng.graphs.graphs[B][0]
     replays = []

@@ -37,6 +37,8 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(B, dtype=torch.int32, device=dev)
         self.query_start = torch.arange(B + 1, dtype=torch.int32, device=dev)
         self.token_slots = torch.full((B,), NO_SLOT, dtype=torch.int32, device=dev)
+        # LoRABatch.slot_ranks (adapter-level ranks) is read by no layer inside the graph (every site
+        # reads its own lora_ranks buffer), so this stays zero and is not refreshed per step
         self.slot_ranks = torch.zeros(max(num_slots, 1), dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
@@ -70,7 +72,7 @@ class CudaGraphRunner:
         return num_seqs <= self.buckets[-1]
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs, slot_ranks: list[int]) -> torch.Tensor:
+    def run(self, inputs: StepInputs) -> torch.Tensor:
         """Replay the bucket graph for a decode step (one token per sequence) -> logits [n, V]."""
         n = inputs.input_ids.shape[0]
         B = next(b for b in self.buckets if b >= n)
@@ -84,8 +86,6 @@ class CudaGraphRunner:
             self.token_slots[:n].fill_(NO_SLOT)
         else:
             self.token_slots[:n].copy_(inputs.lora.token_slots, non_blocking=True)
-        ranks = torch.tensor(slot_ranks or [0], dtype=torch.int32)
-        self.slot_ranks.copy_(ranks.to(self.slot_ranks.device, non_blocking=True))
         if n < B:  # padding rows: no adapter, the dummy KV block, context of 1
             self.input_ids[n:B].zero_()
             self.positions[n:B].zero_()

@@ -161,7 +161,7 @@ class LLMEngine:
         inputs = self.runner.prepare(step, slot_of, self.pool.slot_ranks, pending)
         decode_only = len(inputs.sample_index) == len(step.requests) == step.num_tokens
         if self.graphs is not None and decode_only and self.graphs.can_run(len(step.requests)):
-            logits = self.graphs.run(inputs, self.pool.slot_ranks)
+            logits = self.graphs.run(inputs)
         else:
             logits = self.runner.run(inputs)
         reqs = [step.requests[i] for i in inputs.sample_index]
