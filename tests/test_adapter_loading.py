@@ -85,6 +85,40 @@ def test_acquire_orders_the_step_after_a_write_in_flight():
     assert pending in loads.waited
 
 
+def test_a_write_seen_done_is_still_joined_to_the_stream():
+    """`done` is a query the stream sanitizer cannot see: the step must still wait on the write's
+    event (free once it completed), or the next write of that slot races it in the sanitizer's eyes."""
+    loads = LaterLoads(polls=1)
+    pool, _ = pool_with(loads)
+    assert not pool.ensure("aa", set())
+    handle = next(iter(loads.left))
+    assert pool.ensure("aa", set())
+    assert loads.waited == [handle]
+
+
+def test_staged_adapter_keeps_each_sites_slot_dtype():
+    """Staging for the side stream casts each site to its own slot dtype: the DeepSeek router's
+    LoRA slots stay fp32 in a bf16 model (casting everything to bf16 changed routing on the H200)."""
+    from oracle import tiny_hf_model
+    from test_forward import random_adapter
+
+    from moelora.config import ModelConfig
+    from moelora.models.registry import model_class
+
+    hf = tiny_hf_model("deepseek_v3", seed=3, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
+                       first_k_dense_replace=1, num_hidden_layers=2)
+    cfg = ModelConfig.from_dict(dict(hf.config.to_dict(), architectures=[type(hf).__name__]))
+    model = model_class(cfg)(cfg, max_loras=2, max_rank=8, dtype=torch.bfloat16)
+    dtypes = model.lora_site_dtypes()
+    assert torch.float32 in dtypes.values() and torch.bfloat16 in dtypes.values()
+    adapter = random_adapter(model, 7, 8)
+    model.set_lora_slot(0, adapter)
+    model.set_lora_slot(1, adapter.staged(dtypes, pin=False))
+    for name, buf in model.named_buffers():
+        if "lora_" in name:
+            assert torch.equal(buf[0], buf[1]) if buf.shape[0] == 2 else torch.equal(buf[:, 0], buf[:, 1]), name
+
+
 def test_scheduler_admits_others_while_an_adapter_loads():
     ready = {"x": False}
     s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100, max_loras=2), BlockAllocator(64, 4),

@@ -78,14 +78,14 @@ class LLMEngine:
 
     def _adapter_pool(self, cfg: EngineConfig, load_adapter) -> AdapterPool:
         """Slot writes through a side stream on CUDA when `async_adapter_loading` (adapters staged once
-        in the slots' dtype and page-locked, so the copies are asynchronous); synchronous otherwise."""
+        in each site's slot dtype and page-locked, so the copies are asynchronous); synchronous otherwise."""
         if not (cfg.async_adapter_loading and self.device.type == "cuda"):
             return AdapterPool(cfg.max_loras, cfg.max_cpu_loras, load_adapter, self.model.set_lora_slot)
         from moelora.engine.adapter_loads import SideStreamLoads
 
+        dtypes = self.model.lora_site_dtypes()
         return AdapterPool(cfg.max_loras, cfg.max_cpu_loras, load_adapter, self.model.set_lora_slot,
-                           loads=SideStreamLoads(self.device),
-                           stage=lambda adapter: adapter.staged(cfg.torch_dtype, pin=True))
+                           loads=SideStreamLoads(self.device), stage=lambda adapter: adapter.staged(dtypes, pin=True))
 
     # requests -----------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams, adapter: str | None = None,

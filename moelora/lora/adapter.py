@@ -20,6 +20,7 @@ Tensors are float32 on the CPU until a pool copies them to a device slot.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -49,10 +50,14 @@ class LoRAAdapter:
     def max_rank(self) -> int:
         return max((w.rank for w in self.sites.values()), default=0)
 
-    def staged(self, dtype: torch.dtype, pin: bool) -> LoRAAdapter:
-        """A copy in `dtype` (the slots' dtype), in page-locked memory when `pin`, so a host-to-device
-        copy into a slot can run asynchronously on a side stream."""
-        def conv(t: torch.Tensor) -> torch.Tensor:
+    def staged(self, dtypes: Mapping[str, torch.dtype], pin: bool) -> LoRAAdapter:
+        """A copy with each site in its slot buffers' dtype (`dtypes`: site key -> dtype; sites
+        differ: the DeepSeek/GLM router's slots are fp32 in a bf16 model), in page-locked memory when
+        `pin`, so a host-to-device copy into a slot can run asynchronously on a side stream."""
+        def conv(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             t = t.to(dtype)
             return t.pin_memory() if pin else t
-        return LoRAAdapter(self.name, self.path, {k: LoRAWeights(conv(w.a), conv(w.b)) for k, w in self.sites.items()})
+        # a site the model lacks keeps its dtype: writing the adapter into a slot reports it
+        return LoRAAdapter(self.name, self.path, {
+            k: LoRAWeights(conv(w.a, dtypes.get(k, w.a.dtype)), conv(w.b, dtypes.get(k, w.b.dtype)))
+            for k, w in self.sites.items()})

@@ -130,7 +130,7 @@ class AdapterPool:
         """Whether `name`'s slot write is still in flight (a finished one is forgotten here)."""
         handle = self._pending.get(name)
         if handle is not None and self._loads.done(handle):
-            del self._pending[name]
+            self._settle(name)  # done, but order the stream after it too (the stream sanitizer sees no query)
             handle = None
         return handle is not None
 
@@ -161,10 +161,10 @@ class AdapterPool:
         if slot is None:
             return False
         handle = self._place(name, slot)
-        if handle is None or self._loads.done(handle):
+        if handle is None:
             return True
         self._pending[name] = handle
-        return False
+        return not self._loading(name)
 
     def acquire(self, names: Iterable[str | None]) -> dict[str, int]:
         """Put every named adapter in a device slot (evicting slots not named); name -> slot. Writes

@@ -127,6 +127,11 @@ class MoECausalLM(nn.Module):
                 sites[f"{name}.down"] = (mod, "down")
         return sites
 
+    def lora_site_dtypes(self) -> dict[str, torch.dtype]:
+        """Adapter site key -> the dtype of its slot buffers (an adapter is staged in these)."""
+        return {key: (mod.lora_a if proj is None else getattr(mod, f"lora_{proj}_a")).dtype
+                for key, (mod, proj) in self.lora_sites().items()}
+
     @torch.no_grad()
     def set_lora_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
         """Write `adapter` into `slot` at every site (sites it lacks are zeroed); None empties it."""
