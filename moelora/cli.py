@@ -95,7 +95,7 @@ def serve_engine_config(args) -> EngineConfig:
                         max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
                         enforce_eager=args.enforce_eager, kernel_backend=args.kernel_backend,
-                        async_adapter_loading=args.async_adapter_loading, async_scheduling=args.async_scheduling,
+                        async_adapter_loading=not args.no_async_adapter_loading, async_scheduling=args.async_scheduling,
                         overlap_shared_experts=not args.no_overlap_shared_experts,
                         enable_prefix_caching=not args.no_enable_prefix_caching)
 
@@ -131,8 +131,8 @@ def _serve_parser(sub) -> None:
     serve.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     serve.add_argument("--kernel-backend", choices=["triton", "torch"], default=None,
                        help="default: triton on CUDA, torch on the CPU")
-    serve.add_argument("--async-adapter-loading", action="store_true",
-                       help="write adapter slots on a side stream while other requests run (experimental)")
+    serve.add_argument("--no-async-adapter-loading", action="store_true",
+                       help="write adapter slots on the main stream (off switch of the side-stream loads)")
     serve.add_argument("--async-scheduling", action="store_true",
                        help="launch each step before reading the previous one back (experimental)")
     serve.add_argument("--no-overlap-shared-experts", action="store_true",
