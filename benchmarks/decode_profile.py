@@ -27,10 +27,14 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 
 from decode import QWEN3_30B, engine, random_adapter, random_model  # noqa: E402
 
+import moelora.engine.engine as engine_module  # noqa: E402
 from moelora.config import ModelConfig  # noqa: E402
 from moelora.engine.request import SamplingParams  # noqa: E402
 
-PHASES = (("scheduler", "schedule"), ("pool", "acquire"), ("runner", "prepare"), ("graphs", "run"), (None, "_sample"))
+# (owner, attribute): owner an engine attribute, None for the engine itself, or a module (the sampler,
+# called by the engine as a module function); `_read_back` is the step's one host sync plus bookkeeping.
+PHASES = (("scheduler", "schedule"), ("pool", "acquire"), ("runner", "prepare"), ("graphs", "run"),
+          (engine_module, "sample"), (None, "_read_back"))
 
 
 def timed(fn, sink: list):
@@ -93,7 +97,7 @@ def profile_point(eng, conc, names, steps, top, log):
         walls.append(time.perf_counter() - t0)
     sinks, saved = {}, []
     for owner, name in PHASES:
-        obj = eng if owner is None else getattr(eng, owner)
+        obj = eng if owner is None else owner if not isinstance(owner, str) else getattr(eng, owner)
         sinks[name] = []
         saved.append((obj, name, getattr(obj, name)))
         setattr(obj, name, timed(getattr(obj, name), sinks[name]))
