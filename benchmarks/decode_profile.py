@@ -52,7 +52,7 @@ CATEGORIES = (  # first match wins: Triton kernel names (exact or prefix), subst
     ("moe lora", ("=lora_shrink_kernel", "=lora_route_delta_kernel")),
     ("dense lora", ("^_lora_",)),
     ("moe gemm + plan + combine", ("=gate_up_kernel", "=down_kernel", "=combine_kernel", "^_plan_")),
-    ("attention", ("^_decode", "^_prefill", "^_store", "^_mla")),
+    ("attention", ("^_decode", "=decode_reduce_kernel", "^_prefill", "^_store", "^_mla")),
     ("fused norm/rotary/router/silu", ("=_rms_norm_kernel", "=_qk_norm_rope_kernel", "=_softmax_topk_kernel",
                                        "=_silu_mul_kernel")),
     ("cuBLAS GEMM", ("nvjet", "gemm", "cutlass", "xmma")),

@@ -34,7 +34,7 @@ import triton.language as tl
 from moelora.kernels.checks import need_pow2
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_NEG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: keeps exp2(m_old - m_new) NaN-free
+NEG_INF = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: keeps exp2(m_old - m_new) NaN-free
 _MAX_HEAD_DIM = 256
 _DECODE_TARGET_PROGRAMS = 256  # ~2 waves on a 132-SM H200
 _MAX_SPLITS = 16
@@ -134,7 +134,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, seq_lens_ptr, qstart
     kvh = (h // GROUP).to(tl.int64)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     pos = ctx + offs_m
-    m_i = tl.full((BLOCK_M,), _NEG, tl.float32)
+    m_i = tl.full((BLOCK_M,), NEG_INF, tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     # Keys < ctx + tile * BLOCK_M + 1 are visible to every row of the tile: no mask there.
@@ -179,7 +179,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, seq_lens_ptr, q
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     kvh64 = kvh.to(tl.int64)
-    m_i = tl.full((G_PAD,), _NEG, tl.float32)
+    m_i = tl.full((G_PAD,), NEG_INF, tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, BLOCK_D), tl.float32)
     for j0 in range(start, end, BLOCK_N):
@@ -201,7 +201,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, seq_lens_ptr, q
 
 
 @triton.jit
-def _decode_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, qstart_ptr, D: tl.constexpr, N, stride_ot, stride_oh,
+def decode_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, qstart_ptr, D: tl.constexpr, N, stride_ot, stride_oh,
                           NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     b, h = tl.program_id(0), tl.program_id(1)
     q0 = tl.load(qstart_ptr + b)
@@ -210,7 +210,7 @@ def _decode_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, qstart_ptr, D: tl.cons
     offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
     s_mask = offs_s < NUM_SPLITS
     part = (b * N + h).to(tl.int64) * NUM_SPLITS + offs_s
-    m = tl.load(m_ptr + part, mask=s_mask, other=_NEG)
+    m = tl.load(m_ptr + part, mask=s_mask, other=NEG_INF)
     l_s = tl.load(l_ptr + part, mask=s_mask, other=0.0)
     acc = tl.load(acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
     w = tl.exp2(m - tl.max(m, 0))  # empty splits have l = 0 and acc = 0: they add nothing
@@ -306,7 +306,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         NUM_SPLITS=splits, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), BS=BS,
         BLOCK_N=cfg.block_n, BLOCK_D=block_d, PRECISION=precision, **launch)
     if splits > 1:
-        _decode_reduce_kernel[(B, N)](
+        decode_reduce_kernel[(B, N)](
             m_part, l_part, acc_part, out, meta.query_start, D, N, out.stride(0), out.stride(1),
             NUM_SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d, num_warps=4)
     return out

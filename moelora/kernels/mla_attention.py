@@ -18,7 +18,7 @@ program = (sequence, block of HB heads, split). All heads of a sequence attend t
 (MQA with one kv head of width C + Dr), so the HB heads are the rows of each tl.dot and one latent
 tile [BLOCK_N, C] serves both the scores (q_abs . latent^T + q_rope . krot^T) and the values
 (p . latent). Each split covers ceil(ceil(L / S) / BLOCK_N) * BLOCK_N positions; a split past L
-stores an empty partial; `attention._decode_reduce_kernel` merges the S partials. S depends on B
+stores an empty partial; `attention.decode_reduce_kernel` merges the S partials. S depends on B
 and ceil(N / HB) only, so the grid is fixed per batch size (CUDA-graph safe); nothing syncs.
 Scores and softmax run in fp32 in the log2 domain. C and Dr are constexpr (padded to powers of two
 >= 16 and masked, so any width works); the register budget bounds C <= 1024 and Dr <= 256.
@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.attention import _NEG, _decode_reduce_kernel, default_num_splits
+from moelora.kernels.attention import NEG_INF, decode_reduce_kernel, default_num_splits
 from moelora.kernels.checks import need_pow2
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -103,7 +103,7 @@ def _mla_split_kernel(qa_ptr, qr_ptr, cache_ptr, out_ptr, bt_ptr, seq_lens_ptr, 
     qr = tl.load(qr_ptr + t64 * stride_qrt + heads[:, None] * stride_qrh + offs_r[None, :],
                  mask=h_mask[:, None] & r_mask[None, :], other=0.0)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    m_i = tl.full((BLOCK_H,), _NEG, tl.float32)
+    m_i = tl.full((BLOCK_H,), NEG_INF, tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_C), tl.float32)
     for j0 in range(start, end, BLOCK_N):
@@ -210,7 +210,7 @@ def mla_decode_attention(q_abs: torch.Tensor, q_rope: torch.Tensor, entries: tor
         PRECISION="ieee" if q_abs.dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit inputs
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
-        _decode_reduce_kernel[(B, N)](
+        decode_reduce_kernel[(B, N)](
             m_part, l_part, acc_part, out, meta.query_start, C, N, out.stride(0), out.stride(1),
             NUM_SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_c, num_warps=4)
     return out

@@ -42,7 +42,7 @@ def _tile_ids(num_blocks, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BM: tl.constexpr):
+def plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BM: tl.constexpr):
     offs_m = pid_m * BM + tl.arange(0, BM)
     route = tl.load(sorted_ids_ptr + offs_m)
     valid = route < n_routes
@@ -50,7 +50,7 @@ def _plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BM: tl.constexpr):
 
 
 @triton.jit
-def _slot_base(ptr, s, e, stride_s, stride_e):
+def slot_base(ptr, s, e, stride_s, stride_e):
     return ptr + tl.maximum(s, 0).to(tl.int64) * stride_s + e * stride_e
 
 
@@ -106,7 +106,7 @@ def gate_up_kernel(
     if pid_m * BM >= tl.load(num_padded_ptr):
         return
     e = tl.load(eob_ptr + pid_m).to(tl.int64)
-    offs_m, route, valid, tok = _plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BM)
+    offs_m, route, valid, tok = plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     x_rows = x_ptr + tok[:, None].to(tl.int64) * stride_xt
@@ -117,8 +117,8 @@ def gate_up_kernel(
     xa1 = tl.zeros((BM, BLOCK_R), tl.float32)
     if HAS_LORA:
         slot, rest, s0, r0, s1, r1 = _lora_head(slots_ptr, ranks_ptr, tok, valid)
-        a0 = _slot_base(a_ptr, s0, e, stride_as, stride_ae)
-        a1 = _slot_base(a_ptr, s1, e, stride_as, stride_ae)
+        a0 = slot_base(a_ptr, s0, e, stride_as, stride_ae)
+        a1 = slot_base(a_ptr, s1, e, stride_as, stride_ae)
     if USE_TMA:
         row_g = (e * 2 * inter + pid_n * BN).to(tl.int32)
     else:
@@ -141,13 +141,13 @@ def gate_up_kernel(
     if HAS_LORA:
         if INLINE_SHRINK:
             if r0 > 0:
-                b0 = _slot_base(b_ptr, s0, e, stride_bs, stride_be)
+                b0 = slot_base(b_ptr, s0, e, stride_bs, stride_be)
                 xs = tl.where((slot == s0)[:, None], xa0, 0.0).to(dt)
                 acc_g = tl.dot(xs, lora_b_tile(b0, offs_n, inter, stride_bn, r0, BLOCK_R).to(dt), acc_g)
                 acc_u = tl.dot(xs, lora_b_tile(b0 + inter * stride_bn, offs_n, inter, stride_bn, r0,
                                                BLOCK_R).to(dt), acc_u)
             if r1 > 0:
-                b1 = _slot_base(b_ptr, s1, e, stride_bs, stride_be)
+                b1 = slot_base(b_ptr, s1, e, stride_bs, stride_be)
                 xs = tl.where((slot == s1)[:, None], xa1, 0.0).to(dt)
                 acc_g = tl.dot(xs, lora_b_tile(b1, offs_n, inter, stride_bn, r1, BLOCK_R).to(dt), acc_g)
                 acc_u = tl.dot(xs, lora_b_tile(b1 + inter * stride_bn, offs_n, inter, stride_bn, r1,
@@ -157,8 +157,8 @@ def gate_up_kernel(
                 sel = rest == s
                 rank = tl.load(ranks_ptr + s)
                 if rank > 0:
-                    b_se = _slot_base(b_ptr, s, e, stride_bs, stride_be)
-                    a_se = _slot_base(a_ptr, s, e, stride_as, stride_ae)
+                    b_se = slot_base(b_ptr, s, e, stride_bs, stride_be)
+                    a_se = slot_base(a_ptr, s, e, stride_as, stride_ae)
                     xs = lora_shrink_rows(x_ptr, tok, stride_xt, sel, a_se, stride_ar, rank, 0, H, BM, BLOCK_R,
                                           LORA_BK).to(dt)
                     acc_g = tl.dot(xs, lora_b_tile(b_se, offs_n, inter, stride_bn, rank, BLOCK_R).to(dt), acc_g)
@@ -171,7 +171,7 @@ def gate_up_kernel(
             while s >= 0:
                 sel = slot == s
                 rank = tl.load(ranks_ptr + s)
-                b_se = _slot_base(b_ptr, s, e, stride_bs, stride_be)
+                b_se = slot_base(b_ptr, s, e, stride_bs, stride_be)
                 for r0 in range(0, rank, LORA_RC):
                     xs = _xa_chunk(xa_ptr, offs_m, sel, num_blocks * BM, r0, XA_SPLIT, BLOCK_R, LORA_RC).to(dt)
                     acc_g = tl.dot(xs, lora_b_tile(b_se + r0, offs_n, inter, stride_bn, rank - r0, LORA_RC).to(dt),
@@ -205,7 +205,7 @@ def down_kernel(
     if pid_m * BM >= tl.load(num_padded_ptr):
         return
     e = tl.load(eob_ptr + pid_m).to(tl.int64)
-    offs_m, route, valid, tok = _plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BM)
+    offs_m, route, valid, tok = plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     dt = h_ptr.dtype.element_ty
@@ -214,8 +214,8 @@ def down_kernel(
     xa1 = tl.zeros((BM, BLOCK_R), tl.float32)
     if HAS_LORA:
         slot, rest, s0, r0, s1, r1 = _lora_head(slots_ptr, ranks_ptr, tok, valid)
-        a0 = _slot_base(a_ptr, s0, e, stride_as, stride_ae)
-        a1 = _slot_base(a_ptr, s1, e, stride_as, stride_ae)
+        a0 = slot_base(a_ptr, s0, e, stride_as, stride_ae)
+        a1 = slot_base(a_ptr, s1, e, stride_as, stride_ae)
     if USE_TMA:
         row_w = (e * H + pid_n * BN).to(tl.int32)
     else:
@@ -237,21 +237,21 @@ def down_kernel(
         if INLINE_SHRINK:
             if r0 > 0:
                 xs = tl.where((slot == s0)[:, None], xa0, 0.0).to(dt)
-                acc = tl.dot(xs, lora_b_tile(_slot_base(b_ptr, s0, e, stride_bs, stride_be), offs_n, H, stride_bn,
+                acc = tl.dot(xs, lora_b_tile(slot_base(b_ptr, s0, e, stride_bs, stride_be), offs_n, H, stride_bn,
                                              r0, BLOCK_R).to(dt), acc)
             if r1 > 0:
                 xs = tl.where((slot == s1)[:, None], xa1, 0.0).to(dt)
-                acc = tl.dot(xs, lora_b_tile(_slot_base(b_ptr, s1, e, stride_bs, stride_be), offs_n, H, stride_bn,
+                acc = tl.dot(xs, lora_b_tile(slot_base(b_ptr, s1, e, stride_bs, stride_be), offs_n, H, stride_bn,
                                              r1, BLOCK_R).to(dt), acc)
             s = tl.max(rest, axis=0)
             while s >= 0:  # slots beyond the two fused ones: a second pass over h (from L2)
                 sel = rest == s
                 rank = tl.load(ranks_ptr + s)
                 if rank > 0:
-                    a_se = _slot_base(a_ptr, s, e, stride_as, stride_ae)
+                    a_se = slot_base(a_ptr, s, e, stride_as, stride_ae)
                     xs = lora_shrink_rows(h_ptr, offs_m, stride_hp, sel, a_se, stride_ar, rank, 0, inter, BM,
                                           BLOCK_R, LORA_BK).to(dt)
-                    acc = tl.dot(xs, lora_b_tile(_slot_base(b_ptr, s, e, stride_bs, stride_be), offs_n, H,
+                    acc = tl.dot(xs, lora_b_tile(slot_base(b_ptr, s, e, stride_bs, stride_be), offs_n, H,
                                                  stride_bn, rank, BLOCK_R).to(dt), acc)
                 rest = tl.where(sel, -1, rest)
                 s = tl.max(rest, axis=0)
@@ -260,7 +260,7 @@ def down_kernel(
             while s >= 0:
                 sel = slot == s
                 rank = tl.load(ranks_ptr + s)
-                b_se = _slot_base(b_ptr, s, e, stride_bs, stride_be)
+                b_se = slot_base(b_ptr, s, e, stride_bs, stride_be)
                 for r0 in range(0, rank, LORA_RC):
                     xs = _xa_chunk(xa_ptr, offs_m, sel, num_blocks * BM, r0, XA_SPLIT, BLOCK_R, LORA_RC).to(dt)
                     acc = tl.dot(xs, lora_b_tile(b_se + r0, offs_n, H, stride_bn, rank - r0, LORA_RC).to(dt), acc)

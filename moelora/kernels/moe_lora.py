@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.lora_tiles import lora_shrink_rows
-from moelora.kernels.moe_gemm import _plan_rows, _slot_base
+from moelora.kernels.moe_gemm import plan_rows, slot_base
 
 
 @triton.jit
@@ -47,7 +47,7 @@ def lora_shrink_kernel(
     if pid_m * BM >= tl.load(num_padded_ptr):
         return
     e = tl.load(eob_ptr + pid_m).to(tl.int64)
-    offs_m, route, valid, tok = _plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BM)
+    offs_m, route, valid, tok = plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BM)
     rows = tok if GATHER_TOKENS else offs_m
     k_start = sp * k_split
     k_end = tl.minimum(k_dim, k_start + k_split)
@@ -56,7 +56,7 @@ def lora_shrink_kernel(
     while s >= 0:
         sel = slot == s
         rank = tl.load(ranks_ptr + s)
-        a_se = _slot_base(a_ptr, s, e, stride_as, stride_ae)
+        a_se = slot_base(a_ptr, s, e, stride_as, stride_ae)
         for r0 in range(0, rank, LORA_RC):  # only the slot's own rank columns, LORA_RC at a time
             part = lora_shrink_rows(src_ptr, rows, stride_src, sel, a_se + r0 * stride_ar, stride_ar, rank - r0,
                                     k_start, k_end, BM, LORA_RC, LORA_BK)
