@@ -56,7 +56,7 @@ def tune_lora(layer, M, base: FusedMoEConfig, log) -> FusedMoEConfig:
     lora = make_lora(layer, M, "8ad_r16")
     trials = [dataclasses.replace(base, lora_shrink="separate", lora_split_k=k) for k in (1, 4, 8)]
     trials.append(dataclasses.replace(base, lora_shrink="inline"))
-    trials.append(dataclasses.replace(base, lora_shrink="route"))
+    trials += [dataclasses.replace(base, lora_shrink=mode) for mode in ("route", "block")]
     scored = []
     for cfg in trials:
         t = timed(layer, x, wts, ids, lora, cfg)

@@ -100,12 +100,15 @@ def test_one_token_and_zero_tokens():
                 tiny_config(), 1e-4)
     run_checked(make_case(7, 48, 40, 6, 3, ranks=(24, 8, 3), R=24, device=DEV, seed=8, slots=[1, 0, -1, 2, 2, 1, 0]),
                 tiny_config("route"), 1e-4)
+    run_checked(make_case(7, 48, 40, 6, 3, ranks=(24, 8, 3), R=24, device=DEV, seed=8, slots=[1, 0, -1, 2, 2, 1, 0]),
+                tiny_config("block"), 1e-4)
     x, w_gu, w_d, wts, ids, _ = make_case(0, 32, 16, 4, 2, device=DEV)
     assert fused_moe(x, w_gu, w_d, wts, ids, config=tiny_config()).shape == (0, 32)
 
 
 # "inline" is only taken for pools of rank <= 16 (wider pools go the rank-chunked separate path)
-SHRINK_POOLS = [("inline", 16), ("separate", 24), ("route", 24), ("route", 16), ("route", 64)]
+SHRINK_POOLS = [("inline", 16), ("separate", 24), ("route", 24), ("route", 16), ("route", 64), ("block", 16),
+                ("block", 24), ("block", 64)]
 
 
 @kernel_test
@@ -132,6 +135,16 @@ def test_all_routes_on_one_expert_with_empty_experts():
     case = make_case(20, 32, 24, 6, 1, ranks=(16, 3), R=16, device=DEV, seed=4, one_expert=4)
     run_checked(case, tiny_config("separate"), 1e-4)
     run_checked(case, tiny_config("route"), 1e-4)
+    run_checked(case, tiny_config("block"), 1e-4)
+
+
+@kernel_test
+def test_block_delta_more_slots_in_a_block_than_lanes():
+    # one 16-row block holding 11 distinct slots: 8 lane programs, the last one takes 4 slots in turn
+    ranks = (16, 3, 8, 0, 16, 5, 12, 16, 1, 7, 16, 4)
+    slots = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, -1, 11, 0, 7]
+    case = make_case(16, 32, 24, 3, 1, ranks=ranks, R=16, device=DEV, seed=11, slots=slots, one_expert=2)
+    run_checked(case, tiny_config("block"), 1e-4)
 
 
 @kernel_test
@@ -184,7 +197,7 @@ def gpu_case(shape, T, seed, ranks=(64, 16, 8, 0, 64, 32, 16, 8), R=64):
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("T", [1, 33, 512])
-@pytest.mark.parametrize("shrink", ["inline", "separate", "route"])
+@pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block"])
 def test_gpu_qwen3_shape_bf16_lora(T, shrink):
     pool = dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16) if shrink == "inline" else {}
     case = gpu_case(QWEN3, T, seed=T, **pool)

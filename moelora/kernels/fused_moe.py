@@ -11,8 +11,9 @@ Launches (one stream, no host sync, fixed sizes: CUDA-graph safe):
   plan -> [shrink x A_gu] -> gate_up GEMM + LoRA + SiLU*up -> h [P, I]
        -> [shrink h A_d] -> down GEMM + LoRA, x routing weight -> y [T*K, H] -> sum over K -> out
 (bracketed launches only on the separate-shrink path: lora_shrink="separate", or any pool of
-max rank > 16 under "inline"; under "route" they compute each route's whole delta instead,
-[T*K, 2I] and [T*K, H] in x's dtype, which the GEMM epilogues add). The top-k combine sums y's
+max rank > 16 under "inline"; under "route" (per route) and "block" (per plan block and slot)
+they compute each route's whole delta instead, [T*K, 2I] and [T*K, H] in x's dtype (fp32 for
+pools of max rank > 16), which the GEMM epilogues add). The top-k combine sums y's
 K rows in a fixed order, so results are deterministic. x and the weights are never written
 (contract 2). Rows on slot -1 do no LoRA work; a slot of rank r reads only r rows of A /
 columns of B and, on the separate path, loops over ceil(r/16) rank chunks whatever the pool's
@@ -27,7 +28,7 @@ import triton
 from moelora.errors import ConfigError
 from moelora.kernels.moe_config import FusedMoEConfig, tuned_fused_moe_config
 from moelora.kernels.moe_gemm import combine_kernel, down_kernel, gate_up_kernel
-from moelora.kernels.moe_lora import lora_route_delta_kernel, lora_shrink_kernel
+from moelora.kernels.moe_lora import lora_block_delta_kernel, lora_route_delta_kernel, lora_shrink_kernel
 from moelora.kernels.moe_plan import EXPERT_SORTED_PADDED, MoERoutingPlan, build_routing_plan
 from moelora.kernels.reference import ExpertLoRAArgs
 
@@ -35,6 +36,8 @@ ACCEPTED_LAYOUTS = (EXPERT_SORTED_PADDED,)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LORA_RC = 16  # rank columns per step of the separate shrink/expand: cost follows each slot's own rank
 _ROUTE_TARGET_PROGRAMS = 264  # "route" LoRA: programs to aim for (2 per SM on a 132-SM H200)
+_BLOCK_LANES = 8  # "block" LoRA: programs per plan block, one distinct slot each (the last: the rest)
+_BLOCK_BN = 64  # "block" LoRA: output columns per expand tile
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -135,6 +138,22 @@ def _route_delta(src, delta, plan, topk_ids, lora, which, block_r):
         num_warps=4)
 
 
+def _block_delta(src, delta, plan, lora, which, block_r, cfg):
+    """delta [T*K, N] of every route with LoRA, per (plan block, slot) ("block" mode)."""
+    a, b = getattr(lora, f"{which}_a"), getattr(lora, f"{which}_b")
+    n_out, k_dim = b.shape[2], a.shape[3]
+    lanes = min(_BLOCK_LANES, a.shape[0])
+    bn = _BLOCK_BN
+    # split N only when blocks x lanes alone leave SMs idle (each split repeats the block's shrink)
+    n_split = max(1, min(triton.cdiv(n_out, bn), triton.cdiv(_ROUTE_TARGET_PROGRAMS, plan.num_routes)))
+    per_split = triton.cdiv(triton.cdiv(n_out, n_split), bn) * bn
+    lora_block_delta_kernel[(plan.max_blocks, lanes, triton.cdiv(n_out, per_split))](
+        src, delta, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots,
+        lora.slot_ranks, a, b, plan.num_routes, plan.top_k, k_dim, n_out, per_split, lanes, src.stride(0),
+        delta.stride(0), a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
+        BY_PLAN_ROW=which == "down", BM=plan.block_m, BLOCK_R=block_r, BK=cfg.lora_block_k, BN=bn, num_warps=4)
+
+
 def _lora_buffers(lora, config: FusedMoEConfig, block_r: int, x: torch.Tensor, P: int, n_routes: int, inter: int):
     """(mode, xa, delta_gu, delta_d): the LoRA path this call takes and its scratch buffers (x as a
     dummy where a path has none). "inline" computes BLOCK_R = pow2(pool rank) columns whatever the
@@ -145,7 +164,7 @@ def _lora_buffers(lora, config: FusedMoEConfig, block_r: int, x: torch.Tensor, P
     xa = delta_gu = delta_d = x
     if mode == "separate":
         xa = torch.empty(config.lora_split_k, P, block_r, dtype=torch.float32, device=x.device)
-    elif mode == "route":
+    elif mode in ("route", "block"):  # "block" makes one pass; it keeps route's rounding of the delta
         d_dtype = x.dtype if block_r <= _LORA_RC else torch.float32  # one rank chunk, or several summed
         delta_gu = torch.empty(n_routes, 2 * inter, dtype=d_dtype, device=x.device)
         delta_d = torch.empty(n_routes, x.shape[1], dtype=d_dtype, device=x.device)
@@ -193,7 +212,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     common = dict(sorted_ids_ptr=plan.sorted_route_ids, eob_ptr=plan.expert_of_block,
                   num_padded_ptr=plan.num_padded, n_routes=T * K, top_k=K, H=H, inter=inter,
                   num_blocks=plan.max_blocks, BM=BM, GROUP_M=config.group_m, HAS_LORA=mode in ("inline", "separate"),
-                  LORA_DELTA=mode == "route", xa_ptr=xa,
+                  LORA_DELTA=mode in ("route", "block"), xa_ptr=xa,
                   INLINE_SHRINK=mode == "inline", XA_SPLIT=config.lora_split_k,
                   BLOCK_R=block_r, LORA_BK=config.lora_block_k, LORA_RC=_LORA_RC, USE_TMA=config.use_tma)
     w_gu, w_dn, h_in = _tma_operands(w_gate_up, w_down, h, config) if config.use_tma else (w_gate_up, w_down, h)
@@ -201,6 +220,8 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         _shrink(x, xa, plan, lora, "gate_up", True, H, block_r, config)
     elif mode == "route":
         _route_delta(x, delta_gu, plan, topk_ids, lora, "gate_up", block_r)
+    elif mode == "block":
+        _block_delta(x, delta_gu, plan, lora, "gate_up", block_r, config)
     gate_up_kernel[(plan.max_blocks * triton.cdiv(inter, gu.block_n),)](
         x, w_gu, h, stride_xt=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
         stride_hp=h.stride(0), BN=gu.block_n, BK=gu.block_k, num_warps=gu.num_warps, delta_ptr=delta_gu,
@@ -209,6 +230,8 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         _shrink(h, xa, plan, lora, "down", False, inter, block_r, config)
     elif mode == "route":
         _route_delta(h, delta_d, plan, topk_ids, lora, "down", block_r)
+    elif mode == "block":
+        _block_delta(h, delta_d, plan, lora, "down", block_r, config)
     down_kernel[(plan.max_blocks * triton.cdiv(H, dn.block_n),)](
         h_in, h, w_dn, y, topk_weights.contiguous(), stride_hp=h.stride(0), stride_we=w_down.stride(0),
         stride_wn=w_down.stride(1), stride_yr=y.stride(0), BN=dn.block_n, BK=dn.block_k, delta_ptr=delta_d,

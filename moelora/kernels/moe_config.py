@@ -21,7 +21,7 @@ import torch
 from moelora.kernels.checks import need_pow2
 
 CONFIG_DIR = Path(__file__).parent / "configs"
-LORA_SHRINK_MODES = ("inline", "separate", "route")
+LORA_SHRINK_MODES = ("inline", "separate", "route", "block")
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,9 @@ class FusedMoEConfig:
     once per output tile; also the only path for pools of max rank > 16, where it loops over the
     slot's own rank in 16-column chunks). "route": one kernel per GEMM computes each route's whole
     delta (shrink and expand GEMVs, x's dtype) before it, and the epilogue adds delta[route] (no
-    loop over a block's slots; decode, where blocks hold few rows on many slots). use_tma: Hopper
+    loop over a block's slots; decode, where blocks hold few rows on many slots). "block": the
+    same delta computed per (plan block, slot), the slots of a block in parallel programs, so a
+    (slot, expert) pair's A/B is read once per block, not once per route. use_tma: Hopper
     tensor descriptors for the weight (and down-GEMM activation) tiles; the off switch of that
     path (contract 6)."""
 

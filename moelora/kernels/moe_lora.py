@@ -20,6 +20,13 @@ SPLIT reduction splits, RC = 16 rank columns per step (cost follows each slot's 
   The GEMM epilogue adds delta[route] to its tile: a plain load, no loop over the block's slots.
   Every program streams its own A/B rows with no dependence on the other rows of its block
   (decode: a block holds a few routes on as many slots).
+- `lora_block_delta_kernel` ("block"): the same delta buffer as "route", computed per (plan block,
+  slot): program (block, lane, N split) takes the lane-th distinct slot of its block (the last lane
+  every slot left), shrinks that slot's rows with one tl.dot over k (xa rounded to src's dtype, as
+  "route"), then expands them tile by tile. A and B of a (slot, expert) pair are read once per
+  block and split instead of once per route: the reuse "route" lacks when blocks hold several
+  routes of one adapter (M >= 256), with the slots of a block in parallel programs (lanes), not
+  the serial per-slot loop of "separate". One pass at the pool's width, masked to each slot's rank.
 Rows on no slot, or on a slot whose rank at this site is 0, are neither read nor written (and
 never read back).
 """
@@ -29,7 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moelora.kernels.lora_tiles import lora_shrink_rows
+from moelora.kernels.lora_tiles import lora_b_tile, lora_shrink_rows
 from moelora.kernels.moe_gemm import plan_rows, slot_base
 
 
@@ -134,3 +141,48 @@ def _delta_pass(src, a_base, b_base, d_row, r0, rank, k_dim, n_start, n_end, str
         if r0 > 0:  # this program stored the earlier chunks' sum here
             d += tl.load(d_row + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(d_row + offs_n, d.to(d_row.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def lora_block_delta_kernel(
+    src_ptr, delta_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr, slots_ptr, ranks_ptr, a_ptr, b_ptr,
+    n_routes, top_k, k_dim, n_out, n_per_split, n_lanes, stride_src, stride_d,
+    stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn,
+    BY_PLAN_ROW: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+):
+    """delta[route, n] for the rows of plan block program_id(0) on the lane-th distinct slot, n in
+    split program_id(2); see the module docstring."""
+    pid_m = tl.program_id(0)
+    lane = tl.program_id(1)
+    if pid_m * BM >= tl.load(num_padded_ptr):
+        return
+    e = tl.load(eob_ptr + pid_m).to(tl.int64)
+    offs_m, route, valid, tok = plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BM)
+    if BY_PLAN_ROW:  # down: h rows are plan rows
+        rows = offs_m
+    else:  # gate_up: x rows are tokens
+        rows = tok
+    slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
+    s = tl.max(slot, axis=0)
+    for _ in range(lane):  # drop the `lane` largest distinct slots
+        slot = tl.where(slot == s, -1, slot)
+        s = tl.max(slot, axis=0)
+    n_start = tl.program_id(2) * n_per_split
+    n_end = tl.minimum(n_out, n_start + n_per_split)
+    last = lane == n_lanes - 1
+    while s >= 0:
+        sel = slot == s
+        rank = tl.load(ranks_ptr + s)
+        if rank > 0:
+            a_se = slot_base(a_ptr, s, e, stride_as, stride_ae)
+            b_se = slot_base(b_ptr, s, e, stride_bs, stride_be)
+            xa = lora_shrink_rows(src_ptr, rows, stride_src, sel, a_se, stride_ar, rank, 0, k_dim, BM, BLOCK_R, BK)
+            xa = xa.to(src_ptr.dtype.element_ty)
+            d_rows = delta_ptr + route[:, None].to(tl.int64) * stride_d
+            for n0 in range(n_start, n_end, BN):
+                offs_n = n0 + tl.arange(0, BN)
+                d = tl.dot(xa, lora_b_tile(b_se, offs_n, n_end, stride_bn, rank, BLOCK_R).to(xa.dtype))
+                tl.store(d_rows + offs_n[None, :], d.to(delta_ptr.dtype.element_ty),
+                         mask=sel[:, None] & (offs_n[None, :] < n_end))
+        slot = tl.where(sel, -1, slot)
+        s = tl.where(last, tl.max(slot, axis=0), -1)  # a lane below the last takes one slot
