@@ -70,7 +70,8 @@ def main(argv=None):
                 cfg = None
                 if mode != "table":
                     cfg = replace(tuned_fused_moe_config(shape["E"], shape["H"], shape["I"], M, shape["K"],
-                                                         torch.bfloat16, gpu), lora_shrink=mode)
+                                                         torch.bfloat16, gpu), lora_shrink=mode,
+                                  lora_shrink_wide="" if mode == "inline" else mode)  # this mode at every width
                     var = f"{var}/{mode}"
                 fn = moe_call(layer, x, wts, ids, lora, cfg)
                 t = graph_time_ms(fn)

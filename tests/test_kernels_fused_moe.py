@@ -204,7 +204,7 @@ def test_gpu_qwen3_shape_bf16_lora(T, shrink):
     from moelora.kernels.moe_config import tuned_fused_moe_config
 
     cfg = tuned_fused_moe_config(128, 2048, 768, T, 8, torch.bfloat16, torch.cuda.get_device_name())
-    cfg = replace(cfg, lora_shrink=shrink, use_tma=False)
+    cfg = replace(cfg, lora_shrink=shrink, lora_shrink_wide="" if shrink == "inline" else shrink, use_tma=False)
     torch.cuda.set_sync_debug_mode("error")  # contract 5: no host sync in the forward
     try:
         out = fused_moe(*case[:5], lora=case[5], out=torch.full_like(case[0], float("nan")), config=cfg)

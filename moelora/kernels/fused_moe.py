@@ -155,12 +155,9 @@ def _block_delta(src, delta, plan, lora, which, block_r, cfg):
 
 
 def _lora_buffers(lora, config: FusedMoEConfig, block_r: int, x: torch.Tensor, P: int, n_routes: int, inter: int):
-    """(mode, xa, delta_gu, delta_d): the LoRA path this call takes and its scratch buffers (x as a
-    dummy where a path has none). "inline" computes BLOCK_R = pow2(pool rank) columns whatever the
-    slot's rank; only a rank-16 pool keeps that rank-proportional, so wider pools go "separate"."""
-    mode = config.lora_shrink if lora is not None else None
-    if mode == "inline" and block_r > _LORA_RC:
-        mode = "separate"
+    """(mode, xa, delta_gu, delta_d): the LoRA path this call takes (`FusedMoEConfig.shrink_mode`)
+    and its scratch buffers (x as a dummy where a path has none)."""
+    mode = config.shrink_mode(block_r) if lora is not None else None
     xa = delta_gu = delta_d = x
     if mode == "separate":
         xa = torch.empty(config.lora_split_k, P, block_r, dtype=torch.float32, device=x.device)
