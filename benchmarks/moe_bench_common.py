@@ -75,7 +75,7 @@ def make_lora(layer: Layer, M: int, variant: str):
         ga, gb, da, db = ga.clone(), gb.clone(), da.clone(), db.clone()
         for t in (ga[:, :, rank:], gb[..., rank:], da[:, :, rank:], db[..., rank:]):
             t.zero_()
-    return ExpertLoRAArgs(ga, gb, da, db, slots, ranks, active=())
+    return ExpertLoRAArgs(ga, gb, da, db, slots, ranks, ranks, active=())
 
 
 def bytes_bound(layer: Layer, x, ids, lora) -> int:
@@ -86,7 +86,7 @@ def bytes_bound(layer: Layer, x, ids, lora) -> int:
     if lora is not None:
         tok_slot = lora.token_slots.long().repeat_interleave(ids.shape[1])
         pairs = torch.unique(tok_slot * E + flat)
-        rank = int(lora.slot_ranks[0])
+        rank = int(lora.gate_up_ranks[0])
         n += len(pairs) * rank * (H + 2 * inter + inter + H) * 2
     return n
 

@@ -57,8 +57,8 @@ def make_case(T, H, inter, E, K, *, ranks=(), R=0, dtype=torch.float32, device="
         slots = torch.as_tensor(slots, dtype=torch.int32)
         active = tuple(SlotRows(s, ranks[s], (slots == s).nonzero().squeeze(1).to(device))
                        for s in range(S) if ranks[s] > 0 and bool((slots == s).any()))
-        lora = ExpertLoRAArgs(ga, gb, da, db, slots.to(device), torch.tensor(ranks, dtype=torch.int32,
-                              device=device), active)
+        site_ranks = torch.tensor(ranks, dtype=torch.int32, device=device)
+        lora = ExpertLoRAArgs(ga, gb, da, db, slots.to(device), site_ranks, site_ranks.clone(), active)
     return x, w_gu, w_d, wts, ids.to(device), lora
 
 
@@ -67,7 +67,7 @@ def reference(x, w_gu, w_d, wts, ids, lora, dtype=torch.float64):
     lr = None
     if lora is not None:
         lr = ExpertLoRAArgs(up(lora.gate_up_a), up(lora.gate_up_b), up(lora.down_a), up(lora.down_b),
-                            lora.token_slots, lora.slot_ranks, lora.active)
+                            lora.token_slots, lora.gate_up_ranks, lora.down_ranks, lora.active)
     return fused_moe_ref(up(x), up(w_gu), up(w_d), up(wts), ids, lora=lr)
 
 
@@ -251,7 +251,7 @@ def test_gpu_cuda_graph_replay_equals_eager_and_is_deterministic():
     fresh = gpu_case(QWEN3, T, seed=31)  # same weights are not needed: copy every input
     for dst, src in zip(static[:5], fresh[:5], strict=True):
         dst.copy_(src)
-    for f in ("gate_up_a", "gate_up_b", "down_a", "down_b", "token_slots", "slot_ranks"):
+    for f in ("gate_up_a", "gate_up_b", "down_a", "down_b", "token_slots", "gate_up_ranks", "down_ranks"):
         getattr(lora, f).copy_(getattr(fresh[5], f))
     graph.replay()
     eager = fused_moe(*fresh[:5], lora=fresh[5])

@@ -12,7 +12,6 @@ from oracle import tiny_hf_model
 from test_forward import build, engine, merged_hf
 
 from moelora.layers.linear import Linear
-from moelora.layers.moe import Experts
 from moelora.lora.adapter import LoRAAdapter, LoRAWeights
 from moelora.lora.batch import LoRABatch
 from moelora.models.decoder import MoECausalLM
@@ -54,13 +53,6 @@ def expected(model: MoECausalLM, by_slot: dict[int, LoRAAdapter]) -> dict[str, l
     return want
 
 
-def check_experts_combined(model: MoECausalLM) -> None:
-    """The ranks the expert kernels read (one field for both projections) are the per-slot maximum."""
-    for mod in model.modules():
-        if isinstance(mod, Experts) and mod.has_lora:
-            assert mod.lora_ranks.tolist() == torch.maximum(mod.lora_gate_up_ranks, mod.lora_down_ranks).tolist()
-
-
 # Attention q/v at rank 3, routed gate_up at 5, the dense MLP's down at 8; no o/k, no router gate, no
 # expert down: those sites must read rank 0 for this adapter's slot.
 PARTIAL = {"self_attn.q_proj": 3, "self_attn.v_proj": 3, "experts.gate_up": 5, "mlp.down_proj": 8}
@@ -86,23 +78,22 @@ def test_set_lora_slot_writes_each_sites_rank(hf):
     assert got["model.layers.0.mlp.experts.gate_up"] == [0, 5, 0]
     assert got["model.layers.0.mlp.experts.down"] == [0, 0, 6]
     assert got["model.layers.0.self_attn.k_proj"] == [0, 0, 0]
-    check_experts_combined(model)
     model.set_lora_slot(2, a)  # overwrite: b's sites go back to 0
     assert site_ranks(model) == expected(model, {1: a, 2: a})
     model.set_lora_slot(1, None)
     assert site_ranks(model) == expected(model, {2: a})
-    check_experts_combined(model)
 
 
 def test_ranks_buffers_are_fixed_address_non_persistent_and_move_with_the_model(hf):
     model = build(hf, max_loras=SLOTS, max_rank=RANK)
     lin = model.model.layers[0].self_attn.q_proj
     experts = model.model.layers[0].mlp.experts
-    ptrs = [lin.lora_ranks.data_ptr(), experts.lora_ranks.data_ptr(), experts.lora_down_ranks.data_ptr()]
+    ptrs = [lin.lora_ranks.data_ptr(), experts.lora_gate_up_ranks.data_ptr(), experts.lora_down_ranks.data_ptr()]
     model.set_lora_slot(0, partial_adapter(model, "a", 1, PARTIAL))
     model.set_lora_slot(0, None)
     model.set_lora_slot(1, partial_adapter(model, "b", 2, OTHER))
-    assert ptrs == [lin.lora_ranks.data_ptr(), experts.lora_ranks.data_ptr(), experts.lora_down_ranks.data_ptr()]
+    assert ptrs == [lin.lora_ranks.data_ptr(), experts.lora_gate_up_ranks.data_ptr(),
+                    experts.lora_down_ranks.data_ptr()]
     assert not any(k.endswith("ranks") for k in model.state_dict())
     buffers = dict(model.named_buffers())
     assert "model.layers.0.self_attn.o_proj.lora_ranks" in buffers
@@ -113,7 +104,7 @@ def test_ranks_buffers_are_fixed_address_non_persistent_and_move_with_the_model(
     before = site_ranks(model)
     moved = model.to(torch.float64).to("cpu")  # a dtype move keeps the int32 ranks (values and dtype)
     assert site_ranks(moved) == before
-    assert lin.lora_ranks.dtype == torch.int32 and experts.lora_ranks.dtype == torch.int32
+    assert lin.lora_ranks.dtype == torch.int32 and experts.lora_down_ranks.dtype == torch.int32
 
 
 def test_sites_hand_their_own_ranks_to_the_kernels(hf):
@@ -126,6 +117,10 @@ def test_sites_hand_their_own_ranks_to_the_kernels(hf):
     assert batch.slot_ranks.tolist() == [0, RANK, 0]  # the plan keeps the adapter-level ranks
     router = model.model.layers[0].mlp.gate
     assert isinstance(router, Linear) and router.lora_args(batch).slot_ranks is router.lora_ranks
+    experts = model.model.layers[0].mlp.experts  # each projection's kernels read that projection's ranks
+    ex_args = experts.lora_args(batch)
+    assert ex_args.gate_up_ranks is experts.lora_gate_up_ranks and ex_args.down_ranks is experts.lora_down_ranks
+    assert (ex_args.gate_up_ranks[1].item(), ex_args.down_ranks[1].item()) == (PARTIAL["experts.gate_up"], 0)
 
 
 def test_pool_eviction_and_removal_zero_site_ranks(hf):

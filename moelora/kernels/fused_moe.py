@@ -5,7 +5,7 @@ R max rank, P plan rows (max_padded).
   x [T, H], w_gate_up [E, 2I, H] (gate rows then up rows), w_down [E, H, I],
   topk_weights [T, K] (float), topk_ids [T, K] (int32/int64) -> out [T, H] (x's dtype)
   lora: ExpertLoRAArgs (gate_up_a [S, E, R, H], gate_up_b [S, E, 2I, R], down_a [S, E, R, I],
-        down_b [S, E, H, R], token_slots [T] int32 (-1: none), slot_ranks [S] int32)
+        down_b [S, E, H, R], token_slots [T] int32 (-1: none), gate_up_ranks / down_ranks [S] int32)
 
 Launches (one stream, no host sync, fixed sizes: CUDA-graph safe):
   plan -> [shrink x A_gu] -> gate_up GEMM + LoRA + SiLU*up -> h [P, I]
@@ -76,8 +76,10 @@ def _check_lora(lora: ExpertLoRAArgs, T, H, E, inter):
         _need(t.stride(-1) == 1 and t.is_floating_point(), f"lora.{name} must be float, unit last stride")
     _need(tuple(lora.token_slots.shape) == (T,) and lora.token_slots.dtype == torch.int32,
           f"lora.token_slots must be [T={T}] int32, got {tuple(lora.token_slots.shape)} {lora.token_slots.dtype}")
-    _need(tuple(lora.slot_ranks.shape) == (S,) and lora.slot_ranks.dtype == torch.int32,
-          f"lora.slot_ranks must be [S={S}] int32, got {tuple(lora.slot_ranks.shape)} {lora.slot_ranks.dtype}")
+    for name in ("gate_up_ranks", "down_ranks"):
+        t = getattr(lora, name)
+        _need(tuple(t.shape) == (S,) and t.dtype == torch.int32 and t.is_contiguous(),
+              f"lora.{name} must be contiguous [S={S}] int32, got {tuple(t.shape)} {t.dtype}")
     return max(16, triton.next_power_of_2(R))
 
 
@@ -104,25 +106,25 @@ def _lora_kernel_args(lora: ExpertLoRAArgs | None, dummy: torch.Tensor, which: s
         return dict(slots_ptr=dummy, ranks_ptr=dummy, a_ptr=dummy, b_ptr=dummy, stride_as=0, stride_ae=0,
                     stride_ar=0, stride_bs=0, stride_be=0, stride_bn=0)
     a, b = getattr(lora, f"{which}_a"), getattr(lora, f"{which}_b")
-    return dict(slots_ptr=lora.token_slots, ranks_ptr=lora.slot_ranks, a_ptr=a, b_ptr=b,
+    return dict(slots_ptr=lora.token_slots, ranks_ptr=getattr(lora, f"{which}_ranks"), a_ptr=a, b_ptr=b,
                 stride_as=a.stride(0), stride_ae=a.stride(1), stride_ar=a.stride(2),
                 stride_bs=b.stride(0), stride_be=b.stride(1), stride_bn=b.stride(2))
 
 
 def _shrink(src, xa, plan, lora, which, gather, k_dim, block_r, cfg):
-    a = getattr(lora, f"{which}_a")
+    a, ranks = getattr(lora, f"{which}_a"), getattr(lora, f"{which}_ranks")
     split = cfg.lora_split_k
     k_split = triton.cdiv(triton.cdiv(k_dim, split), cfg.lora_block_k) * cfg.lora_block_k
     lora_shrink_kernel[(plan.max_blocks, split)](
         src, xa, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots,
-        lora.slot_ranks, a, plan.num_routes, plan.top_k, k_dim, k_split, xa.shape[1], src.stride(0),
+        ranks, a, plan.num_routes, plan.top_k, k_dim, k_split, xa.shape[1], src.stride(0),
         a.stride(0), a.stride(1), a.stride(2), GATHER_TOKENS=gather, BM=plan.block_m, BLOCK_R=block_r,
         LORA_BK=cfg.lora_block_k, LORA_RC=_LORA_RC, num_warps=4, num_stages=2)
 
 
 def _route_delta(src, delta, plan, topk_ids, lora, which, block_r):
     """delta [T*K, N] of every route with LoRA (gate_up: N = 2I from x; down: N = H from h [P, I])."""
-    a, b = getattr(lora, f"{which}_a"), getattr(lora, f"{which}_b")
+    a, b, ranks = getattr(lora, f"{which}_a"), getattr(lora, f"{which}_b"), getattr(lora, f"{which}_ranks")
     by_row = which == "down"
     n_out, k_dim = b.shape[2], a.shape[3]
     rows = plan.sorted_route_ids.shape[0] if by_row else plan.num_routes
@@ -132,7 +134,7 @@ def _route_delta(src, delta, plan, topk_ids, lora, which, block_r):
     per_split = triton.cdiv(triton.cdiv(n_out, n_split), step) * step
     lora_route_delta_kernel[(rows, triton.cdiv(n_out, per_split))](
         src, delta, topk_ids, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots,
-        lora.slot_ranks, a, b, plan.num_routes, plan.top_k, k_dim, n_out, per_split, src.stride(0), delta.stride(0),
+        ranks, a, b, plan.num_routes, plan.top_k, k_dim, n_out, per_split, src.stride(0), delta.stride(0),
         a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2), BY_PLAN_ROW=by_row,
         BM=plan.block_m, RC=_LORA_RC, BK=step, BN=step, WIDE_RC=max(_LORA_RC, block_r), WIDE_MIN=2 * _LORA_RC,
         num_warps=4)
@@ -140,7 +142,7 @@ def _route_delta(src, delta, plan, topk_ids, lora, which, block_r):
 
 def _block_delta(src, delta, plan, lora, which, block_r, cfg):
     """delta [T*K, N] of every route with LoRA, per (plan block, slot) ("block" mode)."""
-    a, b = getattr(lora, f"{which}_a"), getattr(lora, f"{which}_b")
+    a, b, ranks = getattr(lora, f"{which}_a"), getattr(lora, f"{which}_b"), getattr(lora, f"{which}_ranks")
     n_out, k_dim = b.shape[2], a.shape[3]
     lanes = min(_BLOCK_LANES, a.shape[0])
     bn = _BLOCK_BN
@@ -149,7 +151,7 @@ def _block_delta(src, delta, plan, lora, which, block_r, cfg):
     per_split = triton.cdiv(triton.cdiv(n_out, n_split), bn) * bn
     lora_block_delta_kernel[(plan.max_blocks, lanes, triton.cdiv(n_out, per_split))](
         src, delta, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots,
-        lora.slot_ranks, a, b, plan.num_routes, plan.top_k, k_dim, n_out, per_split, lanes, src.stride(0),
+        ranks, a, b, plan.num_routes, plan.top_k, k_dim, n_out, per_split, lanes, src.stride(0),
         delta.stride(0), a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
         BY_PLAN_ROW=which == "down", BM=plan.block_m, BLOCK_R=block_r, BK=cfg.lora_block_k, BN=bn, num_warps=4)
 

@@ -50,14 +50,17 @@ class DenseLoRAArgs:
 @dataclass(frozen=True)
 class ExpertLoRAArgs:
     """LoRA on routed experts, per (slot, expert):
-    gate_up_a [S, E, R, H], gate_up_b [S, E, 2I, R], down_a [S, E, R, I], down_b [S, E, H, R]."""
+    gate_up_a [S, E, R, H], gate_up_b [S, E, 2I, R], down_a [S, E, R, I], down_b [S, E, H, R];
+    gate_up_ranks / down_ranks [S] int32: each projection's own rank in each slot (0: no LoRA
+    there), so an adapter covering only one projection costs the other nothing."""
 
     gate_up_a: torch.Tensor
     gate_up_b: torch.Tensor
     down_a: torch.Tensor
     down_b: torch.Tensor
     token_slots: torch.Tensor
-    slot_ranks: torch.Tensor
+    gate_up_ranks: torch.Tensor
+    down_ranks: torch.Tensor
     active: tuple[SlotRows, ...]
 
 
@@ -106,7 +109,7 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         slot_of_row = torch.full((T,), -1, dtype=torch.long, device=x.device)
         for sr in lora.active:
             slot_of_row[sr.rows] = sr.slot
-        ranks = {sr.slot: sr.rank for sr in lora.active}
+        gu_ranks, d_ranks = lora.gate_up_ranks.tolist(), lora.down_ranks.tolist()
     flat_ids = topk_ids.reshape(-1)
     for e in torch.unique(flat_ids).tolist():
         route = (flat_ids == e).nonzero().squeeze(1)
@@ -120,7 +123,7 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
                 if s < 0:
                     continue
                 sel = (slots == s).nonzero().squeeze(1)
-                gu[sel] += _expert_delta(xe[sel], lora.gate_up_a[s, e], lora.gate_up_b[s, e], ranks[s])
+                gu[sel] += _expert_delta(xe[sel], lora.gate_up_a[s, e], lora.gate_up_b[s, e], gu_ranks[s])
         h = F.silu(gu[:, :inter]) * gu[:, inter:]
         y = h @ w_down[e].t()
         if slot_of_row is not None:
@@ -128,7 +131,7 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
                 if s < 0:
                     continue
                 sel = (slots == s).nonzero().squeeze(1)
-                y[sel] += _expert_delta(h[sel], lora.down_a[s, e], lora.down_b[s, e], ranks[s])
+                y[sel] += _expert_delta(h[sel], lora.down_a[s, e], lora.down_b[s, e], d_ranks[s])
         w = topk_weights.reshape(-1).index_select(0, route).to(torch.float32)
         out.index_add_(0, tok, y.to(torch.float32) * w[:, None])
     return out.to(x.dtype)

@@ -7,9 +7,8 @@ R max rank. Parameter names follow transformers 5 (`gate.weight`, `experts.gate_
 `gate.weight` and `gate.e_score_correction_bias`).
 Expert LoRA slots: gate_up a [S, E, R, H] / b [S, E, 2I, R]; down a [S, E, R, I] / b [S, E, H, R];
 site ranks [S] int32: `lora_gate_up_ranks`, `lora_down_ranks` (each projection's rank in the slot, 0
-when the adapter has no LoRA there or the slot is empty) and `lora_ranks`, their per-slot maximum,
-which is what the kernels read (`ExpertLoRAArgs.slot_ranks` is one field for both projections): an
-adapter with no expert LoRA costs the routed experts no LoRA work.
+when the adapter has no LoRA there or the slot is empty), each read by its own projection's kernels:
+an adapter with no LoRA on a projection costs that projection no LoRA work.
 """
 
 from __future__ import annotations
@@ -39,12 +38,12 @@ class Experts(nn.Module):
             for name, shape in (("lora_gate_up_a", (S, E, R, H)), ("lora_gate_up_b", (S, E, 2 * inner, R)),
                                 ("lora_down_a", (S, E, R, inner)), ("lora_down_b", (S, E, H, R))):
                 self.register_buffer(name, torch.zeros(shape, dtype=dtype), persistent=False)
-            for name in ("lora_gate_up_ranks", "lora_down_ranks", "lora_ranks"):
+            for name in ("lora_gate_up_ranks", "lora_down_ranks"):
                 self.register_buffer(name, torch.zeros(S, dtype=torch.int32), persistent=False)
 
     def set_lora_slot(self, slot: int, proj: str, weights: LoRAWeights | None) -> None:
         """proj: "gate_up" or "down"; weights a [E, r, in], b [E, out, r], or None to zero. Sets the
-        projection's site rank (r or 0) and the slot's combined rank. Runs between steps, never in a graph."""
+        projection's site rank (r or 0). Runs between steps, never in a graph."""
         a, b = getattr(self, f"lora_{proj}_a"), getattr(self, f"lora_{proj}_b")
         a[slot].zero_()
         b[slot].zero_()
@@ -53,13 +52,12 @@ class Experts(nn.Module):
             a[slot, :, :r].copy_(weights.a, non_blocking=True)
             b[slot, :, :, :r].copy_(weights.b, non_blocking=True)
         getattr(self, f"lora_{proj}_ranks")[slot] = r
-        torch.maximum(self.lora_gate_up_ranks[slot], self.lora_down_ranks[slot], out=self.lora_ranks[slot])
 
     def lora_args(self, lora: LoRABatch | None) -> ExpertLoRAArgs | None:
         if lora is None or not self.has_lora:
             return None
         return ExpertLoRAArgs(self.lora_gate_up_a, self.lora_gate_up_b, self.lora_down_a, self.lora_down_b,
-                              lora.token_slots, self.lora_ranks, lora.active)
+                              lora.token_slots, self.lora_gate_up_ranks, self.lora_down_ranks, lora.active)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 lora: LoRABatch | None) -> torch.Tensor:
