@@ -23,7 +23,7 @@ def default_buckets(max_num_seqs: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, model, cache, max_num_seqs: int, max_model_len: int, num_slots: int, dummy_block: int):
+    def __init__(self, model, cache, max_num_seqs: int, max_model_len: int, dummy_block: int):
         self.model, self.cache = model, cache
         self.buckets = sorted(set(default_buckets(max_num_seqs)))
         self.max_model_len = max_model_len
@@ -37,9 +37,6 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(B, dtype=torch.int32, device=dev)
         self.query_start = torch.arange(B + 1, dtype=torch.int32, device=dev)
         self.token_slots = torch.full((B,), NO_SLOT, dtype=torch.int32, device=dev)
-        # LoRABatch.slot_ranks (adapter-level ranks) is read by no layer inside the graph (every site
-        # reads its own lora_ranks buffer), so this stays zero and is not refreshed per step
-        self.slot_ranks = torch.zeros(max(num_slots, 1), dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
 
@@ -47,7 +44,7 @@ class CudaGraphRunner:
         meta = AttnMetadata(self.slot_mapping[:B], self.block_tables[:B], self.seq_lens[:B],
                             self.query_start[:B + 1], tuple(SeqSlice(i, 1, 1, i) for i in range(B)),
                             max_seq_len=self.max_model_len, max_query_len=1)
-        lora = LoRABatch(self.token_slots[:B], self.slot_ranks, ())
+        lora = LoRABatch(self.token_slots[:B], ())
         hidden = self.model(self.input_ids[:B], self.positions[:B], meta, self.cache.layers, lora)
         return self.model.logits(hidden).float()
 

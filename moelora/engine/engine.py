@@ -66,7 +66,7 @@ class LLMEngine:
         graph_safe = cfg.mla_absorbed_decode or not any(isinstance(m, MLAttention) for m in model.modules())
         if cfg.use_cuda_graphs and graph_safe and getattr(model, "supports_cuda_graphs", False):
             dummy = self.cache.allocator.allocate()  # padding rows of a graph bucket write here, forever
-            self.graphs = CudaGraphRunner(model, self.cache, cfg.max_num_seqs, cfg.max_model_len, cfg.max_loras, dummy)
+            self.graphs = CudaGraphRunner(model, self.cache, cfg.max_num_seqs, cfg.max_model_len, dummy)
             self.graphs.capture()
         self.requests: dict[str, Request] = {}
         eos = set(model.config.eos_token_ids)

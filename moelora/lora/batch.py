@@ -7,12 +7,12 @@ them. `token_slots[t]` is the slot of token t or -1 for the base model (no slot,
 `active` lists, for the torch backend, each slot present in the step with its rank and its token
 rows, so the torch path never branches on a tensor value.
 
-Ranks here are each adapter's global rank (its largest site rank). The kernels do not read
-`slot_ranks`: every LoRA site owns its own `lora_ranks [S]` device buffer (written when a slot is
-loaded, 0 where the adapter does not cover the site), so a site an adapter skips costs no LoRA
-work. The torch twins use `active`'s global rank, which is exact because a slot's weights are zero
-beyond the site's own rank. `slot_ranks` stays part of the plan (the CUDA-graph runner refreshes
-it in place each step) for consumers that want the adapter-level rank.
+`build` takes each slot's adapter-level rank (its largest site rank) as host ints: slots of rank 0
+are left out of `active`, and `active` carries that rank for the torch twins (exact, because a
+slot's weights are zero beyond each site's own rank). No per-slot rank goes to the device here:
+every LoRA site owns its own `lora_ranks [S]` device buffer (written when a slot is loaded, 0
+where the adapter does not cover the site), which is what its kernels read, so a site an adapter
+skips costs no LoRA work.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ NO_SLOT = -1
 @dataclass(frozen=True)
 class LoRABatch:
     token_slots: torch.Tensor  # [T] int32, NO_SLOT = base model
-    slot_ranks: torch.Tensor  # [S] int32, global rank of the adapter in each slot (0 = empty); sites use their own
     active: tuple[SlotRows, ...]
 
     @property
@@ -54,6 +53,5 @@ class LoRABatch:
                        for (s, _), part in zip(live, flat.split([len(r) for _, r in live]), strict=True))
         return LoRABatch(
             token_slots=torch.tensor(list(token_slots), dtype=torch.int32).to(device, non_blocking=True),
-            slot_ranks=torch.tensor(list(slot_ranks), dtype=torch.int32).to(device, non_blocking=True),
             active=active,
         )
