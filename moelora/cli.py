@@ -124,7 +124,9 @@ def _serve_parser(sub) -> None:
     serve.add_argument("--served-model-name", nargs="+", help="names of the base model (default: MODEL)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--max-cpu-loras", type=int, default=None)
+    serve.add_argument("--max-cpu-loras", type=int, default=None,
+                       help="adapters kept in host memory (page-locked unless --no-async-adapter-loading); "
+                            "default max(32, --max-loras)")
     serve.add_argument("--max-num-seqs", type=int, default=64)
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -38,7 +38,9 @@ class EngineConfig:
     mla_absorbed_decode: bool = True  # off switch for MLA's absorbed decode (off: expanded path, no graphs)
     merge_qkv: bool = True  # off switch for the merged q/k/v projection (one GEMM, one LoRA pair)
     # Write adapter slots on a side stream (CUDA) while other requests run; requests of a loading
-    # adapter wait for its write (its GPU equivalence and sanitizer tests pass on the H200).
+    # adapter wait for its write (its GPU equivalence and sanitizer tests pass on the H200). The CPU
+    # cache (max_cpu_loras adapters) then holds each adapter page-locked, in the slots' dtypes: with
+    # large expert adapters, size max_cpu_loras to the host memory you can pin.
     async_adapter_loading: bool = True
     # Overlapped scheduling: launch step n+1 (its input ids gathered on the device from step n's
     # samples) before reading step n back, so host work overlaps the device. Its GPU tests pass, but
