@@ -43,9 +43,9 @@ class EngineConfig:
     # large expert adapters, size max_cpu_loras to the host memory you can pin.
     async_adapter_loading: bool = True
     # Overlapped scheduling: launch step n+1 (its input ids gathered on the device from step n's
-    # samples) before reading step n back, so host work overlaps the device. Its GPU tests pass, but
-    # benchmarks/decode.py measured no gain on the H200 (Qwen3-30B shape, concurrency 1/64/256:
-    # within +-3% of synchronous), so it stays off by default.
+    # samples) before reading step n back, so host work overlaps the device. Its GPU tests pass; off
+    # by default until benchmarks/decode.py --async-scheduling measures its gain (the one run so far
+    # synchronized the device after every step, which serialized the overlap away).
     async_scheduling: bool = False
 
     @property
