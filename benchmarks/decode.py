@@ -4,8 +4,8 @@ Concurrency 1..256 with no LoRA (an engine without LoRA slots), 1 adapter, and 8
 rank 16 spread over the requests (an engine with 8 slots). Each run: prefill short prompts,
 then time `--steps` back-to-back CUDA-graph decode steps (wall clock, one device sync at the
 end). Prints the step time, tokens/s, the bytes bound of a step over the copy bandwidth measured
-here, and the LoRA / no-LoRA throughput
-ratio. Writes a CSV (one row per model, config and concurrency).
+here, and the LoRA / no-LoRA throughput ratio. Writes a CSV (one row per model, config and
+concurrency).
 
 Bytes bound of a step, per layer: the attention projections (GQA q/k/v/o; MLA q_proj or q_a/q_b,
 kv_a_proj_with_mqa, kv_b_proj, o_proj), the distinct routed experts the batch touches under uniform
