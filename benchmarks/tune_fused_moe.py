@@ -4,7 +4,8 @@ moelora/kernels/configs/fused_moe_<gpu>.json (and a copy plus all timings under 
 Shape legend: M tokens, H hidden, I expert intermediate, E experts, K top-k.
 Per (shape, M): time the LoRA-off layer (CUDA-graph replay, L2 flushed, median) over a short
 candidate list of tiles chosen by routes per expert, keep the fastest; then try TMA on it; then
-pick lora_shrink (inline / separate / route) and lora_split_k on 8 adapters of rank 16. Usage:
+pick lora_shrink (inline / separate / route / block) and lora_split_k on 8 adapters of rank 16, and
+lora_shrink_wide (separate / route / block) on 8 adapters of rank 64. Usage:
   python benchmarks/tune_fused_moe.py [--shapes a,b] [--ms 1,8] [--lora-only]
 """
 
@@ -23,7 +24,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from moe_bench_common import MS, SHAPES, graph_time_ms, make_inputs, make_layer, make_lora, moe_call  # noqa: E402
 
-from moelora.kernels.moe_config import CONFIG_DIR, FusedMoEConfig, GemmTile, device_tag, shape_key  # noqa: E402
+from moelora.kernels.moe_config import (  # noqa: E402
+    CONFIG_DIR,
+    WIDE_SHRINK_MODES,
+    FusedMoEConfig,
+    GemmTile,
+    device_tag,
+    shape_key,
+)
 
 DECODE_TILES = [(64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 4, 3), (32, 256, 4, 3), (16, 256, 4, 4)]
 MID_TILES = [(64, 128, 4, 3), (128, 64, 4, 4)]
@@ -66,6 +74,22 @@ def tune_lora(layer, M, base: FusedMoEConfig, log) -> FusedMoEConfig:
     t_best, best = min(scored, key=lambda p: p[0])
     print(f"  M={M:5d} 8ad_r16 " + "  ".join(f"{c.lora_shrink}/{c.lora_split_k} {t * 1e3:7.1f}" for t, c in scored)
           + f"  -> {best.lora_shrink}/{best.lora_split_k}", flush=True)
+    return tune_wide(layer, M, best, log)
+
+
+def tune_wide(layer, M, base: FusedMoEConfig, log) -> FusedMoEConfig:
+    """Keep base; pick lora_shrink_wide (the path of pools of max rank > 16) on 8 adapters of rank 64."""
+    x, wts, ids = make_inputs(layer, M)
+    lora = make_lora(layer, M, "8ad_r64")
+    scored = []
+    for mode in WIDE_SHRINK_MODES:
+        cfg = dataclasses.replace(base, lora_shrink_wide=mode)
+        t = timed(layer, x, wts, ids, lora, cfg)
+        scored.append((t, cfg))
+        log.append(dict(M=M, what=f"wide_{mode}", config=json.dumps(cfg.to_dict()), ms=t))
+    t_best, best = min(scored, key=lambda p: p[0])
+    print(f"  M={M:5d} 8ad_r64 " + "  ".join(f"{c.lora_shrink_wide} {t * 1e3:7.1f}" for t, c in scored)
+          + f"  -> {best.lora_shrink_wide}", flush=True)
     return best
 
 
@@ -99,7 +123,7 @@ def main(argv=None):
     for sname in args.shapes.split(","):
         shape = SHAPES[sname]
         print(f"# {sname} {shape}", flush=True)
-        layer = make_layer(shape, pool_ranks=(16,))
+        layer = make_layer(shape, pool_ranks=(16, 64))
         key = shape_key(shape["E"], shape["H"], shape["I"], torch.bfloat16)
         per_m = table["configs"].setdefault(key, {})
         for M in map(int, args.ms.split(",")):

@@ -2,7 +2,8 @@
 # `make gpu-check`: every test marked `gpu`, then the benchmarks, on a CUDA machine.
 # Logs and CSVs go under $OUT (default ./gpu_check_out). Stages (all on by default):
 #   TESTS=1  pytest -m gpu over tests/ (kernels, engine equivalences, demo under graphs)
-#   LAYER=1  benchmarks/moe_lora_layer.py (TUNE=1 first re-tunes the fused MoE launch configs)
+#   LAYER=1  benchmarks/moe_lora_layer.py (TUNE=1 first re-tunes the fused MoE launch configs, TUNE_ARGS
+#            e.g. "--lora-only --ms 1,8,32,128,512": keep the tiles, re-pick the LoRA paths)
 #   DECODE=1 benchmarks/decode.py (DECODE_ARGS, e.g. "--model all --conc 1,8,64,256")
 #   PROFILE=0 benchmarks/decode_profile.py (PROFILE_ARGS): host phases, graph replay, top kernels
 # Exit status: non-zero if any stage failed; every stage runs regardless.
@@ -21,7 +22,7 @@ if [ "${TESTS:-1}" = 1 ]; then
   "$PY" -m pytest -m gpu -q -p no:cacheprovider -rs $skip ${TEST_ARGS:-tests/} 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
 fi
 if [ "${TUNE:-0}" = 1 ]; then
-  "$PY" benchmarks/tune_fused_moe.py 2>&1 | tee "$OUT/tune.log" || rc=1
+  "$PY" benchmarks/tune_fused_moe.py ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" || rc=1
 fi
 if [ "${LAYER:-1}" = 1 ]; then
   "$PY" benchmarks/moe_lora_layer.py "$OUT/moe_lora_layer.csv" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/moe_lora_layer.log" || rc=1
