@@ -19,7 +19,14 @@ from moelora.engine.cuda_graphs import CudaGraphRunner
 from moelora.engine.kv_cache import PagedKVCache
 from moelora.engine.request import Request, SamplingParams, Status
 from moelora.engine.runner import ModelRunner
-from moelora.engine.sampler import logprobs_on_device, logprobs_to_host, sample
+from moelora.engine.sampler import (
+    PenaltyState,
+    apply_penalties,
+    logprobs_on_device,
+    logprobs_to_host,
+    record_tokens,
+    sample,
+)
 from moelora.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from moelora.engine.tokenizer import Tokenizer
 from moelora.errors import RequestError
@@ -167,7 +174,7 @@ class LLMEngine:
         reqs = [step.requests[i] for i in inputs.sample_index]
         tokens = logprobs = None
         if reqs:
-            tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+            tokens = self._sample(logits, reqs)
             wants = [r.params.logprobs for r in reqs]
             if any(w is not None for w in wants):  # computed now: a graph's logits buffer is reused
                 logprobs = logprobs_on_device(logits, tokens, wants)
@@ -179,6 +186,20 @@ class LLMEngine:
             if known_after >= req.params.max_tokens or len(req.prompt_ids) + known_after >= self.cfg.max_model_len:
                 self.scheduler.hold(req)  # finishes by length when read: schedule it no more
         return _Launched(step, reqs, tokens, logprobs)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """Token ids [len(reqs)] on the device; penalized requests sample from penalized logits and
+        count their token (their state is created at their first sampled token)."""
+        rows = [i for i, r in enumerate(reqs) if r.params.penalized]
+        for i in rows:
+            if reqs[i].penalty is None:
+                reqs[i].penalty = PenaltyState.new(reqs[i].all_ids, logits.shape[1], logits.device)
+        states = [reqs[i].penalty for i in rows]
+        scores = apply_penalties(logits, rows, states, [reqs[i].params for i in rows]) if rows else logits
+        tokens = sample(scores, [r.params for r in reqs], [r.generator for r in reqs])
+        if rows:
+            record_tokens(tokens, rows, states)
+        return tokens
 
     def _read_back(self, launched: _Launched) -> list[Request]:
         changed = []

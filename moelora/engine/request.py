@@ -9,7 +9,11 @@ from moelora.errors import RequestError
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to decode one request. temperature 0 is greedy; top_k <= 0 and top_p 1 are off."""
+    """How to decode one request. temperature 0 is greedy; top_k <= 0 and top_p 1 are off.
+    Penalties (OpenAI / vLLM semantics, off at their defaults): repetition_penalty divides the
+    positive logits and multiplies the negative ones of every token in the prompt or the output so
+    far; then frequency_penalty x (times the token was generated) and presence_penalty x (it was
+    generated at all) are subtracted."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -20,6 +24,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # per token: the sampled token's logprob and the top `logprobs` (0: none)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -38,10 +45,19 @@ class SamplingParams:
             raise RequestError("stop strings must be non-empty")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise RequestError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not self.repetition_penalty > 0:
+            raise RequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 @dataclass
@@ -89,6 +105,7 @@ class Request:
     # num_tokens (the next step computes them) and read as PENDING in token_slice; output_ids holds
     # read tokens only.
     num_pending: int = 0
+    penalty: object = None  # sampler.PenaltyState on the device, for requests with penalties
 
     @property
     def all_ids(self) -> list[int]:

@@ -1,29 +1,80 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds, penalties.
 
 Shape legend: B rows (one per sequence), V vocab. `sample(logits [B, V] fp32, params, gens)`.
 Sampling is the exponential-race form of a categorical draw (argmax of p / q with q ~ Exp(1)),
 so greedy and sampled rows share one argmax; each row draws its noise from its own generator,
 which makes a seeded request reproducible whatever it is batched with.
+
+Penalties (`SamplingParams.penalized`): a request keeps a `PenaltyState` on the device (its output
+token counts and which tokens its prompt or output hold), created at its first sampled token and
+updated by `record_tokens` right after each draw, on the device: no host sync, and overlapped
+scheduling's next step sees the token before it is read back. `apply_penalties` returns penalized
+logits for sampling only; logprobs stay those of the model's own distribution.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from moelora.engine.request import SamplingParams
 
 
+def _on(values: list, device: torch.device) -> torch.Tensor:
+    """A small host list on `device` without a host sync (a blocking copy would wait for the step's
+    queued kernels, and stall overlapped scheduling)."""
+    return torch.tensor(values).to(device, non_blocking=True)
+
+
+@dataclass
+class PenaltyState:
+    counts: torch.Tensor  # [V] int32: times each token was generated
+    seen: torch.Tensor  # [V] bool: in the prompt or generated (repetition_penalty's set)
+
+    @staticmethod
+    def new(prompt_ids: Sequence[int], vocab: int, device: torch.device) -> PenaltyState:
+        seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        ids = torch.tensor([t for t in prompt_ids if 0 <= t < vocab], dtype=torch.long)
+        seen[ids.to(device, non_blocking=True)] = True
+        return PenaltyState(torch.zeros(vocab, dtype=torch.int32, device=device), seen)
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[int], states: Sequence[PenaltyState],
+                    params: Sequence[SamplingParams]) -> torch.Tensor:
+    """logits [B, V] -> a new fp32 [B, V] with rows[i] penalized by params[i] (see SamplingParams)."""
+    out = logits.float().clone()
+    dev = logits.device
+    index = _on(list(rows), dev)
+    x = out.index_select(0, index)
+    counts = torch.stack([s.counts for s in states]).float()
+    seen = torch.stack([s.seen for s in states])
+    rep = _on([p.repetition_penalty for p in params], dev)[:, None]
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    freq = _on([p.frequency_penalty for p in params], dev)[:, None]
+    pres = _on([p.presence_penalty for p in params], dev)[:, None]
+    x = x - freq * counts - pres * (counts > 0).float()
+    return out.index_copy_(0, index, x)
+
+
+def record_tokens(tokens: torch.Tensor, rows: Sequence[int], states: Sequence[PenaltyState]) -> None:
+    """Count each penalized row's sampled token (tokens [B] on the device; no sync)."""
+    for i, st in zip(rows, states, strict=True):
+        tok = tokens[i:i + 1]
+        st.counts.index_add_(0, tok, torch.ones(1, dtype=torch.int32, device=tok.device))
+        st.seen.index_fill_(0, tok, True)
+
+
 def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     B, V = logits.shape
     logits = logits / _temperatures(logits, params)
-    ks = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=logits.device)
+    ks = _on([p.top_k if 0 < p.top_k < V else V for p in params], logits.device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(V, device=logits.device)[None, :]
     drop = rank >= ks[:, None]
     probs = sorted_logits.softmax(-1)
-    top_ps = torch.tensor([p.top_p for p in params], device=logits.device)
+    top_ps = _on([p.top_p for p in params], logits.device)
     drop |= (probs.cumsum(-1) - probs) >= top_ps[:, None]  # keep the smallest prefix reaching top_p
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
@@ -35,7 +86,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     logits = logits.float()
     if all(p.greedy for p in params):  # the common decode case: no sort, no noise
         return logits.argmax(-1)
-    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+    greedy = _on([p.greedy for p in params], logits.device)
     needs_filter = any(p.top_p < 1 or p.top_k > 0 for p in params)
     probs = (_filter(logits, params) if needs_filter else logits / _temperatures(logits, params)).softmax(-1)
     noise = torch.empty_like(probs).exponential_()  # one draw for all unseeded rows
@@ -47,7 +98,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
 
 
 def _temperatures(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    return torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device)[:, None]
+    return _on([p.temperature if p.temperature > 0 else 1.0 for p in params], logits.device)[:, None]
 
 
 def logprobs_on_device(logits: torch.Tensor, tokens: torch.Tensor, wants: Sequence[int | None]):
@@ -58,7 +109,7 @@ def logprobs_on_device(logits: torch.Tensor, tokens: torch.Tensor, wants: Sequen
     rows = [i for i, k in enumerate(wants) if k is not None]
     if not rows:
         return (list(wants), rows, None, None, None)
-    index = torch.tensor(rows, device=logits.device)
+    index = _on(rows, logits.device)
     lp = logits.index_select(0, index).float().log_softmax(-1)
     chosen = lp.gather(1, tokens.index_select(0, index)[:, None])[:, 0]
     k = max(wants[i] for i in rows)

@@ -54,8 +54,7 @@ class StreamOptions(_Body):
     include_usage: bool | None = False
 
 
-_NEUTRAL_SAMPLING = {"presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-                     "logit_bias": (None, {})}
+_NEUTRAL_SAMPLING = {"logit_bias": (None, {})}
 
 
 class _Sampling(_Body):
@@ -73,8 +72,9 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as OpenAI's is advisory
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None  # vLLM extension: 1 is off
     logit_bias: dict[str, float] | None = None
 
     def stop_strings(self) -> tuple[str, ...]:

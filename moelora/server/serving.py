@@ -111,7 +111,9 @@ class OpenAIServing:
                 max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k is None else body.top_k,
                 seed=seed, stop=body.stop_strings(), stop_token_ids=tuple(body.stop_token_ids or ()),
-                ignore_eos=body.ignore_eos, logprobs=logprobs)
+                ignore_eos=body.ignore_eos, logprobs=logprobs,
+                presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty)
         except RequestError as e:
             raise ApiError(400, str(e)) from None
 
