@@ -133,6 +133,25 @@ def test_overlapped_scheduling_matches_synchronous(model_and_adapters):
     assert forced_logprob_diff(gpu_engine(model, adapters), reqs) <= 0.05
 
 
+def test_penalized_greedy_decode_graphs_match_eager(model_and_adapters):
+    """Penalty state lives on the device and is updated after each draw, outside the graph."""
+    model, adapters = model_and_adapters
+    prompts, names = workload(n=12, seed=6)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0, frequency_penalty=1.0,
+                            presence_penalty=0.5, repetition_penalty=1.2)
+
+    def run(eng):
+        reqs = [eng.add_request(p, params, a) for p, a in zip(prompts, names, strict=True)]
+        while eng.has_unfinished():
+            eng.step()
+        return reqs
+
+    graphed, eager = run(gpu_engine(model, adapters)), run(gpu_engine(model, adapters, enforce_eager=True))
+    for g, e in zip(graphed, eager, strict=True):
+        assert g.output_ids == e.output_ids, g.request_id
+        assert max(abs(a[0] - b[0]) for a, b in zip(g.logprobs, e.logprobs, strict=True)) <= 0.05
+
+
 def test_async_adapter_loading_matches_synchronous(model_and_adapters):
     """2 slots for 4 adapters: slots are rewritten (on the side stream) while other requests decode."""
     model, adapters = model_and_adapters
