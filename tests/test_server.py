@@ -244,6 +244,16 @@ def test_n_seed_top_k_top_p_and_completion_logprobs(client):
         assert c.logprobs.text_offset[0] == 0
 
 
+def test_penalties_logit_bias_and_min_tokens_reach_the_engine(client):
+    free = complete(client, BASE, PROMPTS[5], logprobs=0, extra_body={"ignore_eos": True}).choices[0]
+    forced = complete(client, BASE, PROMPTS[5], logprobs=0, logit_bias={"5": 100},
+                      extra_body={"ignore_eos": True}).choices[0]
+    assert len(set(forced.logprobs.tokens)) == 1 and forced.text != free.text  # token 5, every step
+    penalized = complete(client, BASE, PROMPTS[5], frequency_penalty=2.0, presence_penalty=2.0,
+                         extra_body={"ignore_eos": True, "repetition_penalty": 1.5, "min_tokens": 3}).choices[0]
+    assert penalized.text != free.text
+
+
 def test_stop_strings_whole_and_streamed(client):
     full = complete(client, "gamma", PROMPTS[4], max_tokens=20, extra_body={"ignore_eos": True}).choices[0].text
     i = next(i for i, ch in enumerate(full) if i > 0 and ch != "\ufffd")

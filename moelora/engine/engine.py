@@ -21,7 +21,7 @@ from moelora.engine.request import Request, SamplingParams, Status
 from moelora.engine.runner import ModelRunner
 from moelora.engine.sampler import (
     PenaltyState,
-    apply_penalties,
+    adjust_logits,
     logprobs_on_device,
     logprobs_to_host,
     record_tokens,
@@ -113,6 +113,10 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (size {self.model_config.vocab_size})")
+        bad = [t for t, _ in params.logit_bias if t >= self.model_config.vocab_size]
+        if bad:
+            raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary "
+                               f"(size {self.model_config.vocab_size})")
         if request_id is None:
             self._counter += 1
             request_id = f"req-{self._counter}"
@@ -188,17 +192,24 @@ class LLMEngine:
         return _Launched(step, reqs, tokens, logprobs)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """Token ids [len(reqs)] on the device; penalized requests sample from penalized logits and
-        count their token (their state is created at their first sampled token)."""
-        rows = [i for i, r in enumerate(reqs) if r.params.penalized]
+        """Token ids [len(reqs)] on the device. Requests with logit adjustments sample from adjusted
+        logits; penalized ones count their token (their state is created at their first draw)."""
+        rows = [i for i, r in enumerate(reqs) if r.params.adjusts_logits]
+        if not rows:
+            return sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        states, suppress = [], []
         for i in rows:
-            if reqs[i].penalty is None:
-                reqs[i].penalty = PenaltyState.new(reqs[i].all_ids, logits.shape[1], logits.device)
-        states = [reqs[i].penalty for i in rows]
-        scores = apply_penalties(logits, rows, states, [reqs[i].params for i in rows]) if rows else logits
+            r, p = reqs[i], reqs[i].params
+            if p.penalized and r.penalty is None:
+                r.penalty = PenaltyState.new(r.all_ids, logits.shape[1], logits.device)
+            states.append(r.penalty)
+            early = len(r.output_ids) + r.num_pending < p.min_tokens  # no stop token before min_tokens
+            suppress.append((*p.stop_token_ids, *(() if p.ignore_eos else sorted(self.eos))) if early else ())
+        scores = adjust_logits(logits, rows, [reqs[i].params for i in rows], states, suppress)
         tokens = sample(scores, [r.params for r in reqs], [r.generator for r in reqs])
-        if rows:
-            record_tokens(tokens, rows, states)
+        pen = [j for j, i in enumerate(rows) if reqs[i].params.penalized]
+        if pen:
+            record_tokens(tokens, [rows[j] for j in pen], [states[j] for j in pen])
         return tokens
 
     def _read_back(self, launched: _Launched) -> list[Request]:
@@ -229,9 +240,12 @@ class LLMEngine:
         req.output_ids.append(tok)
         if logprob is not None:
             req.logprobs.append(logprob)
-        if self.tokenizer is not None and p.stop:  # only stop strings need the text while decoding
+        if self.tokenizer is not None and p.stop and len(req.output_ids) >= p.min_tokens:  # text: stop strings
             req.text = self.tokenizer.decode(req.output_ids)
-            cut = min((i for i in (req.text.find(s) for s in p.stop) if i >= 0), default=-1)
+            # with min_tokens, a stop string counts only if it ends after the first min_tokens tokens
+            floor = len(self.tokenizer.decode(req.output_ids[:p.min_tokens])) if p.min_tokens else 0
+            cut = min((i for i in (req.text.find(s, max(0, floor - len(s) + 1)) for s in p.stop) if i >= 0),
+                      default=-1)
             if cut >= 0:
                 req.text = req.text[:cut]
                 self.scheduler.finish(req, "stop")

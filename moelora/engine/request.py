@@ -13,7 +13,9 @@ class SamplingParams:
     Penalties (OpenAI / vLLM semantics, off at their defaults): repetition_penalty divides the
     positive logits and multiplies the negative ones of every token in the prompt or the output so
     far; then frequency_penalty x (times the token was generated) and presence_penalty x (it was
-    generated at all) are subtracted."""
+    generated at all) are subtracted. logit_bias (OpenAI): token id -> bias in [-100, 100] added to
+    its logit; min_tokens (vLLM): no EOS, stop token or stop string ends the request before it has
+    generated that many tokens."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -27,12 +29,20 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # a {token id: bias} mapping is accepted too
+    min_tokens: int = 0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if hasattr(self.logit_bias, "items") else self.logit_bias
+        try:
+            bias = tuple(sorted((int(t), float(b)) for t, b in bias))
+        except (TypeError, ValueError):
+            raise RequestError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
+        object.__setattr__(self, "logit_bias", bias)
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not self.temperature >= 0:
@@ -50,6 +60,12 @@ class SamplingParams:
                 raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
         if not self.repetition_penalty > 0:
             raise RequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        bad = next(((t, b) for t, b in self.logit_bias if t < 0 or not -100 <= b <= 100), None)
+        if bad is not None:
+            raise RequestError(f"logit_bias entries must be a token id >= 0 and a bias in [-100, 100], got {bad}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                               f"got {self.min_tokens!r}")
 
     @property
     def greedy(self) -> bool:
@@ -58,6 +74,11 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether sampling must see other logits than the model's (penalties, bias, min_tokens)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
 
 @dataclass

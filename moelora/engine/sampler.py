@@ -1,4 +1,4 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds, penalties.
+"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds, logit adjustments.
 
 Shape legend: B rows (one per sequence), V vocab. `sample(logits [B, V] fp32, params, gens)`.
 Sampling is the exponential-race form of a categorical draw (argmax of p / q with q ~ Exp(1)),
@@ -8,8 +8,8 @@ which makes a seeded request reproducible whatever it is batched with.
 Penalties (`SamplingParams.penalized`): a request keeps a `PenaltyState` on the device (its output
 token counts and which tokens its prompt or output hold), created at its first sampled token and
 updated by `record_tokens` right after each draw, on the device: no host sync, and overlapped
-scheduling's next step sees the token before it is read back. `apply_penalties` returns penalized
-logits for sampling only; logprobs stay those of the model's own distribution.
+scheduling's next step sees the token before it is read back. `adjust_logits` returns the logits
+sampling draws from (logit_bias, min_tokens, penalties); logprobs stay the model's own distribution.
 """
 
 from __future__ import annotations
@@ -41,21 +41,33 @@ class PenaltyState:
         return PenaltyState(torch.zeros(vocab, dtype=torch.int32, device=device), seen)
 
 
-def apply_penalties(logits: torch.Tensor, rows: Sequence[int], states: Sequence[PenaltyState],
-                    params: Sequence[SamplingParams]) -> torch.Tensor:
-    """logits [B, V] -> a new fp32 [B, V] with rows[i] penalized by params[i] (see SamplingParams)."""
+def adjust_logits(logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams],
+                  states: Sequence[PenaltyState | None], suppress: Sequence[Sequence[int]]) -> torch.Tensor:
+    """logits [B, V] -> a new fp32 [B, V] for sampling, in vLLM's order: rows[i] gets params[i]'s
+    logit_bias, -inf on the token ids suppress[i] (min_tokens not reached), then its penalties
+    (states[i], not None when params[i].penalized; see SamplingParams)."""
     out = logits.float().clone()
-    dev = logits.device
-    index = _on(list(rows), dev)
-    x = out.index_select(0, index)
-    counts = torch.stack([s.counts for s in states]).float()
-    seen = torch.stack([s.seen for s in states])
-    rep = _on([p.repetition_penalty for p in params], dev)[:, None]
-    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    freq = _on([p.frequency_penalty for p in params], dev)[:, None]
-    pres = _on([p.presence_penalty for p in params], dev)[:, None]
-    x = x - freq * counts - pres * (counts > 0).float()
-    return out.index_copy_(0, index, x)
+    dev, V = logits.device, logits.shape[1]
+    cells = [(r, t, b) for r, p in zip(rows, params, strict=True) for t, b in p.logit_bias if t < V]
+    cells += [(r, t, float("-inf")) for r, ids in zip(rows, suppress, strict=True) for t in ids if 0 <= t < V]
+    if cells:
+        r_idx, t_idx, vals = zip(*cells, strict=True)
+        bias = torch.zeros_like(out).index_put_((_on(list(r_idx), dev), _on(list(t_idx), dev)),
+                                                _on(list(vals), dev), accumulate=True)
+        out += bias
+    pen = [j for j, p in enumerate(params) if p.penalized]
+    if pen:
+        index = _on([rows[j] for j in pen], dev)
+        x = out.index_select(0, index)
+        counts = torch.stack([states[j].counts for j in pen]).float()
+        seen = torch.stack([states[j].seen for j in pen])
+        rep = _on([params[j].repetition_penalty for j in pen], dev)[:, None]
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        freq = _on([params[j].frequency_penalty for j in pen], dev)[:, None]
+        pres = _on([params[j].presence_penalty for j in pen], dev)[:, None]
+        x = x - freq * counts - pres * (counts > 0).float()
+        out.index_copy_(0, index, x)
+    return out
 
 
 def record_tokens(tokens: torch.Tensor, rows: Sequence[int], states: Sequence[PenaltyState]) -> None:

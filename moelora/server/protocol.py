@@ -54,9 +54,6 @@ class StreamOptions(_Body):
     include_usage: bool | None = False
 
 
-_NEUTRAL_SAMPLING = {"logit_bias": (None, {})}
-
-
 class _Sampling(_Body):
     """Fields shared by completions and chat completions."""
 
@@ -75,7 +72,8 @@ class _Sampling(_Body):
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None  # vLLM extension: 1 is off
-    logit_bias: dict[str, float] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0  # vLLM extension
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -84,7 +82,7 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    unimplemented = {**_NEUTRAL_SAMPLING, "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
+    unimplemented = {"echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
@@ -113,7 +111,7 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(_Sampling):
-    unimplemented = {**_NEUTRAL_SAMPLING, "tools": (None, []), "tool_choice": (None, "none"),
+    unimplemented = {"tools": (None, []), "tool_choice": (None, "none"),
                      "functions": (None, []), "function_call": (None, "none"),
                      "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,)}
 

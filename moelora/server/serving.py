@@ -113,7 +113,8 @@ class OpenAIServing:
                 seed=seed, stop=body.stop_strings(), stop_token_ids=tuple(body.stop_token_ids or ()),
                 ignore_eos=body.ignore_eos, logprobs=logprobs,
                 presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty)
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                logit_bias=body.logit_bias or {}, min_tokens=body.min_tokens)
         except RequestError as e:
             raise ApiError(400, str(e)) from None
 
