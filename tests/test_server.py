@@ -254,6 +254,32 @@ def test_penalties_logit_bias_and_min_tokens_reach_the_engine(client):
     assert penalized.text != free.text
 
 
+def test_echo_with_prompt_logprobs_as_eval_harnesses_use_it(client, assets):
+    """lm-eval style loglikelihood: echo=True, logprobs, max_tokens 0; the prompt's token logprobs
+    must equal the model's (checked against an independent LLM on the same checkpoint)."""
+    from moelora import LLM
+
+    prompt = "the cat sat on the mat"
+    c = client.completions.create(model=BASE, prompt=prompt, max_tokens=0, echo=True, logprobs=2).choices[0]
+    lp = c.logprobs
+    assert c.text == prompt and c.finish_reason == "length"
+    assert "".join(lp.tokens) == prompt and lp.text_offset[3] == 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ids = [ord(t) for t in lp.tokens]  # the test tokenizer: one token per ASCII byte
+    want = LLM(assets[0], device="cpu", dtype="float32").logits([ids], adapter=[None])[0].log_softmax(-1)
+    for i in range(1, len(ids)):
+        assert lp.token_logprobs[i] == pytest.approx(want[i - 1, ids[i]].item(), abs=1e-4)
+        assert 1 <= len(lp.top_logprobs[i]) <= 2  # keyed by token text: two bytes may both read "\ufffd"
+        assert max(lp.top_logprobs[i].values()) == pytest.approx(want[i - 1].max().item(), abs=1e-4)
+    kw = dict(max_tokens=3, extra_body={"ignore_eos": True})
+    plain = complete(client, BASE, prompt, **kw).choices[0].text
+    assert complete(client, BASE, prompt, echo=True, **kw).choices[0].text == prompt + plain
+    chunks = list(client.completions.create(model=BASE, prompt=prompt, echo=True, stream=True, **{**GREEDY, **kw}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == prompt + plain
+    zero = list(client.completions.create(model=BASE, prompt=prompt, echo=True, stream=True, max_tokens=0))
+    assert [ch.choices[0].text for ch in zero] == [prompt] and zero[0].choices[0].finish_reason == "length"
+
+
 def test_stop_strings_whole_and_streamed(client):
     full = complete(client, "gamma", PROMPTS[4], max_tokens=20, extra_body={"ignore_eos": True}).choices[0].text
     i = next(i for i, ch in enumerate(full) if i > 0 and ch != "\ufffd")

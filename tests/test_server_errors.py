@@ -137,7 +137,8 @@ BAD = {
                                "presence_penalty"),
     "repetition_penalty_zero": ({"model": BASE, "prompt": "hi", "repetition_penalty": 0}, 400,
                                 "repetition_penalty", "repetition_penalty"),
-    "unimplemented_echo": ({"model": BASE, "prompt": "hi", "echo": True}, 400, "not implemented", "echo"),
+    "unimplemented_suffix": ({"model": BASE, "prompt": "hi", "suffix": "x"}, 400, "not implemented", "suffix"),
+    "max_tokens_zero_without_echo": ({"model": BASE, "prompt": "hi", "max_tokens": 0}, 400, "echo", "max_tokens"),
     "stream_options_without_stream": ({"model": BASE, "prompt": "hi", "stream_options": {"include_usage": True}},
                                       400, "stream", "stream_options"),
 }

@@ -259,6 +259,17 @@ class LLMEngine:
         self.scheduler.finish(req, reason)
 
     # verification -------------------------------------------------------------------------------
+    def prompt_logprobs(self, token_ids: list[int], adapter: str | None, k: int) -> list:
+        """Per prompt token: its logprob given the tokens before it and the k most likely tokens
+        there, as `(logprob, ((id, logprob), ...))`; the first token has none: `(None, ())`. One
+        extra forward of the prompt (no caching), for completions' `echo` with `logprobs`."""
+        logits = self.prompt_logits([token_ids], [adapter])[0]
+        if len(token_ids) < 2:
+            return [(None, ())]
+        follow = torch.tensor(token_ids[1:]).to(logits.device, non_blocking=True)
+        rows = logprobs_to_host(logprobs_on_device(logits[:-1], follow, [k] * (len(token_ids) - 1)))
+        return [(None, ()), *rows]
+
     def prompt_logits(self, token_ids: list[list[int]], adapters: list[str | None]) -> list[torch.Tensor]:
         """fp32 logits of every position of each sequence, computed as one batch (no caching)."""
         if self._launched is not None:  # overlapped scheduling: settle the step in flight first

@@ -182,6 +182,10 @@ class AsyncEngine:
     async def unload_adapter(self, name: str) -> None:
         await self._call("unload", name)
 
+    async def prompt_logprobs(self, token_ids: list[int], adapter: str | None, k: int) -> list:
+        """`LLMEngine.prompt_logprobs`, run on the engine thread between steps."""
+        return await self._call("prompt_logprobs", token_ids, adapter, k)
+
     async def _call(self, kind: str, *args):
         if not self.alive:
             raise EngineDead("the engine is not running")
@@ -265,6 +269,9 @@ class AsyncEngine:
             with self._lock:
                 self._pending -= len(specs)
                 self._publish()
+
+    def _do_prompt_logprobs(self, token_ids: list[int], adapter: str | None, k: int) -> list:
+        return self.engine.prompt_logprobs(token_ids, adapter, k)
 
     def _do_load(self, name: str, path: str) -> None:
         if name in self._adapters:

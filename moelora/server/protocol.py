@@ -82,10 +82,10 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    unimplemented = {"echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
+    unimplemented = {"suffix": (None, ""), "best_of": (None, 1)}
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16  # 0 only with echo (prompt logprobs alone)
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool | None = False
     suffix: str | None = None

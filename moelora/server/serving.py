@@ -33,11 +33,12 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class Result:
-    """A whole response body, or an SSE stream; `stream.abort()` is safe to call once it is done."""
+    """A whole response body, or an SSE stream; `stream.abort()` is safe to call once it is done
+    (None: nothing was generated, as for an echo with max_tokens 0)."""
 
     body: dict | None
     sse: AsyncIterator[str] | None
-    stream: RequestStream
+    stream: RequestStream | None
 
 
 @dataclass
@@ -193,16 +194,32 @@ class OpenAIServing:
         if not prompts:
             raise ApiError(400, "the prompt is empty", "prompt")
         encoded = [self._encode(p, "prompt") for p in prompts]
-        specs = [GenerateSpec(ids, self._params(body, body.max_tokens, len(ids), body.logprobs, j), adapter)
-                 for ids in encoded for j in range(body.n)]
-        stream = await self._open(specs, label)
+        if body.max_tokens == 0 and not body.echo:
+            raise ApiError(400, "max_tokens must be at least 1 (0 is only allowed with echo)", "max_tokens")
+        echo = [await self._echo(p, ids, adapter, body.logprobs) for p, ids in zip(prompts, encoded, strict=True)
+                for _ in range(body.n)] if body.echo else None
         resp = _Response("cmpl", body.model, sum(len(ids) for ids in encoded))
-        events = self._run(stream, body.stop_strings(), label, arrival, incremental=body.stream)
+        stream = events = None
+        if body.max_tokens != 0:
+            specs = [GenerateSpec(ids, self._params(body, body.max_tokens, len(ids), body.logprobs, j), adapter)
+                     for ids in encoded for j in range(body.n)]
+            stream = await self._open(specs, label)
+            events = self._run(stream, body.stop_strings(), label, arrival, incremental=body.stream)
+        n, logprobs = len(encoded) * body.n, body.logprobs is not None
         if body.stream:
             usage = body.stream_options is not None and bool(body.stream_options.include_usage)
-            return Result(None, self._stream_completion(resp, events, len(specs), usage, body.logprobs is not None),
-                          stream)
-        return Result(await self._collect_completion(resp, events, len(specs), body.logprobs is not None), None, stream)
+            return Result(None, self._stream_completion(resp, events, n, usage, logprobs, echo), stream)
+        return Result(await self._collect_completion(resp, events, n, logprobs, echo), None, stream)
+
+    async def _echo(self, prompt, ids: list[int], adapter: str | None, logprobs: int | None) -> tuple:
+        """(prompt text, ids, per-token logprobs or None) of an echoed prompt."""
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+        if logprobs is None:
+            return text, ids, None
+        try:
+            return text, ids, await self.engine.prompt_logprobs(ids, adapter, logprobs)
+        except RequestError as e:
+            raise ApiError(400, str(e), "prompt") from None
 
     def _completion_logprobs(self, token_ids: list[int], logprobs: list, offset: int) -> dict:
         """The legacy completions `logprobs` object; `offset` is where the first token's text starts."""
@@ -212,13 +229,24 @@ class OpenAIServing:
             offsets.append(offset)
             offset += len(t)
         return {"tokens": tokens, "token_logprobs": [lp for lp, _ in logprobs],
-                "top_logprobs": [{self.token_text(t): v for t, v in top} for _, top in logprobs],
+                "top_logprobs": [None if lp is None else self._top_by_text(top) for lp, top in logprobs],
                 "text_offset": offsets}
 
-    async def _collect_completion(self, resp: _Response, events, n: int, logprobs: bool) -> dict:
-        texts, reasons = [""] * n, [None] * n
+    def _top_by_text(self, top) -> dict:
+        """{token text: logprob} of (id, logprob) pairs, most likely first; tokens whose text is the
+        same (e.g. two partial UTF-8 bytes both reading U+FFFD) keep the most likely one."""
+        out: dict[str, float] = {}
+        for t, v in top:
+            out.setdefault(self.token_text(t), v)
+        return out
+
+    async def _collect_completion(self, resp: _Response, events, n: int, logprobs: bool, echo) -> dict:
+        texts, reasons = [""] * n, ["length"] * n
         ids, lps = [[] for _ in range(n)], [[] for _ in range(n)]
-        async for ev in events:
+        if echo:  # the prompt first: its text, and its tokens' logprobs (the first token has none)
+            for i, (text, p_ids, p_lps) in enumerate(echo):
+                texts[i], ids[i], lps[i] = text, list(p_ids), list(p_lps or ())
+        async for ev in events or _nothing():
             texts[ev.index] += ev.text
             reasons[ev.index] = ev.finish_reason or reasons[ev.index]
             ids[ev.index] += ev.token_ids
@@ -229,10 +257,16 @@ class OpenAIServing:
                    for i in range(n)]
         return resp.body("text_completion", choices, usage=resp.usage())
 
-    async def _stream_completion(self, resp: _Response, events, n: int, usage: bool, logprobs: bool):
+    async def _stream_completion(self, resp: _Response, events, n: int, usage: bool, logprobs: bool, echo):
         offsets = [0] * n
         try:
-            async for ev in events:
+            for i, (text, p_ids, p_lps) in enumerate(echo or ()):  # the echoed prompt, one chunk a choice
+                lp = self._completion_logprobs(p_ids, p_lps, 0) if logprobs else None
+                offsets[i] = len(text)
+                yield sse(resp.body("text_completion", [{"index": i, "text": text, "logprobs": lp,
+                                                         "finish_reason": None if events else "length"}],
+                                    **({"usage": None} if usage else {})))
+            async for ev in events or _nothing():
                 resp.completion_tokens += len(ev.token_ids)
                 lp = None
                 if logprobs:
@@ -331,6 +365,12 @@ class _Response:
     def body(self, obj: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
                 **extra}
+
+
+async def _nothing():
+    """An empty event stream (echo with max_tokens 0 generates nothing)."""
+    return
+    yield
 
 
 def sse(payload: dict) -> str:
