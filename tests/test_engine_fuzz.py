@@ -1,14 +1,16 @@
 """Differential fuzz of the CPU engine: random engine settings (block size, a KV cache small enough to
 force preemption, chunked prefill budgets, prefix caching, overlapped scheduling, 2 adapter slots for
 3 adapters) and random workloads (shared prefixes, mixed adapters, stop tokens, penalties, aborts)
-must give every request exactly the tokens of its own greedy recomputation, and free every block."""
+must give every request exactly the tokens of its own greedy recomputation, and free every block.
+Qwen3-MoE (GQA cache) and DeepSeek-V3 / GLM-4-MoE (MLA latent cache; partial rotary, q/k norm)."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-from test_engine import setup  # noqa: F401  (module fixture)
+from oracle import tiny_hf_model
+from test_deepseek_glm import build
 from test_forward import engine, random_adapter
 from test_penalties import reference_row
 
@@ -26,9 +28,10 @@ def recompute(eng, prompt: list[int], adapter, p: SamplingParams) -> tuple[list[
     return outs, "length"
 
 
-def fuzz_case(model, adapters, seed: int) -> tuple[int, int, bool]:
+def fuzz_case(model, seed: int) -> tuple[int, int, bool]:
     """One random engine and workload, checked; returns (preemptions, aborts, overlapped)."""
-    adapters = {**adapters, "z": random_adapter(model, 30 + seed, 4)}
+    adapters = {"x": random_adapter(model, 20, 6), "y": random_adapter(model, 21, 8, frac=0.6),
+                "z": random_adapter(model, 30 + seed, 4)}
     rng = random.Random(seed)
     V = model.config.vocab_size
     block = rng.choice([2, 4, 8])
@@ -67,18 +70,23 @@ def fuzz_case(model, adapters, seed: int) -> tuple[int, int, bool]:
     return sum(r.num_preemptions for r in reqs), len(aborted), eng.cfg.async_scheduling
 
 
-SEEDS = range(8)
+SEEDS = {"qwen3_moe": range(8), "deepseek_v3": range(4), "glm4_moe": range(4)}
+CASES = [(family, seed) for family, seeds in SEEDS.items() for seed in seeds]
 
 
 @pytest.fixture(scope="module")
-def fuzz_stats(setup):  # noqa: F811
-    model, adapters = setup
-    return {seed: fuzz_case(model, adapters, seed) for seed in SEEDS}
+def fuzz_stats():
+    stats = {}
+    for family, seeds in SEEDS.items():
+        model = build(tiny_hf_model(family, seed=7), max_loras=2, max_rank=8)
+        for seed in seeds:
+            stats[family, seed] = fuzz_case(model, seed)
+    return stats
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_random_engines_and_workloads_equal_recomputation(fuzz_stats, seed):
-    assert seed in fuzz_stats  # each case asserted its own outputs while the fixture ran it
+@pytest.mark.parametrize("family,seed", CASES)
+def test_random_engines_and_workloads_equal_recomputation(fuzz_stats, family, seed):
+    assert (family, seed) in fuzz_stats  # each case asserted its own outputs while the fixture ran it
 
 
 def test_the_fuzz_reaches_preemption_aborts_and_overlap(fuzz_stats):
