@@ -133,6 +133,7 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is not None and not req.finished:
             self.scheduler.finish(req, "abort")
+            req.penalty = None
 
     def has_unfinished(self) -> bool:
         """Requests wait, run, or have a token in flight (a step in flight whose requests all
@@ -228,6 +229,7 @@ class LLMEngine:
         for req in launched.step.requests:
             if req.finished:
                 self.requests.pop(req.request_id, None)
+                req.penalty = None  # its device tensors (the caller may keep the request)
             else:
                 self.scheduler.register_computed(req)
         return changed
