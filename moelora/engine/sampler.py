@@ -51,10 +51,8 @@ def adjust_logits(logits: torch.Tensor, rows: Sequence[int], params: Sequence[Sa
     cells = [(r, t, b) for r, p in zip(rows, params, strict=True) for t, b in p.logit_bias if t < V]
     cells += [(r, t, float("-inf")) for r, ids in zip(rows, suppress, strict=True) for t in ids if 0 <= t < V]
     if cells:
-        r_idx, t_idx, vals = zip(*cells, strict=True)
-        bias = torch.zeros_like(out).index_put_((_on(list(r_idx), dev), _on(list(t_idx), dev)),
-                                                _on(list(vals), dev), accumulate=True)
-        out += bias
+        r_idx, t_idx, vals = zip(*cells, strict=True)  # sparse: only the named cells are touched
+        out.index_put_((_on(list(r_idx), dev), _on(list(t_idx), dev)), _on(list(vals), dev), accumulate=True)
     pen = [j for j, p in enumerate(params) if p.penalized]
     if pen:
         index = _on([rows[j] for j in pen], dev)
