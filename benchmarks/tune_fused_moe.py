@@ -64,16 +64,18 @@ def tune_lora(layer, M, base: FusedMoEConfig, log) -> FusedMoEConfig:
     lora = make_lora(layer, M, "8ad_r16")
     trials = [dataclasses.replace(base, lora_shrink="separate", lora_split_k=k) for k in (1, 4, 8)]
     trials.append(dataclasses.replace(base, lora_shrink="inline"))
-    trials += [dataclasses.replace(base, lora_shrink=mode) for mode in ("route", "block")]
+    trials.append(dataclasses.replace(base, lora_shrink="route"))
+    trials += [dataclasses.replace(base, lora_shrink="block", lora_n_split=n) for n in (0, 4, 8)]
     scored = []
     for cfg in trials:
         t = timed(layer, x, wts, ids, lora, cfg)
         scored.append((t, cfg))
-        log.append(dict(M=M, what=f"lora_{cfg.lora_shrink}_{cfg.lora_split_k}", config=json.dumps(cfg.to_dict()),
-                        ms=t))
+        log.append(dict(M=M, what=f"lora_{cfg.lora_shrink}_{cfg.lora_split_k}_{cfg.lora_n_split}",
+                        config=json.dumps(cfg.to_dict()), ms=t))
     t_best, best = min(scored, key=lambda p: p[0])
-    print(f"  M={M:5d} 8ad_r16 " + "  ".join(f"{c.lora_shrink}/{c.lora_split_k} {t * 1e3:7.1f}" for t, c in scored)
-          + f"  -> {best.lora_shrink}/{best.lora_split_k}", flush=True)
+    print(f"  M={M:5d} 8ad_r16 " + "  ".join(f"{c.lora_shrink}/{c.lora_split_k}/{c.lora_n_split} {t * 1e3:7.1f}"
+                                             for t, c in scored)
+          + f"  -> {best.lora_shrink}/{best.lora_split_k}/{best.lora_n_split}", flush=True)
     return tune_wide(layer, M, best, log)
 
 
@@ -82,6 +84,7 @@ def tune_wide(layer, M, base: FusedMoEConfig, log) -> FusedMoEConfig:
     x, wts, ids = make_inputs(layer, M)
     lora = make_lora(layer, M, "8ad_r64")
     scored = []
+    # the block mode's N split, when the narrow pick set one, carries over to wide pools too
     for mode in WIDE_SHRINK_MODES:
         cfg = dataclasses.replace(base, lora_shrink_wide=mode)
         t = timed(layer, x, wts, ids, lora, cfg)

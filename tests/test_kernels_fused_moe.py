@@ -139,6 +139,15 @@ def test_all_routes_on_one_expert_with_empty_experts():
 
 
 @kernel_test
+@pytest.mark.parametrize("n_split", [0, 3])
+def test_block_delta_n_splits(n_split):
+    # 2I = 192 and H = 160 output columns, 64-wide tiles: 3 splits, the last one ragged
+    case = make_case(9, 160, 96, 4, 2, ranks=(16, 5, 0), R=16, device=DEV, seed=12,
+                     slots=[0, -1, 1, 1, 0, 2, 0, 1, -1])
+    run_checked(case, replace(tiny_config("block"), lora_n_split=n_split), 1e-4)
+
+
+@kernel_test
 def test_block_delta_more_slots_in_a_block_than_lanes():
     # one 16-row block holding 11 distinct slots: 8 lane programs, the last one takes 4 slots in turn
     ranks = (16, 3, 8, 0, 16, 5, 12, 16, 1, 7, 16, 4)

@@ -146,8 +146,9 @@ def _block_delta(src, delta, plan, lora, which, block_r, cfg):
     n_out, k_dim = b.shape[2], a.shape[3]
     lanes = min(_BLOCK_LANES, a.shape[0])
     bn = _BLOCK_BN
-    # split N only when blocks x lanes alone leave SMs idle (each split repeats the block's shrink)
-    n_split = max(1, min(triton.cdiv(n_out, bn), triton.cdiv(_ROUTE_TARGET_PROGRAMS, plan.num_routes)))
+    # default: split N only when blocks x lanes alone leave SMs idle (each split repeats the block's shrink)
+    n_split = cfg.lora_n_split or triton.cdiv(_ROUTE_TARGET_PROGRAMS, plan.num_routes)
+    n_split = max(1, min(triton.cdiv(n_out, bn), n_split))
     per_split = triton.cdiv(triton.cdiv(n_out, n_split), bn) * bn
     lora_block_delta_kernel[(plan.max_blocks, lanes, triton.cdiv(n_out, per_split))](
         src, delta, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots,

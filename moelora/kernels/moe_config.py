@@ -48,7 +48,9 @@ class FusedMoEConfig:
     delta (shrink and expand GEMVs, x's dtype) before it, and the epilogue adds delta[route] (no
     loop over a block's slots; decode, where blocks hold few rows on many slots). "block": the
     same delta computed per (plan block, slot), the slots of a block in parallel programs, so a
-    (slot, expert) pair's A/B is read once per block, not once per route. lora_shrink_wide: the
+    (slot, expert) pair's A/B is read once per block, not once per route; lora_n_split cuts each
+    (block, slot) program's output columns into that many programs (0: only when the blocks leave
+    SMs idle; each split repeats the block's shrink). lora_shrink_wide: the
     mode for pools of max rank > 16 ("": lora_shrink's, "inline" going "separate"; H200, Qwen3
     M=512, 8 adapters r64: separate 3.98x no-LoRA, route 3.05x, block 2.33x). use_tma: Hopper
     tensor descriptors for the weight (and down-GEMM activation) tiles; the off switch of that
@@ -62,6 +64,7 @@ class FusedMoEConfig:
     lora_shrink_wide: str = ""
     lora_block_k: int = 128
     lora_split_k: int = 8
+    lora_n_split: int = 0
     use_tma: bool = False
 
     def __post_init__(self):
@@ -70,6 +73,8 @@ class FusedMoEConfig:
                   down_block_k=self.down.block_k, lora_block_k=self.lora_block_k)
         if self.lora_split_k < 1:
             raise ValueError(f"lora_split_k must be >= 1, got {self.lora_split_k}")
+        if self.lora_n_split < 0:
+            raise ValueError(f"lora_n_split must be >= 0, got {self.lora_n_split}")
         if self.lora_shrink not in LORA_SHRINK_MODES:
             raise ValueError(f"lora_shrink must be one of {LORA_SHRINK_MODES}, got {self.lora_shrink!r}")
         if self.lora_shrink_wide not in ("", *WIDE_SHRINK_MODES):
