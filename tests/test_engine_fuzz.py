@@ -1,6 +1,7 @@
 """Differential fuzz of the CPU engine: random engine settings (block size, a KV cache small enough to
 force preemption, chunked prefill budgets, prefix caching, overlapped scheduling, 2 adapter slots for
-3 adapters) and random workloads (shared prefixes, mixed adapters, stop tokens, penalties, aborts)
+3 adapters) and random workloads (shared prefixes, mixed adapters, stop tokens, penalties, logit_bias,
+min_tokens, aborts)
 must give every request exactly the tokens of its own greedy recomputation, and free every block.
 Qwen3-MoE (GQA cache) and DeepSeek-V3 / GLM-4-MoE (MLA latent cache; partial rotary, q/k norm)."""
 
@@ -20,7 +21,11 @@ from moelora.engine.request import SamplingParams
 def recompute(eng, prompt: list[int], adapter, p: SamplingParams) -> tuple[list[int], str]:
     outs: list[int] = []
     while len(outs) < p.max_tokens:
-        last = eng.prompt_logits([prompt + outs], [adapter])[0][-1].float()
+        last = eng.prompt_logits([prompt + outs], [adapter])[0][-1].float().clone()
+        for t, b in p.logit_bias:
+            last[t] += b
+        if len(outs) < p.min_tokens:
+            last[list(p.stop_token_ids)] = float("-inf")
         tok = int(reference_row(last, prompt, outs, p).argmax())
         if tok in p.stop_token_ids:
             return outs, "stop"
@@ -47,6 +52,10 @@ def fuzz_case(model, seed: int) -> tuple[int, int, bool]:
             kw["stop_token_ids"] = (rng.randrange(3, V),)
         if rng.random() < 0.3:
             kw.update(frequency_penalty=1.0, repetition_penalty=1.3)
+        if rng.random() < 0.2:
+            kw["logit_bias"] = {rng.randrange(3, V): rng.choice([-100.0, 3.0])}
+        if "stop_token_ids" in kw and rng.random() < 0.5:
+            kw["min_tokens"] = rng.randrange(0, kw["max_tokens"] + 1)
         r = eng.add_request(prompt, SamplingParams(**kw), rng.choice([None, "x", "y", "z"]))
         reqs.append(r)
         if rng.random() < 0.15:
