@@ -159,6 +159,32 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, seq_lens_ptr, qstart
 
 
 @triton.jit
+def split_range(seq_lens_ptr, b, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[start, end) of split-KV decode's key range `split` of sequence b: BLOCK_N-aligned chunks;
+    end <= start for a split past the context (an empty loop)."""
+    seq_len = tl.load(seq_lens_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    return start, tl.minimum(start + chunk, seq_len)
+
+
+@triton.jit
+def store_split(out_ptr, m_ptr, l_ptr, acc_ptr, t64, heads, h_mask, offs, o_mask, m_i, l_i, acc, b, split, N,
+                stride_ot, stride_oh, NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """A split-KV decode program's result for its heads: the normalized output when there is one
+    split, else (m, l, acc) partials for `decode_reduce_kernel`."""
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + offs[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & o_mask[None, :])
+    else:
+        part = (b * N + heads).to(tl.int64) * NUM_SPLITS + split
+        tl.store(m_ptr + part, m_i, mask=h_mask)
+        tl.store(l_ptr + part, l_i, mask=h_mask)
+        tl.store(acc_ptr + part[:, None] * BLOCK + offs[None, :], acc, mask=h_mask[:, None])
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, seq_lens_ptr, qstart_ptr,
                          m_ptr, l_ptr, acc_ptr, qk_scale, D: tl.constexpr, N,
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
@@ -168,10 +194,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, seq_lens_ptr, q
     q0 = tl.load(qstart_ptr + b)
     if tl.load(qstart_ptr + b + 1) == q0:  # a sequence with no query row this step
         return
-    seq_len = tl.load(seq_lens_ptr + b)
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, seq_len)  # <= start for a split past the context: empty loop
+    start, end = split_range(seq_lens_ptr, b, split, NUM_SPLITS, BLOCK_N)
     offs_g, offs_d = tl.arange(0, G_PAD), tl.arange(0, BLOCK_D)
     g_mask, d_mask = offs_g < GROUP, offs_d < D
     heads = kvh * GROUP + offs_g
@@ -189,15 +212,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, seq_lens_ptr, q
         s = _scores(q, kc_ptr, rows, j_mask, offs_d, d_mask, qk_scale, PRECISION)
         s = tl.where(j_mask[None, :], s, float("-inf"))
         m_i, l_i, acc = _softmax_update(s, vc_ptr, rows, j_mask, offs_d, d_mask, m_i, l_i, acc, PRECISION)
-    if NUM_SPLITS == 1:
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + q0.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
-    else:
-        part = (b * N + heads).to(tl.int64) * NUM_SPLITS + split
-        tl.store(m_ptr + part, m_i, mask=g_mask)
-        tl.store(l_ptr + part, l_i, mask=g_mask)
-        tl.store(acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_mask[:, None])
+    store_split(out_ptr, m_ptr, l_ptr, acc_ptr, q0.to(tl.int64), heads, g_mask, offs_d, d_mask, m_i, l_i, acc, b,
+                split, N, stride_ot, stride_oh, NUM_SPLITS, BLOCK_D)
 
 
 @triton.jit

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.attention import NEG_INF, decode_reduce_kernel, default_num_splits
+from moelora.kernels.attention import NEG_INF, decode_reduce_kernel, default_num_splits, split_range, store_split
 from moelora.kernels.checks import need_pow2
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -90,10 +90,7 @@ def _mla_split_kernel(qa_ptr, qr_ptr, cache_ptr, out_ptr, bt_ptr, seq_lens_ptr, 
     q0 = tl.load(qstart_ptr + b)
     if tl.load(qstart_ptr + b + 1) == q0:  # a sequence with no query row this step
         return
-    seq_len = tl.load(seq_lens_ptr + b)
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, seq_len)  # <= start for a split past the context: empty loop
+    start, end = split_range(seq_lens_ptr, b, split, NUM_SPLITS, BLOCK_N)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_c, offs_r = tl.arange(0, BLOCK_C), tl.arange(0, BLOCK_R)
     h_mask, c_mask, r_mask = heads < N, offs_c < C, offs_r < DR
@@ -124,15 +121,8 @@ def _mla_split_kernel(qa_ptr, qr_ptr, cache_ptr, out_ptr, bt_ptr, seq_lens_ptr, 
         acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-    if NUM_SPLITS == 1:
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + offs_c[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & c_mask[None, :])
-    else:
-        part = (b * N + heads).to(tl.int64) * NUM_SPLITS + split
-        tl.store(m_ptr + part, m_i, mask=h_mask)
-        tl.store(l_ptr + part, l_i, mask=h_mask)
-        tl.store(acc_ptr + part[:, None] * BLOCK_C + offs_c[None, :], acc, mask=h_mask[:, None])
+    store_split(out_ptr, m_ptr, l_ptr, acc_ptr, t64, heads, h_mask, offs_c, c_mask, m_i, l_i, acc, b, split, N,
+                stride_ot, stride_oh, NUM_SPLITS, BLOCK_C)
 
 
 def _bad(name, t, want):
