@@ -48,7 +48,14 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.checks import need_pow2
-from moelora.kernels.lora_tiles import load_slot_ranks, lora_b_tile, lora_b_tile_cols, lora_shrink_rows, segment_rank
+from moelora.kernels.lora_tiles import (
+    drop_largest_slots,
+    load_slot_ranks,
+    lora_b_tile,
+    lora_b_tile_cols,
+    lora_shrink_rows,
+    segment_rank,
+)
 from moelora.kernels.reference import DenseLoRAArgs
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -112,10 +119,7 @@ def _lane_rows(slots_ptr, ranks_ptr, offs_t, T, n_slots, lane, n_lanes, S_P2: tl
     are loaded with the slots, so a slot's rank costs no extra round trip."""
     slot = tl.load(slots_ptr + offs_t, mask=offs_t < T, other=-1)
     ranks = load_slot_ranks(ranks_ptr, n_slots, S_P2, G, G_P2)
-    s = tl.max(slot, axis=0)
-    for _ in range(lane):
-        slot = tl.where(slot == s, -1, slot)
-        s = tl.max(slot, axis=0)
+    slot, s = drop_largest_slots(slot, lane)
     mine = (slot >= tl.where(lane == n_lanes - 1, 0, s)) & (slot <= s)  # slots left are all <= s
     return slot, s, mine, ranks
 

@@ -57,6 +57,17 @@ def lora_b_tile_cols(b_ptr, offs_n, n_lo, n_hi, stride_bn, rank, BLOCK_R: tl.con
 
 
 @triton.jit
+def drop_largest_slots(slot, lane):
+    """(slot vector with its `lane` largest distinct slots set to -1, the largest one left or -1):
+    how a slot lane finds the slot it handles."""
+    s = tl.max(slot, axis=0)
+    for _ in range(lane):
+        slot = tl.where(slot == s, -1, slot)
+        s = tl.max(slot, axis=0)
+    return slot, s
+
+
+@triton.jit
 def load_slot_ranks(ranks_ptr, n_slots, S_P2: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr):
     """Every slot's rank: [S_P2] from ranks [S] (G == 1), or [G_P2, S_P2] from ranks [G, S] (contiguous);
     zero past S and G."""

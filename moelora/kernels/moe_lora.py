@@ -36,7 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moelora.kernels.lora_tiles import lora_b_tile, lora_shrink_rows
+from moelora.kernels.lora_tiles import drop_largest_slots, lora_b_tile, lora_shrink_rows
 from moelora.kernels.moe_gemm import plan_rows, slot_base
 
 
@@ -158,15 +158,8 @@ def lora_block_delta_kernel(
         return
     e = tl.load(eob_ptr + pid_m).to(tl.int64)
     offs_m, route, valid, tok = plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BM)
-    if BY_PLAN_ROW:  # down: h rows are plan rows
-        rows = offs_m
-    else:  # gate_up: x rows are tokens
-        rows = tok
-    slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
-    s = tl.max(slot, axis=0)
-    for _ in range(lane):  # drop the `lane` largest distinct slots
-        slot = tl.where(slot == s, -1, slot)
-        s = tl.max(slot, axis=0)
+    rows = offs_m if BY_PLAN_ROW else tok  # down: h rows are plan rows; gate_up: x rows are tokens
+    slot, s = drop_largest_slots(tl.load(slots_ptr + tok, mask=valid, other=-1), lane)
     n_start = tl.program_id(2) * n_per_split
     n_end = tl.minimum(n_out, n_start + n_per_split)
     last = lane == n_lanes - 1
