@@ -87,26 +87,27 @@ def start(eng, conc, names, steps):
     return reqs
 
 
-def profile_point(eng, conc, names, steps, top, log):
-    reqs = start(eng, conc, names, steps)
+def step_walls(eng, steps: int) -> list[float]:
+    """Wall time of each of `steps` synchronous steps (device synced after each)."""
     walls = []
     for _ in range(steps):
         t0 = time.perf_counter()
         eng.step()
         torch.cuda.synchronize()
         walls.append(time.perf_counter() - t0)
+    return walls
+
+
+def profile_point(eng, conc, names, steps, top, log):
+    reqs = start(eng, conc, names, steps)
+    walls = step_walls(eng, steps)
     sinks, saved = {}, []
     for owner, name in PHASES:
         obj = eng if owner is None else owner if not isinstance(owner, str) else getattr(eng, owner)
         sinks[name] = []
         saved.append((obj, name, getattr(obj, name)))
         setattr(obj, name, timed(getattr(obj, name), sinks[name]))
-    phased = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        eng.step()
-        torch.cuda.synchronize()
-        phased.append(time.perf_counter() - t0)
+    phased = step_walls(eng, steps)
     for obj, name, fn in saved:
         setattr(obj, name, fn)
     # the graph alone, and one eager forward of the same step's inputs under the profiler
