@@ -16,6 +16,7 @@ triton = pytest.importorskip("triton")
 
 from kernel_env import DEV, gpu_only, kernel_test  # noqa: E402
 from test_kernels_attention import build_meta, rel_errors  # noqa: E402
+from test_mla_decode import scattered_tables  # noqa: E402
 
 from moelora.kernels.mla_attention import MLAConfig, default_mla_config, mla_decode_attention  # noqa: E402
 from moelora.kernels.reference import mla_decode_attention_ref  # noqa: E402
@@ -28,13 +29,7 @@ def make_case(cached, N, C, Dr, bs, *, dtype=torch.float32, device="cpu", seed=0
     """One decode step: sequence i has cached[i] tokens plus one new one. q_rope is a slice of a wider
     query (as the layer passes it) and q_abs a transposed view (as its batched matmul returns it)."""
     g = torch.Generator().manual_seed(seed)
-    nblk = [-(-(n + 1) // bs) for n in cached]
-    NB = sum(nblk) + spare
-    perm = torch.randperm(NB, generator=g).tolist()
-    tables, off = [], 0
-    for n in nblk:
-        tables.append(perm[off:off + n])
-        off += n
+    tables, NB, _ = scattered_tables(cached, bs, spare, g)
     T = len(cached)
 
     def rn(*shape, scale=1.0):

@@ -50,22 +50,29 @@ def set_slot(layer: MLAttention, slot: int, rank: int, seed: int) -> None:
             mod.set_lora_slot(slot, LoRAWeights(a, 0.3 * torch.randn(mod.out_features, rank, generator=g)))
 
 
-def decode_step(layer: MLAttention, cached: list[int], slots: list[int], bs: int = 4, seed: int = 0,
-                device: str = "cpu"):
-    """Inputs of one decode step: sequence i has cached[i] tokens (random cache entries) plus one new token."""
-    g = torch.Generator().manual_seed(seed)
+def scattered_tables(cached: list[int], bs: int, spare: int, g: torch.Generator) -> tuple[list[list[int]], int, int]:
+    """Block tables for sequences of cached[i] + 1 tokens over a randomly permuted pool with `spare`
+    unused blocks: (tables, pool size, the last permuted block id)."""
     nblk = [-(-(n + 1) // bs) for n in cached]
-    NB = sum(nblk) + 2
+    NB = sum(nblk) + spare
     perm = torch.randperm(NB, generator=g).tolist()
     tables, off = [], 0
     for n in nblk:
         tables.append(perm[off:off + n])
         off += n
-    mb = max(nblk)
+    return tables, NB, perm[-1]
+
+
+def decode_step(layer: MLAttention, cached: list[int], slots: list[int], bs: int = 4, seed: int = 0,
+                device: str = "cpu"):
+    """Inputs of one decode step: sequence i has cached[i] tokens (random cache entries) plus one new token."""
+    g = torch.Generator().manual_seed(seed)
+    tables, NB, pad = scattered_tables(cached, bs, 2, g)
+    mb = max(len(t) for t in tables)
     B = len(cached)
     meta = AttnMetadata(
         slot_mapping=torch.tensor([t[n // bs] * bs + n % bs for t, n in zip(tables, cached, strict=True)]),
-        block_tables=torch.tensor([t + [perm[-1]] * (mb - len(t)) for t in tables], dtype=torch.int32),
+        block_tables=torch.tensor([t + [pad] * (mb - len(t)) for t in tables], dtype=torch.int32),
         seq_lens=torch.tensor([n + 1 for n in cached], dtype=torch.int32),
         query_start=torch.arange(B + 1, dtype=torch.int32),
         seqs=tuple(SeqSlice(i, 1, n + 1, i) for i, n in enumerate(cached)), max_seq_len=max(cached) + 1,
