@@ -196,8 +196,10 @@ class OpenAIServing:
         encoded = [self._encode(p, "prompt") for p in prompts]
         if body.max_tokens == 0 and not body.echo:
             raise ApiError(400, "max_tokens must be at least 1 (0 is only allowed with echo)", "max_tokens")
-        echo = [await self._echo(p, ids, adapter, body.logprobs) for p, ids in zip(prompts, encoded, strict=True)
-                for _ in range(body.n)] if body.echo else None
+        echo = None
+        if body.echo:  # once per prompt (its logprobs cost a forward), shared by the prompt's n choices
+            echo = [e for p, ids in zip(prompts, encoded, strict=True)
+                    for e in [await self._echo(p, ids, adapter, body.logprobs)] * body.n]
         resp = _Response("cmpl", body.model, sum(len(ids) for ids in encoded))
         stream = events = None
         if body.max_tokens != 0:
