@@ -7,9 +7,9 @@ a slot, unloading zeroes it. A slot the adapter does not cover at this site stay
 
 `lora_ranks` is this site's own rank per slot (0: the slot is empty or its adapter has no LoRA
 here), and it is what the kernels read (`DenseLoRAArgs.slot_ranks`), not the adapter's global
-rank: a site an adapter does not cover (e.g. the router `mlp.gate`) then costs no LoRA work. The torch twin loops over `LoRABatch.active` with the host-side global
-rank instead (reading the device ranks would sync); that is exact, as columns beyond a site's own
-rank are zero.
+rank: a site an adapter does not cover (e.g. the router `mlp.gate`) then costs no LoRA work. The
+torch twin loops over `LoRABatch.active` with the host-side global rank instead (reading the device
+ranks would sync); that is exact, as columns beyond a site's own rank are zero.
 
 `MergedLinear` is G linears over the same input as one (attention's q/k/v): weight
 [N_out = sum N_g, N_in] (one GEMM), `lora_a [S, G*R, N_in]` (segment g: rows [gR, gR + R)),
