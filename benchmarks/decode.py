@@ -18,7 +18,7 @@ and norms are left out (< 1%).
 2 shared experts, first layer dense) or all (both, one after the other).
 
 usage: python benchmarks/decode.py OUT.csv [--model qwen3_30b|dsv2_lite|all] [--layers N]
-       [--conc 1,8,32,64,128,256] [--steps 20] [--async-scheduling]
+       [--conc 1,8,32,64,128,256] [--steps 20] [--async-scheduling] [--no-overlap-lora]
 """
 
 from __future__ import annotations
@@ -209,6 +209,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--async-scheduling", action="store_true", help="EngineConfig.async_scheduling")
+    ap.add_argument("--no-overlap-lora", action="store_true", help="EngineConfig.overlap_lora=False")
     args = ap.parse_args()
     concs = [int(c) for c in args.conc.split(",")]
     bw = copy_bandwidth()
@@ -216,7 +217,7 @@ def main() -> None:
     rows = []
     for name in (list(MODELS) if args.model == "all" else [args.model]):
         rows += run_model(name, args.layers, concs, args.steps, args.rank, bw,
-                          dict(async_scheduling=args.async_scheduling))
+                          dict(async_scheduling=args.async_scheduling, overlap_lora=not args.no_overlap_lora))
     with open(args.out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

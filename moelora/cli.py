@@ -97,6 +97,7 @@ def serve_engine_config(args) -> EngineConfig:
                         enforce_eager=args.enforce_eager, kernel_backend=args.kernel_backend,
                         async_adapter_loading=not args.no_async_adapter_loading, async_scheduling=args.async_scheduling,
                         overlap_shared_experts=not args.no_overlap_shared_experts,
+                        overlap_lora=not args.no_overlap_lora,
                         enable_prefix_caching=not args.no_enable_prefix_caching)
 
 
@@ -139,6 +140,9 @@ def _serve_parser(sub) -> None:
                        help="launch each step before reading the previous one back (experimental)")
     serve.add_argument("--no-overlap-shared-experts", action="store_true",
                        help="run shared experts on the main stream (off switch of the second stream)")
+    serve.add_argument("--no-overlap-lora", action="store_true",
+                       help="run the LoRA shrink / expert down delta on the main stream (off switch of the "
+                            "LoRA side stream)")
     serve.add_argument("--no-enable-prefix-caching", action="store_true", help="no prefix caching")
     serve.add_argument("--max-waiting-requests", type=int, default=1024,
                        help="answer 503 (Retry-After) while this many requests wait to be scheduled")

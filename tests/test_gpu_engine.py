@@ -118,11 +118,23 @@ def test_cuda_graph_decode_matches_eager(model_and_adapters):
 
 
 def test_two_streams_match_one(model_and_adapters):
+    """Shared experts and LoRA work on their side streams (graphs) vs everything on one stream (eager)."""
     model, adapters = model_and_adapters
     prompts, names = workload(seed=1)
-    two = generate(gpu_engine(model, adapters, overlap_shared_experts=True), prompts, names, 64)
-    one_engine = gpu_engine(model, adapters, overlap_shared_experts=False, enforce_eager=True)
+    two = generate(gpu_engine(model, adapters, overlap_shared_experts=True, overlap_lora=True), prompts, names, 64)
+    one_engine = gpu_engine(model, adapters, overlap_shared_experts=False, overlap_lora=False, enforce_eager=True)
     assert forced_logprob_diff(one_engine, two) <= 0.05
+
+
+def test_lora_side_stream_is_bit_exact(model_and_adapters):
+    """The LoRA side stream runs the same kernels: graph decode with and without it gives the same
+    tokens and logprobs, bit for bit."""
+    model, adapters = model_and_adapters
+    prompts, names = workload(n=16, seed=6)
+    on = generate(gpu_engine(model, adapters, overlap_lora=True), prompts, names, 48)
+    off = generate(gpu_engine(model, adapters, overlap_lora=False), prompts, names, 48)
+    for a, b in zip(on, off, strict=True):
+        assert a.output_ids == b.output_ids and a.logprobs == b.logprobs, a.request_id
 
 
 def test_overlapped_scheduling_matches_synchronous(model_and_adapters):
@@ -207,7 +219,8 @@ from test_gpu_engine import gpu_engine, workload, generate, tiny_model, tiny_ada
 model = tiny_model({family!r})
 adapters = tiny_adapters(model, {family!r}, frac=1.0)
 prompts, names = workload(n=8)
-generate(gpu_engine(model, adapters, enforce_eager=True, overlap_shared_experts=True), prompts, names, 8)
+eng = gpu_engine(model, adapters, enforce_eager=True, overlap_shared_experts=True, overlap_lora=True)
+generate(eng, prompts, names, 8)
 # adapter slots written on the side stream while other requests decode (2 slots, 4 adapters: churn)
 generate(gpu_engine(model, adapters, enforce_eager=True, max_loras=2, async_adapter_loading=True), prompts, names, 8)
 generate(gpu_engine(model, adapters, enforce_eager=True, async_scheduling=True), prompts, names, 8)

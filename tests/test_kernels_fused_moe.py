@@ -266,3 +266,33 @@ def test_gpu_cuda_graph_replay_equals_eager_and_is_deterministic():
     eager = fused_moe(*fresh[:5], lora=fresh[5])
     assert torch.equal(out, eager)
     assert torch.equal(eager, fused_moe(*fresh[:5], lora=fresh[5]))
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("shrink", ["route", "block"])
+@pytest.mark.parametrize("T", [8, 256])
+def test_gpu_side_stream_down_delta_is_bit_exact(shrink, T):
+    """The down LoRA delta on a side stream (concurrent with the down GEMM) equals the one-stream
+    result bit for bit, eager and in a graph, with the side stream held back by a sleep queued before
+    the call (a missing join would let the combine read the delta before it is written)."""
+    from moelora.kernels.moe_config import tuned_fused_moe_config
+
+    cfg = tuned_fused_moe_config(128, 2048, 768, T, 8, torch.bfloat16, torch.cuda.get_device_name())
+    cfg = replace(cfg, lora_shrink=shrink, lora_shrink_wide=shrink)
+    side = torch.cuda.Stream()
+    warm = gpu_case(QWEN3, T, seed=70)
+    case = gpu_case(QWEN3, T, seed=71)
+    plain = fused_moe(*case[:5], lora=case[5], config=cfg)
+    fused_moe(*warm[:5], lora=warm[5], config=cfg, side_stream=side)  # another input's deltas in the free blocks
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(5_000_000)
+    assert torch.equal(fused_moe(*case[:5], lora=case[5], config=cfg, side_stream=side), plain)
+    out = torch.empty_like(plain)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe(*case[:5], lora=case[5], out=out, config=cfg, side_stream=side)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, plain)

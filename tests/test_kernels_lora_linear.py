@@ -241,3 +241,29 @@ def test_gpu_cuda_graph_replay(mode, T):
     assert torch.equal(eager, lora_linear(*fresh, config=cfg))  # no atomics: deterministic
     assert rel_err(out, eager.float()) <= 2e-3
     assert rel_err(out, reference(fresh, torch.float32)[0]) <= 1e-2
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("T", [8, 256])
+def test_gpu_side_stream_shrink_is_bit_exact(T):
+    """The shrink on a side stream (concurrent with cuBLAS) equals the one-stream result bit for bit,
+    eager and in a graph, with the side stream held back by a sleep queued before the call (a missing
+    join would let the expand read xa before the shrink wrote it)."""
+    ranks, n_in, n_out = (16, 8, 16, 4), 2048, 5120
+    side = torch.cuda.Stream()
+    warm = make_case(T, n_in, n_out, ranks, 16, dtype=torch.bfloat16, device="cuda", seed=60, slots=gpu_slots(T, 4, 60))
+    case = make_case(T, n_in, n_out, ranks, 16, dtype=torch.bfloat16, device="cuda", seed=61, slots=gpu_slots(T, 4, 61))
+    plain = lora_linear(*case)
+    lora_linear(*warm, side_stream=side)  # leaves another input's partials in the allocator's blocks
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(5_000_000)
+    assert torch.equal(lora_linear(*case, side_stream=side), plain)
+    out = torch.empty_like(plain)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        lora_linear(*case, out=out, side_stream=side)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, plain)

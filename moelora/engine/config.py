@@ -35,6 +35,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # off switch for CUDA-graph decode
     overlap_shared_experts: bool = True  # off switch for the shared expert's second stream
+    # LoRA work on a second stream, concurrent with the base GEMM reading the same input (CUDA, Triton):
+    # the dense LoRA shrink next to cuBLAS, the routed experts' down delta next to the down GEMM.
+    overlap_lora: bool = True
     mla_absorbed_decode: bool = True  # off switch for MLA's absorbed decode (off: expanded path, no graphs)
     merge_qkv: bool = True  # off switch for the merged q/k/v projection (one GEMM, one LoRA pair)
     # Write adapter slots on a side stream (CUDA) while other requests run; requests of a loading

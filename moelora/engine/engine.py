@@ -59,7 +59,10 @@ class LLMEngine:
                                                    cfg.enable_prefix_caching), self.cache.allocator,
                                    adapter_ready=self.pool.ensure if cfg.async_adapter_loading else None)
         self.runner = ModelRunner(model, self.cache, self.device)
+        lora_stream = torch.cuda.Stream(self.device) if cfg.overlap_lora and self.device.type == "cuda" else None
         for module in model.modules():  # the engine owns the model: its config picks the fast paths
+            if getattr(module, "has_lora", False) and hasattr(module, "lora_stream"):
+                module.lora_stream = lora_stream
             if isinstance(module, SparseMoE):
                 module.overlap_shared = cfg.overlap_shared_experts
             if isinstance(module, MLAttention):

@@ -7,15 +7,17 @@ R max rank, P plan rows (max_padded).
   lora: ExpertLoRAArgs (gate_up_a [S, E, R, H], gate_up_b [S, E, 2I, R], down_a [S, E, R, I],
         down_b [S, E, H, R], token_slots [T] int32 (-1: none), gate_up_ranks / down_ranks [S] int32)
 
-Launches (one stream, no host sync, fixed sizes: CUDA-graph safe):
+Launches (no host sync, fixed sizes: CUDA-graph safe; one stream unless `side_stream` is given):
   plan -> [shrink x A_gu] -> gate_up GEMM + LoRA + SiLU*up -> h [P, I]
        -> [shrink h A_d] -> down GEMM + LoRA, x routing weight -> y [T*K, H] -> sum over K -> out
 (bracketed launches only on the separate-shrink path: lora_shrink="separate", or any pool of
 max rank > 16 under "inline"; under "route" (per route) and "block" (per plan block and slot)
 they compute each route's whole delta instead, [T*K, 2I] and [T*K, H] in x's dtype (fp32 for
-pools of max rank > 16), which the GEMM epilogues add). The top-k combine sums y's
-K rows in a fixed order, so results are deterministic. x and the weights are never written
-(contract 2). Rows on slot -1 do no LoRA work; a slot of rank r reads only r rows of A /
+pools of max rank > 16): the gate_up epilogue adds the first; the second, times the routing
+weight, is added by the top-k combine, so with `side_stream` the down delta runs on that stream
+concurrently with the down GEMM (both read h only). The top-k combine sums y's K rows in a fixed
+order, so results are deterministic (with or without the side stream). x and the weights are
+never written (contract 2). Rows on slot -1 do no LoRA work; a slot of rank r reads only r rows of A /
 columns of B and, on the separate path, loops over ceil(r/16) rank chunks whatever the pool's
 max rank.
 """
@@ -184,10 +186,13 @@ def _tma_operands(w_gate_up: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, lora: ExpertLoRAArgs | None = None, out: torch.Tensor | None = None,
-              config: FusedMoEConfig | None = None, plan: MoERoutingPlan | None = None) -> torch.Tensor:
+              config: FusedMoEConfig | None = None, plan: MoERoutingPlan | None = None,
+              side_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
     """Routed experts (+ routed LoRA) of `fused_moe_ref`, on the GPU. Returns `out` ([T, H], x's dtype;
     a new tensor unless the caller passes its own `out=`). `plan` may be passed to share one routing
-    plan with other consumers; it must match this call's T, K, E and the config's block_m."""
+    plan with other consumers; it must match this call's T, K, E and the config's block_m.
+    `side_stream`: a second CUDA stream for the route / block down LoRA delta (forked and joined
+    inside this call; the same kernels, so the same result bit for bit)."""
     T, H, E, inter, K = _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids)
     block_r = _check_lora(lora, T, H, E, inter) if lora is not None else 16
     if config is None:
@@ -212,7 +217,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     common = dict(sorted_ids_ptr=plan.sorted_route_ids, eob_ptr=plan.expert_of_block,
                   num_padded_ptr=plan.num_padded, n_routes=T * K, top_k=K, H=H, inter=inter,
                   num_blocks=plan.max_blocks, BM=BM, GROUP_M=config.group_m, HAS_LORA=mode in ("inline", "separate"),
-                  LORA_DELTA=mode in ("route", "block"), xa_ptr=xa,
+                  xa_ptr=xa,
                   INLINE_SHRINK=mode == "inline", XA_SPLIT=config.lora_split_k,
                   BLOCK_R=block_r, LORA_BK=config.lora_block_k, LORA_RC=_LORA_RC, USE_TMA=config.use_tma)
     w_gu, w_dn, h_in = _tma_operands(w_gate_up, w_down, h, config) if config.use_tma else (w_gate_up, w_down, h)
@@ -225,20 +230,34 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     gate_up_kernel[(plan.max_blocks * triton.cdiv(inter, gu.block_n),)](
         x, w_gu, h, stride_xt=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
         stride_hp=h.stride(0), BN=gu.block_n, BK=gu.block_k, num_warps=gu.num_warps, delta_ptr=delta_gu,
-        stride_dr=delta_gu.stride(0), num_stages=gu.num_stages, **common, **_lora_kernel_args(lora, x, "gate_up"))
+        stride_dr=delta_gu.stride(0), num_stages=gu.num_stages, LORA_DELTA=mode in ("route", "block"), **common,
+        **_lora_kernel_args(lora, x, "gate_up"))
+    down_delta = mode in ("route", "block")
     if mode == "separate":
         _shrink(h, xa, plan, lora, "down", False, inter, block_r, config)
-    elif mode == "route":
-        _route_delta(h, delta_d, plan, topk_ids, lora, "down", block_r)
-    elif mode == "block":
-        _block_delta(h, delta_d, plan, lora, "down", block_r, config)
+    elif down_delta:
+        # Fork (contract 2): the side stream reads h, the plan, topk_ids and the LoRA slots and writes
+        # only delta_d; the down GEMM on this stream reads h and writes only y. delta_d, h and y were
+        # allocated on this stream before the fork and stay referenced until after the join, so no
+        # block is reused while the side stream still touches it; delta_d is read after the join.
+        if side_stream is not None:
+            side_stream.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side_stream):  # None: stays on the current stream
+            if mode == "route":
+                _route_delta(h, delta_d, plan, topk_ids, lora, "down", block_r)
+            else:
+                _block_delta(h, delta_d, plan, lora, "down", block_r, config)
+    topk_w = topk_weights.contiguous()
     down_kernel[(plan.max_blocks * triton.cdiv(H, dn.block_n),)](
-        h_in, h, w_dn, y, topk_weights.contiguous(), stride_hp=h.stride(0), stride_we=w_down.stride(0),
-        stride_wn=w_down.stride(1), stride_yr=y.stride(0), BN=dn.block_n, BK=dn.block_k, delta_ptr=delta_d,
-        stride_dr=delta_d.stride(0), num_warps=dn.num_warps, num_stages=dn.num_stages, **common,
-        **_lora_kernel_args(lora, x, "down"))
+        h_in, h, w_dn, y, topk_w, stride_hp=h.stride(0), stride_we=w_down.stride(0),
+        stride_wn=w_down.stride(1), stride_yr=y.stride(0), BN=dn.block_n, BK=dn.block_k, num_warps=dn.num_warps,
+        num_stages=dn.num_stages, **common, **_lora_kernel_args(lora, x, "down"))
+    if down_delta and side_stream is not None:
+        torch.cuda.current_stream(x.device).wait_stream(side_stream)  # join: delta_d is complete
     bt = 1 if T < 64 else 4
     bh = min(1024, triton.next_power_of_2(H))
+    slots, ranks = (lora.token_slots, lora.down_ranks) if down_delta else (x, x)
     combine_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](
-        y, out, T, H, y.stride(0), out.stride(0), TOP_K=K, BT=bt, BH=bh, num_warps=4)
+        y, out, topk_w, delta_d, slots, ranks, T, H, y.stride(0), out.stride(0), delta_d.stride(0), TOP_K=K, BT=bt,
+        BH=bh, HAS_DELTA=down_delta, num_warps=4)
     return out

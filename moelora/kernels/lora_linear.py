@@ -22,7 +22,8 @@ caller's `out=`); the LoRA delta is then added into that buffer by one of two pa
   then one pipelined N_in chunk (shrink) or y, the partials and one B tile at once (expand), not
   one chain per slot; the last lane takes any further slots in turn. Every row is shrunk
   once, A is read once per (row block, slot, N_in chunk) and B once per (row block, slot, N tile),
-  each only up to the slot's own rank (masked loads move no bytes).
+  each only up to the slot's own rank (masked loads move no bytes). With a `side_stream` the shrink
+  runs there, concurrently with the base GEMM (both only read x), and the expand after the join.
 - "fused": the older single kernel: program (m, n) shrinks its rows over the full N_in for each
   distinct slot and expands into its tile, so the shrink repeats N_out / BN times. One launch
   fewer; kept as an off switch and for comparison.
@@ -351,17 +352,30 @@ def _shrink_split(T: int, n_in: int, block_r: int, cfg: LoRALinearConfig) -> tup
     return max(1, triton.cdiv(n_in, chunk)), chunk
 
 
-def _add_delta_split(x, out, lora, T, n_in, n_out, cfg):
+def _shrink(x, lora, T, n_in, cfg, side_stream=None):
+    """Launch the split path's shrink (on `side_stream` when given, after the work queued so far on
+    the current stream): returns (xa [P, T, G * BLOCK_R] fp32 partials, P, segments, pow2(S)). xa is
+    allocated on the current stream before any fork; the caller keeps it until the expand, which
+    runs after the join."""
     S = lora.a.shape[0]
     seg = _Segments(lora)
     n_split, chunk = _shrink_split(T, n_in, seg.block_r, cfg)
     xa = torch.empty(n_split, T, seg.G * seg.block_r, dtype=torch.float32, device=x.device)
     lanes = min(S, cfg.shrink_block_m, cfg.slot_lanes)
     s_p2 = triton.next_power_of_2(S)
-    _lora_shrink_kernel[(triton.cdiv(T, cfg.shrink_block_m), n_split * seg.G, lanes)](
-        x, xa, lora.a, lora.token_slots, lora.slot_ranks, T, n_in, S, chunk, lanes, seg.r_seg, x.stride(0),
-        xa.stride(0), lora.a.stride(0), lora.a.stride(1), BM=cfg.shrink_block_m, BLOCK_R=seg.block_r,
-        BK=cfg.block_k, S_P2=s_p2, G=seg.G, num_warps=4, num_stages=cfg.shrink_num_stages)
+    if side_stream is not None:
+        side_stream.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(side_stream):  # None: stays on the current stream
+        _lora_shrink_kernel[(triton.cdiv(T, cfg.shrink_block_m), n_split * seg.G, lanes)](
+            x, xa, lora.a, lora.token_slots, lora.slot_ranks, T, n_in, S, chunk, lanes, seg.r_seg, x.stride(0),
+            xa.stride(0), lora.a.stride(0), lora.a.stride(1), BM=cfg.shrink_block_m, BLOCK_R=seg.block_r,
+            BK=cfg.block_k, S_P2=s_p2, G=seg.G, num_warps=4, num_stages=cfg.shrink_num_stages)
+    return xa, n_split, seg, s_p2
+
+
+def _expand(out, lora, T, n_out, cfg, shrunk):
+    xa, n_split, seg, s_p2 = shrunk
+    S = lora.a.shape[0]
     lanes = min(S, cfg.block_m, cfg.slot_lanes)
     _lora_expand_add_kernel[(triton.cdiv(T, cfg.block_m), triton.cdiv(n_out, cfg.block_n), lanes)](
         xa, out, lora.b, lora.token_slots, lora.slot_ranks, T, n_out, S, lanes, xa.stride(0), out.stride(0),
@@ -382,8 +396,12 @@ def _add_delta_fused(x, out, lora, T, n_in, n_out, cfg):
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 lora: DenseLoRAArgs | None, *, out: torch.Tensor | None = None,
-                config: LoRALinearConfig | None = None) -> torch.Tensor:
-    """`lora_linear_ref` on the GPU: returns y [T, N_out] (new, or the caller's `out=`)."""
+                config: LoRALinearConfig | None = None,
+                side_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+    """`lora_linear_ref` on the GPU: returns y [T, N_out] (new, or the caller's `out=`).
+    `side_stream` (split mode): a second CUDA stream on which the LoRA shrink runs concurrently
+    with the base GEMM (forked and joined inside this call; the same kernels, so the same result
+    bit for bit)."""
     T, n_in, n_out = _check(x, weight, bias, lora)
     if out is None:
         out = torch.empty(T, n_out, dtype=x.dtype, device=x.device)
@@ -393,15 +411,26 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return out
     if out.untyped_storage().data_ptr() in (x.untyped_storage().data_ptr(), weight.untyped_storage().data_ptr()):
         raise ValueError("out must not alias an input (contract 2)")
+    has_lora = lora is not None and lora.a.shape[0] > 0
+    cfg = config or default_lora_linear_config(T)
+    shrunk = None
+    if has_lora and cfg.mode == "split" and side_stream is not None:
+        # Fork (contract 2): the side stream reads x, A, the slots and ranks and writes only xa; the
+        # GEMM here reads x and W and writes only `out`. Nothing read across the fork is written before
+        # the join, and xa (allocated here before the fork) is read by the expand after it.
+        shrunk = _shrink(x, lora, T, n_in, cfg, side_stream)
     if bias is None:
         torch.mm(x, weight.t(), out=out)
     else:
         torch.addmm(bias, x, weight.t(), out=out)
-    if lora is None or lora.a.shape[0] == 0:
+    if not has_lora:
         return out
-    cfg = config or default_lora_linear_config(T)
     if cfg.mode == "fused":
         _add_delta_fused(x, out, lora, T, n_in, n_out, cfg)
+        return out
+    if shrunk is None:
+        shrunk = _shrink(x, lora, T, n_in, cfg)
     else:
-        _add_delta_split(x, out, lora, T, n_in, n_out, cfg)
+        torch.cuda.current_stream(x.device).wait_stream(side_stream)  # join: xa is complete
+    _expand(out, lora, T, n_out, cfg, shrunk)
     return out

@@ -17,8 +17,11 @@ different slots (or none: slot -1 never enters any LoRA work).
     pass in the epilogue.
   separate (prefill): lora_shrink_kernel (moe_lora) computes xa first, and the GEMM epilogue
     only expands, slot by slot.
-  route (decode, LORA_DELTA): lora_route_delta_kernel (moe_lora) computes each route's whole
-    delta first; the epilogue adds delta[route] to the tile (HAS_LORA is off: no slot loop).
+  route / block (decode, LORA_DELTA): lora_route_delta_kernel / lora_block_delta_kernel (moe_lora)
+    compute each route's whole delta; the gate_up epilogue adds delta[route] to the tile before the
+    activation (HAS_LORA is off: no slot loop). The down delta is not added by down_kernel but by
+    combine_kernel (w_k * delta[route] next to y's row): the down delta kernel then depends on h
+    only, so it can run concurrently with the down GEMM on a second stream.
 USE_TMA: weight tiles (and h in the down GEMM, whose rows are contiguous in plan order) come
 through Hopper tensor descriptors; LoRA and everything else is unchanged.
 """
@@ -193,13 +196,13 @@ def gate_up_kernel(
 @triton.jit
 def down_kernel(
     h, h_ptr, w, y_ptr, topk_w_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr,
-    slots_ptr, ranks_ptr, a_ptr, b_ptr, xa_ptr, delta_ptr,
+    slots_ptr, ranks_ptr, a_ptr, b_ptr, xa_ptr,
     n_routes, top_k, H, inter, num_blocks,
-    stride_hp, stride_we, stride_wn, stride_yr, stride_dr,
+    stride_hp, stride_we, stride_wn, stride_yr,
     stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_LORA: tl.constexpr, INLINE_SHRINK: tl.constexpr, XA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
-    LORA_BK: tl.constexpr, LORA_RC: tl.constexpr, USE_TMA: tl.constexpr, LORA_DELTA: tl.constexpr,
+    LORA_BK: tl.constexpr, LORA_RC: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(num_blocks, tl.cdiv(H, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_padded_ptr):
@@ -266,10 +269,6 @@ def down_kernel(
                     acc = tl.dot(xs, lora_b_tile(b_se + r0, offs_n, H, stride_bn, rank - r0, LORA_RC).to(dt), acc)
                 slot = tl.where(sel, -1, slot)
                 s = tl.max(slot, axis=0)
-    if LORA_DELTA:
-        live = _delta_rows(slots_ptr, ranks_ptr, tok, valid)[:, None] & (offs_n[None, :] < H)
-        acc += tl.load(delta_ptr + route[:, None].to(tl.int64) * stride_dr + offs_n[None, :], mask=live,
-                       other=0.0).to(tl.float32)
     wt_route = tl.load(topk_w_ptr + route, mask=valid, other=0.0).to(tl.float32)
     acc = acc * wt_route[:, None]
     tl.store(y_ptr + route[:, None].to(tl.int64) * stride_yr + offs_n[None, :],
@@ -277,15 +276,24 @@ def down_kernel(
 
 
 @triton.jit
-def combine_kernel(y_ptr, out_ptr, T, H, stride_yr, stride_ot, TOP_K: tl.constexpr, BT: tl.constexpr,
-                   BH: tl.constexpr):
-    """out[t] = sum_k y[t*K + k] in fp32, in fixed k order (deterministic, no atomics)."""
+def combine_kernel(y_ptr, out_ptr, topk_w_ptr, delta_ptr, slots_ptr, ranks_ptr, T, H, stride_yr, stride_ot,
+                   stride_dr, TOP_K: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, HAS_DELTA: tl.constexpr):
+    """out[t] = sum_k y[t*K + k] in fp32, in fixed k order (deterministic, no atomics). HAS_DELTA
+    (route / block LoRA): each route's down delta, times its routing weight, is added next to its y
+    row, for the rows whose slot has a down rank > 0 (the others' delta rows are never written)."""
     offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
-    mask = (offs_t[:, None] < T) & (offs_h[None, :] < H)
+    t_ok = offs_t < T
+    mask = t_ok[:, None] & (offs_h[None, :] < H)
     acc = tl.zeros((BT, BH), tl.float32)
+    if HAS_DELTA:
+        live = _delta_rows(slots_ptr, ranks_ptr, offs_t, t_ok)[:, None] & mask
     for k in tl.static_range(TOP_K):
         rows = (offs_t * TOP_K + k).to(tl.int64)
         acc += tl.load(y_ptr + rows[:, None] * stride_yr + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_DELTA:
+            w = tl.load(topk_w_ptr + rows, mask=t_ok, other=0.0).to(tl.float32)
+            d = tl.load(delta_ptr + rows[:, None] * stride_dr + offs_h[None, :], mask=live, other=0.0)
+            acc += w[:, None] * d.to(tl.float32)
     tl.store(out_ptr + offs_t[:, None].to(tl.int64) * stride_ot + offs_h[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -34,18 +34,21 @@ from moelora.lora.batch import LoRABatch
 
 
 def _project(backend: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-             args: DenseLoRAArgs | None) -> torch.Tensor:
+             args: DenseLoRAArgs | None, side_stream: torch.cuda.Stream | None) -> torch.Tensor:
     if backend == "triton":
         from moelora.kernels.lora_linear import lora_linear
 
-        return lora_linear(x, weight, bias, args)
+        return lora_linear(x, weight, bias, args, side_stream=side_stream)
     return lora_linear_ref(x, weight, bias, args)
 
 
 class LinearSite(nn.Module):
     """A dense LoRA site: y = x W^T + b + its LoRA delta. Subclasses provide `weight` [N_out, N_in],
     `bias`, `lora_a` [S, R, N_in], `lora_b` [S, N_out, R], `lora_ranks` [S], `has_lora`, `backend`,
-    `in_features` and `out_features`."""
+    `in_features` and `out_features`. `lora_stream` (set by the engine, `EngineConfig.overlap_lora`):
+    a CUDA stream on which the Triton LoRA shrink runs concurrently with the base GEMM."""
+
+    lora_stream: torch.cuda.Stream | None = None
 
     def set_lora_slot(self, slot: int, weights: LoRAWeights | None) -> None:
         """Copy `weights` (a [r, N_in], b [N_out, r]) into `slot` and set its site rank to r, or
@@ -64,7 +67,7 @@ class LinearSite(nn.Module):
         return DenseLoRAArgs(self.lora_a, self.lora_b, lora.token_slots, self.lora_ranks, lora.active)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        return _project(self.backend, x, self.weight, self.bias, self.lora_args(lora))
+        return _project(self.backend, x, self.weight, self.bias, self.lora_args(lora), self.lora_stream)
 
     def forward_one_slot(self, x: torch.Tensor, slot: torch.Tensor | None) -> torch.Tensor:
         """Rows that all belong to one adapter slot, given as a 0-d int device tensor (-1: none), so
@@ -100,7 +103,10 @@ class Linear(LinearSite):
 class MergedLinear(nn.Module):
     """G linears over one input, `out_sizes` (N_0, .., N_{G-1}): forward -> y [T, sum N_g], one GEMM
     and one LoRA shrink + expand. Its segments (`segments`) are the sites and checkpoint names; the
-    owner registers them as its own children under their names (see `Attention`)."""
+    owner registers them as its own children under their names (see `Attention`). `lora_stream`:
+    as `LinearSite`'s."""
+
+    lora_stream: torch.cuda.Stream | None = None
 
     def __init__(self, in_features: int, out_sizes: tuple[int, ...], *, bias: bool = False,
                  max_loras: int = 0, max_rank: int = 0, backend: str = "torch",
@@ -129,7 +135,7 @@ class MergedLinear(nn.Module):
                              self.out_sizes)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        return _project(self.backend, x, self.weight, self.bias, self.lora_args(lora))
+        return _project(self.backend, x, self.weight, self.bias, self.lora_args(lora), self.lora_stream)
 
     # The segments save and load the weights under their own names.
     def _save_to_state_dict(self, destination, prefix, keep_vars):

@@ -25,6 +25,11 @@ from moelora.lora.batch import LoRABatch
 
 
 class Experts(nn.Module):
+    """Routed experts. `lora_stream` (set by the engine, `EngineConfig.overlap_lora`): a CUDA stream
+    on which the Triton route / block down-projection LoRA delta runs concurrently with the down GEMM."""
+
+    lora_stream: torch.cuda.Stream | None = None
+
     def __init__(self, num_experts: int, hidden: int, inter: int, *, max_loras: int, max_rank: int,
                  backend: str, dtype: torch.dtype | None = None):
         super().__init__()
@@ -65,7 +70,8 @@ class Experts(nn.Module):
         if self.backend == "triton":
             from moelora.kernels.fused_moe import fused_moe
 
-            return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, lora=args)
+            return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, lora=args,
+                             side_stream=self.lora_stream)
         return fused_moe_ref(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, lora=args)
 
 
