@@ -152,3 +152,19 @@ def test_partial_adapters_equal_merged_weights_and_mix(hf):
         with torch.no_grad():
             ref = (hf if name is None else merged_hf(hf, adapters[name]))(torch.tensor([seq])).logits[0]
         assert (got - ref).abs().max() < 1e-4
+
+
+def test_triton_only_batch_has_no_rows_and_the_twins_refuse_it(hf):
+    """The runner builds a Triton-backend batch without the per-slot rows; a torch-backend layer
+    given one must fail loudly, not compute without LoRA."""
+    full = LoRABatch.build([1, -1, 1, 0], [4, RANK, 0], "cpu")
+    lean = LoRABatch.build([1, -1, 1, 0], [4, RANK, 0], "cpu", rows=False)
+    assert lean.active is None and torch.equal(lean.token_slots, full.token_slots)
+    assert [(s.slot, s.rows.tolist()) for s in full.active] == [(0, [3]), (1, [0, 2])]
+    with pytest.raises(ValueError, match="slot 5"):
+        LoRABatch.build([5, -1], [4, RANK], "cpu", rows=False)
+    model = build(hf, max_loras=SLOTS, max_rank=RANK)
+    lin = model.model.layers[0].self_attn.o_proj
+    x = torch.randn(4, lin.in_features, dtype=lin.weight.dtype)
+    with pytest.raises(ValueError, match="per-slot rows"):
+        lin(x, lean)

@@ -34,6 +34,7 @@ from moelora.layers.attention import Attention
 from moelora.layers.mla import MLAttention
 from moelora.layers.moe import SparseMoE
 from moelora.lora.pool import AdapterPool
+from moelora.upload import upload
 
 
 @dataclass
@@ -58,7 +59,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_loras,
                                                    cfg.enable_prefix_caching), self.cache.allocator,
                                    adapter_ready=self.pool.ensure if cfg.async_adapter_loading else None)
-        self.runner = ModelRunner(model, self.cache, self.device)
+        self.runner = ModelRunner(model, self.cache, self.device, lora_rows=cfg.kernel_backend == "torch")
         lora_stream = torch.cuda.Stream(self.device) if cfg.overlap_lora and self.device.type == "cuda" else None
         for module in model.modules():  # the engine owns the model: its config picks the fast paths
             if getattr(module, "has_lora", False) and hasattr(module, "lora_stream"):
@@ -271,7 +272,7 @@ class LLMEngine:
         logits = self.prompt_logits([token_ids], [adapter])[0]
         if len(token_ids) < 2:
             return [(None, ())]
-        follow = torch.tensor(token_ids[1:]).to(logits.device, non_blocking=True)
+        follow = upload(token_ids[1:], torch.long, logits.device)
         rows = logprobs_to_host(logprobs_on_device(logits[:-1], follow, [k] * (len(token_ids) - 1)))
         return [(None, ()), *rows]
 

@@ -145,6 +145,14 @@ class Request:
             return self.prompt_ids[start:start + n] + pending
         return self.prompt_ids[start:] + self.output_ids[:start + n - p] + pending
 
+    def token_at(self, i: int) -> int:
+        """Token id at position i (`token_slice(i, 1)[0]` without the lists): PENDING if not read yet."""
+        p = len(self.prompt_ids)
+        if i < p:
+            return self.prompt_ids[i]
+        i -= p
+        return self.output_ids[i] if i < len(self.output_ids) else PENDING
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids) + self.num_pending

@@ -17,6 +17,7 @@ from moelora.engine.request import PENDING
 from moelora.engine.scheduler import ScheduledStep
 from moelora.layers.attention import AttnMetadata, SeqSlice
 from moelora.lora.batch import NO_SLOT, LoRABatch
+from moelora.upload import upload
 
 
 @dataclass(frozen=True)
@@ -30,14 +31,16 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: PagedKVCache, device: torch.device):
-        self.model, self.cache, self.device = model, cache, device
+    def __init__(self, model, cache: PagedKVCache, device: torch.device, lora_rows: bool = True):
+        """`lora_rows`: build `LoRABatch.active` (the torch backend's per-slot rows; the Triton
+        kernels read only the token slots)."""
+        self.model, self.cache, self.device, self.lora_rows = model, cache, device, lora_rows
 
     def _upload(self, *lists: list[int]) -> list[torch.Tensor]:
         """One host->device copy for all of a step's int vectors (each copy costs ~10 us of launch and
-        sync on CUDA; a step has seven of them), returned as int64 views."""
-        flat = torch.tensor([v for values in lists for v in values], dtype=torch.long)
-        flat = flat.to(self.device, non_blocking=True)
+        sync on CUDA; a step has seven of them), returned as int64 views; pinned, so it never waits
+        for the step in flight (overlapped scheduling)."""
+        flat = upload([v for values in lists for v in values], torch.long, self.device)
         return list(flat.split([len(values) for values in lists]))
 
     def prepare(self, step: ScheduledStep, slot_of: dict[str, int], slot_ranks: list[int],
@@ -46,24 +49,34 @@ class ModelRunner:
         -> its row there); a position whose token is still PENDING takes its id from that tensor."""
         bs = self.cache.block_size
         ids, pos, slots, slot_map, seqs, sample_rows, sample_index = [], [], [], [], [], [], []
+        seq_lens, starts, flat_tables = [], [0], []
         max_blocks = max(len(r.block_ids) for r in step.requests)
-        tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in step.requests]
+        pad = [0] * max_blocks
         offset = 0
         for i, (req, n) in enumerate(zip(step.requests, step.num_new, strict=True)):
-            start = req.num_computed
-            ids += req.token_slice(start, n)
-            pos += range(start, start + n)
-            slot_map += [req.block_ids[p // bs] * bs + p % bs for p in range(start, start + n)]
-            slots += [NO_SLOT if req.adapter is None else slot_of[req.adapter]] * n
-            seqs.append(SeqSlice(offset, n, start + n, i))
+            start, blocks = req.num_computed, req.block_ids
+            end = start + n
+            slot = NO_SLOT if req.adapter is None else slot_of[req.adapter]
+            if n == 1:  # a decode row: no slices or ranges to build
+                ids.append(req.token_at(start))
+                pos.append(start)
+                slot_map.append(blocks[start // bs] * bs + start % bs)
+                slots.append(slot)
+            else:
+                ids += req.token_slice(start, n)
+                pos += range(start, end)
+                slot_map += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+                slots += [slot] * n
+            seqs.append(SeqSlice(offset, n, end, i))
+            seq_lens.append(end)
             offset += n
-            if start + n == req.num_tokens:
+            starts.append(offset)
+            flat_tables += blocks
+            if len(blocks) < max_blocks:
+                flat_tables += pad[:max_blocks - len(blocks)]
+            if end == req.num_tokens:
                 sample_rows.append(offset - 1)
                 sample_index.append(i)
-        starts = [0]
-        for s in seqs:
-            starts.append(starts[-1] + s.q_len)
-        flat_tables = [b for row in tables for b in row]
         src = []
         if pending is not None and PENDING in ids:
             row_of, offset = pending[1], 0
@@ -71,14 +84,15 @@ class ModelRunner:
                 src += [row_of[req] if t == PENDING else -1 for t in ids[offset:offset + n]]
                 offset += n
         ids_t, pos_t, slot_map_t, seq_lens_t, starts_t, rows_t, tables_t, src_t = self._upload(
-            ids, pos, slot_map, [s.seq_len for s in seqs], starts, sample_rows, flat_tables, src)
+            ids, pos, slot_map, seq_lens, starts, sample_rows, flat_tables, src)
         if src:  # device-side: the tokens the previous step sampled, never read back to the host here
             ids_t = torch.where(src_t >= 0, pending[0].index_select(0, src_t.clamp(min=0)), ids_t)
         meta = AttnMetadata(
-            slot_mapping=slot_map_t, block_tables=tables_t.view(len(tables), max_blocks).to(torch.int32),
+            slot_mapping=slot_map_t, block_tables=tables_t.view(len(seqs), max_blocks).to(torch.int32),
             seq_lens=seq_lens_t.to(torch.int32), query_start=starts_t.to(torch.int32), seqs=tuple(seqs),
-            max_seq_len=max(s.seq_len for s in seqs), max_query_len=max(s.q_len for s in seqs))
-        lora = LoRABatch.build(slots, slot_ranks, self.device) if any(s != NO_SLOT for s in slots) else None
+            max_seq_len=max(seq_lens), max_query_len=max(step.num_new))
+        lora = LoRABatch.build(slots, slot_ranks, self.device, self.lora_rows) \
+            if any(s != NO_SLOT for s in slots) else None
         return StepInputs(ids_t, pos_t, meta, lora, rows_t, tuple(sample_index))
 
     @torch.inference_mode()

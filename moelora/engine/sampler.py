@@ -20,12 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from moelora.engine.request import SamplingParams
-
-
-def _on(values: list, device: torch.device) -> torch.Tensor:
-    """A small host list on `device` without a host sync (a blocking copy would wait for the step's
-    queued kernels, and stall overlapped scheduling)."""
-    return torch.tensor(values).to(device, non_blocking=True)
+from moelora.upload import upload
 
 
 @dataclass
@@ -36,8 +31,7 @@ class PenaltyState:
     @staticmethod
     def new(prompt_ids: Sequence[int], vocab: int, device: torch.device) -> PenaltyState:
         seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-        ids = torch.tensor([t for t in prompt_ids if 0 <= t < vocab], dtype=torch.long)
-        seen[ids.to(device, non_blocking=True)] = True
+        seen[upload([t for t in prompt_ids if 0 <= t < vocab], torch.long, device)] = True
         return PenaltyState(torch.zeros(vocab, dtype=torch.int32, device=device), seen)
 
 
@@ -52,17 +46,17 @@ def adjust_logits(logits: torch.Tensor, rows: Sequence[int], params: Sequence[Sa
     cells += [(r, t, float("-inf")) for r, ids in zip(rows, suppress, strict=True) for t in ids if 0 <= t < V]
     if cells:
         r_idx, t_idx, vals = zip(*cells, strict=True)  # sparse: only the named cells are touched
-        out.index_put_((_on(list(r_idx), dev), _on(list(t_idx), dev)), _on(list(vals), dev), accumulate=True)
+        at = upload([r_idx, t_idx], torch.long, dev)
+        out.index_put_((at[0], at[1]), upload(vals, torch.float32, dev), accumulate=True)
     pen = [j for j, p in enumerate(params) if p.penalized]
     if pen:
-        index = _on([rows[j] for j in pen], dev)
+        index = upload([rows[j] for j in pen], torch.long, dev)
         x = out.index_select(0, index)
         counts = torch.stack([states[j].counts for j in pen]).float()
         seen = torch.stack([states[j].seen for j in pen])
-        rep = _on([params[j].repetition_penalty for j in pen], dev)[:, None]
+        rep, freq, pres = upload([[params[j].repetition_penalty, params[j].frequency_penalty,
+                                   params[j].presence_penalty] for j in pen], torch.float32, dev).t()[:, :, None]
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-        freq = _on([params[j].frequency_penalty for j in pen], dev)[:, None]
-        pres = _on([params[j].presence_penalty for j in pen], dev)[:, None]
         x = x - freq * counts - pres * (counts > 0).float()
         out.index_copy_(0, index, x)
     return out
@@ -79,12 +73,12 @@ def record_tokens(tokens: torch.Tensor, rows: Sequence[int], states: Sequence[Pe
 def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     B, V = logits.shape
     logits = logits / _temperatures(logits, params)
-    ks = _on([p.top_k if 0 < p.top_k < V else V for p in params], logits.device)
+    ks = upload([p.top_k if 0 < p.top_k < V else V for p in params], None, logits.device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(V, device=logits.device)[None, :]
     drop = rank >= ks[:, None]
     probs = sorted_logits.softmax(-1)
-    top_ps = _on([p.top_p for p in params], logits.device)
+    top_ps = upload([p.top_p for p in params], None, logits.device)
     drop |= (probs.cumsum(-1) - probs) >= top_ps[:, None]  # keep the smallest prefix reaching top_p
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
@@ -96,7 +90,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     logits = logits.float()
     if all(p.greedy for p in params):  # the common decode case: no sort, no noise
         return logits.argmax(-1)
-    greedy = _on([p.greedy for p in params], logits.device)
+    greedy = upload([p.greedy for p in params], None, logits.device)
     needs_filter = any(p.top_p < 1 or p.top_k > 0 for p in params)
     probs = (_filter(logits, params) if needs_filter else logits / _temperatures(logits, params)).softmax(-1)
     noise = torch.empty_like(probs).exponential_()  # one draw for all unseeded rows
@@ -108,7 +102,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
 
 
 def _temperatures(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    return _on([p.temperature if p.temperature > 0 else 1.0 for p in params], logits.device)[:, None]
+    return upload([p.temperature if p.temperature > 0 else 1.0 for p in params], None, logits.device)[:, None]
 
 
 def logprobs_on_device(logits: torch.Tensor, tokens: torch.Tensor, wants: Sequence[int | None]):
@@ -119,7 +113,7 @@ def logprobs_on_device(logits: torch.Tensor, tokens: torch.Tensor, wants: Sequen
     rows = [i for i, k in enumerate(wants) if k is not None]
     if not rows:
         return (list(wants), rows, None, None, None)
-    index = _on(rows, logits.device)
+    index = upload(rows, None, logits.device)
     lp = logits.index_select(0, index).float().log_softmax(-1)
     chosen = lp.gather(1, tokens.index_select(0, index)[:, None])[:, 0]
     k = max(wants[i] for i in rows)

@@ -43,7 +43,7 @@ class DenseLoRAArgs:
     b: torch.Tensor
     token_slots: torch.Tensor  # [T] int32, -1 = no adapter
     slot_ranks: torch.Tensor  # [S] int32, or [G, S] with segments
-    active: tuple[SlotRows, ...]
+    active: tuple[SlotRows, ...] | None  # None: for the Triton kernels only (the twins refuse it)
     segments: tuple[int, ...] = ()
 
 
@@ -61,7 +61,13 @@ class ExpertLoRAArgs:
     token_slots: torch.Tensor
     gate_up_ranks: torch.Tensor
     down_ranks: torch.Tensor
-    active: tuple[SlotRows, ...]
+    active: tuple[SlotRows, ...] | None  # None: for the Triton kernels only (the twins refuse it)
+
+
+def _need_rows(lora: DenseLoRAArgs | ExpertLoRAArgs) -> None:
+    if lora.active is None:
+        raise ValueError("the torch twins need the LoRA batch's per-slot rows (LoRABatch.build(..., rows=True)); "
+                         "this batch was built for the Triton kernels only")
 
 
 def lora_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -71,6 +77,7 @@ def lora_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     y = F.linear(x, weight, bias)
     if lora is None:
         return y
+    _need_rows(lora)
     sizes = lora.segments or (y.shape[1],)
     r_seg = lora.a.shape[1] // len(sizes)
     for sr in lora.active:
@@ -106,6 +113,7 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     slot_of_row = None
     if lora is not None:
+        _need_rows(lora)
         slot_of_row = torch.full((T,), -1, dtype=torch.long, device=x.device)
         for sr in lora.active:
             slot_of_row[sr.rows] = sr.slot

@@ -17,6 +17,7 @@ Under backend "triton" the per-head q/k norm and the rotary of q and k are one f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -27,9 +28,9 @@ from moelora.layers.rotary import apply_rotary
 from moelora.lora.batch import LoRABatch
 
 
-@dataclass(frozen=True)
-class SeqSlice:
-    """Host view of one sequence in the step: its query rows and its context length."""
+class SeqSlice(NamedTuple):
+    """Host view of one sequence in the step: its query rows and its context length (a named
+    tuple: the runner makes one per sequence per step, ~2.5x cheaper than a frozen dataclass)."""
 
     q_offset: int
     q_len: int

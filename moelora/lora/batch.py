@@ -5,7 +5,9 @@ Shape legend: T tokens in the step, S adapter slots.
 Contract 4: the host lists are turned into device tensors here, once per step; layers only read
 them. `token_slots[t]` is the slot of token t or -1 for the base model (no slot, no compute).
 `active` lists, for the torch backend, each slot present in the step with its rank and its token
-rows, so the torch path never branches on a tensor value.
+rows, so the torch path never branches on a tensor value; it is None in a batch built for the
+Triton kernels only (`build(..., rows=False)`: they read `token_slots`), and the torch twins refuse
+such a batch rather than compute without LoRA.
 
 `build` takes each slot's adapter-level rank (its largest site rank) as host ints: slots of rank 0
 are left out of `active`, and `active` carries that rank for the torch twins (exact, because a
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from moelora.kernels.reference import SlotRows
+from moelora.upload import upload
 
 NO_SLOT = -1
 
@@ -30,7 +33,7 @@ NO_SLOT = -1
 @dataclass(frozen=True)
 class LoRABatch:
     token_slots: torch.Tensor  # [T] int32, NO_SLOT = base model
-    active: tuple[SlotRows, ...]
+    active: tuple[SlotRows, ...] | None
 
     @property
     def num_tokens(self) -> int:
@@ -38,8 +41,15 @@ class LoRABatch:
 
     @staticmethod
     def build(token_slots: Sequence[int], slot_ranks: Sequence[int],
-              device: torch.device | str) -> LoRABatch:
-        """Plan for tokens whose slots are `token_slots` (host ints) given per-slot ranks."""
+              device: torch.device | str, rows: bool = True) -> LoRABatch:
+        """Plan for tokens whose slots are `token_slots` (host ints) given per-slot ranks; `rows`
+        False leaves `active` None (the Triton backend never reads it: one copy and loop less)."""
+        token_slots_t = upload(list(token_slots), torch.int32, device)
+        if not rows:
+            bad = [s for s in set(token_slots) if s != NO_SLOT and not 0 <= s < len(slot_ranks)]
+            if bad:
+                raise ValueError(f"tokens name slot {bad[0]}, but there are {len(slot_ranks)} slots")
+            return LoRABatch(token_slots=token_slots_t, active=None)
         rows: dict[int, list[int]] = {}
         for t, s in enumerate(token_slots):
             if s != NO_SLOT:
@@ -48,10 +58,10 @@ class LoRABatch:
                 rows.setdefault(s, []).append(t)
         live = [(s, r) for s, r in sorted(rows.items()) if slot_ranks[s] > 0]
         # every slot's row list in one host-to-device copy (one per slot cost ~10 us each on CUDA), then views
-        flat = torch.tensor([t for _, r in live for t in r], dtype=torch.long).to(device, non_blocking=True)
+        flat = upload([t for _, r in live for t in r], torch.long, device)
         active = tuple(SlotRows(slot=s, rank=int(slot_ranks[s]), rows=part)
                        for (s, _), part in zip(live, flat.split([len(r) for _, r in live]), strict=True))
         return LoRABatch(
-            token_slots=torch.tensor(list(token_slots), dtype=torch.int32).to(device, non_blocking=True),
+            token_slots=token_slots_t,
             active=active,
         )

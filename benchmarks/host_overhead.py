@@ -1,0 +1,117 @@
+"""Host-side cost of a decode step: what `LLMEngine.step` spends outside the model forward.
+
+A tiny Qwen3-MoE model (1 layer, so the forward is short) decodes `--conc` requests (32-token prompts,
+greedy) with 8 adapters interleaved over them, or none; each host phase of the step is timed
+(median over `--steps` steps): schedule, adapter acquire, prepare (host lists -> the step's device
+tensors and LoRABatch), sample (launch), read-back (the host sync plus token bookkeeping). On CUDA
+each phase is bracketed by device syncs, so a phase's time includes the copies it queues. The
+phases do not depend on the model's size: on a GPU they add to the step time of the synchronous
+engine, and overlapped scheduling (`--async-scheduling`) hides them behind the device.
+
+usage: python benchmarks/host_overhead.py [--device cpu|cuda] [--conc 64,256] [--steps 20] [--no-lora]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from decode import random_adapter  # noqa: E402
+
+import moelora.engine.engine as engine_module  # noqa: E402
+from moelora.config import ModelConfig  # noqa: E402
+from moelora.engine.config import EngineConfig  # noqa: E402
+from moelora.engine.engine import LLMEngine  # noqa: E402
+from moelora.engine.request import SamplingParams  # noqa: E402
+from moelora.models.registry import model_class  # noqa: E402
+
+TINY = dict(family="qwen3_moe", vocab_size=512, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+            intermediate_size=128, moe_intermediate_size=32, num_experts=8, top_k=2, norm_topk_prob=True,
+            qk_norm="per_head", max_position_embeddings=4096, dtype="float32")
+PHASES = (("scheduler", "schedule"), ("pool", "acquire"), ("runner", "prepare"), (engine_module, "sample"),
+          (None, "_read_back"))
+
+
+def build(device: str, conc: int, lora: bool, async_scheduling: bool) -> LLMEngine:
+    cfg = ModelConfig(**TINY).resolve()
+    model = model_class(cfg)(cfg, max_loras=8 if lora else 0, max_rank=16 if lora else 0, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    model = model.to(device)
+    adapters = {f"a{i}": random_adapter(model, f"a{i}", 16, i) for i in range(8)} if lora else {}
+    ecfg = EngineConfig(device=device, dtype="float32", max_loras=8 if lora else 0, max_lora_rank=16 if lora else 0,
+                        max_num_seqs=conc, max_model_len=1024, num_kv_blocks=conc * 40, block_size=16,
+                        async_scheduling=async_scheduling).resolve(cfg)
+    eng = LLMEngine(model, None, ecfg, lambda name, path: adapters[name])
+    for name in adapters:
+        eng.pool.add(name, name)
+    return eng
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(eng: LLMEngine, device: str, conc: int, steps: int, lora: bool) -> dict[str, float]:
+    g = torch.Generator().manual_seed(conc)
+    names = [f"a{i % 8}" if lora else None for i in range(conc)]
+    params = SamplingParams(max_tokens=steps + 16, temperature=0, ignore_eos=True)
+    for name in names:
+        eng.add_request(torch.randint(0, 500, (32,), generator=g).tolist(), params, name)
+    for _ in range(4):  # prefill, then a few decode steps
+        eng.step()
+    sinks: dict[str, list[float]] = {}
+    saved = []
+    for owner, name in PHASES:
+        obj = eng if owner is None else getattr(eng, owner) if isinstance(owner, str) else owner
+        fn = getattr(obj, name)
+        sink = sinks.setdefault(name, [])
+
+        def timed(*a, _fn=fn, _sink=sink, **kw):
+            sync(device)
+            t0 = time.perf_counter()
+            out = _fn(*a, **kw)
+            sync(device)
+            _sink.append(time.perf_counter() - t0)
+            return out
+
+        saved.append((obj, name, fn))
+        setattr(obj, name, timed)
+    try:
+        for _ in range(steps):
+            eng.step()
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+    return {name: sorted(v)[len(v) // 2] * 1e3 for name, v in sinks.items() if v}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--conc", default="64,256")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--no-lora", action="store_true")
+    ap.add_argument("--async-scheduling", action="store_true")
+    args = ap.parse_args()
+    lora = not args.no_lora
+    print(f"host phases per decode step, ms (median of {args.steps}), device {args.device}, "
+          f"{'8 adapters' if lora else 'no LoRA'}")
+    for conc in map(int, args.conc.split(",")):
+        eng = build(args.device, conc, lora, args.async_scheduling)
+        ms = measure(eng, args.device, conc, args.steps, lora)
+        print(f"conc {conc:4d}: " + "  ".join(f"{k} {v:.3f}" for k, v in ms.items())
+              + f"  total {sum(ms.values()):.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
