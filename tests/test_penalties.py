@@ -169,3 +169,35 @@ def test_engine_min_tokens_holds_back_stop_tokens(setup, async_scheduling):  # n
         want.append(tok)
     assert held.output_ids == want and len(want) >= 4
     assert held.finish_reason == ("stop" if len(want) < 10 else "length")
+
+
+class _LetterTokenizer:
+    """One letter per token id (id % 26): text positions are token positions."""
+
+    eos_token_id = None
+
+    def decode(self, ids):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_engine_min_tokens_defers_stop_strings(setup, async_scheduling):  # noqa: F811
+    """A stop string that ends within the first min_tokens outputs does not stop the request; the next
+    one after them does (vLLM's rule)."""
+    model, adapters = setup
+    eng = engine(model, adapters, async_scheduling=async_scheduling)
+    eng.tokenizer = _LetterTokenizer()
+    p = prompts(1, model.config.vocab_size, seed=23)[0]
+    free = eng.add_request(p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), None)
+    while eng.has_unfinished():
+        eng.step()
+    full = free.text
+    stop = next(ch for ch in full[1:] if full.count(ch) >= 2)
+    first = full.index(stop)
+    second = full.index(stop, first + 1)
+    reqs = [eng.add_request(p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=(stop,), **kw), None)
+            for kw in ({}, {"min_tokens": first + 1})]
+    while eng.has_unfinished():
+        eng.step()
+    assert (reqs[0].text, reqs[0].finish_reason) == (full[:first], "stop")
+    assert (reqs[1].text, reqs[1].finish_reason) == (full[:second], "stop")

@@ -249,7 +249,10 @@ class LLMEngine:
         if self.tokenizer is not None and p.stop and len(req.output_ids) >= p.min_tokens:  # text: stop strings
             req.text = self.tokenizer.decode(req.output_ids)
             # with min_tokens, a stop string counts only if it ends after the first min_tokens tokens
-            floor = len(self.tokenizer.decode(req.output_ids[:p.min_tokens])) if p.min_tokens else 0
+            # (their text length, decoded once)
+            if req.stop_floor is None:
+                req.stop_floor = len(self.tokenizer.decode(req.output_ids[:p.min_tokens])) if p.min_tokens else 0
+            floor = req.stop_floor
             cut = min((i for i in (req.text.find(s, max(0, floor - len(s) + 1)) for s in p.stop) if i >= 0),
                       default=-1)
             if cut >= 0:

@@ -64,9 +64,10 @@ def adjust_logits(logits: torch.Tensor, rows: Sequence[int], params: Sequence[Sa
 
 def record_tokens(tokens: torch.Tensor, rows: Sequence[int], states: Sequence[PenaltyState]) -> None:
     """Count each penalized row's sampled token (tokens [B] on the device; no sync)."""
+    one = torch.ones(1, dtype=torch.int32, device=tokens.device)
     for i, st in zip(rows, states, strict=True):
         tok = tokens[i:i + 1]
-        st.counts.index_add_(0, tok, torch.ones(1, dtype=torch.int32, device=tok.device))
+        st.counts.index_add_(0, tok, one)
         st.seen.index_fill_(0, tok, True)
 
 
