@@ -40,14 +40,19 @@ PHASES = (("scheduler", "schedule"), ("pool", "acquire"), ("runner", "prepare"),
 
 
 def build(device: str, conc: int, lora: bool, async_scheduling: bool) -> LLMEngine:
-    cfg = ModelConfig(**TINY).resolve()
-    model = model_class(cfg)(cfg, max_loras=8 if lora else 0, max_rank=16 if lora else 0, dtype=torch.float32)
+    dtype = "float32" if device == "cpu" else "bfloat16"  # CUDA: the Triton backend's usual dtype
+    cfg = ModelConfig(**{**TINY, "dtype": dtype}).resolve()
+    with torch.device(device):
+        model = model_class(cfg)(cfg, max_loras=8 if lora else 0, max_rank=16 if lora else 0,
+                                 dtype=getattr(torch, dtype))
     with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
-    model = model.to(device)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0, 0.02)
     adapters = {f"a{i}": random_adapter(model, f"a{i}", 16, i) for i in range(8)} if lora else {}
-    ecfg = EngineConfig(device=device, dtype="float32", max_loras=8 if lora else 0, max_lora_rank=16 if lora else 0,
+    ecfg = EngineConfig(device=device, dtype=dtype, max_loras=8 if lora else 0, max_lora_rank=16 if lora else 0,
                         max_num_seqs=conc, max_model_len=1024, num_kv_blocks=conc * 40, block_size=16,
                         async_scheduling=async_scheduling).resolve(cfg)
     eng = LLMEngine(model, None, ecfg, lambda name, path: adapters[name])

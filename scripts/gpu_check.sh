@@ -4,7 +4,9 @@
 #   TESTS=1  pytest -m gpu over tests/ (kernels, engine equivalences, demo under graphs)
 #   LAYER=1  benchmarks/moe_lora_layer.py (TUNE=1 first re-tunes the fused MoE launch configs, TUNE_ARGS
 #            e.g. "--lora-only --ms 1,8,32,128,512": keep the tiles, re-pick the LoRA paths)
-#   DECODE=1 benchmarks/decode.py (DECODE_ARGS, e.g. "--model all --conc 1,8,64,256")
+#   DECODE=1 benchmarks/decode.py (DECODE_ARGS, e.g. "--model all --conc 1,8,64,256"); then once more per
+#            ';'-separated flag set of DECODE_VARIANTS, e.g. "--async-scheduling;--no-overlap-lora"
+#   HOST=0   benchmarks/host_overhead.py --device cuda (HOST_ARGS): the host phases of a decode step
 #   PROFILE=0 benchmarks/decode_profile.py (PROFILE_ARGS): host phases, graph replay, top kernels
 # Exit status: non-zero if any stage failed; every stage runs regardless.
 set -uo pipefail
@@ -29,6 +31,15 @@ if [ "${LAYER:-1}" = 1 ]; then
 fi
 if [ "${DECODE:-1}" = 1 ]; then
   "$PY" benchmarks/decode.py "$OUT/decode.csv" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" || rc=1
+  IFS=';' read -ra variants <<< "${DECODE_VARIANTS:-}"
+  for i in "${!variants[@]}"; do
+    echo "# decode.py ${DECODE_ARGS:-} ${variants[$i]}" | tee "$OUT/decode_v$i.log"
+    "$PY" benchmarks/decode.py "$OUT/decode_v$i.csv" ${DECODE_ARGS:-} ${variants[$i]} 2>&1 | tee -a "$OUT/decode_v$i.log" \
+      || rc=1
+  done
+fi
+if [ "${HOST:-0}" = 1 ]; then
+  "$PY" benchmarks/host_overhead.py --device cuda ${HOST_ARGS:-} 2>&1 | tee "$OUT/host_overhead.log" || rc=1
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
   "$PY" benchmarks/decode_profile.py "$OUT/decode_profile.txt" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/decode_profile.log" || rc=1
