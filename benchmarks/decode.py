@@ -19,6 +19,7 @@ and norms are left out (< 1%).
 
 usage: python benchmarks/decode.py OUT.csv [--model qwen3_30b|dsv2_lite|all] [--layers N]
        [--conc 1,8,32,64,128,256] [--steps 20] [--async-scheduling] [--no-overlap-lora]
+       [--lora-target-modules self_attn,experts]
 """
 
 from __future__ import annotations
@@ -181,7 +182,8 @@ def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank:
     for m in model.modules():  # the same weights without LoRA slots: the no-LoRA baseline
         if hasattr(m, "has_lora"):
             m.has_lora = False
-    base_eng = engine(model, cfg, 0, 0, max(concs), {}, **engine_kw)
+    base_kw = {k: v for k, v in engine_kw.items() if k != "lora_target_modules"}  # no LoRA sites left to name
+    base_eng = engine(model, cfg, 0, 0, max(concs), {}, **base_kw)
     for conc in concs:
         results[("no LoRA", conc)] = measure(base_eng, conc, [None], steps)
     del base_eng, model
@@ -210,6 +212,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--async-scheduling", action="store_true", help="EngineConfig.async_scheduling")
     ap.add_argument("--no-overlap-lora", action="store_true", help="EngineConfig.overlap_lora=False")
+    ap.add_argument("--lora-target-modules", default=None,
+                    help="comma-separated EngineConfig.lora_target_modules (e.g. self_attn,experts: no router LoRA)")
     args = ap.parse_args()
     concs = [int(c) for c in args.conc.split(",")]
     bw = copy_bandwidth()
@@ -217,7 +221,9 @@ def main() -> None:
     rows = []
     for name in (list(MODELS) if args.model == "all" else [args.model]):
         rows += run_model(name, args.layers, concs, args.steps, args.rank, bw,
-                          dict(async_scheduling=args.async_scheduling, overlap_lora=not args.no_overlap_lora))
+                          dict(async_scheduling=args.async_scheduling, overlap_lora=not args.no_overlap_lora,
+                               lora_target_modules=tuple(args.lora_target_modules.split(","))
+                               if args.lora_target_modules else None))
     with open(args.out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

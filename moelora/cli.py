@@ -98,6 +98,7 @@ def serve_engine_config(args) -> EngineConfig:
                         async_adapter_loading=not args.no_async_adapter_loading, async_scheduling=args.async_scheduling,
                         overlap_shared_experts=not args.no_overlap_shared_experts,
                         overlap_lora=not args.no_overlap_lora,
+                        lora_target_modules=tuple(args.lora_target_modules) if args.lora_target_modules else None,
                         enable_prefix_caching=not args.no_enable_prefix_caching)
 
 
@@ -128,6 +129,9 @@ def _serve_parser(sub) -> None:
     serve.add_argument("--max-cpu-loras", type=int, default=None,
                        help="adapters kept in host memory (page-locked unless --no-async-adapter-loading); "
                             "default max(32, --max-loras)")
+    serve.add_argument("--lora-target-modules", nargs="+", metavar="MODULE", default=None,
+                       help="modules that carry LoRA (e.g. q_proj k_proj v_proj o_proj experts); the others "
+                            "launch no LoRA kernels; adapters with LoRA elsewhere are refused (default: all)")
     serve.add_argument("--max-num-seqs", type=int, default=64)
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -32,6 +32,10 @@ class EngineConfig:
     max_loras: int = 8
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None  # default: max(32, max_loras)
+    # Modules that carry LoRA, by name as PEFT's target_modules ("q_proj", "experts", "self_attn", ...;
+    # moelora.models.lora_targets); None: every site. The others hold no slot buffers and launch no
+    # LoRA kernels; an adapter with LoRA outside them is refused when it is added.
+    lora_target_modules: tuple[str, ...] | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # off switch for CUDA-graph decode
     overlap_shared_experts: bool = True  # off switch for the shared expert's second stream
@@ -87,11 +91,16 @@ class EngineConfig:
                               f"{model.max_position_embeddings}")
         if self.max_loras < 0 or self.max_lora_rank < 0:
             raise ConfigError("max_loras and max_lora_rank must be >= 0")
+        targets = self.lora_target_modules
+        if targets is not None:
+            if isinstance(targets, str) or not all(isinstance(t, str) and t.strip(".") for t in targets):
+                raise ConfigError(f"lora_target_modules must be module names (a tuple of str), got {targets!r}")
+            targets = tuple(t.strip(".") for t in targets)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         return dataclasses.replace(
             self, device=device, dtype=dtype, kernel_backend=backend, max_model_len=max_len,
-            max_cpu_loras=self.max_cpu_loras or max(32, self.max_loras))
+            max_cpu_loras=self.max_cpu_loras or max(32, self.max_loras), lora_target_modules=targets)
 
     def with_kv_blocks(self, num_blocks: int) -> EngineConfig:
         blocks_per_seq = -(-self.max_model_len // self.block_size)

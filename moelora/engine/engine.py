@@ -29,11 +29,12 @@ from moelora.engine.sampler import (
 )
 from moelora.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from moelora.engine.tokenizer import Tokenizer
-from moelora.errors import RequestError
+from moelora.errors import AdapterError, RequestError
 from moelora.layers.attention import Attention
 from moelora.layers.mla import MLAttention
 from moelora.layers.moe import SparseMoE
 from moelora.lora.pool import AdapterPool
+from moelora.models.lora_targets import restrict_lora_sites, site_kinds
 from moelora.upload import upload
 
 
@@ -53,7 +54,8 @@ class LLMEngine:
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.model_config = model.config
         self.device = cfg.torch_device
-        self.pool = self._adapter_pool(cfg, load_adapter)
+        restrict_lora_sites(model, cfg.lora_target_modules)
+        self.pool = self._adapter_pool(cfg, self._checked_loader(load_adapter))
         self.cache = PagedKVCache(model.kv_cache_shapes(), cfg.num_kv_blocks, cfg.block_size, self.device,
                                   cfg.torch_dtype)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_loras,
@@ -86,6 +88,21 @@ class LLMEngine:
         self.eos = eos
         self._counter = 0
         self._launched: _Launched | None = None  # overlapped scheduling: the step in flight
+
+    def _checked_loader(self, load_adapter):
+        """`load_adapter` that refuses, when an adapter is added, LoRA on a module that has no site here
+        (left out by lora_target_modules), instead of failing at its first slot write."""
+        sites = set(self.model.lora_sites())
+
+        def load(name: str, path):
+            adapter = load_adapter(name, path)
+            outside = set(adapter.sites) - sites
+            if outside:
+                raise AdapterError(f"adapter {name!r} has LoRA on {', '.join(site_kinds(outside))}, which this "
+                                   f"engine has no LoRA site for (lora_target_modules="
+                                   f"{self.cfg.lora_target_modules}); start it with those modules targeted")
+            return adapter
+        return load
 
     def _adapter_pool(self, cfg: EngineConfig, load_adapter) -> AdapterPool:
         """Slot writes through a side stream on CUDA when `async_adapter_loading` (adapters staged once

@@ -11,6 +11,7 @@ from moelora.engine.config import EngineConfig
 from moelora.engine.engine import LLMEngine
 from moelora.engine.kv_cache import PagedKVCache
 from moelora.engine.tokenizer import Tokenizer
+from moelora.models.lora_targets import restrict_lora_sites
 from moelora.models.registry import model_class
 
 _CPU_DEFAULT_KV_TOKENS = 1 << 16
@@ -63,6 +64,9 @@ def build_engine(model_dir: str | Path, cfg: EngineConfig | None = None, progres
                                        backend=cfg.kernel_backend, dtype=cfg.torch_dtype)
     load_checkpoint(model_dir, model.weight_params(), progress=progress)
     model.eval()
+    restrict_lora_sites(model, cfg.lora_target_modules)  # before the memory plan: dropped slots are free
+    if cfg.torch_device.type == "cuda":
+        torch.cuda.empty_cache()
     cfg = cfg.with_kv_blocks(_kv_blocks(cfg, model_cfg, model))
     tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
 
