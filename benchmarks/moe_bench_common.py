@@ -104,9 +104,11 @@ def eager_time_ms(fn, rep=40) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=rep, return_mode="median")
 
 
-def moe_call(layer: Layer, x, wts, ids, lora, config=None):
+def moe_call(layer: Layer, x, wts, ids, lora, config=None, side_stream=None):
+    """The layer call to time; `side_stream`: the LoRA side stream the engine gives it (overlap_lora)."""
     out = torch.empty_like(x)
-    return lambda: fused_moe(x, layer.w_gu, layer.w_d, wts, ids, lora=lora, out=out, config=config)
+    return lambda: fused_moe(x, layer.w_gu, layer.w_d, wts, ids, lora=lora, out=out, config=config,
+                             side_stream=side_stream)
 
 
 def _copy_gbps() -> float:

@@ -2,7 +2,10 @@
 
 Shape legend: M tokens, H hidden, I expert intermediate, E experts, K top-k, R rank.
 Usage: python benchmarks/moe_lora_layer.py [CSV path] [--shapes a,b] [--ms 1,8] [--variants off,8ad_r16]
-       [--shrink table,gather]   (LoRA variants once per shrink mode; "table": the tuned config's own)
+       [--shrink table,route,block]   (LoRA variants once per shrink mode; "table": the tuned config's own)
+       [--gate-up-at table,epilogue,activation] [--no-side-stream]
+The LoRA deltas get a side stream, as the engine gives them (EngineConfig.overlap_lora), unless
+--no-side-stream.
 Writes the CSV to the path, else $OUT/moe_lora_layer.csv, else ./moe_lora_layer.csv. Prints, per
 row, the CUDA-graph replay median, achieved GB/s and its ratio to the bytes bound (distinct
 experts' weights + distinct (adapter, expert) LoRA A/B + activations, over the copy bandwidth
@@ -47,7 +50,10 @@ def main(argv=None):
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--variants", default=",".join(LORA_VARIANTS))
     ap.add_argument("--shrink", default="table")
+    ap.add_argument("--gate-up-at", default="table", help="table, or a list of epilogue / activation")
+    ap.add_argument("--no-side-stream", action="store_true", help="LoRA deltas on the main stream (overlap_lora off)")
     args = ap.parse_args(argv)
+    side = None if args.no_side_stream else torch.cuda.Stream()
     out_dir = os.environ.get("OUT", ".")
     path = Path(args.csv or Path(out_dir) / "moe_lora_layer.csv")
     bw, peak = measure_ceilings()
@@ -63,17 +69,20 @@ def main(argv=None):
         for M in map(int, args.ms.split(",")):
             x, wts, ids = make_inputs(layer, M)
             t_off = None
-            runs = [(v, m) for v in args.variants.split(",") for m in (["table"] if v == "off" else
-                                                                         args.shrink.split(","))]
-            for var, mode in runs:
+            runs = [(v, m, a) for v in args.variants.split(",")
+                    for m in (["table"] if v == "off" else args.shrink.split(","))
+                    for a in (["table"] if v == "off" else args.gate_up_at.split(","))]
+            for var, mode, at in runs:
                 lora = make_lora(layer, M, var)
-                cfg = None
+                cfg = tuned_fused_moe_config(shape["E"], shape["H"], shape["I"], M, shape["K"], torch.bfloat16, gpu)
                 if mode != "table":
-                    cfg = replace(tuned_fused_moe_config(shape["E"], shape["H"], shape["I"], M, shape["K"],
-                                                         torch.bfloat16, gpu), lora_shrink=mode,
+                    cfg = replace(cfg, lora_shrink=mode,
                                   lora_shrink_wide="" if mode == "inline" else mode)  # this mode at every width
                     var = f"{var}/{mode}"
-                fn = moe_call(layer, x, wts, ids, lora, cfg)
+                if at != "table":
+                    cfg = replace(cfg, lora_gate_up_at=at)
+                    var = f"{var}@{at[:3]}"
+                fn = moe_call(layer, x, wts, ids, lora, cfg, side)
                 t = graph_time_ms(fn)
                 t_eager = eager_time_ms(fn) if var.split('/')[0] in EAGER_VARIANTS else float("nan")
                 t_off = t if var == "off" else t_off

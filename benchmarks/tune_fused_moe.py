@@ -5,8 +5,10 @@ Shape legend: M tokens, H hidden, I expert intermediate, E experts, K top-k.
 Per (shape, M): time the LoRA-off layer (CUDA-graph replay, L2 flushed, median) over a short
 candidate list of tiles chosen by routes per expert, keep the fastest; then try TMA on it; then
 pick lora_shrink (inline / separate / route / block) and lora_split_k on 8 adapters of rank 16, and
-lora_shrink_wide (separate / route / block) on 8 adapters of rank 64. Usage:
-  python benchmarks/tune_fused_moe.py [--shapes a,b] [--ms 1,8] [--lora-only]
+lora_shrink_wide (separate / route / block) on 8 adapters of rank 64; with route / block picked,
+lora_gate_up_at "activation" too. LoRA timings use a side stream, as the engine's overlap_lora does
+(--no-side-stream: not). Usage:
+  python benchmarks/tune_fused_moe.py [--shapes a,b] [--ms 1,8] [--lora-only] [--no-side-stream]
 """
 
 from __future__ import annotations
@@ -49,16 +51,17 @@ def candidates(M: int, shape: dict) -> list[FusedMoEConfig]:
     return [FusedMoEConfig(bm, GemmTile(*t), GemmTile(*t)) for bm, t in combos]
 
 
-def timed(layer, x, wts, ids, lora, cfg) -> float:
+def timed(layer, x, wts, ids, lora, cfg, side=None) -> float:
+    """Graph replay ms of one config; `side`: the LoRA side stream (the engine's overlap_lora)."""
     try:
-        return graph_time_ms(moe_call(layer, x, wts, ids, lora, cfg), rep=25)
+        return graph_time_ms(moe_call(layer, x, wts, ids, lora, cfg, side), rep=25)
     except Exception as exc:  # out of shared memory / registers for this tile: skip it
         print(f"  skip {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
         torch.cuda.synchronize()
         return float("inf")
 
 
-def tune_lora(layer, M, base: FusedMoEConfig, log) -> FusedMoEConfig:
+def tune_lora(layer, M, base: FusedMoEConfig, log, side=None) -> FusedMoEConfig:
     """Keep base's tiles; pick lora_shrink / lora_split_k on 8 adapters of rank 16."""
     x, wts, ids = make_inputs(layer, M)
     lora = make_lora(layer, M, "8ad_r16")
@@ -68,18 +71,25 @@ def tune_lora(layer, M, base: FusedMoEConfig, log) -> FusedMoEConfig:
     trials += [dataclasses.replace(base, lora_shrink="block", lora_n_split=n) for n in (0, 4, 8)]
     scored = []
     for cfg in trials:
-        t = timed(layer, x, wts, ids, lora, cfg)
+        t = timed(layer, x, wts, ids, lora, cfg, side)
         scored.append((t, cfg))
         log.append(dict(M=M, what=f"lora_{cfg.lora_shrink}_{cfg.lora_split_k}_{cfg.lora_n_split}",
                         config=json.dumps(cfg.to_dict()), ms=t))
     t_best, best = min(scored, key=lambda p: p[0])
-    print(f"  M={M:5d} 8ad_r16 " + "  ".join(f"{c.lora_shrink}/{c.lora_split_k}/{c.lora_n_split} {t * 1e3:7.1f}"
-                                             for t, c in scored)
-          + f"  -> {best.lora_shrink}/{best.lora_split_k}/{best.lora_n_split}", flush=True)
-    return tune_wide(layer, M, best, log)
+    if best.lora_shrink in ("route", "block"):  # the gate_up delta after the GEMM, next to it on the side stream
+        late = dataclasses.replace(best, lora_gate_up_at="activation")
+        t = timed(layer, x, wts, ids, lora, late, side)
+        scored.append((t, late))
+        log.append(dict(M=M, what=f"lora_{late.lora_shrink}_activation", config=json.dumps(late.to_dict()), ms=t))
+        if t < t_best:
+            t_best, best = t, late
+    tag = "{0.lora_shrink}/{0.lora_split_k}/{0.lora_n_split}/{0.lora_gate_up_at:.3}".format
+    print(f"  M={M:5d} 8ad_r16 " + "  ".join(f"{tag(c)} {t * 1e3:7.1f}" for t, c in scored)
+          + f"  -> {best.lora_shrink}/{best.lora_split_k}/{best.lora_n_split}/{best.lora_gate_up_at}", flush=True)
+    return tune_wide(layer, M, best, log, side)
 
 
-def tune_wide(layer, M, base: FusedMoEConfig, log) -> FusedMoEConfig:
+def tune_wide(layer, M, base: FusedMoEConfig, log, side=None) -> FusedMoEConfig:
     """Keep base; pick lora_shrink_wide (the path of pools of max rank > 16) on 8 adapters of rank 64."""
     x, wts, ids = make_inputs(layer, M)
     lora = make_lora(layer, M, "8ad_r64")
@@ -87,7 +97,7 @@ def tune_wide(layer, M, base: FusedMoEConfig, log) -> FusedMoEConfig:
     # the block mode's N split, when the narrow pick set one, carries over to wide pools too
     for mode in WIDE_SHRINK_MODES:
         cfg = dataclasses.replace(base, lora_shrink_wide=mode)
-        t = timed(layer, x, wts, ids, lora, cfg)
+        t = timed(layer, x, wts, ids, lora, cfg, side)
         scored.append((t, cfg))
         log.append(dict(M=M, what=f"wide_{mode}", config=json.dumps(cfg.to_dict()), ms=t))
     t_best, best = min(scored, key=lambda p: p[0])
@@ -96,7 +106,7 @@ def tune_wide(layer, M, base: FusedMoEConfig, log) -> FusedMoEConfig:
     return best
 
 
-def tune_one(layer, M, log):
+def tune_one(layer, M, log, side=None):
     x, wts, ids = make_inputs(layer, M)
     scored = []
     for cfg in candidates(M, layer.shape):
@@ -110,7 +120,7 @@ def tune_one(layer, M, log):
     if t_tma < 0.98 * t_best:
         best, t_best = tma, t_tma
     print(f"  M={M:5d} off {t_best * 1e3:8.1f} us (tma {t_tma * 1e3:8.1f}) -> {best}", flush=True)
-    return tune_lora(layer, M, best, log)
+    return tune_lora(layer, M, best, log, side)
 
 
 def main(argv=None):
@@ -118,7 +128,9 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--lora-only", action="store_true", help="keep the table's tiles, re-pick the LoRA fields")
+    ap.add_argument("--no-side-stream", action="store_true", help="time LoRA without the engine's side stream")
     args = ap.parse_args(argv)
+    side = None if args.no_side_stream else torch.cuda.Stream()
     gpu = torch.cuda.get_device_name()
     path = CONFIG_DIR / f"fused_moe_{device_tag(gpu)}.json"
     table = json.loads(path.read_text()) if path.is_file() else {"device": gpu, "configs": {}}
@@ -131,9 +143,9 @@ def main(argv=None):
         per_m = table["configs"].setdefault(key, {})
         for M in map(int, args.ms.split(",")):
             if args.lora_only and str(M) in per_m:
-                per_m[str(M)] = tune_lora(layer, M, FusedMoEConfig.from_dict(per_m[str(M)]), log).to_dict()
+                per_m[str(M)] = tune_lora(layer, M, FusedMoEConfig.from_dict(per_m[str(M)]), log, side).to_dict()
             else:
-                per_m[str(M)] = tune_one(layer, M, log).to_dict()
+                per_m[str(M)] = tune_one(layer, M, log, side).to_dict()
             for row in log:
                 row.setdefault("shape", sname)
         del layer

@@ -131,6 +131,21 @@ def test_many_slots_in_one_block(shrink, R):
 
 
 @kernel_test
+@pytest.mark.parametrize("shrink,R", [("route", 16), ("route", 64), ("block", 16), ("block", 24)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 1e-2)])
+def test_gate_up_delta_at_activation(shrink, R, dtype, tol):
+    """lora_gate_up_at="activation": unactivated gate/up from the GEMM, the delta and SiLU * up added by
+    act_delta_kernel; rows on no slot, on an empty slot (rank 0) and several slots per block."""
+    cfg = replace(tiny_config(shrink), lora_gate_up_at="activation")
+    case = make_case(9, 48, 40, 6, 2, ranks=(R, 5, 0), R=R, dtype=dtype, device=DEV, seed=3,
+                     slots=[0, -1, 1, 1, 0, 2, -1, 1, 0])
+    run_checked(case, cfg, tol)
+    case = make_case(14, 32, 24, 3, 2, ranks=(R, 5, 16, 8), R=R, dtype=dtype, device=DEV, seed=7,
+                     slots=[0, 1, 2, 3, -1, 3, 2, 1, 0, -1, 1, 2, 3, 0])
+    run_checked(case, cfg, tol)
+
+
+@kernel_test
 def test_all_routes_on_one_expert_with_empty_experts():
     case = make_case(20, 32, 24, 6, 1, ranks=(16, 3), R=16, device=DEV, seed=4, one_expert=4)
     run_checked(case, tiny_config("separate"), 1e-4)
@@ -270,20 +285,24 @@ def test_gpu_cuda_graph_replay_equals_eager_and_is_deterministic():
 
 @pytest.mark.gpu
 @gpu_only
+@pytest.mark.parametrize("gate_up_at", ["epilogue", "activation"])
 @pytest.mark.parametrize("shrink", ["route", "block"])
 @pytest.mark.parametrize("T", [8, 256])
-def test_gpu_side_stream_down_delta_is_bit_exact(shrink, T):
-    """The down LoRA delta on a side stream (concurrent with the down GEMM) equals the one-stream
+def test_gpu_side_stream_down_delta_is_bit_exact(shrink, T, gate_up_at):
+    """The LoRA deltas on a side stream (the down delta concurrent with the down GEMM; with
+    gate_up_at="activation" the gate_up delta too, next to the gate_up GEMM) equal the one-stream
     result bit for bit, eager and in a graph, with the side stream held back by a sleep queued before
-    the call (a missing join would let the combine read the delta before it is written)."""
+    the call (a missing join would let a consumer read a delta before it is written); and they
+    match the fp32 reference."""
     from moelora.kernels.moe_config import tuned_fused_moe_config
 
     cfg = tuned_fused_moe_config(128, 2048, 768, T, 8, torch.bfloat16, torch.cuda.get_device_name())
-    cfg = replace(cfg, lora_shrink=shrink, lora_shrink_wide=shrink)
+    cfg = replace(cfg, lora_shrink=shrink, lora_shrink_wide=shrink, lora_gate_up_at=gate_up_at)
     side = torch.cuda.Stream()
     warm = gpu_case(QWEN3, T, seed=70)
     case = gpu_case(QWEN3, T, seed=71)
     plain = fused_moe(*case[:5], lora=case[5], config=cfg)
+    assert rel_err(plain, reference(*case, dtype=torch.float32)) <= 1e-2
     fused_moe(*warm[:5], lora=warm[5], config=cfg, side_stream=side)  # another input's deltas in the free blocks
     with torch.cuda.stream(side):
         torch.cuda._sleep(5_000_000)

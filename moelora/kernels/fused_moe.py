@@ -13,9 +13,11 @@ Launches (no host sync, fixed sizes: CUDA-graph safe; one stream unless `side_st
 (bracketed launches only on the separate-shrink path: lora_shrink="separate", or any pool of
 max rank > 16 under "inline"; under "route" (per route) and "block" (per plan block and slot)
 they compute each route's whole delta instead, [T*K, 2I] and [T*K, H] in x's dtype (fp32 for
-pools of max rank > 16): the gate_up epilogue adds the first; the second, times the routing
-weight, is added by the top-k combine, so with `side_stream` the down delta runs on that stream
-concurrently with the down GEMM (both read h only). The top-k combine sums y's K rows in a fixed
+pools of max rank > 16): the gate_up epilogue adds the first (or, with lora_gate_up_at="activation",
+act_delta_kernel after a gate_up GEMM that writes gate and up unactivated, so that with `side_stream`
+the gate_up delta runs concurrently with that GEMM); the second, times the routing weight, is added
+by the top-k combine, so with `side_stream` the down delta runs on that stream concurrently with
+the down GEMM (both read h only). The top-k combine sums y's K rows in a fixed
 order, so results are deterministic (with or without the side stream). x and the weights are
 never written (contract 2). Rows on slot -1 do no LoRA work; a slot of rank r reads only r rows of A /
 columns of B and, on the separate path, loops over ceil(r/16) rank chunks whatever the pool's
@@ -29,7 +31,7 @@ import triton
 
 from moelora.errors import ConfigError
 from moelora.kernels.moe_config import FusedMoEConfig, tuned_fused_moe_config
-from moelora.kernels.moe_gemm import combine_kernel, down_kernel, gate_up_kernel
+from moelora.kernels.moe_gemm import act_delta_kernel, combine_kernel, down_kernel, gate_up_kernel
 from moelora.kernels.moe_lora import lora_block_delta_kernel, lora_route_delta_kernel, lora_shrink_kernel
 from moelora.kernels.moe_plan import EXPERT_SORTED_PADDED, MoERoutingPlan, build_routing_plan
 from moelora.kernels.reference import ExpertLoRAArgs
@@ -159,6 +161,18 @@ def _block_delta(src, delta, plan, lora, which, block_r, cfg):
         BY_PLAN_ROW=which == "down", BM=plan.block_m, BLOCK_R=block_r, BK=cfg.lora_block_k, BN=bn, num_warps=4)
 
 
+def _delta_on(side, mode, src, delta, plan, topk_ids, lora, which, block_r, cfg):
+    """The route / block delta of `which` into `delta`, on `side` when given (forked after the work
+    queued so far on the current stream; the caller joins before reading `delta`), else here."""
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(src.device))
+    with torch.cuda.stream(side):  # None: stays on the current stream
+        if mode == "route":
+            _route_delta(src, delta, plan, topk_ids, lora, which, block_r)
+        else:
+            _block_delta(src, delta, plan, lora, which, block_r, cfg)
+
+
 def _lora_buffers(lora, config: FusedMoEConfig, block_r: int, x: torch.Tensor, P: int, n_routes: int, inter: int):
     """(mode, xa, delta_gu, delta_d): the LoRA path this call takes (`FusedMoEConfig.shrink_mode`)
     and its scratch buffers (x as a dummy where a path has none)."""
@@ -221,18 +235,31 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
                   INLINE_SHRINK=mode == "inline", XA_SPLIT=config.lora_split_k,
                   BLOCK_R=block_r, LORA_BK=config.lora_block_k, LORA_RC=_LORA_RC, USE_TMA=config.use_tma)
     w_gu, w_dn, h_in = _tma_operands(w_gate_up, w_down, h, config) if config.use_tma else (w_gate_up, w_down, h)
+    down_delta = mode in ("route", "block")
+    # "activation": the gate_up delta is added after the GEMM (act_delta_kernel), so it may run on the
+    # side stream next to the GEMM; "epilogue": the GEMM adds it, so it runs first
+    late_gu = down_delta and config.lora_gate_up_at == "activation"
+    gu_out = torch.empty(P, 2 * inter, dtype=x.dtype, device=x.device) if late_gu else h
     if mode == "separate":
         _shrink(x, xa, plan, lora, "gate_up", True, H, block_r, config)
-    elif mode == "route":
-        _route_delta(x, delta_gu, plan, topk_ids, lora, "gate_up", block_r)
-    elif mode == "block":
-        _block_delta(x, delta_gu, plan, lora, "gate_up", block_r, config)
+    elif down_delta:
+        # Fork when late_gu (contract 2): the side stream reads x, the plan, topk_ids and the LoRA
+        # slots and writes only delta_gu; the GEMM here reads x and writes only gu_out. Both were
+        # allocated on this stream before the fork and stay referenced past the join below.
+        _delta_on(side_stream if late_gu else None, mode, x, delta_gu, plan, topk_ids, lora, "gate_up", block_r,
+                  config)
     gate_up_kernel[(plan.max_blocks * triton.cdiv(inter, gu.block_n),)](
-        x, w_gu, h, stride_xt=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
-        stride_hp=h.stride(0), BN=gu.block_n, BK=gu.block_k, num_warps=gu.num_warps, delta_ptr=delta_gu,
-        stride_dr=delta_gu.stride(0), num_stages=gu.num_stages, LORA_DELTA=mode in ("route", "block"), **common,
-        **_lora_kernel_args(lora, x, "gate_up"))
-    down_delta = mode in ("route", "block")
+        x, w_gu, gu_out, stride_xt=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
+        stride_hp=gu_out.stride(0), BN=gu.block_n, BK=gu.block_k, num_warps=gu.num_warps, delta_ptr=delta_gu,
+        stride_dr=delta_gu.stride(0), num_stages=gu.num_stages, LORA_DELTA=down_delta and not late_gu,
+        RAW_OUT=late_gu, **common, **_lora_kernel_args(lora, x, "gate_up"))
+    if late_gu:
+        if side_stream is not None:
+            torch.cuda.current_stream(x.device).wait_stream(side_stream)  # join: delta_gu is complete
+        bn = min(256, triton.next_power_of_2(inter))
+        act_delta_kernel[(plan.max_blocks, triton.cdiv(inter, bn))](
+            gu_out, delta_gu, h, plan.sorted_route_ids, plan.num_padded, lora.token_slots, lora.gate_up_ranks, T * K,
+            K, inter, gu_out.stride(0), delta_gu.stride(0), h.stride(0), BM=BM, BN=bn, num_warps=4)
     if mode == "separate":
         _shrink(h, xa, plan, lora, "down", False, inter, block_r, config)
     elif down_delta:
@@ -240,13 +267,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         # only delta_d; the down GEMM on this stream reads h and writes only y. delta_d, h and y were
         # allocated on this stream before the fork and stay referenced until after the join, so no
         # block is reused while the side stream still touches it; delta_d is read after the join.
-        if side_stream is not None:
-            side_stream.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(side_stream):  # None: stays on the current stream
-            if mode == "route":
-                _route_delta(h, delta_d, plan, topk_ids, lora, "down", block_r)
-            else:
-                _block_delta(h, delta_d, plan, lora, "down", block_r, config)
+        _delta_on(side_stream, mode, h, delta_d, plan, topk_ids, lora, "down", block_r, config)
     topk_w = topk_weights.contiguous()
     down_kernel[(plan.max_blocks * triton.cdiv(H, dn.block_n),)](
         h_in, h, w_dn, y, topk_w, stride_hp=h.stride(0), stride_we=w_down.stride(0),

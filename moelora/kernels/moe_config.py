@@ -23,6 +23,7 @@ from moelora.kernels.checks import need_pow2
 CONFIG_DIR = Path(__file__).parent / "configs"
 LORA_SHRINK_MODES = ("inline", "separate", "route", "block")
 WIDE_SHRINK_MODES = ("separate", "route", "block")  # "inline" is rank-proportional only up to rank 16
+GATE_UP_DELTA_AT = ("epilogue", "activation")
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,11 @@ class FusedMoEConfig:
     (block, slot) program's output columns into that many programs (0: only when the blocks leave
     SMs idle; each split repeats the block's shrink). lora_shrink_wide: the
     mode for pools of max rank > 16 ("": lora_shrink's, "inline" going "separate"; H200, Qwen3
-    M=512, 8 adapters r64: separate 3.98x no-LoRA, route 3.05x, block 2.33x). use_tma: Hopper
+    M=512, 8 adapters r64: separate 3.98x no-LoRA, route 3.05x, block 2.33x). lora_gate_up_at (route
+    and block): "epilogue" adds the gate_up delta in the gate_up GEMM's epilogue, so its kernel runs
+    before that GEMM; "activation" has the GEMM write gate and up unactivated ([P, 2I]) and a small
+    kernel add the delta and apply SiLU * up, so the delta kernel can run on a second stream
+    concurrently with the GEMM (one launch more on the main stream, one less in its way). use_tma: Hopper
     tensor descriptors for the weight (and down-GEMM activation) tiles; the off switch of that
     path (contract 6)."""
 
@@ -65,6 +70,7 @@ class FusedMoEConfig:
     lora_block_k: int = 128
     lora_split_k: int = 8
     lora_n_split: int = 0
+    lora_gate_up_at: str = "epilogue"
     use_tma: bool = False
 
     def __post_init__(self):
@@ -75,6 +81,8 @@ class FusedMoEConfig:
             raise ValueError(f"lora_split_k must be >= 1, got {self.lora_split_k}")
         if self.lora_n_split < 0:
             raise ValueError(f"lora_n_split must be >= 0, got {self.lora_n_split}")
+        if self.lora_gate_up_at not in GATE_UP_DELTA_AT:
+            raise ValueError(f"lora_gate_up_at must be one of {GATE_UP_DELTA_AT}, got {self.lora_gate_up_at!r}")
         if self.lora_shrink not in LORA_SHRINK_MODES:
             raise ValueError(f"lora_shrink must be one of {LORA_SHRINK_MODES}, got {self.lora_shrink!r}")
         if self.lora_shrink_wide not in ("", *WIDE_SHRINK_MODES):

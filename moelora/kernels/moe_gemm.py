@@ -21,7 +21,10 @@ different slots (or none: slot -1 never enters any LoRA work).
     compute each route's whole delta; the gate_up epilogue adds delta[route] to the tile before the
     activation (HAS_LORA is off: no slot loop). The down delta is not added by down_kernel but by
     combine_kernel (w_k * delta[route] next to y's row): the down delta kernel then depends on h
-    only, so it can run concurrently with the down GEMM on a second stream.
+    only, so it can run concurrently with the down GEMM on a second stream. With the gate_up delta
+    at "activation" (FusedMoEConfig.lora_gate_up_at), gate_up_kernel writes gate and up unactivated
+    (RAW_OUT, [P, 2I]) and act_delta_kernel adds the delta and applies SiLU * up: the gate_up delta
+    kernel then depends on x only and can run concurrently with the gate_up GEMM.
 USE_TMA: weight tiles (and h in the down GEMM, whose rows are contiguous in plan order) come
 through Hopper tensor descriptors; LoRA and everything else is unchanged.
 """
@@ -104,7 +107,10 @@ def gate_up_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_LORA: tl.constexpr, INLINE_SHRINK: tl.constexpr, XA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
     LORA_BK: tl.constexpr, LORA_RC: tl.constexpr, USE_TMA: tl.constexpr, LORA_DELTA: tl.constexpr,
+    RAW_OUT: tl.constexpr,
 ):
+    """h[plan row] = silu(gate) * up of x[token] @ W_gu[e]^T (+ LoRA); RAW_OUT: h is [P, 2I] and gets
+    gate and up as they are (columns [0, I) and [I, 2I)), for `act_delta_kernel` to finish."""
     pid_m, pid_n = _tile_ids(num_blocks, tl.cdiv(inter, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_padded_ptr):
         return
@@ -188,9 +194,38 @@ def gate_up_kernel(
         live = _delta_rows(slots_ptr, ranks_ptr, tok, valid)[:, None] & (offs_n[None, :] < inter)
         acc_g += tl.load(d_rows, mask=live, other=0.0).to(tl.float32)
         acc_u += tl.load(d_rows + inter, mask=live, other=0.0).to(tl.float32)
-    hv = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_hp + offs_n[None, :],
-             hv.to(h_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < inter))
+    h_rows = h_ptr + offs_m[:, None].to(tl.int64) * stride_hp + offs_n[None, :]
+    h_mask = valid[:, None] & (offs_n[None, :] < inter)
+    if RAW_OUT:
+        tl.store(h_rows, acc_g.to(h_ptr.dtype.element_ty), mask=h_mask)
+        tl.store(h_rows + inter, acc_u.to(h_ptr.dtype.element_ty), mask=h_mask)
+    else:
+        hv = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(h_rows, hv.to(h_ptr.dtype.element_ty), mask=h_mask)
+
+
+@triton.jit
+def act_delta_kernel(gu_ptr, delta_ptr, h_ptr, sorted_ids_ptr, num_padded_ptr, slots_ptr, ranks_ptr, n_routes, top_k,
+                     inter, stride_gu, stride_d, stride_h, BM: tl.constexpr, BN: tl.constexpr):
+    """h[p] = silu(gate + delta_g) * (up + delta_u) for the plan rows p of block program_id(0), columns
+    of program_id(1): gate / up from the unactivated gate_up GEMM (gu [P, 2I]), delta [T*K, 2I] the
+    route's gate_up LoRA delta, added for rows whose slot has a gate_up rank > 0 (the others' delta
+    rows are never written). Padding rows are left unwritten, as the fused epilogue leaves them."""
+    pid_m = tl.program_id(0)
+    if pid_m * BM >= tl.load(num_padded_ptr):
+        return
+    offs_m, route, valid, tok = plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BM)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask = valid[:, None] & (offs_n[None, :] < inter)
+    live = _delta_rows(slots_ptr, ranks_ptr, tok, valid)[:, None] & mask
+    gu_rows = gu_ptr + offs_m[:, None].to(tl.int64) * stride_gu + offs_n[None, :]
+    d_rows = delta_ptr + route[:, None].to(tl.int64) * stride_d + offs_n[None, :]
+    g = tl.load(gu_rows, mask=mask, other=0.0).to(tl.float32) + tl.load(d_rows, mask=live, other=0.0).to(tl.float32)
+    u = (tl.load(gu_rows + inter, mask=mask, other=0.0).to(tl.float32)
+         + tl.load(d_rows + inter, mask=live, other=0.0).to(tl.float32))
+    hv = g / (1.0 + tl.exp(-g)) * u
+    tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_h + offs_n[None, :], hv.to(h_ptr.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit
