@@ -229,6 +229,26 @@ def test_chat_whole_stream_and_logprobs(client):
     assert texts == {0: choice.message.content} and reasons == {0: choice.finish_reason}
 
 
+def test_tokenize_and_detokenize_agree_with_the_generation_routes(server, client):
+    url, _ = server
+    prompt = "hello, moe lora"
+    got = post(url, "/tokenize", {"model": "alpha", "prompt": prompt}).json()
+    usage = complete(client, BASE, prompt, max_tokens=1).usage
+    assert got["count"] == len(got["tokens"]) == usage.prompt_tokens and got["max_model_len"] > got["count"]
+    assert post(url, "/detokenize", {"tokens": got["tokens"]}).json() == {"prompt": prompt}
+    messages = [{"role": "user", "content": "hi there"}]
+    chat = post(url, "/tokenize", {"messages": messages}).json()
+    chat_usage = client.chat.completions.create(model=BASE, messages=messages, max_tokens=1).usage
+    assert chat["count"] == chat_usage.prompt_tokens
+    for body, status, param in (({"prompt": "a", "messages": messages}, 400, "prompt"), ({}, 400, "prompt"),
+                                ({"model": "nope", "prompt": "a"}, 404, "model")):
+        r = post(url, "/tokenize", body)
+        assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+    r = post(url, "/detokenize", {"tokens": [1, 10 ** 6]})
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+    assert post(url, "/detokenize", {"tokens": [-1]}).status_code == 400
+
+
 def test_n_seed_top_k_top_p_and_completion_logprobs(client):
     kw = dict(n=3, temperature=1.0, top_p=0.9, seed=7, max_tokens=8, extra_body={"top_k": 50})
     first = complete(client, "alpha", PROMPTS[1], **kw)

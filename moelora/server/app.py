@@ -2,7 +2,7 @@
 
 Routes (vLLM's names): POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
 POST /v1/load_lora_adapter {lora_name, lora_path}, POST /v1/unload_lora_adapter {lora_name},
-GET /health, GET /metrics, GET /version.
+POST /tokenize {prompt | messages}, POST /detokenize {tokens}, GET /health, GET /metrics, GET /version.
 
 Every error has OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 for an invalid
 or unimplemented parameter, a malformed body, a prompt that does not fit max_model_len, or an
@@ -34,7 +34,9 @@ from moelora.server.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     LoadLoRAAdapterRequest,
+    TokenizeRequest,
     UnloadLoRAAdapterRequest,
     error_body,
 )
@@ -107,6 +109,14 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
         except EngineDead as e:
             raise ApiError(503, str(e)) from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return serving.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return serving.detokenize(body)
 
     @app.get("/health")
     async def health():

@@ -129,6 +129,20 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
 
 
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM's): a prompt, or chat messages rendered by the chat template first."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
 class LoadLoRAAdapterRequest(_Body):
     lora_name: Annotated[str, Field(min_length=1)]
     lora_path: Annotated[str, Field(min_length=1)]

@@ -20,7 +20,14 @@ from moelora.errors import RequestError
 from moelora.server.async_engine import AsyncEngine, EngineDead, GenerateSpec, Overloaded, RequestStream, UnknownAdapter
 from moelora.server.detokenize import IncrementalDetokenizer
 from moelora.server.metrics import ServerMetrics
-from moelora.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, _Sampling
+from moelora.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    _Sampling,
+)
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,26 @@ class OpenAIServing:
             cards.append({"id": name, "object": "model", "created": created, "owned_by": "moelora", "root": path,
                           "parent": base, "max_model_len": self.max_model_len})
         return cards
+
+    # tokenizer routes ---------------------------------------------------------------------------
+    def tokenize(self, body: TokenizeRequest) -> dict:
+        """The ids completions / chat would feed the model for this prompt or these messages."""
+        if body.model is not None:
+            self.resolve_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give exactly one of prompt and messages", "prompt")
+        text = body.prompt if body.messages is None else self._chat_text(body.messages, body.add_generation_prompt)
+        ids = self.tokenizer.encode(text)
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict:
+        if body.model is not None:
+            self.resolve_model(body.model)
+        vocab = self.tokenizer.vocab_size
+        outside = [t for t in body.tokens if t >= vocab]
+        if outside:
+            raise ApiError(400, f"token ids outside the vocabulary (size {vocab}): {outside[:5]}", "tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
 
     # admission ----------------------------------------------------------------------------------
     def _encode(self, prompt, param: str) -> list[int]:
@@ -285,19 +312,20 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     # chat ---------------------------------------------------------------------------------------
+    def _chat_text(self, messages: list, add_generation_prompt: bool) -> str:
+        turns = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+        try:
+            return self.tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt)
+        except RequestError as e:
+            raise ApiError(400, str(e), "messages") from None
+
     async def chat(self, body: ChatCompletionRequest) -> Result:
         arrival = time.monotonic()
         adapter = self._check_common(body)
         label = adapter or self.cfg.served_model_names[0]
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in body.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
-        except RequestError as e:
-            raise ApiError(400, str(e), "messages") from None
-        ids = self._encode(text, "messages")
+        ids = self._encode(self._chat_text(body.messages, body.add_generation_prompt), "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         specs = [GenerateSpec(ids, self._params(body, max_tokens, len(ids), logprobs, j), adapter)
