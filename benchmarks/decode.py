@@ -1,9 +1,11 @@
 """Decode throughput of a Qwen3-30B-A3B- or DeepSeek-V2-Lite-shaped model (random bf16 weights) on one GPU.
 
-Concurrency 1..256 with no LoRA (an engine without LoRA slots), 1 adapter, and 8 adapters of
-rank 16 spread over the requests (an engine with 8 slots). Each run: prefill short prompts,
-then time `--steps` back-to-back CUDA-graph decode steps (wall clock, one device sync at the
-end). Prints the step time, tokens/s, the bytes bound of a step over the copy bandwidth measured
+Concurrency 1..256 with no LoRA (an engine without LoRA slots, over the same weight tensors), 1
+adapter, and 8 adapters of rank 16 spread over the requests (an engine with 8 slots). Both engines
+live side by side and, per concurrency, the three configurations run in turns for `--repeats`
+rounds (median), so the device's drift between minutes hits them alike. Each run: prefill short
+prompts, then time `--steps` back-to-back CUDA-graph decode steps (wall clock, one device sync at
+the end). Prints the step time, tokens/s, the bytes bound of a step over the copy bandwidth measured
 here, and the LoRA / no-LoRA throughput ratio. Writes a CSV (one row per model, config and
 concurrency).
 
@@ -18,7 +20,7 @@ and norms are left out (< 1%).
 2 shared experts, first layer dense) or all (both, one after the other).
 
 usage: python benchmarks/decode.py OUT.csv [--model qwen3_30b|dsv2_lite|all] [--layers N]
-       [--conc 1,8,32,64,128,256] [--steps 20] [--async-scheduling] [--no-overlap-lora]
+       [--conc 1,8,32,64,128,256] [--steps 20] [--repeats 2] [--async-scheduling] [--no-overlap-lora]
        [--lora-target-modules self_attn,experts]
 """
 
@@ -166,27 +168,41 @@ def engine(model, cfg: ModelConfig, max_loras: int, rank: int, max_seqs: int, ad
     return eng
 
 
+def no_lora_twin(model: MoECausalLM, cfg: ModelConfig) -> MoECausalLM:
+    """The same model without LoRA sites, over the same weight tensors (no second copy): the no-LoRA
+    baseline, alive next to the LoRA engine so the two are measured in turns."""
+    with torch.device("meta"):
+        twin = model_class(cfg)(cfg, max_loras=0, max_rank=0, backend="triton", dtype=torch.bfloat16)
+    src = dict(model.named_modules())
+    for name, mod in twin.named_modules():
+        for table, other in ((mod._parameters, src[name]._parameters), (mod._buffers, src[name]._buffers)):
+            for key, t in table.items():
+                if t is not None:
+                    table[key] = other[key]
+        left = [k for k, v in vars(mod).items() if isinstance(v, torch.Tensor) and v.is_meta]
+        if left:
+            raise RuntimeError(f"{name}: tensors not shared with the LoRA model: {left}")
+    return twin.eval()
+
+
 def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank: int, bw: float,
-              engine_kw: dict) -> list[dict]:
+              engine_kw: dict, repeats: int = 1) -> list[dict]:
     spec = MODELS[name]
     cfg = ModelConfig(**{**spec, "num_layers": layers or spec["num_layers"]}).resolve()
     print(f"model {name}, layers {cfg.num_layers}")
     model = random_model(cfg, 8, rank)
     adapters = {f"a{i}": random_adapter(model, f"a{i}", rank, i) for i in range(8)}
     lora_eng = engine(model, cfg, 8, rank, max(concs), adapters, **engine_kw)
-    results = {}
-    for conc in concs:
-        for label, names in (("1 adapter", ["a0"]), ("8 adapters", list(adapters))):
-            results[(label, conc)] = measure(lora_eng, conc, names, steps)
-    del lora_eng
-    for m in model.modules():  # the same weights without LoRA slots: the no-LoRA baseline
-        if hasattr(m, "has_lora"):
-            m.has_lora = False
-    base_kw = {k: v for k, v in engine_kw.items() if k != "lora_target_modules"}  # no LoRA sites left to name
-    base_eng = engine(model, cfg, 0, 0, max(concs), {}, **base_kw)
-    for conc in concs:
-        results[("no LoRA", conc)] = measure(base_eng, conc, [None], steps)
-    del base_eng, model
+    base_kw = {k: v for k, v in engine_kw.items() if k != "lora_target_modules"}  # it has no LoRA sites to name
+    base_eng = engine(no_lora_twin(model, cfg), cfg, 0, 0, max(concs), {}, **base_kw)
+    runs = (("no LoRA", base_eng, [None]), ("1 adapter", lora_eng, ["a0"]), ("8 adapters", lora_eng, list(adapters)))
+    samples: dict[tuple[str, int], list[float]] = {}
+    for conc in concs:  # the configurations in turns, `repeats` rounds: drift hits all of them alike
+        for _ in range(repeats):
+            for label, eng, names in runs:
+                samples.setdefault((label, conc), []).append(measure(eng, conc, names, steps))
+    results = {key: sorted(v)[len(v) // 2] for key, v in samples.items()}
+    del lora_eng, base_eng, runs, model
     torch.cuda.empty_cache()
     rows = []
     print(f"{'config':>11} {'conc':>5} {'step ms':>8} {'tok/s':>9} {'bound ms':>9} {'x bound':>8} {'vs noLoRA':>9}")
@@ -210,6 +226,7 @@ def main() -> None:
     ap.add_argument("--conc", default="1,8,32,64,128,256")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2, help="rounds of (no LoRA, 1 adapter, 8 adapters); median")
     ap.add_argument("--async-scheduling", action="store_true", help="EngineConfig.async_scheduling")
     ap.add_argument("--no-overlap-lora", action="store_true", help="EngineConfig.overlap_lora=False")
     ap.add_argument("--lora-target-modules", default=None,
@@ -220,7 +237,7 @@ def main() -> None:
     print(f"GPU {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = []
     for name in (list(MODELS) if args.model == "all" else [args.model]):
-        rows += run_model(name, args.layers, concs, args.steps, args.rank, bw,
+        rows += run_model(name, args.layers, concs, args.steps, args.rank, bw, repeats=args.repeats, engine_kw=
                           dict(async_scheduling=args.async_scheduling, overlap_lora=not args.no_overlap_lora,
                                lora_target_modules=tuple(args.lora_target_modules.split(","))
                                if args.lora_target_modules else None))
