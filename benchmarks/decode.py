@@ -159,8 +159,10 @@ def measure(eng: LLMEngine, conc: int, names: list, steps: int, prompt_len: int 
 
 def engine(model, cfg: ModelConfig, max_loras: int, rank: int, max_seqs: int, adapters: dict,
            **engine_kw) -> LLMEngine:
+    """16 KV blocks (256 tokens) a sequence: room for a prompt and up to ~200 steps without preemption,
+    small enough that the no-LoRA and LoRA engines both fit next to the weights."""
     ecfg = EngineConfig(device="cuda", dtype="bfloat16", kernel_backend="triton", max_loras=max_loras,
-                        max_lora_rank=rank, max_num_seqs=max_seqs, max_model_len=512, num_kv_blocks=max_seqs * 40,
+                        max_lora_rank=rank, max_num_seqs=max_seqs, max_model_len=512, num_kv_blocks=max_seqs * 16 + 64,
                         block_size=16, **engine_kw).resolve(cfg)
     eng = LLMEngine(model, None, ecfg, lambda name, path: adapters[name])
     for name in adapters:
