@@ -49,7 +49,7 @@ def timed(fn, sink: list):
 
 
 CATEGORIES = (  # first match wins: Triton kernel names (exact or prefix), substrings of cuBLAS/ATen names
-    ("moe lora", ("=lora_shrink_kernel", "=lora_route_delta_kernel")),
+    ("moe lora", ("=lora_shrink_kernel", "=lora_route_delta_kernel", "=lora_block_delta_kernel", "=act_delta_kernel")),
     ("dense lora", ("^_lora_",)),
     ("moe gemm + plan + combine", ("=gate_up_kernel", "=down_kernel", "=combine_kernel", "^_plan_")),
     ("attention", ("^_decode", "=decode_reduce_kernel", "^_prefill", "^_store", "^_mla")),
