@@ -209,6 +209,32 @@ def test_overload_answers_503_with_retry_after(assets):
         assert complete(client, BASE, PROMPTS[2]).choices[0].finish_reason in ("stop", "length")
 
 
+# --------------------------------------------------------------------------- lora_target_modules
+
+
+def test_lora_target_modules_refuse_adapters_outside_and_serve_those_inside(assets, tmp_path):
+    """Through build_engine (the memory plan path): adapters with router LoRA are refused when
+    loaded; one without is served and changes the output."""
+    import oracle_lora as ol
+    from oracle import tiny_hf_model
+
+    model_dir, adapters = assets
+    hf = tiny_hf_model("qwen3_moe", seed=11, vocab_size=260, max_position_embeddings=256, bos_token_id=256,
+                       eos_token_id=258, pad_token_id=259)  # the served model (test_server.write_model)
+    no_router = ol.write_per_expert(ol.per_expert_lora(hf, seed=7, r=4, std=0.3, router=False), tmp_path / "nr")
+    targets = ("self_attn", "experts", "gate_proj", "up_proj", "down_proj")  # all but the router ("gate")
+    with running_server(model_dir, {}, lora_target_modules=targets) as (url, app):
+        engine = app.state.engine.engine
+        assert not engine.model.model.layers[0].mlp.gate.has_lora
+        r = post(url, "/v1/load_lora_adapter", {"lora_name": "delta", "lora_path": str(adapters["delta"])})
+        assert r.status_code == 400 and "mlp.gate" in r.text and "lora_target_modules" in r.text, r.text
+        r = post(url, "/v1/load_lora_adapter", {"lora_name": "nr", "lora_path": str(no_router)})
+        assert r.status_code == 200, r.text
+        client = make_client(url)
+        outs = {m: complete(client, m, PROMPTS[0]).choices[0].text for m in (BASE, "nr")}
+        assert outs[BASE] != outs["nr"]
+
+
 # -------------------------------------------------------------------------------------------- CLI
 
 
