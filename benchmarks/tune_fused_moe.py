@@ -4,10 +4,10 @@ moelora/kernels/configs/fused_moe_<gpu>.json (and a copy plus all timings under 
 Shape legend: M tokens, H hidden, I expert intermediate, E experts, K top-k.
 Per (shape, M): time the LoRA-off layer (CUDA-graph replay, L2 flushed, median) over a short
 candidate list of tiles chosen by routes per expert, keep the fastest; then try TMA on it; then
-pick lora_shrink (inline / separate / route / block) and lora_split_k on 8 adapters of rank 16, and
-lora_shrink_wide (separate / route / block) on 8 adapters of rank 64; with route / block picked,
-lora_gate_up_at "activation" too. LoRA timings use a side stream, as the engine's overlap_lora does
-(--no-side-stream: not). Usage:
+pick lora_shrink (inline / separate / route / block) and lora_split_k on 8 adapters of rank 16 (a
+route pick then tries lora_route_order "plan", a route or block pick lora_gate_up_at "activation"),
+and lora_shrink_wide (separate / route / block) on 8 adapters of rank 64. LoRA timings use a side
+stream, as the engine's overlap_lora does (--no-side-stream: not). Usage:
   python benchmarks/tune_fused_moe.py [--shapes a,b] [--ms 1,8] [--lora-only] [--no-side-stream]
 """
 
@@ -76,16 +76,20 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None) -> FusedMoEConfig:
         log.append(dict(M=M, what=f"lora_{cfg.lora_shrink}_{cfg.lora_split_k}_{cfg.lora_n_split}",
                         config=json.dumps(cfg.to_dict()), ms=t))
     t_best, best = min(scored, key=lambda p: p[0])
-    if best.lora_shrink in ("route", "block"):  # the gate_up delta after the GEMM, next to it on the side stream
-        late = dataclasses.replace(best, lora_gate_up_at="activation")
-        t = timed(layer, x, wts, ids, lora, late, side)
-        scored.append((t, late))
-        log.append(dict(M=M, what=f"lora_{late.lora_shrink}_activation", config=json.dumps(late.to_dict()), ms=t))
+    # refinements of a route / block pick: the gate_up delta's programs in plan order (route), then the
+    # gate_up delta after the GEMM, next to it on the side stream
+    for field, value in (("lora_route_order", "plan"), ("lora_gate_up_at", "activation")):
+        if best.lora_shrink not in (("route",) if field == "lora_route_order" else ("route", "block")):
+            continue
+        cfg = dataclasses.replace(best, **{field: value})
+        t = timed(layer, x, wts, ids, lora, cfg, side)
+        scored.append((t, cfg))
+        log.append(dict(M=M, what=f"lora_{cfg.lora_shrink}_{value}", config=json.dumps(cfg.to_dict()), ms=t))
         if t < t_best:
-            t_best, best = t, late
-    tag = "{0.lora_shrink}/{0.lora_split_k}/{0.lora_n_split}/{0.lora_gate_up_at:.3}".format
+            t_best, best = t, cfg
+    tag = "{0.lora_shrink}/{0.lora_split_k}/{0.lora_n_split}/{0.lora_route_order:.1}/{0.lora_gate_up_at:.3}".format
     print(f"  M={M:5d} 8ad_r16 " + "  ".join(f"{tag(c)} {t * 1e3:7.1f}" for t, c in scored)
-          + f"  -> {best.lora_shrink}/{best.lora_split_k}/{best.lora_n_split}/{best.lora_gate_up_at}", flush=True)
+          + f"  -> {tag(best)}", flush=True)
     return tune_wide(layer, M, best, log, side)
 
 

@@ -146,6 +146,18 @@ def test_gate_up_delta_at_activation(shrink, R, dtype, tol):
 
 
 @kernel_test
+@pytest.mark.parametrize("R", [16, 64])
+def test_route_delta_in_plan_order(R):
+    """lora_route_order="plan": the gate_up route delta's programs walk the plan rows (padding rows
+    and rows on no slot or an empty slot included), reading each route's token row of x."""
+    cfg = replace(tiny_config("route"), lora_route_order="plan")
+    case = make_case(14, 32, 24, 3, 2, ranks=(R, 5, 16, 0), R=R, device=DEV, seed=7,
+                     slots=[0, 1, 2, 3, -1, 3, 2, 1, 0, -1, 1, 2, 3, 0])
+    run_checked(case, cfg, 1e-4)
+    run_checked(case, replace(cfg, lora_gate_up_at="activation"), 1e-4)
+
+
+@kernel_test
 def test_all_routes_on_one_expert_with_empty_experts():
     case = make_case(20, 32, 24, 6, 1, ranks=(16, 3), R=16, device=DEV, seed=4, one_expert=4)
     run_checked(case, tiny_config("separate"), 1e-4)
@@ -221,14 +233,17 @@ def gpu_case(shape, T, seed, ranks=(64, 16, 8, 0, 64, 32, 16, 8), R=64):
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("T", [1, 33, 512])
-@pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block"])
+@pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block", "route_plan"])
 def test_gpu_qwen3_shape_bf16_lora(T, shrink):
     pool = dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16) if shrink == "inline" else {}
     case = gpu_case(QWEN3, T, seed=T, **pool)
     from moelora.kernels.moe_config import tuned_fused_moe_config
 
     cfg = tuned_fused_moe_config(128, 2048, 768, T, 8, torch.bfloat16, torch.cuda.get_device_name())
-    cfg = replace(cfg, lora_shrink=shrink, lora_shrink_wide="" if shrink == "inline" else shrink, use_tma=False)
+    order = "plan" if shrink == "route_plan" else "token"
+    shrink = shrink.removesuffix("_plan")
+    cfg = replace(cfg, lora_shrink=shrink, lora_shrink_wide="" if shrink == "inline" else shrink, use_tma=False,
+                  lora_route_order=order)
     torch.cuda.set_sync_debug_mode("error")  # contract 5: no host sync in the forward
     try:
         out = fused_moe(*case[:5], lora=case[5], out=torch.full_like(case[0], float("nan")), config=cfg)

@@ -126,10 +126,11 @@ def _shrink(src, xa, plan, lora, which, gather, k_dim, block_r, cfg):
         LORA_BK=cfg.lora_block_k, LORA_RC=_LORA_RC, num_warps=4, num_stages=2)
 
 
-def _route_delta(src, delta, plan, topk_ids, lora, which, block_r):
-    """delta [T*K, N] of every route with LoRA (gate_up: N = 2I from x; down: N = H from h [P, I])."""
+def _route_delta(src, delta, plan, topk_ids, lora, which, block_r, plan_order=False):
+    """delta [T*K, N] of every route with LoRA (gate_up: N = 2I from x; down: N = H from h [P, I]).
+    Programs in plan order for down (h rows are plan rows) and, `plan_order`, for gate_up too."""
     a, b, ranks = getattr(lora, f"{which}_a"), getattr(lora, f"{which}_b"), getattr(lora, f"{which}_ranks")
-    by_row = which == "down"
+    by_row = which == "down" or plan_order
     n_out, k_dim = b.shape[2], a.shape[3]
     rows = plan.sorted_route_ids.shape[0] if by_row else plan.num_routes
     step = 4096 // _LORA_RC  # [RC, step] tiles: 4096 elements per load
@@ -140,7 +141,8 @@ def _route_delta(src, delta, plan, topk_ids, lora, which, block_r):
         src, delta, topk_ids, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots,
         ranks, a, b, plan.num_routes, plan.top_k, k_dim, n_out, per_split, src.stride(0), delta.stride(0),
         a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2), BY_PLAN_ROW=by_row,
-        BM=plan.block_m, RC=_LORA_RC, BK=step, BN=step, WIDE_RC=max(_LORA_RC, block_r), WIDE_MIN=2 * _LORA_RC,
+        SRC_BY_TOKEN=which == "gate_up", BM=plan.block_m, RC=_LORA_RC, BK=step, BN=step,
+        WIDE_RC=max(_LORA_RC, block_r), WIDE_MIN=2 * _LORA_RC,
         num_warps=4)
 
 
@@ -168,7 +170,7 @@ def _delta_on(side, mode, src, delta, plan, topk_ids, lora, which, block_r, cfg)
         side.wait_stream(torch.cuda.current_stream(src.device))
     with torch.cuda.stream(side):  # None: stays on the current stream
         if mode == "route":
-            _route_delta(src, delta, plan, topk_ids, lora, which, block_r)
+            _route_delta(src, delta, plan, topk_ids, lora, which, block_r, cfg.lora_route_order == "plan")
         else:
             _block_delta(src, delta, plan, lora, which, block_r, cfg)
 

@@ -24,6 +24,7 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 LORA_SHRINK_MODES = ("inline", "separate", "route", "block")
 WIDE_SHRINK_MODES = ("separate", "route", "block")  # "inline" is rank-proportional only up to rank 16
 GATE_UP_DELTA_AT = ("epilogue", "activation")
+ROUTE_ORDERS = ("token", "plan")
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,10 @@ class FusedMoEConfig:
     and block): "epilogue" adds the gate_up delta in the gate_up GEMM's epilogue, so its kernel runs
     before that GEMM; "activation" has the GEMM write gate and up unactivated ([P, 2I]) and a small
     kernel add the delta and apply SiLU * up, so the delta kernel can run on a second stream
-    concurrently with the GEMM (one launch more on the main stream, one less in its way). use_tma: Hopper
+    concurrently with the GEMM (one launch more on the main stream, one less in its way).
+    lora_route_order ("route"): the gate_up delta's programs in route order ("token": a token's K
+    routes side by side) or in plan order ("plan": an expert's routes side by side, so routes of one
+    (adapter, expert) pair read its A/B from L2; the down delta always runs in plan order). use_tma: Hopper
     tensor descriptors for the weight (and down-GEMM activation) tiles; the off switch of that
     path (contract 6)."""
 
@@ -71,6 +75,7 @@ class FusedMoEConfig:
     lora_split_k: int = 8
     lora_n_split: int = 0
     lora_gate_up_at: str = "epilogue"
+    lora_route_order: str = "token"
     use_tma: bool = False
 
     def __post_init__(self):
@@ -81,6 +86,8 @@ class FusedMoEConfig:
             raise ValueError(f"lora_split_k must be >= 1, got {self.lora_split_k}")
         if self.lora_n_split < 0:
             raise ValueError(f"lora_n_split must be >= 0, got {self.lora_n_split}")
+        if self.lora_route_order not in ROUTE_ORDERS:
+            raise ValueError(f"lora_route_order must be one of {ROUTE_ORDERS}, got {self.lora_route_order!r}")
         if self.lora_gate_up_at not in GATE_UP_DELTA_AT:
             raise ValueError(f"lora_gate_up_at must be one of {GATE_UP_DELTA_AT}, got {self.lora_gate_up_at!r}")
         if self.lora_shrink not in LORA_SHRINK_MODES:

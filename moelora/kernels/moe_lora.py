@@ -16,7 +16,9 @@ SPLIT reduction splits, RC = 16 rank columns per step (cost follows each slot's 
   no-LoRA in one pass vs 2.49x in 16-column chunks; the per-slot choice is a runtime branch).
   The delta buffer is x's dtype for pools of rank <= 16 (one chunk: the rounding of the torch
   twin) and fp32 above (chunks accumulate in place, one program per row and split). gate_up: one
-  program per (route, N split), src x[route // K]; down: one per (plan row, N split), src h[row].
+  program per (route, N split), src x[route // K], in route order, or (lora_route_order="plan") per
+  (plan row, N split), so an expert's routes run side by side and share their pairs' A/B in L2;
+  down: one per (plan row, N split), src h[row].
   The GEMM epilogue adds delta[route] to its tile: a plain load, no loop over the block's slots.
   Every program streams its own A/B rows with no dependence on the other rows of its block
   (decode: a block holds a few routes on as many slots).
@@ -80,18 +82,24 @@ def lora_route_delta_kernel(
     n_routes, top_k, k_dim, n_out, n_per_split, stride_src, stride_d,
     stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn,
     BY_PLAN_ROW: tl.constexpr, BM: tl.constexpr, RC: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-    WIDE_RC: tl.constexpr, WIDE_MIN: tl.constexpr,
+    WIDE_RC: tl.constexpr, WIDE_MIN: tl.constexpr, SRC_BY_TOKEN: tl.constexpr,
 ):
-    """delta[route, n] for the n of split program_id(1); see the module docstring."""
+    """delta[route, n] for the n of split program_id(1); see the module docstring. BY_PLAN_ROW: program
+    pid takes plan row pid (routes of one expert, hence of few (slot, expert) pairs, run side by side
+    and share their A/B through L2), reading src row pid (h, down) or, SRC_BY_TOKEN, its token's row
+    (x, gate_up); else program pid takes route pid, reading its token's row."""
     pid = tl.program_id(0)
-    if BY_PLAN_ROW:  # down: plan row pid of h
+    if BY_PLAN_ROW:
         if pid >= tl.load(num_padded_ptr):
             return
         route = tl.load(sorted_ids_ptr + pid)
         if route >= n_routes:
             return
         e = tl.load(eob_ptr + pid // BM).to(tl.int64)
-        src = src_ptr + pid.to(tl.int64) * stride_src
+        if SRC_BY_TOKEN:
+            src = src_ptr + (route // top_k).to(tl.int64) * stride_src
+        else:
+            src = src_ptr + pid.to(tl.int64) * stride_src
     else:  # gate_up: route pid reads its token's row of x
         route = pid
         e = tl.load(ids_ptr + pid).to(tl.int64)
