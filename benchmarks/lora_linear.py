@@ -16,8 +16,10 @@ to their rank), the ratio to no LoRA, and per T the sum over q/k/v/o x 48 layers
 and with qkv measured, the same step with qkv in place of q, k and v.
 
 usage: python benchmarks/lora_linear.py [OUT.csv] [--ts 1,8,64,256,1024] [--shapes q,k,v,qkv,o]
-       [--variants off,1ad_r16,8ad_r16,8ad_r64,8ad_r8_pool64] [--modes split,fused] [--layers 0 (auto)]
+       [--variants off,1ad_r16,8ad_r16,8ad_r64,8ad_r8_pool64] [--modes split,fused,splitk] [--layers 0 (auto)]
        [--sweep 8ad_r16,...]   (also time these variants over a grid of split-path configs; prints the best)
+       [--no-side-stream]   (by default the shrink gets a side stream, as the engine's overlap_lora gives it)
+With "splitk" in --modes, "off" also runs through the split-K GEMM (mode splitk), next to cuBLAS.
 Writes the CSV to the path, else $OUT/lora_linear.csv, else ./lora_linear.csv.
 """
 
@@ -104,6 +106,9 @@ def cfg_name(cfg: LoRALinearConfig | None) -> str:
         return "-"
     if cfg.mode == "fused":
         return f"fused/bm{cfg.block_m}/bn{cfg.block_n}/bk{cfg.block_k}/w{cfg.num_warps}"
+    if cfg.mode == "splitk":
+        return (f"splitk/gbn{cfg.gemm_block_n}/gbk{cfg.gemm_block_k}/gsk{cfg.gemm_split_k}/bm{cfg.block_m}"
+                f"/bn{cfg.block_n}/sk{cfg.split_k}")
     return (f"split/bm{cfg.block_m}/bn{cfg.block_n}/w{cfg.num_warps}/sk{cfg.split_k}/lanes{cfg.slot_lanes}"
             f"/sbk{cfg.block_k}/ss{cfg.shrink_num_stages}")
 
@@ -118,22 +123,26 @@ def sweep_configs(T: int) -> list[LoRALinearConfig]:
     return cfgs + [replace(base, slot_lanes=1), replace(base, block_k=64), replace(base, shrink_num_stages=2)]
 
 
-def bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep=()):
+def bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep=(), side=None):
     n_in, n_out = SHAPES[sname]
     segments = SEGMENTS.get(sname, ())
     x = torch.randn(T, n_in, device="cuda").to(torch.bfloat16)
     out = torch.empty(T, n_out, device="cuda", dtype=torch.bfloat16)
     runs = [(var, default_lora_linear_config(T, mode) if VARIANTS[var][0] else None, False)
             for var in variants for mode in (modes if VARIANTS[var][0] else ("-",))]
+    if "splitk" in modes and "off" in variants:  # its base GEMM alone, next to cuBLAS
+        runs.insert(next(i for i, r in enumerate(runs) if r[0] == "off") + 1,
+                    ("off", default_lora_linear_config(T, "splitk"), False))
     runs += [(var, cfg, True) for var in sweep for cfg in sweep_configs(T)]
     rows, t_off = [], None
     for var, cfg, swept in runs:
         # LoRA args built once, before capture (fixed-address buffers, as the runner's step plan)
-        calls = [partial(lora_linear, x, ly["w"], None, lora_args(ly, T, var, segments), out=out, config=cfg)
+        calls = [partial(lora_linear, x, ly["w"], None, lora_args(ly, T, var, segments), out=out, config=cfg,
+                         side_stream=side)
                  for ly in layers]
         t_chain = graph_ms(calls) / len(calls)
         t_single = float("nan") if swept else graph_ms(calls[:1])
-        t_off = t_chain if var == "off" else t_off
+        t_off = t_chain if var == "off" and cfg is None else t_off  # cuBLAS, no LoRA
         nbytes = call_bytes(T, n_in, n_out, var, max(1, len(segments)))
         bound_ms = nbytes / (bw * 1e9) * 1e3
         rows.append(dict(gpu=gpu, shape=sname, n_in=n_in, n_out=n_out, T=T, variant=var,
@@ -177,7 +186,8 @@ def print_step_summary(rows):
         for way, shapes in ways.items():
             tot = sum(r["graph_us"] for r in rows
                       if (r["T"], r["variant"], r["mode"]) == (T, var, mode) and r["shape"] in shapes)
-            off = sum(r["graph_us"] for r in rows if (r["T"], r["variant"]) == (T, "off") and r["shape"] in shapes)
+            off = sum(r["graph_us"] for r in rows
+                      if (r["T"], r["variant"], r["mode"]) == (T, "off", "-") and r["shape"] in shapes)
             ratio = tot / off if off else float("nan")
             print(f"T={T:5d} {var:14s} {mode:6s} {way:8s} {tot * MODEL_LAYERS / 1e3:8.3f} ms/step  "
                   f"vs_off {ratio:.3f}")
@@ -192,7 +202,9 @@ def main(argv=None):
     ap.add_argument("--modes", default="split,fused")
     ap.add_argument("--layers", type=int, default=0, help="calls per graph (0: enough to keep W out of L2)")
     ap.add_argument("--sweep", default="", help="variants (e.g. 8ad_r16) to also time over split-path configs")
+    ap.add_argument("--no-side-stream", action="store_true", help="the shrink on the main stream (overlap_lora off)")
     args = ap.parse_args(argv)
+    side = None if args.no_side_stream else torch.cuda.Stream()
     path = Path(args.csv or Path(os.environ.get("OUT", ".")) / "lora_linear.csv")
     variants = args.variants.split(",")
     if "off" not in variants:
@@ -210,7 +222,7 @@ def main(argv=None):
         n_layers = args.layers or min(MODEL_LAYERS, max(4, triton.cdiv(COLD_BYTES, 2 * n_in * n_out)))
         layers = make_layers(n_in, n_out, n_layers, pool_ranks, n_seg=max(1, len(SEGMENTS.get(sname, ()))))
         for T in map(int, args.ts.split(",")):
-            rows += bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep)
+            rows += bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep, side)
         del layers
         torch.cuda.empty_cache()
     with path.open("w", newline="") as f:

@@ -20,7 +20,10 @@ from moelora.kernels.reference import DenseLoRAArgs, SlotRows, lora_linear_ref  
 
 # Tiny blocks so that tiny shapes still span several row blocks, N tiles and N_in chunks.
 TINY = {"split": LoRALinearConfig("split", 16, 32, 16, 16, split_k=3),
-        "fused": LoRALinearConfig("fused", 16, 32, 32)}
+        "fused": LoRALinearConfig("fused", 16, 32, 32),
+        # fp16/bf16 only (fp32 calls take "split"): split-K GEMM, expand in its reduce
+        "splitk": LoRALinearConfig("splitk", 16, 32, 16, 16, split_k=3, gemm_block_n=16, gemm_block_k=16,
+                                   gemm_split_k=3)}
 MODES = tuple(TINY)
 
 
@@ -75,12 +78,12 @@ def check(case, tol, config=None, ref_dtype=torch.float64, delta_tol=None):
     assert got is out and torch.equal(x, x_before)
     assert not torch.isnan(got).any()
     assert rel_err(got, want) <= tol
+    base = lora_linear(x, w, b, None, config=config)  # this mode's own base GEMM (splitk: not cuBLAS)
     if lora is not None and delta_tol is not None:
-        base = lora_linear(x, w, b, None)
         assert rel_err(got.to(ref_dtype) - base.to(ref_dtype), want - want_base) <= delta_tol
     rows_off = (lora.token_slots < 0) if lora is not None else torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
     if bool(rows_off.any()):  # rows on no adapter get exactly the base GEMM
-        assert torch.equal(got[rows_off], lora_linear(x, w, b, None)[rows_off])
+        assert torch.equal(got[rows_off], base[rows_off])
     return got
 
 
@@ -110,6 +113,21 @@ def test_slot_lanes_fewer_and_more_than_distinct_slots(slot_lanes):
     case = make_case(38, 45, 40, (16, 3, 9, 16, 1, 12), 16, dtype=torch.float16, device=DEV, seed=9, slots=slots)
     cfg = LoRALinearConfig("split", 16, 32, 16, 16, split_k=2, slot_lanes=slot_lanes)
     check(case, 1e-2, cfg, delta_tol=2e-2)
+
+
+@kernel_test
+@pytest.mark.parametrize("slot_lanes", [1, 3, 8])
+def test_splitk_mode_fp16(slot_lanes):
+    """"splitk": split-K partials (chunks that do not divide N_in) reduced with bias and the expand;
+    more distinct slots per row block than lanes, rows on no slot, one token, no LoRA, no bias."""
+    cfg = LoRALinearConfig("splitk", 16, 16, 16, 16, split_k=2, slot_lanes=slot_lanes, gemm_block_n=16,
+                           gemm_block_k=16, gemm_split_k=4)
+    slots = [0, 1, 2, 3, 4, 5, -1, 5, 3] * 4 + [2, 2]
+    h = dict(dtype=torch.float16, device=DEV)
+    check(make_case(38, 97, 40, (16, 3, 9, 16, 1, 12), 16, seed=9, slots=slots, **h), 1e-2, cfg, delta_tol=2e-2)
+    check(make_case(1, 40, 24, (16, 8), 16, seed=3, slots=[1], **h), 1e-2, cfg, delta_tol=2e-2)
+    check(make_case(9, 40, 24, (), 0, bias=False, seed=2, **h), 1e-2, cfg)
+    check(make_case(18, 40, 24, (16, 4), 16, bias=False, seed=3, slots=[-1] * 18, **h), 1e-2, cfg)
 
 
 @kernel_test
@@ -245,8 +263,9 @@ def test_gpu_cuda_graph_replay(mode, T):
 
 @pytest.mark.gpu
 @gpu_only
+@pytest.mark.parametrize("mode", ["split", "splitk"])
 @pytest.mark.parametrize("T", [8, 256])
-def test_gpu_side_stream_shrink_is_bit_exact(T):
+def test_gpu_side_stream_shrink_is_bit_exact(T, mode):
     """The shrink on a side stream (concurrent with cuBLAS) equals the one-stream result bit for bit,
     eager and in a graph, with the side stream held back by a sleep queued before the call (a missing
     join would let the expand read xa before the shrink wrote it)."""
@@ -254,15 +273,17 @@ def test_gpu_side_stream_shrink_is_bit_exact(T):
     side = torch.cuda.Stream()
     warm = make_case(T, n_in, n_out, ranks, 16, dtype=torch.bfloat16, device="cuda", seed=60, slots=gpu_slots(T, 4, 60))
     case = make_case(T, n_in, n_out, ranks, 16, dtype=torch.bfloat16, device="cuda", seed=61, slots=gpu_slots(T, 4, 61))
-    plain = lora_linear(*case)
-    lora_linear(*warm, side_stream=side)  # leaves another input's partials in the allocator's blocks
+    cfg = default_lora_linear_config(T, mode)
+    plain = lora_linear(*case, config=cfg)
+    assert rel_err(plain, reference(case, torch.float32)[0]) <= 1e-2
+    lora_linear(*warm, side_stream=side, config=cfg)  # leaves another input's partials in the allocator's blocks
     with torch.cuda.stream(side):
         torch.cuda._sleep(5_000_000)
-    assert torch.equal(lora_linear(*case, side_stream=side), plain)
+    assert torch.equal(lora_linear(*case, side_stream=side, config=cfg), plain)
     out = torch.empty_like(plain)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        lora_linear(*case, out=out, side_stream=side)
+        lora_linear(*case, out=out, side_stream=side, config=cfg)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()

@@ -27,7 +27,10 @@ from moelora.kernels.reference import DenseLoRAArgs, SlotRows, lora_linear_ref  
 F32_TOL = 1e-5 if DEV == "cpu" else 2e-3
 TINY = {"split": LoRALinearConfig("split", 16, 32, 16, 16, split_k=3),
         "split_bn16": LoRALinearConfig("split", 16, 16, 16, 16, split_k=2, slot_lanes=2),
-        "fused": LoRALinearConfig("fused", 16, 32, 32)}
+        "fused": LoRALinearConfig("fused", 16, 32, 32),
+        # fp16/bf16 only (fp32 calls take "split"): split-K GEMM, expand in its reduce
+        "splitk": LoRALinearConfig("splitk", 16, 32, 16, 16, split_k=3, gemm_block_n=16, gemm_block_k=16,
+                                   gemm_split_k=3)}
 
 
 def make_case(T, n_in, segs, ranks, R, *, slots=None, dtype=torch.float32, device="cpu", seed=0, bias=True):
@@ -86,7 +89,7 @@ def check(case, tol, config, ref_dtype=torch.float64, alone_tol=None):
     assert got is out and torch.equal(x, x_before)
     assert not torch.isnan(got).any()
     assert rel_err(got, want) <= tol
-    base = lora_linear(x, w, b, None)
+    base = lora_linear(x, w, b, None, config=config)  # this mode's own base GEMM (splitk: not cuBLAS)
     slots = lora.token_slots.long()
     assert torch.equal(got[slots < 0], base[slots < 0])  # rows on no adapter: exactly the base GEMM
     for seg in range(len(lora.segments)):
@@ -174,7 +177,7 @@ QKV = (4096, 512, 512)
 
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.parametrize("mode", ["split", "fused"])
+@pytest.mark.parametrize("mode", ["split", "fused", "splitk"])
 @pytest.mark.parametrize("T", [1, 64, 256])
 def test_gpu_qkv_bf16(mode, T):
     """8 slots of rank 16 on q/k/v, rows interleaved over them (decode's worst case), some on no adapter."""

@@ -49,18 +49,14 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.checks import need_pow2
-from moelora.kernels.lora_tiles import (
-    drop_largest_slots,
-    load_slot_ranks,
-    lora_b_tile,
-    lora_b_tile_cols,
-    lora_shrink_rows,
-    segment_rank,
-)
+from moelora.kernels.lora_tiles import expand_tile, lane_rows, lora_b_tile, lora_b_tile_cols, lora_shrink_rows, rank_of
 from moelora.kernels.reference import DenseLoRAArgs
+from moelora.kernels.splitk_linear import splitk_partials, splitk_reduce
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MODES = ("split", "fused")
+_MODES = ("split", "fused", "splitk")
+# "splitk" replaces cuBLAS for rows up to this many (decode), in fp16/bf16; beyond, or in fp32, "split"
+_SPLITK_MAX_ROWS = 64
 # Shrink programs to aim for with one slot per row block (split over N_in when T alone gives fewer):
 # about one per SM on an H200 (132); more slots multiply them through the slot lanes.
 _SHRINK_TARGET_PROGRAMS = 128
@@ -73,7 +69,10 @@ class LoRALinearConfig:
     shrink; shrink_block_m: rows per shrink program; split_k: N_in chunks of the shrink (0: from
     the shapes); slot_lanes: programs per row block that each take one distinct slot (the last one
     takes the rest). num_warps / num_stages: the expand (or fused) kernel; the shrink runs 4 warps
-    and shrink_num_stages. All block sizes are powers of two >= 16 (tl.dot)."""
+    and shrink_num_stages. "splitk" (decode, not yet measured on a GPU): the split path's shrink,
+    a split-K Triton GEMM in gemm_split_k chunks of N_in (gemm_block_n x gemm_block_k tiles) instead of
+    cuBLAS, and one reduce that adds bias and the expand (block_m x block_n tiles); see
+    `moelora.kernels.splitk_linear`. All block sizes are powers of two >= 16 (tl.dot)."""
 
     mode: str = "split"
     block_m: int = 16
@@ -85,12 +84,17 @@ class LoRALinearConfig:
     num_warps: int = 4
     num_stages: int = 2
     shrink_num_stages: int = 3
+    gemm_block_n: int = 64
+    gemm_block_k: int = 128
+    gemm_split_k: int = 4
 
     def __post_init__(self):
         if self.mode not in _MODES:
             raise ValueError(f"LoRALinearConfig.mode must be one of {_MODES}, got {self.mode!r}")
         need_pow2("LoRALinearConfig", block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
-                  shrink_block_m=self.shrink_block_m)
+                  shrink_block_m=self.shrink_block_m, gemm_block_n=self.gemm_block_n, gemm_block_k=self.gemm_block_k)
+        if self.gemm_split_k < 1:
+            raise ValueError(f"LoRALinearConfig.gemm_split_k must be >= 1, got {self.gemm_split_k}")
         if self.slot_lanes < 1:
             raise ValueError(f"LoRALinearConfig.slot_lanes must be >= 1, got {self.slot_lanes}")
         if self.split_k < 0:
@@ -100,6 +104,8 @@ class LoRALinearConfig:
 def default_lora_linear_config(num_tokens: int, mode: str = "split") -> LoRALinearConfig:
     """Decode: short row blocks, many programs; prefill: taller expand tiles, so B is re-read by
     fewer row blocks. Fused: wide N tiles at prefill, so its in-program shrink repeats less."""
+    if mode == "splitk":
+        return LoRALinearConfig("splitk", 16, 64, 128, 16, split_k=8)
     if mode == "fused":
         if num_tokens <= 32:
             return LoRALinearConfig("fused", 16, 64, 256, num_warps=4)
@@ -111,25 +117,6 @@ def default_lora_linear_config(num_tokens: int, mode: str = "split") -> LoRALine
     # 4 warps, not 8 (H200 sweep, merged q/k/v 2048->5120, 8 adapters r16: T=64 29.3 -> 20.2 µs,
     # T=256 74.7 -> 41.7 µs; o 4096->2048 T=256 32.2 -> 27.6 µs)
     return LoRALinearConfig("split", 64, 128, 128, 16)
-
-
-@triton.jit
-def _lane_rows(slots_ptr, ranks_ptr, offs_t, T, n_slots, lane, n_lanes, S_P2: tl.constexpr, G: tl.constexpr,
-               G_P2: tl.constexpr):
-    """The rows a lane owns: (slot vector with the `lane` largest distinct slots dropped, first slot
-    to handle or -1, mask of the rows this lane handles, all slot ranks [S_P2], or [G_P2, S_P2] for
-    G segments). A lane below the last handles one slot; the last handles every slot left. The ranks
-    are loaded with the slots, so a slot's rank costs no extra round trip."""
-    slot = tl.load(slots_ptr + offs_t, mask=offs_t < T, other=-1)
-    ranks = load_slot_ranks(ranks_ptr, n_slots, S_P2, G, G_P2)
-    slot, s = drop_largest_slots(slot, lane)
-    mine = (slot >= tl.where(lane == n_lanes - 1, 0, s)) & (slot <= s)  # slots left are all <= s
-    return slot, s, mine, ranks
-
-
-@triton.jit
-def _rank_of(ranks, s, S_P2: tl.constexpr):
-    return tl.sum(tl.where(tl.arange(0, S_P2) == s, ranks, 0), axis=0)
 
 
 @triton.jit
@@ -148,7 +135,7 @@ def _lora_shrink_kernel(
     p = tl.program_id(1) // G
     g = tl.program_id(1) % G
     lane = tl.program_id(2)
-    slot, s, mine, ranks = _lane_rows(slots_ptr, ranks_ptr + g * n_slots, offs_t, T, n_slots, lane, n_lanes, S_P2,
+    slot, s, mine, ranks = lane_rows(slots_ptr, ranks_ptr + g * n_slots, offs_t, T, n_slots, lane, n_lanes, S_P2,
                                       1, 1)
     if s < 0:
         return
@@ -158,7 +145,7 @@ def _lora_shrink_kernel(
     xa = tl.zeros((BM, BLOCK_R), tl.float32)
     while s >= 0:  # masked loads move no bytes: each row of x is read once, A once per slot
         sel = slot == s
-        rank = _rank_of(ranks, s, S_P2)
+        rank = rank_of(ranks, s, S_P2)
         if rank > 0:
             xa += lora_shrink_rows(x_ptr, offs_t, stride_xt, sel, a_g + s.to(tl.int64) * stride_as, stride_ar, rank,
                                    k_start, k_end, BM, BLOCK_R, BK)
@@ -178,13 +165,13 @@ def _lora_expand_add_kernel(
     G: tl.constexpr, G_P2: tl.constexpr, SEG_BOUNDS: tl.constexpr,
 ):
     """y[t, n tile] += (sum_p xa[p, t]) @ B_slot(t)[n tile, :rank]^T for the rows with a slot (with G
-    segments: each column's segment's xa columns, B rows and rank; see `_expand_segments`).
+    segments: each column's segment's xa columns, B rows and rank; see `expand_segments`).
     Program (m, n, lane) takes the lane-th distinct slot of its rows (the last lane: all the rest);
     a row has one slot, so lanes write disjoint rows."""
     offs_t = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     lane = tl.program_id(2)
-    slot, s, mine, ranks = _lane_rows(slots_ptr, ranks_ptr, offs_t, T, n_slots, lane, n_lanes, S_P2, G, G_P2)
+    slot, s, mine, ranks = lane_rows(slots_ptr, ranks_ptr, offs_t, T, n_slots, lane, n_lanes, S_P2, G, G_P2)
     if s < 0:
         return
     # Everything whose address is known is loaded before the slot loop: y, and the P partials
@@ -192,59 +179,9 @@ def _lora_expand_add_kernel(
     y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
     mask = mine[:, None] & (offs_n[None, :] < N_out)
     y = tl.load(y_ptrs, mask=mask, other=0.0)
-    if G == 1:
-        offs_r = tl.arange(0, BLOCK_R)
-        xa = tl.zeros((BM, BLOCK_R), tl.float32)
-        for p in tl.static_range(SPLIT):
-            xa += tl.load(xa_ptr + p * stride_xap + offs_t[:, None].to(tl.int64) * BLOCK_R + offs_r[None, :],
-                          mask=mine[:, None], other=0.0)
-        xa = xa.to(y_ptr.dtype.element_ty)  # the twin's precision: xa in the activation dtype
-        acc = tl.zeros((BM, BN), tl.float32)
-        while s >= 0:
-            sel = slot == s
-            bt = lora_b_tile(b_ptr + s.to(tl.int64) * stride_bs, offs_n, N_out, stride_bn, _rank_of(ranks, s, S_P2),
-                             BLOCK_R)
-            acc = tl.dot(tl.where(sel[:, None], xa, 0.0).to(xa.dtype), bt.to(xa.dtype), acc)
-            slot = tl.where(sel, -1, slot)
-            s = tl.where(lane == n_lanes - 1, tl.max(slot, axis=0), -1)
-    else:
-        acc = _expand_segments(xa_ptr, y_ptr, b_ptr, slot, s, ranks, offs_t, offs_n, mine, lane, n_lanes, stride_xap,
-                               stride_bs, stride_bn, BM, BN, BLOCK_R, SPLIT, S_P2, G, G_P2, SEG_BOUNDS)
+    acc = expand_tile(xa_ptr, y_ptr, b_ptr, slot, s, ranks, offs_t, offs_n, mine, lane, n_lanes, N_out, stride_xap,
+                      stride_bs, stride_bn, BM, BN, BLOCK_R, SPLIT, S_P2, G, G_P2, SEG_BOUNDS)
     tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _expand_segments(xa_ptr, y_ptr, b_ptr, slot0, s0, ranks, offs_t, offs_n, mine, lane, n_lanes, stride_xap,
-                     stride_bs, stride_bn, BM: tl.constexpr, BN: tl.constexpr, BLOCK_R: tl.constexpr,
-                     SPLIT: tl.constexpr, S_P2: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
-                     SEG_BOUNDS: tl.constexpr):
-    """[BM, BN] fp32 delta of an output tile of a merged projection: for each segment g whose columns
-    [SEG_BOUNDS[g], SEG_BOUNDS[g + 1]) the tile overlaps (one when BN divides the boundaries), xa's
-    segment-g columns (the P partials summed) times that segment's B rows, up to the slot's rank
-    there; a segment of rank 0 for the slot is skipped."""
-    n0 = tl.program_id(1) * BN
-    offs_r = tl.arange(0, BLOCK_R)
-    acc = tl.zeros((BM, BN), tl.float32)
-    for g in tl.static_range(G):
-        lo = SEG_BOUNDS[g]
-        hi = SEG_BOUNDS[g + 1]
-        if (n0 < hi) & (n0 + BN > lo):
-            xa = tl.zeros((BM, BLOCK_R), tl.float32)
-            for p in tl.static_range(SPLIT):
-                xa += tl.load(xa_ptr + p * stride_xap + offs_t[:, None].to(tl.int64) * (G * BLOCK_R) + g * BLOCK_R
-                              + offs_r[None, :], mask=mine[:, None], other=0.0)
-            xa = xa.to(y_ptr.dtype.element_ty)
-            slot = slot0
-            s = s0
-            while s >= 0:
-                sel = slot == s
-                rank = segment_rank(ranks, s, g, S_P2, G_P2)
-                if rank > 0:
-                    bt = lora_b_tile_cols(b_ptr + s.to(tl.int64) * stride_bs, offs_n, lo, hi, stride_bn, rank, BLOCK_R)
-                    acc = tl.dot(tl.where(sel[:, None], xa, 0.0).to(xa.dtype), bt.to(xa.dtype), acc)
-                slot = tl.where(sel, -1, slot)
-                s = tl.where(lane == n_lanes - 1, tl.max(slot, axis=0), -1)
-    return acc
 
 
 @triton.jit
@@ -396,6 +333,16 @@ def _add_delta_fused(x, out, lora, T, n_in, n_out, cfg):
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
+def _splitk_linear(x, weight, bias, lora, out, T, n_in, cfg, side_stream):
+    """"splitk": the shrink (on the side stream when given) next to the split-K partials, then one
+    reduce that adds bias and the expand."""
+    shrunk = _shrink(x, lora, T, n_in, cfg, side_stream) if lora is not None else None
+    ws = splitk_partials(x, weight, cfg.gemm_split_k, cfg.gemm_block_n, cfg.gemm_block_k)
+    if lora is not None and side_stream is not None:
+        torch.cuda.current_stream(x.device).wait_stream(side_stream)  # join: xa is complete
+    splitk_reduce(ws, out, bias, lora, shrunk, cfg.block_m, cfg.block_n, cfg.slot_lanes)
+
+
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 lora: DenseLoRAArgs | None, *, out: torch.Tensor | None = None,
                 config: LoRALinearConfig | None = None,
@@ -415,8 +362,11 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError("out must not alias an input (contract 2)")
     has_lora = lora is not None and lora.a.shape[0] > 0
     cfg = config or default_lora_linear_config(T)
+    if cfg.mode == "splitk" and T <= _SPLITK_MAX_ROWS and x.dtype != torch.float32 and weight.stride(1) == 1:
+        _splitk_linear(x, weight, bias, lora if has_lora else None, out, T, n_in, cfg, side_stream)
+        return out
     shrunk = None
-    if has_lora and cfg.mode == "split" and side_stream is not None:
+    if has_lora and cfg.mode != "fused" and side_stream is not None:
         # Fork (contract 2): the side stream reads x, A, the slots and ranks and writes only xa; the
         # GEMM here reads x and W and writes only `out`. Nothing read across the fork is written before
         # the join, and xa (allocated here before the fork) is read by the expand after it.

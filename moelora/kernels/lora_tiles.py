@@ -86,3 +86,86 @@ def segment_rank(ranks, s, g, S_P2: tl.constexpr, G_P2: tl.constexpr):
     """Rank of slot s at segment g, from `load_slot_ranks`' [G_P2, S_P2] tile (no memory access)."""
     hit = (tl.arange(0, G_P2)[:, None] == g) & (tl.arange(0, S_P2)[None, :] == s)
     return tl.sum(tl.sum(tl.where(hit, ranks, 0), axis=1), axis=0)
+
+
+# dense multi-LoRA (moelora.kernels.lora_linear and splitk_linear): slot lanes and the expand of a tile
+@triton.jit
+def lane_rows(slots_ptr, ranks_ptr, offs_t, T, n_slots, lane, n_lanes, S_P2: tl.constexpr, G: tl.constexpr,
+               G_P2: tl.constexpr):
+    """The rows a lane owns: (slot vector with the `lane` largest distinct slots dropped, first slot
+    to handle or -1, mask of the rows this lane handles, all slot ranks [S_P2], or [G_P2, S_P2] for
+    G segments). A lane below the last handles one slot; the last handles every slot left. The ranks
+    are loaded with the slots, so a slot's rank costs no extra round trip."""
+    slot = tl.load(slots_ptr + offs_t, mask=offs_t < T, other=-1)
+    ranks = load_slot_ranks(ranks_ptr, n_slots, S_P2, G, G_P2)
+    slot, s = drop_largest_slots(slot, lane)
+    mine = (slot >= tl.where(lane == n_lanes - 1, 0, s)) & (slot <= s)  # slots left are all <= s
+    return slot, s, mine, ranks
+
+
+@triton.jit
+def rank_of(ranks, s, S_P2: tl.constexpr):
+    return tl.sum(tl.where(tl.arange(0, S_P2) == s, ranks, 0), axis=0)
+
+
+@triton.jit
+def expand_tile(xa_ptr, y_ptr, b_ptr, slot, s, ranks, offs_t, offs_n, mine, lane, n_lanes, N_out, stride_xap,
+                stride_bs, stride_bn, BM: tl.constexpr, BN: tl.constexpr, BLOCK_R: tl.constexpr,
+                SPLIT: tl.constexpr, S_P2: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
+                SEG_BOUNDS: tl.constexpr):
+    """[BM, BN] fp32 dense LoRA delta of an output tile for the rows in `mine`, from the shrink's P
+    partials xa [P, T, G * BLOCK_R]: slot s first, then (last lane only) every smaller slot left in
+    `slot`; xa is rounded to y's dtype first (the twin's precision). G > 1: `expand_segments`."""
+    if G == 1:
+        offs_r = tl.arange(0, BLOCK_R)
+        xa = tl.zeros((BM, BLOCK_R), tl.float32)
+        for p in tl.static_range(SPLIT):
+            xa += tl.load(xa_ptr + p * stride_xap + offs_t[:, None].to(tl.int64) * BLOCK_R + offs_r[None, :],
+                          mask=mine[:, None], other=0.0)
+        xa = xa.to(y_ptr.dtype.element_ty)
+        acc = tl.zeros((BM, BN), tl.float32)
+        while s >= 0:
+            sel = slot == s
+            bt = lora_b_tile(b_ptr + s.to(tl.int64) * stride_bs, offs_n, N_out, stride_bn, rank_of(ranks, s, S_P2),
+                             BLOCK_R)
+            acc = tl.dot(tl.where(sel[:, None], xa, 0.0).to(xa.dtype), bt.to(xa.dtype), acc)
+            slot = tl.where(sel, -1, slot)
+            s = tl.where(lane == n_lanes - 1, tl.max(slot, axis=0), -1)
+    else:
+        acc = expand_segments(xa_ptr, y_ptr, b_ptr, slot, s, ranks, offs_t, offs_n, mine, lane, n_lanes, stride_xap,
+                              stride_bs, stride_bn, BM, BN, BLOCK_R, SPLIT, S_P2, G, G_P2, SEG_BOUNDS)
+    return acc
+
+
+@triton.jit
+def expand_segments(xa_ptr, y_ptr, b_ptr, slot0, s0, ranks, offs_t, offs_n, mine, lane, n_lanes, stride_xap,
+                     stride_bs, stride_bn, BM: tl.constexpr, BN: tl.constexpr, BLOCK_R: tl.constexpr,
+                     SPLIT: tl.constexpr, S_P2: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
+                     SEG_BOUNDS: tl.constexpr):
+    """[BM, BN] fp32 delta of an output tile of a merged projection: for each segment g whose columns
+    [SEG_BOUNDS[g], SEG_BOUNDS[g + 1]) the tile overlaps (one when BN divides the boundaries), xa's
+    segment-g columns (the P partials summed) times that segment's B rows, up to the slot's rank
+    there; a segment of rank 0 for the slot is skipped."""
+    n0 = tl.program_id(1) * BN
+    offs_r = tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BM, BN), tl.float32)
+    for g in tl.static_range(G):
+        lo = SEG_BOUNDS[g]
+        hi = SEG_BOUNDS[g + 1]
+        if (n0 < hi) & (n0 + BN > lo):
+            xa = tl.zeros((BM, BLOCK_R), tl.float32)
+            for p in tl.static_range(SPLIT):
+                xa += tl.load(xa_ptr + p * stride_xap + offs_t[:, None].to(tl.int64) * (G * BLOCK_R) + g * BLOCK_R
+                              + offs_r[None, :], mask=mine[:, None], other=0.0)
+            xa = xa.to(y_ptr.dtype.element_ty)
+            slot = slot0
+            s = s0
+            while s >= 0:
+                sel = slot == s
+                rank = segment_rank(ranks, s, g, S_P2, G_P2)
+                if rank > 0:
+                    bt = lora_b_tile_cols(b_ptr + s.to(tl.int64) * stride_bs, offs_n, lo, hi, stride_bn, rank, BLOCK_R)
+                    acc = tl.dot(tl.where(sel[:, None], xa, 0.0).to(xa.dtype), bt.to(xa.dtype), acc)
+                slot = tl.where(sel, -1, slot)
+                s = tl.where(lane == n_lanes - 1, tl.max(slot, axis=0), -1)
+    return acc

@@ -1,0 +1,127 @@
+"""Split-K decode GEMM whose reduction adds the bias and the dense LoRA expand ("splitk" mode of
+`moelora.kernels.lora_linear`).
+
+Shape legend: T tokens (decode: <= 64), N_in / N_out features, P split-K chunks, S adapter slots.
+  partials: x [T, N_in] @ W [N_out, N_in]^T over chunk p of N_in -> ws [P, T, N_out] fp32
+  reduce:   y [T, N_out] = sum_p ws[p] (+ bias) (+ xa @ B_slot(t)^T per row), rounded once
+
+Why: at decode a projection is a skinny GEMM bound by W's bytes. cuBLAS runs it in one or two
+launches (split-K + its own reduce), and the "split" LoRA path then adds its expand as a launch of
+its own that reads and writes y again. Here the expand rides in the reduce, which the split-K GEMM
+needs anyway, so LoRA adds no launch on the main stream (the shrink runs on the side stream
+concurrently with the partials). Reduce program (m, n, lane): lane 0 writes the rows on no slot;
+lane l >= 1 the rows of the block's (l-1)-th distinct slot (the last lane: every slot left), as the
+split path's expand does, so every row is written once and rows on no slot read no LoRA bytes.
+Partials are summed in a fixed order: deterministic, no atomics. Grids depend on shapes only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moelora.kernels.lora_tiles import expand_tile, lane_rows
+
+
+@triton.jit
+def splitk_partial_kernel(x_ptr, w_ptr, ws_ptr, T, N_in, N_out, k_chunk, stride_xt, stride_wn, stride_wsp,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """ws[p, t, n tile] = x[t, chunk p] @ W[n tile, chunk p]^T (fp32); program (n tile, p, m block),
+    n fastest, so neighbouring programs stream neighbouring rows of W."""
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    p = tl.program_id(1)
+    offs_t = tl.program_id(2) * BM + tl.arange(0, BM)
+    offs_k = tl.arange(0, BK)
+    t_ok = offs_t < T
+    n_ok = offs_n < N_out
+    k_start = p * k_chunk
+    k_end = tl.minimum(k_start + k_chunk, N_in)
+    x_rows = x_ptr + offs_t[:, None].to(tl.int64) * stride_xt
+    w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
+    acc = tl.zeros((BM, BN), tl.float32)
+    for k0 in range(k_start, k_end, BK):
+        kk = k0 + offs_k
+        k_ok = kk < k_end
+        xt = tl.load(x_rows + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        wt = tl.load(w_cols + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(xt, wt, acc)
+    tl.store(ws_ptr + p.to(tl.int64) * stride_wsp + offs_t[:, None].to(tl.int64) * N_out + offs_n[None, :], acc,
+             mask=t_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def splitk_reduce_kernel(
+    ws_ptr, y_ptr, bias_ptr, xa_ptr, b_ptr, slots_ptr, ranks_ptr, T, N_out, n_slots, n_lanes,
+    stride_wsp, stride_yt, stride_xap, stride_bs, stride_bn,
+    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, SPLIT_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BLOCK_R: tl.constexpr, XA_SPLIT: tl.constexpr, S_P2: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
+    SEG_BOUNDS: tl.constexpr,
+):
+    """y[rows of this lane, n tile] = sum_p ws[p] (+ bias) (+ LoRA expand); see the module docstring."""
+    offs_t = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    lane = tl.program_id(2)
+    t_ok = offs_t < T
+    mine = t_ok
+    if HAS_LORA:
+        raw = tl.load(slots_ptr + offs_t, mask=t_ok, other=-1)
+        slot, s, mine, ranks = lane_rows(slots_ptr, ranks_ptr, offs_t, T, n_slots, tl.maximum(lane - 1, 0), n_lanes,
+                                         S_P2, G, G_P2)
+        if (lane > 0) & (s < 0):  # fewer distinct slots than lanes
+            return
+        mine = tl.where(lane == 0, t_ok & (raw < 0), mine)
+        s = tl.where(lane == 0, -1, s)
+    if tl.max(mine.to(tl.int32), axis=0) == 0:
+        return
+    mask = mine[:, None] & (offs_n[None, :] < N_out)
+    ws_rows = ws_ptr + offs_t[:, None].to(tl.int64) * N_out + offs_n[None, :]
+    acc = tl.zeros((BM, BN), tl.float32)
+    for p in tl.static_range(SPLIT_K):  # fixed order: deterministic
+        acc += tl.load(ws_rows + p * stride_wsp, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N_out, other=0.0).to(tl.float32)[None, :]
+    if HAS_LORA:
+        if s >= 0:
+            acc += expand_tile(xa_ptr, y_ptr, b_ptr, slot, s, ranks, offs_t, offs_n, mine, lane - 1, n_lanes, N_out,
+                               stride_xap, stride_bs, stride_bn, BM, BN, BLOCK_R, XA_SPLIT, S_P2, G, G_P2, SEG_BOUNDS)
+    tl.store(y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def splitk_partials(x: torch.Tensor, weight: torch.Tensor, split_k: int, block_n: int, block_k: int) -> torch.Tensor:
+    """ws [P, T, N_out] fp32 (P <= split_k chunks of N_in, each a multiple of block_k)."""
+    T, n_in = x.shape
+    n_out = weight.shape[0]
+    chunk = triton.cdiv(triton.cdiv(n_in, split_k), block_k) * block_k
+    n_split = triton.cdiv(n_in, chunk)
+    ws = torch.empty(n_split, T, n_out, dtype=torch.float32, device=x.device)
+    bm = min(64, max(16, triton.next_power_of_2(T)))
+    splitk_partial_kernel[(triton.cdiv(n_out, block_n), n_split, triton.cdiv(T, bm))](
+        x, weight, ws, T, n_in, n_out, chunk, x.stride(0), weight.stride(0), ws.stride(0), BM=bm, BN=block_n,
+        BK=block_k, num_warps=4, num_stages=3)
+    return ws
+
+
+def splitk_reduce(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, lora, shrunk, block_m: int,
+                  block_n: int, slot_lanes: int) -> None:
+    """out = sum of the partials (+ bias) (+ LoRA: `lora` DenseLoRAArgs and `shrunk` the split path's
+    (xa, P, segments, pow2(S)))."""
+    T, n_out = out.shape
+    has_lora = lora is not None
+    if has_lora:
+        xa, xa_split, seg, s_p2 = shrunk
+        S = lora.a.shape[0]
+        lanes = min(S, block_m, slot_lanes)
+        lora_args = (xa, lora.b, lora.token_slots, lora.slot_ranks, S, lanes, xa.stride(0), lora.b.stride(0),
+                     lora.b.stride(1))
+        consts = dict(BLOCK_R=seg.block_r, XA_SPLIT=xa_split, S_P2=s_p2, G=seg.G, G_P2=seg.g_p2, SEG_BOUNDS=seg.bounds)
+    else:
+        lanes = 0
+        lora_args = (ws, ws, ws, ws, 0, 0, 0, 0, 0)
+        consts = dict(BLOCK_R=16, XA_SPLIT=1, S_P2=1, G=1, G_P2=1, SEG_BOUNDS=None)
+    xa_, b_, slots_, ranks_, n_slots, n_lanes, stride_xap, stride_bs, stride_bn = lora_args
+    splitk_reduce_kernel[(triton.cdiv(T, block_m), triton.cdiv(n_out, block_n), 1 + lanes)](
+        ws, out, ws if bias is None else bias, xa_, b_, slots_, ranks_, T, n_out, n_slots, n_lanes, ws.stride(0),
+        out.stride(0), stride_xap, stride_bs, stride_bn, HAS_BIAS=bias is not None, HAS_LORA=has_lora,
+        SPLIT_K=ws.shape[0], BM=block_m, BN=block_n, num_warps=4, **consts)
