@@ -130,8 +130,9 @@ def _serve_parser(sub) -> None:
                        help="adapters kept in host memory (page-locked unless --no-async-adapter-loading); "
                             "default max(32, --max-loras)")
     serve.add_argument("--lora-target-modules", nargs="+", metavar="MODULE", default=None,
-                       help="modules that carry LoRA (e.g. q_proj k_proj v_proj o_proj experts); the others "
-                            "launch no LoRA kernels; adapters with LoRA elsewhere are refused (default: all)")
+                       help="modules that carry LoRA (e.g. q_proj k_proj v_proj o_proj experts), or 'auto': those "
+                            "the --lora-modules adapters have LoRA on; the others launch no LoRA kernels and "
+                            "adapters with LoRA elsewhere are refused (default: all)")
     serve.add_argument("--max-num-seqs", type=int, default=64)
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -29,6 +29,8 @@ from test_server import (
     wait_idle,
 )
 
+from moelora.engine.config import EngineConfig
+
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
@@ -233,6 +235,33 @@ def test_lora_target_modules_refuse_adapters_outside_and_serve_those_inside(asse
         client = make_client(url)
         outs = {m: complete(client, m, PROMPTS[0]).choices[0].text for m in (BASE, "nr")}
         assert outs[BASE] != outs["nr"]
+
+
+def test_lora_target_modules_auto_keeps_the_start_adapters_sites(assets, tmp_path):
+    """'auto' (SGLang's default): the sites of the adapters given at start, site by site (layer 1 only
+    here: layer 0 keeps no LoRA at all); an adapter with LoRA elsewhere is refused later."""
+    import oracle_lora as ol
+    from oracle import tiny_hf_model
+
+    from moelora.errors import ConfigError
+    from moelora.server.launch import build_server
+
+    model_dir, adapters = assets
+    hf = tiny_hf_model("qwen3_moe", seed=11, vocab_size=260, max_position_embeddings=256, bos_token_id=256,
+                       eos_token_id=258, pad_token_id=259)
+    one_layer = ol.write_per_expert(ol.per_expert_lora(hf, seed=8, r=4, std=0.3, layers_to_transform=[1]),
+                                    tmp_path / "l1")
+    with running_server(model_dir, {"l1": one_layer}, lora_target_modules=("auto",)) as (url, app):
+        layers = app.state.engine.engine.model.model.layers
+        assert not any(m.has_lora for m in layers[0].modules() if hasattr(m, "has_lora"))
+        assert layers[1].self_attn.o_proj.has_lora
+        assert any(getattr(m, "has_lora", False) for m in layers[1].mlp.modules())
+        r = post(url, "/v1/load_lora_adapter", {"lora_name": "delta", "lora_path": str(adapters["delta"])})
+        assert r.status_code == 400 and "lora_target_modules" in r.text, r.text
+        client = make_client(url)
+        assert complete(client, "l1", PROMPTS[0]).choices[0].text != complete(client, BASE, PROMPTS[0]).choices[0].text
+    with pytest.raises(ConfigError, match="auto"):
+        build_server(model_dir, {}, EngineConfig(device="cpu", lora_target_modules=("auto",)))
 
 
 # -------------------------------------------------------------------------------------------- CLI

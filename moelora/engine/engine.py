@@ -99,8 +99,9 @@ class LLMEngine:
             outside = set(adapter.sites) - sites
             if outside:
                 raise AdapterError(f"adapter {name!r} has LoRA on {', '.join(site_kinds(outside))}, which this "
-                                   f"engine has no LoRA site for (lora_target_modules="
-                                   f"{self.cfg.lora_target_modules}); start it with those modules targeted")
+                                   f"engine has no LoRA site for (lora_target_modules: "
+                                   f"{', '.join(site_kinds(self.cfg.lora_target_modules or ()))}); start it with "
+                                   "those modules targeted")
             return adapter
         return load
 

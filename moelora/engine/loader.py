@@ -52,6 +52,18 @@ def _profile_activations(cfg: EngineConfig, model_cfg: ModelConfig, model) -> in
     return int(peak * 1.2)
 
 
+def adapter_sites(model_dir: str | Path, adapters: dict[str, str], cfg: EngineConfig) -> tuple[str, ...]:
+    """Every site (full key) the adapters at these paths have LoRA on, each validated as the pool
+    would: `lora_target_modules="auto"` (SGLang's default) resolved from the adapters given at start."""
+    from moelora.lora.loader import load_adapter
+
+    model_cfg = ModelConfig.from_hf(Path(model_dir))
+    sites: set[str] = set()
+    for name, path in adapters.items():
+        sites |= set(load_adapter(Path(path), model_cfg, name=name, max_rank=cfg.max_lora_rank).sites)
+    return tuple(sorted(sites))
+
+
 def build_engine(model_dir: str | Path, cfg: EngineConfig | None = None, progress: bool = False) -> LLMEngine:
     from moelora.lora.loader import load_adapter
     from moelora.models.weights import load_checkpoint

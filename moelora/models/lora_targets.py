@@ -49,6 +49,9 @@ def restrict_lora_sites(model: nn.Module, targets: Sequence[str] | None) -> None
     Raises ConfigError for a target that names no site (a typo would otherwise drop everything)."""
     if targets is None:
         return
+    if "auto" in targets:
+        raise ConfigError("lora_target_modules 'auto' is resolved from the adapters given at start (moelora serve "
+                          "--lora-modules); name the modules here")
     sites = model.lora_sites()
     unmatched = [t for t in targets if not any(matches(k, t) for k in sites)]
     if unmatched:
