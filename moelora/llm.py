@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from moelora.engine.config import EngineConfig
-from moelora.engine.loader import build_engine
+from moelora.engine.loader import build_engine, resolve_auto_targets
 from moelora.engine.request import RequestOutput, SamplingParams
 from moelora.errors import RequestError
 
@@ -24,6 +24,7 @@ class LLM:
                  **engine_kwargs):
         cfg = EngineConfig(device=device, dtype=dtype, max_lora_rank=max_lora_rank, max_loras=max_loras,
                            kernel_backend=kernel_backend, **engine_kwargs)
+        cfg = resolve_auto_targets(model, adapters or {}, cfg)  # lora_target_modules="auto": these adapters'
         self.engine = build_engine(model, cfg, progress=progress)
         self.config = self.engine.model_config
         self.tokenizer = self.engine.tokenizer

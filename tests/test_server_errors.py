@@ -262,6 +262,12 @@ def test_lora_target_modules_auto_keeps_the_start_adapters_sites(assets, tmp_pat
         assert complete(client, "l1", PROMPTS[0]).choices[0].text != complete(client, BASE, PROMPTS[0]).choices[0].text
     with pytest.raises(ConfigError, match="auto"):
         build_server(model_dir, {}, EngineConfig(device="cpu", lora_target_modules=("auto",)))
+    from moelora.llm import LLM
+
+    llm = LLM(model_dir, {"l1": one_layer}, device="cpu", max_lora_rank=8, max_loras=2, num_kv_blocks=64,
+              lora_target_modules="auto")  # the offline API resolves it the same way
+    assert not llm.engine.model.model.layers[0].self_attn.o_proj.has_lora
+    assert llm.engine.model.model.layers[1].self_attn.o_proj.has_lora
 
 
 # -------------------------------------------------------------------------------------------- CLI

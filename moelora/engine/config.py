@@ -33,9 +33,10 @@ class EngineConfig:
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None  # default: max(32, max_loras)
     # Modules that carry LoRA, by name as PEFT's target_modules ("q_proj", "experts", "self_attn", ...;
-    # moelora.models.lora_targets); None: every site. The others hold no slot buffers and launch no
-    # LoRA kernels; an adapter with LoRA outside them is refused when it is added.
-    lora_target_modules: tuple[str, ...] | None = None
+    # moelora.models.lora_targets); None: every site; "auto": the sites of the adapters given at start
+    # (`moelora serve --lora-modules`, `LLM(adapters=...)` resolve it). The others hold no slot buffers
+    # and launch no LoRA kernels; an adapter with LoRA outside them is refused when it is added.
+    lora_target_modules: tuple[str, ...] | str | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # off switch for CUDA-graph decode
     overlap_shared_experts: bool = True  # off switch for the shared expert's second stream
@@ -91,7 +92,7 @@ class EngineConfig:
                               f"{model.max_position_embeddings}")
         if self.max_loras < 0 or self.max_lora_rank < 0:
             raise ConfigError("max_loras and max_lora_rank must be >= 0")
-        targets = self.lora_target_modules
+        targets = ("auto",) if self.lora_target_modules == "auto" else self.lora_target_modules
         if targets is not None:
             if isinstance(targets, str) or not all(isinstance(t, str) and t.strip(".") for t in targets):
                 raise ConfigError(f"lora_target_modules must be module names (a tuple of str), got {targets!r}")

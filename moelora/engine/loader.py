@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -11,6 +12,7 @@ from moelora.engine.config import EngineConfig
 from moelora.engine.engine import LLMEngine
 from moelora.engine.kv_cache import PagedKVCache
 from moelora.engine.tokenizer import Tokenizer
+from moelora.errors import ConfigError
 from moelora.models.lora_targets import restrict_lora_sites
 from moelora.models.registry import model_class
 
@@ -52,9 +54,19 @@ def _profile_activations(cfg: EngineConfig, model_cfg: ModelConfig, model) -> in
     return int(peak * 1.2)
 
 
-def adapter_sites(model_dir: str | Path, adapters: dict[str, str], cfg: EngineConfig) -> tuple[str, ...]:
-    """Every site (full key) the adapters at these paths have LoRA on, each validated as the pool
-    would: `lora_target_modules="auto"` (SGLang's default) resolved from the adapters given at start."""
+def resolve_auto_targets(model_dir: str | Path, adapters: dict[str, str | Path], cfg: EngineConfig) -> EngineConfig:
+    """`cfg` with lora_target_modules "auto" (SGLang's default) replaced by every site (full key) the
+    adapters given at start have LoRA on, each adapter validated as the pool would; other configs as
+    they are."""
+    if cfg.lora_target_modules not in ("auto", ("auto",)):
+        return cfg
+    if not adapters:
+        raise ConfigError("lora_target_modules 'auto' keeps the modules of the adapters given at start, and "
+                          "none is given")
+    return dataclasses.replace(cfg, lora_target_modules=_adapter_sites(model_dir, adapters, cfg))
+
+
+def _adapter_sites(model_dir: str | Path, adapters: dict[str, str | Path], cfg: EngineConfig) -> tuple[str, ...]:
     from moelora.lora.loader import load_adapter
 
     model_cfg = ModelConfig.from_hf(Path(model_dir))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import replace
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -43,19 +42,14 @@ def build_server(model: str | Path, adapters: dict[str, str], engine_cfg: Engine
                  served_model_names: Iterable[str] = (), max_waiting_requests: int = 1024,
                  progress: bool = False) -> FastAPI:
     """Load the model and every adapter (any failure raises before serving), then the app."""
-    from moelora.engine.loader import adapter_sites, build_engine
+    from moelora.engine.loader import build_engine, resolve_auto_targets
     from moelora.server.app import build_app
 
     names = tuple(served_model_names) or (str(model),)
     clash = set(names) & set(adapters)
     if clash:
         raise ConfigError(f"adapter names {sorted(clash)} clash with the served model name")
-    if engine_cfg.lora_target_modules == ("auto",):
-        if not adapters:
-            raise ConfigError("--lora-target-modules auto keeps the modules of the adapters given at start "
-                              "(--lora-modules), and none is given")
-        engine_cfg = replace(engine_cfg, lora_target_modules=adapter_sites(model, adapters, engine_cfg))
-    engine = build_engine(model, engine_cfg, progress=progress)
+    engine = build_engine(model, resolve_auto_targets(model, adapters, engine_cfg), progress=progress)
     for name, path in adapters.items():
         engine.pool.add(name, path)
     async_engine = AsyncEngine(engine, {n: str(p) for n, p in adapters.items()}, max_waiting_requests)
