@@ -9,6 +9,7 @@ route pick then tries lora_route_order "plan", a route or block pick lora_gate_u
 and lora_shrink_wide (separate / route / block) on 8 adapters of rank 64. LoRA timings use a side
 stream, as the engine's overlap_lora does (--no-side-stream: not). Usage:
   python benchmarks/tune_fused_moe.py [--shapes a,b] [--ms 1,8] [--lora-only] [--no-side-stream]
+                                      [--score 8ad_r16 | 1ad_r16,8ad_r16]
 """
 
 from __future__ import annotations
@@ -61,17 +62,22 @@ def timed(layer, x, wts, ids, lora, cfg, side=None) -> float:
         return float("inf")
 
 
-def tune_lora(layer, M, base: FusedMoEConfig, log, side=None) -> FusedMoEConfig:
-    """Keep base's tiles; pick lora_shrink / lora_split_k on 8 adapters of rank 16."""
+def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("8ad_r16",)) -> FusedMoEConfig:
+    """Keep base's tiles; pick lora_shrink / lora_split_k by the summed time of the `score` variants
+    (default 8 adapters of rank 16)."""
     x, wts, ids = make_inputs(layer, M)
-    lora = make_lora(layer, M, "8ad_r16")
+    loras = [make_lora(layer, M, v) for v in score]
+
+    def run(cfg):
+        return sum(timed(layer, x, wts, ids, lora, cfg, side) for lora in loras)
+
     trials = [dataclasses.replace(base, lora_shrink="separate", lora_split_k=k) for k in (1, 4, 8)]
     trials.append(dataclasses.replace(base, lora_shrink="inline"))
     trials.append(dataclasses.replace(base, lora_shrink="route"))
     trials += [dataclasses.replace(base, lora_shrink="block", lora_n_split=n) for n in (0, 4, 8)]
     scored = []
     for cfg in trials:
-        t = timed(layer, x, wts, ids, lora, cfg, side)
+        t = run(cfg)
         scored.append((t, cfg))
         log.append(dict(M=M, what=f"lora_{cfg.lora_shrink}_{cfg.lora_split_k}_{cfg.lora_n_split}",
                         config=json.dumps(cfg.to_dict()), ms=t))
@@ -82,13 +88,13 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None) -> FusedMoEConfig:
         if best.lora_shrink not in (("route",) if field == "lora_route_order" else ("route", "block")):
             continue
         cfg = dataclasses.replace(best, **{field: value})
-        t = timed(layer, x, wts, ids, lora, cfg, side)
+        t = run(cfg)
         scored.append((t, cfg))
         log.append(dict(M=M, what=f"lora_{cfg.lora_shrink}_{value}", config=json.dumps(cfg.to_dict()), ms=t))
         if t < t_best:
             t_best, best = t, cfg
     tag = "{0.lora_shrink}/{0.lora_split_k}/{0.lora_n_split}/{0.lora_route_order:.1}/{0.lora_gate_up_at:.3}".format
-    print(f"  M={M:5d} 8ad_r16 " + "  ".join(f"{tag(c)} {t * 1e3:7.1f}" for t, c in scored)
+    print(f"  M={M:5d} {'+'.join(score)} " + "  ".join(f"{tag(c)} {t * 1e3:7.1f}" for t, c in scored)
           + f"  -> {tag(best)}", flush=True)
     return tune_wide(layer, M, best, log, side)
 
@@ -110,7 +116,7 @@ def tune_wide(layer, M, base: FusedMoEConfig, log, side=None) -> FusedMoEConfig:
     return best
 
 
-def tune_one(layer, M, log, side=None):
+def tune_one(layer, M, log, side=None, score=("8ad_r16",)):
     x, wts, ids = make_inputs(layer, M)
     scored = []
     for cfg in candidates(M, layer.shape):
@@ -124,7 +130,7 @@ def tune_one(layer, M, log, side=None):
     if t_tma < 0.98 * t_best:
         best, t_best = tma, t_tma
     print(f"  M={M:5d} off {t_best * 1e3:8.1f} us (tma {t_tma * 1e3:8.1f}) -> {best}", flush=True)
-    return tune_lora(layer, M, best, log, side)
+    return tune_lora(layer, M, best, log, side, score)
 
 
 def main(argv=None):
@@ -133,8 +139,11 @@ def main(argv=None):
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--lora-only", action="store_true", help="keep the table's tiles, re-pick the LoRA fields")
     ap.add_argument("--no-side-stream", action="store_true", help="time LoRA without the engine's side stream")
+    ap.add_argument("--score", default="8ad_r16", help="LoRA variants whose summed time picks the narrow path, "
+                                                        "e.g. 1ad_r16,8ad_r16 (few and many adapters)")
     args = ap.parse_args(argv)
     side = None if args.no_side_stream else torch.cuda.Stream()
+    score = tuple(args.score.split(","))
     gpu = torch.cuda.get_device_name()
     path = CONFIG_DIR / f"fused_moe_{device_tag(gpu)}.json"
     table = json.loads(path.read_text()) if path.is_file() else {"device": gpu, "configs": {}}
@@ -147,9 +156,10 @@ def main(argv=None):
         per_m = table["configs"].setdefault(key, {})
         for M in map(int, args.ms.split(",")):
             if args.lora_only and str(M) in per_m:
-                per_m[str(M)] = tune_lora(layer, M, FusedMoEConfig.from_dict(per_m[str(M)]), log, side).to_dict()
+                per_m[str(M)] = tune_lora(layer, M, FusedMoEConfig.from_dict(per_m[str(M)]), log, side,
+                                          score).to_dict()
             else:
-                per_m[str(M)] = tune_one(layer, M, log, side).to_dict()
+                per_m[str(M)] = tune_one(layer, M, log, side, score).to_dict()
             for row in log:
                 row.setdefault("shape", sname)
         del layer
