@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 
-from decode import QWEN3_30B, engine, random_adapter, random_model  # noqa: E402
+from decode import QWEN3_30B, engine, no_lora_twin, random_adapter, random_model  # noqa: E402
 
 import moelora.engine.engine as engine_module  # noqa: E402
 from moelora.config import ModelConfig  # noqa: E402
@@ -180,10 +180,7 @@ def main() -> None:
             log(f"conc {conc}, {label}:")
             profile_point(eng, conc, names, args.steps, args.top, log)
     del eng
-    for m in model.modules():
-        if hasattr(m, "has_lora"):
-            m.has_lora = False
-    eng = engine(model, cfg, 0, 0, max(concs), {})
+    eng = engine(no_lora_twin(model, cfg), cfg, 0, 0, max(concs), {})  # the same weights, no LoRA sites
     for conc in concs:
         log(f"conc {conc}, no LoRA (engine without slots):")
         profile_point(eng, conc, [None], args.steps, args.top, log)

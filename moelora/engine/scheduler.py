@@ -63,9 +63,11 @@ class Scheduler:
     # blocks -------------------------------------------------------------------------------------
     def _ensure_blocks(self, req: Request, num_tokens: int) -> bool:
         need = -(-num_tokens // self.block_size) - len(req.block_ids)
+        if need <= 0:  # most decode steps stay inside the last block: no allocator call
+            return True
         if need > self.allocator.num_free:
             return False
-        for _ in range(max(0, need)):
+        for _ in range(need):
             req.block_ids.append(self.allocator.allocate())
         return True
 
@@ -126,16 +128,13 @@ class Scheduler:
     def _schedule_running(self, step: ScheduledStep, budget: int) -> int:
         left = {id(r): r.num_tokens - r.num_computed for r in self.running}  # tokens to compute, once
         order = sorted(self.running, key=lambda r: (left[id(r)] > 1, r.arrival))
-        bs = self.block_size
         for req in order:
             if budget <= 0:
                 break
             if req.status != Status.RUNNING:  # preempted earlier in this loop (status checks, not list scans:
                 continue  # O(1) per request instead of O(running) at 256 requests)
             n = min(left[id(req)], budget)
-            # most decode steps stay inside the last block: no allocator call
-            while -(-(req.num_computed + n) // bs) > len(req.block_ids) and not self._ensure_blocks(
-                    req, req.num_computed + n):
+            while not self._ensure_blocks(req, req.num_computed + n):
                 if self._preempt_newest(step) is req:
                     break
             if req.status == Status.RUNNING:

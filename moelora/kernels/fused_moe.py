@@ -35,6 +35,7 @@ from moelora.kernels.moe_gemm import act_delta_kernel, combine_kernel, down_kern
 from moelora.kernels.moe_lora import lora_block_delta_kernel, lora_route_delta_kernel, lora_shrink_kernel
 from moelora.kernels.moe_plan import EXPERT_SORTED_PADDED, MoERoutingPlan, build_routing_plan
 from moelora.kernels.reference import ExpertLoRAArgs
+from moelora.kernels.side_stream import forked, join
 
 ACCEPTED_LAYOUTS = (EXPERT_SORTED_PADDED,)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -166,9 +167,7 @@ def _block_delta(src, delta, plan, lora, which, block_r, cfg):
 def _delta_on(side, mode, src, delta, plan, topk_ids, lora, which, block_r, cfg):
     """The route / block delta of `which` into `delta`, on `side` when given (forked after the work
     queued so far on the current stream; the caller joins before reading `delta`), else here."""
-    if side is not None:
-        side.wait_stream(torch.cuda.current_stream(src.device))
-    with torch.cuda.stream(side):  # None: stays on the current stream
+    with forked(side, src.device):
         if mode == "route":
             _route_delta(src, delta, plan, topk_ids, lora, which, block_r, cfg.lora_route_order == "plan")
         else:
@@ -256,8 +255,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         stride_dr=delta_gu.stride(0), num_stages=gu.num_stages, LORA_DELTA=down_delta and not late_gu,
         RAW_OUT=late_gu, **common, **_lora_kernel_args(lora, x, "gate_up"))
     if late_gu:
-        if side_stream is not None:
-            torch.cuda.current_stream(x.device).wait_stream(side_stream)  # join: delta_gu is complete
+        join(side_stream, x.device)  # delta_gu is complete
         bn = min(256, triton.next_power_of_2(inter))
         act_delta_kernel[(plan.max_blocks, triton.cdiv(inter, bn))](
             gu_out, delta_gu, h, plan.sorted_route_ids, plan.num_padded, lora.token_slots, lora.gate_up_ranks, T * K,
@@ -275,8 +273,8 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         h_in, h, w_dn, y, topk_w, stride_hp=h.stride(0), stride_we=w_down.stride(0),
         stride_wn=w_down.stride(1), stride_yr=y.stride(0), BN=dn.block_n, BK=dn.block_k, num_warps=dn.num_warps,
         num_stages=dn.num_stages, **common, **_lora_kernel_args(lora, x, "down"))
-    if down_delta and side_stream is not None:
-        torch.cuda.current_stream(x.device).wait_stream(side_stream)  # join: delta_d is complete
+    if down_delta:
+        join(side_stream, x.device)  # delta_d is complete
     bt = 1 if T < 64 else 4
     bh = min(1024, triton.next_power_of_2(H))
     slots, ranks = (lora.token_slots, lora.down_ranks) if down_delta else (x, x)

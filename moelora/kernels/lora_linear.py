@@ -51,6 +51,7 @@ import triton.language as tl
 from moelora.kernels.checks import need_pow2
 from moelora.kernels.lora_tiles import expand_tile, lane_rows, lora_b_tile, lora_b_tile_cols, lora_shrink_rows, rank_of
 from moelora.kernels.reference import DenseLoRAArgs
+from moelora.kernels.side_stream import forked, join
 from moelora.kernels.splitk_linear import splitk_partials, splitk_reduce
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -302,9 +303,7 @@ def _shrink(x, lora, T, n_in, cfg, side_stream=None):
     xa = torch.empty(n_split, T, seg.G * seg.block_r, dtype=torch.float32, device=x.device)
     lanes = min(S, cfg.shrink_block_m, cfg.slot_lanes)
     s_p2 = triton.next_power_of_2(S)
-    if side_stream is not None:
-        side_stream.wait_stream(torch.cuda.current_stream(x.device))
-    with torch.cuda.stream(side_stream):  # None: stays on the current stream
+    with forked(side_stream, x.device):
         _lora_shrink_kernel[(triton.cdiv(T, cfg.shrink_block_m), n_split * seg.G, lanes)](
             x, xa, lora.a, lora.token_slots, lora.slot_ranks, T, n_in, S, chunk, lanes, seg.r_seg, x.stride(0),
             xa.stride(0), lora.a.stride(0), lora.a.stride(1), BM=cfg.shrink_block_m, BLOCK_R=seg.block_r,
@@ -338,8 +337,8 @@ def _splitk_linear(x, weight, bias, lora, out, T, n_in, cfg, side_stream):
     reduce that adds bias and the expand."""
     shrunk = _shrink(x, lora, T, n_in, cfg, side_stream) if lora is not None else None
     ws = splitk_partials(x, weight, cfg.gemm_split_k, cfg.gemm_block_n, cfg.gemm_block_k)
-    if lora is not None and side_stream is not None:
-        torch.cuda.current_stream(x.device).wait_stream(side_stream)  # join: xa is complete
+    if lora is not None:
+        join(side_stream, x.device)  # xa is complete
     splitk_reduce(ws, out, bias, lora, shrunk, cfg.block_m, cfg.block_n, cfg.slot_lanes)
 
 
@@ -383,6 +382,6 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if shrunk is None:
         shrunk = _shrink(x, lora, T, n_in, cfg)
     else:
-        torch.cuda.current_stream(x.device).wait_stream(side_stream)  # join: xa is complete
+        join(side_stream, x.device)  # xa is complete
     _expand(out, lora, T, n_out, cfg, shrunk)
     return out

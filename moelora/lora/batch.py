@@ -44,19 +44,17 @@ class LoRABatch:
               device: torch.device | str, rows: bool = True) -> LoRABatch:
         """Plan for tokens whose slots are `token_slots` (host ints) given per-slot ranks; `rows`
         False leaves `active` None (the Triton backend never reads it: one copy and loop less)."""
+        bad = [s for s in set(token_slots) if s != NO_SLOT and not 0 <= s < len(slot_ranks)]
+        if bad:
+            raise ValueError(f"tokens name slot {bad[0]}, but there are {len(slot_ranks)} slots")
         token_slots_t = upload(list(token_slots), torch.int32, device)
         if not rows:
-            bad = [s for s in set(token_slots) if s != NO_SLOT and not 0 <= s < len(slot_ranks)]
-            if bad:
-                raise ValueError(f"tokens name slot {bad[0]}, but there are {len(slot_ranks)} slots")
             return LoRABatch(token_slots=token_slots_t, active=None)
-        rows: dict[int, list[int]] = {}
+        by_slot: dict[int, list[int]] = {}
         for t, s in enumerate(token_slots):
             if s != NO_SLOT:
-                if not 0 <= s < len(slot_ranks):
-                    raise ValueError(f"token {t} names slot {s}, but there are {len(slot_ranks)} slots")
-                rows.setdefault(s, []).append(t)
-        live = [(s, r) for s, r in sorted(rows.items()) if slot_ranks[s] > 0]
+                by_slot.setdefault(s, []).append(t)
+        live = [(s, r) for s, r in sorted(by_slot.items()) if slot_ranks[s] > 0]
         # every slot's row list in one host-to-device copy (one per slot cost ~10 us each on CUDA), then views
         flat = upload([t for _, r in live for t in r], torch.long, device)
         active = tuple(SlotRows(slot=s, rank=int(slot_ranks[s]), rows=part)
