@@ -10,7 +10,8 @@ Shape legend: T tokens, N_in / N_out in / out features, S adapter slots, R max r
         [off_g, off_g + N_g)), slot_ranks [G, S] int32 (contiguous)           -> y [T, N_out]
 
 The base projection is one cuBLAS GEMM into the output buffer this launcher allocates (or the
-caller's `out=`); the LoRA delta is then added into that buffer by one of two paths:
+caller's `out=`); the LoRA delta is then added into that buffer by one of two paths (or a third
+replaces both the GEMM and the delta):
 
 - "split" (default): a shrink kernel computes xa = x[t] @ A_slot(t)[:rank]^T once per row into an
   fp32 buffer xa [P, T, BLOCK_R], then an expand kernel adds xa[t] @ B_slot(t)[:, :rank]^T to each
@@ -24,6 +25,9 @@ caller's `out=`); the LoRA delta is then added into that buffer by one of two pa
   once, A is read once per (row block, slot, N_in chunk) and B once per (row block, slot, N tile),
   each only up to the slot's own rank (masked loads move no bytes). With a `side_stream` the shrink
   runs there, concurrently with the base GEMM (both only read x), and the expand after the join.
+- "splitk" (decode rows, fp16/bf16; the default with LoRA at T <= 16, `_prefers_splitk`): no
+  cuBLAS. A split-K Triton GEMM whose launch also runs the shrink's programs, then one reduce that
+  sums the partials and adds bias and the expand (`moelora.kernels.splitk_linear`): LoRA adds no launch.
 - "fused": the older single kernel: program (m, n) shrinks its rows over the full N_in for each
   distinct slot and expands into its tile, so the shrink repeats N_out / BN times. One launch
   fewer; kept as an off switch and for comparison.
@@ -49,10 +53,17 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.checks import need_pow2
-from moelora.kernels.lora_tiles import expand_tile, lane_rows, lora_b_tile, lora_b_tile_cols, lora_shrink_rows, rank_of
+from moelora.kernels.lora_tiles import (
+    dense_shrink_program,
+    expand_tile,
+    lane_rows,
+    lora_b_tile,
+    lora_b_tile_cols,
+    lora_shrink_rows,
+)
 from moelora.kernels.reference import DenseLoRAArgs
 from moelora.kernels.side_stream import forked, join
-from moelora.kernels.splitk_linear import splitk_partials, splitk_reduce
+from moelora.kernels.splitk_linear import FoldedShrink, splitk_partials, splitk_reduce
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MODES = ("split", "fused", "splitk")
@@ -63,6 +74,16 @@ _SPLITK_MAX_ROWS = 64
 _SHRINK_TARGET_PROGRAMS = 128
 
 
+def _prefers_splitk(num_tokens: int, n_in: int, n_out: int, has_lora: bool) -> bool:
+    """H200, bf16, shrink folded into the partials' launch (benchmarks/lora_linear.py; docs/benchmarks.md),
+    µs per call at T = 1 / 8 / 16 / 64, split path (cuBLAS + shrink + expand) -> splitk:
+    8 adapters r16, merged q/k/v 2048->5120: 14.49 -> 13.49, 16.64 -> 15.44, 16.82 -> 15.50, 19.65 -> 35.92;
+    o 4096->2048: 14.28 -> 12.81, 17.08 -> 13.66, 17.00 -> 13.54, 19.68 -> 19.02 (1 adapter alike).
+    Without LoRA cuBLAS is as fast or faster (q/k/v 8.82 vs 10.56 at T=8). So: LoRA rows, T <= 16,
+    and shapes of that size (narrower outputs and reductions were not measured)."""
+    return has_lora and 0 < num_tokens <= 16 and n_out >= 1024 and n_in >= 1024
+
+
 @dataclass(frozen=True)
 class LoRALinearConfig:
     """Block sizes of the LoRA delta. `mode`: "split" (shrink + expand kernels) or "fused" (one
@@ -70,10 +91,10 @@ class LoRALinearConfig:
     shrink; shrink_block_m: rows per shrink program; split_k: N_in chunks of the shrink (0: from
     the shapes); slot_lanes: programs per row block that each take one distinct slot (the last one
     takes the rest). num_warps / num_stages: the expand (or fused) kernel; the shrink runs 4 warps
-    and shrink_num_stages. "splitk" (decode, not yet measured on a GPU): the split path's shrink,
-    a split-K Triton GEMM in gemm_split_k chunks of N_in (gemm_block_n x gemm_block_k tiles) instead of
-    cuBLAS, and one reduce that adds bias and the expand (block_m x block_n tiles); see
-    `moelora.kernels.splitk_linear`. All block sizes are powers of two >= 16 (tl.dot)."""
+    and shrink_num_stages. "splitk" (decode, T <= 64, fp16/bf16): a split-K Triton GEMM in
+    gemm_split_k chunks of N_in (gemm_block_n x gemm_block_k tiles) instead of cuBLAS, whose launch
+    also runs the split path's shrink programs, and one reduce that adds bias and the expand
+    (block_m x block_n tiles); see `moelora.kernels.splitk_linear`. All block sizes are powers of two >= 16 (tl.dot)."""
 
     mode: str = "split"
     block_m: int = 16
@@ -102,9 +123,13 @@ class LoRALinearConfig:
             raise ValueError(f"LoRALinearConfig.split_k must be >= 0, got {self.split_k}")
 
 
-def default_lora_linear_config(num_tokens: int, mode: str = "split") -> LoRALinearConfig:
+def default_lora_linear_config(num_tokens: int, mode: str | None = None, n_in: int = 0, n_out: int = 0,
+                               has_lora: bool = True) -> LoRALinearConfig:
     """Decode: short row blocks, many programs; prefill: taller expand tiles, so B is re-read by
-    fewer row blocks. Fused: wide N tiles at prefill, so its in-program shrink repeats less."""
+    fewer row blocks. Fused: wide N tiles at prefill, so its in-program shrink repeats less.
+    `mode` None: "splitk" where it measured faster than cuBLAS + split (`_prefers_splitk`), else "split"."""
+    if mode is None:
+        mode = "splitk" if _prefers_splitk(num_tokens, n_in, n_out, has_lora) else "split"
     if mode == "splitk":
         return LoRALinearConfig("splitk", 16, 64, 128, 16, split_k=8)
     if mode == "fused":
@@ -126,36 +151,11 @@ def _lora_shrink_kernel(
     stride_xt, stride_xap, stride_as, stride_ar,
     BM: tl.constexpr, BLOCK_R: tl.constexpr, BK: tl.constexpr, S_P2: tl.constexpr, G: tl.constexpr,
 ):
-    """xa[p, t, g] = x[t, chunk p] @ A_g,slot(t)[:rank_g, chunk p]^T (fp32) for the rows with a slot,
-    A_g the merged A's rows [g R_SEG, g R_SEG + R_SEG), into xa columns [g BLOCK_R, (g + 1) BLOCK_R)
-    (G = 1: A and ranks [S] as they are). Program (m, p G + g, lane) takes the lane-th distinct slot
-    of its rows (the last lane: all the rest); a slot of rank 0 at g reads nothing.
-    One program per segment, not one over all G*R rows: its A tile [BK, BLOCK_R] is what G = 1 has
-    (a [128, 256] tile for q/k/v at r64 compiled for sm_90 to 6.6 KB of spills a thread)."""
-    offs_t = tl.program_id(0) * BM + tl.arange(0, BM)
-    p = tl.program_id(1) // G
-    g = tl.program_id(1) % G
-    lane = tl.program_id(2)
-    slot, s, mine, ranks = lane_rows(slots_ptr, ranks_ptr + g * n_slots, offs_t, T, n_slots, lane, n_lanes, S_P2,
-                                      1, 1)
-    if s < 0:
-        return
-    k_start = p * k_chunk
-    k_end = tl.minimum(k_start + k_chunk, N_in)
-    a_g = a_ptr + (g * R_SEG).to(tl.int64) * stride_ar
-    xa = tl.zeros((BM, BLOCK_R), tl.float32)
-    while s >= 0:  # masked loads move no bytes: each row of x is read once, A once per slot
-        sel = slot == s
-        rank = rank_of(ranks, s, S_P2)
-        if rank > 0:
-            xa += lora_shrink_rows(x_ptr, offs_t, stride_xt, sel, a_g + s.to(tl.int64) * stride_as, stride_ar, rank,
-                                   k_start, k_end, BM, BLOCK_R, BK)
-        slot = tl.where(sel, -1, slot)
-        s = tl.where(lane == n_lanes - 1, tl.max(slot, axis=0), -1)
-    offs_r = tl.arange(0, BLOCK_R)
-    xa_ptrs = (xa_ptr + p.to(tl.int64) * stride_xap + offs_t[:, None].to(tl.int64) * (G * BLOCK_R) + g * BLOCK_R
-               + offs_r[None, :])
-    tl.store(xa_ptrs, xa, mask=mine[:, None])
+    """xa[p, t, g] = x[t, chunk p] @ A_g,slot(t)[:rank_g, chunk p]^T: program (m, p G + g, lane) is
+    `dense_shrink_program` (the splitk mode runs the same programs inside its partials' launch)."""
+    dense_shrink_program(x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, tl.program_id(0), tl.program_id(1),
+                         tl.program_id(2), T, N_in, n_slots, k_chunk, n_lanes, R_SEG, stride_xt, stride_xap,
+                         stride_as, stride_ar, BM, BLOCK_R, BK, S_P2, G)
 
 
 @triton.jit
@@ -292,23 +292,30 @@ def _shrink_split(T: int, n_in: int, block_r: int, cfg: LoRALinearConfig) -> tup
     return max(1, triton.cdiv(n_in, chunk)), chunk
 
 
+def _shrink_setup(x, lora, T, n_in, cfg) -> tuple[FoldedShrink, _Segments]:
+    """The shrink's launch (xa [P, T, G * BLOCK_R] fp32 partials, allocated here on the current
+    stream) and the segments of `lora`."""
+    seg = _Segments(lora)
+    n_split, chunk = _shrink_split(T, n_in, seg.block_r, cfg)
+    xa = torch.empty(n_split, T, seg.G * seg.block_r, dtype=torch.float32, device=x.device)
+    S = lora.a.shape[0]
+    return FoldedShrink(xa, lora.a, lora.token_slots, lora.slot_ranks, n_split, chunk,
+                        min(S, cfg.shrink_block_m, cfg.slot_lanes), seg.r_seg, seg.G, cfg.shrink_block_m,
+                        seg.block_r, cfg.block_k, triton.next_power_of_2(S)), seg
+
+
 def _shrink(x, lora, T, n_in, cfg, side_stream=None):
     """Launch the split path's shrink (on `side_stream` when given, after the work queued so far on
     the current stream): returns (xa [P, T, G * BLOCK_R] fp32 partials, P, segments, pow2(S)). xa is
     allocated on the current stream before any fork; the caller keeps it until the expand, which
     runs after the join."""
-    S = lora.a.shape[0]
-    seg = _Segments(lora)
-    n_split, chunk = _shrink_split(T, n_in, seg.block_r, cfg)
-    xa = torch.empty(n_split, T, seg.G * seg.block_r, dtype=torch.float32, device=x.device)
-    lanes = min(S, cfg.shrink_block_m, cfg.slot_lanes)
-    s_p2 = triton.next_power_of_2(S)
+    sh, seg = _shrink_setup(x, lora, T, n_in, cfg)
     with forked(side_stream, x.device):
-        _lora_shrink_kernel[(triton.cdiv(T, cfg.shrink_block_m), n_split * seg.G, lanes)](
-            x, xa, lora.a, lora.token_slots, lora.slot_ranks, T, n_in, S, chunk, lanes, seg.r_seg, x.stride(0),
-            xa.stride(0), lora.a.stride(0), lora.a.stride(1), BM=cfg.shrink_block_m, BLOCK_R=seg.block_r,
-            BK=cfg.block_k, S_P2=s_p2, G=seg.G, num_warps=4, num_stages=cfg.shrink_num_stages)
-    return xa, n_split, seg, s_p2
+        _lora_shrink_kernel[(triton.cdiv(T, sh.block_m), sh.n_split * sh.G, sh.lanes)](
+            x, sh.xa, lora.a, lora.token_slots, lora.slot_ranks, T, n_in, lora.a.shape[0], sh.chunk, sh.lanes,
+            sh.r_seg, x.stride(0), sh.xa.stride(0), lora.a.stride(0), lora.a.stride(1), BM=sh.block_m,
+            BLOCK_R=sh.block_r, BK=sh.block_k, S_P2=sh.s_p2, G=sh.G, num_warps=4, num_stages=cfg.shrink_num_stages)
+    return sh.xa, sh.n_split, seg, sh.s_p2
 
 
 def _expand(out, lora, T, n_out, cfg, shrunk):
@@ -332,14 +339,16 @@ def _add_delta_fused(x, out, lora, T, n_in, n_out, cfg):
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _splitk_linear(x, weight, bias, lora, out, T, n_in, cfg, side_stream):
-    """"splitk": the shrink (on the side stream when given) next to the split-K partials, then one
-    reduce that adds bias and the expand."""
-    shrunk = _shrink(x, lora, T, n_in, cfg, side_stream) if lora is not None else None
-    ws = splitk_partials(x, weight, cfg.gemm_split_k, cfg.gemm_block_n, cfg.gemm_block_k)
-    if lora is not None:
-        join(side_stream, x.device)  # xa is complete
-    splitk_reduce(ws, out, bias, lora, shrunk, cfg.block_m, cfg.block_n, cfg.slot_lanes)
+def _splitk_linear(x, weight, bias, lora, out, T, n_in, cfg):
+    """"splitk": one launch of split-K partials and, with LoRA, the shrink's programs next to them
+    (so no side stream and no join), then one reduce that adds bias and the expand."""
+    if lora is None:
+        splitk_reduce(splitk_partials(x, weight, cfg.gemm_split_k, cfg.gemm_block_n, cfg.gemm_block_k), out, bias,
+                      None, None, cfg.block_m, cfg.block_n, cfg.slot_lanes)
+        return
+    sh, seg = _shrink_setup(x, lora, T, n_in, cfg)
+    ws = splitk_partials(x, weight, cfg.gemm_split_k, cfg.gemm_block_n, cfg.gemm_block_k, shrink=sh)
+    splitk_reduce(ws, out, bias, lora, (sh.xa, sh.n_split, seg, sh.s_p2), cfg.block_m, cfg.block_n, cfg.slot_lanes)
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -360,9 +369,9 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if out.untyped_storage().data_ptr() in (x.untyped_storage().data_ptr(), weight.untyped_storage().data_ptr()):
         raise ValueError("out must not alias an input (contract 2)")
     has_lora = lora is not None and lora.a.shape[0] > 0
-    cfg = config or default_lora_linear_config(T)
+    cfg = config or default_lora_linear_config(T, n_in=n_in, n_out=n_out, has_lora=has_lora)
     if cfg.mode == "splitk" and T <= _SPLITK_MAX_ROWS and x.dtype != torch.float32 and weight.stride(1) == 1:
-        _splitk_linear(x, weight, bias, lora if has_lora else None, out, T, n_in, cfg, side_stream)
+        _splitk_linear(x, weight, bias, lora if has_lora else None, out, T, n_in, cfg)
         return out
     shrunk = None
     if has_lora and cfg.mode != "fused" and side_stream is not None:

@@ -109,6 +109,42 @@ def rank_of(ranks, s, S_P2: tl.constexpr):
 
 
 @triton.jit
+def dense_shrink_program(x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, pid_m, pid_pg, lane, T, N_in, n_slots, k_chunk,
+                         n_lanes, R_SEG, stride_xt, stride_xap, stride_as, stride_ar,
+                         BM: tl.constexpr, BLOCK_R: tl.constexpr, BK: tl.constexpr, S_P2: tl.constexpr,
+                         G: tl.constexpr):
+    """One program (m, p G + g, lane) of the dense shrink: xa[p, t, g] = x[t, chunk p] @
+    A_g,slot(t)[:rank_g, chunk p]^T (fp32) for the rows of row block m with a slot, A_g the merged A's
+    rows [g R_SEG, g R_SEG + R_SEG), into xa columns [g BLOCK_R, (g + 1) BLOCK_R) (G = 1: A and ranks
+    [S] as they are). It takes the lane-th distinct slot of its rows (the last lane: all the rest);
+    a slot of rank 0 at g reads nothing, a lane with no slot does nothing.
+    One program per segment, not one over all G*R rows: its A tile [BK, BLOCK_R] is what G = 1 has
+    (a [128, 256] tile for q/k/v at r64 compiled for sm_90 to 6.6 KB of spills a thread)."""
+    offs_t = pid_m * BM + tl.arange(0, BM)
+    p = pid_pg // G
+    g = pid_pg % G
+    slot, s, mine, ranks = lane_rows(slots_ptr, ranks_ptr + g * n_slots, offs_t, T, n_slots, lane, n_lanes, S_P2,
+                                      1, 1)
+    if s >= 0:
+        k_start = p * k_chunk
+        k_end = tl.minimum(k_start + k_chunk, N_in)
+        a_g = a_ptr + (g * R_SEG).to(tl.int64) * stride_ar
+        xa = tl.zeros((BM, BLOCK_R), tl.float32)
+        while s >= 0:  # masked loads move no bytes: each row of x is read once, A once per slot
+            sel = slot == s
+            rank = rank_of(ranks, s, S_P2)
+            if rank > 0:
+                xa += lora_shrink_rows(x_ptr, offs_t, stride_xt, sel, a_g + s.to(tl.int64) * stride_as, stride_ar,
+                                       rank, k_start, k_end, BM, BLOCK_R, BK)
+            slot = tl.where(sel, -1, slot)
+            s = tl.where(lane == n_lanes - 1, tl.max(slot, axis=0), -1)
+        offs_r = tl.arange(0, BLOCK_R)
+        xa_ptrs = (xa_ptr + p.to(tl.int64) * stride_xap + offs_t[:, None].to(tl.int64) * (G * BLOCK_R) + g * BLOCK_R
+                   + offs_r[None, :])
+        tl.store(xa_ptrs, xa, mask=mine[:, None])
+
+
+@triton.jit
 def expand_tile(xa_ptr, y_ptr, b_ptr, slot, s, ranks, offs_t, offs_n, mine, lane, n_lanes, N_out, stride_xap,
                 stride_bs, stride_bn, BM: tl.constexpr, BN: tl.constexpr, BLOCK_R: tl.constexpr,
                 SPLIT: tl.constexpr, S_P2: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,

@@ -3,13 +3,15 @@
 
 Shape legend: T tokens (decode: <= 64), N_in / N_out features, P split-K chunks, S adapter slots.
   partials: x [T, N_in] @ W [N_out, N_in]^T over chunk p of N_in -> ws [P, T, N_out] fp32
+            (+ LoRA: the dense shrink, xa [P', T, G BLOCK_R] fp32, in the same launch)
   reduce:   y [T, N_out] = sum_p ws[p] (+ bias) (+ xa @ B_slot(t)^T per row), rounded once
 
 Why: at decode a projection is a skinny GEMM bound by W's bytes. cuBLAS runs it in one or two
 launches (split-K + its own reduce), and the "split" LoRA path then adds its expand as a launch of
 its own that reads and writes y again. Here the expand rides in the reduce, which the split-K GEMM
-needs anyway, so LoRA adds no launch on the main stream (the shrink runs on the side stream
-concurrently with the partials). Reduce program (m, n, lane): lane 0 writes the rows on no slot;
+needs anyway, and the shrink's programs ride in the partials' launch (they only read x, as the
+partials do, and write xa, which the reduce reads after the launch), so LoRA adds no launch, no
+stream and no join: two launches with or without LoRA. Reduce program (m, n, lane): lane 0 writes the rows on no slot;
 lane l >= 1 the rows of the block's (l-1)-th distinct slot (the last lane: every slot left), as the
 split path's expand does, so every row is written once and rows on no slot read no LoRA bytes.
 Partials are summed in a fixed order: deterministic, no atomics. Grids depend on shapes only.
@@ -17,21 +19,39 @@ Partials are summed in a fixed order: deterministic, no atomics. Grids depend on
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.lora_tiles import expand_tile, lane_rows
+from moelora.kernels.lora_tiles import dense_shrink_program, expand_tile, lane_rows
 
 
 @triton.jit
-def splitk_partial_kernel(x_ptr, w_ptr, ws_ptr, T, N_in, N_out, k_chunk, stride_xt, stride_wn, stride_wsp,
-                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """ws[p, t, n tile] = x[t, chunk p] @ W[n tile, chunk p]^T (fp32); program (n tile, p, m block),
-    n fastest, so neighbouring programs stream neighbouring rows of W."""
-    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
-    p = tl.program_id(1)
-    offs_t = tl.program_id(2) * BM + tl.arange(0, BM)
+def splitk_partial_kernel(
+    x_ptr, w_ptr, ws_ptr, T, N_in, N_out, k_chunk, stride_xt, stride_wn, stride_wsp, n_tiles_n, n_split,
+    xa_ptr, a_ptr, slots_ptr, ranks_ptr, n_slots, s_chunk, n_lanes, R_SEG, stride_xap, stride_as, stride_ar,
+    n_shrink_pg, n_shrink,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_LORA: tl.constexpr, S_BM: tl.constexpr,
+    BLOCK_R: tl.constexpr, S_BK: tl.constexpr, S_P2: tl.constexpr, G: tl.constexpr,
+):
+    """ws[p, t, n tile] = x[t, chunk p] @ W[n tile, chunk p]^T (fp32). One dimension of programs:
+    HAS_LORA, the first n_shrink are the dense shrink's programs (m, pg, lane), lane fastest
+    (`dense_shrink_program`: xa for the reduce's expand, in this launch rather than a launch or a
+    stream of its own); then (n tile, p, m block), n fastest, so neighbouring programs stream
+    neighbouring rows of W."""
+    pid = tl.program_id(0)
+    if HAS_LORA:
+        if pid < n_shrink:
+            dense_shrink_program(x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, pid // (n_lanes * n_shrink_pg),
+                                 (pid // n_lanes) % n_shrink_pg, pid % n_lanes, T, N_in, n_slots, s_chunk, n_lanes,
+                                 R_SEG, stride_xt, stride_xap, stride_as, stride_ar, S_BM, BLOCK_R, S_BK, S_P2, G)
+            return
+        pid -= n_shrink
+    offs_n = (pid % n_tiles_n) * BN + tl.arange(0, BN)
+    p = (pid // n_tiles_n) % n_split
+    offs_t = (pid // (n_tiles_n * n_split)) * BM + tl.arange(0, BM)
     offs_k = tl.arange(0, BK)
     t_ok = offs_t < T
     n_ok = offs_n < N_out
@@ -89,17 +109,51 @@ def splitk_reduce_kernel(
              mask=mask)
 
 
-def splitk_partials(x: torch.Tensor, weight: torch.Tensor, split_k: int, block_n: int, block_k: int) -> torch.Tensor:
-    """ws [P, T, N_out] fp32 (P <= split_k chunks of N_in, each a multiple of block_k)."""
+class FoldedShrink(NamedTuple):
+    """The dense shrink's launch, folded into the partials' (`lora_linear` builds it): xa [P, T, G BLOCK_R]
+    to fill, A / slots / ranks as `DenseLoRAArgs` holds them, the N_in chunk of each of P splits,
+    lanes, segment stride R_SEG and count G, and the shrink's tiles."""
+
+    xa: torch.Tensor
+    a: torch.Tensor
+    slots: torch.Tensor
+    ranks: torch.Tensor
+    n_split: int
+    chunk: int
+    lanes: int
+    r_seg: int
+    G: int
+    block_m: int
+    block_r: int
+    block_k: int
+    s_p2: int
+
+
+def splitk_partials(x: torch.Tensor, weight: torch.Tensor, split_k: int, block_n: int, block_k: int,
+                    shrink: FoldedShrink | None = None) -> torch.Tensor:
+    """ws [P, T, N_out] fp32 (P <= split_k chunks of N_in, each a multiple of block_k); with `shrink`,
+    the same launch also fills shrink.xa."""
     T, n_in = x.shape
     n_out = weight.shape[0]
     chunk = triton.cdiv(triton.cdiv(n_in, split_k), block_k) * block_k
     n_split = triton.cdiv(n_in, chunk)
     ws = torch.empty(n_split, T, n_out, dtype=torch.float32, device=x.device)
     bm = min(64, max(16, triton.next_power_of_2(T)))
-    splitk_partial_kernel[(triton.cdiv(n_out, block_n), n_split, triton.cdiv(T, bm))](
-        x, weight, ws, T, n_in, n_out, chunk, x.stride(0), weight.stride(0), ws.stride(0), BM=bm, BN=block_n,
-        BK=block_k, num_warps=4, num_stages=3)
+    n_tiles_n = triton.cdiv(n_out, block_n)
+    n_gemm = n_tiles_n * n_split * triton.cdiv(T, bm)
+    if shrink is None:
+        lora = (ws, ws, ws, ws, 0, 0, 1, 0, 0, 0, 0, 1, 0)
+        consts = dict(HAS_LORA=False, S_BM=16, BLOCK_R=16, S_BK=16, S_P2=1, G=1)
+    else:
+        sh = shrink
+        n_pg = sh.n_split * sh.G
+        n_shrink = triton.cdiv(T, sh.block_m) * n_pg * sh.lanes
+        lora = (sh.xa, sh.a, sh.slots, sh.ranks, sh.a.shape[0], sh.chunk, sh.lanes, sh.r_seg, sh.xa.stride(0),
+                sh.a.stride(0), sh.a.stride(1), n_pg, n_shrink)
+        consts = dict(HAS_LORA=True, S_BM=sh.block_m, BLOCK_R=sh.block_r, S_BK=sh.block_k, S_P2=sh.s_p2, G=sh.G)
+    splitk_partial_kernel[(lora[-1] + n_gemm,)](
+        x, weight, ws, T, n_in, n_out, chunk, x.stride(0), weight.stride(0), ws.stride(0), n_tiles_n, n_split,
+        *lora, BM=bm, BN=block_n, BK=block_k, num_warps=4, num_stages=3, **consts)
     return ws
 
 
