@@ -1,7 +1,7 @@
 """Where a decode step's time goes: host phases, graph replay, and the kernels of one eager step.
 
 For the Qwen3-30B-A3B-shaped model of `benchmarks/decode.py` (random bf16 weights) at a few
-concurrencies, with no LoRA and with 8 adapters of rank 16:
+concurrencies, with no LoRA, with 1 and with 8 adapters of rank 16:
   - step wall time (median), and each host phase of `LLMEngine.step` timed with a device sync
     before and after it (schedule, adapter acquire, input prepare, graph run, sample; the rest is
     token bookkeeping);
@@ -176,7 +176,8 @@ def main() -> None:
     eng = engine(model, cfg, 8, 16, max(concs), adapters)
     log(f"GPU {torch.cuda.get_device_name()}, {args.layers} layers, Qwen3-30B-A3B shape, bf16")
     for conc in concs:
-        for label, names in (("8 adapters r16", list(adapters)), ("LoRA engine, base rows", [None])):
+        for label, names in (("8 adapters r16", list(adapters)), ("1 adapter r16", ["a0"]),
+                             ("LoRA engine, base rows", [None])):
             log(f"conc {conc}, {label}:")
             profile_point(eng, conc, names, args.steps, args.top, log)
     del eng

@@ -9,11 +9,14 @@ phases do not depend on the model's size: on a GPU they add to the step time of 
 engine, and overlapped scheduling (`--async-scheduling`) hides them behind the device.
 
 usage: python benchmarks/host_overhead.py [--device cpu|cuda] [--conc 64,256] [--steps 20] [--no-lora]
+       [--profile 25]   (then cProfile `--steps` more steps, no syncs: the top functions by own time)
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -69,7 +72,7 @@ def sync(device: str) -> None:
 def measure(eng: LLMEngine, device: str, conc: int, steps: int, lora: bool) -> dict[str, float]:
     g = torch.Generator().manual_seed(conc)
     names = [f"a{i % 8}" if lora else None for i in range(conc)]
-    params = SamplingParams(max_tokens=steps + 16, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=2 * steps + 16, temperature=0, ignore_eos=True)  # --profile: as many again
     for name in names:
         eng.add_request(torch.randint(0, 500, (32,), generator=g).tolist(), params, name)
     for _ in range(4):  # prefill, then a few decode steps
@@ -107,6 +110,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--no-lora", action="store_true")
     ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--profile", type=int, default=0, help="print this many functions of a cProfile of the steps")
     args = ap.parse_args()
     lora = not args.no_lora
     print(f"host phases per decode step, ms (median of {args.steps}), device {args.device}, "
@@ -116,6 +120,13 @@ def main() -> None:
         ms = measure(eng, args.device, conc, args.steps, lora)
         print(f"conc {conc:4d}: " + "  ".join(f"{k} {v:.3f}" for k, v in ms.items())
               + f"  total {sum(ms.values()):.3f}", flush=True)
+        if args.profile:
+            prof = cProfile.Profile()
+            for _ in range(args.steps):
+                prof.runcall(eng.step)
+            sync(args.device)
+            print(f"# cProfile of {args.steps} steps at conc {conc} (own time, ms)")
+            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(args.profile)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ and with qkv measured, the same step with qkv in place of q, k and v.
 usage: python benchmarks/lora_linear.py [OUT.csv] [--ts 1,8,64,256,1024] [--shapes q,k,v,qkv,o]
        [--variants off,1ad_r16,8ad_r16,8ad_r64,8ad_r8_pool64] [--modes split,fused,splitk] [--layers 0 (auto)]
        [--sweep 8ad_r16,...]   (also time these variants over a grid of split-path configs; prints the best)
+       [--sweep-mode splitk]   (the grid is the split-K GEMM's tiles instead; --sweep off,8ad_r16)
        [--no-side-stream]   (by default the shrink gets a side stream, as the engine's overlap_lora gives it)
 With "splitk" in --modes, "off" also runs through the split-K GEMM (mode splitk), next to cuBLAS.
 Writes the CSV to the path, else $OUT/lora_linear.csv, else ./lora_linear.csv.
@@ -113,9 +114,14 @@ def cfg_name(cfg: LoRALinearConfig | None) -> str:
             f"/sbk{cfg.block_k}/ss{cfg.shrink_num_stages}")
 
 
-def sweep_configs(T: int) -> list[LoRALinearConfig]:
-    """Split-path candidates for --sweep: expand tile x warps x shrink split, and one-lane (serial slots)."""
-    base = default_lora_linear_config(T)
+def sweep_configs(T: int, mode: str) -> list[LoRALinearConfig]:
+    """Candidates for --sweep. "split": expand tile x warps x shrink split, and one-lane (serial slots);
+    "splitk": the split-K GEMM's tile x K chunks (the shrink and the reduce as the default)."""
+    if mode == "splitk":
+        base = default_lora_linear_config(T, "splitk")
+        return [replace(base, gemm_block_n=bn, gemm_block_k=bk, gemm_split_k=sk)
+                for bn in (32, 64, 128) for bk in (64, 128, 256) for sk in (1, 2, 4, 8)]
+    base = default_lora_linear_config(T, "split")
     cfgs = [replace(base, block_m=bm, block_n=bn, num_warps=w, split_k=sk)
             for bm, bn, w in ((16, 64, 4), (16, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4),
                               (64, 128, 8), (128, 128, 8))
@@ -123,17 +129,18 @@ def sweep_configs(T: int) -> list[LoRALinearConfig]:
     return cfgs + [replace(base, slot_lanes=1), replace(base, block_k=64), replace(base, shrink_num_stages=2)]
 
 
-def bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep=(), side=None):
+def bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep=(), side=None, sweep_mode="split"):
     n_in, n_out = SHAPES[sname]
     segments = SEGMENTS.get(sname, ())
     x = torch.randn(T, n_in, device="cuda").to(torch.bfloat16)
     out = torch.empty(T, n_out, device="cuda", dtype=torch.bfloat16)
-    runs = [(var, default_lora_linear_config(T, mode) if VARIANTS[var][0] else None, False)
+    # no LoRA: cuBLAS (the split path without LoRA); with: each mode's default
+    runs = [(var, default_lora_linear_config(T, mode if VARIANTS[var][0] else "split"), False)
             for var in variants for mode in (modes if VARIANTS[var][0] else ("-",))]
     if "splitk" in modes and "off" in variants:  # its base GEMM alone, next to cuBLAS
         runs.insert(next(i for i, r in enumerate(runs) if r[0] == "off") + 1,
                     ("off", default_lora_linear_config(T, "splitk"), False))
-    runs += [(var, cfg, True) for var in sweep for cfg in sweep_configs(T)]
+    runs += [(var, cfg, True) for var in sweep for cfg in sweep_configs(T, sweep_mode)]
     rows, t_off = [], None
     for var, cfg, swept in runs:
         # LoRA args built once, before capture (fixed-address buffers, as the runner's step plan)
@@ -142,11 +149,13 @@ def bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep=(), side=None)
                  for ly in layers]
         t_chain = graph_ms(calls) / len(calls)
         t_single = float("nan") if swept else graph_ms(calls[:1])
-        t_off = t_chain if var == "off" and cfg is None else t_off  # cuBLAS, no LoRA
+        cublas = var == "off" and cfg.mode == "split"
+        t_off = t_chain if cublas and not swept else t_off
         nbytes = call_bytes(T, n_in, n_out, var, max(1, len(segments)))
         bound_ms = nbytes / (bw * 1e9) * 1e3
         rows.append(dict(gpu=gpu, shape=sname, n_in=n_in, n_out=n_out, T=T, variant=var,
-                         mode=cfg.mode if cfg else "-", config=cfg_name(cfg), sweep=swept, graph_us=t_chain * 1e3,
+                         mode="-" if cublas else cfg.mode, config="-" if cublas else cfg_name(cfg), sweep=swept,
+                         graph_us=t_chain * 1e3,
                          single_us=t_single * 1e3, bytes=nbytes, gbps=nbytes / (t_chain * 1e-3) / 1e9,
                          x_bytes_bound=t_chain / bound_ms, vs_off=t_chain / t_off if t_off else float("nan"),
                          copy_gbps=bw, layers=len(layers)))
@@ -157,8 +166,9 @@ def bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep=(), side=None)
     for var in sweep:
         cand = [r for r in rows if r["sweep"] and r["variant"] == var]
         best = min(cand, key=lambda r: r["graph_us"])
-        dflt = next((r for r in rows if not r["sweep"] and r["variant"] == var and r["mode"] == "split"), None)
-        ref = f" (default split {dflt['graph_us']:.2f} us)" if dflt else ""
+        dflt = next((r for r in rows if not r["sweep"] and r["variant"] == var
+                     and r["mode"] == (sweep_mode if VARIANTS[var][0] or sweep_mode == "splitk" else "-")), None)
+        ref = f" (default {sweep_mode} {dflt['graph_us']:.2f} us)" if dflt else ""
         print(f"# best {sname} T={T} {var}: {best['config']} {best['graph_us']:.2f} us{ref}")
     return rows
 
@@ -202,6 +212,7 @@ def main(argv=None):
     ap.add_argument("--modes", default="split,fused")
     ap.add_argument("--layers", type=int, default=0, help="calls per graph (0: enough to keep W out of L2)")
     ap.add_argument("--sweep", default="", help="variants (e.g. 8ad_r16) to also time over split-path configs")
+    ap.add_argument("--sweep-mode", default="split", choices=("split", "splitk"), help="which path --sweep varies")
     ap.add_argument("--no-side-stream", action="store_true", help="the shrink on the main stream (overlap_lora off)")
     args = ap.parse_args(argv)
     side = None if args.no_side_stream else torch.cuda.Stream()
@@ -222,7 +233,7 @@ def main(argv=None):
         n_layers = args.layers or min(MODEL_LAYERS, max(4, triton.cdiv(COLD_BYTES, 2 * n_in * n_out)))
         layers = make_layers(n_in, n_out, n_layers, pool_ranks, n_seg=max(1, len(SEGMENTS.get(sname, ()))))
         for T in map(int, args.ts.split(",")):
-            rows += bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep, side)
+            rows += bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep, side, args.sweep_mode)
         del layers
         torch.cuda.empty_cache()
     with path.open("w", newline="") as f:
