@@ -52,8 +52,8 @@ class EngineConfig:
     async_adapter_loading: bool = True
     # Overlapped scheduling: launch step n+1 (its input ids gathered on the device from step n's
     # samples) before reading step n back, so host work overlaps the device. Its GPU tests pass; off
-    # by default until benchmarks/decode.py --async-scheduling measures its gain (the one run so far
-    # synchronized the device after every step, which serialized the overlap away).
+    # by default: on the H200 (decode.py --async-scheduling, back-to-back steps, pinned uploads) it
+    # measured within the run-to-run noise of off (docs/benchmarks.md).
     async_scheduling: bool = False
 
     @property
