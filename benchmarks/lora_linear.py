@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moelora.kernels.lora_linear import LoRALinearConfig, default_lora_linear_config, lora_linear  # noqa: E402
 from moelora.kernels.reference import DenseLoRAArgs  # noqa: E402
 
-SHAPES = {"q": (2048, 4096), "k": (2048, 512), "v": (2048, 512), "qkv": (2048, 5120), "o": (4096, 2048)}
+SHAPES = {"q": (2048, 4096), "k": (2048, 512), "v": (2048, 512), "qkv": (2048, 5120), "o": (4096, 2048),
+          "router": (2048, 128)}  # Qwen3-30B-A3B; the router (mlp.gate) keeps LoRA slots unless targeted away
 # merged shapes: output segments, and the shapes they stand for
 SEGMENTS = {"qkv": (4096, 512, 512)}
 MERGES = {"qkv": ("q", "k", "v")}
@@ -116,11 +117,14 @@ def cfg_name(cfg: LoRALinearConfig | None) -> str:
 
 def sweep_configs(T: int, mode: str) -> list[LoRALinearConfig]:
     """Candidates for --sweep. "split": expand tile x warps x shrink split, and one-lane (serial slots);
-    "splitk": the split-K GEMM's tile x K chunks (the shrink and the reduce as the default)."""
+    "splitk": the split-K GEMM's tile x K chunks (the shrink and the reduce as the default), then the
+    reduce's tiles (the GEMM as the default)."""
     if mode == "splitk":
         base = default_lora_linear_config(T, "splitk")
-        return [replace(base, gemm_block_n=bn, gemm_block_k=bk, gemm_split_k=sk)
-                for bn in (32, 64, 128) for bk in (64, 128, 256) for sk in (1, 2, 4, 8)]
+        return ([replace(base, gemm_block_n=bn, gemm_block_k=bk, gemm_split_k=sk)
+                 for bn in (32, 64, 128) for bk in (64, 128, 256) for sk in (1, 2, 4, 8)]
+                + [replace(base, block_m=bm, block_n=bn, num_warps=w)  # the reduce's tiles
+                   for bm, bn, w in ((16, 128, 4), (32, 64, 4), (64, 64, 4), (64, 128, 8))])
     base = default_lora_linear_config(T, "split")
     cfgs = [replace(base, block_m=bm, block_n=bn, num_warps=w, split_k=sk)
             for bm, bn, w in ((16, 64, 4), (16, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4),

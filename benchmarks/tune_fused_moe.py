@@ -5,7 +5,8 @@ Shape legend: M tokens, H hidden, I expert intermediate, E experts, K top-k.
 Per (shape, M): time the LoRA-off layer (CUDA-graph replay, L2 flushed, median) over a short
 candidate list of tiles chosen by routes per expert, keep the fastest; then try TMA on it; then
 pick lora_shrink (inline / separate / route / block) and lora_split_k on 8 adapters of rank 16 (a
-route pick then tries lora_route_order "plan", a route or block pick lora_gate_up_at "activation"),
+route pick then tries 4x the delta's programs and 8 warps, lora_route_order "plan", a route or block
+pick lora_gate_up_at "activation"),
 and lora_shrink_wide (separate / route / block) on 8 adapters of rank 64. LoRA timings use a side
 stream, as the engine's overlap_lora does (--no-side-stream: not). Usage:
   python benchmarks/tune_fused_moe.py [--shapes a,b] [--ms 1,8] [--lora-only] [--no-side-stream]
@@ -82,18 +83,24 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("8ad_r16",)
         log.append(dict(M=M, what=f"lora_{cfg.lora_shrink}_{cfg.lora_split_k}_{cfg.lora_n_split}",
                         config=json.dumps(cfg.to_dict()), ms=t))
     t_best, best = min(scored, key=lambda p: p[0])
-    # refinements of a route / block pick: the gate_up delta's programs in plan order (route), then the
-    # gate_up delta after the GEMM, next to it on the side stream
-    for field, value in (("lora_route_order", "plan"), ("lora_gate_up_at", "activation")):
-        if best.lora_shrink not in (("route",) if field == "lora_route_order" else ("route", "block")):
+    # refinements of a route / block pick, each kept if faster: the route delta's programs and warps, the
+    # gate_up delta's programs in plan order (route), then the gate_up delta after the GEMM, next to it
+    # on the side stream
+    refinements = [(("route",), dict(lora_route_programs=p, lora_route_warps=w)) for p, w in ((1056, 4), (264, 8))]
+    refinements += [(("route",), dict(lora_route_order="plan")),
+                    (("route", "block"), dict(lora_gate_up_at="activation"))]
+    for modes, change in refinements:
+        if best.lora_shrink not in modes:
             continue
-        cfg = dataclasses.replace(best, **{field: value})
+        cfg = dataclasses.replace(best, **change)
         t = run(cfg)
         scored.append((t, cfg))
-        log.append(dict(M=M, what=f"lora_{cfg.lora_shrink}_{value}", config=json.dumps(cfg.to_dict()), ms=t))
+        log.append(dict(M=M, what=f"lora_{cfg.lora_shrink}_" + "_".join(map(str, change.values())),
+                        config=json.dumps(cfg.to_dict()), ms=t))
         if t < t_best:
             t_best, best = t, cfg
-    tag = "{0.lora_shrink}/{0.lora_split_k}/{0.lora_n_split}/{0.lora_route_order:.1}/{0.lora_gate_up_at:.3}".format
+    tag = ("{0.lora_shrink}/{0.lora_split_k}/{0.lora_n_split}/{0.lora_route_order:.1}/{0.lora_gate_up_at:.3}"
+           "/p{0.lora_route_programs}w{0.lora_route_warps}").format
     print(f"  M={M:5d} {'+'.join(score)} " + "  ".join(f"{tag(c)} {t * 1e3:7.1f}" for t, c in scored)
           + f"  -> {tag(best)}", flush=True)
     return tune_wide(layer, M, best, log, side)

@@ -158,6 +158,17 @@ def test_route_delta_in_plan_order(R):
 
 
 @kernel_test
+@pytest.mark.parametrize("programs,warps", [(1, 4), (10_000, 8)])
+def test_route_delta_n_splits(programs, warps):
+    """lora_route_programs: 1 leaves each route one program; many split its output columns (2I = 576
+    and H = 300 over 256-column steps: 3 and 2 splits, the last ragged), each repeating the shrink."""
+    case = make_case(5, 300, 288, 4, 2, ranks=(16, 5, 0), R=16, device=DEV, seed=13, slots=[0, -1, 1, 2, 0])
+    cfg = replace(tiny_config("route"), lora_route_programs=programs, lora_route_warps=warps)
+    run_checked(case, cfg, 1e-4)
+    run_checked(case, replace(cfg, lora_route_order="plan"), 1e-4)
+
+
+@kernel_test
 def test_all_routes_on_one_expert_with_empty_experts():
     case = make_case(20, 32, 24, 6, 1, ranks=(16, 3), R=16, device=DEV, seed=4, one_expert=4)
     run_checked(case, tiny_config("separate"), 1e-4)
@@ -233,7 +244,7 @@ def gpu_case(shape, T, seed, ranks=(64, 16, 8, 0, 64, 32, 16, 8), R=64):
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("T", [1, 33, 512])
-@pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block", "route_plan"])
+@pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block", "route_plan", "route_wide_grid"])
 def test_gpu_qwen3_shape_bf16_lora(T, shrink):
     pool = dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16) if shrink == "inline" else {}
     case = gpu_case(QWEN3, T, seed=T, **pool)
@@ -241,9 +252,10 @@ def test_gpu_qwen3_shape_bf16_lora(T, shrink):
 
     cfg = tuned_fused_moe_config(128, 2048, 768, T, 8, torch.bfloat16, torch.cuda.get_device_name())
     order = "plan" if shrink == "route_plan" else "token"
-    shrink = shrink.removesuffix("_plan")
+    grid = dict(lora_route_programs=1056, lora_route_warps=8) if shrink == "route_wide_grid" else {}
+    shrink = shrink.removesuffix("_plan").removesuffix("_wide_grid")
     cfg = replace(cfg, lora_shrink=shrink, lora_shrink_wide="" if shrink == "inline" else shrink, use_tma=False,
-                  lora_route_order=order)
+                  lora_route_order=order, **grid)
     torch.cuda.set_sync_debug_mode("error")  # contract 5: no host sync in the forward
     try:
         out = fused_moe(*case[:5], lora=case[5], out=torch.full_like(case[0], float("nan")), config=cfg)

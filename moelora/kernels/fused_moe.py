@@ -40,7 +40,7 @@ from moelora.kernels.side_stream import forked, join
 ACCEPTED_LAYOUTS = (EXPERT_SORTED_PADDED,)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LORA_RC = 16  # rank columns per step of the separate shrink/expand: cost follows each slot's own rank
-_ROUTE_TARGET_PROGRAMS = 264  # "route" LoRA: programs to aim for (2 per SM on a 132-SM H200)
+_BLOCK_TARGET_PROGRAMS = 264  # "block" LoRA: programs to aim for (2 per SM on a 132-SM H200)
 _BLOCK_LANES = 8  # "block" LoRA: programs per plan block, one distinct slot each (the last: the rest)
 _BLOCK_BN = 64  # "block" LoRA: output columns per expand tile
 
@@ -127,16 +127,16 @@ def _shrink(src, xa, plan, lora, which, gather, k_dim, block_r, cfg):
         LORA_BK=cfg.lora_block_k, LORA_RC=_LORA_RC, num_warps=4, num_stages=2)
 
 
-def _route_delta(src, delta, plan, topk_ids, lora, which, block_r, plan_order=False):
+def _route_delta(src, delta, plan, topk_ids, lora, which, block_r, cfg: FusedMoEConfig):
     """delta [T*K, N] of every route with LoRA (gate_up: N = 2I from x; down: N = H from h [P, I]).
-    Programs in plan order for down (h rows are plan rows) and, `plan_order`, for gate_up too."""
+    Programs in plan order for down (h rows are plan rows) and, lora_route_order "plan", for gate_up too."""
     a, b, ranks = getattr(lora, f"{which}_a"), getattr(lora, f"{which}_b"), getattr(lora, f"{which}_ranks")
-    by_row = which == "down" or plan_order
+    by_row = which == "down" or cfg.lora_route_order == "plan"
     n_out, k_dim = b.shape[2], a.shape[3]
     rows = plan.sorted_route_ids.shape[0] if by_row else plan.num_routes
     step = 4096 // _LORA_RC  # [RC, step] tiles: 4096 elements per load
-    # enough programs to cover the SMs twice even at a few routes, each streaming whole B rows
-    n_split = max(1, min(triton.cdiv(n_out, step), triton.cdiv(_ROUTE_TARGET_PROGRAMS, plan.num_routes)))
+    # enough programs to cover the SMs (lora_route_programs) even at a few routes, each streaming whole B rows
+    n_split = max(1, min(triton.cdiv(n_out, step), triton.cdiv(cfg.lora_route_programs, plan.num_routes)))
     per_split = triton.cdiv(triton.cdiv(n_out, n_split), step) * step
     lora_route_delta_kernel[(rows, triton.cdiv(n_out, per_split))](
         src, delta, topk_ids, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots,
@@ -144,7 +144,7 @@ def _route_delta(src, delta, plan, topk_ids, lora, which, block_r, plan_order=Fa
         a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2), BY_PLAN_ROW=by_row,
         SRC_BY_TOKEN=which == "gate_up", BM=plan.block_m, RC=_LORA_RC, BK=step, BN=step,
         WIDE_RC=max(_LORA_RC, block_r), WIDE_MIN=2 * _LORA_RC,
-        num_warps=4)
+        num_warps=cfg.lora_route_warps)
 
 
 def _block_delta(src, delta, plan, lora, which, block_r, cfg):
@@ -154,7 +154,7 @@ def _block_delta(src, delta, plan, lora, which, block_r, cfg):
     lanes = min(_BLOCK_LANES, a.shape[0])
     bn = _BLOCK_BN
     # default: split N only when blocks x lanes alone leave SMs idle (each split repeats the block's shrink)
-    n_split = cfg.lora_n_split or triton.cdiv(_ROUTE_TARGET_PROGRAMS, plan.num_routes)
+    n_split = cfg.lora_n_split or triton.cdiv(_BLOCK_TARGET_PROGRAMS, plan.num_routes)
     n_split = max(1, min(triton.cdiv(n_out, bn), n_split))
     per_split = triton.cdiv(triton.cdiv(n_out, n_split), bn) * bn
     lora_block_delta_kernel[(plan.max_blocks, lanes, triton.cdiv(n_out, per_split))](
@@ -169,7 +169,7 @@ def _delta_on(side, mode, src, delta, plan, topk_ids, lora, which, block_r, cfg)
     queued so far on the current stream; the caller joins before reading `delta`), else here."""
     with forked(side, src.device):
         if mode == "route":
-            _route_delta(src, delta, plan, topk_ids, lora, which, block_r, cfg.lora_route_order == "plan")
+            _route_delta(src, delta, plan, topk_ids, lora, which, block_r, cfg)
         else:
             _block_delta(src, delta, plan, lora, which, block_r, cfg)
 

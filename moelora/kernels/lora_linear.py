@@ -90,11 +90,12 @@ class LoRALinearConfig:
     kernel). block_m / block_n: the output tile (expand, or fused); block_k: depth step of the
     shrink; shrink_block_m: rows per shrink program; split_k: N_in chunks of the shrink (0: from
     the shapes); slot_lanes: programs per row block that each take one distinct slot (the last one
-    takes the rest). num_warps / num_stages: the expand (or fused) kernel; the shrink runs 4 warps
-    and shrink_num_stages. "splitk" (decode, T <= 64, fp16/bf16): a split-K Triton GEMM in
-    gemm_split_k chunks of N_in (gemm_block_n x gemm_block_k tiles) instead of cuBLAS, whose launch
-    also runs the split path's shrink programs, and one reduce that adds bias and the expand
-    (block_m x block_n tiles); see `moelora.kernels.splitk_linear`. All block sizes are powers of two >= 16 (tl.dot)."""
+    takes the rest). num_warps / num_stages: the expand (or fused) kernel (num_warps: also the
+    splitk reduce); the shrink runs 4 warps and shrink_num_stages. "splitk" (decode, T <= 64,
+    fp16/bf16): a split-K Triton GEMM in gemm_split_k chunks of N_in (gemm_block_n x gemm_block_k
+    tiles) instead of cuBLAS, whose launch also runs the split path's shrink programs, and one
+    reduce that adds bias and the expand (block_m x block_n tiles); see
+    `moelora.kernels.splitk_linear`. All block sizes are powers of two >= 16 (tl.dot)."""
 
     mode: str = "split"
     block_m: int = 16
@@ -344,11 +345,12 @@ def _splitk_linear(x, weight, bias, lora, out, T, n_in, cfg):
     (so no side stream and no join), then one reduce that adds bias and the expand."""
     if lora is None:
         splitk_reduce(splitk_partials(x, weight, cfg.gemm_split_k, cfg.gemm_block_n, cfg.gemm_block_k), out, bias,
-                      None, None, cfg.block_m, cfg.block_n, cfg.slot_lanes)
+                      None, None, cfg.block_m, cfg.block_n, cfg.slot_lanes, cfg.num_warps)
         return
     sh, seg = _shrink_setup(x, lora, T, n_in, cfg)
     ws = splitk_partials(x, weight, cfg.gemm_split_k, cfg.gemm_block_n, cfg.gemm_block_k, shrink=sh)
-    splitk_reduce(ws, out, bias, lora, (sh.xa, sh.n_split, seg, sh.s_p2), cfg.block_m, cfg.block_n, cfg.slot_lanes)
+    splitk_reduce(ws, out, bias, lora, (sh.xa, sh.n_split, seg, sh.s_p2), cfg.block_m, cfg.block_n, cfg.slot_lanes,
+                  cfg.num_warps)
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

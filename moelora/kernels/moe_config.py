@@ -61,7 +61,11 @@ class FusedMoEConfig:
     concurrently with the GEMM (one launch more on the main stream, one less in its way).
     lora_route_order ("route"): the gate_up delta's programs in route order ("token": a token's K
     routes side by side) or in plan order ("plan": an expert's routes side by side, so routes of one
-    (adapter, expert) pair read its A/B from L2; the down delta always runs in plan order). use_tma: Hopper
+    (adapter, expert) pair read its A/B from L2; the down delta always runs in plan order).
+    lora_route_programs / lora_route_warps ("route"): the programs a delta launch aims for (each
+    route's output columns are split until routes x splits reach it; a split repeats its route's
+    shrink, from L2) and the warps of each (264 / 4: two programs per SM of an H200; more programs
+    give a latency-bound GEMV chain more loads in flight). use_tma: Hopper
     tensor descriptors for the weight (and down-GEMM activation) tiles; the off switch of that
     path (contract 6)."""
 
@@ -76,6 +80,8 @@ class FusedMoEConfig:
     lora_n_split: int = 0
     lora_gate_up_at: str = "epilogue"
     lora_route_order: str = "token"
+    lora_route_programs: int = 264
+    lora_route_warps: int = 4
     use_tma: bool = False
 
     def __post_init__(self):
@@ -86,6 +92,9 @@ class FusedMoEConfig:
             raise ValueError(f"lora_split_k must be >= 1, got {self.lora_split_k}")
         if self.lora_n_split < 0:
             raise ValueError(f"lora_n_split must be >= 0, got {self.lora_n_split}")
+        if self.lora_route_programs < 1 or self.lora_route_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"lora_route_programs must be >= 1 and lora_route_warps a power of two <= 16, got "
+                             f"{self.lora_route_programs}, {self.lora_route_warps}")
         if self.lora_route_order not in ROUTE_ORDERS:
             raise ValueError(f"lora_route_order must be one of {ROUTE_ORDERS}, got {self.lora_route_order!r}")
         if self.lora_gate_up_at not in GATE_UP_DELTA_AT:

@@ -158,7 +158,7 @@ def splitk_partials(x: torch.Tensor, weight: torch.Tensor, split_k: int, block_n
 
 
 def splitk_reduce(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, lora, shrunk, block_m: int,
-                  block_n: int, slot_lanes: int) -> None:
+                  block_n: int, slot_lanes: int, num_warps: int = 4) -> None:
     """out = sum of the partials (+ bias) (+ LoRA: `lora` DenseLoRAArgs and `shrunk` the split path's
     (xa, P, segments, pow2(S)))."""
     T, n_out = out.shape
@@ -178,4 +178,4 @@ def splitk_reduce(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None
     splitk_reduce_kernel[(triton.cdiv(T, block_m), triton.cdiv(n_out, block_n), 1 + lanes)](
         ws, out, ws if bias is None else bias, xa_, b_, slots_, ranks_, T, n_out, n_slots, n_lanes, ws.stride(0),
         out.stride(0), stride_xap, stride_bs, stride_bn, HAS_BIAS=bias is not None, HAS_LORA=has_lora,
-        SPLIT_K=ws.shape[0], BM=block_m, BN=block_n, num_warps=4, **consts)
+        SPLIT_K=ws.shape[0], BM=block_m, BN=block_n, num_warps=num_warps, **consts)
