@@ -21,7 +21,7 @@ and norms are left out (< 1%).
 
 usage: python benchmarks/decode.py OUT.csv [--model qwen3_30b|dsv2_lite|all] [--layers N]
        [--conc 1,8,32,64,128,256] [--steps 20] [--repeats 2] [--async-scheduling] [--no-overlap-lora]
-       [--lora-target-modules self_attn,experts]
+       [--lora-target-modules self_attn,experts] [--ab async_scheduling=1]
 """
 
 from __future__ import annotations
@@ -188,36 +188,57 @@ def no_lora_twin(model: MoECausalLM, cfg: ModelConfig) -> MoECausalLM:
 
 
 def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank: int, bw: float,
-              engine_kw: dict, repeats: int = 1) -> list[dict]:
+              engine_kw: dict, repeats: int = 1, ab: dict | None = None) -> list[dict]:
+    """`ab`: engine settings of a second engine pair ("B", e.g. {"async_scheduling": True}) over the same
+    weights, measured in the same turns as the first, so a few-percent effect is not lost to drift."""
     spec = MODELS[name]
     cfg = ModelConfig(**{**spec, "num_layers": layers or spec["num_layers"]}).resolve()
     print(f"model {name}, layers {cfg.num_layers}")
     model = random_model(cfg, 8, rank)
     adapters = {f"a{i}": random_adapter(model, f"a{i}", rank, i) for i in range(8)}
-    lora_eng = engine(model, cfg, 8, rank, max(concs), adapters, **engine_kw)
-    base_kw = {k: v for k, v in engine_kw.items() if k != "lora_target_modules"}  # it has no LoRA sites to name
-    base_eng = engine(no_lora_twin(model, cfg), cfg, 0, 0, max(concs), {}, **base_kw)
-    runs = (("no LoRA", base_eng, [None]), ("1 adapter", lora_eng, ["a0"]), ("8 adapters", lora_eng, list(adapters)))
-    samples: dict[tuple[str, int], list[float]] = {}
+    twin = no_lora_twin(model, cfg)
+    runs = []
+    for variant, kw in (("", engine_kw), *((("B", {**engine_kw, **ab}),) if ab else ())):
+        lora_eng = engine(model, cfg, 8, rank, max(concs), adapters, **kw)
+        base_kw = {k: v for k, v in kw.items() if k != "lora_target_modules"}  # it has no LoRA sites to name
+        base_eng = engine(twin, cfg, 0, 0, max(concs), {}, **base_kw)
+        runs += [(variant, "no LoRA", base_eng, [None]), (variant, "1 adapter", lora_eng, ["a0"]),
+                 (variant, "8 adapters", lora_eng, list(adapters))]
+    samples: dict[tuple[str, str, int], list[float]] = {}
     for conc in concs:  # the configurations in turns, `repeats` rounds: drift hits all of them alike
         for _ in range(repeats):
-            for label, eng, names in runs:
-                samples.setdefault((label, conc), []).append(measure(eng, conc, names, steps))
+            for variant, label, eng, names in runs:
+                samples.setdefault((variant, label, conc), []).append(measure(eng, conc, names, steps))
     results = {key: sorted(v)[len(v) // 2] for key, v in samples.items()}
-    del lora_eng, base_eng, runs, model
+    del runs, lora_eng, base_eng, twin, model
     torch.cuda.empty_cache()
     rows = []
-    print(f"{'config':>11} {'conc':>5} {'step ms':>8} {'tok/s':>9} {'bound ms':>9} {'x bound':>8} {'vs noLoRA':>9}")
-    for conc in concs:
-        for label, n in (("no LoRA", 0), ("1 adapter", 1), ("8 adapters", 8)):
-            t = results[(label, conc)]
-            bound = step_bytes(cfg, conc, n, rank, 40) / bw
-            ratio = results[("no LoRA", conc)] / t
-            rows.append(dict(model=name, config=label, concurrency=conc, step_ms=t * 1e3, tokens_per_s=conc / t,
-                             bound_ms=bound * 1e3, x_bound=t / bound, throughput_vs_nolora=ratio))
-            print(f"{label:>11} {conc:>5} {t * 1e3:8.2f} {conc / t:9.0f} {bound * 1e3:9.2f} {t / bound:8.2f} "
-                  f"{ratio:9.3f}")
+    for variant in ("", "B") if ab else ("",):
+        if ab:
+            print(f"# {'A: as given' if not variant else 'B: ' + ', '.join(f'{k}={v}' for k, v in ab.items())}")
+        print(f"{'config':>11} {'conc':>5} {'step ms':>8} {'tok/s':>9} {'bound ms':>9} {'x bound':>8} {'vs noLoRA':>9}"
+              + ("  B/A" if variant else ""))
+        for conc in concs:
+            for label, n in (("no LoRA", 0), ("1 adapter", 1), ("8 adapters", 8)):
+                t = results[(variant, label, conc)]
+                bound = step_bytes(cfg, conc, n, rank, 40) / bw
+                ratio = results[(variant, "no LoRA", conc)] / t
+                rows.append(dict(model=name, variant=variant or "A", config=label, concurrency=conc, step_ms=t * 1e3,
+                                 tokens_per_s=conc / t, bound_ms=bound * 1e3, x_bound=t / bound,
+                                 throughput_vs_nolora=ratio))
+                vs_a = f"  {t / results[('', label, conc)]:.3f}" if variant else ""
+                print(f"{label:>11} {conc:>5} {t * 1e3:8.2f} {conc / t:9.0f} {bound * 1e3:9.2f} {t / bound:8.2f} "
+                      f"{ratio:9.3f}{vs_a}")
     return rows
+
+
+def parse_ab(spec: str) -> dict:
+    """"async_scheduling=1,overlap_lora=0" -> EngineConfig keyword values (0/1 as booleans)."""
+    out = {}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        out[key] = {"0": False, "1": True, "false": False, "true": True}.get(value.lower(), value)
+    return out
 
 
 def main() -> None:
@@ -233,13 +254,16 @@ def main() -> None:
     ap.add_argument("--no-overlap-lora", action="store_true", help="EngineConfig.overlap_lora=False")
     ap.add_argument("--lora-target-modules", default=None,
                     help="comma-separated EngineConfig.lora_target_modules (e.g. self_attn,experts: no router LoRA)")
+    ap.add_argument("--ab", default="", help="A/B in the same turns: engine settings of a second engine pair, "
+                    "e.g. async_scheduling=1 (B/A: its step time over the first's)")
     args = ap.parse_args()
     concs = [int(c) for c in args.conc.split(",")]
     bw = copy_bandwidth()
     print(f"GPU {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = []
     for name in (list(MODELS) if args.model == "all" else [args.model]):
-        rows += run_model(name, args.layers, concs, args.steps, args.rank, bw, repeats=args.repeats, engine_kw=
+        rows += run_model(name, args.layers, concs, args.steps, args.rank, bw, repeats=args.repeats,
+                          ab=parse_ab(args.ab), engine_kw=
                           dict(async_scheduling=args.async_scheduling, overlap_lora=not args.no_overlap_lora,
                                lora_target_modules=tuple(args.lora_target_modules.split(","))
                                if args.lora_target_modules else None))

@@ -177,12 +177,12 @@ def test_all_routes_on_one_expert_with_empty_experts():
 
 
 @kernel_test
-@pytest.mark.parametrize("n_split", [0, 3])
-def test_block_delta_n_splits(n_split):
-    # 2I = 192 and H = 160 output columns, 64-wide tiles: 3 splits, the last one ragged
+@pytest.mark.parametrize("n_split,block_n", [(0, 64), (3, 64), (0, 128), (2, 128)])
+def test_block_delta_n_splits(n_split, block_n):
+    # 2I = 192 and H = 160 output columns, 64-wide tiles: 3 splits, the last one ragged (128-wide: 2)
     case = make_case(9, 160, 96, 4, 2, ranks=(16, 5, 0), R=16, device=DEV, seed=12,
                      slots=[0, -1, 1, 1, 0, 2, 0, 1, -1])
-    run_checked(case, replace(tiny_config("block"), lora_n_split=n_split), 1e-4)
+    run_checked(case, replace(tiny_config("block"), lora_n_split=n_split, lora_block_n=block_n), 1e-4)
 
 
 @kernel_test
@@ -244,7 +244,8 @@ def gpu_case(shape, T, seed, ranks=(64, 16, 8, 0, 64, 32, 16, 8), R=64):
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("T", [1, 33, 512])
-@pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block", "route_plan", "route_wide_grid"])
+@pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block", "route_plan", "route_wide_grid",
+                                    "block_wide_tiles"])
 def test_gpu_qwen3_shape_bf16_lora(T, shrink):
     pool = dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16) if shrink == "inline" else {}
     case = gpu_case(QWEN3, T, seed=T, **pool)
@@ -253,7 +254,9 @@ def test_gpu_qwen3_shape_bf16_lora(T, shrink):
     cfg = tuned_fused_moe_config(128, 2048, 768, T, 8, torch.bfloat16, torch.cuda.get_device_name())
     order = "plan" if shrink == "route_plan" else "token"
     grid = dict(lora_route_programs=1056, lora_route_warps=8) if shrink == "route_wide_grid" else {}
-    shrink = shrink.removesuffix("_plan").removesuffix("_wide_grid")
+    if shrink == "block_wide_tiles":
+        grid = dict(lora_block_n=256, lora_block_k=256)
+    shrink = shrink.removesuffix("_plan").removesuffix("_wide_grid").removesuffix("_wide_tiles")
     cfg = replace(cfg, lora_shrink=shrink, lora_shrink_wide="" if shrink == "inline" else shrink, use_tma=False,
                   lora_route_order=order, **grid)
     torch.cuda.set_sync_debug_mode("error")  # contract 5: no host sync in the forward

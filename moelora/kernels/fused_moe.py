@@ -42,7 +42,6 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LORA_RC = 16  # rank columns per step of the separate shrink/expand: cost follows each slot's own rank
 _BLOCK_TARGET_PROGRAMS = 264  # "block" LoRA: programs to aim for (2 per SM on a 132-SM H200)
 _BLOCK_LANES = 8  # "block" LoRA: programs per plan block, one distinct slot each (the last: the rest)
-_BLOCK_BN = 64  # "block" LoRA: output columns per expand tile
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -152,7 +151,7 @@ def _block_delta(src, delta, plan, lora, which, block_r, cfg):
     a, b, ranks = getattr(lora, f"{which}_a"), getattr(lora, f"{which}_b"), getattr(lora, f"{which}_ranks")
     n_out, k_dim = b.shape[2], a.shape[3]
     lanes = min(_BLOCK_LANES, a.shape[0])
-    bn = _BLOCK_BN
+    bn = cfg.lora_block_n
     # default: split N only when blocks x lanes alone leave SMs idle (each split repeats the block's shrink)
     n_split = cfg.lora_n_split or triton.cdiv(_BLOCK_TARGET_PROGRAMS, plan.num_routes)
     n_split = max(1, min(triton.cdiv(n_out, bn), n_split))

@@ -52,7 +52,8 @@ class FusedMoEConfig:
     same delta computed per (plan block, slot), the slots of a block in parallel programs, so a
     (slot, expert) pair's A/B is read once per block, not once per route; lora_n_split cuts each
     (block, slot) program's output columns into that many programs (0: only when the blocks leave
-    SMs idle; each split repeats the block's shrink). lora_shrink_wide: the
+    SMs idle; each split repeats the block's shrink); lora_block_n: the columns of each of its
+    expand steps (and lora_block_k the depth of each shrink step). lora_shrink_wide: the
     mode for pools of max rank > 16 ("": lora_shrink's, "inline" going "separate"; H200, Qwen3
     M=512, 8 adapters r64: separate 3.98x no-LoRA, route 3.05x, block 2.33x). lora_gate_up_at (route
     and block): "epilogue" adds the gate_up delta in the gate_up GEMM's epilogue, so its kernel runs
@@ -82,12 +83,13 @@ class FusedMoEConfig:
     lora_route_order: str = "token"
     lora_route_programs: int = 264
     lora_route_warps: int = 4
+    lora_block_n: int = 64
     use_tma: bool = False
 
     def __post_init__(self):
         need_pow2("FusedMoEConfig", block_m=self.block_m, gate_up_block_n=self.gate_up.block_n,
                   gate_up_block_k=self.gate_up.block_k, down_block_n=self.down.block_n,
-                  down_block_k=self.down.block_k, lora_block_k=self.lora_block_k)
+                  down_block_k=self.down.block_k, lora_block_k=self.lora_block_k, lora_block_n=self.lora_block_n)
         if self.lora_split_k < 1:
             raise ValueError(f"lora_split_k must be >= 1, got {self.lora_split_k}")
         if self.lora_n_split < 0:
