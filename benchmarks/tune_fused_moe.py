@@ -6,7 +6,8 @@ Per (shape, M): time the LoRA-off layer (CUDA-graph replay, L2 flushed, median) 
 candidate list of tiles chosen by routes per expert, keep the fastest; then try TMA on it; then
 pick lora_shrink (inline / separate / route / block) and lora_split_k on 8 adapters of rank 16 (a
 route pick then tries 4x the delta's programs and 8 warps, lora_route_order "plan", a route or block
-pick lora_gate_up_at "activation"),
+pick lora_gate_up_at "activation", and a route pick the block switch for batches on <= 2 slots,
+scored on 1 + 8 adapters),
 and lora_shrink_wide (separate / route / block) on 8 adapters of rank 64. LoRA timings use a side
 stream, as the engine's overlap_lora does (--no-side-stream: not). Usage:
   python benchmarks/tune_fused_moe.py [--shapes a,b] [--ms 1,8] [--lora-only] [--no-side-stream]
@@ -101,8 +102,19 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("8ad_r16",)
                         config=json.dumps(cfg.to_dict()), ms=t))
         if t < t_best:
             t_best, best = t, cfg
+    if best.lora_shrink == "route" and M <= 1024:
+        # the block delta for batches on at most 2 slots: scored on 1 and 8 adapters together, since it
+        # helps the first and costs the second a launch that stands aside
+        pair = [make_lora(layer, M, v) for v in ("1ad_r16", "8ad_r16")]
+        sw = dataclasses.replace(best, lora_block_max_slots=2)
+        t_plain, t_sw = (sum(timed(layer, x, wts, ids, lo, c, side) for lo in pair) for c in (best, sw))
+        log.append(dict(M=M, what="lora_route_switch2", config=json.dumps(sw.to_dict()), ms=t_sw))
+        print(f"  M={M:5d} 1ad+8ad route {t_plain * 1e3:7.1f}  with the block switch {t_sw * 1e3:7.1f}", flush=True)
+        if t_sw < t_plain:
+            best = sw
     tag = ("{0.lora_shrink}/{0.lora_split_k}/{0.lora_n_split}/{0.lora_route_order:.1}/{0.lora_gate_up_at:.3}"
-           "/p{0.lora_route_programs}w{0.lora_route_warps}/n{0.lora_block_n}k{0.lora_block_k}").format
+           "/p{0.lora_route_programs}w{0.lora_route_warps}/n{0.lora_block_n}k{0.lora_block_k}"
+           "/s{0.lora_block_max_slots}").format
     print(f"  M={M:5d} {'+'.join(score)} " + "  ".join(f"{tag(c)} {t * 1e3:7.1f}" for t, c in scored)
           + f"  -> {tag(best)}", flush=True)
     return tune_wide(layer, M, best, log, side)

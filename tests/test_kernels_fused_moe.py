@@ -169,6 +169,25 @@ def test_route_delta_n_splits(programs, warps):
 
 
 @kernel_test
+def test_route_block_switch_by_distinct_slots():
+    """lora_block_max_slots=2 on "route": a batch on at most 2 distinct slots gets the block delta, bit
+    for bit, one on more slots the route delta, bit for bit (in fp32 the two differ in the last bits,
+    so the test can tell which ran; in fp16 they round alike here)."""
+    dtype, tol = torch.float32, 1e-4
+    route = tiny_config("route")
+    switch = replace(route, lora_block_max_slots=2)
+    block = replace(tiny_config("block"), lora_block_n=route.lora_block_n)
+    kw = dict(ranks=(16, 5, 0, 9), R=16, dtype=dtype, device=DEV)
+    few = make_case(12, 48, 40, 3, 2, seed=21, slots=[3, -1, 1, 3, 3, 1, -1, 1, 3, 3, 1, 3], **kw)
+    many = make_case(12, 48, 40, 3, 2, seed=22, slots=[0, -1, 1, 3, 2, 1, -1, 0, 3, 3, 1, 3], **kw)
+    for case, want in ((few, block), (many, route)):
+        other = route if want is block else block
+        got = run_checked(case, switch, tol)
+        assert torch.equal(got, run_checked(case, want, tol))
+        assert not torch.equal(got, run_checked(case, other, tol))
+
+
+@kernel_test
 def test_all_routes_on_one_expert_with_empty_experts():
     case = make_case(20, 32, 24, 6, 1, ranks=(16, 3), R=16, device=DEV, seed=4, one_expert=4)
     run_checked(case, tiny_config("separate"), 1e-4)
@@ -265,6 +284,37 @@ def test_gpu_qwen3_shape_bf16_lora(T, shrink):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert rel_err(out, reference(*case, dtype=torch.float32)) <= 1e-2
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("n_slots", [1, 8])
+def test_gpu_route_block_switch_bf16(n_slots):
+    """lora_block_max_slots=2 at a real shape and 256 tokens: on 1 slot the block delta's result, on 8
+    the route delta's, bit for bit, each within the fp32 reference's tolerance; inside a CUDA graph too."""
+    from moelora.kernels.moe_config import tuned_fused_moe_config
+
+    T, ranks = 256, (16, 8, 16, 4, 12, 16, 8, 16)
+    g = torch.Generator().manual_seed(5)
+    slots = torch.randint(0, n_slots, (T,), generator=g, dtype=torch.int32)
+    slots[::7] = -1
+    case = make_case(T, QWEN3["H"], QWEN3["I"], QWEN3["E"], QWEN3["K"], ranks=ranks, R=16, dtype=torch.bfloat16,
+                     device="cuda", seed=5, slots=slots)
+    base = replace(tuned_fused_moe_config(128, 2048, 768, T, 8, torch.bfloat16, torch.cuda.get_device_name()),
+                   use_tma=False, lora_shrink_wide="")
+    switch = replace(base, lora_shrink="route", lora_block_max_slots=2)
+    want = fused_moe(*case[:5], lora=case[5], config=replace(switch, lora_shrink="block" if n_slots == 1 else "route",
+                                                             lora_block_max_slots=0))
+    assert rel_err(want, reference(*case, dtype=torch.float32)) <= 1e-2
+    assert torch.equal(fused_moe(*case[:5], lora=case[5], config=switch), want)
+    out = torch.empty_like(want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe(*case[:5], lora=case[5], out=out, config=switch)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
 
 
 @pytest.mark.gpu

@@ -42,6 +42,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LORA_RC = 16  # rank columns per step of the separate shrink/expand: cost follows each slot's own rank
 _BLOCK_TARGET_PROGRAMS = 264  # "block" LoRA: programs to aim for (2 per SM on a 132-SM H200)
 _BLOCK_LANES = 8  # "block" LoRA: programs per plan block, one distinct slot each (the last: the rest)
+_SWITCH_MAX_TOKENS = 1024  # lora_block_max_slots: beyond this many tokens the switch's slot count is not tried
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -126,7 +127,16 @@ def _shrink(src, xa, plan, lora, which, gather, k_dim, block_r, cfg):
         LORA_BK=cfg.lora_block_k, LORA_RC=_LORA_RC, num_warps=4, num_stages=2)
 
 
-def _route_delta(src, delta, plan, topk_ids, lora, which, block_r, cfg: FusedMoEConfig):
+def _switch_args(plan, lora, cfg: FusedMoEConfig, side: int) -> dict:
+    """Launch arguments of one side of the route / block switch (`slots_skip`); side 0: no switch."""
+    if not side:
+        return dict(max_slots=0)
+    return dict(max_slots=cfg.lora_block_max_slots, SWITCH=side,
+                T_P2=triton.next_power_of_2(plan.num_routes // plan.top_k),
+                S_P2=triton.next_power_of_2(lora.gate_up_a.shape[0]))
+
+
+def _route_delta(src, delta, plan, topk_ids, lora, which, block_r, cfg: FusedMoEConfig, switch: int = 0):
     """delta [T*K, N] of every route with LoRA (gate_up: N = 2I from x; down: N = H from h [P, I]).
     Programs in plan order for down (h rows are plan rows) and, lora_route_order "plan", for gate_up too."""
     a, b, ranks = getattr(lora, f"{which}_a"), getattr(lora, f"{which}_b"), getattr(lora, f"{which}_ranks")
@@ -142,11 +152,11 @@ def _route_delta(src, delta, plan, topk_ids, lora, which, block_r, cfg: FusedMoE
         ranks, a, b, plan.num_routes, plan.top_k, k_dim, n_out, per_split, src.stride(0), delta.stride(0),
         a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2), BY_PLAN_ROW=by_row,
         SRC_BY_TOKEN=which == "gate_up", BM=plan.block_m, RC=_LORA_RC, BK=step, BN=step,
-        WIDE_RC=max(_LORA_RC, block_r), WIDE_MIN=2 * _LORA_RC,
-        num_warps=cfg.lora_route_warps)
+        WIDE_RC=max(_LORA_RC, block_r), WIDE_MIN=2 * _LORA_RC, num_warps=cfg.lora_route_warps,
+        **_switch_args(plan, lora, cfg, switch))
 
 
-def _block_delta(src, delta, plan, lora, which, block_r, cfg):
+def _block_delta(src, delta, plan, lora, which, block_r, cfg, switch: int = 0):
     """delta [T*K, N] of every route with LoRA, per (plan block, slot) ("block" mode)."""
     a, b, ranks = getattr(lora, f"{which}_a"), getattr(lora, f"{which}_b"), getattr(lora, f"{which}_ranks")
     n_out, k_dim = b.shape[2], a.shape[3]
@@ -160,14 +170,19 @@ def _block_delta(src, delta, plan, lora, which, block_r, cfg):
         src, delta, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots,
         ranks, a, b, plan.num_routes, plan.top_k, k_dim, n_out, per_split, lanes, src.stride(0),
         delta.stride(0), a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
-        BY_PLAN_ROW=which == "down", BM=plan.block_m, BLOCK_R=block_r, BK=cfg.lora_block_k, BN=bn, num_warps=4)
+        BY_PLAN_ROW=which == "down", BM=plan.block_m, BLOCK_R=block_r, BK=cfg.lora_block_k, BN=bn, num_warps=4,
+        **_switch_args(plan, lora, cfg, switch))
 
 
 def _delta_on(side, mode, src, delta, plan, topk_ids, lora, which, block_r, cfg):
     """The route / block delta of `which` into `delta`, on `side` when given (forked after the work
     queued so far on the current stream; the caller joins before reading `delta`), else here."""
     with forked(side, src.device):
-        if mode == "route":
+        if mode == "route" and cfg.lora_block_max_slots and plan.num_routes // plan.top_k <= _SWITCH_MAX_TOKENS:
+            # both launched; on the device exactly one runs, by the batch's distinct slots (few: block)
+            _block_delta(src, delta, plan, lora, which, block_r, cfg, switch=1)
+            _route_delta(src, delta, plan, topk_ids, lora, which, block_r, cfg, switch=2)
+        elif mode == "route":
             _route_delta(src, delta, plan, topk_ids, lora, which, block_r, cfg)
         else:
             _block_delta(src, delta, plan, lora, which, block_r, cfg)

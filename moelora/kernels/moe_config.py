@@ -66,7 +66,11 @@ class FusedMoEConfig:
     lora_route_programs / lora_route_warps ("route"): the programs a delta launch aims for (each
     route's output columns are split until routes x splits reach it; a split repeats its route's
     shrink, from L2) and the warps of each (264 / 4: two programs per SM of an H200; more programs
-    give a latency-bound GEMV chain more loads in flight). use_tma: Hopper
+    give a latency-bound GEMV chain more loads in flight). lora_block_max_slots ("route", up to 1024
+    tokens; 0: off): a batch whose tokens name at most this many distinct slots takes the "block"
+    delta instead (the route delta reads a pair's A/B once per route, block once per plan block, so
+    with few adapters and many routes per pair block reads far less). Both kernels are launched and
+    each counts the slots on the device, so one graph serves either batch. use_tma: Hopper
     tensor descriptors for the weight (and down-GEMM activation) tiles; the off switch of that
     path (contract 6)."""
 
@@ -84,6 +88,7 @@ class FusedMoEConfig:
     lora_route_programs: int = 264
     lora_route_warps: int = 4
     lora_block_n: int = 64
+    lora_block_max_slots: int = 0
     use_tma: bool = False
 
     def __post_init__(self):
@@ -94,6 +99,8 @@ class FusedMoEConfig:
             raise ValueError(f"lora_split_k must be >= 1, got {self.lora_split_k}")
         if self.lora_n_split < 0:
             raise ValueError(f"lora_n_split must be >= 0, got {self.lora_n_split}")
+        if self.lora_block_max_slots < 0:
+            raise ValueError(f"lora_block_max_slots must be >= 0, got {self.lora_block_max_slots}")
         if self.lora_route_programs < 1 or self.lora_route_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"lora_route_programs must be >= 1 and lora_route_warps a power of two <= 16, got "
                              f"{self.lora_route_programs}, {self.lora_route_warps}")

@@ -29,6 +29,10 @@ SPLIT reduction splits, RC = 16 rank columns per step (cost follows each slot's 
   block and split instead of once per route: the reuse "route" lacks when blocks hold several
   routes of one adapter (M >= 256), with the slots of a block in parallel programs (lanes), not
   the serial per-slot loop of "separate". One pass at the pool's width, masked to each slot's rank.
+- The route / block switch (FusedMoEConfig.lora_block_max_slots): both delta kernels are launched
+  and each program first counts the distinct slots of the batch (`slots_skip`); with at most
+  max_slots the block kernel runs and the route kernel's programs exit, else the reverse. One
+  captured graph serves a batch of one adapter (block: A/B once per block) and of many (route).
 Rows on no slot, or on a slot whose rank at this site is 0, are neither read nor written (and
 never read back).
 """
@@ -77,17 +81,39 @@ def lora_shrink_kernel(
 
 
 @triton.jit
+def slots_skip(slots_ptr, n_tokens, max_slots, SWITCH: tl.constexpr, T_P2: tl.constexpr, S_P2: tl.constexpr):
+    """Whether this launch of a switched pair stands aside: SWITCH 0 (no switch) never; 1 (the "block"
+    side) when the T tokens name more than max_slots distinct slots, 2 (the "route" side) when at most
+    that many. Every program counts them itself from the T slots (T <= T_P2: a few KB from L2), so
+    the pair needs no host sync and no other launch, and exactly one of the two runs."""
+    skip = False
+    if SWITCH != 0:
+        offs = tl.arange(0, T_P2)
+        slot = tl.load(slots_ptr + offs, mask=offs < n_tokens, other=-1)
+        present = tl.max((slot[:, None] == tl.arange(0, S_P2)[None, :]).to(tl.int32), axis=0)
+        n_distinct = tl.sum(present, axis=0)
+        if SWITCH == 1:
+            skip = n_distinct > max_slots
+        else:
+            skip = n_distinct <= max_slots
+    return skip
+
+
+@triton.jit
 def lora_route_delta_kernel(
     src_ptr, delta_ptr, ids_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr, slots_ptr, ranks_ptr, a_ptr, b_ptr,
     n_routes, top_k, k_dim, n_out, n_per_split, stride_src, stride_d,
-    stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn,
+    stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, max_slots,
     BY_PLAN_ROW: tl.constexpr, BM: tl.constexpr, RC: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
     WIDE_RC: tl.constexpr, WIDE_MIN: tl.constexpr, SRC_BY_TOKEN: tl.constexpr,
+    SWITCH: tl.constexpr = 0, T_P2: tl.constexpr = 1, S_P2: tl.constexpr = 1,
 ):
     """delta[route, n] for the n of split program_id(1); see the module docstring. BY_PLAN_ROW: program
     pid takes plan row pid (routes of one expert, hence of few (slot, expert) pairs, run side by side
     and share their A/B through L2), reading src row pid (h, down) or, SRC_BY_TOKEN, its token's row
-    (x, gate_up); else program pid takes route pid, reading its token's row."""
+    (x, gate_up); else program pid takes route pid, reading its token's row. SWITCH: `slots_skip`."""
+    if slots_skip(slots_ptr, n_routes // top_k, max_slots, SWITCH, T_P2, S_P2):
+        return
     pid = tl.program_id(0)
     if BY_PLAN_ROW:
         if pid >= tl.load(num_padded_ptr):
@@ -155,11 +181,14 @@ def _delta_pass(src, a_base, b_base, d_row, r0, rank, k_dim, n_start, n_end, str
 def lora_block_delta_kernel(
     src_ptr, delta_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr, slots_ptr, ranks_ptr, a_ptr, b_ptr,
     n_routes, top_k, k_dim, n_out, n_per_split, n_lanes, stride_src, stride_d,
-    stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn,
+    stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, max_slots,
     BY_PLAN_ROW: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+    SWITCH: tl.constexpr = 0, T_P2: tl.constexpr = 1, S_P2: tl.constexpr = 1,
 ):
     """delta[route, n] for the rows of plan block program_id(0) on the lane-th distinct slot, n in
-    split program_id(2); see the module docstring."""
+    split program_id(2); see the module docstring. SWITCH: `slots_skip`."""
+    if slots_skip(slots_ptr, n_routes // top_k, max_slots, SWITCH, T_P2, S_P2):
+        return
     pid_m = tl.program_id(0)
     lane = tl.program_id(1)
     if pid_m * BM >= tl.load(num_padded_ptr):
