@@ -5,7 +5,7 @@ Shape legend: M tokens, H hidden, I expert intermediate, E experts, K top-k.
 Per (shape, M): time the LoRA-off layer (CUDA-graph replay, L2 flushed, median) over a short
 candidate list of tiles chosen by routes per expert, keep the fastest; then try TMA on it; then
 pick lora_shrink (inline / separate / route / block) and lora_split_k on 8 adapters of rank 16 (a
-route pick then tries 4x the delta's programs and 8 warps, lora_route_order "plan", a route or block
+route pick then tries 4x the delta's programs, 8 warps and 4x wider loads, lora_route_order "plan", a route or block
 pick lora_gate_up_at "activation", and a route pick the block switch for batches on <= 2 slots,
 scored on 1 + 8 adapters),
 and lora_shrink_wide (separate / route / block) on 8 adapters of rank 64. LoRA timings use a side
@@ -89,7 +89,8 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("8ad_r16",)
     # refinements of a route / block pick, each kept if faster: the route delta's programs and warps, the
     # gate_up delta's programs in plan order (route), then the gate_up delta after the GEMM, next to it
     # on the side stream
-    refinements = [(("route",), dict(lora_route_programs=p, lora_route_warps=w)) for p, w in ((1056, 4), (264, 8))]
+    refinements = [(("route",), dict(lora_route_programs=p, lora_route_warps=w, lora_route_tile=t))
+                   for p, w, t in ((1056, 4, 4096), (264, 8, 4096), (264, 8, 16384), (1056, 8, 16384))]
     refinements += [(("route",), dict(lora_route_order="plan")),
                     (("route", "block"), dict(lora_gate_up_at="activation"))]
     for modes, change in refinements:
@@ -113,7 +114,7 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("8ad_r16",)
         if t_sw < t_plain:
             best = sw
     tag = ("{0.lora_shrink}/{0.lora_split_k}/{0.lora_n_split}/{0.lora_route_order:.1}/{0.lora_gate_up_at:.3}"
-           "/p{0.lora_route_programs}w{0.lora_route_warps}/n{0.lora_block_n}k{0.lora_block_k}"
+           "/p{0.lora_route_programs}w{0.lora_route_warps}t{0.lora_route_tile}/n{0.lora_block_n}k{0.lora_block_k}"
            "/s{0.lora_block_max_slots}").format
     print(f"  M={M:5d} {'+'.join(score)} " + "  ".join(f"{tag(c)} {t * 1e3:7.1f}" for t, c in scored)
           + f"  -> {tag(best)}", flush=True)

@@ -158,12 +158,14 @@ def test_route_delta_in_plan_order(R):
 
 
 @kernel_test
-@pytest.mark.parametrize("programs,warps", [(1, 4), (10_000, 8)])
-def test_route_delta_n_splits(programs, warps):
+@pytest.mark.parametrize("programs,warps,tile", [(1, 4, 4096), (10_000, 8, 4096), (10_000, 4, 1024),
+                                                 (1, 8, 16384)])
+def test_route_delta_n_splits(programs, warps, tile):
     """lora_route_programs: 1 leaves each route one program; many split its output columns (2I = 576
-    and H = 300 over 256-column steps: 3 and 2 splits, the last ragged), each repeating the shrink."""
+    and H = 300 over 256-column steps: 3 and 2 splits, the last ragged; 64-column steps: 9 and 5),
+    each repeating the shrink; lora_route_tile 16384: one 1024-wide step covers a row."""
     case = make_case(5, 300, 288, 4, 2, ranks=(16, 5, 0), R=16, device=DEV, seed=13, slots=[0, -1, 1, 2, 0])
-    cfg = replace(tiny_config("route"), lora_route_programs=programs, lora_route_warps=warps)
+    cfg = replace(tiny_config("route"), lora_route_programs=programs, lora_route_warps=warps, lora_route_tile=tile)
     run_checked(case, cfg, 1e-4)
     run_checked(case, replace(cfg, lora_route_order="plan"), 1e-4)
 
@@ -272,7 +274,8 @@ def test_gpu_qwen3_shape_bf16_lora(T, shrink):
 
     cfg = tuned_fused_moe_config(128, 2048, 768, T, 8, torch.bfloat16, torch.cuda.get_device_name())
     order = "plan" if shrink == "route_plan" else "token"
-    grid = dict(lora_route_programs=1056, lora_route_warps=8) if shrink == "route_wide_grid" else {}
+    grid = dict(lora_route_programs=1056, lora_route_warps=8, lora_route_tile=16384) if shrink == "route_wide_grid" \
+        else {}
     if shrink == "block_wide_tiles":
         grid = dict(lora_block_n=256, lora_block_k=256)
     shrink = shrink.removesuffix("_plan").removesuffix("_wide_grid").removesuffix("_wide_tiles")

@@ -143,7 +143,7 @@ def _route_delta(src, delta, plan, topk_ids, lora, which, block_r, cfg: FusedMoE
     by_row = which == "down" or cfg.lora_route_order == "plan"
     n_out, k_dim = b.shape[2], a.shape[3]
     rows = plan.sorted_route_ids.shape[0] if by_row else plan.num_routes
-    step = 4096 // _LORA_RC  # [RC, step] tiles: 4096 elements per load
+    step = cfg.lora_route_tile // _LORA_RC  # [RC, step] tiles: lora_route_tile elements per load
     # enough programs to cover the SMs (lora_route_programs) even at a few routes, each streaming whole B rows
     n_split = max(1, min(triton.cdiv(n_out, step), triton.cdiv(cfg.lora_route_programs, plan.num_routes)))
     per_split = triton.cdiv(triton.cdiv(n_out, n_split), step) * step

@@ -63,14 +63,16 @@ class FusedMoEConfig:
     lora_route_order ("route"): the gate_up delta's programs in route order ("token": a token's K
     routes side by side) or in plan order ("plan": an expert's routes side by side, so routes of one
     (adapter, expert) pair read its A/B from L2; the down delta always runs in plan order).
-    lora_route_programs / lora_route_warps ("route"): the programs a delta launch aims for (each
-    route's output columns are split until routes x splits reach it; a split repeats its route's
-    shrink, from L2) and the warps of each (264 / 4: two programs per SM of an H200; more programs
-    give a latency-bound GEMV chain more loads in flight). lora_block_max_slots ("route", up to 1024
-    tokens; 0: off): a batch whose tokens name at most this many distinct slots takes the "block"
-    delta instead (the route delta reads a pair's A/B once per route, block once per plan block, so
-    with few adapters and many routes per pair block reads far less). Both kernels are launched and
-    each counts the slots on the device, so one graph serves either batch. use_tma: Hopper
+    lora_route_programs / lora_route_warps / lora_route_tile ("route"): the programs a delta launch
+    aims for (each route's output columns are split until routes x splits reach it; a split repeats
+    its route's shrink, from L2), the warps of each, and the elements of each [16, tile / 16] A or B
+    load of a narrow pool's pass (264 / 4 / 4096: two programs per SM of an H200, 8 shrink steps
+    over H = 2048; more programs or wider loads put more of a latency-bound GEMV chain in flight).
+    lora_block_max_slots ("route", up to 1024 tokens; 0: off): a batch whose tokens name at most
+    this many distinct slots takes the "block" delta instead (the route delta reads a pair's A/B
+    once per route, block once per plan block, so with few adapters and many routes per pair block
+    reads far less). Both kernels are launched and each counts the slots on the device, so one
+    graph serves either batch. use_tma: Hopper
     tensor descriptors for the weight (and down-GEMM activation) tiles; the off switch of that
     path (contract 6)."""
 
@@ -87,6 +89,7 @@ class FusedMoEConfig:
     lora_route_order: str = "token"
     lora_route_programs: int = 264
     lora_route_warps: int = 4
+    lora_route_tile: int = 4096
     lora_block_n: int = 64
     lora_block_max_slots: int = 0
     use_tma: bool = False
@@ -94,7 +97,10 @@ class FusedMoEConfig:
     def __post_init__(self):
         need_pow2("FusedMoEConfig", block_m=self.block_m, gate_up_block_n=self.gate_up.block_n,
                   gate_up_block_k=self.gate_up.block_k, down_block_n=self.down.block_n,
-                  down_block_k=self.down.block_k, lora_block_k=self.lora_block_k, lora_block_n=self.lora_block_n)
+                  down_block_k=self.down.block_k, lora_block_k=self.lora_block_k, lora_block_n=self.lora_block_n,
+                  lora_route_tile=self.lora_route_tile)
+        if self.lora_route_tile < 256:
+            raise ValueError(f"lora_route_tile must be >= 256 (16 rank columns x 16), got {self.lora_route_tile}")
         if self.lora_split_k < 1:
             raise ValueError(f"lora_split_k must be >= 1, got {self.lora_split_k}")
         if self.lora_n_split < 0:
