@@ -233,11 +233,13 @@ def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank:
 
 
 def parse_ab(spec: str) -> dict:
-    """"async_scheduling=1,overlap_lora=0" -> EngineConfig keyword values (0/1 as booleans)."""
+    """"async_scheduling=1,overlap_lora=0" -> EngineConfig keyword values (0/1 as booleans; a value
+    with "+" a tuple: lora_target_modules=self_attn+experts)."""
     out = {}
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
-        out[key] = {"0": False, "1": True, "false": False, "true": True}.get(value.lower(), value)
+        out[key] = (tuple(value.split("+")) if "+" in value
+                    else {"0": False, "1": True, "false": False, "true": True}.get(value.lower(), value))
     return out
 
 
@@ -255,7 +257,8 @@ def main() -> None:
     ap.add_argument("--lora-target-modules", default=None,
                     help="comma-separated EngineConfig.lora_target_modules (e.g. self_attn,experts: no router LoRA)")
     ap.add_argument("--ab", default="", help="A/B in the same turns: engine settings of a second engine pair, "
-                    "e.g. async_scheduling=1 (B/A: its step time over the first's)")
+                    "e.g. async_scheduling=1 or lora_target_modules=self_attn+experts (B/A: its step time over "
+                    "the first's)")
     args = ap.parse_args()
     concs = [int(c) for c in args.conc.split(",")]
     bw = copy_bandwidth()

@@ -131,11 +131,14 @@ def test_splitk_mode_fp16(slot_lanes):
 
 
 def test_default_mode_by_shape():
-    """The default takes "splitk" only where it measured faster: LoRA rows, T <= 16, wide shapes."""
+    """The default takes "splitk" only where it measured faster: LoRA rows, T <= 16 (o-like: 64), wide
+    shapes."""
     assert default_lora_linear_config(8, n_in=4096, n_out=2048).mode == "splitk"
     assert default_lora_linear_config(16, n_in=2048, n_out=5120).mode == "splitk"  # merged q/k/v
     assert default_lora_linear_config(1, n_in=4096, n_out=2048).mode == "splitk"
-    assert default_lora_linear_config(17, n_in=4096, n_out=2048).mode == "split"
+    assert default_lora_linear_config(64, n_in=4096, n_out=2048).mode == "splitk"  # o: to 64 rows
+    assert default_lora_linear_config(65, n_in=4096, n_out=2048).mode == "split"
+    assert default_lora_linear_config(17, n_in=2048, n_out=5120).mode == "split"
     assert default_lora_linear_config(8, n_in=4096, n_out=2048, has_lora=False).mode == "split"  # cuBLAS
     assert default_lora_linear_config(8, n_in=2048, n_out=128).mode == "split"  # router: not measured
     assert default_lora_linear_config(8).mode == "split"

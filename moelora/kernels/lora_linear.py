@@ -25,9 +25,10 @@ replaces both the GEMM and the delta):
   once, A is read once per (row block, slot, N_in chunk) and B once per (row block, slot, N tile),
   each only up to the slot's own rank (masked loads move no bytes). With a `side_stream` the shrink
   runs there, concurrently with the base GEMM (both only read x), and the expand after the join.
-- "splitk" (decode rows, fp16/bf16; the default with LoRA at T <= 16, `_prefers_splitk`): no
-  cuBLAS. A split-K Triton GEMM whose launch also runs the shrink's programs, then one reduce that
-  sums the partials and adds bias and the expand (`moelora.kernels.splitk_linear`): LoRA adds no launch.
+- "splitk" (decode rows, fp16/bf16; the default with LoRA at T <= 16, o-like shapes to 64; see
+  `_prefers_splitk`): no cuBLAS. A split-K Triton GEMM whose launch also runs the shrink's
+  programs, then one reduce that sums the partials and adds bias and the expand
+  (`moelora.kernels.splitk_linear`): LoRA adds no launch.
 - "fused": the older single kernel: program (m, n) shrinks its rows over the full N_in for each
   distinct slot and expands into its tile, so the shrink repeats N_out / BN times. One launch
   fewer; kept as an off switch and for comparison.
@@ -79,9 +80,11 @@ def _prefers_splitk(num_tokens: int, n_in: int, n_out: int, has_lora: bool) -> b
     µs per call at T = 1 / 8 / 16 / 64, split path (cuBLAS + shrink + expand) -> splitk:
     8 adapters r16, merged q/k/v 2048->5120: 14.49 -> 13.49, 16.64 -> 15.44, 16.82 -> 15.50, 19.65 -> 35.92;
     o 4096->2048: 14.28 -> 12.81, 17.08 -> 13.66, 17.00 -> 13.54, 19.68 -> 19.02 (1 adapter alike).
-    Without LoRA cuBLAS is as fast or faster (q/k/v 8.82 vs 10.56 at T=8). So: LoRA rows, T <= 16,
-    and shapes of that size (narrower outputs and reductions were not measured)."""
-    return has_lora and 0 < num_tokens <= 16 and n_out >= 1024 and n_in >= 1024
+    Without LoRA cuBLAS is as fast or faster (q/k/v 8.82 vs 10.56 at T=8). So: LoRA rows, T <= 16
+    (o-like shapes, N_in >= 2 N_out: T <= 64, where o still gains 3-6 %), and shapes of that size
+    (narrower outputs and reductions were not measured)."""
+    rows_ok = num_tokens <= 16 or (num_tokens <= 64 and n_in >= 2 * n_out)
+    return has_lora and 0 < num_tokens and rows_ok and n_out >= 1024 and n_in >= 1024
 
 
 @dataclass(frozen=True)
