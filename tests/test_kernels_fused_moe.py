@@ -277,7 +277,7 @@ def test_gpu_qwen3_shape_bf16_lora(T, shrink):
     grid = dict(lora_route_programs=1056, lora_route_warps=8, lora_route_tile=16384) if shrink == "route_wide_grid" \
         else {}
     if shrink == "block_wide_tiles":
-        grid = dict(lora_block_n=256, lora_block_k=256)
+        grid = dict(lora_block_n=256)  # 256-deep shrink steps too may not fit shared memory at wide pools
     shrink = shrink.removesuffix("_plan").removesuffix("_wide_grid").removesuffix("_wide_tiles")
     cfg = replace(cfg, lora_shrink=shrink, lora_shrink_wide="" if shrink == "inline" else shrink, use_tma=False,
                   lora_route_order=order, **grid)

@@ -82,20 +82,19 @@ def lora_shrink_kernel(
 
 @triton.jit
 def slots_skip(slots_ptr, n_tokens, max_slots, SWITCH: tl.constexpr, T_P2: tl.constexpr, S_P2: tl.constexpr):
-    """Whether this launch of a switched pair stands aside: SWITCH 0 (no switch) never; 1 (the "block"
-    side) when the T tokens name more than max_slots distinct slots, 2 (the "route" side) when at most
-    that many. Every program counts them itself from the T slots (T <= T_P2: a few KB from L2), so
-    the pair needs no host sync and no other launch, and exactly one of the two runs."""
-    skip = False
-    if SWITCH != 0:
-        offs = tl.arange(0, T_P2)
-        slot = tl.load(slots_ptr + offs, mask=offs < n_tokens, other=-1)
-        present = tl.max((slot[:, None] == tl.arange(0, S_P2)[None, :]).to(tl.int32), axis=0)
-        n_distinct = tl.sum(present, axis=0)
-        if SWITCH == 1:
-            skip = n_distinct > max_slots
-        else:
-            skip = n_distinct <= max_slots
+    """Whether this side of a switched pair stands aside: SWITCH 1 (the "block" side) when the T
+    tokens name more than max_slots distinct slots, 2 (the "route" side) when at most that many.
+    Every program counts them itself from the T slots (T <= T_P2: a few KB from L2), so the pair
+    needs no host sync and no other launch, and exactly one of the two runs. Callers test SWITCH
+    first, so an unswitched kernel compiles none of this."""
+    offs = tl.arange(0, T_P2)
+    slot = tl.load(slots_ptr + offs, mask=offs < n_tokens, other=-1)
+    present = tl.max((slot[:, None] == tl.arange(0, S_P2)[None, :]).to(tl.int32), axis=0)
+    n_distinct = tl.sum(present, axis=0)
+    if SWITCH == 1:
+        skip = n_distinct > max_slots
+    else:
+        skip = n_distinct <= max_slots
     return skip
 
 
@@ -112,8 +111,9 @@ def lora_route_delta_kernel(
     pid takes plan row pid (routes of one expert, hence of few (slot, expert) pairs, run side by side
     and share their A/B through L2), reading src row pid (h, down) or, SRC_BY_TOKEN, its token's row
     (x, gate_up); else program pid takes route pid, reading its token's row. SWITCH: `slots_skip`."""
-    if slots_skip(slots_ptr, n_routes // top_k, max_slots, SWITCH, T_P2, S_P2):
-        return
+    if SWITCH != 0:
+        if slots_skip(slots_ptr, n_routes // top_k, max_slots, SWITCH, T_P2, S_P2):
+            return
     pid = tl.program_id(0)
     if BY_PLAN_ROW:
         if pid >= tl.load(num_padded_ptr):
@@ -187,8 +187,9 @@ def lora_block_delta_kernel(
 ):
     """delta[route, n] for the rows of plan block program_id(0) on the lane-th distinct slot, n in
     split program_id(2); see the module docstring. SWITCH: `slots_skip`."""
-    if slots_skip(slots_ptr, n_routes // top_k, max_slots, SWITCH, T_P2, S_P2):
-        return
+    if SWITCH != 0:
+        if slots_skip(slots_ptr, n_routes // top_k, max_slots, SWITCH, T_P2, S_P2):
+            return
     pid_m = tl.program_id(0)
     lane = tl.program_id(1)
     if pid_m * BM >= tl.load(num_padded_ptr):
