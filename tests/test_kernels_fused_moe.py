@@ -171,15 +171,16 @@ def test_route_delta_n_splits(programs, warps, tile):
 
 
 @kernel_test
-def test_route_block_switch_by_distinct_slots():
+@pytest.mark.parametrize("R", [16, 64])
+def test_route_block_switch_by_distinct_slots(R):
     """lora_block_max_slots=2 on "route": a batch on at most 2 distinct slots gets the block delta, bit
     for bit, one on more slots the route delta, bit for bit (in fp32 the two differ in the last bits,
-    so the test can tell which ran; in fp16 they round alike here)."""
+    so the test can tell which ran; in fp16 they round alike here). R=64: a wide pool (fp32 delta)."""
     dtype, tol = torch.float32, 1e-4
     route = tiny_config("route")
     switch = replace(route, lora_block_max_slots=2)
     block = replace(tiny_config("block"), lora_block_n=route.lora_block_n)
-    kw = dict(ranks=(16, 5, 0, 9), R=16, dtype=dtype, device=DEV)
+    kw = dict(ranks=(16, 5, 0, R), R=R, dtype=dtype, device=DEV)
     few = make_case(12, 48, 40, 3, 2, seed=21, slots=[3, -1, 1, 3, 3, 1, -1, 1, 3, 3, 1, 3], **kw)
     many = make_case(12, 48, 40, 3, 2, seed=22, slots=[0, -1, 1, 3, 2, 1, -1, 0, 3, 3, 1, 3], **kw)
     for case, want in ((few, block), (many, route)):
