@@ -11,9 +11,10 @@ launches (split-K + its own reduce), and the "split" LoRA path then adds its exp
 its own that reads and writes y again. Here the expand rides in the reduce, which the split-K GEMM
 needs anyway, and the shrink's programs ride in the partials' launch (they only read x, as the
 partials do, and write xa, which the reduce reads after the launch), so LoRA adds no launch, no
-stream and no join: two launches with or without LoRA. Reduce program (m, n, lane): lane 0 writes the rows on no slot;
-lane l >= 1 the rows of the block's (l-1)-th distinct slot (the last lane: every slot left), as the
-split path's expand does, so every row is written once and rows on no slot read no LoRA bytes.
+stream and no join: two launches with or without LoRA. Reduce program (m, n, lane): lane 0 writes
+the rows on no slot; lane l >= 1 the rows of the block's (l-1)-th distinct slot (the last lane:
+every slot left), as the split path's expand does, so every row is written once and rows on no
+slot read no LoRA bytes.
 Partials are summed in a fixed order: deterministic, no atomics. Grids depend on shapes only.
 """
 
