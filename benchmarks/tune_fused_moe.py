@@ -10,8 +10,9 @@ pick lora_gate_up_at "activation", and a route pick the block switch for batches
 scored on 1 + 8 adapters),
 and lora_shrink_wide (separate / route / block) on 8 adapters of rank 64. LoRA timings use a side
 stream, as the engine's overlap_lora does (--no-side-stream: not). Usage:
-  python benchmarks/tune_fused_moe.py [--shapes a,b] [--ms 1,8] [--lora-only] [--no-side-stream]
-                                      [--score 8ad_r16 | 1ad_r16,8ad_r16]
+  python benchmarks/tune_fused_moe.py [--shapes a,b] [--model /path/to/hf-model ...] [--ms 1,8]
+                                      [--lora-only] [--no-side-stream] [--score 8ad_r16 | 1ad_r16,8ad_r16]
+The table is keyed by GPU name and (E, H, I, bf16), so `--model` tunes a deployment's own model.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from moe_bench_common import MS, SHAPES, graph_time_ms, make_inputs, make_layer, make_lora, moe_call  # noqa: E402
 
+from moelora.config import ModelConfig  # noqa: E402
 from moelora.kernels.moe_config import (  # noqa: E402
     CONFIG_DIR,
     WIDE_SHRINK_MODES,
@@ -155,9 +157,20 @@ def tune_one(layer, M, log, side=None, score=("8ad_r16",)):
     return tune_lora(layer, M, best, log, side, score)
 
 
+def model_shape(model_dir: str) -> tuple[str, dict]:
+    """(name, {E, K, H, I}) of the routed experts of a Hugging Face model folder (its config.json, read
+    as moelora reads it), so a deployment can tune the table for its own model on its own GPU."""
+    cfg = ModelConfig.from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+    return Path(model_dir).resolve().name, dict(E=cfg.num_experts, K=cfg.top_k, H=cfg.hidden_size,
+                                                I=cfg.moe_intermediate_size)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=None, help=f"named shapes ({', '.join(SHAPES)}); default: all, "
+                                                   "unless --model is given")
+    ap.add_argument("--model", action="append", default=[], help="a Hugging Face model folder: tune its "
+                    "routed-expert shape (repeatable)")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--lora-only", action="store_true", help="keep the table's tiles, re-pick the LoRA fields")
     ap.add_argument("--no-side-stream", action="store_true", help="time LoRA without the engine's side stream")
@@ -170,8 +183,9 @@ def main(argv=None):
     path = CONFIG_DIR / f"fused_moe_{device_tag(gpu)}.json"
     table = json.loads(path.read_text()) if path.is_file() else {"device": gpu, "configs": {}}
     log = []
-    for sname in args.shapes.split(","):
-        shape = SHAPES[sname]
+    shapes = [(n, SHAPES[n]) for n in (args.shapes or ("" if args.model else ",".join(SHAPES))).split(",") if n]
+    shapes += [model_shape(m) for m in args.model]
+    for sname, shape in shapes:
         print(f"# {sname} {shape}", flush=True)
         layer = make_layer(shape, pool_ranks=(16, 64))
         key = shape_key(shape["E"], shape["H"], shape["I"], torch.bfloat16)
