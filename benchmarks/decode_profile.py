@@ -26,6 +26,7 @@ sys.path.insert(0, __file__.rsplit("/", 2)[0])
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 
 from decode import QWEN3_30B, engine, no_lora_twin, random_adapter, random_model  # noqa: E402
+from host_overhead import phase_timers  # noqa: E402
 
 import moelora.engine.engine as engine_module  # noqa: E402
 from moelora.config import ModelConfig  # noqa: E402
@@ -35,17 +36,6 @@ from moelora.engine.request import SamplingParams  # noqa: E402
 # called by the engine as a module function); `_read_back` is the step's one host sync plus bookkeeping.
 PHASES = (("scheduler", "schedule"), ("pool", "acquire"), ("runner", "prepare"), ("graphs", "run"),
           (engine_module, "sample"), (None, "_read_back"))
-
-
-def timed(fn, sink: list):
-    def wrapper(*a, **kw):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = fn(*a, **kw)
-        torch.cuda.synchronize()
-        sink.append(time.perf_counter() - t0)
-        return out
-    return wrapper
 
 
 CATEGORIES = (  # first match wins: Triton kernel names (exact or prefix), substrings of cuBLAS/ATen names
@@ -101,15 +91,8 @@ def step_walls(eng, steps: int) -> list[float]:
 def profile_point(eng, conc, names, steps, top, log):
     reqs = start(eng, conc, names, steps)
     walls = step_walls(eng, steps)
-    sinks, saved = {}, []
-    for owner, name in PHASES:
-        obj = eng if owner is None else owner if not isinstance(owner, str) else getattr(eng, owner)
-        sinks[name] = []
-        saved.append((obj, name, getattr(obj, name)))
-        setattr(obj, name, timed(getattr(obj, name), sinks[name]))
-    phased = step_walls(eng, steps)
-    for obj, name, fn in saved:
-        setattr(obj, name, fn)
+    with phase_timers(eng, PHASES, "cuda") as sinks:
+        phased = step_walls(eng, steps)
     # the graph alone, and one eager forward of the same step's inputs under the profiler
     step = eng.scheduler.schedule()
     slot_of = eng.pool.acquire(r.adapter for r in step.requests)

@@ -19,6 +19,8 @@ import cProfile
 import pstats
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -64,22 +66,14 @@ def build(device: str, conc: int, lora: bool, async_scheduling: bool) -> LLMEngi
     return eng
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def measure(eng: LLMEngine, device: str, conc: int, steps: int, lora: bool) -> dict[str, float]:
-    g = torch.Generator().manual_seed(conc)
-    names = [f"a{i % 8}" if lora else None for i in range(conc)]
-    params = SamplingParams(max_tokens=2 * steps + 16, temperature=0, ignore_eos=True)  # --profile: as many again
-    for name in names:
-        eng.add_request(torch.randint(0, 500, (32,), generator=g).tolist(), params, name)
-    for _ in range(4):  # prefill, then a few decode steps
-        eng.step()
+@contextmanager
+def phase_timers(eng: LLMEngine, phases, device: str) -> Iterator[dict[str, list[float]]]:
+    """While open, each (owner, method) of `phases` (owner: an engine attribute's name, None for the
+    engine, or a module) is bracketed by device syncs and timed; yields method name -> seconds per call.
+    The methods are restored on exit."""
     sinks: dict[str, list[float]] = {}
     saved = []
-    for owner, name in PHASES:
+    for owner, name in phases:
         obj = eng if owner is None else getattr(eng, owner) if isinstance(owner, str) else owner
         fn = getattr(obj, name)
         sink = sinks.setdefault(name, [])
@@ -95,11 +89,28 @@ def measure(eng: LLMEngine, device: str, conc: int, steps: int, lora: bool) -> d
         saved.append((obj, name, fn))
         setattr(obj, name, timed)
     try:
-        for _ in range(steps):
-            eng.step()
+        yield sinks
     finally:
         for obj, name, fn in saved:
             setattr(obj, name, fn)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(eng: LLMEngine, device: str, conc: int, steps: int, lora: bool) -> dict[str, float]:
+    g = torch.Generator().manual_seed(conc)
+    names = [f"a{i % 8}" if lora else None for i in range(conc)]
+    params = SamplingParams(max_tokens=2 * steps + 16, temperature=0, ignore_eos=True)  # --profile: as many again
+    for name in names:
+        eng.add_request(torch.randint(0, 500, (32,), generator=g).tolist(), params, name)
+    for _ in range(4):  # prefill, then a few decode steps
+        eng.step()
+    with phase_timers(eng, PHASES, device) as sinks:
+        for _ in range(steps):
+            eng.step()
     return {name: sorted(v)[len(v) // 2] * 1e3 for name, v in sinks.items() if v}
 
 

@@ -13,7 +13,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernel_env import CUDA, DEV, INTERP, gpu_only, kernel_test  # noqa: E402,F401
+from kernel_env import CUDA, DEV, INTERP, gpu_only, graph_replayed, kernel_test  # noqa: E402,F401
 
 from moelora.errors import ConfigError  # noqa: E402
 from moelora.kernels.fused_moe import fused_moe  # noqa: E402
@@ -311,13 +311,7 @@ def test_gpu_route_block_switch_bf16(n_slots):
                                                              lora_block_max_slots=0))
     assert rel_err(want, reference(*case, dtype=torch.float32)) <= 1e-2
     assert torch.equal(fused_moe(*case[:5], lora=case[5], config=switch), want)
-    out = torch.empty_like(want)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fused_moe(*case[:5], lora=case[5], out=out, config=switch)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    out = graph_replayed(lambda o: fused_moe(*case[:5], lora=case[5], out=o, config=switch), torch.empty_like(want))
     assert torch.equal(out, want)
 
 
@@ -391,11 +385,6 @@ def test_gpu_side_stream_down_delta_is_bit_exact(shrink, T, gate_up_at):
     with torch.cuda.stream(side):
         torch.cuda._sleep(5_000_000)
     assert torch.equal(fused_moe(*case[:5], lora=case[5], config=cfg, side_stream=side), plain)
-    out = torch.empty_like(plain)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fused_moe(*case[:5], lora=case[5], out=out, config=cfg, side_stream=side)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    out = graph_replayed(lambda o: fused_moe(*case[:5], lora=case[5], out=o, config=cfg, side_stream=side),
+                         torch.empty_like(plain))
     assert torch.equal(out, plain)

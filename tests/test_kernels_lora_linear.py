@@ -13,7 +13,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernel_env import CUDA, DEV, INTERP, gpu_only, kernel_test  # noqa: E402,F401
+from kernel_env import CUDA, DEV, INTERP, gpu_only, graph_replayed, kernel_test  # noqa: E402,F401
 
 from moelora.kernels.lora_linear import LoRALinearConfig, default_lora_linear_config, lora_linear  # noqa: E402
 from moelora.kernels.reference import DenseLoRAArgs, SlotRows, lora_linear_ref  # noqa: E402
@@ -303,11 +303,5 @@ def test_gpu_side_stream_shrink_is_bit_exact(T, mode):
     with torch.cuda.stream(side):
         torch.cuda._sleep(5_000_000)
     assert torch.equal(lora_linear(*case, side_stream=side, config=cfg), plain)
-    out = torch.empty_like(plain)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        lora_linear(*case, out=out, side_stream=side, config=cfg)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    out = graph_replayed(lambda o: lora_linear(*case, out=o, side_stream=side, config=cfg), torch.empty_like(plain))
     assert torch.equal(out, plain)

@@ -1,5 +1,5 @@
 """Launcher argument checks shared by the kernels (the small fused ones use them all; the block-size
-check `need_pow2` serves every launch config).
+checks `need_pow2`, `need_at_least` and `need_one_of` serve every launch config).
 
 A launcher validates what it documents and raises ValueError naming the argument, the shape or
 dtype it wanted and the one it got; it then allocates its output or takes the caller's `out=`,
@@ -23,6 +23,15 @@ def need_pow2(owner: str, **blocks: int) -> None:
     """Each block size a power of two >= 16 (the smallest tl.dot operand)."""
     for name, v in blocks.items():
         need(v >= 16 and not v & (v - 1), f"{owner}.{name} must be a power of two >= 16 (tl.dot), got {v}")
+
+
+def need_at_least(owner: str, minimum: int, **values: int) -> None:
+    for name, v in values.items():
+        need(v >= minimum, f"{owner}.{name} must be >= {minimum}, got {v}")
+
+
+def need_one_of(owner: str, name: str, value, allowed: tuple) -> None:
+    need(value in allowed, f"{owner}.{name} must be one of {allowed}, got {value!r}")
 
 
 def check_rows(name: str, t: torch.Tensor, shape: tuple[int, ...] | None = None,

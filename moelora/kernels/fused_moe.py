@@ -250,14 +250,14 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
                   INLINE_SHRINK=mode == "inline", XA_SPLIT=config.lora_split_k,
                   BLOCK_R=block_r, LORA_BK=config.lora_block_k, LORA_RC=_LORA_RC, USE_TMA=config.use_tma)
     w_gu, w_dn, h_in = _tma_operands(w_gate_up, w_down, h, config) if config.use_tma else (w_gate_up, w_down, h)
-    down_delta = mode in ("route", "block")
+    route_deltas = mode in ("route", "block")  # each route's whole gate_up and down delta, computed first
     # "activation": the gate_up delta is added after the GEMM (act_delta_kernel), so it may run on the
     # side stream next to the GEMM; "epilogue": the GEMM adds it, so it runs first
-    late_gu = down_delta and config.lora_gate_up_at == "activation"
+    late_gu = route_deltas and config.lora_gate_up_at == "activation"
     gu_out = torch.empty(P, 2 * inter, dtype=x.dtype, device=x.device) if late_gu else h
     if mode == "separate":
         _shrink(x, xa, plan, lora, "gate_up", True, H, block_r, config)
-    elif down_delta:
+    elif route_deltas:
         # Fork when late_gu (contract 2): the side stream reads x, the plan, topk_ids and the LoRA
         # slots and writes only delta_gu; the GEMM here reads x and writes only gu_out. Both were
         # allocated on this stream before the fork and stay referenced past the join below.
@@ -266,7 +266,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     gate_up_kernel[(plan.max_blocks * triton.cdiv(inter, gu.block_n),)](
         x, w_gu, gu_out, stride_xt=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
         stride_hp=gu_out.stride(0), BN=gu.block_n, BK=gu.block_k, num_warps=gu.num_warps, delta_ptr=delta_gu,
-        stride_dr=delta_gu.stride(0), num_stages=gu.num_stages, LORA_DELTA=down_delta and not late_gu,
+        stride_dr=delta_gu.stride(0), num_stages=gu.num_stages, LORA_DELTA=route_deltas and not late_gu,
         RAW_OUT=late_gu, **common, **_lora_kernel_args(lora, x, "gate_up"))
     if late_gu:
         join(side_stream, x.device)  # delta_gu is complete
@@ -276,7 +276,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
             K, inter, gu_out.stride(0), delta_gu.stride(0), h.stride(0), BM=BM, BN=bn, num_warps=4)
     if mode == "separate":
         _shrink(h, xa, plan, lora, "down", False, inter, block_r, config)
-    elif down_delta:
+    elif route_deltas:
         # Fork (contract 2): the side stream reads h, the plan, topk_ids and the LoRA slots and writes
         # only delta_d; the down GEMM on this stream reads h and writes only y. delta_d, h and y were
         # allocated on this stream before the fork and stay referenced until after the join, so no
@@ -287,12 +287,12 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         h_in, h, w_dn, y, topk_w, stride_hp=h.stride(0), stride_we=w_down.stride(0),
         stride_wn=w_down.stride(1), stride_yr=y.stride(0), BN=dn.block_n, BK=dn.block_k, num_warps=dn.num_warps,
         num_stages=dn.num_stages, **common, **_lora_kernel_args(lora, x, "down"))
-    if down_delta:
+    if route_deltas:
         join(side_stream, x.device)  # delta_d is complete
     bt = 1 if T < 64 else 4
     bh = min(1024, triton.next_power_of_2(H))
-    slots, ranks = (lora.token_slots, lora.down_ranks) if down_delta else (x, x)
+    slots, ranks = (lora.token_slots, lora.down_ranks) if route_deltas else (x, x)
     combine_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](
         y, out, topk_w, delta_d, slots, ranks, T, H, y.stride(0), out.stride(0), delta_d.stride(0), TOP_K=K, BT=bt,
-        BH=bh, HAS_DELTA=down_delta, num_warps=4)
+        BH=bh, HAS_DELTA=route_deltas, num_warps=4)
     return out

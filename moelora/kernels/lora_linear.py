@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.checks import need_pow2
+from moelora.kernels.checks import need_at_least, need_one_of, need_pow2
 from moelora.kernels.lora_tiles import (
     dense_shrink_program,
     expand_tile,
@@ -64,7 +64,7 @@ from moelora.kernels.lora_tiles import (
 )
 from moelora.kernels.reference import DenseLoRAArgs
 from moelora.kernels.side_stream import forked, join
-from moelora.kernels.splitk_linear import FoldedShrink, splitk_partials, splitk_reduce
+from moelora.kernels.splitk_linear import ShrinkLaunch, splitk_partials, splitk_reduce
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MODES = ("split", "fused", "splitk")
@@ -115,16 +115,11 @@ class LoRALinearConfig:
     gemm_split_k: int = 4
 
     def __post_init__(self):
-        if self.mode not in _MODES:
-            raise ValueError(f"LoRALinearConfig.mode must be one of {_MODES}, got {self.mode!r}")
+        need_one_of("LoRALinearConfig", "mode", self.mode, _MODES)
         need_pow2("LoRALinearConfig", block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
                   shrink_block_m=self.shrink_block_m, gemm_block_n=self.gemm_block_n, gemm_block_k=self.gemm_block_k)
-        if self.gemm_split_k < 1:
-            raise ValueError(f"LoRALinearConfig.gemm_split_k must be >= 1, got {self.gemm_split_k}")
-        if self.slot_lanes < 1:
-            raise ValueError(f"LoRALinearConfig.slot_lanes must be >= 1, got {self.slot_lanes}")
-        if self.split_k < 0:
-            raise ValueError(f"LoRALinearConfig.split_k must be >= 0, got {self.split_k}")
+        need_at_least("LoRALinearConfig", 1, gemm_split_k=self.gemm_split_k, slot_lanes=self.slot_lanes)
+        need_at_least("LoRALinearConfig", 0, split_k=self.split_k)
 
 
 def default_lora_linear_config(num_tokens: int, mode: str | None = None, n_in: int = 0, n_out: int = 0,
@@ -296,40 +291,38 @@ def _shrink_split(T: int, n_in: int, block_r: int, cfg: LoRALinearConfig) -> tup
     return max(1, triton.cdiv(n_in, chunk)), chunk
 
 
-def _shrink_setup(x, lora, T, n_in, cfg) -> tuple[FoldedShrink, _Segments]:
-    """The shrink's launch (xa [P, T, G * BLOCK_R] fp32 partials, allocated here on the current
-    stream) and the segments of `lora`."""
+def _shrink_setup(x, lora, T, n_in, cfg) -> ShrinkLaunch:
+    """The shrink's launch, its xa [P, T, G * BLOCK_R] fp32 partials allocated here on the current
+    stream."""
     seg = _Segments(lora)
     n_split, chunk = _shrink_split(T, n_in, seg.block_r, cfg)
     xa = torch.empty(n_split, T, seg.G * seg.block_r, dtype=torch.float32, device=x.device)
     S = lora.a.shape[0]
-    return FoldedShrink(xa, lora.a, lora.token_slots, lora.slot_ranks, n_split, chunk,
-                        min(S, cfg.shrink_block_m, cfg.slot_lanes), seg.r_seg, seg.G, cfg.shrink_block_m,
-                        seg.block_r, cfg.block_k, triton.next_power_of_2(S)), seg
+    return ShrinkLaunch(xa, lora.a, lora.token_slots, lora.slot_ranks, n_split, chunk,
+                        min(S, cfg.shrink_block_m, cfg.slot_lanes), cfg.shrink_block_m, cfg.block_k,
+                        triton.next_power_of_2(S), seg.r_seg, seg.G, seg.block_r, seg.g_p2, seg.bounds)
 
 
-def _shrink(x, lora, T, n_in, cfg, side_stream=None):
+def _shrink(x, lora, T, n_in, cfg, side_stream=None) -> ShrinkLaunch:
     """Launch the split path's shrink (on `side_stream` when given, after the work queued so far on
-    the current stream): returns (xa [P, T, G * BLOCK_R] fp32 partials, P, segments, pow2(S)). xa is
-    allocated on the current stream before any fork; the caller keeps it until the expand, which
-    runs after the join."""
-    sh, seg = _shrink_setup(x, lora, T, n_in, cfg)
+    the current stream). Its xa is allocated on the current stream before any fork; the caller keeps
+    it until the expand, which runs after the join."""
+    sh = _shrink_setup(x, lora, T, n_in, cfg)
     with forked(side_stream, x.device):
         _lora_shrink_kernel[(triton.cdiv(T, sh.block_m), sh.n_split * sh.G, sh.lanes)](
             x, sh.xa, lora.a, lora.token_slots, lora.slot_ranks, T, n_in, lora.a.shape[0], sh.chunk, sh.lanes,
             sh.r_seg, x.stride(0), sh.xa.stride(0), lora.a.stride(0), lora.a.stride(1), BM=sh.block_m,
             BLOCK_R=sh.block_r, BK=sh.block_k, S_P2=sh.s_p2, G=sh.G, num_warps=4, num_stages=cfg.shrink_num_stages)
-    return sh.xa, sh.n_split, seg, sh.s_p2
+    return sh
 
 
-def _expand(out, lora, T, n_out, cfg, shrunk):
-    xa, n_split, seg, s_p2 = shrunk
+def _expand(out, lora, T, n_out, cfg, sh: ShrinkLaunch):
     S = lora.a.shape[0]
     lanes = min(S, cfg.block_m, cfg.slot_lanes)
     _lora_expand_add_kernel[(triton.cdiv(T, cfg.block_m), triton.cdiv(n_out, cfg.block_n), lanes)](
-        xa, out, lora.b, lora.token_slots, lora.slot_ranks, T, n_out, S, lanes, xa.stride(0), out.stride(0),
-        lora.b.stride(0), lora.b.stride(1), BM=cfg.block_m, BN=cfg.block_n, BLOCK_R=seg.block_r, SPLIT=n_split,
-        S_P2=s_p2, G=seg.G, G_P2=seg.g_p2, SEG_BOUNDS=seg.bounds, num_warps=cfg.num_warps,
+        sh.xa, out, lora.b, lora.token_slots, lora.slot_ranks, T, n_out, S, lanes, sh.xa.stride(0), out.stride(0),
+        lora.b.stride(0), lora.b.stride(1), BM=cfg.block_m, BN=cfg.block_n, BLOCK_R=sh.block_r, SPLIT=sh.n_split,
+        S_P2=sh.s_p2, G=sh.G, G_P2=sh.g_p2, SEG_BOUNDS=sh.bounds, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
 
 
@@ -350,10 +343,9 @@ def _splitk_linear(x, weight, bias, lora, out, T, n_in, cfg):
         splitk_reduce(splitk_partials(x, weight, cfg.gemm_split_k, cfg.gemm_block_n, cfg.gemm_block_k), out, bias,
                       None, None, cfg.block_m, cfg.block_n, cfg.slot_lanes, cfg.num_warps)
         return
-    sh, seg = _shrink_setup(x, lora, T, n_in, cfg)
+    sh = _shrink_setup(x, lora, T, n_in, cfg)
     ws = splitk_partials(x, weight, cfg.gemm_split_k, cfg.gemm_block_n, cfg.gemm_block_k, shrink=sh)
-    splitk_reduce(ws, out, bias, lora, (sh.xa, sh.n_split, seg, sh.s_p2), cfg.block_m, cfg.block_n, cfg.slot_lanes,
-                  cfg.num_warps)
+    splitk_reduce(ws, out, bias, lora, sh, cfg.block_m, cfg.block_n, cfg.slot_lanes, cfg.num_warps)
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from moelora.kernels.checks import need_pow2
+from moelora.kernels.checks import need_at_least, need_one_of, need_pow2
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 LORA_SHRINK_MODES = ("inline", "separate", "route", "block")
@@ -99,26 +99,15 @@ class FusedMoEConfig:
                   gate_up_block_k=self.gate_up.block_k, down_block_n=self.down.block_n,
                   down_block_k=self.down.block_k, lora_block_k=self.lora_block_k, lora_block_n=self.lora_block_n,
                   lora_route_tile=self.lora_route_tile)
-        if self.lora_route_tile < 256:
-            raise ValueError(f"lora_route_tile must be >= 256 (16 rank columns x 16), got {self.lora_route_tile}")
-        if self.lora_split_k < 1:
-            raise ValueError(f"lora_split_k must be >= 1, got {self.lora_split_k}")
-        if self.lora_n_split < 0:
-            raise ValueError(f"lora_n_split must be >= 0, got {self.lora_n_split}")
-        if self.lora_block_max_slots < 0:
-            raise ValueError(f"lora_block_max_slots must be >= 0, got {self.lora_block_max_slots}")
-        if self.lora_route_programs < 1 or self.lora_route_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"lora_route_programs must be >= 1 and lora_route_warps a power of two <= 16, got "
-                             f"{self.lora_route_programs}, {self.lora_route_warps}")
-        if self.lora_route_order not in ROUTE_ORDERS:
-            raise ValueError(f"lora_route_order must be one of {ROUTE_ORDERS}, got {self.lora_route_order!r}")
-        if self.lora_gate_up_at not in GATE_UP_DELTA_AT:
-            raise ValueError(f"lora_gate_up_at must be one of {GATE_UP_DELTA_AT}, got {self.lora_gate_up_at!r}")
-        if self.lora_shrink not in LORA_SHRINK_MODES:
-            raise ValueError(f"lora_shrink must be one of {LORA_SHRINK_MODES}, got {self.lora_shrink!r}")
-        if self.lora_shrink_wide not in ("", *WIDE_SHRINK_MODES):
-            raise ValueError(f"lora_shrink_wide must be '' or one of {WIDE_SHRINK_MODES}, "
-                             f"got {self.lora_shrink_wide!r}")
+        need_at_least("FusedMoEConfig", 256, lora_route_tile=self.lora_route_tile)  # 16 rank columns x 16
+        need_at_least("FusedMoEConfig", 1, lora_split_k=self.lora_split_k, lora_route_programs=self.lora_route_programs)
+        need_at_least("FusedMoEConfig", 0, lora_n_split=self.lora_n_split,
+                      lora_block_max_slots=self.lora_block_max_slots)
+        need_one_of("FusedMoEConfig", "lora_route_warps", self.lora_route_warps, (1, 2, 4, 8, 16))
+        need_one_of("FusedMoEConfig", "lora_route_order", self.lora_route_order, ROUTE_ORDERS)
+        need_one_of("FusedMoEConfig", "lora_gate_up_at", self.lora_gate_up_at, GATE_UP_DELTA_AT)
+        need_one_of("FusedMoEConfig", "lora_shrink", self.lora_shrink, LORA_SHRINK_MODES)
+        need_one_of("FusedMoEConfig", "lora_shrink_wide", self.lora_shrink_wide, ("", *WIDE_SHRINK_MODES))
 
     def shrink_mode(self, block_r: int) -> str:
         """The LoRA path for a pool of BLOCK_R = block_r rank columns. "inline" computes all BLOCK_R

@@ -110,10 +110,12 @@ def splitk_reduce_kernel(
              mask=mask)
 
 
-class FoldedShrink(NamedTuple):
-    """The dense shrink's launch, folded into the partials' (`lora_linear` builds it): xa [P, T, G BLOCK_R]
+class ShrinkLaunch(NamedTuple):
+    """The dense LoRA shrink's launch and what the expand needs of it (`lora_linear` builds it; the
+    split path launches it on its own, "splitk" folds it into the partials' launch): xa [P, T, G BLOCK_R]
     to fill, A / slots / ranks as `DenseLoRAArgs` holds them, the N_in chunk of each of P splits,
-    lanes, segment stride R_SEG and count G, and the shrink's tiles."""
+    lanes, the shrink's tiles, and the output segments (G, pool rank R_SEG a segment, BLOCK_R,
+    pow2(G), column bounds or None)."""
 
     xa: torch.Tensor
     a: torch.Tensor
@@ -122,16 +124,18 @@ class FoldedShrink(NamedTuple):
     n_split: int
     chunk: int
     lanes: int
-    r_seg: int
-    G: int
     block_m: int
-    block_r: int
     block_k: int
     s_p2: int
+    r_seg: int
+    G: int
+    block_r: int
+    g_p2: int
+    bounds: tuple[int, ...] | None
 
 
 def splitk_partials(x: torch.Tensor, weight: torch.Tensor, split_k: int, block_n: int, block_k: int,
-                    shrink: FoldedShrink | None = None) -> torch.Tensor:
+                    shrink: ShrinkLaunch | None = None) -> torch.Tensor:
     """ws [P, T, N_out] fp32 (P <= split_k chunks of N_in, each a multiple of block_k); with `shrink`,
     the same launch also fills shrink.xa."""
     T, n_in = x.shape
@@ -158,19 +162,20 @@ def splitk_partials(x: torch.Tensor, weight: torch.Tensor, split_k: int, block_n
     return ws
 
 
-def splitk_reduce(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, lora, shrunk, block_m: int,
-                  block_n: int, slot_lanes: int, num_warps: int = 4) -> None:
-    """out = sum of the partials (+ bias) (+ LoRA: `lora` DenseLoRAArgs and `shrunk` the split path's
-    (xa, P, segments, pow2(S)))."""
+def splitk_reduce(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, lora, shrink: ShrinkLaunch | None,
+                  block_m: int, block_n: int, slot_lanes: int, num_warps: int = 4) -> None:
+    """out = sum of the partials (+ bias) (+ LoRA: `lora` DenseLoRAArgs, `shrink` the launch that
+    filled its xa)."""
     T, n_out = out.shape
     has_lora = lora is not None
     if has_lora:
-        xa, xa_split, seg, s_p2 = shrunk
+        sh = shrink
         S = lora.a.shape[0]
         lanes = min(S, block_m, slot_lanes)
-        lora_args = (xa, lora.b, lora.token_slots, lora.slot_ranks, S, lanes, xa.stride(0), lora.b.stride(0),
+        lora_args = (sh.xa, lora.b, lora.token_slots, lora.slot_ranks, S, lanes, sh.xa.stride(0), lora.b.stride(0),
                      lora.b.stride(1))
-        consts = dict(BLOCK_R=seg.block_r, XA_SPLIT=xa_split, S_P2=s_p2, G=seg.G, G_P2=seg.g_p2, SEG_BOUNDS=seg.bounds)
+        consts = dict(BLOCK_R=sh.block_r, XA_SPLIT=sh.n_split, S_P2=sh.s_p2, G=sh.G, G_P2=sh.g_p2,
+                      SEG_BOUNDS=sh.bounds)
     else:
         lanes = 0
         lora_args = (ws, ws, ws, ws, 0, 0, 0, 0, 0)
