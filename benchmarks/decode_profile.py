@@ -10,7 +10,9 @@ concurrencies, with no LoRA, with 1 and with 8 adapters of rank 16:
     and the top kernels by total time.
 Prints tables and writes them to OUT.txt.
 
-usage: python benchmarks/decode_profile.py OUT.txt [--layers 48] [--conc 1,64] [--top 20]
+usage: python benchmarks/decode_profile.py OUT.txt [--layers 48] [--conc 1,64] [--top 20] [--trace DIR]
+(--trace: Chrome traces of each point's graph replay and eager forward, kernel by kernel with their
+streams, for chrome://tracing or Perfetto)
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def step_walls(eng, steps: int) -> list[float]:
     return walls
 
 
-def profile_point(eng, conc, names, steps, top, log):
+def profile_point(eng, conc, names, steps, top, log, trace: str | None = None):
     reqs = start(eng, conc, names, steps)
     walls = step_walls(eng, steps)
     with phase_timers(eng, PHASES, "cuda") as sinks:
@@ -110,9 +112,16 @@ def profile_point(eng, conc, names, steps, top, log):
         replays.append(s.elapsed_time(e) / 1e3)
     eng.runner.run(inputs)
     torch.cuda.synchronize()
+    if trace:  # timelines (stream, start, duration of every kernel) of one graph replay and one eager forward
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as replay_prof:
+            graph.replay()
+            torch.cuda.synchronize()
+        replay_prof.export_chrome_trace(f"{trace}_graph.json")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         eng.runner.run(inputs)
         torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(f"{trace}_eager.json")
     per_name = defaultdict(lambda: [0, 0.0])
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
@@ -138,6 +147,10 @@ def profile_point(eng, conc, names, steps, top, log):
         log(f"    {us / 1e3:7.3f} ms {count:5d}x  {name[:110]}")
 
 
+def _trace_path(trace_dir: str | None, conc: int, label: str) -> str | None:
+    return None if trace_dir is None else f"{trace_dir}/conc{conc}_{label.split(',')[0].replace(' ', '_')}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -145,6 +158,8 @@ def main() -> None:
     ap.add_argument("--conc", default="1,64")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--trace", default=None,
+                    help="directory for Chrome traces of each point's graph replay and eager forward")
     args = ap.parse_args()
     lines = []
 
@@ -162,12 +177,12 @@ def main() -> None:
         for label, names in (("8 adapters r16", list(adapters)), ("1 adapter r16", ["a0"]),
                              ("LoRA engine, base rows", [None])):
             log(f"conc {conc}, {label}:")
-            profile_point(eng, conc, names, args.steps, args.top, log)
+            profile_point(eng, conc, names, args.steps, args.top, log, _trace_path(args.trace, conc, label))
     del eng
     eng = engine(no_lora_twin(model, cfg), cfg, 0, 0, max(concs), {})  # the same weights, no LoRA sites
     for conc in concs:
         log(f"conc {conc}, no LoRA (engine without slots):")
-        profile_point(eng, conc, [None], args.steps, args.top, log)
+        profile_point(eng, conc, [None], args.steps, args.top, log, _trace_path(args.trace, conc, "no LoRA"))
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
 
