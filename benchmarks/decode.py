@@ -210,6 +210,10 @@ def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank:
             for variant, label, eng, names in runs:
                 samples.setdefault((variant, label, conc), []).append(measure(eng, conc, names, steps))
     results = {key: sorted(v)[len(v) // 2] for key, v in samples.items()}
+    for variant, label, eng, _ in runs:
+        if eng.graphs is not None and label != "1 adapter":  # the LoRA engine is listed twice
+            print(f"# {variant or 'A'} {label if label == 'no LoRA' else 'LoRA engine'}: decode graphs captured "
+                  f"{eng.graphs.captures}x, the last in {eng.graphs.capture_s:.2f} s")
     del runs, lora_eng, base_eng, twin, model
     torch.cuda.empty_cache()
     rows = []

@@ -20,6 +20,7 @@ from moelora.config import ModelConfig
 from moelora.engine.config import EngineConfig
 from moelora.engine.engine import LLMEngine
 from moelora.engine.request import SamplingParams
+from moelora.lora.adapter import LoRAAdapter
 from moelora.models.registry import model_class
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -100,6 +101,11 @@ def forced_logprob_diff(reference_engine, reqs) -> float:
     divergence) and the result is the max |logprob difference| over all generated tokens."""
     ref = generate(reference_engine, [r.prompt_ids for r in reqs], [r.adapter for r in reqs],
                    len(reqs[0].output_ids))
+    return logprob_diff(reqs, ref)
+
+
+def logprob_diff(reqs, ref) -> float:
+    """Every request's tokens identical to its reference's; the max |logprob difference|."""
     worst = 0.0
     for got, want in zip(reqs, ref, strict=True):
         assert got.output_ids == want.output_ids, f"tokens diverge for {got.request_id} ({got.adapter})"
@@ -115,6 +121,36 @@ def test_cuda_graph_decode_matches_eager(model_and_adapters):
     reqs = generate(graphed, prompts, names, 256)
     assert all(len(r.output_ids) == 256 for r in reqs)
     assert forced_logprob_diff(gpu_engine(model, adapters, enforce_eager=True), reqs) <= 0.05
+
+
+def test_graphs_recaptured_as_lora_sites_turn_on(model_and_adapters):
+    """Graphs are captured with every LoRA site idle; the first adapter (attention only) turns its
+    sites on and the graphs are re-captured at the next decode step; a second adapter with LoRA
+    elsewhere, arriving while the first wave decodes, re-captures them again (with requests in
+    flight: their KV must survive the warm-up). The same two waves, step for step, on the eager
+    engine: every request matches token for token."""
+    model, adapters = model_and_adapters
+    attn = LoRAAdapter("attn", "", {k: w for k, w in adapters["a0"].sites.items() if ".self_attn." in k})
+    waves = {"attn": attn, "a1": adapters["a1"]}
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=0)
+    prompts, _ = workload(n=16, seed=9)
+
+    def two_waves(eng):
+        first = [eng.add_request(p, params, name) for p, name in zip(prompts[:8], ["attn", None] * 4, strict=True)]
+        for _ in range(8):
+            eng.step()
+        captures = eng.graphs.captures if eng.graphs is not None else None
+        second = [eng.add_request(p, params, name) for p, name in zip(prompts[8:], ["a1", "attn"] * 4, strict=True)]
+        while eng.has_unfinished():
+            eng.step()
+        return first + second, captures
+
+    graphed = gpu_engine(model, waves)
+    assert graphed.graphs.captures == 1
+    reqs, after_first = two_waves(graphed)
+    assert (after_first, graphed.graphs.captures) == (2, 3)
+    ref, _ = two_waves(gpu_engine(model, waves, enforce_eager=True))
+    assert logprob_diff(reqs, ref) <= 0.05
 
 
 def test_dense_splitk_decode_graph_matches_eager(model_and_adapters, monkeypatch):

@@ -5,16 +5,27 @@ Every input of a decode step lives in a static buffer of fixed address; a replay
 step's values in (contract 4) and pads the bucket with rows on no adapter that read and write a
 reserved dummy KV block. The LoRA path is always captured (rows on no adapter cost nothing in the
 kernels), so one graph per bucket serves any number and ranks of active adapters.
+
+Idle LoRA sites (`LoRABatch.idle`: no slot holds weights there) are captured without their LoRA.
+The engine's idle set only shrinks (a site turns on when an adapter with LoRA there is written into
+a slot); a step whose LoRA batch names another set than the graphs were captured with re-captures
+every bucket first (after a device sync: no replay of the old graphs is in flight when they go).
+Steps with no adapter rows replay whatever is captured: they need no LoRA.
 Needs the Triton backend: the torch twins loop on the host and cannot be captured.
 """
 
 from __future__ import annotations
+
+import logging
+import time
 
 import torch
 
 from moelora.engine.runner import StepInputs
 from moelora.layers.attention import AttnMetadata, SeqSlice
 from moelora.lora.batch import NO_SLOT, LoRABatch
+
+log = logging.getLogger(__name__)
 
 
 def default_buckets(max_num_seqs: int) -> list[int]:
@@ -39,17 +50,32 @@ class CudaGraphRunner:
         self.token_slots = torch.full((B,), NO_SLOT, dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        self.lora_idle: frozenset = frozenset()  # the idle LoRA sites the graphs were captured with
+        self.captures = 0
+        self.capture_s = 0.0  # wall time of the last capture, warm-up included
 
     def _forward(self, B: int) -> torch.Tensor:
         meta = AttnMetadata(self.slot_mapping[:B], self.block_tables[:B], self.seq_lens[:B],
                             self.query_start[:B + 1], tuple(SeqSlice(i, 1, 1, i) for i in range(B)),
                             max_seq_len=self.max_model_len, max_query_len=1)
-        lora = LoRABatch(self.token_slots[:B], ())
+        lora = LoRABatch(self.token_slots[:B], (), self.lora_idle)
         hidden = self.model(self.input_ids[:B], self.positions[:B], meta, self.cache.layers, lora)
         return self.model.logits(hidden).float()
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, lora_idle: frozenset = frozenset()) -> None:
+        """Capture every bucket (again: the old graphs and their memory pool are released first)
+        with `lora_idle` the LoRA sites left out."""
+        if self.graphs:
+            torch.cuda.synchronize()
+            self.graphs.clear()
+            self.pool = None
+            # the warm-up below runs the forward for real: every row must write the dummy KV block,
+            # not the cache slots the last step's sequences left in these buffers
+            self._pad(0, self.buckets[-1])
+        t0 = time.perf_counter()
+        self.lora_idle = lora_idle
+        self.captures += 1
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: compile kernels, settle allocations
@@ -64,6 +90,16 @@ class CudaGraphRunner:
                 self.pool = graph.pool()
             self.graphs[B] = (graph, logits)
         torch.cuda.synchronize()
+        self.capture_s = time.perf_counter() - t0
+
+    def _pad(self, lo: int, hi: int) -> None:
+        """Rows [lo, hi) become padding: no adapter, the dummy KV block, context of 1."""
+        self.input_ids[lo:hi].zero_()
+        self.positions[lo:hi].zero_()
+        self.slot_mapping[lo:hi].fill_(self.dummy_slot)
+        self.block_tables[lo:hi, 0].fill_(self.dummy_slot // self.cache.block_size)
+        self.seq_lens[lo:hi].fill_(1)
+        self.token_slots[lo:hi].fill_(NO_SLOT)
 
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.buckets[-1]
@@ -73,6 +109,10 @@ class CudaGraphRunner:
         """Replay the bucket graph for a decode step (one token per sequence) -> logits [n, V]."""
         n = inputs.input_ids.shape[0]
         B = next(b for b in self.buckets if b >= n)
+        if inputs.lora is not None and inputs.lora.idle != self.lora_idle:
+            self.capture(inputs.lora.idle)
+            log.info("LoRA sites turned on: decode graphs re-captured (%d buckets, %.2f s)", len(self.buckets),
+                     self.capture_s)
         meta = inputs.meta
         self.input_ids[:n].copy_(inputs.input_ids, non_blocking=True)
         self.positions[:n].copy_(inputs.positions, non_blocking=True)
@@ -83,13 +123,8 @@ class CudaGraphRunner:
             self.token_slots[:n].fill_(NO_SLOT)
         else:
             self.token_slots[:n].copy_(inputs.lora.token_slots, non_blocking=True)
-        if n < B:  # padding rows: no adapter, the dummy KV block, context of 1
-            self.input_ids[n:B].zero_()
-            self.positions[n:B].zero_()
-            self.slot_mapping[n:B].fill_(self.dummy_slot)
-            self.block_tables[n:B, 0].fill_(self.dummy_slot // self.cache.block_size)
-            self.seq_lens[n:B].fill_(1)
-            self.token_slots[n:B].fill_(NO_SLOT)
+        if n < B:
+            self._pad(n, B)
         graph, logits = self.graphs[B]
         graph.replay()
         return logits[:n]

@@ -33,8 +33,9 @@ from moelora.errors import AdapterError, RequestError
 from moelora.layers.attention import Attention
 from moelora.layers.mla import MLAttention
 from moelora.layers.moe import SparseMoE
+from moelora.lora.adapter import LoRAAdapter
 from moelora.lora.pool import AdapterPool
-from moelora.models.lora_targets import restrict_lora_sites, site_kinds
+from moelora.models.lora_targets import lora_site_owners, restrict_lora_sites, site_kinds
 from moelora.upload import upload
 
 
@@ -55,6 +56,9 @@ class LLMEngine:
         self.model_config = model.config
         self.device = cfg.torch_device
         restrict_lora_sites(model, cfg.lora_target_modules)
+        # LoRA sites no slot holds weights at (all of them while no adapter is written): skipped
+        self._site_owners = lora_site_owners(model)
+        self.lora_idle = frozenset(self._site_owners.values()) if cfg.skip_idle_lora_sites else frozenset()
         self.pool = self._adapter_pool(cfg, self._checked_loader(load_adapter))
         self.cache = PagedKVCache(model.kv_cache_shapes(), cfg.num_kv_blocks, cfg.block_size, self.device,
                                   cfg.torch_dtype)
@@ -62,6 +66,7 @@ class LLMEngine:
                                                    cfg.enable_prefix_caching), self.cache.allocator,
                                    adapter_ready=self.pool.ensure if cfg.async_adapter_loading else None)
         self.runner = ModelRunner(model, self.cache, self.device, lora_rows=cfg.kernel_backend == "torch")
+        self.runner.lora_idle = self.lora_idle
         lora_stream = torch.cuda.Stream(self.device) if cfg.overlap_lora and self.device.type == "cuda" else None
         for module in model.modules():  # the engine owns the model: its config picks the fast paths
             if getattr(module, "has_lora", False) and hasattr(module, "lora_stream"):
@@ -80,7 +85,7 @@ class LLMEngine:
         if cfg.use_cuda_graphs and graph_safe and getattr(model, "supports_cuda_graphs", False):
             dummy = self.cache.allocator.allocate()  # padding rows of a graph bucket write here, forever
             self.graphs = CudaGraphRunner(model, self.cache, cfg.max_num_seqs, cfg.max_model_len, dummy)
-            self.graphs.capture()
+            self.graphs.capture(self.lora_idle)
         self.requests: dict[str, Request] = {}
         eos = set(model.config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -105,15 +110,27 @@ class LLMEngine:
             return adapter
         return load
 
+    def _write_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """The pool's slot write: the model's, then every site the adapter has LoRA at is no longer
+        idle (the next LoRA batch carries the smaller set; decode graphs follow it at their next run).
+        Host bookkeeping only, so it may run inside the side-stream write of an async load."""
+        self.model.set_lora_slot(slot, adapter)
+        if adapter is None or not self.lora_idle:
+            return
+        used = {self._site_owners[key] for key, w in adapter.sites.items() if w.rank > 0}
+        if not used.isdisjoint(self.lora_idle):
+            self.lora_idle = self.lora_idle - used
+            self.runner.lora_idle = self.lora_idle
+
     def _adapter_pool(self, cfg: EngineConfig, load_adapter) -> AdapterPool:
         """Slot writes through a side stream on CUDA when `async_adapter_loading` (adapters staged once
         in each site's slot dtype and page-locked, so the copies are asynchronous); synchronous otherwise."""
         if not (cfg.async_adapter_loading and self.device.type == "cuda"):
-            return AdapterPool(cfg.max_loras, cfg.max_cpu_loras, load_adapter, self.model.set_lora_slot)
+            return AdapterPool(cfg.max_loras, cfg.max_cpu_loras, load_adapter, self._write_slot)
         from moelora.engine.adapter_loads import SideStreamLoads
 
         dtypes = self.model.lora_site_dtypes()
-        return AdapterPool(cfg.max_loras, cfg.max_cpu_loras, load_adapter, self.model.set_lora_slot,
+        return AdapterPool(cfg.max_loras, cfg.max_cpu_loras, load_adapter, self._write_slot,
                            loads=SideStreamLoads(self.device), stage=lambda adapter: adapter.staged(dtypes, pin=True))
 
     # requests -----------------------------------------------------------------------------------

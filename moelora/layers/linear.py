@@ -61,8 +61,14 @@ class LinearSite(nn.Module):
             self.lora_b[slot, :, :r].copy_(weights.b, non_blocking=True)
         self.lora_ranks[slot] = r
 
+    @property
+    def lora_owner(self) -> nn.Module:
+        """The module owning this site's slot buffers (a `LoRABatch.idle` member when no slot holds
+        weights there)."""
+        return self
+
     def lora_args(self, lora: LoRABatch | None) -> DenseLoRAArgs | None:
-        if lora is None or not self.has_lora:
+        if lora is None or not self.has_lora or lora.skips(self.lora_owner):
             return None
         return DenseLoRAArgs(self.lora_a, self.lora_b, lora.token_slots, self.lora_ranks, lora.active)
 
@@ -129,7 +135,7 @@ class MergedLinear(nn.Module):
         self.segments = tuple(LinearSegment(self, g) for g in range(G))
 
     def lora_args(self, lora: LoRABatch | None) -> DenseLoRAArgs | None:
-        if lora is None or not self.has_lora:
+        if lora is None or not self.has_lora or lora.skips(self):
             return None
         return DenseLoRAArgs(self.lora_a, self.lora_b, lora.token_slots, self.lora_ranks, lora.active,
                              self.out_sizes)
@@ -159,6 +165,10 @@ class LinearSegment(LinearSite):
         self.in_features, self.out_features = merged.in_features, merged.out_sizes[index]
         self.has_lora, self.backend = merged.has_lora, merged.backend
         self._rows = slice(merged.bounds[index], merged.bounds[index + 1])
+
+    @property
+    def lora_owner(self) -> nn.Module:
+        return self.merged
 
     @property
     def weight(self) -> torch.Tensor:

@@ -126,7 +126,7 @@ class _SlotSelect:
 
     @staticmethod
     def of(kv_b_proj: Linear, lora: LoRABatch | None) -> _SlotSelect | None:
-        if lora is None or not kv_b_proj.has_lora:
+        if lora is None or not kv_b_proj.has_lora or lora.skips(kv_b_proj):
             return None
         a, b = kv_b_proj.lora_a, kv_b_proj.lora_b  # [S, R, C], [S, N(Dn + Dv), R]
         dtype = kv_b_proj.weight.dtype
@@ -187,7 +187,7 @@ def mla_attention_ref(q: torch.Tensor, entries: torch.Tensor, cache: torch.Tenso
     for s in meta.seqs:
         blocks = meta.block_tables[s.table_row, : -(-s.seq_len // bs)].long()
         ctx = cache.index_select(0, blocks).reshape(-1, width)[: s.seq_len].to(q.dtype)  # [L, C + Dr]
-        slot = None if lora is None else lora.token_slots[s.q_offset]
+        slot = None if lora is None or lora.skips(kv_b_proj) else lora.token_slots[s.q_offset]
         kv = kv_b_proj.forward_one_slot(ctx[:, :C], slot).view(s.seq_len, N, nope + v_dim)
         k_rot = ctx[:, None, C:].expand(s.seq_len, N, width - C)
         keys = torch.cat((kv[..., :nope], k_rot), dim=-1).transpose(0, 1)  # [N, L, Dn + Dr]

@@ -59,7 +59,7 @@ class Experts(nn.Module):
         getattr(self, f"lora_{proj}_ranks")[slot] = r
 
     def lora_args(self, lora: LoRABatch | None) -> ExpertLoRAArgs | None:
-        if lora is None or not self.has_lora:
+        if lora is None or not self.has_lora or lora.skips(self):
             return None
         return ExpertLoRAArgs(self.lora_gate_up_a, self.lora_gate_up_b, self.lora_down_a, self.lora_down_b,
                               lora.token_slots, self.lora_gate_up_ranks, self.lora_down_ranks, lora.active)

@@ -15,6 +15,10 @@ slot's weights are zero beyond each site's own rank). No per-slot rank goes to t
 every LoRA site owns its own `lora_ranks [S]` device buffer (written when a slot is loaded, 0
 where the adapter does not cover the site), which is what its kernels read, so a site an adapter
 skips costs no LoRA work.
+
+`idle` (the engine's, when `EngineConfig.skip_idle_lora_sites`): the LoRA modules at which no slot
+holds adapter weights (every rank 0, so their delta is exactly zero). A layer whose module is in it
+skips LoRA altogether (`skips`): no kernel launches, not even ones that would exit at once.
 """
 
 from __future__ import annotations
@@ -34,6 +38,11 @@ NO_SLOT = -1
 class LoRABatch:
     token_slots: torch.Tensor  # [T] int32, NO_SLOT = base model
     active: tuple[SlotRows, ...] | None
+    idle: frozenset = frozenset()  # LoRA modules with no adapter weights in any slot
+
+    def skips(self, module) -> bool:
+        """Whether `module` (the module owning a site's slot buffers) has no LoRA work in this batch."""
+        return module in self.idle
 
     @property
     def num_tokens(self) -> int:
@@ -41,7 +50,7 @@ class LoRABatch:
 
     @staticmethod
     def build(token_slots: Sequence[int], slot_ranks: Sequence[int],
-              device: torch.device | str, rows: bool = True) -> LoRABatch:
+              device: torch.device | str, rows: bool = True, idle: frozenset = frozenset()) -> LoRABatch:
         """Plan for tokens whose slots are `token_slots` (host ints) given per-slot ranks; `rows`
         False leaves `active` None (the Triton backend never reads it: one copy and loop less)."""
         bad = [s for s in set(token_slots) if s != NO_SLOT and not 0 <= s < len(slot_ranks)]
@@ -49,7 +58,7 @@ class LoRABatch:
             raise ValueError(f"tokens name slot {bad[0]}, but there are {len(slot_ranks)} slots")
         token_slots_t = upload(list(token_slots), torch.int32, device)
         if not rows:
-            return LoRABatch(token_slots=token_slots_t, active=None)
+            return LoRABatch(token_slots=token_slots_t, active=None, idle=idle)
         by_slot: dict[int, list[int]] = {}
         for t, s in enumerate(token_slots):
             if s != NO_SLOT:
@@ -59,7 +68,4 @@ class LoRABatch:
         flat = upload([t for _, r in live for t in r], torch.long, device)
         active = tuple(SlotRows(slot=s, rank=int(slot_ranks[s]), rows=part)
                        for (s, _), part in zip(live, flat.split([len(r) for _, r in live]), strict=True))
-        return LoRABatch(
-            token_slots=token_slots_t,
-            active=active,
-        )
+        return LoRABatch(token_slots=token_slots_t, active=active, idle=idle)

@@ -35,6 +35,12 @@ def site_kinds(keys: Iterable[str]) -> list[str]:
     return sorted({re.sub(r"^(.*\.)?layers\.\d+\.", "", k) for k in keys})
 
 
+def lora_site_owners(model: nn.Module) -> dict[str, nn.Module]:
+    """Adapter site key -> the module that owns the site's slot buffers and whose LoRA a layer skips
+    while it is idle (`LoRABatch.idle`): the merged q/k/v for its segments, else the site's module."""
+    return {key: getattr(mod, "lora_owner", mod) for key, (mod, _) in model.lora_sites().items()}
+
+
 def _drop(module: nn.Module) -> None:
     module.has_lora = False
     if isinstance(module, LinearSegment):  # its buffers are views of the merged module's
