@@ -30,13 +30,14 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         for name, path in (adapters or {}).items():
             self.add_adapter(name, path)
+        self.engine.capture_graphs()  # with the adapters' LoRA sites on, once, before the first request
 
     @property
     def adapters(self) -> list[str]:
         return self.engine.pool.names
 
     def add_adapter(self, name: str, path: str | Path, pinned: bool = False) -> None:
-        self.engine.pool.add(name, path, pinned=pinned)
+        self.engine.add_adapter(name, path, pinned=pinned)
 
     def remove_adapter(self, name: str) -> None:
         if any(r.adapter == name for r in self.engine.requests.values()):

@@ -9,6 +9,8 @@ from oracle import tiny_hf_model
 from test_forward import build, engine, random_adapter
 
 import moelora.layers.moe as moe_layer
+from moelora.engine.config import EngineConfig
+from moelora.engine.engine import LLMEngine
 from moelora.engine.request import SamplingParams
 from moelora.layers.moe import Experts
 from moelora.lora.adapter import LoRAAdapter
@@ -52,6 +54,21 @@ def test_sites_start_idle_turn_on_with_their_adapter_and_stay_on(setup):
     assert eng.lora_idle == frozenset()
     off = engine(model, adapters, skip_idle_lora_sites=False)
     assert off.lora_idle == frozenset()
+
+
+def test_adding_an_adapter_turns_its_sites_on(setup):
+    """`add_adapter` (what LLM and the server call) turns the sites on when the adapter is registered,
+    so graphs can be re-captured before the first request (`capture_graphs`; no graphs on the CPU)."""
+    model, adapters = setup
+    cfg = EngineConfig(device="cpu", dtype="float32", max_loras=4, max_lora_rank=8, block_size=4, num_kv_blocks=64,
+                       max_model_len=128).resolve(model.config)
+    eng = LLMEngine(model, None, cfg, lambda name, path: adapters[name])
+    everything = set(lora_site_owners(model).values())
+    assert eng.lora_idle == everything
+    eng.add_adapter("attn", "attn")
+    assert eng.lora_idle == everything - owners_of(model, lambda k: ".self_attn." in k)
+    assert eng.pool.slots_in_use() == 0  # registered, not yet in a slot
+    eng.capture_graphs()  # nothing to capture on the CPU
 
 
 def test_idle_sites_launch_no_lora_and_change_no_bit(setup, monkeypatch):

@@ -110,17 +110,35 @@ class LLMEngine:
             return adapter
         return load
 
-    def _write_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
-        """The pool's slot write: the model's, then every site the adapter has LoRA at is no longer
-        idle (the next LoRA batch carries the smaller set; decode graphs follow it at their next run).
-        Host bookkeeping only, so it may run inside the side-stream write of an async load."""
-        self.model.set_lora_slot(slot, adapter)
-        if adapter is None or not self.lora_idle:
+    def add_adapter(self, name: str, path, *, pinned: bool = False) -> LoRAAdapter:
+        """Register (load and validate) an adapter; the sites it has LoRA at stop being idle. Decode
+        graphs follow at their next run, or at `capture_graphs()` (after adding a server's adapters)."""
+        adapter = self.pool.add(name, path, pinned=pinned)
+        self._turn_on(adapter)
+        return adapter
+
+    def capture_graphs(self) -> None:
+        """Re-capture the decode graphs now if the idle LoRA sites changed since their capture (so the
+        first request after adding adapters does not pay for it)."""
+        if self.graphs is not None and self.graphs.lora_idle != self.lora_idle:
+            self.graphs.capture(self.lora_idle)
+
+    def _turn_on(self, adapter: LoRAAdapter) -> None:
+        """Every site `adapter` has LoRA at is no longer idle (monotone: the next LoRA batch carries the
+        smaller set). Host bookkeeping only, so it may run inside the side-stream write of an async load."""
+        if not self.lora_idle:
             return
         used = {self._site_owners[key] for key, w in adapter.sites.items() if w.rank > 0}
         if not used.isdisjoint(self.lora_idle):
             self.lora_idle = self.lora_idle - used
             self.runner.lora_idle = self.lora_idle
+
+    def _write_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """The pool's slot write: the model's, and the adapter's sites on (adapters added through the
+        pool directly rather than `add_adapter` are covered here)."""
+        self.model.set_lora_slot(slot, adapter)
+        if adapter is not None:
+            self._turn_on(adapter)
 
     def _adapter_pool(self, cfg: EngineConfig, load_adapter) -> AdapterPool:
         """Slot writes through a side stream on CUDA when `async_adapter_loading` (adapters staged once

@@ -51,7 +51,8 @@ def build_server(model: str | Path, adapters: dict[str, str], engine_cfg: Engine
         raise ConfigError(f"adapter names {sorted(clash)} clash with the served model name")
     engine = build_engine(model, resolve_auto_targets(model, adapters, engine_cfg), progress=progress)
     for name, path in adapters.items():
-        engine.pool.add(name, path)
+        engine.add_adapter(name, path)
+    engine.capture_graphs()  # with the adapters' LoRA sites on, before the first request
     async_engine = AsyncEngine(engine, {n: str(p) for n, p in adapters.items()}, max_waiting_requests)
     return build_app(async_engine, ServerConfig(names, str(model), max_waiting_requests))
 
