@@ -12,7 +12,8 @@ Prints tables and writes them to OUT.txt.
 
 usage: python benchmarks/decode_profile.py OUT.txt [--layers 48] [--conc 1,64] [--top 20] [--trace DIR]
 (--trace: Chrome traces of each point's graph replay and eager forward, kernel by kernel with their
-streams, for chrome://tracing or Perfetto)
+streams, for chrome://tracing or Perfetto; and the middle layer of each graph replay printed kernel
+by kernel, `layer_timeline`)
 """
 
 from __future__ import annotations
@@ -122,6 +123,8 @@ def profile_point(eng, conc, names, steps, top, log, trace: str | None = None):
         torch.cuda.synchronize()
     if trace:
         prof.export_chrome_trace(f"{trace}_eager.json")
+        for line in layer_timeline(f"{trace}_graph.json", eng.model_config.num_layers // 2):
+            log(line)
     per_name = defaultdict(lambda: [0, 0.0])
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
@@ -145,6 +148,28 @@ def profile_point(eng, conc, names, steps, top, log, trace: str | None = None):
                                   for cat, (count, us) in sorted(per_cat.items(), key=lambda kv: -kv[1][1])))
     for name, (count, us) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]:
         log(f"    {us / 1e3:7.3f} ms {count:5d}x  {name[:110]}")
+
+
+def layer_timeline(path: str, layer: int) -> list[str]:
+    """One decoder layer of a graph replay's Chrome trace, kernel by kernel: start (µs from the
+    layer's first kernel), duration, idle gap before it on the device (negative: it overlaps the
+    previous one), stream. A layer runs from its input RMSNorm to the next layer's (two norm launches
+    a layer: the input and the post-attention norm, each with the residual add fused in)."""
+    import json
+
+    with open(path) as f:
+        kernels = sorted((e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    norms = [i for i, e in enumerate(kernels) if e["name"] == "_rms_norm_kernel"]
+    if len(norms) < 2 * layer + 3:
+        return [f"  (trace: {len(norms)} norm kernels, too few to find layer {layer})"]
+    first, last = norms[2 * layer], norms[2 * layer + 2]
+    t0 = end = kernels[first]["ts"]
+    lines = [f"  graph replay, layer {layer}: {kernels[last]['ts'] - t0:.1f} us"]
+    for e in kernels[first:last]:
+        lines.append(f"    {e['ts'] - t0:7.1f} {e['dur']:6.1f} gap {e['ts'] - end:5.1f}  stream {e['tid']:<4} "
+                     f"{e['name'][:60]}")
+        end = max(end, e["ts"] + e["dur"])
+    return lines
 
 
 def _trace_path(trace_dir: str | None, conc: int, label: str) -> str | None:
