@@ -131,8 +131,8 @@ def test_splitk_mode_fp16(slot_lanes):
 
 
 def test_default_mode_by_shape():
-    """The default takes "splitk" only where it measured faster: LoRA rows, T <= 16 (o-like: 64), wide
-    shapes."""
+    """The default takes "splitk" only where it measured faster: LoRA rows, T <= 16 on wide shapes,
+    T <= 64 on o-like ones (the router's 2048->128 included)."""
     assert default_lora_linear_config(8, n_in=4096, n_out=2048).mode == "splitk"
     assert default_lora_linear_config(16, n_in=2048, n_out=5120).mode == "splitk"  # merged q/k/v
     assert default_lora_linear_config(1, n_in=4096, n_out=2048).mode == "splitk"
@@ -140,7 +140,12 @@ def test_default_mode_by_shape():
     assert default_lora_linear_config(65, n_in=4096, n_out=2048).mode == "split"
     assert default_lora_linear_config(17, n_in=2048, n_out=5120).mode == "split"
     assert default_lora_linear_config(8, n_in=4096, n_out=2048, has_lora=False).mode == "split"  # cuBLAS
-    assert default_lora_linear_config(8, n_in=2048, n_out=128).mode == "split"  # router: not measured
+    assert default_lora_linear_config(64, n_in=2048, n_out=128).mode == "splitk"  # bf16 router
+    assert default_lora_linear_config(65, n_in=2048, n_out=128).mode == "split"
+    assert default_lora_linear_config(8, n_in=2048, n_out=64).mode == "split"  # narrower: not measured
+    assert default_lora_linear_config(8, n_in=512, n_out=128).mode == "split"
+    assert default_lora_linear_config(8, n_in=2048, n_out=1536).mode == "splitk"  # wide, T <= 16
+    assert default_lora_linear_config(32, n_in=2048, n_out=1536).mode == "split"  # neither o-like nor T <= 16
     assert default_lora_linear_config(8).mode == "split"
 
 
