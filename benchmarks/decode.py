@@ -21,7 +21,7 @@ and norms are left out (< 1%).
 
 usage: python benchmarks/decode.py OUT.csv [--model qwen3_30b|dsv2_lite|all] [--layers N]
        [--conc 1,8,32,64,128,256] [--steps 20] [--repeats 2] [--async-scheduling] [--no-overlap-lora]
-       [--lora-target-modules self_attn,experts] [--ab async_scheduling=1]
+       [--lora-target-modules self_attn,experts] [--ab async_scheduling=1]  (engine-level keys only)
 """
 
 from __future__ import annotations
@@ -236,12 +236,22 @@ def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank:
     return rows
 
 
+# EngineConfig keys the engine applies to the model's modules (or, lora_target_modules, to its LoRA
+# buffers): the A and B engines share one model, so B's value would silently become A's too.
+MODULE_LEVEL_KEYS = frozenset({"overlap_lora", "overlap_shared_experts", "mla_absorbed_decode", "merge_qkv",
+                               "kernel_backend", "lora_target_modules", "max_loras", "max_lora_rank", "dtype"})
+
+
 def parse_ab(spec: str) -> dict:
-    """"async_scheduling=1,overlap_lora=0" -> EngineConfig keyword values (0/1 as booleans; a value
-    with "+" a tuple: lora_target_modules=self_attn+experts)."""
+    """"async_scheduling=1,skip_idle_lora_sites=0" -> EngineConfig keyword values (0/1 as booleans; a
+    value with "+" a tuple). Keys that set the shared model's modules are refused (MODULE_LEVEL_KEYS):
+    compare those in separate runs."""
     out = {}
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
+        if key in MODULE_LEVEL_KEYS:
+            raise SystemExit(f"--ab {key}: it sets the model's modules, which the A and B engines share; "
+                             "measure it in separate runs (e.g. DECODE_VARIANTS of make gpu-check)")
         out[key] = (tuple(value.split("+")) if "+" in value
                     else {"0": False, "1": True, "false": False, "true": True}.get(value.lower(), value))
     return out
@@ -261,8 +271,8 @@ def main() -> None:
     ap.add_argument("--lora-target-modules", default=None,
                     help="comma-separated EngineConfig.lora_target_modules (e.g. self_attn,experts: no router LoRA)")
     ap.add_argument("--ab", default="", help="A/B in the same turns: engine settings of a second engine pair, "
-                    "e.g. async_scheduling=1 or lora_target_modules=self_attn+experts (B/A: its step time over "
-                    "the first's)")
+                    "e.g. async_scheduling=1 or skip_idle_lora_sites=0 (B/A: its step time over the first's); "
+                    "keys that set the shared model's modules are refused")
     args = ap.parse_args()
     concs = [int(c) for c in args.conc.split(",")]
     bw = copy_bandwidth()

@@ -7,9 +7,10 @@ reserved dummy KV block. The LoRA path is always captured (rows on no adapter co
 kernels), so one graph per bucket serves any number and ranks of active adapters.
 
 Idle LoRA sites (`LoRABatch.idle`: no slot holds weights there) are captured without their LoRA.
-The engine's idle set only shrinks (a site turns on when an adapter with LoRA there is written into
-a slot); a step whose LoRA batch names another set than the graphs were captured with re-captures
-every bucket first (after a device sync: no replay of the old graphs is in flight when they go).
+The engine's idle set only shrinks (a site turns on when an adapter with LoRA there is registered or
+written into a slot); `capture` again with the new set, or a step whose LoRA batch names another set
+than the graphs were captured with, re-captures every bucket (after a device sync: no replay of the
+old graphs is in flight when they go).
 Steps with no adapter rows replay whatever is captured: they need no LoRA.
 Needs the Triton backend: the torch twins loop on the host and cannot be captured.
 """

@@ -56,7 +56,7 @@ class LLMEngine:
         self.model_config = model.config
         self.device = cfg.torch_device
         restrict_lora_sites(model, cfg.lora_target_modules)
-        # LoRA sites no slot holds weights at (all of them while no adapter is written): skipped
+        # LoRA sites no registered adapter has weights at (all of them until one is added): skipped
         self._site_owners = lora_site_owners(model)
         self.lora_idle = frozenset(self._site_owners.values()) if cfg.skip_idle_lora_sites else frozenset()
         self.pool = self._adapter_pool(cfg, self._checked_loader(load_adapter))
