@@ -25,12 +25,10 @@ class LLM:
         cfg = EngineConfig(device=device, dtype=dtype, max_lora_rank=max_lora_rank, max_loras=max_loras,
                            kernel_backend=kernel_backend, **engine_kwargs)
         cfg = resolve_auto_targets(model, adapters or {}, cfg)  # lora_target_modules="auto": these adapters'
-        self.engine = build_engine(model, cfg, progress=progress)
+        # the adapters are registered before the decode graphs are captured: captured once, their sites on
+        self.engine = build_engine(model, cfg, progress=progress, adapters=adapters)
         self.config = self.engine.model_config
         self.tokenizer = self.engine.tokenizer
-        for name, path in (adapters or {}).items():
-            self.add_adapter(name, path)
-        self.engine.capture_graphs()  # with the adapters' LoRA sites on, once, before the first request
 
     @property
     def adapters(self) -> list[str]:

@@ -57,8 +57,9 @@ def test_sites_start_idle_turn_on_with_their_adapter_and_stay_on(setup):
 
 
 def test_adding_an_adapter_turns_its_sites_on(setup):
-    """`add_adapter` (what LLM and the server call) turns the sites on when the adapter is registered,
-    so graphs can be re-captured before the first request (`capture_graphs`; no graphs on the CPU)."""
+    """`add_adapter` (the server's load endpoint, `LLM.add_adapter`) turns the sites on when the adapter
+    is registered, so graphs can be re-captured before the first request (`capture_graphs`; no graphs
+    on the CPU); adapters given to the engine at construction are registered before its capture."""
     model, adapters = setup
     cfg = EngineConfig(device="cpu", dtype="float32", max_loras=4, max_lora_rank=8, block_size=4, num_kv_blocks=64,
                        max_model_len=128).resolve(model.config)
@@ -69,6 +70,9 @@ def test_adding_an_adapter_turns_its_sites_on(setup):
     assert eng.lora_idle == everything - owners_of(model, lambda k: ".self_attn." in k)
     assert eng.pool.slots_in_use() == 0  # registered, not yet in a slot
     eng.capture_graphs()  # nothing to capture on the CPU
+    at_start = LLMEngine(model, None, cfg, lambda name, path: adapters[name], {"attn": "attn"})
+    assert at_start.pool.names == ["attn"]
+    assert at_start.lora_idle == eng.lora_idle  # registered before the (GPU) graphs would be captured
 
 
 def test_idle_sites_launch_no_lora_and_change_no_bit(setup, monkeypatch):

@@ -9,8 +9,9 @@ the prefix cache, free finished requests' blocks.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -51,7 +52,10 @@ class _Launched:
 
 
 class LLMEngine:
-    def __init__(self, model, tokenizer: Tokenizer | None, cfg: EngineConfig, load_adapter):
+    def __init__(self, model, tokenizer: Tokenizer | None, cfg: EngineConfig, load_adapter,
+                 adapters: Mapping[str, str | Path] | None = None):
+        """`load_adapter(name, path)` -> LoRAAdapter; `adapters` (name -> path) are registered before the
+        decode graphs are captured (so they are captured with those adapters' LoRA sites on)."""
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.model_config = model.config
         self.device = cfg.torch_device
@@ -79,6 +83,8 @@ class LLMEngine:
                 module.merge_qkv = cfg.merge_qkv
             if hasattr(module, "backend"):
                 module.backend = cfg.kernel_backend
+        for name, path in (adapters or {}).items():
+            self.add_adapter(name, path)
         self.graphs = None
         # MLA's expanded decode loops over sequences on the host: graphs need the absorbed form
         graph_safe = cfg.mla_absorbed_decode or not any(isinstance(m, MLAttention) for m in model.modules())
@@ -112,14 +118,14 @@ class LLMEngine:
 
     def add_adapter(self, name: str, path, *, pinned: bool = False) -> LoRAAdapter:
         """Register (load and validate) an adapter; the sites it has LoRA at stop being idle. Decode
-        graphs follow at their next run, or at `capture_graphs()` (after adding a server's adapters)."""
+        graphs follow at their next run, or at `capture_graphs()`."""
         adapter = self.pool.add(name, path, pinned=pinned)
         self._turn_on(adapter)
         return adapter
 
     def capture_graphs(self) -> None:
         """Re-capture the decode graphs now if the idle LoRA sites changed since their capture (so the
-        first request after adding adapters does not pay for it)."""
+        first request after adding adapters at run time does not pay for it)."""
         if self.graphs is not None and self.graphs.lora_idle != self.lora_idle:
             self.graphs.capture(self.lora_idle)
 

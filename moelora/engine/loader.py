@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -76,7 +77,10 @@ def _adapter_sites(model_dir: str | Path, adapters: dict[str, str | Path], cfg: 
     return tuple(sorted(sites))
 
 
-def build_engine(model_dir: str | Path, cfg: EngineConfig | None = None, progress: bool = False) -> LLMEngine:
+def build_engine(model_dir: str | Path, cfg: EngineConfig | None = None, progress: bool = False,
+                 adapters: Mapping[str, str | Path] | None = None) -> LLMEngine:
+    """The engine of `model_dir`; `adapters` (name -> path) are registered before its decode graphs
+    are captured, so the graphs are captured once, with those adapters' LoRA sites on."""
     from moelora.lora.loader import load_adapter
     from moelora.models.weights import load_checkpoint
 
@@ -97,4 +101,4 @@ def build_engine(model_dir: str | Path, cfg: EngineConfig | None = None, progres
     def load(name: str, path: Path):
         return load_adapter(path, model_cfg, name=name, max_rank=cfg.max_lora_rank)
 
-    return LLMEngine(model, tokenizer, cfg, load)
+    return LLMEngine(model, tokenizer, cfg, load, adapters)

@@ -49,10 +49,9 @@ def build_server(model: str | Path, adapters: dict[str, str], engine_cfg: Engine
     clash = set(names) & set(adapters)
     if clash:
         raise ConfigError(f"adapter names {sorted(clash)} clash with the served model name")
-    engine = build_engine(model, resolve_auto_targets(model, adapters, engine_cfg), progress=progress)
-    for name, path in adapters.items():
-        engine.add_adapter(name, path)
-    engine.capture_graphs()  # with the adapters' LoRA sites on, before the first request
+    # the adapters are registered before the decode graphs are captured: captured once, their sites on
+    engine = build_engine(model, resolve_auto_targets(model, adapters, engine_cfg), progress=progress,
+                          adapters=adapters)
     async_engine = AsyncEngine(engine, {n: str(p) for n, p in adapters.items()}, max_waiting_requests)
     return build_app(async_engine, ServerConfig(names, str(model), max_waiting_requests))
 
