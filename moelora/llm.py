@@ -35,7 +35,7 @@ class LLM:
         return self.engine.pool.names
 
     def add_adapter(self, name: str, path: str | Path, pinned: bool = False) -> None:
-        self.engine.add_adapter(name, path, pinned=pinned)
+        self.engine.pool.add(name, path, pinned=pinned)
 
     def remove_adapter(self, name: str) -> None:
         if any(r.adapter == name for r in self.engine.requests.values()):

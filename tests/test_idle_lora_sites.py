@@ -40,15 +40,23 @@ def generate(eng, names, n_tokens=6, seed=0):
     return reqs
 
 
+def unregistered(model, adapters, **kw) -> LLMEngine:
+    """A CPU engine whose loader knows `adapters` but has registered none of them yet."""
+    cfg = EngineConfig(**dict(dict(device="cpu", dtype="float32", max_loras=4, max_lora_rank=8, block_size=4,
+                                   num_kv_blocks=64, max_model_len=128), **kw)).resolve(model.config)
+    return LLMEngine(model, None, cfg, lambda name, path: adapters[name])
+
+
 def test_sites_start_idle_turn_on_with_their_adapter_and_stay_on(setup):
     model, adapters = setup
-    eng = engine(model, adapters, max_loras=1)
+    eng = unregistered(model, adapters, max_loras=1)
     everything = set(lora_site_owners(model).values())
     assert eng.lora_idle == everything
     attention = owners_of(model, lambda k: ".self_attn." in k)
+    eng.pool.add("attn", "attn")
     generate(eng, ["attn"])
     assert eng.lora_idle == everything - attention
-    assert eng.runner.lora_idle == eng.lora_idle
+    eng.pool.add("full", "full")
     generate(eng, ["full"])  # one slot: "attn" is evicted, its sites stay on
     assert eng.pool.evictions == 1
     assert eng.lora_idle == frozenset()
@@ -57,20 +65,18 @@ def test_sites_start_idle_turn_on_with_their_adapter_and_stay_on(setup):
 
 
 def test_adding_an_adapter_turns_its_sites_on(setup):
-    """`add_adapter` (the server's load endpoint, `LLM.add_adapter`) turns the sites on when the adapter
-    is registered, so graphs can be re-captured before the first request (`capture_graphs`; no graphs
+    """Registering an adapter (`pool.add`: the server's load endpoint, `LLM.add_adapter`) turns its
+    sites on, so graphs can be re-captured before the first request (`capture_graphs`; no graphs
     on the CPU); adapters given to the engine at construction are registered before its capture."""
     model, adapters = setup
-    cfg = EngineConfig(device="cpu", dtype="float32", max_loras=4, max_lora_rank=8, block_size=4, num_kv_blocks=64,
-                       max_model_len=128).resolve(model.config)
-    eng = LLMEngine(model, None, cfg, lambda name, path: adapters[name])
+    eng = unregistered(model, adapters)
     everything = set(lora_site_owners(model).values())
     assert eng.lora_idle == everything
-    eng.add_adapter("attn", "attn")
+    eng.pool.add("attn", "attn")
     assert eng.lora_idle == everything - owners_of(model, lambda k: ".self_attn." in k)
     assert eng.pool.slots_in_use() == 0  # registered, not yet in a slot
     eng.capture_graphs()  # nothing to capture on the CPU
-    at_start = LLMEngine(model, None, cfg, lambda name, path: adapters[name], {"attn": "attn"})
+    at_start = LLMEngine(model, None, eng.cfg, lambda name, path: adapters[name], {"attn": "attn"})
     assert at_start.pool.names == ["attn"]
     assert at_start.lora_idle == eng.lora_idle  # registered before the (GPU) graphs would be captured
 
@@ -104,15 +110,18 @@ def test_a_site_turning_on_mid_run_changes_no_bit(setup):
 
     def staggered(eng):
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+        eng.pool.add("attn", "attn")
         first = [eng.add_request([5 + i, 9, 11 + i], params, name) for i, name in enumerate(["attn", None])]
         for _ in range(3):
             eng.step()
+        eng.pool.add("full", "full")  # registered (its sites on) while the first requests decode
         second = [eng.add_request([4, 8 + i, 15], params, name) for i, name in enumerate(["full", "attn"])]
         while eng.has_unfinished():
             eng.step()
         return first + second
 
-    on, off = staggered(engine(model, adapters)), staggered(engine(model, adapters, skip_idle_lora_sites=False))
+    on = staggered(unregistered(model, adapters))
+    off = staggered(unregistered(model, adapters, skip_idle_lora_sites=False))
     for a, b in zip(on, off, strict=True):
         assert a.output_ids == b.output_ids and a.logprobs == b.logprobs, a.request_id
 

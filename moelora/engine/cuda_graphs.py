@@ -6,11 +6,11 @@ step's values in (contract 4) and pads the bucket with rows on no adapter that r
 reserved dummy KV block. The LoRA path is always captured (rows on no adapter cost nothing in the
 kernels), so one graph per bucket serves any number and ranks of active adapters.
 
-Idle LoRA sites (`LoRABatch.idle`: no slot holds weights there) are captured without their LoRA.
-The engine's idle set only shrinks (a site turns on when an adapter with LoRA there is registered or
-written into a slot); `capture` again with the new set, or a step whose LoRA batch names another set
-than the graphs were captured with, re-captures every bucket (after a device sync: no replay of the
-old graphs is in flight when they go).
+Idle LoRA sites (`LoRABatch.idle`: no registered adapter has weights there) are captured without their LoRA.
+The engine's idle set only shrinks (a site turns on when an adapter with LoRA there is registered);
+`capture` again with the new set, or a step whose LoRA batch names another set than the graphs were
+captured with, re-captures every bucket (after a device sync: no replay of the old graphs is in
+flight when they go).
 Steps with no adapter rows replay whatever is captured: they need no LoRA.
 Needs the Triton backend: the torch twins loop on the host and cannot be captured.
 """

@@ -60,17 +60,16 @@ class LLMEngine:
         self.model_config = model.config
         self.device = cfg.torch_device
         restrict_lora_sites(model, cfg.lora_target_modules)
-        # LoRA sites no registered adapter has weights at (all of them until one is added): skipped
         self._site_owners = lora_site_owners(model)
-        self.lora_idle = frozenset(self._site_owners.values()) if cfg.skip_idle_lora_sites else frozenset()
-        self.pool = self._adapter_pool(cfg, self._checked_loader(load_adapter))
+        self.pool = self._adapter_pool(cfg, self._loader(load_adapter))
         self.cache = PagedKVCache(model.kv_cache_shapes(), cfg.num_kv_blocks, cfg.block_size, self.device,
                                   cfg.torch_dtype)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_loras,
                                                    cfg.enable_prefix_caching), self.cache.allocator,
                                    adapter_ready=self.pool.ensure if cfg.async_adapter_loading else None)
         self.runner = ModelRunner(model, self.cache, self.device, lora_rows=cfg.kernel_backend == "torch")
-        self.runner.lora_idle = self.lora_idle
+        # LoRA sites no registered adapter has weights at (all of them until one is added): skipped
+        self.runner.lora_idle = frozenset(self._site_owners.values()) if cfg.skip_idle_lora_sites else frozenset()
         lora_stream = torch.cuda.Stream(self.device) if cfg.overlap_lora and self.device.type == "cuda" else None
         for module in model.modules():  # the engine owns the model: its config picks the fast paths
             if getattr(module, "has_lora", False) and hasattr(module, "lora_stream"):
@@ -84,7 +83,7 @@ class LLMEngine:
             if hasattr(module, "backend"):
                 module.backend = cfg.kernel_backend
         for name, path in (adapters or {}).items():
-            self.add_adapter(name, path)
+            self.pool.add(name, path)
         self.graphs = None
         # MLA's expanded decode loops over sequences on the host: graphs need the absorbed form
         graph_safe = cfg.mla_absorbed_decode or not any(isinstance(m, MLAttention) for m in model.modules())
@@ -100,9 +99,16 @@ class LLMEngine:
         self._counter = 0
         self._launched: _Launched | None = None  # overlapped scheduling: the step in flight
 
-    def _checked_loader(self, load_adapter):
-        """`load_adapter` that refuses, when an adapter is added, LoRA on a module that has no site here
-        (left out by lora_target_modules), instead of failing at its first slot write."""
+    @property
+    def lora_idle(self) -> frozenset:
+        """The LoRA modules no registered adapter has weights at (`LoRABatch.idle`, carried by the runner)."""
+        return self.runner.lora_idle
+
+    def _loader(self, load_adapter):
+        """`load_adapter` as the pool calls it, when an adapter is added (and on a reload after the CPU
+        cache dropped it): it refuses LoRA on a module that has no site here (left out by
+        lora_target_modules) instead of failing at its first slot write, and turns the adapter's
+        sites on. Decode graphs follow at their next run, or at `capture_graphs()`."""
         sites = set(self.model.lora_sites())
 
         def load(name: str, path):
@@ -113,15 +119,9 @@ class LLMEngine:
                                    f"engine has no LoRA site for (lora_target_modules: "
                                    f"{', '.join(site_kinds(self.cfg.lora_target_modules or ()))}); start it with "
                                    "those modules targeted")
+            self._turn_on(adapter)
             return adapter
         return load
-
-    def add_adapter(self, name: str, path, *, pinned: bool = False) -> LoRAAdapter:
-        """Register (load and validate) an adapter; the sites it has LoRA at stop being idle. Decode
-        graphs follow at their next run, or at `capture_graphs()`."""
-        adapter = self.pool.add(name, path, pinned=pinned)
-        self._turn_on(adapter)
-        return adapter
 
     def capture_graphs(self) -> None:
         """Re-capture the decode graphs now if the idle LoRA sites changed since their capture (so the
@@ -131,30 +131,20 @@ class LLMEngine:
 
     def _turn_on(self, adapter: LoRAAdapter) -> None:
         """Every site `adapter` has LoRA at is no longer idle (monotone: the next LoRA batch carries the
-        smaller set). Host bookkeeping only, so it may run inside the side-stream write of an async load."""
-        if not self.lora_idle:
-            return
-        used = {self._site_owners[key] for key, w in adapter.sites.items() if w.rank > 0}
-        if not used.isdisjoint(self.lora_idle):
-            self.lora_idle = self.lora_idle - used
-            self.runner.lora_idle = self.lora_idle
-
-    def _write_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
-        """The pool's slot write: the model's, and the adapter's sites on (adapters added through the
-        pool directly rather than `add_adapter` are covered here)."""
-        self.model.set_lora_slot(slot, adapter)
-        if adapter is not None:
-            self._turn_on(adapter)
+        smaller set)."""
+        idle = self.runner.lora_idle
+        if idle:
+            self.runner.lora_idle = idle - {self._site_owners[key] for key, w in adapter.sites.items() if w.rank > 0}
 
     def _adapter_pool(self, cfg: EngineConfig, load_adapter) -> AdapterPool:
         """Slot writes through a side stream on CUDA when `async_adapter_loading` (adapters staged once
         in each site's slot dtype and page-locked, so the copies are asynchronous); synchronous otherwise."""
         if not (cfg.async_adapter_loading and self.device.type == "cuda"):
-            return AdapterPool(cfg.max_loras, cfg.max_cpu_loras, load_adapter, self._write_slot)
+            return AdapterPool(cfg.max_loras, cfg.max_cpu_loras, load_adapter, self.model.set_lora_slot)
         from moelora.engine.adapter_loads import SideStreamLoads
 
         dtypes = self.model.lora_site_dtypes()
-        return AdapterPool(cfg.max_loras, cfg.max_cpu_loras, load_adapter, self._write_slot,
+        return AdapterPool(cfg.max_loras, cfg.max_cpu_loras, load_adapter, self.model.set_lora_slot,
                            loads=SideStreamLoads(self.device), stage=lambda adapter: adapter.staged(dtypes, pin=True))
 
     # requests -----------------------------------------------------------------------------------

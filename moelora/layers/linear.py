@@ -63,8 +63,8 @@ class LinearSite(nn.Module):
 
     @property
     def lora_owner(self) -> nn.Module:
-        """The module owning this site's slot buffers (a `LoRABatch.idle` member when no slot holds
-        weights there)."""
+        """The module owning this site's slot buffers (a `LoRABatch.idle` member while no registered
+        adapter has weights there)."""
         return self
 
     def lora_args(self, lora: LoRABatch | None) -> DenseLoRAArgs | None:

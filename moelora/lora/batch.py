@@ -16,9 +16,10 @@ every LoRA site owns its own `lora_ranks [S]` device buffer (written when a slot
 where the adapter does not cover the site), which is what its kernels read, so a site an adapter
 skips costs no LoRA work.
 
-`idle` (the engine's, when `EngineConfig.skip_idle_lora_sites`): the LoRA modules at which no slot
-holds adapter weights (every rank 0, so their delta is exactly zero). A layer whose module is in it
-skips LoRA altogether (`skips`): no kernel launches, not even ones that would exit at once.
+`idle` (the engine's, when `EngineConfig.skip_idle_lora_sites`): the LoRA modules at which no
+registered adapter has weights (every slot's rank 0 there, so their delta is exactly zero). A layer
+whose module is in it skips LoRA altogether (`skips`): no kernel launches, not even ones that would
+exit at once.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ NO_SLOT = -1
 class LoRABatch:
     token_slots: torch.Tensor  # [T] int32, NO_SLOT = base model
     active: tuple[SlotRows, ...] | None
-    idle: frozenset = frozenset()  # LoRA modules with no adapter weights in any slot
+    idle: frozenset = frozenset()  # LoRA modules no registered adapter has weights at
 
     def skips(self, module) -> bool:
         """Whether `module` (the module owning a site's slot buffers) has no LoRA work in this batch."""

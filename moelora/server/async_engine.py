@@ -276,7 +276,7 @@ class AsyncEngine:
     def _do_load(self, name: str, path: str) -> None:
         if name in self._adapters:
             raise AdapterError(f"an adapter named {name!r} is already loaded")
-        self.engine.add_adapter(name, path)
+        self.engine.pool.add(name, path)
         self._adapters[name] = path
 
     def _do_unload(self, name: str) -> None:
