@@ -19,6 +19,7 @@ by kernel, `layer_timeline`)
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections import defaultdict
@@ -155,8 +156,6 @@ def layer_timeline(path: str, layer: int) -> list[str]:
     layer's first kernel), duration, idle gap before it on the device (negative: it overlaps the
     previous one), stream. A layer runs from its input RMSNorm to the next layer's (two norm launches
     a layer: the input and the post-attention norm, each with the residual add fused in)."""
-    import json
-
     with open(path) as f:
         kernels = sorted((e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     norms = [i for i, e in enumerate(kernels) if e["name"] == "_rms_norm_kernel"]
