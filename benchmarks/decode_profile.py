@@ -23,6 +23,7 @@ import json
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
@@ -185,6 +186,8 @@ def main() -> None:
     ap.add_argument("--trace", default=None,
                     help="directory for Chrome traces of each point's graph replay and eager forward")
     args = ap.parse_args()
+    if args.trace:
+        Path(args.trace).mkdir(parents=True, exist_ok=True)  # the profiler's trace writer does not create it
     lines = []
 
     def log(s=""):

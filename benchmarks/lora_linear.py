@@ -40,6 +40,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moelora.kernels.lora_linear import LoRALinearConfig, default_lora_linear_config, lora_linear  # noqa: E402
+from moelora.kernels.planned_lora import row_plan  # noqa: E402
 from moelora.kernels.reference import DenseLoRAArgs  # noqa: E402
 
 SHAPES = {"q": (2048, 4096), "k": (2048, 512), "v": (2048, 512), "qkv": (2048, 5120), "o": (4096, 2048),
@@ -70,14 +71,18 @@ def make_layers(n_in: int, n_out: int, n_layers: int, pool_ranks, seed=0, n_seg:
             for _ in range(n_layers)]
 
 
-def lora_args(layer: dict, T: int, variant: str, segments: tuple[int, ...] = ()) -> DenseLoRAArgs | None:
+def lora_args(layer: dict, T: int, variant: str, segments: tuple[int, ...] = (),
+              plan_block_m: int = 0) -> DenseLoRAArgs | None:
+    """plan_block_m: also the rows grouped by slot ("planned" mode), built here once, as the engine
+    builds it once per forward for every site (so its one launch is not in the per-call time)."""
     n_ad, pool_r, rank = VARIANTS[variant]
     if n_ad == 0:
         return None
     a, b = layer["pools"][pool_r]  # a lower rank reads only its first `rank` columns: no zeroing needed
     slots = (torch.arange(T, device="cuda") % n_ad).to(torch.int32)
     ranks = torch.full((len(segments), SLOTS) if segments else (SLOTS,), rank, dtype=torch.int32, device="cuda")
-    return DenseLoRAArgs(a, b, slots, ranks, active=(), segments=segments)
+    plan = row_plan(slots, SLOTS, plan_block_m) if plan_block_m else None
+    return DenseLoRAArgs(a, b, slots, ranks, active=(), segments=segments, row_plan=plan)
 
 
 def call_bytes(T: int, n_in: int, n_out: int, variant: str, n_seg: int = 1) -> int:
@@ -108,6 +113,9 @@ def cfg_name(cfg: LoRALinearConfig | None) -> str:
         return "-"
     if cfg.mode == "fused":
         return f"fused/bm{cfg.block_m}/bn{cfg.block_n}/bk{cfg.block_k}/w{cfg.num_warps}"
+    if cfg.mode == "planned":
+        return (f"planned/bm{cfg.block_m}/bn{cfg.block_n}/bk{cfg.block_k}/cols{cfg.plan_cols}/w{cfg.num_warps}"
+                f"/st{cfg.num_stages}")
     if cfg.mode == "splitk":
         return (f"splitk/gbn{cfg.gemm_block_n}/gbk{cfg.gemm_block_k}/gsk{cfg.gemm_split_k}/bm{cfg.block_m}"
                 f"/bn{cfg.block_n}/sk{cfg.split_k}")
@@ -125,6 +133,11 @@ def sweep_configs(T: int, mode: str) -> list[LoRALinearConfig]:
                  for bn in (32, 64, 128) for bk in (64, 128, 256) for sk in (1, 2, 4, 8)]
                 + [replace(base, block_m=bm, block_n=bn, num_warps=w)  # the reduce's tiles
                    for bm, bn, w in ((16, 128, 4), (32, 64, 4), (64, 64, 4), (64, 128, 8))])
+    if mode == "planned":
+        base = default_lora_linear_config(T, "planned")
+        return ([replace(base, block_n=bn, block_k=bk, plan_cols=pc, num_stages=st)
+                 for bn in (64, 128) for bk in (128, 256, 512) for pc in (0, 512) for st in (2, 3, 4)]
+                + [replace(base, block_m=32, block_k=bk, num_warps=w) for bk in (256, 512) for w in (4, 8)])
     base = default_lora_linear_config(T, "split")
     cfgs = [replace(base, block_m=bm, block_n=bn, num_warps=w, split_k=sk)
             for bm, bn, w in ((16, 64, 4), (16, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4),
@@ -148,8 +161,9 @@ def bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep=(), side=None,
     rows, t_off = [], None
     for var, cfg, swept in runs:
         # LoRA args built once, before capture (fixed-address buffers, as the runner's step plan)
-        calls = [partial(lora_linear, x, ly["w"], None, lora_args(ly, T, var, segments), out=out, config=cfg,
-                         side_stream=side)
+        plan_bm = cfg.block_m if cfg.mode == "planned" else 0
+        calls = [partial(lora_linear, x, ly["w"], None, lora_args(ly, T, var, segments, plan_bm), out=out,
+                         config=cfg, side_stream=side)
                  for ly in layers]
         try:
             t_chain = graph_ms(calls) / len(calls)
@@ -220,7 +234,8 @@ def main(argv=None):
     ap.add_argument("--modes", default="split,fused")
     ap.add_argument("--layers", type=int, default=0, help="calls per graph (0: enough to keep W out of L2)")
     ap.add_argument("--sweep", default="", help="variants (e.g. 8ad_r16) to also time over split-path configs")
-    ap.add_argument("--sweep-mode", default="split", choices=("split", "splitk"), help="which path --sweep varies")
+    ap.add_argument("--sweep-mode", default="split", choices=("split", "splitk", "planned"),
+                    help="which path --sweep varies")
     ap.add_argument("--no-side-stream", action="store_true", help="the shrink on the main stream (overlap_lora off)")
     args = ap.parse_args(argv)
     side = None if args.no_side_stream else torch.cuda.Stream()

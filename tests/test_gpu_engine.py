@@ -172,6 +172,28 @@ def test_dense_splitk_decode_graph_matches_eager(model_and_adapters, monkeypatch
     assert forced_logprob_diff(gpu_engine(model, adapters, enforce_eager=True), reqs) <= 0.05
 
 
+def test_dense_planned_decode_graph_matches_eager(model_and_adapters, monkeypatch):
+    """The dense "planned" path (rows grouped by slot, built once per forward by the model) on every
+    projection past 16 rows (the default keeps it for >= 1024-wide shapes, which the tiny models
+    lack). The grouping is rebuilt inside each graph replay as requests come and go (a stale one would
+    give rows another adapter's delta): graph decode equals eager decode, the same kernels. (Against
+    the split path the tokens may part at near-ties: other roundings; that equivalence is the kernel
+    tests' and the CPU model test's.)"""
+    import moelora.kernels.lora_linear as dense
+
+    monkeypatch.setattr(dense, "_prefers_splitk", lambda rows, n_in, n_out, has_lora: False)
+    monkeypatch.setattr(dense, "_prefers_planned", lambda rows, n_in, n_out: rows > 16)
+    shared = []
+    real = dense._add_delta_planned
+    monkeypatch.setattr(dense, "_add_delta_planned",
+                        lambda x, out, lora, *a: shared.append(lora.row_plan is not None) or real(x, out, lora, *a))
+    model, adapters = model_and_adapters
+    prompts, names = workload(n=28, seed=8)
+    reqs = generate(gpu_engine(model, adapters), prompts, names, 64)
+    assert shared and all(shared), "planned never ran, or built its own grouping"
+    assert forced_logprob_diff(gpu_engine(model, adapters, enforce_eager=True), reqs) <= 0.05
+
+
 def test_two_streams_match_one(model_and_adapters):
     """Shared experts and LoRA work on their side streams (graphs) vs everything on one stream (eager)."""
     model, adapters = model_and_adapters

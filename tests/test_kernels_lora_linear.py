@@ -16,6 +16,7 @@ triton = pytest.importorskip("triton")
 from kernel_env import CUDA, DEV, INTERP, gpu_only, graph_replayed, kernel_test  # noqa: E402,F401
 
 from moelora.kernels.lora_linear import LoRALinearConfig, default_lora_linear_config, lora_linear  # noqa: E402
+from moelora.kernels.planned_lora import row_plan  # noqa: E402
 from moelora.kernels.reference import DenseLoRAArgs, SlotRows, lora_linear_ref  # noqa: E402
 
 # Tiny blocks so that tiny shapes still span several row blocks, N tiles and N_in chunks.
@@ -23,7 +24,9 @@ TINY = {"split": LoRALinearConfig("split", 16, 32, 16, 16, split_k=3),
         "fused": LoRALinearConfig("fused", 16, 32, 32),
         # fp16/bf16 only (fp32 calls take "split"): split-K GEMM, expand in its reduce
         "splitk": LoRALinearConfig("splitk", 16, 32, 16, 16, split_k=3, gemm_block_n=16, gemm_block_k=16,
-                                   gemm_split_k=3)}
+                                   gemm_split_k=3),
+        # rows grouped by slot: 16-row plan blocks, 16-column programs (tiles straddle no segment bound)
+        "planned": LoRALinearConfig("planned", 16, 16, 16, plan_cols=16)}
 MODES = tuple(TINY)
 
 
@@ -106,6 +109,23 @@ def test_one_slot_per_row_block_and_empty_blocks(mode):
 
 
 @kernel_test
+def test_planned_reads_the_callers_row_plan():
+    """The engine's path: the rows grouped by slot once (`DenseLoRAArgs.row_plan`) and read by the
+    site, bit-identical to the grouping the launcher builds itself; slots spanning several blocks;
+    a grouping of other rows or slots is refused."""
+    slots = [2] * 21 + [-1, 0, 2, 1] * 5 + [0] * 17
+    x, w, b, lora = make_case(len(slots), 45, 40, (16, 3, 9), 16, dtype=torch.float16, device=DEV, seed=11,
+                              slots=slots)
+    cfg = TINY["planned"]
+    own = check((x, w, b, lora), 1e-2, cfg, delta_tol=2e-2)
+    given = lora_linear(x, w, b, replace(lora, row_plan=row_plan(lora.token_slots, 3, cfg.block_m)), config=cfg)
+    assert torch.equal(given, own)
+    for bad in (row_plan(lora.token_slots[:-1], 3, 16), row_plan(lora.token_slots, 4, 16)):
+        with pytest.raises(ValueError, match="row_plan"):
+            lora_linear(x, w, b, replace(lora, row_plan=bad), config=cfg)
+
+
+@kernel_test
 @pytest.mark.parametrize("slot_lanes", [1, 2, 3, 8])
 def test_slot_lanes_fewer_and_more_than_distinct_slots(slot_lanes):
     """Six slots interleaved (up to 6 distinct per block): lanes below that make the last lane loop."""
@@ -138,7 +158,16 @@ def test_default_mode_by_shape():
     assert default_lora_linear_config(1, n_in=4096, n_out=2048).mode == "splitk"
     assert default_lora_linear_config(64, n_in=4096, n_out=2048).mode == "splitk"  # o: to 64 rows
     assert default_lora_linear_config(65, n_in=4096, n_out=2048).mode == "split"
-    assert default_lora_linear_config(17, n_in=2048, n_out=5120).mode == "split"
+    assert default_lora_linear_config(17, n_in=2048, n_out=5120).mode == "split"  # rows not grouped by slot
+    grouped = dict(row_plan=True)  # the caller grouped the rows by slot (the engine)
+    assert default_lora_linear_config(17, n_in=2048, n_out=5120, **grouped).mode == "planned"
+    assert default_lora_linear_config(1024, n_in=2048, n_out=5120, **grouped).mode == "planned"
+    assert default_lora_linear_config(1025, n_in=2048, n_out=5120, **grouped).mode == "split"  # not measured
+    assert default_lora_linear_config(256, n_in=2048, n_out=5120, has_lora=False, **grouped).mode == "split"
+    assert default_lora_linear_config(128, n_in=4096, n_out=2048, **grouped).mode == "split"  # o: from 129 rows
+    assert default_lora_linear_config(129, n_in=4096, n_out=2048, **grouped).mode == "planned"
+    assert default_lora_linear_config(16, n_in=2048, n_out=5120, **grouped).mode == "splitk"
+    assert default_lora_linear_config(256, n_in=2048, n_out=512, **grouped).mode == "split"  # narrower: not measured
     assert default_lora_linear_config(8, n_in=4096, n_out=2048, has_lora=False).mode == "split"  # cuBLAS
     assert default_lora_linear_config(64, n_in=2048, n_out=128).mode == "splitk"  # bf16 router
     assert default_lora_linear_config(65, n_in=2048, n_out=128).mode == "split"
@@ -291,7 +320,7 @@ def test_gpu_cuda_graph_replay(mode, T):
 
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.parametrize("mode", ["split"])  # "splitk" runs its shrink inside the partials' launch
+@pytest.mark.parametrize("mode", ["split", "planned"])  # "planned" forks nothing: a graph with a side stream given
 @pytest.mark.parametrize("T", [8, 256])
 def test_gpu_side_stream_shrink_is_bit_exact(T, mode):
     """The shrink on a side stream (concurrent with cuBLAS) equals the one-stream result bit for bit,

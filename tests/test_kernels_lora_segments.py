@@ -30,7 +30,9 @@ TINY = {"split": LoRALinearConfig("split", 16, 32, 16, 16, split_k=3),
         "fused": LoRALinearConfig("fused", 16, 32, 32),
         # fp16/bf16 only (fp32 calls take "split"): split-K GEMM, expand in its reduce
         "splitk": LoRALinearConfig("splitk", 16, 32, 16, 16, split_k=3, gemm_block_n=16, gemm_block_k=16,
-                                   gemm_split_k=3)}
+                                   gemm_split_k=3),
+        # rows grouped by slot: 16-row plan blocks, 16-column programs (tiles straddle no segment bound)
+        "planned": LoRALinearConfig("planned", 16, 16, 16, plan_cols=16)}
 
 
 def make_case(T, n_in, segs, ranks, R, *, slots=None, dtype=torch.float32, device="cpu", seed=0, bias=True):
@@ -177,7 +179,7 @@ QKV = (4096, 512, 512)
 
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.parametrize("mode", ["split", "fused", "splitk"])
+@pytest.mark.parametrize("mode", ["split", "fused", "splitk", "planned"])
 @pytest.mark.parametrize("T", [1, 64, 256])
 def test_gpu_qkv_bf16(mode, T):
     """8 slots of rank 16 on q/k/v, rows interleaved over them (decode's worst case), some on no adapter."""

@@ -138,3 +138,27 @@ def test_unmerged_qkv_equals_torch_backend_with_two_more_launches_a_layer(monkey
     layers = hf.config.num_hidden_layers
     assert counts[True][1] == layers and counts[False][1] == 0
     assert counts[False][0] == counts[True][0] + 2 * layers
+
+
+@kernel_test
+def test_rows_grouped_by_slot_equal_torch_backend(monkeypatch):
+    """`EngineConfig.group_lora_rows`: the model groups the step's rows by slot once per forward and
+    every dense site takes the "planned" delta (the default keeps it for >= 1024-wide shapes, which the
+    tiny model lacks, so the rule is widened here): the same logits as the torch backend, with rows
+    of two adapters and of none."""
+    monkeypatch.setattr(lora_kernels, "_prefers_splitk", lambda rows, n_in, n_out, has_lora: False)
+    monkeypatch.setattr(lora_kernels, "_prefers_planned", lambda rows, n_in, n_out: True)
+    planned = []
+    real = lora_kernels._add_delta_planned
+    monkeypatch.setattr(lora_kernels, "_add_delta_planned",
+                        lambda x, out, lora, *a: planned.append(lora.row_plan is not None) or real(x, out, lora, *a))
+    hf = tiny_hf_model("qwen2_moe", seed=24)
+    model = build(hf, max_loras=2, max_rank=4).to(DEV)
+    adapters = {"a": random_adapter(model, seed=25, rank=4), "b": random_adapter(model, seed=26, rank=3, frac=0.5)}
+    g = torch.Generator().manual_seed(28)
+    seqs = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (9, 4, 12)]
+    names = ["a", None, "b"]
+    want = engine(model, adapters, max_loras=2, device=DEV, kernel_backend="torch").prompt_logits(seqs, names)
+    got = engine(model, adapters, max_loras=2, device=DEV, kernel_backend="triton").prompt_logits(seqs, names)
+    assert planned and all(planned)
+    assert_close(got, want)

@@ -52,6 +52,7 @@ class CudaGraphRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.lora_idle: frozenset = frozenset()  # the idle LoRA sites the graphs were captured with
+        self.group_rows = False  # LoRABatch.group_rows: the captured forward groups the rows by slot
         self.captures = 0
         self.capture_s = 0.0  # wall time of the last capture, warm-up included
 
@@ -59,7 +60,7 @@ class CudaGraphRunner:
         meta = AttnMetadata(self.slot_mapping[:B], self.block_tables[:B], self.seq_lens[:B],
                             self.query_start[:B + 1], tuple(SeqSlice(i, 1, 1, i) for i in range(B)),
                             max_seq_len=self.max_model_len, max_query_len=1)
-        lora = LoRABatch(self.token_slots[:B], (), self.lora_idle)
+        lora = LoRABatch(self.token_slots[:B], (), self.lora_idle, group_rows=self.group_rows)
         hidden = self.model(self.input_ids[:B], self.positions[:B], meta, self.cache.layers, lora)
         return self.model.logits(hidden).float()
 

@@ -84,12 +84,14 @@ class LLMEngine:
                 module.backend = cfg.kernel_backend
         for name, path in (adapters or {}).items():
             self.pool.add(name, path)
+        self.runner.group_rows = cfg.group_lora_rows and cfg.kernel_backend == "triton"
         self.graphs = None
         # MLA's expanded decode loops over sequences on the host: graphs need the absorbed form
         graph_safe = cfg.mla_absorbed_decode or not any(isinstance(m, MLAttention) for m in model.modules())
         if cfg.use_cuda_graphs and graph_safe and getattr(model, "supports_cuda_graphs", False):
             dummy = self.cache.allocator.allocate()  # padding rows of a graph bucket write here, forever
             self.graphs = CudaGraphRunner(model, self.cache, cfg.max_num_seqs, cfg.max_model_len, dummy)
+            self.graphs.group_rows = self.runner.group_rows
             self.graphs.capture(self.lora_idle)
         self.requests: dict[str, Request] = {}
         eos = set(model.config.eos_token_ids)

@@ -36,6 +36,7 @@ class ModelRunner:
         kernels read only the token slots)."""
         self.model, self.cache, self.device, self.lora_rows = model, cache, device, lora_rows
         self.lora_idle: frozenset = frozenset()  # the engine's idle LoRA sites, carried by every LoRABatch
+        self.group_rows = False  # LoRABatch.group_rows (the engine's: EngineConfig.group_lora_rows)
 
     def _upload(self, *lists: list[int]) -> list[torch.Tensor]:
         """One host->device copy for all of a step's int vectors (each copy costs ~10 us of launch and
@@ -92,7 +93,7 @@ class ModelRunner:
             slot_mapping=slot_map_t, block_tables=tables_t.view(len(seqs), max_blocks).to(torch.int32),
             seq_lens=seq_lens_t.to(torch.int32), query_start=starts_t.to(torch.int32), seqs=tuple(seqs),
             max_seq_len=max(seq_lens), max_query_len=max(step.num_new))
-        lora = LoRABatch.build(slots, slot_ranks, self.device, self.lora_rows, self.lora_idle) \
+        lora = LoRABatch.build(slots, slot_ranks, self.device, self.lora_rows, self.lora_idle, self.group_rows) \
             if any(s != NO_SLOT for s in slots) else None
         return StepInputs(ids_t, pos_t, meta, lora, rows_t, tuple(sample_index))
 

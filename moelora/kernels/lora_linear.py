@@ -29,6 +29,11 @@ replaces both the GEMM and the delta):
   `_prefers_splitk`): no cuBLAS. A split-K Triton GEMM whose launch also runs the shrink's
   programs, then one reduce that sums the partials and adds bias and the expand
   (`moelora.kernels.splitk_linear`): LoRA adds no launch.
+- "planned" (decode batches past splitk's rows, the default where the caller grouped the rows by slot:
+  `DenseLoRAArgs.row_plan`, one launch per forward in the engine): the base GEMM (cuBLAS), then one
+  kernel that adds each slot's delta over the grouped rows (`moelora.kernels.planned_lora`): a
+  program serves one slot, with no lanes and no partials buffer. Asked for without a grouping, it
+  builds one itself.
 - "fused": the older single kernel: program (m, n) shrinks its rows over the full N_in for each
   distinct slot and expands into its tile, so the shrink repeats N_out / BN times. One launch
   fewer; kept as an off switch and for comparison.
@@ -62,17 +67,23 @@ from moelora.kernels.lora_tiles import (
     lora_b_tile_cols,
     lora_shrink_rows,
 )
+from moelora.kernels.planned_lora import planned_cols, planned_delta, row_plan
 from moelora.kernels.reference import DenseLoRAArgs
 from moelora.kernels.side_stream import forked, join
 from moelora.kernels.splitk_linear import ShrinkLaunch, splitk_partials, splitk_reduce
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MODES = ("split", "fused", "splitk")
+_MODES = ("split", "fused", "splitk", "planned")
 # "splitk" replaces cuBLAS for rows up to this many (decode), in fp16/bf16; beyond, or in fp32, "split"
 _SPLITK_MAX_ROWS = 64
 # Shrink programs to aim for with one slot per row block (split over N_in when T alone gives fewer):
 # about one per SM on an H200 (132); more slots multiply them through the slot lanes.
 _SHRINK_TARGET_PROGRAMS = 128
+# "planned": programs to aim for (plan blocks x column splits) when plan_cols is 0, two per SM of an
+# H200; the largest row count it is the default for; its plan's rows per block
+_PLANNED_TARGET_PROGRAMS = 264
+_PLANNED_MAX_ROWS = 1024
+PLAN_BLOCK_M = 16
 
 
 def _prefers_splitk(num_tokens: int, n_in: int, n_out: int, has_lora: bool) -> bool:
@@ -90,6 +101,27 @@ def _prefers_splitk(num_tokens: int, n_in: int, n_out: int, has_lora: bool) -> b
     return o_like or (num_tokens <= 16 and n_out >= 1024)
 
 
+def _prefers_planned(num_tokens: int, n_in: int, n_out: int) -> bool:
+    """H200, bf16, plan built once (benchmarks/lora_linear.py; docs/benchmarks.md), µs per call,
+    split -> planned (bm16/bn128/bk256/cols512), 8 adapters r16 (1 adapter in brackets):
+    merged q/k/v 2048->5120 T = 64 / 128 / 256: 19.82 -> 18.35, 25.38 -> 19.58, 41.92 -> 23.01 (22.60 -> 22.13);
+    o 4096->2048 T = 64 / 128 / 256: 19.74 -> 23.03, 21.28 -> 22.94, 29.97 -> 23.37 (24.40 -> 23.29).
+    T = 512 / 1024: q/k/v 72.18 -> 35.28, 119.08 -> 55.97 (33.76 -> 35.24, 55.71 -> 56.16); o 45.26 ->
+    32.90, 73.77 -> 44.59 (28.02 -> 32.56, 42.09 -> 44.51). A program's full-depth shrink is a latency
+    chain: o (4096 deep) gains only from 256 rows, and one adapter alone loses up to 16 % at o. So:
+    past splitk's rows up to 1024, from 17 rows (q/k/v-like) or 129 (o-like), on shapes at least 1024
+    wide (narrower not measured)."""
+    if not (n_in >= 1024 and n_out >= 1024 and num_tokens <= _PLANNED_MAX_ROWS):
+        return False
+    return num_tokens > (128 if n_in >= 2 * n_out else 16)
+
+
+def wants_row_plan(num_tokens: int) -> bool:
+    """Whether a forward of this many rows may take "planned" at some site (so the engine builds the
+    rows' grouping by slot once for all of them, with `PLAN_BLOCK_M` rows a block)."""
+    return 16 < num_tokens <= _PLANNED_MAX_ROWS
+
+
 @dataclass(frozen=True)
 class LoRALinearConfig:
     """Block sizes of the LoRA delta. `mode`: "split" (shrink + expand kernels) or "fused" (one
@@ -101,7 +133,9 @@ class LoRALinearConfig:
     fp16/bf16): a split-K Triton GEMM in gemm_split_k chunks of N_in (gemm_block_n x gemm_block_k
     tiles) instead of cuBLAS, whose launch also runs the split path's shrink programs, and one
     reduce that adds bias and the expand (block_m x block_n tiles); see
-    `moelora.kernels.splitk_linear`. All block sizes are powers of two >= 16 (tl.dot)."""
+    `moelora.kernels.splitk_linear`. "planned": block_m rows of one slot a program (the row plan's
+    block), block_n x block_k tiles, plan_cols output columns a program (0: from the shapes).
+    All block sizes are powers of two >= 16 (tl.dot)."""
 
     mode: str = "split"
     block_m: int = 16
@@ -116,24 +150,31 @@ class LoRALinearConfig:
     gemm_block_n: int = 64
     gemm_block_k: int = 128
     gemm_split_k: int = 4
+    plan_cols: int = 0
 
     def __post_init__(self):
         need_one_of("LoRALinearConfig", "mode", self.mode, _MODES)
         need_pow2("LoRALinearConfig", block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
                   shrink_block_m=self.shrink_block_m, gemm_block_n=self.gemm_block_n, gemm_block_k=self.gemm_block_k)
         need_at_least("LoRALinearConfig", 1, gemm_split_k=self.gemm_split_k, slot_lanes=self.slot_lanes)
-        need_at_least("LoRALinearConfig", 0, split_k=self.split_k)
+        need_at_least("LoRALinearConfig", 0, split_k=self.split_k, plan_cols=self.plan_cols)
 
 
 def default_lora_linear_config(num_tokens: int, mode: str | None = None, n_in: int = 0, n_out: int = 0,
-                               has_lora: bool = True) -> LoRALinearConfig:
+                               has_lora: bool = True, row_plan: bool = False) -> LoRALinearConfig:
     """Decode: short row blocks, many programs; prefill: taller expand tiles, so B is re-read by
     fewer row blocks. Fused: wide N tiles at prefill, so its in-program shrink repeats less.
-    `mode` None: "splitk" where it measured faster than cuBLAS + split (`_prefers_splitk`), else "split"."""
+    `mode` None: "splitk" where it measured faster than cuBLAS + split (`_prefers_splitk`), else, when
+    the caller grouped the rows by slot (`row_plan`: `DenseLoRAArgs.row_plan` given), "planned" where
+    that did (`_prefers_planned`), else "split"."""
     if mode is None:
-        mode = "splitk" if _prefers_splitk(num_tokens, n_in, n_out, has_lora) else "split"
+        mode = ("splitk" if _prefers_splitk(num_tokens, n_in, n_out, has_lora)
+                else "planned" if has_lora and row_plan and _prefers_planned(num_tokens, n_in, n_out) else "split")
     if mode == "splitk":
         return LoRALinearConfig("splitk", 16, 64, 128, 16, split_k=8)
+    if mode == "planned":
+        # H200 sweep (benchmarks/lora_linear.py --sweep-mode planned), q/k/v and o, T 64..256, 1 and 8 adapters
+        return LoRALinearConfig("planned", PLAN_BLOCK_M, 128, 256, plan_cols=512, num_stages=4)
     if mode == "fused":
         if num_tokens <= 32:
             return LoRALinearConfig("fused", 16, 64, 256, num_warps=4)
@@ -262,6 +303,10 @@ def _check_lora(lora, T, n_in, n_out):
     if tuple(lora.token_slots.shape) != (T,) or lora.token_slots.dtype != torch.int32:
         raise ValueError(f"lora.token_slots must be [T={T}] int32, got {tuple(lora.token_slots.shape)} "
                          f"{lora.token_slots.dtype}")
+    plan = lora.row_plan
+    if plan is not None and (plan.num_tokens != T or plan.top_k != 1 or plan.num_experts != max(1, S)):
+        raise ValueError(f"lora.row_plan must group T={T} rows over S={S} slots, got one of {plan.num_tokens} rows "
+                         f"x {plan.top_k} over {plan.num_experts}")
     ranks_shape = (G, S) if segs else (S,)
     if tuple(lora.slot_ranks.shape) != ranks_shape or lora.slot_ranks.dtype != torch.int32 \
             or not lora.slot_ranks.is_contiguous():
@@ -339,6 +384,17 @@ def _add_delta_fused(x, out, lora, T, n_in, n_out, cfg):
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
+def _add_delta_planned(x, out, lora, T, n_out, cfg):
+    S = lora.a.shape[0]
+    plan = lora.row_plan
+    if plan is None or plan.block_m != cfg.block_m:
+        plan = row_plan(lora.token_slots, S, cfg.block_m)
+    seg = _Segments(lora)
+    cols = cfg.plan_cols or planned_cols(T, n_out, S, cfg.block_m, cfg.block_n, _PLANNED_TARGET_PROGRAMS)
+    planned_delta(x, out, lora.a, lora.b, lora.slot_ranks, plan, seg.bounds or (0, n_out), cols, cfg.block_n,
+                  cfg.block_k, cfg.num_warps, cfg.num_stages)
+
+
 def _splitk_linear(x, weight, bias, lora, out, T, n_in, cfg):
     """"splitk": one launch of split-K partials and, with LoRA, the shrink's programs next to them
     (so no side stream and no join), then one reduce that adds bias and the expand."""
@@ -369,12 +425,13 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if out.untyped_storage().data_ptr() in (x.untyped_storage().data_ptr(), weight.untyped_storage().data_ptr()):
         raise ValueError("out must not alias an input (contract 2)")
     has_lora = lora is not None and lora.a.shape[0] > 0
-    cfg = config or default_lora_linear_config(T, n_in=n_in, n_out=n_out, has_lora=has_lora)
+    cfg = config or default_lora_linear_config(T, n_in=n_in, n_out=n_out, has_lora=has_lora,
+                                               row_plan=has_lora and lora.row_plan is not None)
     if cfg.mode == "splitk" and T <= _SPLITK_MAX_ROWS and x.dtype != torch.float32 and weight.stride(1) == 1:
         _splitk_linear(x, weight, bias, lora if has_lora else None, out, T, n_in, cfg)
         return out
     shrunk = None
-    if has_lora and cfg.mode != "fused" and side_stream is not None:
+    if has_lora and cfg.mode not in ("fused", "planned") and side_stream is not None:
         # Fork (contract 2): the side stream reads x, A, the slots and ranks and writes only xa; the
         # GEMM here reads x and W and writes only `out`. Nothing read across the fork is written before
         # the join, and xa (allocated here before the fork) is read by the expand after it.
@@ -387,6 +444,9 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return out
     if cfg.mode == "fused":
         _add_delta_fused(x, out, lora, T, n_in, n_out, cfg)
+        return out
+    if cfg.mode == "planned":
+        _add_delta_planned(x, out, lora, T, n_out, cfg)
         return out
     if shrunk is None:
         shrunk = _shrink(x, lora, T, n_in, cfg)

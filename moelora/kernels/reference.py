@@ -45,6 +45,7 @@ class DenseLoRAArgs:
     slot_ranks: torch.Tensor  # [S] int32, or [G, S] with segments
     active: tuple[SlotRows, ...] | None  # None: for the Triton kernels only (the twins refuse it)
     segments: tuple[int, ...] = ()
+    row_plan: MoERoutingPlan | None = None  # the rows grouped by slot (Triton "planned" mode; built if None)
 
 
 @dataclass(frozen=True)
