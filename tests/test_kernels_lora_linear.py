@@ -166,6 +166,8 @@ def test_default_mode_by_shape():
     assert default_lora_linear_config(256, n_in=2048, n_out=5120, has_lora=False, **grouped).mode == "split"
     assert default_lora_linear_config(128, n_in=4096, n_out=2048, **grouped).mode == "split"  # o: from 129 rows
     assert default_lora_linear_config(129, n_in=4096, n_out=2048, **grouped).mode == "planned"
+    assert default_lora_linear_config(64, n_in=2816, n_out=2048, **grouped).mode == "split"  # deeper than wide
+    assert default_lora_linear_config(64, n_in=2048, n_out=2816, **grouped).mode == "planned"
     assert default_lora_linear_config(16, n_in=2048, n_out=5120, **grouped).mode == "splitk"
     assert default_lora_linear_config(256, n_in=2048, n_out=512, **grouped).mode == "split"  # narrower: not measured
     assert default_lora_linear_config(8, n_in=4096, n_out=2048, has_lora=False).mode == "split"  # cuBLAS

@@ -109,11 +109,12 @@ def _prefers_planned(num_tokens: int, n_in: int, n_out: int) -> bool:
     T = 512 / 1024: q/k/v 72.18 -> 35.28, 119.08 -> 55.97 (33.76 -> 35.24, 55.71 -> 56.16); o 45.26 ->
     32.90, 73.77 -> 44.59 (28.02 -> 32.56, 42.09 -> 44.51). A program's full-depth shrink is a latency
     chain: o (4096 deep) gains only from 256 rows, and one adapter alone loses up to 16 % at o. So:
-    past splitk's rows up to 1024, from 17 rows (q/k/v-like) or 129 (o-like), on shapes at least 1024
-    wide (narrower not measured)."""
+    past splitk's rows up to 1024, from 17 rows on shapes wider than deep (q/k/v-like) and from 129 on
+    the others (o-like: unmeasured depths between, e.g. a shared expert's down 2816->2048, are taken as
+    deep), on shapes at least 1024 wide (narrower not measured)."""
     if not (n_in >= 1024 and n_out >= 1024 and num_tokens <= _PLANNED_MAX_ROWS):
         return False
-    return num_tokens > (128 if n_in >= 2 * n_out else 16)
+    return num_tokens > (128 if n_in > n_out else 16)
 
 
 def wants_row_plan(num_tokens: int) -> bool:
