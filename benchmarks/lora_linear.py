@@ -108,14 +108,23 @@ def copy_gbps() -> float:
     return 2 * a.numel() / (t * 1e-3) / 1e9
 
 
+def mode_config(T: int, mode: str) -> LoRALinearConfig:
+    """A --modes name's default config; "planned_split": planned with the split path's shrink (on the
+    side stream, next to cuBLAS) and the planned expand."""
+    if mode == "planned_split":
+        return replace(default_lora_linear_config(T, "planned"), plan_shrink="split")
+    return default_lora_linear_config(T, mode)
+
+
 def cfg_name(cfg: LoRALinearConfig | None) -> str:
     if cfg is None:
         return "-"
     if cfg.mode == "fused":
         return f"fused/bm{cfg.block_m}/bn{cfg.block_n}/bk{cfg.block_k}/w{cfg.num_warps}"
     if cfg.mode == "planned":
+        shrink = "" if cfg.plan_shrink == "fused" else f"/shrink-split{cfg.split_k}"
         return (f"planned/bm{cfg.block_m}/bn{cfg.block_n}/bk{cfg.block_k}/cols{cfg.plan_cols}/w{cfg.num_warps}"
-                f"/st{cfg.num_stages}")
+                f"/st{cfg.num_stages}{shrink}")
     if cfg.mode == "splitk":
         return (f"splitk/gbn{cfg.gemm_block_n}/gbk{cfg.gemm_block_k}/gsk{cfg.gemm_split_k}/bm{cfg.block_m}"
                 f"/bn{cfg.block_n}/sk{cfg.split_k}")
@@ -137,6 +146,8 @@ def sweep_configs(T: int, mode: str) -> list[LoRALinearConfig]:
         base = default_lora_linear_config(T, "planned")
         return ([replace(base, block_n=bn, block_k=bk, plan_cols=pc, num_stages=st)
                  for bn in (64, 128) for bk in (128, 256, 512) for pc in (0, 512) for st in (2, 3, 4)]
+                + [replace(base, plan_shrink="split", block_k=bk, split_k=sk, plan_cols=pc)
+                   for bk in (128, 256) for sk in (0, 2, 4, 8) for pc in (0, 512)]
                 + [replace(base, block_m=32, block_k=bk, num_warps=w) for bk in (256, 512) for w in (4, 8)])
     base = default_lora_linear_config(T, "split")
     cfgs = [replace(base, block_m=bm, block_n=bn, num_warps=w, split_k=sk)
@@ -152,7 +163,7 @@ def bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep=(), side=None,
     x = torch.randn(T, n_in, device="cuda").to(torch.bfloat16)
     out = torch.empty(T, n_out, device="cuda", dtype=torch.bfloat16)
     # no LoRA: cuBLAS (the split path without LoRA); with: each mode's default
-    runs = [(var, default_lora_linear_config(T, mode if VARIANTS[var][0] else "split"), False)
+    runs = [(var, mode_config(T, mode if VARIANTS[var][0] else "split"), False)
             for var in variants for mode in (modes if VARIANTS[var][0] else ("-",))]
     if "splitk" in modes and "off" in variants:  # its base GEMM alone, next to cuBLAS
         runs.insert(next(i for i, r in enumerate(runs) if r[0] == "off") + 1,

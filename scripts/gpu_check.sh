@@ -6,6 +6,8 @@
 #            e.g. "--lora-only --ms 1,8,32,128,512": keep the tiles, re-pick the LoRA paths)
 #   DECODE=1 benchmarks/decode.py (DECODE_ARGS, e.g. "--model all --conc 1,8,64,256"); then once more per
 #            ';'-separated flag set of DECODE_VARIANTS, e.g. "--async-scheduling;--no-overlap-lora"
+#   DENSE=0  benchmarks/lora_linear.py (DENSE_ARGS, e.g. "--ts 64,256 --shapes qkv,o --modes split,planned,planned_split
+#            --variants off,1ad_r16,8ad_r16"): the dense LoRA linear's paths per call
 #   HOST=0   benchmarks/host_overhead.py --device cuda (HOST_ARGS): the host phases of a decode step
 #   PROFILE=0 benchmarks/decode_profile.py (PROFILE_ARGS): host phases, graph replay, top kernels
 # Exit status: non-zero if any stage failed; every stage runs regardless.
@@ -37,6 +39,9 @@ if [ "${DECODE:-1}" = 1 ]; then
     "$PY" benchmarks/decode.py "$OUT/decode_v$i.csv" ${DECODE_ARGS:-} ${variants[$i]} 2>&1 | tee -a "$OUT/decode_v$i.log" \
       || rc=1
   done
+fi
+if [ "${DENSE:-0}" = 1 ]; then
+  "$PY" benchmarks/lora_linear.py "$OUT/lora_linear.csv" ${DENSE_ARGS:-} 2>&1 | tee "$OUT/lora_linear.log" || rc=1
 fi
 if [ "${HOST:-0}" = 1 ]; then
   "$PY" benchmarks/host_overhead.py --device cuda ${HOST_ARGS:-} 2>&1 | tee "$OUT/host_overhead.log" || rc=1

@@ -26,7 +26,17 @@ TINY = {"split": LoRALinearConfig("split", 16, 32, 16, 16, split_k=3),
         "splitk": LoRALinearConfig("splitk", 16, 32, 16, 16, split_k=3, gemm_block_n=16, gemm_block_k=16,
                                    gemm_split_k=3),
         # rows grouped by slot: 16-row plan blocks, 16-column programs (tiles straddle no segment bound)
-        "planned": LoRALinearConfig("planned", 16, 16, 16, plan_cols=16)}
+        "planned": LoRALinearConfig("planned", 16, 16, 16, plan_cols=16),
+        # the split path's shrink (3 N_in chunks), then the planned expand
+        "planned_split": LoRALinearConfig("planned", 16, 16, 16, 16, split_k=3, plan_cols=16, plan_shrink="split")}
+
+
+def named_config(T: int, name: str) -> LoRALinearConfig:
+    """A TINY key's real-size default: its mode's default config ("planned_split": planned's, with the
+    split path's shrink)."""
+    if name == "planned_split":
+        return replace(default_lora_linear_config(T, "planned"), plan_shrink="split")
+    return default_lora_linear_config(T, name)
 MODES = tuple(TINY)
 
 
@@ -215,7 +225,7 @@ def test_default_configs_run():
     for T in (1, 40):
         case = make_case(T, 48, 40, (16, 2), 16, device=DEV, seed=7)
         for mode in MODES:
-            check(case, 1e-4, default_lora_linear_config(T, mode), delta_tol=1e-4)
+            check(case, 1e-4, named_config(T, mode), delta_tol=1e-4)
     check(make_case(5, 48, 40, (16, 2), 16, device=DEV, seed=8), 1e-4, delta_tol=1e-4)  # config=None
 
 
@@ -256,10 +266,10 @@ def test_gpu_real_shape_bf16(mode, n_in, n_out, T, ranks, R):
                      slots=gpu_slots(T, len(ranks), T))
     torch.cuda.set_sync_debug_mode("error")
     try:
-        lora_linear(*case, config=default_lora_linear_config(T, mode))
+        lora_linear(*case, config=named_config(T, mode))
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    check(case, 1e-2, default_lora_linear_config(T, mode), ref_dtype=torch.float32, delta_tol=3e-2)
+    check(case, 1e-2, named_config(T, mode), ref_dtype=torch.float32, delta_tol=3e-2)
 
 
 @pytest.mark.gpu
@@ -295,7 +305,7 @@ def test_gpu_many_slots_few_lanes_bf16(slot_lanes, T):
 def test_gpu_cuda_graph_replay(mode, T):
     """Capture once; replay after new x, weights, adapters and token slots are copied in place."""
     ranks, n_in, n_out = (16, 8, 16, 4), 2048, 512
-    cfg = default_lora_linear_config(T, mode)
+    cfg = named_config(T, mode)
     x, w, b, lora = make_case(T, n_in, n_out, ranks, 16, dtype=torch.bfloat16, device="cuda", seed=40,
                               slots=gpu_slots(T, 4, 40))
     out = torch.empty(T, n_out, dtype=torch.bfloat16, device="cuda")
@@ -322,7 +332,7 @@ def test_gpu_cuda_graph_replay(mode, T):
 
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.parametrize("mode", ["split", "planned"])  # "planned" forks nothing: a graph with a side stream given
+@pytest.mark.parametrize("mode", ["split", "planned", "planned_split"])  # "planned": forks nothing
 @pytest.mark.parametrize("T", [8, 256])
 def test_gpu_side_stream_shrink_is_bit_exact(T, mode):
     """The shrink on a side stream (concurrent with cuBLAS) equals the one-stream result bit for bit,
@@ -332,7 +342,7 @@ def test_gpu_side_stream_shrink_is_bit_exact(T, mode):
     side = torch.cuda.Stream()
     warm = make_case(T, n_in, n_out, ranks, 16, dtype=torch.bfloat16, device="cuda", seed=60, slots=gpu_slots(T, 4, 60))
     case = make_case(T, n_in, n_out, ranks, 16, dtype=torch.bfloat16, device="cuda", seed=61, slots=gpu_slots(T, 4, 61))
-    cfg = default_lora_linear_config(T, mode)
+    cfg = named_config(T, mode)
     plain = lora_linear(*case, config=cfg)
     assert rel_err(plain, reference(case, torch.float32)[0]) <= 1e-2
     lora_linear(*warm, side_stream=side, config=cfg)  # leaves another input's partials in the allocator's blocks

@@ -19,6 +19,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from kernel_env import DEV, gpu_only, kernel_test  # noqa: E402
+from test_kernels_lora_linear import named_config  # noqa: E402
 
 from moelora.kernels.lora_linear import LoRALinearConfig, default_lora_linear_config, lora_linear  # noqa: E402
 from moelora.kernels.reference import DenseLoRAArgs, SlotRows, lora_linear_ref  # noqa: E402
@@ -32,7 +33,10 @@ TINY = {"split": LoRALinearConfig("split", 16, 32, 16, 16, split_k=3),
         "splitk": LoRALinearConfig("splitk", 16, 32, 16, 16, split_k=3, gemm_block_n=16, gemm_block_k=16,
                                    gemm_split_k=3),
         # rows grouped by slot: 16-row plan blocks, 16-column programs (tiles straddle no segment bound)
-        "planned": LoRALinearConfig("planned", 16, 16, 16, plan_cols=16)}
+        "planned": LoRALinearConfig("planned", 16, 16, 16, plan_cols=16),
+        # the split path's shrink (3 N_in chunks), then the planned expand
+        "planned_split": LoRALinearConfig("planned", 16, 16, 16, 16, split_k=3, plan_cols=16, plan_shrink="split")}
+
 
 
 def make_case(T, n_in, segs, ranks, R, *, slots=None, dtype=torch.float32, device="cpu", seed=0, bias=True):
@@ -179,7 +183,7 @@ QKV = (4096, 512, 512)
 
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.parametrize("mode", ["split", "fused", "splitk", "planned"])
+@pytest.mark.parametrize("mode", ["split", "fused", "splitk", "planned", "planned_split"])
 @pytest.mark.parametrize("T", [1, 64, 256])
 def test_gpu_qkv_bf16(mode, T):
     """8 slots of rank 16 on q/k/v, rows interleaved over them (decode's worst case), some on no adapter."""
@@ -187,7 +191,7 @@ def test_gpu_qkv_bf16(mode, T):
     if T > 4:
         slots[torch.randperm(T, generator=torch.Generator().manual_seed(T))[: T // 8]] = -1
     case = make_case(T, 2048, QKV, [[16] * 8] * 3, 16, slots=slots, dtype=torch.bfloat16, device="cuda", seed=T)
-    cfg = default_lora_linear_config(T, mode)
+    cfg = named_config(T, mode)
     torch.cuda.set_sync_debug_mode("error")
     try:
         lora_linear(*case[:4], config=cfg)

@@ -67,7 +67,7 @@ from moelora.kernels.lora_tiles import (
     lora_b_tile_cols,
     lora_shrink_rows,
 )
-from moelora.kernels.planned_lora import planned_cols, planned_delta, row_plan
+from moelora.kernels.planned_lora import planned_cols, planned_delta, planned_expand, row_plan
 from moelora.kernels.reference import DenseLoRAArgs
 from moelora.kernels.side_stream import forked, join
 from moelora.kernels.splitk_linear import ShrinkLaunch, splitk_partials, splitk_reduce
@@ -135,7 +135,10 @@ class LoRALinearConfig:
     tiles) instead of cuBLAS, whose launch also runs the split path's shrink programs, and one
     reduce that adds bias and the expand (block_m x block_n tiles); see
     `moelora.kernels.splitk_linear`. "planned": block_m rows of one slot a program (the row plan's
-    block), block_n x block_k tiles, plan_cols output columns a program (0: from the shapes).
+    block), block_n x block_k tiles, plan_cols output columns a program (0: from the shapes);
+    plan_shrink "fused" (each program shrinks its rows over the full N_in) or "split" (the split
+    path's shrink, split_k / shrink_block_m / slot_lanes, on the side stream when given; the planned
+    programs only expand).
     All block sizes are powers of two >= 16 (tl.dot)."""
 
     mode: str = "split"
@@ -152,9 +155,11 @@ class LoRALinearConfig:
     gemm_block_k: int = 128
     gemm_split_k: int = 4
     plan_cols: int = 0
+    plan_shrink: str = "fused"
 
     def __post_init__(self):
         need_one_of("LoRALinearConfig", "mode", self.mode, _MODES)
+        need_one_of("LoRALinearConfig", "plan_shrink", self.plan_shrink, ("fused", "split"))
         need_pow2("LoRALinearConfig", block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
                   shrink_block_m=self.shrink_block_m, gemm_block_n=self.gemm_block_n, gemm_block_k=self.gemm_block_k)
         need_at_least("LoRALinearConfig", 1, gemm_split_k=self.gemm_split_k, slot_lanes=self.slot_lanes)
@@ -385,15 +390,21 @@ def _add_delta_fused(x, out, lora, T, n_in, n_out, cfg):
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _add_delta_planned(x, out, lora, T, n_out, cfg):
+def _add_delta_planned(x, out, lora, T, n_out, cfg, shrunk: ShrinkLaunch | None = None):
+    """The "planned" delta into `out`; `shrunk`: the split path's shrink, already run (plan_shrink "split")."""
     S = lora.a.shape[0]
     plan = lora.row_plan
     if plan is None or plan.block_m != cfg.block_m:
         plan = row_plan(lora.token_slots, S, cfg.block_m)
     seg = _Segments(lora)
+    bounds = seg.bounds or (0, n_out)
     cols = cfg.plan_cols or planned_cols(T, n_out, S, cfg.block_m, cfg.block_n, _PLANNED_TARGET_PROGRAMS)
-    planned_delta(x, out, lora.a, lora.b, lora.slot_ranks, plan, seg.bounds or (0, n_out), cols, cfg.block_n,
-                  cfg.block_k, cfg.num_warps, cfg.num_stages)
+    if shrunk is not None:
+        planned_expand(shrunk.xa, out, lora.b, lora.slot_ranks, plan, bounds, seg.block_r, cols, cfg.block_n,
+                       cfg.num_warps, cfg.num_stages)
+        return
+    planned_delta(x, out, lora.a, lora.b, lora.slot_ranks, plan, bounds, cols, cfg.block_n, cfg.block_k,
+                  cfg.num_warps, cfg.num_stages)
 
 
 def _splitk_linear(x, weight, bias, lora, out, T, n_in, cfg):
@@ -432,7 +443,9 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         _splitk_linear(x, weight, bias, lora if has_lora else None, out, T, n_in, cfg)
         return out
     shrunk = None
-    if has_lora and cfg.mode not in ("fused", "planned") and side_stream is not None:
+    # the split path's shrink: split (and splitk past its rows), and planned with plan_shrink "split"
+    own_shrink = cfg.mode in ("split", "splitk") or (cfg.mode == "planned" and cfg.plan_shrink == "split")
+    if has_lora and own_shrink and side_stream is not None:
         # Fork (contract 2): the side stream reads x, A, the slots and ranks and writes only xa; the
         # GEMM here reads x and W and writes only `out`. Nothing read across the fork is written before
         # the join, and xa (allocated here before the fork) is read by the expand after it.
@@ -446,12 +459,15 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if cfg.mode == "fused":
         _add_delta_fused(x, out, lora, T, n_in, n_out, cfg)
         return out
-    if cfg.mode == "planned":
+    if cfg.mode == "planned" and cfg.plan_shrink == "fused":
         _add_delta_planned(x, out, lora, T, n_out, cfg)
         return out
     if shrunk is None:
         shrunk = _shrink(x, lora, T, n_in, cfg)
     else:
         join(side_stream, x.device)  # xa is complete
+    if cfg.mode == "planned":
+        _add_delta_planned(x, out, lora, T, n_out, cfg, shrunk)
+        return out
     _expand(out, lora, T, n_out, cfg, shrunk)
     return out

@@ -17,6 +17,11 @@ lanes: a program serves one slot, so its loads are one A (rank rows) and one B s
 (row, column) belongs to one program: no atomics, deterministic. The shrink is repeated by each
 column split of a block, from L2 (x rows and A are a few tens of KB).
 
+`plan_shrink` "split" (`planned_expand`, the same kernel with SPLIT > 0): the shrink is the split
+path's (N_in in chunks, fp32 partials per row, on the LoRA side stream next to cuBLAS when there is
+one), and the planned program only sums its rows' partials and expands: the full-depth shrink leaves
+the critical path. Not yet measured on a GPU (the default stays "fused").
+
 Why: the split path's expand at decode batches of 64-256 rows spread over 8 adapters runs its
 [BM, BN] tiles once per slot lane (8x the programs, each with a full-size accumulator); H200,
 merged q/k/v 2048->5120 at T=256, 8 adapters r16: 42.2 us per call vs cuBLAS 10.8 (benchmarks.md).
@@ -40,24 +45,38 @@ def row_plan(token_slots: torch.Tensor, n_slots: int, block_m: int) -> MoERoutin
 
 
 @triton.jit
+def _add_expanded(xa, b_s, y_rows, valid, c0, c1, stride_bn, rank, BN: tl.constexpr, BLOCK_R: tl.constexpr):
+    """y[rows, n] += xa @ B_s[n, :rank]^T for n in [c0, c1), BN columns at a time (read, add in fp32,
+    store); xa [BM, BLOCK_R] in y's dtype, y_rows the rows' pointers [BM, 1], rows past `valid` untouched."""
+    for n0 in range(c0, c1, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        bt = lora_b_tile_cols(b_s, offs_n, n0, c1, stride_bn, rank, BLOCK_R)
+        mask = valid[:, None] & (offs_n[None, :] < c1)
+        y = tl.load(y_rows + offs_n[None, :], mask=mask, other=0.0)
+        d = tl.dot(xa, bt.to(xa.dtype))
+        tl.store(y_rows + offs_n[None, :], (y.to(tl.float32) + d).to(y_rows.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def planned_delta_kernel(
-    x_ptr, y_ptr, a_ptr, b_ptr, ranks_ptr, sorted_ptr, bslot_ptr, num_padded_ptr,
-    T, N_in, n_slots, n_per_split, R_SEG, stride_xt, stride_yt, stride_as, stride_ar, stride_bs, stride_bn,
+    src_ptr, y_ptr, a_ptr, b_ptr, ranks_ptr, sorted_ptr, bslot_ptr, num_padded_ptr,
+    T, N_in, n_slots, n_per_split, R_SEG, stride_src, stride_yt, stride_as, stride_ar, stride_bs, stride_bn,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_R: tl.constexpr, G: tl.constexpr,
-    SEG_BOUNDS: tl.constexpr,
+    SEG_BOUNDS: tl.constexpr, SPLIT: tl.constexpr = 0,
 ):
     """y[rows of plan block program_id(0), columns of split program_id(1)] += their LoRA delta;
-    see the module docstring. SEG_BOUNDS: G + 1 column bounds (G = 1: (0, N_out)); ranks [G, S]."""
+    see the module docstring. SEG_BOUNDS: G + 1 column bounds (G = 1: (0, N_out)); ranks [G, S].
+    SPLIT 0: src is x [T, N_in] (row stride stride_src), shrunk here over the full N_in; SPLIT > 0
+    (`plan_shrink` "split"): src is the split path's xa [SPLIT, T, G * BLOCK_R] (fp32 partials over
+    N_in chunks, each row's own slot; partial stride stride_src), summed here (A is not read)."""
     pid_b = tl.program_id(0)
     if pid_b * BM >= tl.load(num_padded_ptr):
         return
     s = tl.load(bslot_ptr + pid_b)
-    offs_m = pid_b * BM + tl.arange(0, BM)
-    rows = tl.load(sorted_ptr + offs_m)
+    rows = tl.load(sorted_ptr + pid_b * BM + tl.arange(0, BM))
     valid = rows < T
     n_start = tl.program_id(1) * n_per_split
     n_end = n_start + n_per_split
-    a_s = a_ptr + s.to(tl.int64) * stride_as
     b_s = b_ptr + s.to(tl.int64) * stride_bs
     y_rows = y_ptr + rows[:, None].to(tl.int64) * stride_yt
     for g in tl.static_range(G):
@@ -68,15 +87,31 @@ def planned_delta_kernel(
         if c0 < c1:
             rank = tl.load(ranks_ptr + g * n_slots + s)
             if rank > 0:
-                xa = lora_shrink_rows(x_ptr, rows, stride_xt, valid, a_s + (g * R_SEG) * stride_ar, stride_ar,
-                                      rank, 0, N_in, BM, BLOCK_R, BK).to(x_ptr.dtype.element_ty)
-                for n0 in range(c0, c1, BN):
-                    offs_n = n0 + tl.arange(0, BN)
-                    bt = lora_b_tile_cols(b_s, offs_n, n0, c1, stride_bn, rank, BLOCK_R)
-                    mask = valid[:, None] & (offs_n[None, :] < c1)
-                    y = tl.load(y_rows + offs_n[None, :], mask=mask, other=0.0)
-                    d = tl.dot(xa, bt.to(xa.dtype))
-                    tl.store(y_rows + offs_n[None, :], (y.to(tl.float32) + d).to(y_ptr.dtype.element_ty), mask=mask)
+                if SPLIT == 0:
+                    a_g = a_ptr + s.to(tl.int64) * stride_as + (g * R_SEG) * stride_ar
+                    xa = lora_shrink_rows(src_ptr, rows, stride_src, valid, a_g, stride_ar, rank, 0, N_in, BM,
+                                          BLOCK_R, BK)
+                else:
+                    xa_rows = (src_ptr + rows[:, None].to(tl.int64) * (G * BLOCK_R) + g * BLOCK_R
+                               + tl.arange(0, BLOCK_R)[None, :])
+                    xa = tl.zeros((BM, BLOCK_R), tl.float32)
+                    for p in tl.static_range(SPLIT):
+                        xa += tl.load(xa_rows + p * stride_src, mask=valid[:, None], other=0.0)
+                _add_expanded(xa.to(y_ptr.dtype.element_ty), b_s, y_rows, valid, c0, c1, stride_bn, rank, BN,
+                              BLOCK_R)
+
+
+def planned_expand(xa: torch.Tensor, out: torch.Tensor, b: torch.Tensor, slot_ranks: torch.Tensor,
+                   plan: MoERoutingPlan, bounds: tuple[int, ...], block_r: int, cols_per_program: int, block_n: int,
+                   num_warps: int, num_stages: int) -> None:
+    """out[t] += (sum_p xa[p, t]) B_s^T for the rows of `plan`; xa [P, T, G block_r] fp32 the split
+    path's shrink partials, the rest as `planned_delta`."""
+    grid = (plan.max_blocks, triton.cdiv(bounds[-1], cols_per_program))
+    planned_delta_kernel[grid](
+        xa, out, xa, b, slot_ranks, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded,
+        out.shape[0], 0, b.shape[0], cols_per_program, 0, xa.stride(0), out.stride(0), 0, 0, b.stride(0),
+        b.stride(1), BM=plan.block_m, BN=block_n, BK=16, BLOCK_R=block_r, G=len(bounds) - 1,
+        SEG_BOUNDS=tuple(bounds), SPLIT=xa.shape[0], num_warps=num_warps, num_stages=num_stages)
 
 
 def planned_delta(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slot_ranks: torch.Tensor,
