@@ -29,7 +29,6 @@ from __future__ import annotations
 import torch
 import triton
 
-from moelora.errors import ConfigError
 from moelora.kernels.moe_config import FusedMoEConfig, tuned_fused_moe_config
 from moelora.kernels.moe_gemm import act_delta_kernel, combine_kernel, down_kernel, gate_up_kernel
 from moelora.kernels.moe_lora import lora_block_delta_kernel, lora_route_delta_kernel, lora_shrink_kernel
@@ -92,14 +91,14 @@ def _check_tma(x, H, inter, cfg: FusedMoEConfig):
     if not cfg.use_tma:
         return
     if not (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9):
-        raise ConfigError("use_tma=True needs a CUDA GPU of compute capability >= 9.0 (Hopper)")
+        raise ValueError("use_tma=True needs a CUDA GPU of compute capability >= 9.0 (Hopper)")
     if (H * x.element_size()) % 16 or (inter * x.element_size()) % 16:
-        raise ConfigError(f"use_tma=True needs 16-byte rows: H={H}, I={inter} in {x.dtype}")
+        raise ValueError(f"use_tma=True needs 16-byte rows: H={H}, I={inter} in {x.dtype}")
 
 
 def _check_plan(plan: MoERoutingPlan, T, K, E, block_m):
     if plan.layout not in ACCEPTED_LAYOUTS:
-        raise ConfigError(f"fused_moe accepts plan layouts {ACCEPTED_LAYOUTS}, got {plan.layout!r}")
+        raise ValueError(f"fused_moe accepts plan layouts {ACCEPTED_LAYOUTS}, got {plan.layout!r}")
     _need((plan.num_tokens, plan.top_k, plan.num_experts, plan.block_m) == (T, K, E, block_m),
           f"plan is for (T, K, E, block_m)={(plan.num_tokens, plan.top_k, plan.num_experts, plan.block_m)}, "
           f"call needs {(T, K, E, block_m)}")
