@@ -80,7 +80,7 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("8ad_r16",)
     trials.append(dataclasses.replace(base, lora_shrink="route"))
     trials += [dataclasses.replace(base, lora_shrink="block", lora_n_split=n) for n in (0, 4, 8)]
     trials += [dataclasses.replace(base, lora_shrink="block", lora_block_n=bn, lora_block_k=bk)  # fewer, wider steps
-               for bn, bk in ((256, 128), (256, 256))]
+               for bn, bk in ((256, 128), (256, 256), (256, 512), (128, 512))]  # 512: a shorter shrink chain
     scored = []
     for cfg in trials:
         t = run(cfg)
