@@ -74,7 +74,7 @@ def make_layers(n_in: int, n_out: int, n_layers: int, pool_ranks, seed=0, n_seg:
 def lora_args(layer: dict, T: int, variant: str, segments: tuple[int, ...] = (),
               plan_block_m: int = 0) -> DenseLoRAArgs | None:
     """plan_block_m: also the rows grouped by slot ("planned" mode), built here once, as the engine
-    builds it once per forward for every site (so its one launch is not in the per-call time)."""
+    builds it once per step for every site (so its one launch is not in the per-call time)."""
     n_ad, pool_r, rank = VARIANTS[variant]
     if n_ad == 0:
         return None

@@ -173,7 +173,7 @@ def test_dense_splitk_decode_graph_matches_eager(model_and_adapters, monkeypatch
 
 
 def test_dense_planned_decode_graph_matches_eager(model_and_adapters, monkeypatch):
-    """The dense "planned" path (rows grouped by slot, built once per forward by the model) on every
+    """The dense "planned" path (rows grouped by slot, built once per step by the runners) on every
     projection past 16 rows (the default keeps it for >= 1024-wide shapes, which the tiny models
     lack). The grouping is rebuilt inside each graph replay as requests come and go (a stale one would
     give rows another adapter's delta): graph decode equals eager decode, the same kernels. (Against

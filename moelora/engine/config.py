@@ -42,8 +42,8 @@ class EngineConfig:
     # there is added (decode graphs are then re-captured once: 5.4 s for a 48-layer 30B MoE with 20
     # buckets on the H200) and stays on. Off switch.
     skip_idle_lora_sites: bool = True
-    # Dense LoRA sites (Triton) of forwards of 17..1024 rows: the rows grouped by adapter slot once per
-    # forward, and the sites' delta one program per block of one slot's rows ("planned"), where that
+    # Dense LoRA sites (Triton) of steps of 17..1024 rows: the rows grouped by adapter slot once per
+    # step, and the sites' delta one program per block of one slot's rows ("planned"), where that
     # measured faster (H200, merged q/k/v at 256 rows, 8 adapters r16: 41.9 -> 23.0 us). Off switch.
     group_lora_rows: bool = True
     enable_prefix_caching: bool = True

@@ -35,8 +35,10 @@ def default_buckets(max_num_seqs: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, model, cache, max_num_seqs: int, max_model_len: int, dummy_block: int):
-        self.model, self.cache = model, cache
+    def __init__(self, model, cache, max_num_seqs: int, max_model_len: int, dummy_block: int,
+                 row_plan_slots: int = 0):
+        """`row_plan_slots`: as `ModelRunner`'s (the captured forward groups the rows by slot)."""
+        self.model, self.cache, self.row_plan_slots = model, cache, row_plan_slots
         self.buckets = sorted(set(default_buckets(max_num_seqs)))
         self.max_model_len = max_model_len
         self.dummy_slot = dummy_block * cache.block_size
@@ -52,7 +54,6 @@ class CudaGraphRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.lora_idle: frozenset = frozenset()  # the idle LoRA sites the graphs were captured with
-        self.group_rows = False  # LoRABatch.group_rows: the captured forward groups the rows by slot
         self.captures = 0
         self.capture_s = 0.0  # wall time of the last capture, warm-up included
 
@@ -60,7 +61,9 @@ class CudaGraphRunner:
         meta = AttnMetadata(self.slot_mapping[:B], self.block_tables[:B], self.seq_lens[:B],
                             self.query_start[:B + 1], tuple(SeqSlice(i, 1, 1, i) for i in range(B)),
                             max_seq_len=self.max_model_len, max_query_len=1)
-        lora = LoRABatch(self.token_slots[:B], (), self.lora_idle, group_rows=self.group_rows)
+        lora = LoRABatch(self.token_slots[:B], (), self.lora_idle)
+        if self.row_plan_slots:  # inside the capture: every replay groups its own rows
+            lora = lora.with_row_plan(self.row_plan_slots)
         hidden = self.model(self.input_ids[:B], self.positions[:B], meta, self.cache.layers, lora)
         return self.model.logits(hidden).float()
 

@@ -67,7 +67,9 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_loras,
                                                    cfg.enable_prefix_caching), self.cache.allocator,
                                    adapter_ready=self.pool.ensure if cfg.async_adapter_loading else None)
-        self.runner = ModelRunner(model, self.cache, self.device, lora_rows=cfg.kernel_backend == "torch")
+        row_plan_slots = model.max_loras if cfg.group_lora_rows and cfg.kernel_backend == "triton" else 0
+        self.runner = ModelRunner(model, self.cache, self.device, lora_rows=cfg.kernel_backend == "torch",
+                                  row_plan_slots=row_plan_slots)
         # LoRA sites no registered adapter has weights at (all of them until one is added): skipped
         self.runner.lora_idle = frozenset(self._site_owners.values()) if cfg.skip_idle_lora_sites else frozenset()
         lora_stream = torch.cuda.Stream(self.device) if cfg.overlap_lora and self.device.type == "cuda" else None
@@ -84,14 +86,13 @@ class LLMEngine:
                 module.backend = cfg.kernel_backend
         for name, path in (adapters or {}).items():
             self.pool.add(name, path)
-        self.runner.group_rows = cfg.group_lora_rows and cfg.kernel_backend == "triton"
         self.graphs = None
         # MLA's expanded decode loops over sequences on the host: graphs need the absorbed form
         graph_safe = cfg.mla_absorbed_decode or not any(isinstance(m, MLAttention) for m in model.modules())
         if cfg.use_cuda_graphs and graph_safe and getattr(model, "supports_cuda_graphs", False):
             dummy = self.cache.allocator.allocate()  # padding rows of a graph bucket write here, forever
-            self.graphs = CudaGraphRunner(model, self.cache, cfg.max_num_seqs, cfg.max_model_len, dummy)
-            self.graphs.group_rows = self.runner.group_rows
+            self.graphs = CudaGraphRunner(model, self.cache, cfg.max_num_seqs, cfg.max_model_len, dummy,
+                                          row_plan_slots)
             self.graphs.capture(self.lora_idle)
         self.requests: dict[str, Request] = {}
         eos = set(model.config.eos_token_ids)

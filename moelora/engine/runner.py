@@ -31,12 +31,14 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: PagedKVCache, device: torch.device, lora_rows: bool = True):
+    def __init__(self, model, cache: PagedKVCache, device: torch.device, lora_rows: bool = True,
+                 row_plan_slots: int = 0):
         """`lora_rows`: build `LoRABatch.active` (the torch backend's per-slot rows; the Triton
-        kernels read only the token slots)."""
+        kernels read only the token slots). `row_plan_slots` > 0 (`EngineConfig.group_lora_rows`, the
+        model's slot count): every LoRA batch gets its rows grouped by slot (`LoRABatch.with_row_plan`)."""
         self.model, self.cache, self.device, self.lora_rows = model, cache, device, lora_rows
+        self.row_plan_slots = row_plan_slots
         self.lora_idle: frozenset = frozenset()  # the engine's idle LoRA sites, carried by every LoRABatch
-        self.group_rows = False  # LoRABatch.group_rows (the engine's: EngineConfig.group_lora_rows)
 
     def _upload(self, *lists: list[int]) -> list[torch.Tensor]:
         """One host->device copy for all of a step's int vectors (each copy costs ~10 us of launch and
@@ -93,8 +95,10 @@ class ModelRunner:
             slot_mapping=slot_map_t, block_tables=tables_t.view(len(seqs), max_blocks).to(torch.int32),
             seq_lens=seq_lens_t.to(torch.int32), query_start=starts_t.to(torch.int32), seqs=tuple(seqs),
             max_seq_len=max(seq_lens), max_query_len=max(step.num_new))
-        lora = LoRABatch.build(slots, slot_ranks, self.device, self.lora_rows, self.lora_idle, self.group_rows) \
+        lora = LoRABatch.build(slots, slot_ranks, self.device, self.lora_rows, self.lora_idle) \
             if any(s != NO_SLOT for s in slots) else None
+        if lora is not None and self.row_plan_slots:
+            lora = lora.with_row_plan(self.row_plan_slots)
         return StepInputs(ids_t, pos_t, meta, lora, rows_t, tuple(sample_index))
 
     @torch.inference_mode()

@@ -30,7 +30,7 @@ replaces both the GEMM and the delta):
   programs, then one reduce that sums the partials and adds bias and the expand
   (`moelora.kernels.splitk_linear`): LoRA adds no launch.
 - "planned" (decode batches past splitk's rows, the default where the caller grouped the rows by slot:
-  `DenseLoRAArgs.row_plan`, one launch per forward in the engine): the base GEMM (cuBLAS), then one
+  `DenseLoRAArgs.row_plan`, one launch per step in the engine): the base GEMM (cuBLAS), then one
   kernel that adds each slot's delta over the grouped rows (`moelora.kernels.planned_lora`): a
   program serves one slot, with no lanes and no partials buffer. Asked for without a grouping, it
   builds one itself.
@@ -118,7 +118,7 @@ def _prefers_planned(num_tokens: int, n_in: int, n_out: int) -> bool:
 
 
 def wants_row_plan(num_tokens: int) -> bool:
-    """Whether a forward of this many rows may take "planned" at some site (so the engine builds the
+    """Whether a step of this many rows may take "planned" at some site (so the engine builds the
     rows' grouping by slot once for all of them, with `PLAN_BLOCK_M` rows a block)."""
     return 16 < num_tokens <= _PLANNED_MAX_ROWS
 

@@ -6,8 +6,8 @@ Shape legend: T tokens, N_in / N_out features, S adapter slots, R pool rank per 
 The rows are grouped by adapter slot with the routing plan of the routed experts
 (`moe_plan.build_routing_plan` on token_slots as [T, 1] "expert" ids over S "experts"): each slot's
 rows listed in ascending order and padded to BM with the sentinel T, so a plan block holds the rows
-of exactly one slot; rows on no slot (-1) are in no block. `row_plan` builds it; the engine builds
-it once per forward (`LoRABatch.with_row_plan`) and every dense site reads it.
+of exactly one slot; rows on no slot (-1) are in no block. `row_plan` builds it; the engine's runners
+build it once per step (`LoRABatch.with_row_plan`) and every dense site reads it.
 
 `planned_delta_kernel`: program (plan block b, column split j) adds to y[rows of b, columns of j]
 the delta of its slot s: for each segment g its columns overlap, xa = x[rows] @ A_g,s[:rank_g]^T

@@ -16,10 +16,10 @@ every LoRA site owns its own `lora_ranks [S]` device buffer (written when a slot
 where the adapter does not cover the site), which is what its kernels read, so a site an adapter
 skips costs no LoRA work.
 
-`group_rows` (the engine's, `EngineConfig.group_lora_rows`, Triton backend): the model groups the
-rows by slot at the start of each forward of 17..1024 rows (`with_row_plan`: one launch) into
-`row_plan`, which every dense LoRA site reads; with it, their kernels take the "planned" mode (a
-program per block of one slot's rows) where it measured faster.
+`row_plan` (the engine's, `EngineConfig.group_lora_rows`, Triton backend): the step's rows grouped
+by slot, built by the runner that builds the batch (`with_row_plan`: one launch on the device, inside
+the captured graph for decode) when a dense site may take its "planned" mode at this many rows (a
+program per block of one slot's rows, where it measured faster); every dense LoRA site reads it.
 
 `idle` (the engine's, when `EngineConfig.skip_idle_lora_sites`): the LoRA modules at which no
 registered adapter has weights (every slot's rank 0 there, so their delta is exactly zero). A layer
@@ -45,16 +45,19 @@ class LoRABatch:
     token_slots: torch.Tensor  # [T] int32, NO_SLOT = base model
     active: tuple[SlotRows, ...] | None
     idle: frozenset = frozenset()  # LoRA modules no registered adapter has weights at
-    group_rows: bool = False  # the model groups the rows by slot for the dense sites (Triton, the engine's choice)
-    row_plan: object = None  # that grouping (a routing plan), built on the device at the start of each forward
+    row_plan: object = None  # the rows grouped by slot (a routing plan over the model's num_slots slots)
 
-    def with_row_plan(self, num_slots: int, block_m: int) -> LoRABatch:
-        """This batch plus its rows grouped by slot (`moelora.kernels.planned_lora.row_plan`), for the
-        dense sites' "planned" mode. One launch on the device; the model calls it at the start of each
-        forward, so a captured graph rebuilds the grouping at every replay (never a stale copy)."""
-        from moelora.kernels.planned_lora import row_plan  # Triton: only on the Triton path
+    def with_row_plan(self, num_slots: int) -> LoRABatch:
+        """This batch plus its rows grouped by slot (`moelora.kernels.planned_lora.row_plan`) when a
+        dense site may take "planned" at this many rows, else this batch. One launch on the device,
+        never a host sync; the graph runner calls it inside the captured forward, so every replay
+        rebuilds the grouping (never a stale copy)."""
+        from moelora.kernels.lora_linear import PLAN_BLOCK_M, wants_row_plan  # Triton: only on its path
+        from moelora.kernels.planned_lora import row_plan
 
-        return replace(self, row_plan=row_plan(self.token_slots, num_slots, block_m))
+        if not wants_row_plan(self.num_tokens):
+            return self
+        return replace(self, row_plan=row_plan(self.token_slots, num_slots, PLAN_BLOCK_M))
 
     def skips(self, module) -> bool:
         """Whether `module` (the module owning a site's slot buffers) has no LoRA work in this batch."""
@@ -66,7 +69,7 @@ class LoRABatch:
 
     @staticmethod
     def build(token_slots: Sequence[int], slot_ranks: Sequence[int], device: torch.device | str, rows: bool = True,
-              idle: frozenset = frozenset(), group_rows: bool = False) -> LoRABatch:
+              idle: frozenset = frozenset()) -> LoRABatch:
         """Plan for tokens whose slots are `token_slots` (host ints) given per-slot ranks; `rows`
         False leaves `active` None (the Triton backend never reads it: one copy and loop less)."""
         bad = [s for s in set(token_slots) if s != NO_SLOT and not 0 <= s < len(slot_ranks)]
@@ -74,7 +77,7 @@ class LoRABatch:
             raise ValueError(f"tokens name slot {bad[0]}, but there are {len(slot_ranks)} slots")
         token_slots_t = upload(list(token_slots), torch.int32, device)
         if not rows:
-            return LoRABatch(token_slots=token_slots_t, active=None, idle=idle, group_rows=group_rows)
+            return LoRABatch(token_slots=token_slots_t, active=None, idle=idle)
         by_slot: dict[int, list[int]] = {}
         for t, s in enumerate(token_slots):
             if s != NO_SLOT:
@@ -84,4 +87,4 @@ class LoRABatch:
         flat = upload([t for _, r in live for t in r], torch.long, device)
         active = tuple(SlotRows(slot=s, rank=int(slot_ranks[s]), rows=part)
                        for (s, _), part in zip(live, flat.split([len(r) for _, r in live]), strict=True))
-        return LoRABatch(token_slots=token_slots_t, active=active, idle=idle, group_rows=group_rows)
+        return LoRABatch(token_slots=token_slots_t, active=active, idle=idle)

@@ -83,7 +83,7 @@ class MoECausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         kw = dict(max_loras=max_loras, max_rank=max_rank, backend=backend, dtype=dtype)
-        self.max_loras = max_loras
+        self.max_loras = max_loras  # adapter slots of every LoRA site (a row plan groups rows over them)
         self.model = Backbone(cfg, self.make_attention, **kw)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_yarn)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
@@ -97,11 +97,6 @@ class MoECausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 kv_caches: list[tuple[torch.Tensor, ...]], lora: LoRABatch | None = None
                 ) -> torch.Tensor:
-        if lora is not None and lora.group_rows:
-            from moelora.kernels.lora_linear import PLAN_BLOCK_M, wants_row_plan
-
-            if wants_row_plan(lora.num_tokens):  # the dense sites' rows grouped by slot, once for all of them
-                lora = lora.with_row_plan(self.max_loras, PLAN_BLOCK_M)
         residual, delta = self.model.embed_tokens(input_ids), None
         cos, sin = self.rotary(positions)
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
