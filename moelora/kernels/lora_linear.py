@@ -67,7 +67,7 @@ from moelora.kernels.lora_tiles import (
     lora_b_tile_cols,
     lora_shrink_rows,
 )
-from moelora.kernels.planned_lora import planned_cols, planned_delta, planned_expand, row_plan
+from moelora.kernels.planned_lora import planned_cols, planned_delta, row_plan
 from moelora.kernels.reference import DenseLoRAArgs
 from moelora.kernels.side_stream import forked, join
 from moelora.kernels.splitk_linear import ShrinkLaunch, splitk_partials, splitk_reduce
@@ -397,14 +397,10 @@ def _add_delta_planned(x, out, lora, T, n_out, cfg, shrunk: ShrinkLaunch | None 
     if plan is None or plan.block_m != cfg.block_m:
         plan = row_plan(lora.token_slots, S, cfg.block_m)
     seg = _Segments(lora)
-    bounds = seg.bounds or (0, n_out)
     cols = cfg.plan_cols or planned_cols(T, n_out, S, cfg.block_m, cfg.block_n, _PLANNED_TARGET_PROGRAMS)
-    if shrunk is not None:
-        planned_expand(shrunk.xa, out, lora.b, lora.slot_ranks, plan, bounds, seg.block_r, cols, cfg.block_n,
-                       cfg.num_warps, cfg.num_stages)
-        return
-    planned_delta(x, out, lora.a, lora.b, lora.slot_ranks, plan, bounds, cols, cfg.block_n, cfg.block_k,
-                  cfg.num_warps, cfg.num_stages)
+    planned_delta(x if shrunk is None else shrunk.xa, out, lora.a, lora.b, lora.slot_ranks, plan,
+                  seg.bounds or (0, n_out), seg.r_seg, seg.block_r, cols, cfg.block_n, cfg.block_k, cfg.num_warps,
+                  cfg.num_stages)
 
 
 def _splitk_linear(x, weight, bias, lora, out, T, n_in, cfg):

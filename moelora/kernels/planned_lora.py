@@ -17,7 +17,7 @@ lanes: a program serves one slot, so its loads are one A (rank rows) and one B s
 (row, column) belongs to one program: no atomics, deterministic. The shrink is repeated by each
 column split of a block, from L2 (x rows and A are a few tens of KB).
 
-`plan_shrink` "split" (`planned_expand`, the same kernel with SPLIT > 0): the shrink is the split
+`plan_shrink` "split" (the same kernel with SPLIT > 0): the shrink is the split
 path's (N_in in chunks, fp32 partials per row, on the LoRA side stream next to cuBLAS when there is
 one), and the planned program only sums its rows' partials and expands: the full-depth shrink leaves
 the critical path. Not yet measured on a GPU (the default stays "fused").
@@ -101,36 +101,22 @@ def planned_delta_kernel(
                               BLOCK_R)
 
 
-def planned_expand(xa: torch.Tensor, out: torch.Tensor, b: torch.Tensor, slot_ranks: torch.Tensor,
-                   plan: MoERoutingPlan, bounds: tuple[int, ...], block_r: int, cols_per_program: int, block_n: int,
-                   num_warps: int, num_stages: int) -> None:
-    """out[t] += (sum_p xa[p, t]) B_s^T for the rows of `plan`; xa [P, T, G block_r] fp32 the split
-    path's shrink partials, the rest as `planned_delta`."""
+def planned_delta(src: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slot_ranks: torch.Tensor,
+                  plan: MoERoutingPlan, bounds: tuple[int, ...], r_seg: int, block_r: int, cols_per_program: int,
+                  block_n: int, block_k: int, num_warps: int, num_stages: int) -> None:
+    """out[t] += its LoRA delta for the rows of `plan` (slot s of their block). src: x [T, N_in]
+    (shrunk here) or the split path's xa [P, T, G block_r] fp32 partials (`plan_shrink` "split": A
+    is not read). a [S, G r_seg, N_in], b [S, N_out, r_seg], slot_ranks [G, S]
+    (or [S] with G = 1) contiguous, bounds the G + 1 column bounds of the segments;
+    cols_per_program: columns a program covers (a multiple of block_n)."""
+    partials = src.dim() == 3
     grid = (plan.max_blocks, triton.cdiv(bounds[-1], cols_per_program))
     planned_delta_kernel[grid](
-        xa, out, xa, b, slot_ranks, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded,
-        out.shape[0], 0, b.shape[0], cols_per_program, 0, xa.stride(0), out.stride(0), 0, 0, b.stride(0),
-        b.stride(1), BM=plan.block_m, BN=block_n, BK=16, BLOCK_R=block_r, G=len(bounds) - 1,
-        SEG_BOUNDS=tuple(bounds), SPLIT=xa.shape[0], num_warps=num_warps, num_stages=num_stages)
-
-
-def planned_delta(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slot_ranks: torch.Tensor,
-                  plan: MoERoutingPlan, bounds: tuple[int, ...], cols_per_program: int, block_n: int, block_k: int,
-                  num_warps: int, num_stages: int) -> None:
-    """out[t] += x[t] A_s^T B_s^T for the rows of `plan` (slot s of their block); a [S, G R, N_in],
-    b [S, N_out, R], slot_ranks [G, S] (or [S] with G = 1) contiguous, bounds the G + 1 column
-    bounds of the segments. cols_per_program: columns a program covers (a multiple of block_n)."""
-    T, n_in = x.shape
-    G = len(bounds) - 1
-    r_seg = a.shape[1] // G
-    block_r = max(16, triton.next_power_of_2(r_seg))
-    n_out = bounds[-1]
-    grid = (plan.max_blocks, triton.cdiv(n_out, cols_per_program))
-    planned_delta_kernel[grid](
-        x, out, a, b, slot_ranks, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded,
-        T, n_in, a.shape[0], cols_per_program, r_seg, x.stride(0), out.stride(0), a.stride(0), a.stride(1),
-        b.stride(0), b.stride(1), BM=plan.block_m, BN=block_n, BK=block_k, BLOCK_R=block_r, G=G,
-        SEG_BOUNDS=tuple(bounds), num_warps=num_warps, num_stages=num_stages)
+        src, out, a, b, slot_ranks, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded,
+        out.shape[0], a.shape[2], a.shape[0], cols_per_program, r_seg, src.stride(0), out.stride(0), a.stride(0),
+        a.stride(1), b.stride(0), b.stride(1), BM=plan.block_m, BN=block_n, BK=block_k, BLOCK_R=block_r,
+        G=len(bounds) - 1, SEG_BOUNDS=tuple(bounds), SPLIT=src.shape[0] if partials else 0, num_warps=num_warps,
+        num_stages=num_stages)
 
 
 def planned_cols(T: int, n_out: int, n_slots: int, block_m: int, block_n: int, target_programs: int) -> int:
