@@ -7,6 +7,7 @@ which zeroes a 256 MB buffer between runs (L2 flushed). Ceilings measured in the
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 
 import torch
@@ -128,3 +129,11 @@ def _matmul_tflops(n=8192) -> float:
 def measure_ceilings() -> tuple[float, float]:
     """(copy GB/s counting read + write, bf16 matmul TFLOP/s), both on random data."""
     return _copy_gbps(), _matmul_tflops()
+
+
+def write_rows(path, rows: list[dict]) -> None:
+    """Rows (dicts of one shape) as a CSV with a header."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)

@@ -8,6 +8,8 @@
 #            ';'-separated flag set of DECODE_VARIANTS, e.g. "--async-scheduling;--no-overlap-lora"
 #   DENSE=0  benchmarks/lora_linear.py (DENSE_ARGS, e.g. "--ts 64,256 --shapes qkv,o --modes split,planned,planned_split
 #            --variants off,1ad_r16,8ad_r16"): the dense LoRA linear's paths per call
+#   DELTA=0  benchmarks/moe_lora_delta.py (DELTA_ARGS, e.g. "--ms 64,256 --shape dsv2_lite"): the routed-expert
+#            LoRA delta kernels alone against their bytes bound
 #   HOST=0   benchmarks/host_overhead.py --device cuda (HOST_ARGS): the host phases of a decode step
 #   PROFILE=0 benchmarks/decode_profile.py (PROFILE_ARGS): host phases, graph replay, top kernels
 # Exit status: non-zero if any stage failed; every stage runs regardless.
@@ -42,6 +44,9 @@ if [ "${DECODE:-1}" = 1 ]; then
 fi
 if [ "${DENSE:-0}" = 1 ]; then
   "$PY" benchmarks/lora_linear.py "$OUT/lora_linear.csv" ${DENSE_ARGS:-} 2>&1 | tee "$OUT/lora_linear.log" || rc=1
+fi
+if [ "${DELTA:-0}" = 1 ]; then
+  "$PY" benchmarks/moe_lora_delta.py "$OUT/moe_lora_delta.csv" ${DELTA_ARGS:-} 2>&1 | tee "$OUT/moe_lora_delta.log" || rc=1
 fi
 if [ "${HOST:-0}" = 1 ]; then
   "$PY" benchmarks/host_overhead.py --device cuda ${HOST_ARGS:-} 2>&1 | tee "$OUT/host_overhead.log" || rc=1
