@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from kernel_env import record_planned_sites
 from oracle import tiny_hf_model
 from test_forward import build, random_adapter
 
@@ -179,14 +180,7 @@ def test_dense_planned_decode_graph_matches_eager(model_and_adapters, monkeypatc
     give rows another adapter's delta): graph decode equals eager decode, the same kernels. (Against
     the split path the tokens may part at near-ties: other roundings; that equivalence is the kernel
     tests' and the CPU model test's.)"""
-    import moelora.kernels.lora_linear as dense
-
-    monkeypatch.setattr(dense, "_prefers_splitk", lambda rows, n_in, n_out, has_lora: False)
-    monkeypatch.setattr(dense, "_prefers_planned", lambda rows, n_in, n_out: rows > 16)
-    shared = []
-    real = dense._add_delta_planned
-    monkeypatch.setattr(dense, "_add_delta_planned",
-                        lambda x, out, lora, *a: shared.append(lora.row_plan is not None) or real(x, out, lora, *a))
+    shared = record_planned_sites(monkeypatch)
     model, adapters = model_and_adapters
     prompts, names = workload(n=28, seed=8)
     reqs = generate(gpu_engine(model, adapters), prompts, names, 64)

@@ -12,7 +12,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernel_env import DEV, kernel_test  # noqa: E402
+from kernel_env import DEV, kernel_test, record_planned_sites  # noqa: E402
 from oracle import tiny_hf_model  # noqa: E402
 from test_forward import build, engine, random_adapter  # noqa: E402
 
@@ -142,16 +142,10 @@ def test_unmerged_qkv_equals_torch_backend_with_two_more_launches_a_layer(monkey
 
 @kernel_test
 def test_rows_grouped_by_slot_equal_torch_backend(monkeypatch):
-    """`EngineConfig.group_lora_rows`: the model groups the step's rows by slot once per forward and
-    every dense site takes the "planned" delta (the default keeps it for >= 1024-wide shapes, which the
-    tiny model lacks, so the rule is widened here): the same logits as the torch backend, with rows
-    of two adapters and of none."""
-    monkeypatch.setattr(lora_kernels, "_prefers_splitk", lambda rows, n_in, n_out, has_lora: False)
-    monkeypatch.setattr(lora_kernels, "_prefers_planned", lambda rows, n_in, n_out: True)
-    planned = []
-    real = lora_kernels._add_delta_planned
-    monkeypatch.setattr(lora_kernels, "_add_delta_planned",
-                        lambda x, out, lora, *a: planned.append(lora.row_plan is not None) or real(x, out, lora, *a))
+    """`EngineConfig.group_lora_rows`: the runner groups the step's rows by slot once and every dense
+    site takes the "planned" delta (widened to the tiny model's shapes): the same logits as the torch
+    backend, with rows of two adapters and of none."""
+    planned = record_planned_sites(monkeypatch)
     hf = tiny_hf_model("qwen2_moe", seed=24)
     model = build(hf, max_loras=2, max_rank=4).to(DEV)
     adapters = {"a": random_adapter(model, seed=25, rank=4), "b": random_adapter(model, seed=26, rank=3, frac=0.5)}

@@ -112,14 +112,15 @@ def _prefers_planned(num_tokens: int, n_in: int, n_out: int) -> bool:
     past splitk's rows up to 1024, from 17 rows on shapes wider than deep (q/k/v-like) and from 129 on
     the others (o-like: unmeasured depths between, e.g. a shared expert's down 2816->2048, are taken as
     deep), on shapes at least 1024 wide (narrower not measured)."""
-    if not (n_in >= 1024 and n_out >= 1024 and num_tokens <= _PLANNED_MAX_ROWS):
+    if not (n_in >= 1024 and n_out >= 1024 and wants_row_plan(num_tokens)):
         return False
-    return num_tokens > (128 if n_in > n_out else 16)
+    return n_in <= n_out or num_tokens > 128
 
 
 def wants_row_plan(num_tokens: int) -> bool:
     """Whether a step of this many rows may take "planned" at some site (so the engine builds the
-    rows' grouping by slot once for all of them, with `PLAN_BLOCK_M` rows a block)."""
+    rows' grouping by slot once for all of them, with `PLAN_BLOCK_M` rows a block): past the 16
+    rows splitk keeps, up to _PLANNED_MAX_ROWS."""
     return 16 < num_tokens <= _PLANNED_MAX_ROWS
 
 
