@@ -72,6 +72,8 @@ def main(argv=None):
     ap.add_argument("--ms", default="64,256")
     ap.add_argument("--variants", default="1ad_r16,8ad_r16")
     ap.add_argument("--configs", default="", help="comma-separated names of CONFIGS (default: all)")
+    ap.add_argument("--rank0", action="store_true", help="also time each launch with every slot's rank 0: "
+                    "the same programs, each leaving after its prologue (what launches, lanes and waves cost)")
     args = ap.parse_args(argv)
     shape = SHAPES[args.shape]
     H, inter, E, K = shape["H"], shape["I"], shape["E"], shape["K"]
@@ -96,13 +98,19 @@ def main(argv=None):
                     cfg = dataclasses.replace(base, lora_block_max_slots=0, **CONFIGS[name])
                     args_ = (None, cfg.lora_shrink, src, delta, plan, ids, lora, which, 16, cfg)
                     us = 1e3 * graph_time_ms(lambda a=args_: fm._delta_on(*a), rep=25)
+                    empty_us = float("nan")
+                    if args.rank0:
+                        idle = dataclasses.replace(lora, gate_up_ranks=torch.zeros_like(lora.gate_up_ranks),
+                                                   down_ranks=torch.zeros_like(lora.down_ranks))
+                        args_ = (*args_[:6], idle, *args_[7:])
+                        empty_us = 1e3 * graph_time_ms(lambda a=args_: fm._delta_on(*a), rep=25)
                     bound_us = pair_b / (bw * 1e3)
                     rows.append(dict(shape=args.shape, M=M, variant=variant, which=which, config=name, us=us,
                                      pair_bytes=pair_b, block_bytes=block_b, bound_us=bound_us,
-                                     x_bound=us / bound_us, block_gbps=block_b / (us * 1e3)))
+                                     x_bound=us / bound_us, block_gbps=block_b / (us * 1e3), rank0_us=empty_us))
                     print(f"M={M:4d} {variant:8s} {which:7s} {name:28s} {us:7.2f} us   pairs {pair_b / 1e6:6.1f} MB "
                           f"(block {block_b / 1e6:6.1f}) bound {bound_us:6.2f} us  x{us / bound_us:5.2f}  "
-                          f"{block_b / (us * 1e3):6.0f} GB/s", flush=True)
+                          f"{block_b / (us * 1e3):6.0f} GB/s  rank 0: {empty_us:6.2f} us", flush=True)
     write_rows(args.out, rows)
 
 
