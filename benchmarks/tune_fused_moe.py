@@ -4,14 +4,16 @@ moelora/kernels/configs/fused_moe_<gpu>.json (and a copy plus all timings under 
 Shape legend: M tokens, H hidden, I expert intermediate, E experts, K top-k.
 Per (shape, M): time the LoRA-off layer (CUDA-graph replay, L2 flushed, median) over a short
 candidate list of tiles chosen by routes per expert, keep the fastest; then try TMA on it; then
-pick lora_shrink (inline / separate / route / block) and lora_split_k on 8 adapters of rank 16 (a
-route pick then tries 4x the delta's programs, 8 warps and 4x wider loads, lora_route_order "plan", a route or block
-pick lora_gate_up_at "activation", and a route pick the block switch for batches on <= 2 slots,
-scored on 1 + 8 adapters),
-and lora_shrink_wide (separate / route / block) on 8 adapters of rank 64. LoRA timings use a side
-stream, as the engine's overlap_lora does (--no-side-stream: not). Usage:
+pick lora_shrink (inline / separate / route / block) and lora_split_k by the summed time of one
+adapter and of 8 adapters, rank 16 (--score; a graph serves both kinds of batch, and the best path
+differs between them: H200, Qwen3 M=256, scored on 8 alone the route path won, on both the block
+path, which then decoded faster with 1 adapter AND with 8) (a route pick then tries 4x the delta's
+programs, 8 warps and 4x wider loads, lora_route_order "plan", a route or block pick
+lora_gate_up_at "activation", and a route pick the block switch for batches on <= 2 slots, scored
+on 1 + 8 adapters), and lora_shrink_wide (separate / route / block) on 8 adapters of rank 64. LoRA
+timings use a side stream, as the engine's overlap_lora does (--no-side-stream: not). Usage:
   python benchmarks/tune_fused_moe.py [--shapes a,b] [--model /path/to/hf-model ...] [--ms 1,8]
-                                      [--lora-only] [--no-side-stream] [--score 8ad_r16 | 1ad_r16,8ad_r16]
+                                      [--lora-only] [--no-side-stream] [--score 1ad_r16,8ad_r16 | 8ad_r16]
 The table is keyed by GPU name and (E, H, I, bf16), so `--model` tunes a deployment's own model.
 """
 
@@ -66,7 +68,7 @@ def timed(layer, x, wts, ids, lora, cfg, side=None) -> float:
         return float("inf")
 
 
-def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("8ad_r16",)) -> FusedMoEConfig:
+def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("1ad_r16", "8ad_r16")) -> FusedMoEConfig:
     """Keep base's tiles; pick lora_shrink / lora_split_k by the summed time of the `score` variants
     (default 8 adapters of rank 16)."""
     x, wts, ids = make_inputs(layer, M)
@@ -140,7 +142,7 @@ def tune_wide(layer, M, base: FusedMoEConfig, log, side=None) -> FusedMoEConfig:
     return best
 
 
-def tune_one(layer, M, log, side=None, score=("8ad_r16",)):
+def tune_one(layer, M, log, side=None, score=("1ad_r16", "8ad_r16")):
     x, wts, ids = make_inputs(layer, M)
     scored = []
     for cfg in candidates(M, layer.shape):
@@ -174,8 +176,8 @@ def main(argv=None):
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--lora-only", action="store_true", help="keep the table's tiles, re-pick the LoRA fields")
     ap.add_argument("--no-side-stream", action="store_true", help="time LoRA without the engine's side stream")
-    ap.add_argument("--score", default="8ad_r16", help="LoRA variants whose summed time picks the narrow path, "
-                                                        "e.g. 1ad_r16,8ad_r16 (few and many adapters)")
+    ap.add_argument("--score", default="1ad_r16,8ad_r16", help="LoRA variants whose summed time picks the narrow "
+                    "path (default: one adapter and many)")
     args = ap.parse_args(argv)
     side = None if args.no_side_stream else torch.cuda.Stream()
     score = tuple(args.score.split(","))
