@@ -5,7 +5,10 @@
 #   LAYER=1  benchmarks/moe_lora_layer.py (TUNE=1 first re-tunes the fused MoE launch configs, TUNE_ARGS
 #            e.g. "--lora-only --ms 1,8,32,128,512": keep the tiles, re-pick the LoRA paths)
 #   DECODE=1 benchmarks/decode.py (DECODE_ARGS, e.g. "--model all --conc 1,8,64,256"); then once more per
-#            ';'-separated flag set of DECODE_VARIANTS, e.g. "--async-scheduling;--no-overlap-lora"
+#            ';'-separated flag set of DECODE_VARIANTS, e.g. "--async-scheduling;--no-overlap-lora";
+#            DECODE_ROUNDS=N runs that sequence N times (logs decode[_vI]_rK.log): settings decode.py cannot
+#            A/B in one process (module-level ones, e.g. --lora-stream-priority -1) alternate, so drift
+#            between runs shows up instead of passing for a difference
 #   DENSE=0  benchmarks/lora_linear.py (DENSE_ARGS, e.g. "--ts 64,256 --shapes qkv,o --modes split,planned,planned_split
 #            --variants off,1ad_r16,8ad_r16"): the dense LoRA linear's paths per call
 #   DELTA=0  benchmarks/moe_lora_delta.py (DELTA_ARGS, e.g. "--ms 64,256 --shape dsv2_lite"): the routed-expert
@@ -34,12 +37,17 @@ if [ "${LAYER:-1}" = 1 ]; then
   "$PY" benchmarks/moe_lora_layer.py "$OUT/moe_lora_layer.csv" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/moe_lora_layer.log" || rc=1
 fi
 if [ "${DECODE:-1}" = 1 ]; then
-  "$PY" benchmarks/decode.py "$OUT/decode.csv" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" || rc=1
   IFS=';' read -ra variants <<< "${DECODE_VARIANTS:-}"
-  for i in "${!variants[@]}"; do
-    echo "# decode.py ${DECODE_ARGS:-} ${variants[$i]}" | tee "$OUT/decode_v$i.log"
-    "$PY" benchmarks/decode.py "$OUT/decode_v$i.csv" ${DECODE_ARGS:-} ${variants[$i]} 2>&1 | tee -a "$OUT/decode_v$i.log" \
-      || rc=1
+  rounds="${DECODE_ROUNDS:-1}"
+  for ((r = 1; r <= rounds; r++)); do
+    sfx=""
+    [ "$rounds" = 1 ] || sfx="_r$r"
+    "$PY" benchmarks/decode.py "$OUT/decode$sfx.csv" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode$sfx.log" || rc=1
+    for i in "${!variants[@]}"; do
+      echo "# decode.py ${DECODE_ARGS:-} ${variants[$i]}" | tee "$OUT/decode_v$i$sfx.log"
+      "$PY" benchmarks/decode.py "$OUT/decode_v$i$sfx.csv" ${DECODE_ARGS:-} ${variants[$i]} 2>&1 \
+        | tee -a "$OUT/decode_v$i$sfx.log" || rc=1
+    done
   done
 fi
 if [ "${DENSE:-0}" = 1 ]; then
