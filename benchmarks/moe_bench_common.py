@@ -112,7 +112,7 @@ def moe_call(layer: Layer, x, wts, ids, lora, config=None, side_stream=None):
                              side_stream=side_stream)
 
 
-def _copy_gbps() -> float:
+def copy_gbps() -> float:
     a = torch.randn(256 * 2 ** 20, device="cuda")  # 1 GiB
     b = torch.empty_like(a)
     t = triton.testing.do_bench(lambda: b.copy_(a), warmup=10, rep=100, return_mode="median")
@@ -128,7 +128,7 @@ def _matmul_tflops(n=8192) -> float:
 
 def measure_ceilings() -> tuple[float, float]:
     """(copy GB/s counting read + write, bf16 matmul TFLOP/s), both on random data."""
-    return _copy_gbps(), _matmul_tflops()
+    return copy_gbps(), _matmul_tflops()
 
 
 def write_rows(path, rows: list[dict]) -> None:

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from moe_bench_common import (  # noqa: E402
     SHAPES,
-    _copy_gbps,
+    copy_gbps,
     graph_time_ms,
     make_inputs,
     make_layer,
@@ -53,16 +53,21 @@ def delta_bytes(ids, slots, rank, plan, which, H, inter) -> tuple[int, int]:
     n_out = 2 * inter if which == "gate_up" else H
     tok_slot = slots.long().repeat_interleave(K)
     on = tok_slot >= 0
-    pairs = torch.unique((tok_slot * 100_000 + ids.reshape(-1).long())[on]).numel()
+    pairs = torch.unique(torch.stack((tok_slot, ids.reshape(-1).long()))[:, on], dim=1).shape[1]
     n = int(plan.num_padded.item())
     rows = plan.sorted_route_ids[:n].long()
-    valid = rows < M * K
     blk = torch.arange(n, device=rows.device) // plan.block_m
     rslot = tok_slot[rows.clamp(max=M * K - 1)]
-    keep = valid & (rslot >= 0)
-    block_pairs = torch.unique((blk * 1000 + rslot)[keep]).numel()
+    keep = (rows < M * K) & (rslot >= 0)
+    block_pairs = torch.unique(torch.stack((blk, rslot))[:, keep], dim=1).shape[1]
     written = int(on.sum()) * n_out * 2
     return pairs * pair_bytes + written, block_pairs * pair_bytes + written
+
+
+def delta_us(cfg, src, delta, plan, ids, lora, which) -> float:
+    """Graph-replay µs of `which`'s delta launch (its kernels only: no base GEMM), rank-16 pools."""
+    return 1e3 * graph_time_ms(lambda: fm._delta_on(None, cfg.lora_shrink, src, delta, plan, ids, lora, which, 16,
+                                                    cfg), rep=25)
 
 
 def main(argv=None):
@@ -77,7 +82,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     shape = SHAPES[args.shape]
     H, inter, E, K = shape["H"], shape["I"], shape["E"], shape["K"]
-    bw = _copy_gbps()
+    bw = copy_gbps()
     names = [c for c in args.configs.split(",") if c] or list(CONFIGS)
     print(f"# {torch.cuda.get_device_name()}: copy {bw:.0f} GB/s; {args.shape} {shape}", flush=True)
     layer = make_layer(shape, pool_ranks=(16,))
@@ -91,19 +96,15 @@ def main(argv=None):
         for variant in args.variants.split(","):
             lora = make_lora(layer, M, variant)
             rank = int(lora.gate_up_ranks[0])
+            idle = dataclasses.replace(lora, gate_up_ranks=torch.zeros_like(lora.gate_up_ranks),
+                                       down_ranks=torch.zeros_like(lora.down_ranks))  # --rank0
             for which, src, n_out in (("gate_up", x, 2 * inter), ("down", h, H)):
                 delta = torch.empty(M * K, n_out, dtype=torch.bfloat16, device="cuda")
                 pair_b, block_b = delta_bytes(ids, lora.token_slots, rank, plan, which, H, inter)
                 for name in names:
                     cfg = dataclasses.replace(base, lora_block_max_slots=0, **CONFIGS[name])
-                    args_ = (None, cfg.lora_shrink, src, delta, plan, ids, lora, which, 16, cfg)
-                    us = 1e3 * graph_time_ms(lambda a=args_: fm._delta_on(*a), rep=25)
-                    empty_us = float("nan")
-                    if args.rank0:
-                        idle = dataclasses.replace(lora, gate_up_ranks=torch.zeros_like(lora.gate_up_ranks),
-                                                   down_ranks=torch.zeros_like(lora.down_ranks))
-                        args_ = (*args_[:6], idle, *args_[7:])
-                        empty_us = 1e3 * graph_time_ms(lambda a=args_: fm._delta_on(*a), rep=25)
+                    us = delta_us(cfg, src, delta, plan, ids, lora, which)
+                    empty_us = delta_us(cfg, src, delta, plan, ids, idle, which) if args.rank0 else float("nan")
                     bound_us = pair_b / (bw * 1e3)
                     rows.append(dict(shape=args.shape, M=M, variant=variant, which=which, config=name, us=us,
                                      pair_bytes=pair_b, block_bytes=block_b, bound_us=bound_us,

@@ -70,7 +70,7 @@ def timed(layer, x, wts, ids, lora, cfg, side=None) -> float:
 
 def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("1ad_r16", "8ad_r16")) -> FusedMoEConfig:
     """Keep base's tiles; pick lora_shrink / lora_split_k by the summed time of the `score` variants
-    (default 8 adapters of rank 16)."""
+    (default one adapter and 8, rank 16)."""
     x, wts, ids = make_inputs(layer, M)
     loras = [make_lora(layer, M, v) for v in score]
 

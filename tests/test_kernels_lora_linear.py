@@ -37,6 +37,8 @@ def named_config(T: int, name: str) -> LoRALinearConfig:
     if name == "planned_split":
         return replace(default_lora_linear_config(T, "planned"), plan_shrink="split")
     return default_lora_linear_config(T, name)
+
+
 MODES = tuple(TINY)
 
 

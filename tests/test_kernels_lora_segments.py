@@ -19,6 +19,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from kernel_env import DEV, gpu_only, kernel_test  # noqa: E402
+from test_kernels_lora_linear import TINY as LINEAR_TINY  # noqa: E402
 from test_kernels_lora_linear import named_config  # noqa: E402
 
 from moelora.kernels.lora_linear import LoRALinearConfig, default_lora_linear_config, lora_linear  # noqa: E402
@@ -26,17 +27,9 @@ from moelora.kernels.reference import DenseLoRAArgs, SlotRows, lora_linear_ref  
 
 # fp32 relative tolerance: exact-ish under the interpreter; on CUDA Triton's fp32 dots run in TF32.
 F32_TOL = 1e-5 if DEV == "cpu" else 2e-3
-TINY = {"split": LoRALinearConfig("split", 16, 32, 16, 16, split_k=3),
-        "split_bn16": LoRALinearConfig("split", 16, 16, 16, 16, split_k=2, slot_lanes=2),
-        "fused": LoRALinearConfig("fused", 16, 32, 32),
-        # fp16/bf16 only (fp32 calls take "split"): split-K GEMM, expand in its reduce
-        "splitk": LoRALinearConfig("splitk", 16, 32, 16, 16, split_k=3, gemm_block_n=16, gemm_block_k=16,
-                                   gemm_split_k=3),
-        # rows grouped by slot: 16-row plan blocks, 16-column programs (tiles straddle no segment bound)
-        "planned": LoRALinearConfig("planned", 16, 16, 16, plan_cols=16),
-        # the split path's shrink (3 N_in chunks), then the planned expand
-        "planned_split": LoRALinearConfig("planned", 16, 16, 16, 16, split_k=3, plan_cols=16, plan_shrink="split")}
-
+# the dense tests' tiny configs (16-column planned programs: tiles straddle no segment bound), plus a
+# split path with 16-wide expand tiles and fewer lanes than slots
+TINY = {**LINEAR_TINY, "split_bn16": LoRALinearConfig("split", 16, 16, 16, 16, split_k=2, slot_lanes=2)}
 
 
 def make_case(T, n_in, segs, ranks, R, *, slots=None, dtype=torch.float32, device="cpu", seed=0, bias=True):

@@ -20,7 +20,8 @@ column split of a block, from L2 (x rows and A are a few tens of KB).
 `plan_shrink` "split" (the same kernel with SPLIT > 0): the shrink is the split
 path's (N_in in chunks, fp32 partials per row, on the LoRA side stream next to cuBLAS when there is
 one), and the planned program only sums its rows' partials and expands: the full-depth shrink leaves
-the critical path. Not yet measured on a GPU (the default stays "fused").
+the critical path. H200: never the fastest with 8 adapters; with one, the fastest only from 512 rows
+(q/k/v T=1024 56.6 -> 50.6 us): the default stays "fused" (docs/benchmarks.md).
 
 Why: the split path's expand at decode batches of 64-256 rows spread over 8 adapters runs its
 [BM, BN] tiles once per slot lane (8x the programs, each with a full-size accumulator); H200,

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from moelora.kernels.reference import SlotRows
+from moelora.kernels.reference import MoERoutingPlan, SlotRows
 from moelora.upload import upload
 
 NO_SLOT = -1
@@ -45,7 +45,7 @@ class LoRABatch:
     token_slots: torch.Tensor  # [T] int32, NO_SLOT = base model
     active: tuple[SlotRows, ...] | None
     idle: frozenset = frozenset()  # LoRA modules no registered adapter has weights at
-    row_plan: object = None  # the rows grouped by slot (a routing plan over the model's num_slots slots)
+    row_plan: MoERoutingPlan | None = None  # the rows grouped by slot (a routing plan over the model's slots)
 
     def with_row_plan(self, num_slots: int) -> LoRABatch:
         """This batch plus its rows grouped by slot (`moelora.kernels.planned_lora.row_plan`) when a
