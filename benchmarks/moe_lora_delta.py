@@ -42,6 +42,10 @@ CONFIGS = {
     "block n256 k256": dict(lora_shrink="block", lora_block_n=256, lora_block_k=256),
     "block n256 k512": dict(lora_shrink="block", lora_block_n=256, lora_block_k=512),
     "block n128 k512": dict(lora_shrink="block", lora_block_n=128, lora_block_k=512),
+    # 16-row programs over larger plan blocks (lora_block_m)
+    "block n256 k128 m16": dict(lora_shrink="block", lora_block_n=256, lora_block_k=128, lora_block_m=16),
+    "block n128 k128 m16": dict(lora_shrink="block", lora_block_n=128, lora_block_k=128, lora_block_m=16),
+    "block n256 k256 m16": dict(lora_shrink="block", lora_block_n=256, lora_block_k=256, lora_block_m=16),
 }
 
 

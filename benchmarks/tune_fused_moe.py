@@ -83,11 +83,15 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("1ad_r16", 
     trials += [dataclasses.replace(base, lora_shrink="block", lora_n_split=n) for n in (0, 4, 8)]
     trials += [dataclasses.replace(base, lora_shrink="block", lora_block_n=bn, lora_block_k=bk)  # fewer, wider steps
                for bn, bk in ((256, 128), (256, 256), (256, 512), (128, 512))]  # 512: a shorter shrink chain
+    if base.block_m > 16:  # 16-row block-delta programs over the plan's larger blocks
+        trials += [dataclasses.replace(base, lora_shrink="block", lora_block_n=bn, lora_block_k=bk, lora_block_m=16)
+                   for bn, bk in ((256, 128), (128, 128), (256, 256))]
     scored = []
     for cfg in trials:
         t = run(cfg)
         scored.append((t, cfg))
-        log.append(dict(M=M, what=f"lora_{cfg.lora_shrink}_{cfg.lora_split_k}_{cfg.lora_n_split}_{cfg.lora_block_n}",
+        log.append(dict(M=M, what=f"lora_{cfg.lora_shrink}_{cfg.lora_split_k}_{cfg.lora_n_split}_{cfg.lora_block_n}"
+                        f"_m{cfg.lora_block_m}",
                         config=json.dumps(cfg.to_dict()), ms=t))
     t_best, best = min(scored, key=lambda p: p[0])
     # refinements of a route / block pick, each kept if faster: the route delta's programs and warps, the
@@ -119,7 +123,7 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("1ad_r16", 
             best = sw
     tag = ("{0.lora_shrink}/{0.lora_split_k}/{0.lora_n_split}/{0.lora_route_order:.1}/{0.lora_gate_up_at:.3}"
            "/p{0.lora_route_programs}w{0.lora_route_warps}t{0.lora_route_tile}/n{0.lora_block_n}k{0.lora_block_k}"
-           "/s{0.lora_block_max_slots}").format
+           "m{0.lora_block_m}/s{0.lora_block_max_slots}").format
     print(f"  M={M:5d} {'+'.join(score)} " + "  ".join(f"{tag(c)} {t * 1e3:7.1f}" for t, c in scored)
           + f"  -> {tag(best)}", flush=True)
     return tune_wide(layer, M, best, log, side)

@@ -165,12 +165,13 @@ def _block_delta(src, delta, plan, lora, which, block_r, cfg, switch: int = 0):
     n_split = cfg.lora_n_split or triton.cdiv(_BLOCK_TARGET_PROGRAMS, plan.num_routes)
     n_split = max(1, min(triton.cdiv(n_out, bn), n_split))
     per_split = triton.cdiv(triton.cdiv(n_out, n_split), bn) * bn
-    lora_block_delta_kernel[(plan.max_blocks, lanes, triton.cdiv(n_out, per_split))](
+    sub = plan.block_m // min(cfg.lora_block_m or plan.block_m, plan.block_m)
+    lora_block_delta_kernel[(plan.max_blocks * sub, lanes, triton.cdiv(n_out, per_split))](
         src, delta, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots,
         ranks, a, b, plan.num_routes, plan.top_k, k_dim, n_out, per_split, lanes, src.stride(0),
         delta.stride(0), a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
-        BY_PLAN_ROW=which == "down", BM=plan.block_m, BLOCK_R=block_r, BK=cfg.lora_block_k, BN=bn, num_warps=4,
-        **_switch_args(plan, lora, cfg, switch))
+        BY_PLAN_ROW=which == "down", BM=plan.block_m, BLOCK_R=block_r, BK=cfg.lora_block_k, BN=bn, SUB=sub,
+        num_warps=4, **_switch_args(plan, lora, cfg, switch))
 
 
 def _delta_on(side, mode, src, delta, plan, topk_ids, lora, which, block_r, cfg):

@@ -53,7 +53,10 @@ class FusedMoEConfig:
     (slot, expert) pair's A/B is read once per block, not once per route; lora_n_split cuts each
     (block, slot) program's output columns into that many programs (0: only when the blocks leave
     SMs idle; each split repeats the block's shrink); lora_block_n: the columns of each of its
-    expand steps (and lora_block_k the depth of each shrink step). lora_shrink_wide: the
+    expand steps (and lora_block_k the depth of each shrink step); lora_block_m (0: block_m): the
+    rows of each of its programs, a plan block taken as block_m / lora_block_m sub-blocks (16 of a
+    32-row block: half the masked rows staged per shrink step and twice the programs, A/B read once
+    per sub-block). lora_shrink_wide: the
     mode for pools of max rank > 16 ("": lora_shrink's, "inline" going "separate"; H200, Qwen3
     M=512, 8 adapters r64: separate 3.98x no-LoRA, route 3.05x, block 2.33x). lora_gate_up_at (route
     and block): "epilogue" adds the gate_up delta in the gate_up GEMM's epilogue, so its kernel runs
@@ -91,6 +94,7 @@ class FusedMoEConfig:
     lora_route_warps: int = 4
     lora_route_tile: int = 4096
     lora_block_n: int = 64
+    lora_block_m: int = 0
     lora_block_max_slots: int = 0
     use_tma: bool = False
 
@@ -103,6 +107,7 @@ class FusedMoEConfig:
         need_at_least("FusedMoEConfig", 1, lora_split_k=self.lora_split_k, lora_route_programs=self.lora_route_programs)
         need_at_least("FusedMoEConfig", 0, lora_n_split=self.lora_n_split,
                       lora_block_max_slots=self.lora_block_max_slots)
+        need_one_of("FusedMoEConfig", "lora_block_m", self.lora_block_m, (0, 16, 32, 64, 128))
         need_one_of("FusedMoEConfig", "lora_route_warps", self.lora_route_warps, (1, 2, 4, 8, 16))
         need_one_of("FusedMoEConfig", "lora_route_order", self.lora_route_order, ROUTE_ORDERS)
         need_one_of("FusedMoEConfig", "lora_gate_up_at", self.lora_gate_up_at, GATE_UP_DELTA_AT)

@@ -29,6 +29,9 @@ SPLIT reduction splits, RC = 16 rank columns per step (cost follows each slot's 
   block and split instead of once per route: the reuse "route" lacks when blocks hold several
   routes of one adapter (M >= 256), with the slots of a block in parallel programs (lanes), not
   the serial per-slot loop of "separate". One pass at the pool's width, masked to each slot's rank.
+  SUB > 1 (FusedMoEConfig.lora_block_m): each plan block is taken as SUB sub-blocks of BM / SUB
+  rows, one program row each: tiles of fewer masked rows staged per step and more programs, for
+  A/B read once per sub-block instead of once per block.
 - The route / block switch (FusedMoEConfig.lora_block_max_slots): both delta kernels are launched
   and each program first counts the distinct slots of the batch (`slots_skip`); with at most
   max_slots the block kernel runs and the route kernel's programs exit, else the reverse. One
@@ -183,19 +186,21 @@ def lora_block_delta_kernel(
     n_routes, top_k, k_dim, n_out, n_per_split, n_lanes, stride_src, stride_d,
     stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, max_slots,
     BY_PLAN_ROW: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-    SWITCH: tl.constexpr = 0, T_P2: tl.constexpr = 1, S_P2: tl.constexpr = 1,
+    SUB: tl.constexpr = 1, SWITCH: tl.constexpr = 0, T_P2: tl.constexpr = 1, S_P2: tl.constexpr = 1,
 ):
-    """delta[route, n] for the rows of plan block program_id(0) on the lane-th distinct slot, n in
-    split program_id(2); see the module docstring. SWITCH: `slots_skip`."""
+    """delta[route, n] for the rows of sub-block program_id(0) (BM / SUB rows of plan block
+    program_id(0) // SUB) on the lane-th distinct slot, n in split program_id(2); see the module
+    docstring. SWITCH: `slots_skip`."""
     if SWITCH != 0:
         if slots_skip(slots_ptr, n_routes // top_k, max_slots, SWITCH, T_P2, S_P2):
             return
+    BMS: tl.constexpr = BM // SUB
     pid_m = tl.program_id(0)
     lane = tl.program_id(1)
-    if pid_m * BM >= tl.load(num_padded_ptr):
+    if pid_m * BMS >= tl.load(num_padded_ptr):
         return
-    e = tl.load(eob_ptr + pid_m).to(tl.int64)
-    offs_m, route, valid, tok = plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BM)
+    e = tl.load(eob_ptr + pid_m // SUB).to(tl.int64)
+    offs_m, route, valid, tok = plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BMS)
     rows = offs_m if BY_PLAN_ROW else tok  # down: h rows are plan rows; gate_up: x rows are tokens
     slot, s = drop_largest_slots(tl.load(slots_ptr + tok, mask=valid, other=-1), lane)
     n_start = tl.program_id(2) * n_per_split
@@ -207,7 +212,7 @@ def lora_block_delta_kernel(
         if rank > 0:
             a_se = slot_base(a_ptr, s, e, stride_as, stride_ae)
             b_se = slot_base(b_ptr, s, e, stride_bs, stride_be)
-            xa = lora_shrink_rows(src_ptr, rows, stride_src, sel, a_se, stride_ar, rank, 0, k_dim, BM, BLOCK_R, BK)
+            xa = lora_shrink_rows(src_ptr, rows, stride_src, sel, a_se, stride_ar, rank, 0, k_dim, BMS, BLOCK_R, BK)
             xa = xa.to(src_ptr.dtype.element_ty)
             d_rows = delta_ptr + route[:, None].to(tl.int64) * stride_d
             for n0 in range(n_start, n_end, BN):
