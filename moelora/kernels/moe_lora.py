@@ -45,7 +45,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moelora.kernels.lora_tiles import drop_largest_slots, lora_b_tile, lora_shrink_rows
+from moelora.kernels.lora_tiles import count_slots, drop_largest_slots, lora_b_tile, lora_shrink_rows
 from moelora.kernels.moe_gemm import plan_rows, slot_base
 
 
@@ -186,11 +186,13 @@ def lora_block_delta_kernel(
     n_routes, top_k, k_dim, n_out, n_per_split, n_lanes, stride_src, stride_d,
     stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, max_slots,
     BY_PLAN_ROW: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-    SUB: tl.constexpr = 1, SWITCH: tl.constexpr = 0, T_P2: tl.constexpr = 1, S_P2: tl.constexpr = 1,
+    SUB: tl.constexpr = 1, SPREAD: tl.constexpr = False, SWITCH: tl.constexpr = 0, T_P2: tl.constexpr = 1,
+    S_P2: tl.constexpr = 1,
 ):
     """delta[route, n] for the rows of sub-block program_id(0) (BM / SUB rows of plan block
     program_id(0) // SUB) on the lane-th distinct slot, n in split program_id(2); see the module
-    docstring. SWITCH: `slots_skip`."""
+    docstring. SPREAD: a block of d < n_lanes slots gives each slot n_lanes // d lanes, which split
+    its columns (each shrinks the slot's rows again, A from L2). SWITCH: `slots_skip`."""
     if SWITCH != 0:
         if slots_skip(slots_ptr, n_routes // top_k, max_slots, SWITCH, T_P2, S_P2):
             return
@@ -202,10 +204,21 @@ def lora_block_delta_kernel(
     e = tl.load(eob_ptr + pid_m // SUB).to(tl.int64)
     offs_m, route, valid, tok = plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BMS)
     rows = offs_m if BY_PLAN_ROW else tok  # down: h rows are plan rows; gate_up: x rows are tokens
-    slot, s = drop_largest_slots(tl.load(slots_ptr + tok, mask=valid, other=-1), lane)
+    slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
     n_start = tl.program_id(2) * n_per_split
     n_end = tl.minimum(n_out, n_start + n_per_split)
     last = lane == n_lanes - 1
+    if SPREAD:
+        d = tl.maximum(count_slots(slot, BMS), 1)
+        if d < n_lanes:  # idle lanes: lane = part * d + the slot's index; a part past the columns stays idle
+            parts = n_lanes // d
+            part = lane // d
+            width = tl.cdiv(tl.cdiv(n_end - n_start, parts), BN) * BN
+            n_start += part * width
+            n_end = tl.minimum(n_end, n_start + width)
+            lane = tl.where((part < parts) & (n_start < n_end), lane % d, n_lanes)  # n_lanes: no slot
+            last = lane < 0  # every slot has its own lanes: none takes the rest
+    slot, s = drop_largest_slots(slot, lane)
     while s >= 0:
         sel = slot == s
         rank = tl.load(ranks_ptr + s)
