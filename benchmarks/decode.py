@@ -27,13 +27,14 @@ usage: python benchmarks/decode.py OUT.csv [--model qwen3_30b|dsv2_lite|all] [--
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from moe_bench_common import copy_gbps, write_rows  # noqa: E402
 
 from moelora.config import ModelConfig  # noqa: E402
 from moelora.engine.config import EngineConfig  # noqa: E402
@@ -54,20 +55,6 @@ DSV2_LITE = dict(family="deepseek_v2", vocab_size=102400, hidden_size=2048, num_
                  routed_scaling_factor=1.0, n_shared_experts=2, first_k_dense_replace=1, rope_interleave=True,
                  max_position_embeddings=4096, dtype="bfloat16")
 MODELS = {"qwen3_30b": QWEN3_30B, "dsv2_lite": DSV2_LITE}
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        y.copy_(x)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 10 / (start.elapsed_time(end) / 1e3)
 
 
 def random_model(cfg: ModelConfig, max_loras: int, rank: int) -> MoECausalLM:
@@ -278,7 +265,7 @@ def main() -> None:
                     "keys that set the shared model's modules are refused")
     args = ap.parse_args()
     concs = [int(c) for c in args.conc.split(",")]
-    bw = copy_bandwidth()
+    bw = copy_gbps() * 1e9  # bytes/s
     print(f"GPU {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = []
     for name in (list(MODELS) if args.model == "all" else [args.model]):
@@ -288,10 +275,7 @@ def main() -> None:
                                lora_stream_priority=args.lora_stream_priority,
                                lora_target_modules=tuple(args.lora_target_modules.split(","))
                                if args.lora_target_modules else None))
-    with open(args.out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ Writes the CSV to the path, else $OUT/lora_linear.csv, else ./lora_linear.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 from dataclasses import replace
@@ -38,6 +37,8 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moe_bench_common import copy_gbps, write_rows  # noqa: E402
 
 from moelora.kernels.lora_linear import LoRALinearConfig, default_lora_linear_config, lora_linear  # noqa: E402
 from moelora.kernels.planned_lora import row_plan  # noqa: E402
@@ -99,13 +100,6 @@ def graph_ms(calls) -> float:
         for c in calls:
             c()
     return triton.testing.do_bench(graph.replay, warmup=10, rep=50, return_mode="median")
-
-
-def copy_gbps() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    t = triton.testing.do_bench(lambda: b.copy_(a), warmup=10, rep=100, return_mode="median")
-    return 2 * a.numel() / (t * 1e-3) / 1e9
 
 
 def mode_config(T: int, mode: str) -> LoRALinearConfig:
@@ -270,10 +264,7 @@ def main(argv=None):
             rows += bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep, side, args.sweep_mode)
         del layers
         torch.cuda.empty_cache()
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(path, rows)
     print_step_summary(rows)
     print(f"# wrote {path}")
 
