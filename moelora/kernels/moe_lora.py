@@ -31,7 +31,8 @@ SPLIT reduction splits, RC = 16 rank columns per step (cost follows each slot's 
   the serial per-slot loop of "separate". One pass at the pool's width, masked to each slot's rank.
   SUB > 1 (FusedMoEConfig.lora_block_m): each plan block is taken as SUB sub-blocks of BM / SUB
   rows, one program row each: tiles of fewer masked rows staged per step and more programs, for
-  A/B read once per sub-block instead of once per block.
+  A/B read once per sub-block instead of once per block. SPREAD (lora_block_spread): lanes a
+  block's slots leave idle split those slots' output columns (one adapter: 8 programs a block).
 - The route / block switch (FusedMoEConfig.lora_block_max_slots): both delta kernels are launched
   and each program first counts the distinct slots of the batch (`slots_skip`); with at most
   max_slots the block kernel runs and the route kernel's programs exit, else the reverse. One
