@@ -22,11 +22,13 @@ and norms are left out (< 1%).
 usage: python benchmarks/decode.py OUT.csv [--model qwen3_30b|dsv2_lite|all] [--layers N]
        [--conc 1,8,32,64,128,256] [--steps 20] [--repeats 2] [--async-scheduling] [--no-overlap-lora]
        [--lora-target-modules self_attn,experts] [--ab async_scheduling=1]  (engine-level keys only)
+       [--ab-table other_fused_moe_table.json]  (B engines built, captured and run with that MoE table)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 
@@ -40,6 +42,7 @@ from moelora.config import ModelConfig  # noqa: E402
 from moelora.engine.config import EngineConfig  # noqa: E402
 from moelora.engine.engine import LLMEngine  # noqa: E402
 from moelora.engine.request import SamplingParams  # noqa: E402
+from moelora.kernels.moe_config import fused_moe_table  # noqa: E402
 from moelora.lora.adapter import LoRAAdapter, LoRAWeights  # noqa: E402
 from moelora.models.decoder import MoECausalLM  # noqa: E402
 from moelora.models.registry import model_class  # noqa: E402
@@ -175,27 +178,35 @@ def no_lora_twin(model: MoECausalLM, cfg: ModelConfig) -> MoECausalLM:
 
 
 def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank: int, bw: float,
-              engine_kw: dict, repeats: int = 1, ab: dict | None = None) -> list[dict]:
+              engine_kw: dict, repeats: int = 1, ab: dict | None = None, ab_table: str | None = None) -> list[dict]:
     """`ab`: engine settings of a second engine pair ("B", e.g. {"async_scheduling": True}) over the same
-    weights, measured in the same turns as the first, so a few-percent effect is not lost to drift."""
+    weights, measured in the same turns as the first, so a few-percent effect is not lost to drift.
+    `ab_table`: a fused-MoE table file the B pair is built, captured and run with (`fused_moe_table`)."""
     spec = MODELS[name]
     cfg = ModelConfig(**{**spec, "num_layers": layers or spec["num_layers"]}).resolve()
     print(f"model {name}, layers {cfg.num_layers}")
     model = random_model(cfg, 8, rank)
     adapters = {f"a{i}": random_adapter(model, f"a{i}", rank, i) for i in range(8)}
     twin = no_lora_twin(model, cfg)
+    has_b = bool(ab) or ab_table is not None
+
+    def table(variant):  # B's MoE launch configs, from capture to the last step
+        return fused_moe_table(ab_table) if variant == "B" and ab_table else contextlib.nullcontext()
+
     runs = []
-    for variant, kw in (("", engine_kw), *((("B", {**engine_kw, **ab}),) if ab else ())):
-        lora_eng = engine(model, cfg, 8, rank, max(concs), adapters, **kw)
-        base_kw = {k: v for k, v in kw.items() if k != "lora_target_modules"}  # it has no LoRA sites to name
-        base_eng = engine(twin, cfg, 0, 0, max(concs), {}, **base_kw)
+    for variant, kw in (("", engine_kw), *((("B", {**engine_kw, **(ab or {})}),) if has_b else ())):
+        with table(variant):
+            lora_eng = engine(model, cfg, 8, rank, max(concs), adapters, **kw)
+            base_kw = {k: v for k, v in kw.items() if k != "lora_target_modules"}  # it has no LoRA sites to name
+            base_eng = engine(twin, cfg, 0, 0, max(concs), {}, **base_kw)
         runs += [(variant, "no LoRA", base_eng, [None]), (variant, "1 adapter", lora_eng, ["a0"]),
                  (variant, "8 adapters", lora_eng, list(adapters))]
     samples: dict[tuple[str, str, int], list[float]] = {}
     for conc in concs:  # the configurations in turns, `repeats` rounds: drift hits all of them alike
         for _ in range(repeats):
             for variant, label, eng, names in runs:
-                samples.setdefault((variant, label, conc), []).append(measure(eng, conc, names, steps))
+                with table(variant):
+                    samples.setdefault((variant, label, conc), []).append(measure(eng, conc, names, steps))
     results = {key: sorted(v)[len(v) // 2] for key, v in samples.items()}
     for variant, label, eng, _ in runs:
         if eng.graphs is not None and label != "1 adapter":  # the LoRA engine is listed twice
@@ -204,9 +215,10 @@ def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank:
     del runs, lora_eng, base_eng, twin, model
     torch.cuda.empty_cache()
     rows = []
-    for variant in ("", "B") if ab else ("",):
-        if ab:
-            print(f"# {'A: as given' if not variant else 'B: ' + ', '.join(f'{k}={v}' for k, v in ab.items())}")
+    for variant in ("", "B") if has_b else ("",):
+        if has_b:
+            b_desc = [f"{k}={v}" for k, v in (ab or {}).items()] + ([f"MoE table {ab_table}"] if ab_table else [])
+            print(f"# {'A: as given' if not variant else 'B: ' + ', '.join(b_desc)}")
         print(f"{'config':>11} {'conc':>5} {'step ms':>8} {'tok/s':>9} {'bound ms':>9} {'x bound':>8} {'vs noLoRA':>9}"
               + ("  B/A" if variant else ""))
         for conc in concs:
@@ -260,6 +272,8 @@ def main() -> None:
                     "(-1: the LoRA side stream's kernels get freed SMs first)")
     ap.add_argument("--lora-target-modules", default=None,
                     help="comma-separated EngineConfig.lora_target_modules (e.g. self_attn,experts: no router LoRA)")
+    ap.add_argument("--ab-table", default=None, help="A/B in the same turns: a fused-MoE table file (as "
+                    "tune_fused_moe.py writes) the B engines use, against the package's (A); with --ab, B has both")
     ap.add_argument("--ab", default="", help="A/B in the same turns: engine settings of a second engine pair, "
                     "e.g. async_scheduling=1 or skip_idle_lora_sites=0 (B/A: its step time over the first's); "
                     "keys that set the shared model's modules are refused")
@@ -270,7 +284,7 @@ def main() -> None:
     rows = []
     for name in (list(MODELS) if args.model == "all" else [args.model]):
         rows += run_model(name, args.layers, concs, args.steps, args.rank, bw, repeats=args.repeats,
-                          ab=parse_ab(args.ab), engine_kw=
+                          ab=parse_ab(args.ab), ab_table=args.ab_table, engine_kw=
                           dict(async_scheduling=args.async_scheduling, overlap_lora=not args.no_overlap_lora,
                                lora_stream_priority=args.lora_stream_priority,
                                lora_target_modules=tuple(args.lora_target_modules.split(","))

@@ -10,6 +10,7 @@ back to `default_fused_moe_config`. Nothing is autotuned at serving time.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
@@ -179,12 +180,43 @@ def _load_table(path: str) -> dict:
     return json.loads(p.read_text())["configs"]
 
 
-@functools.lru_cache(maxsize=1024)
+_table_file: str | None = None  # set by `fused_moe_table`
+
+
+@contextlib.contextmanager
+def fused_moe_table(path: str | Path):
+    """Inside the block, `tuned_fused_moe_config` reads the table file at `path` (one as
+    benchmarks/tune_fused_moe.py writes) instead of the package's table for the GPU. Process-wide,
+    not thread-local: how a benchmark measures two tables in the same process, in turns (a CUDA graph
+    keeps the launch configs it was captured with)."""
+    global _table_file
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"fused_moe_table: no table file at {p}")
+    before, _table_file = _table_file, str(p.resolve())
+    try:
+        yield
+    finally:
+        _table_file = before
+
+
 def tuned_fused_moe_config(num_experts: int, hidden: int, inter: int, num_tokens: int, top_k: int,
                            dtype: torch.dtype, device_name: str) -> FusedMoEConfig:
-    """The tuned config for this shape on `device_name`, else the heuristic default."""
-    table = _load_table(str(CONFIG_DIR / f"fused_moe_{device_tag(device_name)}.json"))
-    per_m = table.get(shape_key(num_experts, hidden, inter, dtype))
+    """The tuned config for this shape on `device_name` (from the `fused_moe_table` in force, else the
+    package's table for that GPU), else the heuristic default."""
+    return _tuned_config(num_experts, hidden, inter, num_tokens, top_k, dtype,
+                         _table_file or _package_table(device_name))
+
+
+@functools.lru_cache(maxsize=16)
+def _package_table(device_name: str) -> str:
+    return str(CONFIG_DIR / f"fused_moe_{device_tag(device_name)}.json")
+
+
+@functools.lru_cache(maxsize=1024)
+def _tuned_config(num_experts: int, hidden: int, inter: int, num_tokens: int, top_k: int, dtype: torch.dtype,
+                  table_file: str) -> FusedMoEConfig:
+    per_m = _load_table(table_file).get(shape_key(num_experts, hidden, inter, dtype))
     if not per_m:
         return default_fused_moe_config(num_experts, hidden, inter, num_tokens, top_k)
     ms = sorted(int(m) for m in per_m)
