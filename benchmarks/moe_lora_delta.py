@@ -49,6 +49,7 @@ CONFIGS = {
     # idle lanes split their slots' columns (lora_block_spread)
     "block n256 k128 spread": dict(lora_shrink="block", lora_block_n=256, lora_block_k=128, lora_block_spread=True),
     "block n128 k128 spread": dict(lora_shrink="block", lora_block_n=128, lora_block_k=128, lora_block_spread=True),
+    "block n256 k512 spread": dict(lora_shrink="block", lora_block_n=256, lora_block_k=512, lora_block_spread=True),
     "block n256 k256 m16 spread": dict(lora_shrink="block", lora_block_n=256, lora_block_k=256, lora_block_m=16,
                                        lora_block_spread=True),
 }

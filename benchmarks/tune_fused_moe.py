@@ -83,6 +83,9 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("1ad_r16", 
     trials += [dataclasses.replace(base, lora_shrink="block", lora_n_split=n) for n in (0, 4, 8)]
     trials += [dataclasses.replace(base, lora_shrink="block", lora_block_n=bn, lora_block_k=bk)  # fewer, wider steps
                for bn, bk in ((256, 128), (256, 256), (256, 512), (128, 512))]  # 512: a shorter shrink chain
+    # idle lanes splitting a few slots' columns, with a short (512-deep steps) shrink chain each
+    trials.append(dataclasses.replace(base, lora_shrink="block", lora_block_n=256, lora_block_k=512,
+                                      lora_block_spread=True))
     if base.block_m > 16:  # 16-row block-delta programs over the plan's larger blocks
         trials += [dataclasses.replace(base, lora_shrink="block", lora_block_n=bn, lora_block_k=bk, lora_block_m=16)
                    for bn, bk in ((256, 128), (128, 128), (256, 256))]
