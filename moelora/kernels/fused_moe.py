@@ -165,7 +165,7 @@ def _block_delta(src, delta, plan, lora, which, block_r, cfg, switch: int = 0):
     n_split = cfg.lora_n_split or triton.cdiv(_BLOCK_TARGET_PROGRAMS, plan.num_routes)
     n_split = max(1, min(triton.cdiv(n_out, bn), n_split))
     per_split = triton.cdiv(triton.cdiv(n_out, n_split), bn) * bn
-    sub = plan.block_m // min(cfg.lora_block_m or plan.block_m, plan.block_m)
+    sub = max(1, plan.block_m // (cfg.lora_block_m or plan.block_m))  # programs per plan block
     lora_block_delta_kernel[(plan.max_blocks * sub, lanes, triton.cdiv(n_out, per_split))](
         src, delta, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots,
         ranks, a, b, plan.num_routes, plan.top_k, k_dim, n_out, per_split, lanes, src.stride(0),
