@@ -65,12 +65,15 @@ def make_inputs(layer: Layer, M: int, seed=0):
     return x, (w / w.sum(-1, keepdim=True)).to(torch.bfloat16), ids.to(torch.int32)
 
 
-def make_lora(layer: Layer, M: int, variant: str):
+def make_lora(layer: Layer, M: int, variant: str, grouped: bool = False):
+    """The variant's LoRA args over M tokens, n adapters spread evenly: interleaved (token t on slot
+    t % n, as requests arrive in the engine's batches) or grouped (t * n // M: rows ordered by adapter)."""
     n_ad, pool_r, rank = LORA_VARIANTS[variant]
     if n_ad == 0:
         return None
     ga, gb, da, db = layer.pools[pool_r]
-    slots = (torch.arange(M, device="cuda") % n_ad).to(torch.int32)
+    t = torch.arange(M, device="cuda")
+    slots = (t * n_ad // M if grouped else t % n_ad).to(torch.int32)
     ranks = torch.full((SLOTS,), rank, dtype=torch.int32, device="cuda")
     if rank < pool_r:  # the pool's convention: zeros beyond the slot's rank
         ga, gb, da, db = ga.clone(), gb.clone(), da.clone(), db.clone()

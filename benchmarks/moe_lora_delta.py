@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import sys
 from pathlib import Path
 
@@ -46,12 +47,6 @@ CONFIGS = {
     "block n256 k128 m16": dict(lora_shrink="block", lora_block_n=256, lora_block_k=128, lora_block_m=16),
     "block n128 k128 m16": dict(lora_shrink="block", lora_block_n=128, lora_block_k=128, lora_block_m=16),
     "block n256 k256 m16": dict(lora_shrink="block", lora_block_n=256, lora_block_k=256, lora_block_m=16),
-    # idle lanes split their slots' columns (lora_block_spread)
-    "block n256 k128 spread": dict(lora_shrink="block", lora_block_n=256, lora_block_k=128, lora_block_spread=True),
-    "block n128 k128 spread": dict(lora_shrink="block", lora_block_n=128, lora_block_k=128, lora_block_spread=True),
-    "block n256 k512 spread": dict(lora_shrink="block", lora_block_n=256, lora_block_k=512, lora_block_spread=True),
-    "block n256 k256 m16 spread": dict(lora_shrink="block", lora_block_n=256, lora_block_k=256, lora_block_m=16,
-                                       lora_block_spread=True),
 }
 
 
@@ -89,6 +84,8 @@ def main(argv=None):
     ap.add_argument("--configs", default="", help="comma-separated names of CONFIGS (default: all)")
     ap.add_argument("--rank0", action="store_true", help="also time each launch with every slot's rank 0: "
                     "the same programs, each leaving after its prologue (what launches, lanes and waves cost)")
+    ap.add_argument("--orders", default="interleaved", help="row orders of the tokens' slots: interleaved "
+                    "(the engine's, slot t % n) and/or grouped (t * n // M)")
     args = ap.parse_args(argv)
     shape = SHAPES[args.shape]
     H, inter, E, K = shape["H"], shape["I"], shape["E"], shape["K"]
@@ -103,8 +100,8 @@ def main(argv=None):
         plan = build_routing_plan(ids, E, base.block_m)
         P = plan.sorted_route_ids.shape[0]
         h = torch.randn(P, inter, device="cuda").to(torch.bfloat16)
-        for variant in args.variants.split(","):
-            lora = make_lora(layer, M, variant)
+        for variant, order in itertools.product(args.variants.split(","), args.orders.split(",")):
+            lora = make_lora(layer, M, variant, grouped=order == "grouped")
             rank = int(lora.gate_up_ranks[0])
             idle = dataclasses.replace(lora, gate_up_ranks=torch.zeros_like(lora.gate_up_ranks),
                                        down_ranks=torch.zeros_like(lora.down_ranks))  # --rank0
@@ -116,10 +113,11 @@ def main(argv=None):
                     us = delta_us(cfg, src, delta, plan, ids, lora, which)
                     empty_us = delta_us(cfg, src, delta, plan, ids, idle, which) if args.rank0 else float("nan")
                     bound_us = pair_b / (bw * 1e3)
-                    rows.append(dict(shape=args.shape, M=M, variant=variant, which=which, config=name, us=us,
-                                     pair_bytes=pair_b, block_bytes=block_b, bound_us=bound_us,
+                    rows.append(dict(shape=args.shape, M=M, variant=variant, order=order, which=which, config=name,
+                                     us=us, pair_bytes=pair_b, block_bytes=block_b, bound_us=bound_us,
                                      x_bound=us / bound_us, block_gbps=block_b / (us * 1e3), rank0_us=empty_us))
-                    print(f"M={M:4d} {variant:8s} {which:7s} {name:28s} {us:7.2f} us   pairs {pair_b / 1e6:6.1f} MB "
+                    print(f"M={M:4d} {variant:8s} {order[:5]} {which:7s} {name:28s} {us:7.2f} us   "
+                          f"pairs {pair_b / 1e6:6.1f} MB "
                           f"(block {block_b / 1e6:6.1f}) bound {bound_us:6.2f} us  x{us / bound_us:5.2f}  "
                           f"{block_b / (us * 1e3):6.0f} GB/s  rank 0: {empty_us:6.2f} us", flush=True)
     write_rows(args.out, rows)

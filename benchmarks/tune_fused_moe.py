@@ -8,7 +8,7 @@ pick lora_shrink (inline / separate / route / block) and lora_split_k by the sum
 adapter and of 8 adapters, rank 16 (--score; a graph serves both kinds of batch, and the best path
 differs between them: H200, Qwen3 M=256, scored on 8 alone the route path won, on both the block
 path, which then decoded faster with 1 adapter AND with 8) (a route pick then tries 4x the delta's
-programs, 8 warps and 4x wider loads, lora_route_order "plan", a block pick lora_block_spread,
+programs, 8 warps and 4x wider loads, lora_route_order "plan",
 a route or block pick lora_gate_up_at "activation", and a route pick the block switch for batches on <= 2 slots, scored
 on 1 + 8 adapters), and lora_shrink_wide (separate / route / block) on 8 adapters of rank 64. LoRA
 timings use a side stream, as the engine's overlap_lora does (--no-side-stream: not). Usage:
@@ -83,9 +83,6 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("1ad_r16", 
     trials += [dataclasses.replace(base, lora_shrink="block", lora_n_split=n) for n in (0, 4, 8)]
     trials += [dataclasses.replace(base, lora_shrink="block", lora_block_n=bn, lora_block_k=bk)  # fewer, wider steps
                for bn, bk in ((256, 128), (256, 256), (256, 512), (128, 512))]  # 512: a shorter shrink chain
-    # idle lanes splitting a few slots' columns, with a short (512-deep steps) shrink chain each
-    trials.append(dataclasses.replace(base, lora_shrink="block", lora_block_n=256, lora_block_k=512,
-                                      lora_block_spread=True))
     if base.block_m > 16:  # 16-row block-delta programs over the plan's larger blocks
         trials += [dataclasses.replace(base, lora_shrink="block", lora_block_n=bn, lora_block_k=bk, lora_block_m=16)
                    for bn, bk in ((256, 128), (128, 128), (256, 256))]
@@ -103,7 +100,6 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("1ad_r16", 
     refinements = [(("route",), dict(lora_route_programs=p, lora_route_warps=w, lora_route_tile=t))
                    for p, w, t in ((1056, 4, 4096), (264, 8, 4096), (264, 8, 16384), (1056, 8, 16384))]
     refinements += [(("route",), dict(lora_route_order="plan")),
-                    (("block",), dict(lora_block_spread=True)),
                     (("route", "block"), dict(lora_gate_up_at="activation"))]
     for modes, change in refinements:
         if best.lora_shrink not in modes:
@@ -127,7 +123,7 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("1ad_r16", 
             best = sw
     tag = ("{0.lora_shrink}/{0.lora_split_k}/{0.lora_n_split}/{0.lora_route_order:.1}/{0.lora_gate_up_at:.3}"
            "/p{0.lora_route_programs}w{0.lora_route_warps}t{0.lora_route_tile}/n{0.lora_block_n}k{0.lora_block_k}"
-           "m{0.lora_block_m}{0.lora_block_spread:d}/s{0.lora_block_max_slots}").format
+           "m{0.lora_block_m}/s{0.lora_block_max_slots}").format
     print(f"  M={M:5d} {'+'.join(score)} " + "  ".join(f"{tag(c)} {t * 1e3:7.1f}" for t, c in scored)
           + f"  -> {tag(best)}", flush=True)
     return tune_wide(layer, M, best, log, side)

@@ -24,9 +24,7 @@ TINY = GemmTile(32, 32, 4, 2)
 
 
 def tiny_config(shrink="inline", tma=False, bm=16):
-    """"block_spread": the block path with lora_block_spread (idle lanes split their slots' columns)."""
-    return FusedMoEConfig(bm, TINY, TINY, lora_shrink=shrink.removesuffix("_spread"), lora_block_k=32, use_tma=tma,
-                          lora_block_spread=shrink.endswith("_spread"))
+    return FusedMoEConfig(bm, TINY, TINY, lora_shrink=shrink, lora_block_k=32, use_tma=tma)
 
 
 def make_case(T, H, inter, E, K, *, ranks=(), R=0, dtype=torch.float32, device="cpu", seed=0,
@@ -109,7 +107,7 @@ def test_one_token_and_zero_tokens():
 
 # "inline" is only taken for pools of rank <= 16 (wider pools go the rank-chunked separate path)
 SHRINK_POOLS = [("inline", 16), ("separate", 24), ("route", 24), ("route", 16), ("route", 64), ("block", 16),
-                ("block", 24), ("block", 64), ("block_spread", 16), ("block_spread", 64)]
+                ("block", 24), ("block", 64)]
 
 
 @kernel_test
@@ -230,21 +228,6 @@ def test_block_delta_sub_blocks(block_m, lora_block_m, n_split):
 
 
 @kernel_test
-@pytest.mark.parametrize("block_m,lora_block_m,n_split", [(16, 0, 0), (16, 0, 2), (32, 16, 0), (32, 0, 3)])
-@pytest.mark.parametrize("slots", ["one", "few"])
-def test_block_delta_spread_over_idle_lanes(block_m, lora_block_m, n_split, slots):
-    # an 8-slot pool (8 lanes) and blocks of 1-3 distinct slots: idle lanes split 2I = 192 / H = 160
-    # columns in 32-wide steps, some parts past the columns (left idle), on top of the grid's N split
-    ranks = (16, 5, 0, 9, 16, 3, 12, 7)
-    slot_list = [6] * 20 if slots == "one" else [0, 0, 1, -1, 0, 3, 1, 1, 0, 3, -1, 0, 3, 3, 1, 0, 0, 1, 3, 0]
-    case = make_case(20, 160, 96, 4, 2, ranks=ranks, R=16, dtype=torch.float16, device=DEV, seed=15,
-                     slots=slot_list)
-    cfg = replace(tiny_config("block_spread", bm=block_m), lora_block_n=32, lora_n_split=n_split,
-                  lora_block_m=lora_block_m)
-    run_checked(case, cfg, 1e-2)
-
-
-@kernel_test
 def test_tma_layout_equals_plain_in_interpreter():
     if not INTERP:
         pytest.skip("the GPU twin of this test is test_gpu_tma_equals_plain_with_lora")
@@ -295,7 +278,7 @@ def gpu_case(shape, T, seed, ranks=(64, 16, 8, 0, 64, 32, 16, 8), R=64):
 @gpu_only
 @pytest.mark.parametrize("T", [1, 33, 512])
 @pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block", "route_plan", "route_wide_grid",
-                                    "block_wide_tiles", "block_sub16", "block_spread"])
+                                    "block_wide_tiles", "block_sub16"])
 def test_gpu_qwen3_shape_bf16_lora(T, shrink):
     pool = dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16) if shrink == "inline" else {}
     case = gpu_case(QWEN3, T, seed=T, **pool)
@@ -309,9 +292,7 @@ def test_gpu_qwen3_shape_bf16_lora(T, shrink):
         grid = dict(lora_block_n=256)  # 256-deep shrink steps too may not fit shared memory at wide pools
     if shrink == "block_sub16":
         grid = dict(lora_block_m=16, lora_block_n=256)  # 16-row programs over the table's plan blocks
-    if shrink == "block_spread":
-        grid = dict(lora_block_spread=True, lora_block_m=16, lora_block_n=256)
-    for suffix in ("_plan", "_wide_grid", "_wide_tiles", "_sub16", "_spread"):
+    for suffix in ("_plan", "_wide_grid", "_wide_tiles", "_sub16"):
         shrink = shrink.removesuffix(suffix)
     cfg = replace(cfg, lora_shrink=shrink, lora_shrink_wide="" if shrink == "inline" else shrink, use_tma=False,
                   lora_route_order=order, **grid)

@@ -53,7 +53,7 @@ def test_h200_table_lookup_picks_the_smallest_tuned_m_at_or_above():
 def test_a_table_file_in_force_replaces_the_packages(tmp_path):
     # a benchmark's second table (e.g. a tuner's output) in force for a block, the package's before and after
     key = "E=128,H=2048,I=768,dtype=bfloat16"
-    mine = FusedMoEConfig(32, lora_shrink="block", lora_block_m=16, lora_block_spread=True)
+    mine = FusedMoEConfig(32, lora_shrink="block", lora_block_m=16, lora_block_n=128)
     path = tmp_path / "table.json"
     path.write_text(json.dumps({"device": "NVIDIA H200", "configs": {key: {"64": mine.to_dict()}}}))
     args = (128, 2048, 768, 40, 8, torch.bfloat16, "NVIDIA H200")

@@ -57,15 +57,6 @@ def lora_b_tile_cols(b_ptr, offs_n, n_lo, n_hi, stride_bn, rank, BLOCK_R: tl.con
 
 
 @triton.jit
-def count_slots(slot, N: tl.constexpr):
-    """The distinct slots (>= 0) of a [N] slot vector: the rows whose slot no earlier row has."""
-    i = tl.arange(0, N)
-    seen = (slot[:, None] == slot[None, :]) & (i[None, :] < i[:, None])
-    first = (slot >= 0) & (tl.max(seen.to(tl.int32), axis=1) == 0)
-    return tl.sum(first.to(tl.int32), axis=0)
-
-
-@triton.jit
 def drop_largest_slots(slot, lane):
     """(slot vector with its `lane` largest distinct slots set to -1, the largest one left or -1):
     how a slot lane finds the slot it handles."""

@@ -57,10 +57,7 @@ class FusedMoEConfig:
     expand steps (and lora_block_k the depth of each shrink step); lora_block_m (0: block_m): the
     rows of each of its programs, a plan block taken as block_m / lora_block_m sub-blocks (16 of a
     32-row block: half the masked rows staged per shrink step and twice the programs, A/B read once
-    per sub-block); lora_block_spread: a block of fewer distinct slots than lanes (8) gives each of
-    its slots 8 // slots lanes, which split that slot's output columns (each repeats the slot's
-    shrink, A from L2): a batch of one adapter gets 8 programs a block instead of 1 and 7 that exit.
-    lora_shrink_wide: the
+    per sub-block). lora_shrink_wide: the
     mode for pools of max rank > 16 ("": lora_shrink's, "inline" going "separate"; H200, Qwen3
     M=512, 8 adapters r64: separate 3.98x no-LoRA, route 3.05x, block 2.33x). lora_gate_up_at (route
     and block): "epilogue" adds the gate_up delta in the gate_up GEMM's epilogue, so its kernel runs
@@ -99,7 +96,6 @@ class FusedMoEConfig:
     lora_route_tile: int = 4096
     lora_block_n: int = 64
     lora_block_m: int = 0
-    lora_block_spread: bool = False
     lora_block_max_slots: int = 0
     use_tma: bool = False
 

@@ -31,8 +31,7 @@ SPLIT reduction splits, RC = 16 rank columns per step (cost follows each slot's 
   the serial per-slot loop of "separate". One pass at the pool's width, masked to each slot's rank.
   SUB > 1 (FusedMoEConfig.lora_block_m): each plan block is taken as SUB sub-blocks of BM / SUB
   rows, one program row each: tiles of fewer masked rows staged per step and more programs, for
-  A/B read once per sub-block instead of once per block. SPREAD (lora_block_spread): lanes a
-  block's slots leave idle split those slots' output columns (one adapter: 8 programs a block).
+  A/B read once per sub-block instead of once per block.
 - The route / block switch (FusedMoEConfig.lora_block_max_slots): both delta kernels are launched
   and each program first counts the distinct slots of the batch (`slots_skip`); with at most
   max_slots the block kernel runs and the route kernel's programs exit, else the reverse. One
@@ -46,7 +45,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moelora.kernels.lora_tiles import count_slots, drop_largest_slots, lora_b_tile, lora_shrink_rows
+from moelora.kernels.lora_tiles import drop_largest_slots, lora_b_tile, lora_shrink_rows
 from moelora.kernels.moe_gemm import plan_rows, slot_base
 
 
@@ -187,13 +186,11 @@ def lora_block_delta_kernel(
     n_routes, top_k, k_dim, n_out, n_per_split, n_lanes, stride_src, stride_d,
     stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, max_slots,
     BY_PLAN_ROW: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-    SUB: tl.constexpr = 1, SPREAD: tl.constexpr = False, SWITCH: tl.constexpr = 0, T_P2: tl.constexpr = 1,
-    S_P2: tl.constexpr = 1,
+    SUB: tl.constexpr = 1, SWITCH: tl.constexpr = 0, T_P2: tl.constexpr = 1, S_P2: tl.constexpr = 1,
 ):
     """delta[route, n] for the rows of sub-block program_id(0) (BM / SUB rows of plan block
     program_id(0) // SUB) on the lane-th distinct slot, n in split program_id(2); see the module
-    docstring. SPREAD: a block of d < n_lanes slots gives each slot n_lanes // d lanes, which split
-    its columns (each shrinks the slot's rows again, A from L2). SWITCH: `slots_skip`."""
+    docstring. SWITCH: `slots_skip`."""
     if SWITCH != 0:
         if slots_skip(slots_ptr, n_routes // top_k, max_slots, SWITCH, T_P2, S_P2):
             return
@@ -205,21 +202,10 @@ def lora_block_delta_kernel(
     e = tl.load(eob_ptr + pid_m // SUB).to(tl.int64)
     offs_m, route, valid, tok = plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BMS)
     rows = offs_m if BY_PLAN_ROW else tok  # down: h rows are plan rows; gate_up: x rows are tokens
-    slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
+    slot, s = drop_largest_slots(tl.load(slots_ptr + tok, mask=valid, other=-1), lane)
     n_start = tl.program_id(2) * n_per_split
     n_end = tl.minimum(n_out, n_start + n_per_split)
     last = lane == n_lanes - 1
-    if SPREAD:
-        d = tl.maximum(count_slots(slot, BMS), 1)
-        if d < n_lanes:  # idle lanes: lane = part * d + the slot's index; a part past the columns stays idle
-            parts = n_lanes // d
-            part = lane // d
-            width = tl.cdiv(tl.cdiv(n_end - n_start, parts), BN) * BN
-            n_start += part * width
-            n_end = tl.minimum(n_end, n_start + width)
-            lane = tl.where((part < parts) & (n_start < n_end), lane % d, n_lanes)  # n_lanes: no slot
-            last = lane < 0  # every slot has its own lanes: none takes the rest
-    slot, s = drop_largest_slots(slot, lane)
     while s >= 0:
         sel = slot == s
         rank = tl.load(ranks_ptr + s)
