@@ -47,6 +47,9 @@ CONFIGS = {
     "block n256 k128 m16": dict(lora_shrink="block", lora_block_n=256, lora_block_k=128, lora_block_m=16),
     "block n128 k128 m16": dict(lora_shrink="block", lora_block_n=128, lora_block_k=128, lora_block_m=16),
     "block n256 k256 m16": dict(lora_shrink="block", lora_block_n=256, lora_block_k=256, lora_block_m=16),
+    # a fixed number of programs looping over the items (lora_block_programs): 1, 2, 4 per SM
+    **{f"block n256 k256 m16 p{p}": dict(lora_shrink="block", lora_block_n=256, lora_block_k=256, lora_block_m=16,
+                                        lora_block_programs=p) for p in (132, 264, 528)},
 }
 
 

@@ -217,13 +217,16 @@ def test_block_delta_more_slots_in_a_block_than_lanes():
 
 @kernel_test
 @pytest.mark.parametrize("block_m,lora_block_m,n_split", [(32, 16, 0), (32, 16, 2), (64, 16, 0), (32, 32, 0)])
-def test_block_delta_sub_blocks(block_m, lora_block_m, n_split):
+@pytest.mark.parametrize("programs", [0, 3])
+def test_block_delta_sub_blocks(block_m, lora_block_m, n_split, programs):
     # plan blocks of 32 / 64 rows taken as 16-row sub-blocks: a slot's rows on both sides of a sub-block
-    # edge, sub-blocks of padding only, 5 slots (one empty) in a block; (32, 32): one sub-block, as plain
+    # edge, sub-blocks of padding only, 5 slots (one empty) in a block; (32, 32): one sub-block, as plain.
+    # programs=3: three programs loop over every (sub-block, lane, split) item (lora_block_programs)
     slots = [0, 1, 2, 3, -1, 3, 2, 1, 0, -1, 1, 2, 3, 0, 4, 4, 1, 0, 2, 2, -1, 3]
     case = make_case(22, 32, 24, 3, 2, ranks=(16, 5, 16, 8, 0), R=16, dtype=torch.float16, device=DEV, seed=14,
                      slots=slots)
-    cfg = replace(tiny_config("block", bm=block_m), lora_block_m=lora_block_m, lora_n_split=n_split)
+    cfg = replace(tiny_config("block", bm=block_m), lora_block_m=lora_block_m, lora_n_split=n_split,
+                  lora_block_programs=programs, lora_block_n=16)  # 16-wide steps: 2I = 48 / H = 32 can split
     run_checked(case, cfg, 1e-2)
 
 
@@ -278,7 +281,7 @@ def gpu_case(shape, T, seed, ranks=(64, 16, 8, 0, 64, 32, 16, 8), R=64):
 @gpu_only
 @pytest.mark.parametrize("T", [1, 33, 512])
 @pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block", "route_plan", "route_wide_grid",
-                                    "block_wide_tiles", "block_sub16"])
+                                    "block_wide_tiles", "block_sub16", "block_persist"])
 def test_gpu_qwen3_shape_bf16_lora(T, shrink):
     pool = dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16) if shrink == "inline" else {}
     case = gpu_case(QWEN3, T, seed=T, **pool)
@@ -292,7 +295,9 @@ def test_gpu_qwen3_shape_bf16_lora(T, shrink):
         grid = dict(lora_block_n=256)  # 256-deep shrink steps too may not fit shared memory at wide pools
     if shrink == "block_sub16":
         grid = dict(lora_block_m=16, lora_block_n=256)  # 16-row programs over the table's plan blocks
-    for suffix in ("_plan", "_wide_grid", "_wide_tiles", "_sub16"):
+    if shrink == "block_persist":
+        grid = dict(lora_block_m=16, lora_block_n=256, lora_block_programs=264)  # 264 programs loop over the items
+    for suffix in ("_plan", "_wide_grid", "_wide_tiles", "_sub16", "_persist"):
         shrink = shrink.removesuffix(suffix)
     cfg = replace(cfg, lora_shrink=shrink, lora_shrink_wide="" if shrink == "inline" else shrink, use_tma=False,
                   lora_route_order=order, **grid)

@@ -166,12 +166,14 @@ def _block_delta(src, delta, plan, lora, which, block_r, cfg, switch: int = 0):
     n_split = max(1, min(triton.cdiv(n_out, bn), n_split))
     per_split = triton.cdiv(triton.cdiv(n_out, n_split), bn) * bn
     sub = max(1, plan.block_m // (cfg.lora_block_m or plan.block_m))  # programs per plan block
-    lora_block_delta_kernel[(plan.max_blocks * sub, lanes, triton.cdiv(n_out, per_split))](
+    grid = (plan.max_blocks * sub, lanes, triton.cdiv(n_out, per_split))
+    persist = 0 < cfg.lora_block_programs < grid[0] * grid[1] * grid[2]
+    lora_block_delta_kernel[(cfg.lora_block_programs,) if persist else grid](
         src, delta, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots,
         ranks, a, b, plan.num_routes, plan.top_k, k_dim, n_out, per_split, lanes, src.stride(0),
         delta.stride(0), a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
         BY_PLAN_ROW=which == "down", BM=plan.block_m, BLOCK_R=block_r, BK=cfg.lora_block_k, BN=bn, SUB=sub,
-        num_warps=4, **_switch_args(plan, lora, cfg, switch))
+        PERSIST=persist, num_warps=4, **_switch_args(plan, lora, cfg, switch))
 
 
 def _delta_on(side, mode, src, delta, plan, topk_ids, lora, which, block_r, cfg):

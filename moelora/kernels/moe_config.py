@@ -57,7 +57,12 @@ class FusedMoEConfig:
     expand steps (and lora_block_k the depth of each shrink step); lora_block_m (0: block_m): the
     rows of each of its programs, a plan block taken as block_m / lora_block_m sub-blocks (16 of a
     32-row block: half the masked rows staged per shrink step and twice the programs, A/B read once
-    per sub-block). lora_shrink_wide: the
+    per sub-block); lora_block_programs (0: one program per (sub-block, lane, split)): that many
+    programs, each looping over those items. Alone that delta is slower (H200, Qwen3 M=256, 8
+    adapters r16, gate_up: 63.1 -> 96.1 us at 528), but beside the base GEMM on the side stream the
+    layer is faster (M=128, 264 programs: 380.8 -> 368.1 us; M=256, 528: 424.1 -> 414.2; M=512 and 64
+    slower); why is not measured (a guess: fewer delta programs queued ahead of the GEMM's).
+    lora_shrink_wide: the
     mode for pools of max rank > 16 ("": lora_shrink's, "inline" going "separate"; H200, Qwen3
     M=512, 8 adapters r64: separate 3.98x no-LoRA, route 3.05x, block 2.33x). lora_gate_up_at (route
     and block): "epilogue" adds the gate_up delta in the gate_up GEMM's epilogue, so its kernel runs
@@ -96,6 +101,7 @@ class FusedMoEConfig:
     lora_route_tile: int = 4096
     lora_block_n: int = 64
     lora_block_m: int = 0
+    lora_block_programs: int = 0
     lora_block_max_slots: int = 0
     use_tma: bool = False
 
@@ -107,7 +113,7 @@ class FusedMoEConfig:
         need_at_least("FusedMoEConfig", 256, lora_route_tile=self.lora_route_tile)  # 16 rank columns x 16
         need_at_least("FusedMoEConfig", 1, lora_split_k=self.lora_split_k, lora_route_programs=self.lora_route_programs)
         need_at_least("FusedMoEConfig", 0, lora_n_split=self.lora_n_split,
-                      lora_block_max_slots=self.lora_block_max_slots)
+                      lora_block_max_slots=self.lora_block_max_slots, lora_block_programs=self.lora_block_programs)
         need_one_of("FusedMoEConfig", "lora_block_m", self.lora_block_m, (0, 16, 32, 64, 128))
         need_one_of("FusedMoEConfig", "lora_route_warps", self.lora_route_warps, (1, 2, 4, 8, 16))
         need_one_of("FusedMoEConfig", "lora_route_order", self.lora_route_order, ROUTE_ORDERS)

@@ -187,23 +187,44 @@ def lora_block_delta_kernel(
     stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, max_slots,
     BY_PLAN_ROW: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
     SUB: tl.constexpr = 1, SWITCH: tl.constexpr = 0, T_P2: tl.constexpr = 1, S_P2: tl.constexpr = 1,
+    PERSIST: tl.constexpr = False,
 ):
     """delta[route, n] for the rows of sub-block program_id(0) (BM / SUB rows of plan block
     program_id(0) // SUB) on the lane-th distinct slot, n in split program_id(2); see the module
-    docstring. SWITCH: `slots_skip`."""
+    docstring. SWITCH: `slots_skip`. PERSIST: a 1-D grid of fewer programs, each looping over the
+    (sub-block, lane, split) items of the live sub-blocks (sub-block fastest)."""
     if SWITCH != 0:
         if slots_skip(slots_ptr, n_routes // top_k, max_slots, SWITCH, T_P2, S_P2):
             return
     BMS: tl.constexpr = BM // SUB
-    pid_m = tl.program_id(0)
-    lane = tl.program_id(1)
-    if pid_m * BMS >= tl.load(num_padded_ptr):
-        return
+    live = tl.cdiv(tl.load(num_padded_ptr), BMS)  # sub-blocks holding plan rows
+    if PERSIST:
+        n_items = live * n_lanes * tl.cdiv(n_out, n_per_split)
+        for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+            _block_delta_item(src_ptr, delta_ptr, sorted_ids_ptr, eob_ptr, slots_ptr, ranks_ptr, a_ptr, b_ptr,
+                              n_routes, top_k, k_dim, n_out, n_per_split, n_lanes, stride_src, stride_d, stride_as,
+                              stride_ae, stride_ar, stride_bs, stride_be, stride_bn, item % live,
+                              (item // live) % n_lanes, item // (live * n_lanes), BY_PLAN_ROW, BMS, SUB, BLOCK_R,
+                              BK, BN)
+    elif tl.program_id(0) < live:
+        _block_delta_item(src_ptr, delta_ptr, sorted_ids_ptr, eob_ptr, slots_ptr, ranks_ptr, a_ptr, b_ptr,
+                          n_routes, top_k, k_dim, n_out, n_per_split, n_lanes, stride_src, stride_d, stride_as,
+                          stride_ae, stride_ar, stride_bs, stride_be, stride_bn, tl.program_id(0), tl.program_id(1),
+                          tl.program_id(2), BY_PLAN_ROW, BMS, SUB, BLOCK_R, BK, BN)
+
+
+@triton.jit
+def _block_delta_item(src_ptr, delta_ptr, sorted_ids_ptr, eob_ptr, slots_ptr, ranks_ptr, a_ptr, b_ptr, n_routes,
+                      top_k, k_dim, n_out, n_per_split, n_lanes, stride_src, stride_d, stride_as, stride_ae,
+                      stride_ar, stride_bs, stride_be, stride_bn, pid_m, lane, pid_n, BY_PLAN_ROW: tl.constexpr,
+                      BMS: tl.constexpr, SUB: tl.constexpr, BLOCK_R: tl.constexpr, BK: tl.constexpr,
+                      BN: tl.constexpr):
+    """One (sub-block, lane, split) item of `lora_block_delta_kernel`."""
     e = tl.load(eob_ptr + pid_m // SUB).to(tl.int64)
     offs_m, route, valid, tok = plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BMS)
     rows = offs_m if BY_PLAN_ROW else tok  # down: h rows are plan rows; gate_up: x rows are tokens
     slot, s = drop_largest_slots(tl.load(slots_ptr + tok, mask=valid, other=-1), lane)
-    n_start = tl.program_id(2) * n_per_split
+    n_start = pid_n * n_per_split
     n_end = tl.minimum(n_out, n_start + n_per_split)
     last = lane == n_lanes - 1
     while s >= 0:
