@@ -42,7 +42,7 @@ from moelora.config import ModelConfig  # noqa: E402
 from moelora.engine.config import EngineConfig  # noqa: E402
 from moelora.engine.engine import LLMEngine  # noqa: E402
 from moelora.engine.request import SamplingParams  # noqa: E402
-from moelora.kernels.moe_config import fused_moe_table  # noqa: E402
+from moelora.kernels.moe_config import check_table_file  # noqa: E402
 from moelora.lora.adapter import LoRAAdapter, LoRAWeights  # noqa: E402
 from moelora.models.decoder import MoECausalLM  # noqa: E402
 from moelora.models.registry import model_class  # noqa: E402
@@ -177,11 +177,28 @@ def no_lora_twin(model: MoECausalLM, cfg: ModelConfig) -> MoECausalLM:
     return twin.eval()
 
 
+@contextlib.contextmanager
+def moe_table_on(models, table: str | None):
+    """Inside the block, the models' routed experts read the fused-MoE table file `table` (None: the
+    package's); their setting before it is restored after."""
+    mods = [m for model in models for m in model.modules() if hasattr(m, "moe_table")]
+    before = [m.moe_table for m in mods]
+    for m in mods:
+        m.moe_table = table
+    try:
+        yield
+    finally:
+        for m, t in zip(mods, before, strict=True):
+            m.moe_table = t
+
+
 def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank: int, bw: float,
               engine_kw: dict, repeats: int = 1, ab: dict | None = None, ab_table: str | None = None) -> list[dict]:
     """`ab`: engine settings of a second engine pair ("B", e.g. {"async_scheduling": True}) over the same
     weights, measured in the same turns as the first, so a few-percent effect is not lost to drift.
-    `ab_table`: a fused-MoE table file the B pair is built, captured and run with (`fused_moe_table`)."""
+    `ab_table`: a fused-MoE table file the B pair is built, captured and run with (its
+    EngineConfig.fused_moe_table, which the engine sets on the shared model's routed experts: each
+    turn sets it there again, `moe_table_on`)."""
     spec = MODELS[name]
     cfg = ModelConfig(**{**spec, "num_layers": layers or spec["num_layers"]}).resolve()
     print(f"model {name}, layers {cfg.num_layers}")
@@ -189,12 +206,15 @@ def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank:
     adapters = {f"a{i}": random_adapter(model, f"a{i}", rank, i) for i in range(8)}
     twin = no_lora_twin(model, cfg)
     has_b = bool(ab) or ab_table is not None
+    b_table = check_table_file(ab_table) if ab_table else None
+    shared = [model, twin]
 
-    def table(variant):  # B's MoE launch configs, from capture to the last step
-        return fused_moe_table(ab_table) if variant == "B" and ab_table else contextlib.nullcontext()
+    def table(variant):  # the variant's MoE launch configs on the shared modules, from capture to the last step
+        return moe_table_on(shared, b_table if variant == "B" else None)
 
     runs = []
-    for variant, kw in (("", engine_kw), *((("B", {**engine_kw, **(ab or {})}),) if has_b else ())):
+    b_kw = {**engine_kw, **(ab or {}), "fused_moe_table": b_table}
+    for variant, kw in (("", engine_kw), *((("B", b_kw),) if has_b else ())):
         with table(variant):
             lora_eng = engine(model, cfg, 8, rank, max(concs), adapters, **kw)
             base_kw = {k: v for k, v in kw.items() if k != "lora_target_modules"}  # it has no LoRA sites to name
@@ -212,6 +232,7 @@ def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank:
         if eng.graphs is not None and label != "1 adapter":  # the LoRA engine is listed twice
             print(f"# {variant or 'A'} {label if label == 'no LoRA' else 'LoRA engine'}: decode graphs captured "
                   f"{eng.graphs.captures}x, the last in {eng.graphs.capture_s:.2f} s")
+    shared.clear()
     del runs, lora_eng, base_eng, twin, model
     torch.cuda.empty_cache()
     rows = []
@@ -239,7 +260,7 @@ def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank:
 # buffers): the A and B engines share one model, so B's value would silently become A's too.
 MODULE_LEVEL_KEYS = frozenset({"overlap_lora", "lora_stream_priority", "overlap_shared_experts",
                                "mla_absorbed_decode", "merge_qkv", "kernel_backend", "lora_target_modules",
-                               "max_loras", "max_lora_rank", "dtype"})
+                               "max_loras", "max_lora_rank", "dtype", "fused_moe_table"})
 
 
 def parse_ab(spec: str) -> dict:

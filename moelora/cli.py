@@ -99,7 +99,7 @@ def serve_engine_config(args) -> EngineConfig:
                         overlap_shared_experts=not args.no_overlap_shared_experts,
                         overlap_lora=not args.no_overlap_lora,
                         lora_target_modules=tuple(args.lora_target_modules) if args.lora_target_modules else None,
-                        enable_prefix_caching=not args.no_enable_prefix_caching)
+                        enable_prefix_caching=not args.no_enable_prefix_caching, fused_moe_table=args.fused_moe_table)
 
 
 def cmd_serve(args) -> int:
@@ -149,6 +149,9 @@ def _serve_parser(sub) -> None:
                        help="run the LoRA shrink / expert down delta on the main stream (off switch of the "
                             "LoRA side stream)")
     serve.add_argument("--no-enable-prefix-caching", action="store_true", help="no prefix caching")
+    serve.add_argument("--fused-moe-table", default=None, metavar="JSON",
+                       help="tuned fused-MoE launch configs (benchmarks/tune_fused_moe.py's output) to use instead "
+                            "of the package's table for the GPU")
     serve.add_argument("--max-waiting-requests", type=int, default=1024,
                        help="answer 503 (Retry-After) while this many requests wait to be scheduled")
     serve.add_argument("--uvicorn-log-level", default="info")

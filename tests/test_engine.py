@@ -9,7 +9,7 @@ from oracle import tiny_hf_model
 from test_forward import build, engine, random_adapter
 
 from moelora.engine.request import SamplingParams
-from moelora.errors import RequestError
+from moelora.errors import ConfigError, RequestError
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +130,19 @@ def test_reused_adapter_name_never_reuses_old_kv(setup):
     after = run(eng, [p], ["x"], params)[0]
     fresh = run(engine(model, {"x": adapters["y"]}), [p], ["x"], params)[0]
     assert after == fresh and before != fresh
+
+
+def test_fused_moe_table_reaches_the_routed_experts(setup, tmp_path):
+    """EngineConfig.fused_moe_table: the engine points every routed-experts module of its model at the
+    file (checked when the config resolves); a missing file is a ConfigError."""
+    model, adapters = setup
+    path = tmp_path / "table.json"
+    path.write_text('{"device": "NVIDIA H200", "configs": {}}')
+    experts = [m for m in model.modules() if hasattr(m, "moe_table")]
+    assert experts
+    engine(model, adapters, fused_moe_table=str(path))
+    assert {m.moe_table for m in experts} == {str(path.resolve())}
+    with pytest.raises(ConfigError, match="fused_moe_table: no fused-MoE table file"):
+        engine(model, adapters, fused_moe_table=str(tmp_path / "missing.json"))
+    engine(model, adapters)
+    assert {m.moe_table for m in experts} == {None}

@@ -10,8 +10,8 @@ import torch
 from moelora.kernels.moe_config import (
     CONFIG_DIR,
     FusedMoEConfig,
+    check_table_file,
     default_fused_moe_config,
-    fused_moe_table,
     tuned_fused_moe_config,
 )
 
@@ -50,25 +50,21 @@ def test_h200_table_lookup_picks_the_smallest_tuned_m_at_or_above():
     assert tuned_fused_moe_config(128, 2048, 768, 300, 8, torch.bfloat16, "Some GPU") != cfg
 
 
-def test_a_table_file_in_force_replaces_the_packages(tmp_path):
-    # a benchmark's second table (e.g. a tuner's output) in force for a block, the package's before and after
+def test_a_table_file_replaces_the_packages(tmp_path):
+    # a deployment's own table (e.g. a tuner's output) for one call; the package's otherwise
     key = "E=128,H=2048,I=768,dtype=bfloat16"
     mine = FusedMoEConfig(32, lora_shrink="block", lora_block_m=16, lora_block_n=128)
     path = tmp_path / "table.json"
     path.write_text(json.dumps({"device": "NVIDIA H200", "configs": {key: {"64": mine.to_dict()}}}))
+    table = check_table_file(path)
     args = (128, 2048, 768, 40, 8, torch.bfloat16, "NVIDIA H200")
     dsv2 = (64, 2048, 1408, 40, 6, torch.bfloat16, "NVIDIA H200")
     package = tuned_fused_moe_config(*args)
     assert package != mine
-    with fused_moe_table(path):
-        assert tuned_fused_moe_config(*args) == mine
-        # a shape the file lacks takes the heuristic default, not the package's entry for it
-        assert tuned_fused_moe_config(*dsv2) == default_fused_moe_config(*dsv2[:5])
+    assert tuned_fused_moe_config(*args, table) == mine
+    # a shape the file lacks takes the heuristic default, not the package's entry for it
+    assert tuned_fused_moe_config(*dsv2, table) == default_fused_moe_config(*dsv2[:5])
     assert tuned_fused_moe_config(*dsv2) != default_fused_moe_config(*dsv2[:5])
     assert tuned_fused_moe_config(*args) == package
-    with pytest.raises(RuntimeError), fused_moe_table(path):
-        raise RuntimeError("left by an exception")
-    assert tuned_fused_moe_config(*args) == package
-    with pytest.raises(FileNotFoundError, match="no table file"):
-        with fused_moe_table(tmp_path / "missing.json"):
-            pass
+    with pytest.raises(FileNotFoundError, match="no fused-MoE table file"):
+        check_table_file(tmp_path / "missing.json")

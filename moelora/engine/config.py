@@ -14,6 +14,7 @@ import torch
 
 from moelora.config import ModelConfig
 from moelora.errors import ConfigError
+from moelora.kernels.moe_config import check_table_file
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -70,6 +71,10 @@ class EngineConfig:
     # by default: on the H200 (decode.py --async-scheduling, back-to-back steps, pinned uploads) it
     # measured within the run-to-run noise of off (docs/benchmarks.md).
     async_scheduling: bool = False
+    # A tuned fused-MoE config table (a JSON file as benchmarks/tune_fused_moe.py writes, e.g. for this
+    # deployment's model and GPU) read instead of the package's table for the GPU; a shape it lacks
+    # takes the heuristic default. None: the package's.
+    fused_moe_table: str | None = None
 
     @property
     def use_cuda_graphs(self) -> bool:
@@ -114,9 +119,16 @@ class EngineConfig:
             targets = tuple(t.strip(".") for t in targets)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        table = self.fused_moe_table
+        if table is not None:
+            try:
+                table = check_table_file(table)
+            except FileNotFoundError as e:
+                raise ConfigError(f"fused_moe_table: {e}") from None
         return dataclasses.replace(
             self, device=device, dtype=dtype, kernel_backend=backend, max_model_len=max_len,
-            max_cpu_loras=self.max_cpu_loras or max(32, self.max_loras), lora_target_modules=targets)
+            max_cpu_loras=self.max_cpu_loras or max(32, self.max_loras), lora_target_modules=targets,
+            fused_moe_table=table)
 
     def with_kv_blocks(self, num_blocks: int) -> EngineConfig:
         blocks_per_seq = -(-self.max_model_len // self.block_size)

@@ -77,6 +77,8 @@ class LLMEngine:
         for module in model.modules():  # the engine owns the model: its config picks the fast paths
             if getattr(module, "has_lora", False) and hasattr(module, "lora_stream"):
                 module.lora_stream = lora_stream
+            if hasattr(module, "moe_table"):
+                module.moe_table = cfg.fused_moe_table
             if isinstance(module, SparseMoE):
                 module.overlap_shared = cfg.overlap_shared_experts
             if isinstance(module, MLAttention):

@@ -218,17 +218,18 @@ def _tma_operands(w_gate_up: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, lora: ExpertLoRAArgs | None = None, out: torch.Tensor | None = None,
               config: FusedMoEConfig | None = None, plan: MoERoutingPlan | None = None,
-              side_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+              side_stream: torch.cuda.Stream | None = None, table: str | None = None) -> torch.Tensor:
     """Routed experts (+ routed LoRA) of `fused_moe_ref`, on the GPU. Returns `out` ([T, H], x's dtype;
     a new tensor unless the caller passes its own `out=`). `plan` may be passed to share one routing
     plan with other consumers; it must match this call's T, K, E and the config's block_m.
     `side_stream`: a second CUDA stream for the route / block down LoRA delta (forked and joined
-    inside this call; the same kernels, so the same result bit for bit)."""
+    inside this call; the same kernels, so the same result bit for bit). `table`: the tuned-config
+    table file `config` is taken from when None (`moe_config.check_table_file`; default: the package's)."""
     T, H, E, inter, K = _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids)
     block_r = _check_lora(lora, T, H, E, inter) if lora is not None else 16
     if config is None:
         name = torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
-        config = tuned_fused_moe_config(E, H, inter, T, K, x.dtype, name)
+        config = tuned_fused_moe_config(E, H, inter, T, K, x.dtype, name, table)
     _check_tma(x, H, inter, config)
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)

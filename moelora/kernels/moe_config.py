@@ -10,7 +10,6 @@ back to `default_fused_moe_config`. Nothing is autotuned at serving time.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import re
@@ -182,32 +181,20 @@ def _load_table(path: str) -> dict:
     return json.loads(p.read_text())["configs"]
 
 
-_table_file: str | None = None  # set by `fused_moe_table`
-
-
-@contextlib.contextmanager
-def fused_moe_table(path: str | Path):
-    """Inside the block, `tuned_fused_moe_config` reads the table file at `path` (one as
-    benchmarks/tune_fused_moe.py writes) instead of the package's table for the GPU. Process-wide,
-    not thread-local: how a benchmark measures two tables in the same process, in turns (a CUDA graph
-    keeps the launch configs it was captured with)."""
-    global _table_file
+def check_table_file(path: str | Path) -> str:
+    """The absolute path of a fused-MoE table file (one as benchmarks/tune_fused_moe.py writes), or
+    FileNotFoundError."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"fused_moe_table: no table file at {p}")
-    before, _table_file = _table_file, str(p.resolve())
-    try:
-        yield
-    finally:
-        _table_file = before
+        raise FileNotFoundError(f"no fused-MoE table file at {p}")
+    return str(p.resolve())
 
 
 def tuned_fused_moe_config(num_experts: int, hidden: int, inter: int, num_tokens: int, top_k: int,
-                           dtype: torch.dtype, device_name: str) -> FusedMoEConfig:
-    """The tuned config for this shape on `device_name` (from the `fused_moe_table` in force, else the
-    package's table for that GPU), else the heuristic default."""
-    return _tuned_config(num_experts, hidden, inter, num_tokens, top_k, dtype,
-                         _table_file or _package_table(device_name))
+                           dtype: torch.dtype, device_name: str, table: str | None = None) -> FusedMoEConfig:
+    """The tuned config for this shape from `table` (a table file, `check_table_file`), else from the
+    package's table for `device_name`; the heuristic default for a shape the table lacks."""
+    return _tuned_config(num_experts, hidden, inter, num_tokens, top_k, dtype, table or _package_table(device_name))
 
 
 @functools.lru_cache(maxsize=16)

@@ -29,6 +29,7 @@ class Experts(nn.Module):
     on which the Triton route / block down-projection LoRA delta runs concurrently with the down GEMM."""
 
     lora_stream: torch.cuda.Stream | None = None
+    moe_table: str | None = None  # the fused-MoE tuned-config table file (EngineConfig.fused_moe_table)
 
     def __init__(self, num_experts: int, hidden: int, inter: int, *, max_loras: int, max_rank: int,
                  backend: str, dtype: torch.dtype | None = None):
@@ -71,7 +72,7 @@ class Experts(nn.Module):
             from moelora.kernels.fused_moe import fused_moe
 
             return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, lora=args,
-                             side_stream=self.lora_stream)
+                             side_stream=self.lora_stream, table=self.moe_table)
         return fused_moe_ref(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, lora=args)
 
 
