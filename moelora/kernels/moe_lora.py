@@ -31,7 +31,9 @@ SPLIT reduction splits, RC = 16 rank columns per step (cost follows each slot's 
   the serial per-slot loop of "separate". One pass at the pool's width, masked to each slot's rank.
   SUB > 1 (FusedMoEConfig.lora_block_m): each plan block is taken as SUB sub-blocks of BM / SUB
   rows, one program row each: tiles of fewer masked rows staged per step and more programs, for
-  A/B read once per sub-block instead of once per block.
+  A/B read once per sub-block instead of once per block. PERSIST (lora_block_programs): a fixed
+  number of programs loop over those (sub-block, lane, split) items: slower alone, faster beside the
+  base GEMM at M = 128 / 256 on the H200 (docs/benchmarks.md).
 - The route / block switch (FusedMoEConfig.lora_block_max_slots): both delta kernels are launched
   and each program first counts the distinct slots of the batch (`slots_skip`); with at most
   max_slots the block kernel runs and the route kernel's programs exit, else the reverse. One
