@@ -190,6 +190,12 @@ def _delta_on(side, mode, src, delta, plan, topk_ids, lora, which, block_r, cfg)
             _block_delta(src, delta, plan, lora, which, block_r, cfg)
 
 
+def _expand_lanes(cfg: FusedMoEConfig, block_r: int) -> int:
+    """Slots the separate path's epilogue expands in one dot (`lora_expand_lanes`), at most 128 // block_r
+    (a [lanes * block_r, BN] B tile)."""
+    return min(cfg.lora_expand_lanes, max(1, 128 // block_r))
+
+
 def _lora_buffers(lora, config: FusedMoEConfig, block_r: int, x: torch.Tensor, P: int, n_routes: int, inter: int):
     """(mode, xa, delta_gu, delta_d): the LoRA path this call takes (`FusedMoEConfig.shrink_mode`)
     and its scratch buffers (x as a dummy where a path has none)."""
@@ -251,6 +257,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
                   num_blocks=plan.max_blocks, BM=BM, GROUP_M=config.group_m, HAS_LORA=mode in ("inline", "separate"),
                   xa_ptr=xa,
                   INLINE_SHRINK=mode == "inline", XA_SPLIT=config.lora_split_k,
+                  EXPAND_LANES=_expand_lanes(config, block_r) if mode == "separate" else 0,
                   BLOCK_R=block_r, LORA_BK=config.lora_block_k, LORA_RC=_LORA_RC, USE_TMA=config.use_tma)
     w_gu, w_dn, h_in = _tma_operands(w_gate_up, w_down, h, config) if config.use_tma else (w_gate_up, w_down, h)
     route_deltas = mode in ("route", "block")  # each route's whole gate_up and down delta, computed first

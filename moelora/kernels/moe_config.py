@@ -80,7 +80,10 @@ class FusedMoEConfig:
     this many distinct slots takes the "block" delta instead (the route delta reads a pair's A/B
     once per route, block once per plan block, so with few adapters and many routes per pair block
     reads far less). Both kernels are launched and each counts the slots on the device, so one
-    graph serves either batch. use_tma: Hopper
+    graph serves either batch. lora_expand_lanes ("separate"; 0: a loop over the block's slots): the
+    epilogue expands up to this many distinct slots of a block in one dot, their xa side by side in
+    lanes of BLOCK_R columns and their B tiles stacked (at most 128 // BLOCK_R lanes; any further slot
+    takes the loop), instead of one dependent dot chain per slot. use_tma: Hopper
     tensor descriptors for the weight (and down-GEMM activation) tiles; the off switch of that
     path (contract 6)."""
 
@@ -102,6 +105,7 @@ class FusedMoEConfig:
     lora_block_m: int = 0
     lora_block_programs: int = 0
     lora_block_max_slots: int = 0
+    lora_expand_lanes: int = 0
     use_tma: bool = False
 
     def __post_init__(self):
@@ -114,6 +118,7 @@ class FusedMoEConfig:
         need_at_least("FusedMoEConfig", 0, lora_n_split=self.lora_n_split,
                       lora_block_max_slots=self.lora_block_max_slots, lora_block_programs=self.lora_block_programs)
         need_one_of("FusedMoEConfig", "lora_block_m", self.lora_block_m, (0, 16, 32, 64, 128))
+        need_one_of("FusedMoEConfig", "lora_expand_lanes", self.lora_expand_lanes, (0, 1, 2, 4, 8))
         need_one_of("FusedMoEConfig", "lora_route_warps", self.lora_route_warps, (1, 2, 4, 8, 16))
         need_one_of("FusedMoEConfig", "lora_route_order", self.lora_route_order, ROUTE_ORDERS)
         need_one_of("FusedMoEConfig", "lora_gate_up_at", self.lora_gate_up_at, GATE_UP_DELTA_AT)

@@ -16,7 +16,8 @@ different slots (or none: slot -1 never enters any LoRA work).
     each before the activation / routing weight. Further slots (rare at decode) get a second
     pass in the epilogue.
   separate (prefill): lora_shrink_kernel (moe_lora) computes xa first, and the GEMM epilogue
-    only expands, slot by slot.
+    only expands, slot by slot; with EXPAND_LANES (FusedMoEConfig.lora_expand_lanes) the block's
+    largest slots in one dot: xa rows in their slot's lane of columns, the slots' B tiles stacked.
   route / block (decode, LORA_DELTA): lora_route_delta_kernel / lora_block_delta_kernel (moe_lora)
     compute each route's whole delta; the gate_up epilogue adds delta[route] to the tile before the
     activation (HAS_LORA is off: no slot loop). The down delta is not added by down_kernel but by
@@ -98,6 +99,53 @@ def _xa_chunk(xa_ptr, offs_m, sel, P, r0, SPLIT: tl.constexpr, BLOCK_R: tl.const
 
 
 @triton.jit
+def _lane_columns(slot, ranks_ptr, LANES: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The block's LANES largest distinct slots side by side as LANES * BLOCK_R expand columns:
+    (each row's lane, -1 for no slot; the slot and rank of each column, [LANES * BLOCK_R], -1 / 0 past
+    the block's slots; the rows' slots with the laned ones set to -1: what the slot loop still owes)."""
+    lanes = tl.arange(0, LANES)
+    s_vec = tl.full([LANES], -1, tl.int32)
+    row_lane = slot * 0 - 1
+    rest = slot
+    for lane in tl.static_range(LANES):
+        s = tl.max(rest, axis=0)
+        s_vec = tl.where(lanes == lane, s, s_vec)
+        row_lane = tl.where((rest == s) & (s >= 0), lane, row_lane)
+        rest = tl.where(rest == s, -1, rest)
+    r_vec = tl.load(ranks_ptr + tl.maximum(s_vec, 0), mask=s_vec >= 0, other=0)
+    c_lane = tl.arange(0, LANES * BLOCK_R) // BLOCK_R
+    hit = lanes[None, :] == c_lane[:, None]
+    s_col = tl.sum(tl.where(hit, s_vec[None, :], 0), axis=1)
+    r_col = tl.sum(tl.where(hit, r_vec[None, :], 0), axis=1)
+    return row_lane, s_col, r_col, rest
+
+
+@triton.jit
+def _xa_lanes(xa_ptr, offs_m, row_lane, r_col, P, SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
+              LANES: tl.constexpr):
+    """[BM, LANES * BLOCK_R] fp32: each row's xa (its SPLIT partials summed) in its lane's columns, up
+    to that slot's rank; zero elsewhere (rows on no laned slot read nothing)."""
+    offs_c = tl.arange(0, LANES * BLOCK_R)
+    c_r = offs_c % BLOCK_R
+    sel = (row_lane[:, None] == (offs_c // BLOCK_R)[None, :]) & (c_r < r_col)[None, :]
+    xa = tl.zeros((offs_m.shape[0], LANES * BLOCK_R), tl.float32)
+    for sp in tl.static_range(SPLIT):
+        xa += tl.load(xa_ptr + (sp * P + offs_m[:, None]).to(tl.int64) * BLOCK_R + c_r[None, :], mask=sel, other=0.0)
+    return xa
+
+
+@triton.jit
+def _b_lanes(b_ptr, e, s_col, r_col, offs_n, n_limit, stride_bs, stride_be, stride_bn, BLOCK_R: tl.constexpr,
+             LANES: tl.constexpr):
+    """[LANES * BLOCK_R, BN]: the laned slots' B^T tiles of expert e stacked (lane l: rows
+    [l BLOCK_R, l BLOCK_R + rank)), rank- and column-masked: a column past a slot's rank moves no bytes."""
+    c_r = tl.arange(0, LANES * BLOCK_R) % BLOCK_R
+    base = b_ptr + tl.maximum(s_col, 0).to(tl.int64) * stride_bs + e * stride_be
+    return tl.load(base[:, None] + offs_n[None, :] * stride_bn + c_r[:, None],
+                   mask=(c_r < r_col)[:, None] & (offs_n[None, :] < n_limit), other=0.0)
+
+
+@triton.jit
 def gate_up_kernel(
     x_ptr, w, h_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr,
     slots_ptr, ranks_ptr, a_ptr, b_ptr, xa_ptr, delta_ptr,
@@ -107,7 +155,7 @@ def gate_up_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_LORA: tl.constexpr, INLINE_SHRINK: tl.constexpr, XA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
     LORA_BK: tl.constexpr, LORA_RC: tl.constexpr, USE_TMA: tl.constexpr, LORA_DELTA: tl.constexpr,
-    RAW_OUT: tl.constexpr,
+    RAW_OUT: tl.constexpr, EXPAND_LANES: tl.constexpr = 0,
 ):
     """h[plan row] = silu(gate) * up of x[token] @ W_gu[e]^T (+ LoRA); RAW_OUT: h is [P, 2I] and gets
     gate and up as they are (columns [0, I) and [I, 2I)), for `act_delta_kernel` to finish."""
@@ -176,6 +224,14 @@ def gate_up_kernel(
                 rest = tl.where(sel, -1, rest)
                 s = tl.max(rest, axis=0)
         else:  # xa precomputed: expand only, LORA_RC rank columns at a time, up to the slot's rank
+            if EXPAND_LANES > 0:  # the block's largest slots in one dot each for gate and up; the loop takes the rest
+                row_lane, s_col, r_col, slot = _lane_columns(slot, ranks_ptr, EXPAND_LANES, BLOCK_R)
+                xs = _xa_lanes(xa_ptr, offs_m, row_lane, r_col, num_blocks * BM, XA_SPLIT, BLOCK_R,
+                               EXPAND_LANES).to(dt)
+                acc_g = tl.dot(xs, _b_lanes(b_ptr, e, s_col, r_col, offs_n, inter, stride_bs, stride_be, stride_bn,
+                                            BLOCK_R, EXPAND_LANES).to(dt), acc_g)
+                acc_u = tl.dot(xs, _b_lanes(b_ptr + inter * stride_bn, e, s_col, r_col, offs_n, inter, stride_bs,
+                                            stride_be, stride_bn, BLOCK_R, EXPAND_LANES).to(dt), acc_u)
             s = tl.max(slot, axis=0)
             while s >= 0:
                 sel = slot == s
@@ -237,7 +293,7 @@ def down_kernel(
     stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_LORA: tl.constexpr, INLINE_SHRINK: tl.constexpr, XA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
-    LORA_BK: tl.constexpr, LORA_RC: tl.constexpr, USE_TMA: tl.constexpr,
+    LORA_BK: tl.constexpr, LORA_RC: tl.constexpr, USE_TMA: tl.constexpr, EXPAND_LANES: tl.constexpr = 0,
 ):
     pid_m, pid_n = _tile_ids(num_blocks, tl.cdiv(H, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_padded_ptr):
@@ -294,6 +350,12 @@ def down_kernel(
                 rest = tl.where(sel, -1, rest)
                 s = tl.max(rest, axis=0)
         else:  # xa precomputed: expand only, LORA_RC rank columns at a time, up to the slot's rank
+            if EXPAND_LANES > 0:  # the block's largest slots in one dot; the loop takes the rest
+                row_lane, s_col, r_col, slot = _lane_columns(slot, ranks_ptr, EXPAND_LANES, BLOCK_R)
+                xs = _xa_lanes(xa_ptr, offs_m, row_lane, r_col, num_blocks * BM, XA_SPLIT, BLOCK_R,
+                               EXPAND_LANES).to(dt)
+                acc = tl.dot(xs, _b_lanes(b_ptr, e, s_col, r_col, offs_n, H, stride_bs, stride_be, stride_bn,
+                                          BLOCK_R, EXPAND_LANES).to(dt), acc)
             s = tl.max(slot, axis=0)
             while s >= 0:
                 sel = slot == s
