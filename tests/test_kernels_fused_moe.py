@@ -24,10 +24,11 @@ TINY = GemmTile(32, 32, 4, 2)
 
 
 def tiny_config(shrink="inline", tma=False, bm=16):
-    """"separate_lanesN": the separate path whose epilogue expands N slots in one dot (lora_expand_lanes)."""
+    """"separate_lanesN": the separate path with N shrink programs a block and split, one per slot
+    (lora_shrink_lanes), and an epilogue that expands N slots in one dot (lora_expand_lanes)."""
     lanes = int(shrink.removeprefix("separate_lanes")) if shrink.startswith("separate_lanes") else 0
     return FusedMoEConfig(bm, TINY, TINY, lora_shrink="separate" if lanes else shrink, lora_block_k=32, use_tma=tma,
-                          lora_expand_lanes=lanes)
+                          lora_expand_lanes=lanes, lora_shrink_lanes=max(1, lanes))
 
 
 def make_case(T, H, inter, E, K, *, ranks=(), R=0, dtype=torch.float32, device="cpu", seed=0,
@@ -302,7 +303,7 @@ def test_gpu_qwen3_shape_bf16_lora(T, shrink):
     if shrink == "block_persist":
         grid = dict(lora_block_m=16, lora_block_n=256, lora_block_programs=264)  # 264 programs loop over the items
     if shrink == "separate_lanes":
-        grid = dict(lora_expand_lanes=8)  # the epilogue expands the block's slots in one dot (2 lanes at R=64)
+        grid = dict(lora_expand_lanes=8, lora_shrink_lanes=8)  # a shrink program per slot; the epilogue's in one dot
     for suffix in ("_plan", "_wide_grid", "_wide_tiles", "_sub16", "_persist", "_lanes"):
         shrink = shrink.removesuffix(suffix)
     cfg = replace(cfg, lora_shrink=shrink, lora_shrink_wide="" if shrink == "inline" else shrink, use_tma=False,

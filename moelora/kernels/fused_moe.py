@@ -119,10 +119,11 @@ def _shrink(src, xa, plan, lora, which, gather, k_dim, block_r, cfg):
     a, ranks = getattr(lora, f"{which}_a"), getattr(lora, f"{which}_ranks")
     split = cfg.lora_split_k
     k_split = triton.cdiv(triton.cdiv(k_dim, split), cfg.lora_block_k) * cfg.lora_block_k
-    lora_shrink_kernel[(plan.max_blocks, split)](
+    lanes = min(cfg.lora_shrink_lanes, a.shape[0])
+    lora_shrink_kernel[(plan.max_blocks, split, lanes)](
         src, xa, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots,
         ranks, a, plan.num_routes, plan.top_k, k_dim, k_split, xa.shape[1], src.stride(0),
-        a.stride(0), a.stride(1), a.stride(2), GATHER_TOKENS=gather, BM=plan.block_m, BLOCK_R=block_r,
+        a.stride(0), a.stride(1), a.stride(2), lanes, GATHER_TOKENS=gather, BM=plan.block_m, BLOCK_R=block_r,
         LORA_BK=cfg.lora_block_k, LORA_RC=_LORA_RC, num_warps=4, num_stages=2)
 
 

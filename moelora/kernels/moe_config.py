@@ -83,7 +83,9 @@ class FusedMoEConfig:
     graph serves either batch. lora_expand_lanes ("separate"; 0: a loop over the block's slots): the
     epilogue expands up to this many distinct slots of a block in one dot, their xa side by side in
     lanes of BLOCK_R columns and their B tiles stacked (at most 128 // BLOCK_R lanes; any further slot
-    takes the loop), instead of one dependent dot chain per slot. use_tma: Hopper
+    takes the loop), instead of one dependent dot chain per slot. lora_shrink_lanes ("separate"; 1: one
+    program per block and split loops over the block's slots): that many programs per block and split,
+    each on one distinct slot of the block (the last: every slot left). use_tma: Hopper
     tensor descriptors for the weight (and down-GEMM activation) tiles; the off switch of that
     path (contract 6)."""
 
@@ -106,6 +108,7 @@ class FusedMoEConfig:
     lora_block_programs: int = 0
     lora_block_max_slots: int = 0
     lora_expand_lanes: int = 0
+    lora_shrink_lanes: int = 1
     use_tma: bool = False
 
     def __post_init__(self):
@@ -119,6 +122,7 @@ class FusedMoEConfig:
                       lora_block_max_slots=self.lora_block_max_slots, lora_block_programs=self.lora_block_programs)
         need_one_of("FusedMoEConfig", "lora_block_m", self.lora_block_m, (0, 16, 32, 64, 128))
         need_one_of("FusedMoEConfig", "lora_expand_lanes", self.lora_expand_lanes, (0, 1, 2, 4, 8))
+        need_at_least("FusedMoEConfig", 1, lora_shrink_lanes=self.lora_shrink_lanes)
         need_one_of("FusedMoEConfig", "lora_route_warps", self.lora_route_warps, (1, 2, 4, 8, 16))
         need_one_of("FusedMoEConfig", "lora_route_order", self.lora_route_order, ROUTE_ORDERS)
         need_one_of("FusedMoEConfig", "lora_gate_up_at", self.lora_gate_up_at, GATE_UP_DELTA_AT)

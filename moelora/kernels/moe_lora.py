@@ -54,14 +54,17 @@ from moelora.kernels.moe_gemm import plan_rows, slot_base
 @triton.jit
 def lora_shrink_kernel(
     src_ptr, xa_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr, slots_ptr, ranks_ptr, a_ptr,
-    n_routes, top_k, k_dim, k_split, P, stride_src, stride_as, stride_ae, stride_ar,
+    n_routes, top_k, k_dim, k_split, P, stride_src, stride_as, stride_ae, stride_ar, n_lanes,
     GATHER_TOKENS: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr, LORA_BK: tl.constexpr,
     LORA_RC: tl.constexpr,
 ):
     """xa[sp, rows, :rank] = src rows (x[token] or h[plan row]) @ A[s, e, :rank, k-split sp]^T for
-    every slot s of the block; grid (blocks, SPLIT) keeps each program's serial slot loop short."""
+    the slots s of the block; grid (blocks, SPLIT, n_lanes) keeps each program's serial slot loop
+    short: lane l takes the block's l-th largest distinct slot, the last lane every slot left (one
+    lane: all of them in turn)."""
     pid_m = tl.program_id(0)
     sp = tl.program_id(1)
+    lane = tl.program_id(2)
     if pid_m * BM >= tl.load(num_padded_ptr):
         return
     e = tl.load(eob_ptr + pid_m).to(tl.int64)
@@ -69,8 +72,8 @@ def lora_shrink_kernel(
     rows = tok if GATHER_TOKENS else offs_m
     k_start = sp * k_split
     k_end = tl.minimum(k_dim, k_start + k_split)
-    slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
-    s = tl.max(slot, axis=0)
+    slot, s = drop_largest_slots(tl.load(slots_ptr + tok, mask=valid, other=-1), lane)
+    last = lane == n_lanes - 1
     while s >= 0:
         sel = slot == s
         rank = tl.load(ranks_ptr + s)
@@ -81,7 +84,7 @@ def lora_shrink_kernel(
             tl.store(xa_ptr + (sp * P + offs_m[:, None]).to(tl.int64) * BLOCK_R + (r0 + tl.arange(0, LORA_RC))[None, :],
                      part, mask=sel[:, None])
         slot = tl.where(sel, -1, slot)
-        s = tl.max(slot, axis=0)
+        s = tl.where(last, tl.max(slot, axis=0), -1)  # a lane below the last takes one slot
 
 
 
