@@ -26,9 +26,11 @@ TINY = GemmTile(32, 32, 4, 2)
 def tiny_config(shrink="inline", tma=False, bm=16):
     """"separate_lanesN": the separate path with N shrink programs a block and split, one per slot
     (lora_shrink_lanes), and an epilogue that expands N slots in one dot (lora_expand_lanes)."""
+    dense = shrink.endswith("_dense")  # and the gate_up shrink per slot against every expert (lora_dense_shrink)
+    shrink = shrink.removesuffix("_dense")
     lanes = int(shrink.removeprefix("separate_lanes")) if shrink.startswith("separate_lanes") else 0
     return FusedMoEConfig(bm, TINY, TINY, lora_shrink="separate" if lanes else shrink, lora_block_k=32, use_tma=tma,
-                          lora_expand_lanes=lanes, lora_shrink_lanes=max(1, lanes))
+                          lora_expand_lanes=lanes, lora_shrink_lanes=max(1, lanes), lora_dense_shrink=dense)
 
 
 def make_case(T, H, inter, E, K, *, ranks=(), R=0, dtype=torch.float32, device="cpu", seed=0,
@@ -112,7 +114,8 @@ def test_one_token_and_zero_tokens():
 # "inline" is only taken for pools of rank <= 16 (wider pools go the rank-chunked separate path)
 SHRINK_POOLS = [("inline", 16), ("separate", 24), ("route", 24), ("route", 16), ("route", 64), ("block", 16),
                 ("block", 24), ("block", 64), ("separate_lanes8", 16), ("separate_lanes2", 16), ("separate_lanes8", 24),
-                ("separate_lanes8", 64)]
+                ("separate_lanes8", 64), ("separate_lanes8_dense", 16), ("separate_lanes2_dense", 24),
+                ("separate_lanes8_dense", 64)]
 
 
 @kernel_test
@@ -286,7 +289,8 @@ def gpu_case(shape, T, seed, ranks=(64, 16, 8, 0, 64, 32, 16, 8), R=64):
 @gpu_only
 @pytest.mark.parametrize("T", [1, 33, 512])
 @pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block", "route_plan", "route_wide_grid",
-                                    "block_wide_tiles", "block_sub16", "block_persist", "separate_lanes"])
+                                    "block_wide_tiles", "block_sub16", "block_persist", "separate_lanes",
+                                    "separate_dense"])
 def test_gpu_qwen3_shape_bf16_lora(T, shrink):
     pool = dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16) if shrink == "inline" else {}
     case = gpu_case(QWEN3, T, seed=T, **pool)
@@ -304,7 +308,9 @@ def test_gpu_qwen3_shape_bf16_lora(T, shrink):
         grid = dict(lora_block_m=16, lora_block_n=256, lora_block_programs=264)  # 264 programs loop over the items
     if shrink == "separate_lanes":
         grid = dict(lora_expand_lanes=8, lora_shrink_lanes=8)  # a shrink program per slot; the epilogue's in one dot
-    for suffix in ("_plan", "_wide_grid", "_wide_tiles", "_sub16", "_persist", "_lanes"):
+    if shrink == "separate_dense":  # and the gate_up shrink per slot against every expert
+        grid = dict(lora_expand_lanes=8, lora_shrink_lanes=8, lora_dense_shrink=True)
+    for suffix in ("_plan", "_wide_grid", "_wide_tiles", "_sub16", "_persist", "_lanes", "_dense"):
         shrink = shrink.removesuffix(suffix)
     cfg = replace(cfg, lora_shrink=shrink, lora_shrink_wide="" if shrink == "inline" else shrink, use_tma=False,
                   lora_route_order=order, **grid)

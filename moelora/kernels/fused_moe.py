@@ -31,7 +31,12 @@ import triton
 
 from moelora.kernels.moe_config import FusedMoEConfig, tuned_fused_moe_config
 from moelora.kernels.moe_gemm import act_delta_kernel, combine_kernel, down_kernel, gate_up_kernel
-from moelora.kernels.moe_lora import lora_block_delta_kernel, lora_route_delta_kernel, lora_shrink_kernel
+from moelora.kernels.moe_lora import (
+    lora_block_delta_kernel,
+    lora_route_delta_kernel,
+    lora_shrink_kernel,
+    lora_slot_shrink_kernel,
+)
 from moelora.kernels.moe_plan import EXPERT_SORTED_PADDED, MoERoutingPlan, build_routing_plan
 from moelora.kernels.reference import ExpertLoRAArgs
 from moelora.kernels.side_stream import forked, join
@@ -42,6 +47,7 @@ _LORA_RC = 16  # rank columns per step of the separate shrink/expand: cost follo
 _BLOCK_TARGET_PROGRAMS = 264  # "block" LoRA: programs to aim for (2 per SM on a 132-SM H200)
 _BLOCK_LANES = 8  # "block" LoRA: programs per plan block, one distinct slot each (the last: the rest)
 _SWITCH_MAX_TOKENS = 1024  # lora_block_max_slots: beyond this many tokens the switch's slot count is not tried
+_SLOT_BLOCK_M, _SLOT_BLOCK_N = 16, 128  # lora_dense_shrink: rows of one slot x (expert, rank) columns a program
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -127,6 +133,21 @@ def _shrink(src, xa, plan, lora, which, gather, k_dim, block_r, cfg):
         LORA_BK=cfg.lora_block_k, LORA_RC=_LORA_RC, num_warps=4, num_stages=2)
 
 
+def _dense_shrink(x, xa, lora, block_r):
+    """xa [T, E * block_r] fp32 = each token against every expert's gate_up A of its slot
+    (`lora_slot_shrink_kernel`), over the tokens grouped by slot (lora.row_plan, else built here)."""
+    a = lora.gate_up_a
+    S, E = a.shape[0], a.shape[1]
+    plan = lora.row_plan
+    if plan is None or plan.block_m != _SLOT_BLOCK_M:
+        plan = build_routing_plan(lora.token_slots.view(-1, 1), max(1, S), _SLOT_BLOCK_M)
+    n_cols = E * block_r
+    lora_slot_shrink_kernel[(plan.max_blocks, triton.cdiv(n_cols, _SLOT_BLOCK_N))](
+        x, xa, a, lora.gate_up_ranks, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, x.shape[0],
+        x.shape[1], n_cols, x.stride(0), xa.stride(0), a.stride(0), a.stride(1), a.stride(2), BM=_SLOT_BLOCK_M,
+        BN=_SLOT_BLOCK_N, BK=128, BLOCK_R=block_r, num_warps=4, num_stages=3)
+
+
 def _switch_args(plan, lora, cfg: FusedMoEConfig, side: int) -> dict:
     """Launch arguments of one side of the route / block switch (`slots_skip`); side 0: no switch."""
     if not side:
@@ -198,17 +219,20 @@ def _expand_lanes(cfg: FusedMoEConfig, block_r: int) -> int:
 
 
 def _lora_buffers(lora, config: FusedMoEConfig, block_r: int, x: torch.Tensor, P: int, n_routes: int, inter: int):
-    """(mode, xa, delta_gu, delta_d): the LoRA path this call takes (`FusedMoEConfig.shrink_mode`)
-    and its scratch buffers (x as a dummy where a path has none)."""
+    """(mode, xa, xa_gu, delta_gu, delta_d): the LoRA path this call takes (`FusedMoEConfig.shrink_mode`)
+    and its scratch buffers (x as a dummy where a path has none; xa_gu: the gate_up shrink's, xa
+    unless lora_dense_shrink gives it a [T, E * block_r] one of its own)."""
     mode = config.shrink_mode(block_r) if lora is not None else None
-    xa = delta_gu = delta_d = x
+    xa = xa_gu = delta_gu = delta_d = x
     if mode == "separate":
-        xa = torch.empty(config.lora_split_k, P, block_r, dtype=torch.float32, device=x.device)
+        xa = xa_gu = torch.empty(config.lora_split_k, P, block_r, dtype=torch.float32, device=x.device)
+        if config.lora_dense_shrink:
+            xa_gu = torch.empty(x.shape[0], lora.gate_up_a.shape[1] * block_r, dtype=torch.float32, device=x.device)
     elif mode in ("route", "block"):  # "block" makes one pass; it keeps route's rounding of the delta
         d_dtype = x.dtype if block_r <= _LORA_RC else torch.float32  # one rank chunk, or several summed
         delta_gu = torch.empty(n_routes, 2 * inter, dtype=d_dtype, device=x.device)
         delta_d = torch.empty(n_routes, x.shape[1], dtype=d_dtype, device=x.device)
-    return mode, xa, delta_gu, delta_d
+    return mode, xa, xa_gu, delta_gu, delta_d
 
 
 def _tma_operands(w_gate_up: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, config: FusedMoEConfig):
@@ -252,12 +276,12 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     P, BM, gu, dn = plan.sorted_route_ids.shape[0], config.block_m, config.gate_up, config.down
     h = torch.empty(P, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
-    mode, xa, delta_gu, delta_d = _lora_buffers(lora, config, block_r, x, P, T * K, inter)
+    mode, xa, xa_gu, delta_gu, delta_d = _lora_buffers(lora, config, block_r, x, P, T * K, inter)
+    dense_gu = xa_gu is not xa  # lora_dense_shrink: gate_up's xa by (token, expert), one pass
     common = dict(sorted_ids_ptr=plan.sorted_route_ids, eob_ptr=plan.expert_of_block,
                   num_padded_ptr=plan.num_padded, n_routes=T * K, top_k=K, H=H, inter=inter,
                   num_blocks=plan.max_blocks, BM=BM, GROUP_M=config.group_m, HAS_LORA=mode in ("inline", "separate"),
-                  xa_ptr=xa,
-                  INLINE_SHRINK=mode == "inline", XA_SPLIT=config.lora_split_k,
+                  INLINE_SHRINK=mode == "inline",
                   EXPAND_LANES=_expand_lanes(config, block_r) if mode == "separate" else 0,
                   BLOCK_R=block_r, LORA_BK=config.lora_block_k, LORA_RC=_LORA_RC, USE_TMA=config.use_tma)
     w_gu, w_dn, h_in = _tma_operands(w_gate_up, w_down, h, config) if config.use_tma else (w_gate_up, w_down, h)
@@ -266,7 +290,9 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     # side stream next to the GEMM; "epilogue": the GEMM adds it, so it runs first
     late_gu = route_deltas and config.lora_gate_up_at == "activation"
     gu_out = torch.empty(P, 2 * inter, dtype=x.dtype, device=x.device) if late_gu else h
-    if mode == "separate":
+    if mode == "separate" and dense_gu:
+        _dense_shrink(x, xa_gu, lora, block_r)
+    elif mode == "separate":
         _shrink(x, xa, plan, lora, "gate_up", True, H, block_r, config)
     elif route_deltas:
         # Fork when late_gu (contract 2): the side stream reads x, the plan, topk_ids and the LoRA
@@ -278,7 +304,8 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         x, w_gu, gu_out, stride_xt=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
         stride_hp=gu_out.stride(0), BN=gu.block_n, BK=gu.block_k, num_warps=gu.num_warps, delta_ptr=delta_gu,
         stride_dr=delta_gu.stride(0), num_stages=gu.num_stages, LORA_DELTA=route_deltas and not late_gu,
-        RAW_OUT=late_gu, **common, **_lora_kernel_args(lora, x, "gate_up"))
+        RAW_OUT=late_gu, xa_ptr=xa_gu, stride_xat=xa_gu.stride(0), XA_BY_TOKEN=dense_gu,
+        XA_SPLIT=1 if dense_gu else config.lora_split_k, **common, **_lora_kernel_args(lora, x, "gate_up"))
     if late_gu:
         join(side_stream, x.device)  # delta_gu is complete
         bn = min(256, triton.next_power_of_2(inter))
@@ -297,7 +324,8 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     down_kernel[(plan.max_blocks * triton.cdiv(H, dn.block_n),)](
         h_in, h, w_dn, y, topk_w, stride_hp=h.stride(0), stride_we=w_down.stride(0),
         stride_wn=w_down.stride(1), stride_yr=y.stride(0), BN=dn.block_n, BK=dn.block_k, num_warps=dn.num_warps,
-        num_stages=dn.num_stages, **common, **_lora_kernel_args(lora, x, "down"))
+        num_stages=dn.num_stages, xa_ptr=xa, XA_SPLIT=config.lora_split_k, **common,
+        **_lora_kernel_args(lora, x, "down"))
     if route_deltas:
         join(side_stream, x.device)  # delta_d is complete
     bt = 1 if T < 64 else 4

@@ -87,14 +87,22 @@ def _delta_rows(slots_ptr, ranks_ptr, tok, valid):
 
 
 @triton.jit
-def _xa_chunk(xa_ptr, offs_m, sel, P, r0, SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, RC: tl.constexpr):
-    """Rank columns [r0, r0+RC) of the block's xa, summed over the SPLIT partials; rows not in sel
-    read nothing (and give 0)."""
+def _xa_rows(tok, offs_m, e, stride_xat, BY_TOKEN: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Element offset of each block row's xa: plan row offs_m of xa [SPLIT, P, BLOCK_R], or (BY_TOKEN,
+    FusedMoEConfig.lora_dense_shrink) token row tok, expert e's columns, of xa [T, E * BLOCK_R]."""
+    if BY_TOKEN:
+        return tok.to(tl.int64) * stride_xat + e * BLOCK_R
+    return offs_m.to(tl.int64) * BLOCK_R
+
+
+@triton.jit
+def _xa_chunk(xa_ptr, xa_off, sel, split_stride, r0, SPLIT: tl.constexpr, RC: tl.constexpr):
+    """Rank columns [r0, r0+RC) of the block's xa (row offsets xa_off, `_xa_rows`), summed over the
+    SPLIT partials; rows not in sel read nothing (and give 0)."""
     offs_r = r0 + tl.arange(0, RC)
-    xa = tl.zeros((offs_m.shape[0], RC), tl.float32)
+    xa = tl.zeros((xa_off.shape[0], RC), tl.float32)
     for sp in tl.static_range(SPLIT):
-        xa += tl.load(xa_ptr + (sp * P + offs_m[:, None]).to(tl.int64) * BLOCK_R + offs_r[None, :],
-                      mask=sel[:, None], other=0.0)
+        xa += tl.load(xa_ptr + sp * split_stride + xa_off[:, None] + offs_r[None, :], mask=sel[:, None], other=0.0)
     return xa
 
 
@@ -121,16 +129,16 @@ def _lane_columns(slot, ranks_ptr, LANES: tl.constexpr, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def _xa_lanes(xa_ptr, offs_m, row_lane, r_col, P, SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
+def _xa_lanes(xa_ptr, xa_off, row_lane, r_col, split_stride, SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
               LANES: tl.constexpr):
-    """[BM, LANES * BLOCK_R] fp32: each row's xa (its SPLIT partials summed) in its lane's columns, up
-    to that slot's rank; zero elsewhere (rows on no laned slot read nothing)."""
+    """[BM, LANES * BLOCK_R] fp32: each row's xa (row offsets xa_off, its SPLIT partials summed) in its
+    lane's columns, up to that slot's rank; zero elsewhere (rows on no laned slot read nothing)."""
     offs_c = tl.arange(0, LANES * BLOCK_R)
     c_r = offs_c % BLOCK_R
     sel = (row_lane[:, None] == (offs_c // BLOCK_R)[None, :]) & (c_r < r_col)[None, :]
-    xa = tl.zeros((offs_m.shape[0], LANES * BLOCK_R), tl.float32)
+    xa = tl.zeros((xa_off.shape[0], LANES * BLOCK_R), tl.float32)
     for sp in tl.static_range(SPLIT):
-        xa += tl.load(xa_ptr + (sp * P + offs_m[:, None]).to(tl.int64) * BLOCK_R + c_r[None, :], mask=sel, other=0.0)
+        xa += tl.load(xa_ptr + sp * split_stride + xa_off[:, None] + c_r[None, :], mask=sel, other=0.0)
     return xa
 
 
@@ -150,12 +158,12 @@ def gate_up_kernel(
     x_ptr, w, h_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr,
     slots_ptr, ranks_ptr, a_ptr, b_ptr, xa_ptr, delta_ptr,
     n_routes, top_k, H, inter, num_blocks,
-    stride_xt, stride_we, stride_wn, stride_hp, stride_dr,
+    stride_xt, stride_we, stride_wn, stride_hp, stride_dr, stride_xat,
     stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_LORA: tl.constexpr, INLINE_SHRINK: tl.constexpr, XA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
     LORA_BK: tl.constexpr, LORA_RC: tl.constexpr, USE_TMA: tl.constexpr, LORA_DELTA: tl.constexpr,
-    RAW_OUT: tl.constexpr, EXPAND_LANES: tl.constexpr = 0,
+    RAW_OUT: tl.constexpr, EXPAND_LANES: tl.constexpr = 0, XA_BY_TOKEN: tl.constexpr = False,
 ):
     """h[plan row] = silu(gate) * up of x[token] @ W_gu[e]^T (+ LoRA); RAW_OUT: h is [P, 2I] and gets
     gate and up as they are (columns [0, I) and [I, 2I)), for `act_delta_kernel` to finish."""
@@ -224,9 +232,10 @@ def gate_up_kernel(
                 rest = tl.where(sel, -1, rest)
                 s = tl.max(rest, axis=0)
         else:  # xa precomputed: expand only, LORA_RC rank columns at a time, up to the slot's rank
+            xa_off = _xa_rows(tok, offs_m, e, stride_xat, XA_BY_TOKEN, BLOCK_R)
             if EXPAND_LANES > 0:  # the block's largest slots in one dot each for gate and up; the loop takes the rest
                 row_lane, s_col, r_col, slot = _lane_columns(slot, ranks_ptr, EXPAND_LANES, BLOCK_R)
-                xs = _xa_lanes(xa_ptr, offs_m, row_lane, r_col, num_blocks * BM, XA_SPLIT, BLOCK_R,
+                xs = _xa_lanes(xa_ptr, xa_off, row_lane, r_col, num_blocks * BM * BLOCK_R, XA_SPLIT, BLOCK_R,
                                EXPAND_LANES).to(dt)
                 acc_g = tl.dot(xs, _b_lanes(b_ptr, e, s_col, r_col, offs_n, inter, stride_bs, stride_be, stride_bn,
                                             BLOCK_R, EXPAND_LANES).to(dt), acc_g)
@@ -238,7 +247,7 @@ def gate_up_kernel(
                 rank = tl.load(ranks_ptr + s)
                 b_se = slot_base(b_ptr, s, e, stride_bs, stride_be)
                 for r0 in range(0, rank, LORA_RC):
-                    xs = _xa_chunk(xa_ptr, offs_m, sel, num_blocks * BM, r0, XA_SPLIT, BLOCK_R, LORA_RC).to(dt)
+                    xs = _xa_chunk(xa_ptr, xa_off, sel, num_blocks * BM * BLOCK_R, r0, XA_SPLIT, LORA_RC).to(dt)
                     acc_g = tl.dot(xs, lora_b_tile(b_se + r0, offs_n, inter, stride_bn, rank - r0, LORA_RC).to(dt),
                                    acc_g)
                     acc_u = tl.dot(xs, lora_b_tile(b_se + inter * stride_bn + r0, offs_n, inter, stride_bn, rank - r0,
@@ -350,9 +359,10 @@ def down_kernel(
                 rest = tl.where(sel, -1, rest)
                 s = tl.max(rest, axis=0)
         else:  # xa precomputed: expand only, LORA_RC rank columns at a time, up to the slot's rank
+            xa_off = offs_m.to(tl.int64) * BLOCK_R
             if EXPAND_LANES > 0:  # the block's largest slots in one dot; the loop takes the rest
                 row_lane, s_col, r_col, slot = _lane_columns(slot, ranks_ptr, EXPAND_LANES, BLOCK_R)
-                xs = _xa_lanes(xa_ptr, offs_m, row_lane, r_col, num_blocks * BM, XA_SPLIT, BLOCK_R,
+                xs = _xa_lanes(xa_ptr, xa_off, row_lane, r_col, num_blocks * BM * BLOCK_R, XA_SPLIT, BLOCK_R,
                                EXPAND_LANES).to(dt)
                 acc = tl.dot(xs, _b_lanes(b_ptr, e, s_col, r_col, offs_n, H, stride_bs, stride_be, stride_bn,
                                           BLOCK_R, EXPAND_LANES).to(dt), acc)
@@ -362,7 +372,7 @@ def down_kernel(
                 rank = tl.load(ranks_ptr + s)
                 b_se = slot_base(b_ptr, s, e, stride_bs, stride_be)
                 for r0 in range(0, rank, LORA_RC):
-                    xs = _xa_chunk(xa_ptr, offs_m, sel, num_blocks * BM, r0, XA_SPLIT, BLOCK_R, LORA_RC).to(dt)
+                    xs = _xa_chunk(xa_ptr, xa_off, sel, num_blocks * BM * BLOCK_R, r0, XA_SPLIT, LORA_RC).to(dt)
                     acc = tl.dot(xs, lora_b_tile(b_se + r0, offs_n, H, stride_bn, rank - r0, LORA_RC).to(dt), acc)
                 slot = tl.where(sel, -1, slot)
                 s = tl.max(slot, axis=0)
