@@ -5,15 +5,15 @@ Shape legend: M tokens, H hidden, I expert intermediate, E experts, K top-k.
 Per (shape, M): time the LoRA-off layer (CUDA-graph replay, L2 flushed, median) over a short
 candidate list of tiles chosen by routes per expert, keep the fastest; then try TMA on it; then
 pick lora_shrink (inline / separate, also with 8 shrink and expand lanes, with or without the dense
-gate_up shrink / route / block) and lora_split_k by the summed time of one adapter and of 8
-adapters, rank 16 (--score; a graph serves
-both kinds of batch, and the best path differs between them: H200, Qwen3 M=256, scored on 8 alone
-the route path won, on both the block path, which then decoded faster with 1 adapter AND with 8) (a
-route pick then tries 4x the delta's programs, 8 warps and 4x wider loads, lora_route_order "plan",
-a route or block pick lora_gate_up_at "activation", a block pick lora_block_programs 132 / 264 / 528,
-and a route pick the block switch for batches on <= 2 slots, scored on 1 + 8 adapters), and
-lora_shrink_wide (separate / route / block) on 8 adapters of rank 64. LoRA timings use a side
-stream, as the engine's overlap_lora does (--no-side-stream: not). Usage:
+gate_up shrink and the down shrink in the gate_up epilogue / route / block) and lora_split_k by the
+summed time of one adapter and of 8 adapters, rank 16 (--score; a graph serves both kinds of batch,
+and the best path differs between them: H200, Qwen3 M=256, scored on 8 alone the route path won, on
+both the block path, which then decoded faster with 1 adapter AND with 8) (a route pick then tries
+4x the delta's programs, 8 warps and 4x wider loads, lora_route_order "plan", a route or block pick
+lora_gate_up_at "activation", a block pick lora_block_programs 132 / 264 / 528, and a route pick the
+block switch for batches on <= 2 slots, scored on 1 + 8 adapters), and lora_shrink_wide (separate /
+route / block) on 8 adapters of rank 64. LoRA timings use a side stream, as the engine's overlap_lora
+does (--no-side-stream: not). Usage:
   python benchmarks/tune_fused_moe.py [--shapes a,b] [--model /path/to/hf-model ...] [--ms 1,8]
                                       [--lora-only] [--no-side-stream] [--score 1ad_r16,8ad_r16 | 8ad_r16]
 The table is keyed by GPU name and (E, H, I, bf16), so `--model` tunes a deployment's own model.
@@ -86,6 +86,9 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("1ad_r16", 
     # ... and its gate_up shrink one dense GEMM per slot against every expert (down's split 4 / 8)
     trials += [dataclasses.replace(base, lora_shrink="separate", lora_split_k=k, lora_expand_lanes=8,
                                    lora_shrink_lanes=8, lora_dense_shrink=True) for k in (4, 8)]
+    # ... and the down shrink in the gate_up epilogue (no shrink launch for down; rank-16 pools of <= 8 slots)
+    trials.append(dataclasses.replace(base, lora_shrink="separate", lora_expand_lanes=8, lora_shrink_lanes=8,
+                                      lora_dense_shrink=True, lora_down_in_gate_up=True))
     trials.append(dataclasses.replace(base, lora_shrink="inline"))
     trials.append(dataclasses.replace(base, lora_shrink="route"))
     trials += [dataclasses.replace(base, lora_shrink="block", lora_n_split=n) for n in (0, 4, 8)]
@@ -100,6 +103,7 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("1ad_r16", 
         scored.append((t, cfg))
         log.append(dict(M=M, what=f"lora_{cfg.lora_shrink}_{cfg.lora_split_k}_{cfg.lora_n_split}_{cfg.lora_block_n}"
                         f"_x{cfg.lora_expand_lanes}{'d' if cfg.lora_dense_shrink else ''}"
+                        f"{'g' if cfg.lora_down_in_gate_up else ''}"
                         f"_m{cfg.lora_block_m}",
                         config=json.dumps(cfg.to_dict()), ms=t))
     t_best, best = min(scored, key=lambda p: p[0])
@@ -134,7 +138,7 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("1ad_r16", 
             best = sw
     tag = ("{0.lora_shrink}/{0.lora_split_k}/{0.lora_n_split}/{0.lora_route_order:.1}/{0.lora_gate_up_at:.3}"
            "/p{0.lora_route_programs}w{0.lora_route_warps}t{0.lora_route_tile}/n{0.lora_block_n}k{0.lora_block_k}"
-           "m{0.lora_block_m}p{0.lora_block_programs}/s{0.lora_block_max_slots}/x{0.lora_expand_lanes}l{0.lora_shrink_lanes}d{0.lora_dense_shrink:d}").format
+           "m{0.lora_block_m}p{0.lora_block_programs}/s{0.lora_block_max_slots}/x{0.lora_expand_lanes}l{0.lora_shrink_lanes}d{0.lora_dense_shrink:d}g{0.lora_down_in_gate_up:d}").format
     print(f"  M={M:5d} {'+'.join(score)} " + "  ".join(f"{tag(c)} {t * 1e3:7.1f}" for t, c in scored)
           + f"  -> {tag(best)}", flush=True)
     return tune_wide(layer, M, best, log, side)

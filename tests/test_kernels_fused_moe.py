@@ -26,11 +26,14 @@ TINY = GemmTile(32, 32, 4, 2)
 def tiny_config(shrink="inline", tma=False, bm=16):
     """"separate_lanesN": the separate path with N shrink programs a block and split, one per slot
     (lora_shrink_lanes), and an epilogue that expands N slots in one dot (lora_expand_lanes)."""
+    down = shrink.endswith("_down")  # and the down shrink in the gate_up epilogue (lora_down_in_gate_up)
+    shrink = shrink.removesuffix("_down")
     dense = shrink.endswith("_dense")  # and the gate_up shrink per slot against every expert (lora_dense_shrink)
     shrink = shrink.removesuffix("_dense")
     lanes = int(shrink.removeprefix("separate_lanes")) if shrink.startswith("separate_lanes") else 0
     return FusedMoEConfig(bm, TINY, TINY, lora_shrink="separate" if lanes else shrink, lora_block_k=32, use_tma=tma,
-                          lora_expand_lanes=lanes, lora_shrink_lanes=max(1, lanes), lora_dense_shrink=dense)
+                          lora_expand_lanes=lanes, lora_shrink_lanes=max(1, lanes), lora_dense_shrink=dense,
+                          lora_down_in_gate_up=down)
 
 
 def make_case(T, H, inter, E, K, *, ranks=(), R=0, dtype=torch.float32, device="cpu", seed=0,
@@ -115,7 +118,8 @@ def test_one_token_and_zero_tokens():
 SHRINK_POOLS = [("inline", 16), ("separate", 24), ("route", 24), ("route", 16), ("route", 64), ("block", 16),
                 ("block", 24), ("block", 64), ("separate_lanes8", 16), ("separate_lanes2", 16), ("separate_lanes8", 24),
                 ("separate_lanes8", 64), ("separate_lanes8_dense", 16), ("separate_lanes2_dense", 24),
-                ("separate_lanes8_dense", 64)]
+                ("separate_lanes8_dense", 64), ("separate_lanes8_down", 16), ("separate_lanes8_dense_down", 24),
+                ("separate_lanes8_dense_down", 64)]
 
 
 @kernel_test
@@ -290,9 +294,10 @@ def gpu_case(shape, T, seed, ranks=(64, 16, 8, 0, 64, 32, 16, 8), R=64):
 @pytest.mark.parametrize("T", [1, 33, 512])
 @pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block", "route_plan", "route_wide_grid",
                                     "block_wide_tiles", "block_sub16", "block_persist", "separate_lanes",
-                                    "separate_dense"])
+                                    "separate_dense", "separate_down"])
 def test_gpu_qwen3_shape_bf16_lora(T, shrink):
-    pool = dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16) if shrink == "inline" else {}
+    # a rank-16 pool: inline's, and separate_down's (every slot needs an expand lane: 8 of 16 columns)
+    pool = dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16) if shrink in ("inline", "separate_down") else {}
     case = gpu_case(QWEN3, T, seed=T, **pool)
     from moelora.kernels.moe_config import tuned_fused_moe_config
 
@@ -310,7 +315,9 @@ def test_gpu_qwen3_shape_bf16_lora(T, shrink):
         grid = dict(lora_expand_lanes=8, lora_shrink_lanes=8)  # a shrink program per slot; the epilogue's in one dot
     if shrink == "separate_dense":  # and the gate_up shrink per slot against every expert
         grid = dict(lora_expand_lanes=8, lora_shrink_lanes=8, lora_dense_shrink=True)
-    for suffix in ("_plan", "_wide_grid", "_wide_tiles", "_sub16", "_persist", "_lanes", "_dense"):
+    if shrink == "separate_down":  # and the down shrink in the gate_up epilogue
+        grid = dict(lora_expand_lanes=8, lora_shrink_lanes=8, lora_dense_shrink=True, lora_down_in_gate_up=True)
+    for suffix in ("_plan", "_wide_grid", "_wide_tiles", "_sub16", "_persist", "_lanes", "_dense", "_down"):
         shrink = shrink.removesuffix(suffix)
     cfg = replace(cfg, lora_shrink=shrink, lora_shrink_wide="" if shrink == "inline" else shrink, use_tma=False,
                   lora_route_order=order, **grid)

@@ -10,16 +10,17 @@ R max rank, P plan rows (max_padded).
 Launches (no host sync, fixed sizes: CUDA-graph safe; one stream unless `side_stream` is given):
   plan -> [shrink x A_gu] -> gate_up GEMM + LoRA + SiLU*up -> h [P, I]
        -> [shrink h A_d] -> down GEMM + LoRA, x routing weight -> y [T*K, H] -> sum over K -> out
-(bracketed launches only on the separate-shrink path: lora_shrink="separate", or any pool of
-max rank > 16 under "inline"; under "route" (per route) and "block" (per plan block and slot)
-they compute each route's whole delta instead, [T*K, 2I] and [T*K, H] in x's dtype (fp32 for
-pools of max rank > 16): the gate_up epilogue adds the first (or, with lora_gate_up_at="activation",
-act_delta_kernel after a gate_up GEMM that writes gate and up unactivated, so that with `side_stream`
-the gate_up delta runs concurrently with that GEMM); the second, times the routing weight, is added
-by the top-k combine, so with `side_stream` the down delta runs on that stream concurrently with
-the down GEMM (both read h only). The top-k combine sums y's K rows in a fixed
-order, so results are deterministic (with or without the side stream). x and the weights are
-never written (contract 2). Rows on slot -1 do no LoRA work; a slot of rank r reads only r rows of A /
+(bracketed launches only on the separate-shrink path: lora_shrink="separate", or any pool of max
+rank > 16 under "inline"; lora_dense_shrink makes the first a dense GEMM per slot over every expert,
+lora_down_in_gate_up drops the second (the gate_up epilogue writes its partials); under "route" (per
+route) and "block" (per plan block and slot) they compute each route's whole delta instead, [T*K,
+2I] and [T*K, H] in x's dtype (fp32 for pools of max rank > 16): the gate_up epilogue adds the first
+(or, with lora_gate_up_at="activation", act_delta_kernel after a gate_up GEMM that writes gate and
+up unactivated, so that with `side_stream` the gate_up delta runs concurrently with that GEMM); the
+second, times the routing weight, is added by the top-k combine, so with `side_stream` the down
+delta runs on that stream concurrently with the down GEMM (both read h only). The top-k combine sums
+y's K rows in a fixed order, so results are deterministic (with or without the side stream). x and
+the weights are never written (contract 2). Rows on slot -1 do no LoRA work; a slot of rank r reads only r rows of A /
 columns of B and, on the separate path, loops over ceil(r/16) rank chunks whatever the pool's
 max rank.
 """
@@ -146,6 +147,15 @@ def _dense_shrink(x, xa, lora, block_r):
         x, xa, a, lora.gate_up_ranks, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, x.shape[0],
         x.shape[1], n_cols, x.stride(0), xa.stride(0), a.stride(0), a.stride(1), a.stride(2), BM=_SLOT_BLOCK_M,
         BN=_SLOT_BLOCK_N, BK=128, BLOCK_R=block_r, num_warps=4, num_stages=3)
+
+
+def _down_args(lora: ExpertLoRAArgs | None, dummy: torch.Tensor) -> dict:
+    """The down A and ranks the gate_up epilogue shrinks h with (lora_down_in_gate_up); dummies without."""
+    if lora is None:
+        return dict(d_ranks_ptr=dummy, a_d_ptr=dummy, stride_ads=0, stride_ade=0, stride_adr=0)
+    a = lora.down_a
+    return dict(d_ranks_ptr=lora.down_ranks, a_d_ptr=a, stride_ads=a.stride(0), stride_ade=a.stride(1),
+                stride_adr=a.stride(2))
 
 
 def _switch_args(plan, lora, cfg: FusedMoEConfig, side: int) -> dict:
@@ -278,6 +288,12 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
     mode, xa, xa_gu, delta_gu, delta_d = _lora_buffers(lora, config, block_r, x, P, T * K, inter)
     dense_gu = xa_gu is not xa  # lora_dense_shrink: gate_up's xa by (token, expert), one pass
+    # lora_down_in_gate_up: the gate_up epilogue writes the down shrink's partials, one per N tile,
+    # when every slot of the pool has an expand lane (no slot is left to the loop, which has no xa)
+    down_in_gu = (mode == "separate" and config.lora_down_in_gate_up
+                  and _expand_lanes(config, block_r) >= lora.gate_up_a.shape[0])
+    xa_d = torch.empty(triton.cdiv(inter, config.gate_up.block_n), P, block_r, dtype=torch.float32,
+                       device=x.device) if down_in_gu else xa
     common = dict(sorted_ids_ptr=plan.sorted_route_ids, eob_ptr=plan.expert_of_block,
                   num_padded_ptr=plan.num_padded, n_routes=T * K, top_k=K, H=H, inter=inter,
                   num_blocks=plan.max_blocks, BM=BM, GROUP_M=config.group_m, HAS_LORA=mode in ("inline", "separate"),
@@ -305,14 +321,15 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         stride_hp=gu_out.stride(0), BN=gu.block_n, BK=gu.block_k, num_warps=gu.num_warps, delta_ptr=delta_gu,
         stride_dr=delta_gu.stride(0), num_stages=gu.num_stages, LORA_DELTA=route_deltas and not late_gu,
         RAW_OUT=late_gu, xa_ptr=xa_gu, stride_xat=xa_gu.stride(0), XA_BY_TOKEN=dense_gu,
-        XA_SPLIT=1 if dense_gu else config.lora_split_k, **common, **_lora_kernel_args(lora, x, "gate_up"))
+        XA_SPLIT=1 if dense_gu else config.lora_split_k, DOWN_SHRINK=down_in_gu, xa_d_ptr=xa_d,
+        **_down_args(lora if down_in_gu else None, x), **common, **_lora_kernel_args(lora, x, "gate_up"))
     if late_gu:
         join(side_stream, x.device)  # delta_gu is complete
         bn = min(256, triton.next_power_of_2(inter))
         act_delta_kernel[(plan.max_blocks, triton.cdiv(inter, bn))](
             gu_out, delta_gu, h, plan.sorted_route_ids, plan.num_padded, lora.token_slots, lora.gate_up_ranks, T * K,
             K, inter, gu_out.stride(0), delta_gu.stride(0), h.stride(0), BM=BM, BN=bn, num_warps=4)
-    if mode == "separate":
+    if mode == "separate" and not down_in_gu:
         _shrink(h, xa, plan, lora, "down", False, inter, block_r, config)
     elif route_deltas:
         # Fork (contract 2): the side stream reads h, the plan, topk_ids and the LoRA slots and writes
@@ -324,8 +341,8 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     down_kernel[(plan.max_blocks * triton.cdiv(H, dn.block_n),)](
         h_in, h, w_dn, y, topk_w, stride_hp=h.stride(0), stride_we=w_down.stride(0),
         stride_wn=w_down.stride(1), stride_yr=y.stride(0), BN=dn.block_n, BK=dn.block_k, num_warps=dn.num_warps,
-        num_stages=dn.num_stages, xa_ptr=xa, XA_SPLIT=config.lora_split_k, **common,
-        **_lora_kernel_args(lora, x, "down"))
+        num_stages=dn.num_stages, xa_ptr=xa_d, XA_SPLIT=xa_d.shape[0] if down_in_gu else config.lora_split_k,
+        **common, **_lora_kernel_args(lora, x, "down"))
     if route_deltas:
         join(side_stream, x.device)  # delta_d is complete
     bt = 1 if T < 64 else 4

@@ -88,7 +88,10 @@ class FusedMoEConfig:
     each on one distinct slot of the block (the last: every slot left). lora_dense_shrink ("separate"):
     the gate_up shrink as one dense GEMM per slot against every expert's A ([T, E * BLOCK_R] fp32, no
     routing; worth it where nearly every (slot, expert) pair is routed anyway, M >= 256 with many
-    adapters); the epilogue reads each row's (token, expert) xa. use_tma: Hopper
+    adapters); the epilogue reads each row's (token, expert) xa. lora_down_in_gate_up ("separate", with
+    expand lanes for every slot of the pool): the gate_up epilogue also multiplies the h tile it
+    stores by the laned slots' down A and writes the down shrink's partials (one per gate_up N tile),
+    which the down epilogue sums: no down shrink launch. use_tma: Hopper
     tensor descriptors for the weight (and down-GEMM activation) tiles; the off switch of that
     path (contract 6)."""
 
@@ -113,6 +116,7 @@ class FusedMoEConfig:
     lora_expand_lanes: int = 0
     lora_shrink_lanes: int = 1
     lora_dense_shrink: bool = False
+    lora_down_in_gate_up: bool = False
     use_tma: bool = False
 
     def __post_init__(self):
