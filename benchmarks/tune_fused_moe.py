@@ -138,7 +138,8 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("1ad_r16", 
             best = sw
     tag = ("{0.lora_shrink}/{0.lora_split_k}/{0.lora_n_split}/{0.lora_route_order:.1}/{0.lora_gate_up_at:.3}"
            "/p{0.lora_route_programs}w{0.lora_route_warps}t{0.lora_route_tile}/n{0.lora_block_n}k{0.lora_block_k}"
-           "m{0.lora_block_m}p{0.lora_block_programs}/s{0.lora_block_max_slots}/x{0.lora_expand_lanes}l{0.lora_shrink_lanes}d{0.lora_dense_shrink:d}g{0.lora_down_in_gate_up:d}").format
+           "m{0.lora_block_m}p{0.lora_block_programs}/s{0.lora_block_max_slots}"
+           "/x{0.lora_expand_lanes}l{0.lora_shrink_lanes}d{0.lora_dense_shrink:d}g{0.lora_down_in_gate_up:d}").format
     print(f"  M={M:5d} {'+'.join(score)} " + "  ".join(f"{tag(c)} {t * 1e3:7.1f}" for t, c in scored)
           + f"  -> {tag(best)}", flush=True)
     return tune_wide(layer, M, best, log, side)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from moelora.kernels.lora_linear import PLAN_BLOCK_M
 from moelora.kernels.moe_config import FusedMoEConfig, tuned_fused_moe_config
 from moelora.kernels.moe_gemm import act_delta_kernel, combine_kernel, down_kernel, gate_up_kernel
 from moelora.kernels.moe_lora import (
@@ -39,6 +40,7 @@ from moelora.kernels.moe_lora import (
     lora_slot_shrink_kernel,
 )
 from moelora.kernels.moe_plan import EXPERT_SORTED_PADDED, MoERoutingPlan, build_routing_plan
+from moelora.kernels.planned_lora import row_plan
 from moelora.kernels.reference import ExpertLoRAArgs
 from moelora.kernels.side_stream import forked, join
 
@@ -48,7 +50,7 @@ _LORA_RC = 16  # rank columns per step of the separate shrink/expand: cost follo
 _BLOCK_TARGET_PROGRAMS = 264  # "block" LoRA: programs to aim for (2 per SM on a 132-SM H200)
 _BLOCK_LANES = 8  # "block" LoRA: programs per plan block, one distinct slot each (the last: the rest)
 _SWITCH_MAX_TOKENS = 1024  # lora_block_max_slots: beyond this many tokens the switch's slot count is not tried
-_SLOT_BLOCK_M, _SLOT_BLOCK_N = 16, 128  # lora_dense_shrink: rows of one slot x (expert, rank) columns a program
+_SLOT_BLOCK_N = 128  # lora_dense_shrink: (expert, rank) columns a program (rows: the row plan's block)
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -136,16 +138,17 @@ def _shrink(src, xa, plan, lora, which, gather, k_dim, block_r, cfg):
 
 def _dense_shrink(x, xa, lora, block_r):
     """xa [T, E * block_r] fp32 = each token against every expert's gate_up A of its slot
-    (`lora_slot_shrink_kernel`), over the tokens grouped by slot (lora.row_plan, else built here)."""
+    (`lora_slot_shrink_kernel`), over the tokens grouped by slot (lora.row_plan, the engine's, as the
+    dense LoRA sites read it; else built here)."""
     a = lora.gate_up_a
-    S, E = a.shape[0], a.shape[1]
+    E = a.shape[1]
     plan = lora.row_plan
-    if plan is None or plan.block_m != _SLOT_BLOCK_M:
-        plan = build_routing_plan(lora.token_slots.view(-1, 1), max(1, S), _SLOT_BLOCK_M)
+    if plan is None or plan.block_m != PLAN_BLOCK_M:
+        plan = row_plan(lora.token_slots, a.shape[0], PLAN_BLOCK_M)
     n_cols = E * block_r
     lora_slot_shrink_kernel[(plan.max_blocks, triton.cdiv(n_cols, _SLOT_BLOCK_N))](
         x, xa, a, lora.gate_up_ranks, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, x.shape[0],
-        x.shape[1], n_cols, x.stride(0), xa.stride(0), a.stride(0), a.stride(1), a.stride(2), BM=_SLOT_BLOCK_M,
+        x.shape[1], n_cols, x.stride(0), xa.stride(0), a.stride(0), a.stride(1), a.stride(2), BM=plan.block_m,
         BN=_SLOT_BLOCK_N, BK=128, BLOCK_R=block_r, num_warps=4, num_stages=3)
 
 
@@ -228,21 +231,34 @@ def _expand_lanes(cfg: FusedMoEConfig, block_r: int) -> int:
     return min(cfg.lora_expand_lanes, max(1, 128 // block_r))
 
 
+def _down_in_gate_up(mode, config: FusedMoEConfig, block_r: int, lora) -> bool:
+    """lora_down_in_gate_up in force: the gate_up epilogue writes the down shrink's partials, only when
+    every slot of the pool has an expand lane (no slot is left to the loop, which would have no xa)."""
+    return (mode == "separate" and config.lora_down_in_gate_up
+            and _expand_lanes(config, block_r) >= lora.gate_up_a.shape[0])
+
+
 def _lora_buffers(lora, config: FusedMoEConfig, block_r: int, x: torch.Tensor, P: int, n_routes: int, inter: int):
-    """(mode, xa, xa_gu, delta_gu, delta_d): the LoRA path this call takes (`FusedMoEConfig.shrink_mode`)
-    and its scratch buffers (x as a dummy where a path has none; xa_gu: the gate_up shrink's, xa
-    unless lora_dense_shrink gives it a [T, E * block_r] one of its own)."""
+    """(mode, xa_gu, xa_d, delta_gu, delta_d): the LoRA path this call takes (`FusedMoEConfig.shrink_mode`)
+    and its scratch buffers (x as a dummy where a path has none). "separate": the gate_up and the down
+    shrink's xa, one [SPLIT, P, block_r] buffer for both, or lora_dense_shrink's [T, E * block_r] for
+    gate_up and lora_down_in_gate_up's [I / BN, P, block_r] partials for down."""
     mode = config.shrink_mode(block_r) if lora is not None else None
-    xa = xa_gu = delta_gu = delta_d = x
+    xa_gu = xa_d = delta_gu = delta_d = x
     if mode == "separate":
-        xa = xa_gu = torch.empty(config.lora_split_k, P, block_r, dtype=torch.float32, device=x.device)
-        if config.lora_dense_shrink:
+        dense, down_in_gu = config.lora_dense_shrink, _down_in_gate_up(mode, config, block_r, lora)
+        if not (dense and down_in_gu):
+            xa_gu = xa_d = torch.empty(config.lora_split_k, P, block_r, dtype=torch.float32, device=x.device)
+        if dense:
             xa_gu = torch.empty(x.shape[0], lora.gate_up_a.shape[1] * block_r, dtype=torch.float32, device=x.device)
+        if down_in_gu:
+            xa_d = torch.empty(triton.cdiv(inter, config.gate_up.block_n), P, block_r, dtype=torch.float32,
+                               device=x.device)
     elif mode in ("route", "block"):  # "block" makes one pass; it keeps route's rounding of the delta
         d_dtype = x.dtype if block_r <= _LORA_RC else torch.float32  # one rank chunk, or several summed
         delta_gu = torch.empty(n_routes, 2 * inter, dtype=d_dtype, device=x.device)
         delta_d = torch.empty(n_routes, x.shape[1], dtype=d_dtype, device=x.device)
-    return mode, xa, xa_gu, delta_gu, delta_d
+    return mode, xa_gu, xa_d, delta_gu, delta_d
 
 
 def _tma_operands(w_gate_up: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, config: FusedMoEConfig):
@@ -286,14 +302,9 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     P, BM, gu, dn = plan.sorted_route_ids.shape[0], config.block_m, config.gate_up, config.down
     h = torch.empty(P, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
-    mode, xa, xa_gu, delta_gu, delta_d = _lora_buffers(lora, config, block_r, x, P, T * K, inter)
-    dense_gu = xa_gu is not xa  # lora_dense_shrink: gate_up's xa by (token, expert), one pass
-    # lora_down_in_gate_up: the gate_up epilogue writes the down shrink's partials, one per N tile,
-    # when every slot of the pool has an expand lane (no slot is left to the loop, which has no xa)
-    down_in_gu = (mode == "separate" and config.lora_down_in_gate_up
-                  and _expand_lanes(config, block_r) >= lora.gate_up_a.shape[0])
-    xa_d = torch.empty(triton.cdiv(inter, config.gate_up.block_n), P, block_r, dtype=torch.float32,
-                       device=x.device) if down_in_gu else xa
+    mode, xa_gu, xa_d, delta_gu, delta_d = _lora_buffers(lora, config, block_r, x, P, T * K, inter)
+    dense_gu = mode == "separate" and config.lora_dense_shrink  # gate_up's xa by (token, expert), one pass
+    down_in_gu = _down_in_gate_up(mode, config, block_r, lora)  # down's xa: one partial per gate_up N tile
     common = dict(sorted_ids_ptr=plan.sorted_route_ids, eob_ptr=plan.expert_of_block,
                   num_padded_ptr=plan.num_padded, n_routes=T * K, top_k=K, H=H, inter=inter,
                   num_blocks=plan.max_blocks, BM=BM, GROUP_M=config.group_m, HAS_LORA=mode in ("inline", "separate"),
@@ -309,7 +320,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     if mode == "separate" and dense_gu:
         _dense_shrink(x, xa_gu, lora, block_r)
     elif mode == "separate":
-        _shrink(x, xa, plan, lora, "gate_up", True, H, block_r, config)
+        _shrink(x, xa_gu, plan, lora, "gate_up", True, H, block_r, config)
     elif route_deltas:
         # Fork when late_gu (contract 2): the side stream reads x, the plan, topk_ids and the LoRA
         # slots and writes only delta_gu; the GEMM here reads x and writes only gu_out. Both were
@@ -330,7 +341,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
             gu_out, delta_gu, h, plan.sorted_route_ids, plan.num_padded, lora.token_slots, lora.gate_up_ranks, T * K,
             K, inter, gu_out.stride(0), delta_gu.stride(0), h.stride(0), BM=BM, BN=bn, num_warps=4)
     if mode == "separate" and not down_in_gu:
-        _shrink(h, xa, plan, lora, "down", False, inter, block_r, config)
+        _shrink(h, xa_d, plan, lora, "down", False, inter, block_r, config)
     elif route_deltas:
         # Fork (contract 2): the side stream reads h, the plan, topk_ids and the LoRA slots and writes
         # only delta_d; the down GEMM on this stream reads h and writes only y. delta_d, h and y were

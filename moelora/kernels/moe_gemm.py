@@ -387,7 +387,7 @@ def down_kernel(
                 rest = tl.where(sel, -1, rest)
                 s = tl.max(rest, axis=0)
         else:  # xa precomputed: expand only, LORA_RC rank columns at a time, up to the slot's rank
-            xa_off = offs_m.to(tl.int64) * BLOCK_R
+            xa_off = _xa_rows(tok, offs_m, e, 0, False, BLOCK_R)
             if EXPAND_LANES > 0:  # the block's largest slots in one dot; the loop takes the rest
                 row_lane, s_col, r_col, slot = _lane_columns(slot, ranks_ptr, EXPAND_LANES, BLOCK_R)
                 xs = _xa_lanes(xa_ptr, xa_off, row_lane, r_col, num_blocks * BM * BLOCK_R, XA_SPLIT, BLOCK_R,

@@ -63,7 +63,7 @@ class ExpertLoRAArgs:
     gate_up_ranks: torch.Tensor
     down_ranks: torch.Tensor
     active: tuple[SlotRows, ...] | None  # None: for the Triton kernels only (the twins refuse it)
-    row_plan: object = None  # the tokens grouped by slot (a MoERoutingPlan over token_slots), if built
+    row_plan: MoERoutingPlan | None = None  # the tokens grouped by slot (lora_dense_shrink; built if None)
 
 
 def _need_rows(lora: DenseLoRAArgs | ExpertLoRAArgs) -> None:
