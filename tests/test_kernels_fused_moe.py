@@ -157,6 +157,41 @@ def test_gate_up_delta_at_activation(shrink, R, dtype, tol):
 
 
 @kernel_test
+@pytest.mark.parametrize("shrink,R", [("inline", 16), ("separate", 16), ("separate", 24), ("route", 16), ("route", 64),
+                                      ("block", 16), ("block", 64), ("separate_lanes8", 16),
+                                      ("separate_lanes8_dense_down", 16)])
+def test_plan_per_route(shrink, R):
+    """plan_per_route: one route a block, no sort; one token (its K experts distinct: the decode case)
+    and 9 tokens whose routes share experts (blocks of one expert repeat), rows on no slot and an
+    empty slot, against the reference; the lanes / dense / down-in-gate_up separate path too."""
+    cfg = replace(tiny_config(shrink), plan_per_route=True)
+    one = make_case(1, 48, 40, 6, 3, ranks=(R, 5, 0), R=R, device=DEV, seed=31, slots=[1])
+    run_checked(one, cfg, 1e-4)
+    nine = make_case(9, 48, 40, 6, 2, ranks=(R, 5, 0), R=R, device=DEV, seed=3, slots=[0, -1, 1, 1, 0, 2, -1, 1, 0])
+    run_checked(nine, cfg, 1e-4)
+    if shrink in ("route", "block"):
+        run_checked(nine, replace(cfg, lora_gate_up_at="activation"), 1e-4)
+
+
+def test_per_route_plan_layout():
+    """Block r holds route r at row r * BM and sentinels elsewhere; its expert is topk_ids' r-th entry
+    (the ids themselves when int32: no copy); the row tensors are shared by calls of one shape."""
+    from moelora.kernels.moe_plan import ROUTE_PER_BLOCK, per_route_plan
+
+    ids = torch.tensor([[3, 0], [1, 3], [2, 2]], dtype=torch.int32)
+    plan = per_route_plan(ids, 4, 16)
+    assert plan.layout == ROUTE_PER_BLOCK and plan.max_blocks == 6 and int(plan.num_padded) == 96
+    want = torch.full((96,), 6, dtype=torch.int32)
+    want[::16] = torch.arange(6, dtype=torch.int32)
+    assert torch.equal(plan.sorted_route_ids, want)
+    assert plan.expert_of_block.data_ptr() == ids.data_ptr()
+    assert torch.equal(plan.expert_of_block, ids.view(-1))
+    again = per_route_plan(ids.long() + 0, 4, 16)
+    assert again.sorted_route_ids is plan.sorted_route_ids and again.expert_of_block.dtype == torch.int32
+    assert torch.equal(again.expert_of_block, ids.view(-1))
+
+
+@kernel_test
 @pytest.mark.parametrize("R", [16, 64])
 def test_route_delta_in_plan_order(R):
     """lora_route_order="plan": the gate_up route delta's programs walk the plan rows (padding rows
@@ -327,6 +362,28 @@ def test_gpu_qwen3_shape_bf16_lora(T, shrink):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert rel_err(out, reference(*case, dtype=torch.float32)) <= 1e-2
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("T", [1, 8])
+@pytest.mark.parametrize("shrink", ["off", "separate", "block"])
+def test_gpu_plan_per_route_bf16(T, shrink):
+    """plan_per_route at the Qwen3 shape (one token: K distinct experts; 8 tokens: some shared), against
+    the fp32 reference: T=1 eager (which caches its plan rows), then in a CUDA graph; T=8 only in a
+    graph, whose capture builds the rows (not cached: made there, they hold nothing until a replay)."""
+    from moelora.kernels.moe_config import tuned_fused_moe_config
+
+    case = gpu_case(QWEN3, T, seed=40 + T, **({} if shrink != "off" else dict(ranks=())))
+    cfg = tuned_fused_moe_config(128, 2048, 768, T, 8, torch.bfloat16, torch.cuda.get_device_name())
+    if shrink != "off":
+        cfg = replace(cfg, lora_shrink=shrink, lora_shrink_wide=shrink)
+    cfg = replace(cfg, plan_per_route=True, use_tma=False)
+    want = reference(*case, dtype=torch.float32)
+    call = lambda o: fused_moe(*case[:5], lora=case[5], out=o, config=cfg)  # noqa: E731
+    if T == 1:
+        assert rel_err(call(torch.full_like(case[0], float("nan"))), want) <= 1e-2
+    assert rel_err(graph_replayed(call, torch.empty_like(case[0])), want) <= 1e-2
 
 
 @pytest.mark.gpu

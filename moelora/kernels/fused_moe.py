@@ -39,12 +39,18 @@ from moelora.kernels.moe_lora import (
     lora_shrink_kernel,
     lora_slot_shrink_kernel,
 )
-from moelora.kernels.moe_plan import EXPERT_SORTED_PADDED, MoERoutingPlan, build_routing_plan
+from moelora.kernels.moe_plan import (
+    EXPERT_SORTED_PADDED,
+    ROUTE_PER_BLOCK,
+    MoERoutingPlan,
+    build_routing_plan,
+    per_route_plan,
+)
 from moelora.kernels.planned_lora import row_plan
 from moelora.kernels.reference import ExpertLoRAArgs
 from moelora.kernels.side_stream import forked, join
 
-ACCEPTED_LAYOUTS = (EXPERT_SORTED_PADDED,)
+ACCEPTED_LAYOUTS = (EXPERT_SORTED_PADDED, ROUTE_PER_BLOCK)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LORA_RC = 16  # rank columns per step of the separate shrink/expand: cost follows each slot's own rank
 _BLOCK_TARGET_PROGRAMS = 264  # "block" LoRA: programs to aim for (2 per SM on a 132-SM H200)
@@ -254,8 +260,11 @@ def _lora_buffers(lora, config: FusedMoEConfig, block_r: int, x: torch.Tensor, P
         if down_in_gu:
             xa_d = torch.empty(triton.cdiv(inter, config.gate_up.block_n), P, block_r, dtype=torch.float32,
                                device=x.device)
-    elif mode in ("route", "block"):  # "block" makes one pass; it keeps route's rounding of the delta
-        d_dtype = x.dtype if block_r <= _LORA_RC else torch.float32  # one rank chunk, or several summed
+    elif mode in ("route", "block"):
+        # route: wide slots in rank chunks summed in the buffer (fp32 for pools wider than one chunk);
+        # block: one pass per (slot, expert) pair, so x's dtype (a route pick's block switch shares
+        # route's buffer, and so its dtype)
+        d_dtype = x.dtype if block_r <= _LORA_RC or mode == "block" else torch.float32
         delta_gu = torch.empty(n_routes, 2 * inter, dtype=d_dtype, device=x.device)
         delta_d = torch.empty(n_routes, x.shape[1], dtype=d_dtype, device=x.device)
     return mode, xa_gu, xa_d, delta_gu, delta_d
@@ -296,7 +305,9 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         return out
     _need(all(out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
               for t in (x, w_gate_up, w_down)), "out must not alias an input (contract 2)")
-    if plan is None:
+    if plan is None and config.plan_per_route:
+        plan = per_route_plan(topk_ids, E, config.block_m)
+    elif plan is None:
         plan = build_routing_plan(topk_ids, E, config.block_m)
     _check_plan(plan, T, K, E, config.block_m)
     P, BM, gu, dn = plan.sorted_route_ids.shape[0], config.block_m, config.gate_up, config.down

@@ -93,7 +93,9 @@ class FusedMoEConfig:
     stores by the laned slots' down A and writes the down shrink's partials (one per gate_up N tile),
     which the down epilogue sums: no down shrink launch. use_tma: Hopper
     tensor descriptors for the weight (and down-GEMM activation) tiles; the off switch of that
-    path (contract 6)."""
+    path (contract 6). plan_per_route: no routing-plan launch; each plan block holds one route
+    (`moe_plan.per_route_plan`): a block per route reads its expert's weights, so only for batches
+    whose routes rarely share an expert (one token)."""
 
     block_m: int = 16
     gate_up: GemmTile = field(default_factory=GemmTile)
@@ -118,6 +120,7 @@ class FusedMoEConfig:
     lora_dense_shrink: bool = False
     lora_down_in_gate_up: bool = False
     use_tma: bool = False
+    plan_per_route: bool = False
 
     def __post_init__(self):
         need_pow2("FusedMoEConfig", block_m=self.block_m, gate_up_block_n=self.gate_up.block_n,

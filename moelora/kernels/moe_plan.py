@@ -24,10 +24,12 @@ from moelora.kernels.reference import (
     plan_capacity,
 )
 
-__all__ = ["EXPERT_SORTED_PADDED", "MoERoutingPlan", "build_routing_plan", "build_routing_plan_ref",
-           "plan_capacity"]
+__all__ = ["EXPERT_SORTED_PADDED", "ROUTE_PER_BLOCK", "MoERoutingPlan", "build_routing_plan",
+           "build_routing_plan_ref", "per_route_plan", "plan_capacity"]
 
 LAYOUTS = (EXPERT_SORTED_PADDED,)
+# per_route_plan's layout: block b holds route b alone (row b * BM), its expert topk_ids[b]; not sorted
+ROUTE_PER_BLOCK = "route_per_block"
 # Up to this many routes, one launch of E programs (each re-counting all ids) beats three launches;
 # the old single-program plan cost 31 us per layer at 512 routes on the H200 (48-layer decode profile).
 _PER_EXPERT_MAX_ROUTES = 4096
@@ -189,3 +191,32 @@ def build_routing_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int, *
     _plan_scatter_kernel[(n_chunks,)](ids, bases, sorted_ids, n, num_experts, C=chunk, BLOCK_E=block_e,
                                       num_warps=4)
     return plan
+
+
+_ROUTE_ROWS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def per_route_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoERoutingPlan:
+    """A plan with no sort (FusedMoEConfig.plan_per_route): block r holds route r alone (row r * BM; the
+    block's other rows the sentinel T*K) and its expert is topk_ids' r-th entry. Nothing of it depends
+    on the ids but expert_of_block, which is topk_ids itself (a view when int32), so a decode step builds
+    it with no launch: worth it when routes rarely share an expert (one token: its K experts are
+    distinct), since each block reads its expert's weights. The row tensors are cached per (T, K, BM,
+    device) outside CUDA-graph capture (made inside one, they would hold nothing until its replay)."""
+    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be [T, K] int32/int64, got {tuple(topk_ids.shape)} {topk_ids.dtype}")
+    T, K = topk_ids.shape
+    n, dev = T * K, topk_ids.device
+    key = (T, K, block_m, str(dev))
+    rows = _ROUTE_ROWS.get(key)
+    if rows is None:
+        pos = torch.arange(n * block_m, dtype=torch.int32, device=dev)
+        rows = (torch.where(pos % block_m == 0, pos // block_m, n).to(torch.int32),
+                torch.full((1,), n * block_m, dtype=torch.int32, device=dev))
+        capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            _ROUTE_ROWS[key] = rows
+    ids = topk_ids.reshape(-1)
+    eob = ids if ids.dtype == torch.int32 else ids.to(torch.int32)
+    return MoERoutingPlan(sorted_route_ids=rows[0], expert_of_block=eob, num_padded=rows[1], block_m=block_m,
+                          num_tokens=T, top_k=K, num_experts=num_experts, layout=ROUTE_PER_BLOCK)
