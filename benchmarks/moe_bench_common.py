@@ -42,12 +42,12 @@ class Layer:
     pools: dict  # pool max rank -> (gate_up_a, gate_up_b, down_a, down_b)
 
 
-def make_layer(shape: dict, pool_ranks=(8, 16, 64), seed=0) -> Layer:
-    g = torch.Generator(device="cuda").manual_seed(seed)
+def make_layer(shape: dict, pool_ranks=(8, 16, 64), seed=0, device="cuda") -> Layer:
+    g = torch.Generator(device=device).manual_seed(seed)
     E, H, inter = shape["E"], shape["H"], shape["I"]
 
     def rn(*s, scale):
-        return (torch.randn(*s, generator=g, device="cuda") * scale).to(torch.bfloat16)
+        return (torch.randn(*s, generator=g, device=device) * scale).to(torch.bfloat16)
 
     pools = {}
     for r in pool_ranks:
@@ -57,10 +57,11 @@ def make_layer(shape: dict, pool_ranks=(8, 16, 64), seed=0) -> Layer:
 
 
 def make_inputs(layer: Layer, M: int, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed + M)
+    dev = layer.w_gu.device
+    g = torch.Generator(device=dev).manual_seed(seed + M)
     E, K, H = layer.shape["E"], layer.shape["K"], layer.shape["H"]
-    x = torch.randn(M, H, generator=g, device="cuda").to(torch.bfloat16)
-    logits = torch.randn(M, E, generator=g, device="cuda")
+    x = torch.randn(M, H, generator=g, device=dev).to(torch.bfloat16)
+    logits = torch.randn(M, E, generator=g, device=dev)
     w, ids = torch.softmax(logits, dim=-1).topk(K, dim=-1)
     return x, (w / w.sum(-1, keepdim=True)).to(torch.bfloat16), ids.to(torch.int32)
 
@@ -72,9 +73,9 @@ def make_lora(layer: Layer, M: int, variant: str, grouped: bool = False):
     if n_ad == 0:
         return None
     ga, gb, da, db = layer.pools[pool_r]
-    t = torch.arange(M, device="cuda")
+    t = torch.arange(M, device=layer.w_gu.device)
     slots = (t * n_ad // M if grouped else t % n_ad).to(torch.int32)
-    ranks = torch.full((SLOTS,), rank, dtype=torch.int32, device="cuda")
+    ranks = torch.full((SLOTS,), rank, dtype=torch.int32, device=layer.w_gu.device)
     if rank < pool_r:  # the pool's convention: zeros beyond the slot's rank
         ga, gb, da, db = ga.clone(), gb.clone(), da.clone(), db.clone()
         for t in (ga[:, :, rank:], gb[..., rank:], da[:, :, rank:], db[..., rank:]):

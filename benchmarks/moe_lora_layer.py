@@ -3,9 +3,12 @@
 Shape legend: M tokens, H hidden, I expert intermediate, E experts, K top-k, R rank.
 Usage: python benchmarks/moe_lora_layer.py [CSV path] [--shapes a,b] [--ms 1,8] [--variants off,8ad_r16]
        [--shrink table,route,block]   (LoRA variants once per shrink mode; "table": the tuned config's own)
-       [--gate-up-at table,epilogue,activation] [--no-side-stream]
+       [--gate-up-at table,epilogue,activation] [--no-side-stream] [--chain 8]
 The LoRA deltas get a side stream, as the engine gives them (EngineConfig.overlap_lora), unless
---no-side-stream.
+--no-side-stream. --chain N: also the time per layer of one graph replaying N layers of distinct
+weights in turn (as a decode step replays its layers; their weights exceed L2, so no flush is needed):
+a single-layer graph's replay carries the graph launch itself, which a decode step pays once, not once
+per layer (column chain_ms).
 Writes the CSV to the path, else $OUT/moe_lora_layer.csv, else ./moe_lora_layer.csv. Prints, per
 row, the CUDA-graph replay median, achieved GB/s and its ratio to the bytes bound (distinct
 experts' weights + distinct (adapter, expert) LoRA A/B + activations, over the copy bandwidth
@@ -52,6 +55,7 @@ def main(argv=None):
     ap.add_argument("--shrink", default="table")
     ap.add_argument("--gate-up-at", default="table", help="table, or a list of epilogue / activation")
     ap.add_argument("--no-side-stream", action="store_true", help="LoRA deltas on the main stream (overlap_lora off)")
+    ap.add_argument("--chain", type=int, default=0, help="also time N distinct layers in one graph, per layer")
     args = ap.parse_args(argv)
     side = None if args.no_side_stream else torch.cuda.Stream()
     out_dir = os.environ.get("OUT", ".")
@@ -66,13 +70,15 @@ def main(argv=None):
     for sname in args.shapes.split(","):
         shape = SHAPES[sname]
         layer = make_layer(shape)
+        others = [make_layer(shape, seed=i) for i in range(1, args.chain)]
         for M in map(int, args.ms.split(",")):
             x, wts, ids = make_inputs(layer, M)
-            t_off = None
+            t_off = c_off = None
             runs = [(v, m, a) for v in args.variants.split(",")
                     for m in (["table"] if v == "off" else args.shrink.split(","))
                     for a in (["table"] if v == "off" else args.gate_up_at.split(","))]
             for var, mode, at in runs:
+                lora_var = var
                 lora = make_lora(layer, M, var)
                 cfg = tuned_fused_moe_config(shape["E"], shape["H"], shape["I"], M, shape["K"], torch.bfloat16, gpu)
                 if mode != "table":
@@ -85,11 +91,18 @@ def main(argv=None):
                 fn = moe_call(layer, x, wts, ids, lora, cfg, side)
                 t = graph_time_ms(fn)
                 t_eager = eager_time_ms(fn) if var.split('/')[0] in EAGER_VARIANTS else float("nan")
+                t_chain = float("nan")
+                if others:
+                    calls = [fn] + [moe_call(o, x, wts, ids, make_lora(o, M, lora_var), cfg, side) for o in others]
+                    t_chain = graph_time_ms(lambda calls=calls: [c() for c in calls]) / len(calls)
                 t_off = t if var == "off" else t_off
+                c_off = t_chain if var == "off" else c_off
                 nbytes = bytes_bound(layer, x, ids, lora)
                 flops = 2 * M * shape["K"] * 3 * shape["H"] * shape["I"]
                 bound_ms = nbytes / (bw * 1e9) * 1e3
-                rows.append(dict(gpu=gpu, shape=sname, M=M, variant=var, graph_ms=t, eager_ms=t_eager,
+                rows.append(dict(gpu=gpu, shape=sname, M=M, variant=var, graph_ms=t, eager_ms=t_eager, chain_ms=t_chain,
+                                 chain_x_bound=t_chain / bound_ms,
+                                 chain_vs_off=t_chain / c_off if c_off else float("nan"),
                                  bytes=nbytes, gbps=nbytes / (t * 1e-3) / 1e9, x_bytes_bound=t / bound_ms,
                                  tflops=flops / (t * 1e-3) / 1e12, pct_peak=100 * flops / (t * 1e-3) / 1e12 / peak,
                                  vs_off=t / t_off if t_off else float("nan"), copy_gbps=bw, peak_tflops=peak))
@@ -100,9 +113,10 @@ def main(argv=None):
                 writer.writerow(r)
                 f.flush()
                 print(f"{sname:14s} M={M:5d} {var:14s} {t * 1e3:9.1f} us  eager {t_eager * 1e3:8.1f} us  "
+                      f"chain {t_chain * 1e3:8.1f} us/layer (x{t_chain / bound_ms:.2f} bound)  "
                       f"{r['gbps']:6.0f} GB/s  x{r['x_bytes_bound']:.2f} bound  {r['tflops']:6.1f} TF/s "
                       f"({r['pct_peak']:4.1f}%)  vs_off {r['vs_off']:.3f}", flush=True)
-        del layer
+        del layer, others
         torch.cuda.empty_cache()
     f.close()
     print(f"# wrote {path}")

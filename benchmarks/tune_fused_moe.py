@@ -3,8 +3,9 @@ moelora/kernels/configs/fused_moe_<gpu>.json (and a copy plus all timings under 
 
 Shape legend: M tokens, H hidden, I expert intermediate, E experts, K top-k.
 Per (shape, M): time the LoRA-off layer (CUDA-graph replay, L2 flushed, median) over a short
-candidate list of tiles chosen by routes per expert, keep the fastest; then try TMA on it; then
-pick lora_shrink (inline / separate, also with 8 shrink and expand lanes, with or without the dense
+candidate list of tiles chosen by routes per expert, keep the fastest; then try TMA on it, and where
+M * K <= E the plan with a block per route and no sort (plan_per_route); then
+pick lora_shrink (inline / separate, also with 8 shrink and 2 / 4 / 8 expand lanes, with or without the dense
 gate_up shrink and the down shrink in the gate_up epilogue / route / block) and lora_split_k by the
 summed time of one adapter and of 8 adapters, rank 16 (--score; a graph serves both kinds of batch,
 and the best path differs between them: H200, Qwen3 M=256, scored on 8 alone the route path won, on
@@ -12,8 +13,8 @@ both the block path, which then decoded faster with 1 adapter AND with 8) (a rou
 4x the delta's programs, 8 warps and 4x wider loads, lora_route_order "plan", a route or block pick
 lora_gate_up_at "activation", a block pick lora_block_programs 132 / 264 / 528, and a route pick the
 block switch for batches on <= 2 slots, scored on 1 + 8 adapters), and lora_shrink_wide (separate /
-route / block) on 8 adapters of rank 64. LoRA timings use a side stream, as the engine's overlap_lora
-does (--no-side-stream: not). Usage:
+route / block) on 8 adapters of rank 64 plus 8 of rank 8 in the rank-64 pool. LoRA timings use a
+side stream, as the engine's overlap_lora does (--no-side-stream: not). Usage:
   python benchmarks/tune_fused_moe.py [--shapes a,b] [--model /path/to/hf-model ...] [--ms 1,8]
                                       [--lora-only] [--no-side-stream] [--score 1ad_r16,8ad_r16 | 8ad_r16]
 The table is keyed by GPU name and (E, H, I, bf16), so `--model` tunes a deployment's own model.
@@ -70,19 +71,23 @@ def timed(layer, x, wts, ids, lora, cfg, side=None) -> float:
         return float("inf")
 
 
-def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("1ad_r16", "8ad_r16")) -> FusedMoEConfig:
-    """Keep base's tiles; pick lora_shrink / lora_split_k by the summed time of the `score` variants
-    (default one adapter and 8, rank 16)."""
-    x, wts, ids = make_inputs(layer, M)
-    loras = [make_lora(layer, M, v) for v in score]
+REFINEMENTS = [(("route",), dict(lora_route_programs=p, lora_route_warps=w, lora_route_tile=t))
+               for p, w, t in ((1056, 4, 4096), (264, 8, 4096), (264, 8, 16384), (1056, 8, 16384))]
+REFINEMENTS += [(("route",), dict(lora_route_order="plan")),
+                (("route", "block"), dict(lora_gate_up_at="activation"))]
+# a block pick: a fixed number of delta programs (1, 2, 4 per H200 SM) next to the GEMM's
+REFINEMENTS += [(("block",), dict(lora_block_programs=p)) for p in (132, 264, 528)]
 
-    def run(cfg):
-        return sum(timed(layer, x, wts, ids, lora, cfg, side) for lora in loras)
 
+def lora_trials(base: FusedMoEConfig) -> list[FusedMoEConfig]:
+    """The LoRA paths tune_lora times on base's tiles (scripts/compile_check.py compiles each)."""
     trials = [dataclasses.replace(base, lora_shrink="separate", lora_split_k=k) for k in (1, 4, 8)]
     # separate with no per-slot chain: a shrink program per slot of a block, the epilogue's slots in one dot
     trials += [dataclasses.replace(base, lora_shrink="separate", lora_split_k=k, lora_expand_lanes=8,
                                    lora_shrink_lanes=8) for k in (1, 4, 8)]
+    # ... fewer expand lanes (a narrower [lanes * R, BN] B tile: fewer registers, more loop slots)
+    trials += [dataclasses.replace(base, lora_shrink="separate", lora_split_k=k, lora_expand_lanes=lanes,
+                                   lora_shrink_lanes=8) for lanes in (2, 4) for k in (1, 4)]
     # ... and its gate_up shrink one dense GEMM per slot against every expert (down's split 4 / 8)
     trials += [dataclasses.replace(base, lora_shrink="separate", lora_split_k=k, lora_expand_lanes=8,
                                    lora_shrink_lanes=8, lora_dense_shrink=True) for k in (4, 8)]
@@ -97,6 +102,19 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("1ad_r16", 
     if base.block_m > 16:  # 16-row block-delta programs over the plan's larger blocks
         trials += [dataclasses.replace(base, lora_shrink="block", lora_block_n=bn, lora_block_k=bk, lora_block_m=16)
                    for bn, bk in ((256, 128), (128, 128), (256, 256))]
+    return trials
+
+
+def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("1ad_r16", "8ad_r16")) -> FusedMoEConfig:
+    """Keep base's tiles; pick lora_shrink / lora_split_k by the summed time of the `score` variants
+    (default one adapter and 8, rank 16)."""
+    x, wts, ids = make_inputs(layer, M)
+    loras = [make_lora(layer, M, v) for v in score]
+
+    def run(cfg):
+        return sum(timed(layer, x, wts, ids, lora, cfg, side) for lora in loras)
+
+    trials = lora_trials(base)
     scored = []
     for cfg in trials:
         t = run(cfg)
@@ -110,12 +128,7 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("1ad_r16", 
     # refinements of a route / block pick, each kept if faster: the route delta's programs and warps, the
     # gate_up delta's programs in plan order (route), then the gate_up delta after the GEMM, next to it
     # on the side stream
-    refinements = [(("route",), dict(lora_route_programs=p, lora_route_warps=w, lora_route_tile=t))
-                   for p, w, t in ((1056, 4, 4096), (264, 8, 4096), (264, 8, 16384), (1056, 8, 16384))]
-    refinements += [(("route",), dict(lora_route_order="plan")),
-                    (("route", "block"), dict(lora_gate_up_at="activation"))]
-    # a block pick: a fixed number of delta programs (1, 2, 4 per H200 SM) next to the GEMM's
-    refinements += [(("block",), dict(lora_block_programs=p)) for p in (132, 264, 528)]
+    refinements = REFINEMENTS
     for modes, change in refinements:
         if best.lora_shrink not in modes:
             continue
@@ -146,18 +159,20 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("1ad_r16", 
 
 
 def tune_wide(layer, M, base: FusedMoEConfig, log, side=None) -> FusedMoEConfig:
-    """Keep base; pick lora_shrink_wide (the path of pools of max rank > 16) on 8 adapters of rank 64."""
+    """Keep base; pick lora_shrink_wide (the path of pools of max rank > 16) on the summed time of 8
+    adapters of rank 64 and of 8 of rank 8 in that pool (a narrow adapter in a wide pool must cost
+    what its rank costs)."""
     x, wts, ids = make_inputs(layer, M)
-    lora = make_lora(layer, M, "8ad_r64")
+    loras = [make_lora(layer, M, v) for v in ("8ad_r64", "8ad_r8_pool64")]
     scored = []
     # the block mode's N split, when the narrow pick set one, carries over to wide pools too
     for mode in WIDE_SHRINK_MODES:
         cfg = dataclasses.replace(base, lora_shrink_wide=mode)
-        t = timed(layer, x, wts, ids, lora, cfg, side)
+        t = sum(timed(layer, x, wts, ids, lora, cfg, side) for lora in loras)
         scored.append((t, cfg))
         log.append(dict(M=M, what=f"wide_{mode}", config=json.dumps(cfg.to_dict()), ms=t))
     t_best, best = min(scored, key=lambda p: p[0])
-    print(f"  M={M:5d} 8ad_r64 " + "  ".join(f"{c.lora_shrink_wide} {t * 1e3:7.1f}" for t, c in scored)
+    print(f"  M={M:5d} 8ad_r64+8ad_r8_pool64 " + "  ".join(f"{c.lora_shrink_wide} {t * 1e3:7.1f}" for t, c in scored)
           + f"  -> {best.lora_shrink_wide}", flush=True)
     return best
 
@@ -175,7 +190,15 @@ def tune_one(layer, M, log, side=None, score=("1ad_r16", "8ad_r16")):
     log.append(dict(M=M, what="tma", config=json.dumps(tma.to_dict()), ms=t_tma))
     if t_tma < 0.98 * t_best:
         best, t_best = tma, t_tma
-    print(f"  M={M:5d} off {t_best * 1e3:8.1f} us (tma {t_tma * 1e3:8.1f}) -> {best}", flush=True)
+    t_pr = float("nan")
+    if M * layer.shape["K"] <= layer.shape["E"]:  # routes rarely share an expert: no sort, a block per route
+        pr = dataclasses.replace(best, plan_per_route=True)
+        t_pr = timed(layer, x, wts, ids, None, pr)
+        log.append(dict(M=M, what="plan_per_route", config=json.dumps(pr.to_dict()), ms=t_pr))
+        if t_pr < 0.98 * t_best:
+            best, t_best = pr, t_pr
+    print(f"  M={M:5d} off {t_best * 1e3:8.1f} us (tma {t_tma * 1e3:8.1f}, plan per route {t_pr * 1e3:8.1f}) -> {best}",
+          flush=True)
     return tune_lora(layer, M, best, log, side, score)
 
 

@@ -259,11 +259,11 @@ def gate_up_kernel(
             xa_off = _xa_rows(tok, offs_m, e, stride_xat, XA_BY_TOKEN, BLOCK_R)
             if EXPAND_LANES > 0:  # the block's largest slots in one dot each for gate and up; the loop takes the rest
                 row_lane, s_col, r_col, slot = _lane_columns(slot, ranks_ptr, EXPAND_LANES, BLOCK_R)
-                xs = _xa_lanes(xa_ptr, xa_off, row_lane, r_col, num_blocks * BM * BLOCK_R, XA_SPLIT, BLOCK_R,
+                xl = _xa_lanes(xa_ptr, xa_off, row_lane, r_col, num_blocks * BM * BLOCK_R, XA_SPLIT, BLOCK_R,
                                EXPAND_LANES).to(dt)
-                acc_g = tl.dot(xs, _b_lanes(b_ptr, e, s_col, r_col, offs_n, inter, stride_bs, stride_be, stride_bn,
+                acc_g = tl.dot(xl, _b_lanes(b_ptr, e, s_col, r_col, offs_n, inter, stride_bs, stride_be, stride_bn,
                                             BLOCK_R, EXPAND_LANES).to(dt), acc_g)
-                acc_u = tl.dot(xs, _b_lanes(b_ptr + inter * stride_bn, e, s_col, r_col, offs_n, inter, stride_bs,
+                acc_u = tl.dot(xl, _b_lanes(b_ptr + inter * stride_bn, e, s_col, r_col, offs_n, inter, stride_bs,
                                             stride_be, stride_bn, BLOCK_R, EXPAND_LANES).to(dt), acc_u)
             s = tl.max(slot, axis=0)
             while s >= 0:
@@ -390,9 +390,9 @@ def down_kernel(
             xa_off = _xa_rows(tok, offs_m, e, 0, False, BLOCK_R)
             if EXPAND_LANES > 0:  # the block's largest slots in one dot; the loop takes the rest
                 row_lane, s_col, r_col, slot = _lane_columns(slot, ranks_ptr, EXPAND_LANES, BLOCK_R)
-                xs = _xa_lanes(xa_ptr, xa_off, row_lane, r_col, num_blocks * BM * BLOCK_R, XA_SPLIT, BLOCK_R,
+                xl = _xa_lanes(xa_ptr, xa_off, row_lane, r_col, num_blocks * BM * BLOCK_R, XA_SPLIT, BLOCK_R,
                                EXPAND_LANES).to(dt)
-                acc = tl.dot(xs, _b_lanes(b_ptr, e, s_col, r_col, offs_n, H, stride_bs, stride_be, stride_bn,
+                acc = tl.dot(xl, _b_lanes(b_ptr, e, s_col, r_col, offs_n, H, stride_bs, stride_be, stride_bn,
                                           BLOCK_R, EXPAND_LANES).to(dt), acc)
             s = tl.max(slot, axis=0)
             while s >= 0:

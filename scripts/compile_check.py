@@ -1,0 +1,174 @@
+"""Compile every fused-MoE launch the tuner can try, for the H200 (sm_90), on a machine with no GPU.
+
+The interpreter tests (TRITON_INTERPRET=1) run the kernels' Python, so they miss what only the compiler
+sees: a loop-carried variable whose shape changes, a constexpr misuse, a tile that needs more shared
+memory than the chip has, register spills. This script swaps Triton's driver for one that names an
+sm_90 target and turns each launch into a compile (Triton's warmup), then calls fused_moe on CPU
+tensors over the tuner's LoRA trials on each table entry (benchmarks/tune_fused_moe.py's lora_trials
+and refinements, the wide modes), so a kernel that cannot build fails here before it costs device time.
+
+Usage: python scripts/compile_check.py [--shapes qwen3_30b_a3b,...] [--ms 1,128,4096] [--resources]
+  --resources: print each kernel's registers and local memory (spills) from its cubin (cuobjdump; the
+  local Triton's ptxas, which may differ from the GPU machine's).
+Exit status 1 if any launch failed to compile; tiles that need more shared memory than sm_90 has are
+listed (the tuner tries some and skips them there) but do not fail the check.
+Expert counts are cut to 16 (no kernel specialises on E), so the weights fit a laptop. Not covered: the
+TMA variant (its descriptors are made by the driver of a real GPU): its entries compile without TMA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # the compiler, not the interpreter
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from moe_bench_common import MS, SHAPES, make_inputs, make_layer, make_lora  # noqa: E402
+from tune_fused_moe import REFINEMENTS, lora_trials  # noqa: E402
+
+from moelora.kernels.fused_moe import fused_moe  # noqa: E402
+from moelora.kernels.moe_config import WIDE_SHRINK_MODES, tuned_fused_moe_config  # noqa: E402
+
+SM90_SHARED = 232448  # bytes of shared memory one H100 / H200 program may use
+GPU_NAME = "NVIDIA H200"
+
+
+class SM90Driver:
+    """The few driver calls a JIT launch makes, answered for an absent sm_90 GPU."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def __getattr__(self, name):  # anything else would need a real GPU
+        raise RuntimeError(f"compile_check: the fake sm_90 driver has no {name}")
+
+
+class Compiler:
+    """Every launch of a JIT kernel becomes a compile; results keyed by (kernel, constexprs)."""
+
+    def __init__(self, resources: bool):
+        self.resources = resources
+        self.seen: dict[tuple, str] = {}
+        self.failures: list[str] = []
+        self.too_big: list[str] = []
+
+    def __enter__(self):
+        self._run = JITFunction.run
+        compiler = self
+
+        def run(fn, *args, grid, warmup, **kwargs):
+            try:
+                kernel = compiler._run(fn, *args, grid=grid, warmup=True, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - every compile error is a finding
+                compiler.record(fn, kwargs, None, f"{type(exc).__name__}: {exc}")
+                return None
+            compiler.record(fn, kwargs, kernel, None)
+            return kernel
+
+        JITFunction.run = run
+        triton.runtime.driver.set_active(SM90Driver())
+        return self
+
+    def __exit__(self, *exc):
+        JITFunction.run = self._run
+        triton.runtime.driver._active = None  # reset_active() would look for a real driver
+
+    def record(self, fn, kwargs, kernel, error):
+        names = {p.name for p in fn.params if p.is_constexpr} | {"num_warps", "num_stages"}
+        consts = tuple(sorted((k, v) for k, v in kwargs.items() if k in names))
+        key = (fn.__name__, consts)
+        if key in self.seen:
+            return
+        what = f"{fn.__name__}({', '.join(f'{k}={v}' for k, v in consts)})"
+        if error is None and kernel.metadata.shared > SM90_SHARED:  # a tile the tuner tries and skips
+            self.too_big.append(f"{what}: {kernel.metadata.shared} bytes of shared memory (sm_90: {SM90_SHARED})")
+        if error is not None:
+            self.failures.append(f"{what}\n    {error.splitlines()[0][:300]}\n" + _located(error))
+            self.seen[key] = "FAIL"
+            return
+        self.seen[key] = f"shared {kernel.metadata.shared}" + (_resources(kernel) if self.resources else "")
+
+
+def _located(error: str) -> str:
+    """The compiler's 'at L:C' excerpt, indented, when it gave one."""
+    lines = error.splitlines()
+    return "".join(f"      {ln}\n" for ln in lines[1:12]) if len(lines) > 1 else ""
+
+
+def _resources(kernel) -> str:
+    """' regs N local L stack S' of the kernel's cubin (cuobjdump -res-usage; LOCAL > 0: spills)."""
+    import triton.backends.nvidia as nvidia
+
+    tool = Path(nvidia.__file__).parent / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        res = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=False)
+    finally:
+        os.unlink(f.name)
+    found = re.search(r"REG:(\d+) STACK:(\d+) .*LOCAL:(\d+)", res.stdout)
+    return f" regs {found.group(1)} local {found.group(3)} stack {found.group(2)}" if found else " regs ?"
+
+
+def configs_for(shape: dict, M: int):
+    """(base from the table, every LoRA trial the tuner times on its tiles, refinements, wide modes)."""
+    base = tuned_fused_moe_config(shape["E"], shape["H"], shape["I"], M, shape["K"], torch.bfloat16, GPU_NAME)
+    cfgs = [base] + lora_trials(base)
+    for modes, change in REFINEMENTS:
+        cfgs += [dataclasses.replace(base, lora_shrink=m, **change) for m in modes]
+    cfgs += [dataclasses.replace(base, lora_shrink_wide=m) for m in WIDE_SHRINK_MODES]
+    return [dataclasses.replace(c, use_tma=False) for c in cfgs]  # TMA descriptors need a real GPU
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--resources", action="store_true")
+    args = ap.parse_args(argv)
+    with Compiler(args.resources) as comp:
+        for name in args.shapes.split(","):
+            shape = dict(SHAPES[name])
+            small = dict(shape, E=min(shape["E"], 16))
+            layer = make_layer(small, pool_ranks=(16, 64), device="cpu")
+            for M in map(int, args.ms.split(",")):
+                x, wts, ids = make_inputs(layer, M)
+                loras = [make_lora(layer, M, v) for v in ("1ad_r16", "8ad_r16", "8ad_r64")]
+                n_before = len(comp.seen)
+                for cfg in configs_for(shape, M):
+                    for lora in loras:
+                        fused_moe(x, layer.w_gu, layer.w_d, wts, ids, lora=lora, out=torch.empty_like(x),
+                                  config=cfg)
+                print(f"{name} M={M}: {len(comp.seen) - n_before} new kernels, {len(comp.failures)} failures so far",
+                      flush=True)
+        if args.resources:
+            for (fn, consts), res in sorted(comp.seen.items()):
+                print(f"  {fn} {res}  {dict(consts)}")
+    for f in comp.too_big:
+        print("TOO BIG (the tuner skips it)", f)
+    for f in comp.failures:
+        print("FAIL", f)
+    print(f"{len(comp.seen)} kernels compiled for sm_90, {len(comp.failures)} failed, {len(comp.too_big)} too big")
+    return 1 if comp.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
