@@ -56,6 +56,8 @@ def candidates(M: int, shape: dict) -> list[FusedMoEConfig]:
         combos = [(16, t) for t in DECODE_TILES]
     elif per_expert <= 48:
         combos = [(bm, t) for bm in (16, 32) for t in MID_TILES]
+        if per_expert > 16:  # most experts' routes in one 64-row block: each expert's weights read once
+            combos += [(64, t) for t in MID_TILES + LARGE_TILES[:2]]
     else:
         combos = [(bm, t) for bm in (64,) for t in LARGE_TILES] + [(128, (128, 64, 8, 3)), (128, (256, 64, 8, 3))]
     return [FusedMoEConfig(bm, GemmTile(*t), GemmTile(*t)) for bm, t in combos]
