@@ -263,11 +263,13 @@ def test_block_delta_more_slots_in_a_block_than_lanes():
 
 
 @kernel_test
-@pytest.mark.parametrize("block_m,lora_block_m,n_split", [(32, 16, 0), (32, 16, 2), (64, 16, 0), (32, 32, 0)])
+@pytest.mark.parametrize("block_m,lora_block_m,n_split",
+                         [(32, 16, 0), (32, 16, 2), (64, 16, 0), (32, 32, 0), (64, 0, 0)])
 @pytest.mark.parametrize("programs", [0, 3])
 def test_block_delta_sub_blocks(block_m, lora_block_m, n_split, programs):
     # plan blocks of 32 / 64 rows taken as 16-row sub-blocks: a slot's rows on both sides of a sub-block
-    # edge, sub-blocks of padding only, 5 slots (one empty) in a block; (32, 32): one sub-block, as plain.
+    # edge, sub-blocks of padding only, 5 slots (one empty) in a block; (32, 32) and (64, 0): one
+    # sub-block, as plain.
     # programs=3: three programs loop over every (sub-block, lane, split) item (lora_block_programs)
     slots = [0, 1, 2, 3, -1, 3, 2, 1, 0, -1, 1, 2, 3, 0, 4, 4, 1, 0, 2, 2, -1, 3]
     case = make_case(22, 32, 24, 3, 2, ranks=(16, 5, 16, 8, 0), R=16, dtype=torch.float16, device=DEV, seed=14,
