@@ -7,7 +7,8 @@ sm_90 target and turns each launch into a compile (Triton's warmup), then calls 
 tensors over the tuner's LoRA trials on each table entry (benchmarks/tune_fused_moe.py's lora_trials
 and refinements, the wide modes), so a kernel that cannot build fails here before it costs device time.
 
-Usage: python scripts/compile_check.py [--shapes qwen3_30b_a3b,...] [--ms 1,128,4096] [--resources]
+Usage: python scripts/compile_check.py [--shapes qwen3_30b_a3b,...] [--ms 1,128,4096] [--resources] [--picks]
+  --picks: only the table's own entries (the launches serving makes; a unit test compiles these).
   --resources: print each kernel's registers and local memory (spills) from its cubin (cuobjdump; the
   local Triton's ptxas, which may differ from the GPU machine's).
 Exit status 1 if any launch failed to compile; tiles that need more shared memory than sm_90 has are
@@ -128,9 +129,12 @@ def _resources(kernel) -> str:
     return f" regs {found.group(1)} local {found.group(3)} stack {found.group(2)}" if found else " regs ?"
 
 
-def configs_for(shape: dict, M: int):
-    """(base from the table, every LoRA trial the tuner times on its tiles, refinements, wide modes)."""
+def configs_for(shape: dict, M: int, picks_only: bool = False):
+    """(base from the table, every LoRA trial the tuner times on its tiles, refinements, wide modes);
+    picks_only: the table's entry alone."""
     base = tuned_fused_moe_config(shape["E"], shape["H"], shape["I"], M, shape["K"], torch.bfloat16, GPU_NAME)
+    if picks_only:
+        return [dataclasses.replace(base, use_tma=False)]
     cfgs = [base] + lora_trials(base)
     for modes, change in REFINEMENTS:
         cfgs += [dataclasses.replace(base, lora_shrink=m, **change) for m in modes]
@@ -143,6 +147,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--resources", action="store_true")
+    ap.add_argument("--picks", action="store_true", help="only the table's own entries (what serving runs)")
     args = ap.parse_args(argv)
     with Compiler(args.resources) as comp:
         for name in args.shapes.split(","):
@@ -153,7 +158,7 @@ def main(argv=None) -> int:
                 x, wts, ids = make_inputs(layer, M)
                 loras = [make_lora(layer, M, v) for v in ("1ad_r16", "8ad_r16", "8ad_r64")]
                 n_before = len(comp.seen)
-                for cfg in configs_for(shape, M):
+                for cfg in configs_for(shape, M, args.picks):
                     for lora in loras:
                         fused_moe(x, layer.w_gu, layer.w_d, wts, ids, lora=lora, out=torch.empty_like(x),
                                   config=cfg)
