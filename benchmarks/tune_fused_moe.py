@@ -5,8 +5,8 @@ Shape legend: M tokens, H hidden, I expert intermediate, E experts, K top-k.
 Per (shape, M): time the LoRA-off layer (CUDA-graph replay, L2 flushed, median) over a short
 candidate list of tiles chosen by routes per expert, keep the fastest; then try TMA on it, and where
 M * K <= E the plan with a block per route and no sort (plan_per_route); then
-pick lora_shrink (inline / separate, also with 8 shrink and 2 / 4 / 8 expand lanes, with or without the dense
-gate_up shrink and the down shrink in the gate_up epilogue / route / block) and lora_split_k by the
+pick lora_shrink (inline / separate, also with 8 shrink and 2 / 4 / 8 expand lanes / route / block)
+and lora_split_k by the
 summed time of one adapter and of 8 adapters, rank 16 (--score; a graph serves both kinds of batch,
 and the best path differs between them: H200, Qwen3 M=256, scored on 8 alone the route path won, on
 both the block path, which then decoded faster with 1 adapter AND with 8) (a route pick then tries
@@ -90,12 +90,6 @@ def lora_trials(base: FusedMoEConfig) -> list[FusedMoEConfig]:
     # ... fewer expand lanes (a narrower [lanes * R, BN] B tile: fewer registers, more loop slots)
     trials += [dataclasses.replace(base, lora_shrink="separate", lora_split_k=k, lora_expand_lanes=lanes,
                                    lora_shrink_lanes=8) for lanes in (2, 4) for k in (1, 4)]
-    # ... and its gate_up shrink one dense GEMM per slot against every expert (down's split 4 / 8)
-    trials += [dataclasses.replace(base, lora_shrink="separate", lora_split_k=k, lora_expand_lanes=8,
-                                   lora_shrink_lanes=8, lora_dense_shrink=True) for k in (4, 8)]
-    # ... and the down shrink in the gate_up epilogue (no shrink launch for down; rank-16 pools of <= 8 slots)
-    trials.append(dataclasses.replace(base, lora_shrink="separate", lora_expand_lanes=8, lora_shrink_lanes=8,
-                                      lora_dense_shrink=True, lora_down_in_gate_up=True))
     trials.append(dataclasses.replace(base, lora_shrink="inline"))
     trials.append(dataclasses.replace(base, lora_shrink="route"))
     trials += [dataclasses.replace(base, lora_shrink="block", lora_n_split=n) for n in (0, 4, 8)]
@@ -122,8 +116,7 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("1ad_r16", 
         t = run(cfg)
         scored.append((t, cfg))
         log.append(dict(M=M, what=f"lora_{cfg.lora_shrink}_{cfg.lora_split_k}_{cfg.lora_n_split}_{cfg.lora_block_n}"
-                        f"_x{cfg.lora_expand_lanes}{'d' if cfg.lora_dense_shrink else ''}"
-                        f"{'g' if cfg.lora_down_in_gate_up else ''}"
+                        f"_x{cfg.lora_expand_lanes}"
                         f"_m{cfg.lora_block_m}",
                         config=json.dumps(cfg.to_dict()), ms=t))
     t_best, best = min(scored, key=lambda p: p[0])
@@ -154,7 +147,7 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("1ad_r16", 
     tag = ("{0.lora_shrink}/{0.lora_split_k}/{0.lora_n_split}/{0.lora_route_order:.1}/{0.lora_gate_up_at:.3}"
            "/p{0.lora_route_programs}w{0.lora_route_warps}t{0.lora_route_tile}/n{0.lora_block_n}k{0.lora_block_k}"
            "m{0.lora_block_m}p{0.lora_block_programs}/s{0.lora_block_max_slots}"
-           "/x{0.lora_expand_lanes}l{0.lora_shrink_lanes}d{0.lora_dense_shrink:d}g{0.lora_down_in_gate_up:d}").format
+           "/x{0.lora_expand_lanes}l{0.lora_shrink_lanes}").format
     print(f"  M={M:5d} {'+'.join(score)} " + "  ".join(f"{tag(c)} {t * 1e3:7.1f}" for t, c in scored)
           + f"  -> {tag(best)}", flush=True)
     return tune_wide(layer, M, best, log, side)

@@ -26,14 +26,9 @@ TINY = GemmTile(32, 32, 4, 2)
 def tiny_config(shrink="inline", tma=False, bm=16):
     """"separate_lanesN": the separate path with N shrink programs a block and split, one per slot
     (lora_shrink_lanes), and an epilogue that expands N slots in one dot (lora_expand_lanes)."""
-    down = shrink.endswith("_down")  # and the down shrink in the gate_up epilogue (lora_down_in_gate_up)
-    shrink = shrink.removesuffix("_down")
-    dense = shrink.endswith("_dense")  # and the gate_up shrink per slot against every expert (lora_dense_shrink)
-    shrink = shrink.removesuffix("_dense")
     lanes = int(shrink.removeprefix("separate_lanes")) if shrink.startswith("separate_lanes") else 0
     return FusedMoEConfig(bm, TINY, TINY, lora_shrink="separate" if lanes else shrink, lora_block_k=32, use_tma=tma,
-                          lora_expand_lanes=lanes, lora_shrink_lanes=max(1, lanes), lora_dense_shrink=dense,
-                          lora_down_in_gate_up=down)
+                          lora_expand_lanes=lanes, lora_shrink_lanes=max(1, lanes))
 
 
 def make_case(T, H, inter, E, K, *, ranks=(), R=0, dtype=torch.float32, device="cpu", seed=0,
@@ -117,9 +112,7 @@ def test_one_token_and_zero_tokens():
 # "inline" is only taken for pools of rank <= 16 (wider pools go the rank-chunked separate path)
 SHRINK_POOLS = [("inline", 16), ("separate", 24), ("route", 24), ("route", 16), ("route", 64), ("block", 16),
                 ("block", 24), ("block", 64), ("separate_lanes8", 16), ("separate_lanes2", 16), ("separate_lanes8", 24),
-                ("separate_lanes8", 64), ("separate_lanes8_dense", 16), ("separate_lanes2_dense", 24),
-                ("separate_lanes8_dense", 64), ("separate_lanes8_down", 16), ("separate_lanes8_dense_down", 24),
-                ("separate_lanes8_dense_down", 64)]
+                ("separate_lanes8", 64)]
 
 
 @kernel_test
@@ -158,12 +151,11 @@ def test_gate_up_delta_at_activation(shrink, R, dtype, tol):
 
 @kernel_test
 @pytest.mark.parametrize("shrink,R", [("inline", 16), ("separate", 16), ("separate", 24), ("route", 16), ("route", 64),
-                                      ("block", 16), ("block", 64), ("separate_lanes8", 16),
-                                      ("separate_lanes8_dense_down", 16)])
+                                      ("block", 16), ("block", 64), ("separate_lanes8", 16)])
 def test_plan_per_route(shrink, R):
     """plan_per_route: one route a block, no sort; one token (its K experts distinct: the decode case)
     and 9 tokens whose routes share experts (blocks of one expert repeat), rows on no slot and an
-    empty slot, against the reference; the lanes / dense / down-in-gate_up separate path too."""
+    empty slot, against the reference; the separate path with lanes too."""
     cfg = replace(tiny_config(shrink), plan_per_route=True)
     one = make_case(1, 48, 40, 6, 3, ranks=(R, 5, 0), R=R, device=DEV, seed=31, slots=[1])
     run_checked(one, cfg, 1e-4)
@@ -331,10 +323,10 @@ def gpu_case(shape, T, seed, ranks=(64, 16, 8, 0, 64, 32, 16, 8), R=64):
 @pytest.mark.parametrize("T", [1, 33, 512])
 @pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block", "route_plan", "route_wide_grid",
                                     "block_wide_tiles", "block_sub16", "block_persist", "separate_lanes",
-                                    "separate_dense", "separate_down"])
+                                    "separate_lanes_r16"])
 def test_gpu_qwen3_shape_bf16_lora(T, shrink):
-    # a rank-16 pool: inline's, and separate_down's (every slot needs an expand lane: 8 of 16 columns)
-    pool = dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16) if shrink in ("inline", "separate_down") else {}
+    # a rank-16 pool: inline's, and the lanes' where every slot has a lane (8 of 16 columns each)
+    pool = dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16) if shrink in ("inline", "separate_lanes_r16") else {}
     case = gpu_case(QWEN3, T, seed=T, **pool)
     from moelora.kernels.moe_config import tuned_fused_moe_config
 
@@ -348,13 +340,9 @@ def test_gpu_qwen3_shape_bf16_lora(T, shrink):
         grid = dict(lora_block_m=16, lora_block_n=256)  # 16-row programs over the table's plan blocks
     if shrink == "block_persist":
         grid = dict(lora_block_m=16, lora_block_n=256, lora_block_programs=264)  # 264 programs loop over the items
-    if shrink == "separate_lanes":
+    if shrink in ("separate_lanes", "separate_lanes_r16"):
         grid = dict(lora_expand_lanes=8, lora_shrink_lanes=8)  # a shrink program per slot; the epilogue's in one dot
-    if shrink == "separate_dense":  # and the gate_up shrink per slot against every expert
-        grid = dict(lora_expand_lanes=8, lora_shrink_lanes=8, lora_dense_shrink=True)
-    if shrink == "separate_down":  # and the down shrink in the gate_up epilogue
-        grid = dict(lora_expand_lanes=8, lora_shrink_lanes=8, lora_dense_shrink=True, lora_down_in_gate_up=True)
-    for suffix in ("_plan", "_wide_grid", "_wide_tiles", "_sub16", "_persist", "_lanes", "_dense", "_down"):
+    for suffix in ("_plan", "_wide_grid", "_wide_tiles", "_sub16", "_persist", "_r16", "_lanes"):
         shrink = shrink.removesuffix(suffix)
     cfg = replace(cfg, lora_shrink=shrink, lora_shrink_wide="" if shrink == "inline" else shrink, use_tma=False,
                   lora_route_order=order, **grid)

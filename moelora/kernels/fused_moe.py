@@ -11,10 +11,9 @@ Launches (no host sync, fixed sizes: CUDA-graph safe; one stream unless `side_st
   plan -> [shrink x A_gu] -> gate_up GEMM + LoRA + SiLU*up -> h [P, I]
        -> [shrink h A_d] -> down GEMM + LoRA, x routing weight -> y [T*K, H] -> sum over K -> out
 (bracketed launches only on the separate-shrink path: lora_shrink="separate", or any pool of max
-rank > 16 under "inline"; lora_dense_shrink makes the first a dense GEMM per slot over every expert,
-lora_down_in_gate_up drops the second (the gate_up epilogue writes its partials); under "route" (per
+rank > 16 under "inline"); under "route" (per
 route) and "block" (per plan block and slot) they compute each route's whole delta instead, [T*K,
-2I] and [T*K, H] in x's dtype (fp32 for pools of max rank > 16): the gate_up epilogue adds the first
+2I] and [T*K, H] in x's dtype (fp32 for route on pools of max rank > 16): the gate_up epilogue adds the first
 (or, with lora_gate_up_at="activation", act_delta_kernel after a gate_up GEMM that writes gate and
 up unactivated, so that with `side_stream` the gate_up delta runs concurrently with that GEMM); the
 second, times the routing weight, is added by the top-k combine, so with `side_stream` the down
@@ -30,14 +29,12 @@ from __future__ import annotations
 import torch
 import triton
 
-from moelora.kernels.lora_linear import PLAN_BLOCK_M
 from moelora.kernels.moe_config import FusedMoEConfig, tuned_fused_moe_config
 from moelora.kernels.moe_gemm import act_delta_kernel, combine_kernel, down_kernel, gate_up_kernel
 from moelora.kernels.moe_lora import (
     lora_block_delta_kernel,
     lora_route_delta_kernel,
     lora_shrink_kernel,
-    lora_slot_shrink_kernel,
 )
 from moelora.kernels.moe_plan import (
     EXPERT_SORTED_PADDED,
@@ -46,7 +43,6 @@ from moelora.kernels.moe_plan import (
     build_routing_plan,
     per_route_plan,
 )
-from moelora.kernels.planned_lora import row_plan
 from moelora.kernels.reference import ExpertLoRAArgs
 from moelora.kernels.side_stream import forked, join
 
@@ -56,7 +52,6 @@ _LORA_RC = 16  # rank columns per step of the separate shrink/expand: cost follo
 _BLOCK_TARGET_PROGRAMS = 264  # "block" LoRA: programs to aim for (2 per SM on a 132-SM H200)
 _BLOCK_LANES = 8  # "block" LoRA: programs per plan block, one distinct slot each (the last: the rest)
 _SWITCH_MAX_TOKENS = 1024  # lora_block_max_slots: beyond this many tokens the switch's slot count is not tried
-_SLOT_BLOCK_N = 128  # lora_dense_shrink: (expert, rank) columns a program (rows: the row plan's block)
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -142,31 +137,6 @@ def _shrink(src, xa, plan, lora, which, gather, k_dim, block_r, cfg):
         LORA_BK=cfg.lora_block_k, LORA_RC=_LORA_RC, num_warps=4, num_stages=2)
 
 
-def _dense_shrink(x, xa, lora, block_r):
-    """xa [T, E * block_r] fp32 = each token against every expert's gate_up A of its slot
-    (`lora_slot_shrink_kernel`), over the tokens grouped by slot (lora.row_plan, the engine's, as the
-    dense LoRA sites read it; else built here)."""
-    a = lora.gate_up_a
-    E = a.shape[1]
-    plan = lora.row_plan
-    if plan is None or plan.block_m != PLAN_BLOCK_M:
-        plan = row_plan(lora.token_slots, a.shape[0], PLAN_BLOCK_M)
-    n_cols = E * block_r
-    lora_slot_shrink_kernel[(plan.max_blocks, triton.cdiv(n_cols, _SLOT_BLOCK_N))](
-        x, xa, a, lora.gate_up_ranks, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, x.shape[0],
-        x.shape[1], n_cols, x.stride(0), xa.stride(0), a.stride(0), a.stride(1), a.stride(2), BM=plan.block_m,
-        BN=_SLOT_BLOCK_N, BK=128, BLOCK_R=block_r, num_warps=4, num_stages=3)
-
-
-def _down_args(lora: ExpertLoRAArgs | None, dummy: torch.Tensor) -> dict:
-    """The down A and ranks the gate_up epilogue shrinks h with (lora_down_in_gate_up); dummies without."""
-    if lora is None:
-        return dict(d_ranks_ptr=dummy, a_d_ptr=dummy, stride_ads=0, stride_ade=0, stride_adr=0)
-    a = lora.down_a
-    return dict(d_ranks_ptr=lora.down_ranks, a_d_ptr=a, stride_ads=a.stride(0), stride_ade=a.stride(1),
-                stride_adr=a.stride(2))
-
-
 def _switch_args(plan, lora, cfg: FusedMoEConfig, side: int) -> dict:
     """Launch arguments of one side of the route / block switch (`slots_skip`); side 0: no switch."""
     if not side:
@@ -237,29 +207,14 @@ def _expand_lanes(cfg: FusedMoEConfig, block_r: int) -> int:
     return min(cfg.lora_expand_lanes, max(1, 128 // block_r))
 
 
-def _down_in_gate_up(mode, config: FusedMoEConfig, block_r: int, lora) -> bool:
-    """lora_down_in_gate_up in force: the gate_up epilogue writes the down shrink's partials, only when
-    every slot of the pool has an expand lane (no slot is left to the loop, which would have no xa)."""
-    return (mode == "separate" and config.lora_down_in_gate_up
-            and _expand_lanes(config, block_r) >= lora.gate_up_a.shape[0])
-
-
 def _lora_buffers(lora, config: FusedMoEConfig, block_r: int, x: torch.Tensor, P: int, n_routes: int, inter: int):
-    """(mode, xa_gu, xa_d, delta_gu, delta_d): the LoRA path this call takes (`FusedMoEConfig.shrink_mode`)
-    and its scratch buffers (x as a dummy where a path has none). "separate": the gate_up and the down
-    shrink's xa, one [SPLIT, P, block_r] buffer for both, or lora_dense_shrink's [T, E * block_r] for
-    gate_up and lora_down_in_gate_up's [I / BN, P, block_r] partials for down."""
+    """(mode, xa, delta_gu, delta_d): the LoRA path this call takes (`FusedMoEConfig.shrink_mode`) and its
+    scratch buffers (x as a dummy where a path has none). "separate": the gate_up and then the down
+    shrink's xa, one [SPLIT, P, block_r] fp32 buffer for both."""
     mode = config.shrink_mode(block_r) if lora is not None else None
-    xa_gu = xa_d = delta_gu = delta_d = x
+    xa = delta_gu = delta_d = x
     if mode == "separate":
-        dense, down_in_gu = config.lora_dense_shrink, _down_in_gate_up(mode, config, block_r, lora)
-        if not (dense and down_in_gu):
-            xa_gu = xa_d = torch.empty(config.lora_split_k, P, block_r, dtype=torch.float32, device=x.device)
-        if dense:
-            xa_gu = torch.empty(x.shape[0], lora.gate_up_a.shape[1] * block_r, dtype=torch.float32, device=x.device)
-        if down_in_gu:
-            xa_d = torch.empty(triton.cdiv(inter, config.gate_up.block_n), P, block_r, dtype=torch.float32,
-                               device=x.device)
+        xa = torch.empty(config.lora_split_k, P, block_r, dtype=torch.float32, device=x.device)
     elif mode in ("route", "block"):
         # route: wide slots in rank chunks summed in the buffer (fp32 for pools wider than one chunk);
         # block: one pass per (slot, expert) pair, so x's dtype (a route pick's block switch shares
@@ -267,7 +222,7 @@ def _lora_buffers(lora, config: FusedMoEConfig, block_r: int, x: torch.Tensor, P
         d_dtype = x.dtype if block_r <= _LORA_RC or mode == "block" else torch.float32
         delta_gu = torch.empty(n_routes, 2 * inter, dtype=d_dtype, device=x.device)
         delta_d = torch.empty(n_routes, x.shape[1], dtype=d_dtype, device=x.device)
-    return mode, xa_gu, xa_d, delta_gu, delta_d
+    return mode, xa, delta_gu, delta_d
 
 
 def _tma_operands(w_gate_up: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, config: FusedMoEConfig):
@@ -313,9 +268,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     P, BM, gu, dn = plan.sorted_route_ids.shape[0], config.block_m, config.gate_up, config.down
     h = torch.empty(P, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
-    mode, xa_gu, xa_d, delta_gu, delta_d = _lora_buffers(lora, config, block_r, x, P, T * K, inter)
-    dense_gu = mode == "separate" and config.lora_dense_shrink  # gate_up's xa by (token, expert), one pass
-    down_in_gu = _down_in_gate_up(mode, config, block_r, lora)  # down's xa: one partial per gate_up N tile
+    mode, xa, delta_gu, delta_d = _lora_buffers(lora, config, block_r, x, P, T * K, inter)
     common = dict(sorted_ids_ptr=plan.sorted_route_ids, eob_ptr=plan.expert_of_block,
                   num_padded_ptr=plan.num_padded, n_routes=T * K, top_k=K, H=H, inter=inter,
                   num_blocks=plan.max_blocks, BM=BM, GROUP_M=config.group_m, HAS_LORA=mode in ("inline", "separate"),
@@ -328,10 +281,8 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     # side stream next to the GEMM; "epilogue": the GEMM adds it, so it runs first
     late_gu = route_deltas and config.lora_gate_up_at == "activation"
     gu_out = torch.empty(P, 2 * inter, dtype=x.dtype, device=x.device) if late_gu else h
-    if mode == "separate" and dense_gu:
-        _dense_shrink(x, xa_gu, lora, block_r)
-    elif mode == "separate":
-        _shrink(x, xa_gu, plan, lora, "gate_up", True, H, block_r, config)
+    if mode == "separate":
+        _shrink(x, xa, plan, lora, "gate_up", True, H, block_r, config)
     elif route_deltas:
         # Fork when late_gu (contract 2): the side stream reads x, the plan, topk_ids and the LoRA
         # slots and writes only delta_gu; the GEMM here reads x and writes only gu_out. Both were
@@ -342,17 +293,15 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         x, w_gu, gu_out, stride_xt=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
         stride_hp=gu_out.stride(0), BN=gu.block_n, BK=gu.block_k, num_warps=gu.num_warps, delta_ptr=delta_gu,
         stride_dr=delta_gu.stride(0), num_stages=gu.num_stages, LORA_DELTA=route_deltas and not late_gu,
-        RAW_OUT=late_gu, xa_ptr=xa_gu, stride_xat=xa_gu.stride(0), XA_BY_TOKEN=dense_gu,
-        XA_SPLIT=1 if dense_gu else config.lora_split_k, DOWN_SHRINK=down_in_gu, xa_d_ptr=xa_d,
-        **_down_args(lora if down_in_gu else None, x), **common, **_lora_kernel_args(lora, x, "gate_up"))
+        RAW_OUT=late_gu, xa_ptr=xa, XA_SPLIT=config.lora_split_k, **common, **_lora_kernel_args(lora, x, "gate_up"))
     if late_gu:
         join(side_stream, x.device)  # delta_gu is complete
         bn = min(256, triton.next_power_of_2(inter))
         act_delta_kernel[(plan.max_blocks, triton.cdiv(inter, bn))](
             gu_out, delta_gu, h, plan.sorted_route_ids, plan.num_padded, lora.token_slots, lora.gate_up_ranks, T * K,
             K, inter, gu_out.stride(0), delta_gu.stride(0), h.stride(0), BM=BM, BN=bn, num_warps=4)
-    if mode == "separate" and not down_in_gu:
-        _shrink(h, xa_d, plan, lora, "down", False, inter, block_r, config)
+    if mode == "separate":
+        _shrink(h, xa, plan, lora, "down", False, inter, block_r, config)
     elif route_deltas:
         # Fork (contract 2): the side stream reads h, the plan, topk_ids and the LoRA slots and writes
         # only delta_d; the down GEMM on this stream reads h and writes only y. delta_d, h and y were
@@ -363,7 +312,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     down_kernel[(plan.max_blocks * triton.cdiv(H, dn.block_n),)](
         h_in, h, w_dn, y, topk_w, stride_hp=h.stride(0), stride_we=w_down.stride(0),
         stride_wn=w_down.stride(1), stride_yr=y.stride(0), BN=dn.block_n, BK=dn.block_k, num_warps=dn.num_warps,
-        num_stages=dn.num_stages, xa_ptr=xa_d, XA_SPLIT=xa_d.shape[0] if down_in_gu else config.lora_split_k,
+        num_stages=dn.num_stages, xa_ptr=xa, XA_SPLIT=config.lora_split_k,
         **common, **_lora_kernel_args(lora, x, "down"))
     if route_deltas:
         join(side_stream, x.device)  # delta_d is complete

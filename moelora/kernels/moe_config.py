@@ -85,13 +85,8 @@ class FusedMoEConfig:
     lanes of BLOCK_R columns and their B tiles stacked (at most 128 // BLOCK_R lanes; any further slot
     takes the loop), instead of one dependent dot chain per slot. lora_shrink_lanes ("separate"; 1: one
     program per block and split loops over the block's slots): that many programs per block and split,
-    each on one distinct slot of the block (the last: every slot left). lora_dense_shrink ("separate"):
-    the gate_up shrink as one dense GEMM per slot against every expert's A ([T, E * BLOCK_R] fp32, no
-    routing; worth it where nearly every (slot, expert) pair is routed anyway, M >= 256 with many
-    adapters); the epilogue reads each row's (token, expert) xa. lora_down_in_gate_up ("separate", with
-    expand lanes for every slot of the pool): the gate_up epilogue also multiplies the h tile it
-    stores by the laned slots' down A and writes the down shrink's partials (one per gate_up N tile),
-    which the down epilogue sums: no down shrink launch. use_tma: Hopper
+    each on one distinct slot of the block (the last: every slot left). (H200: neither is picked by the
+    tuner; with 8 lanes the epilogue spills registers.) use_tma: Hopper
     tensor descriptors for the weight (and down-GEMM activation) tiles; the off switch of that
     path (contract 6). plan_per_route: no routing-plan launch; each plan block holds one route
     (`moe_plan.per_route_plan`): a block per route reads its expert's weights, so only for batches
@@ -117,8 +112,6 @@ class FusedMoEConfig:
     lora_block_max_slots: int = 0
     lora_expand_lanes: int = 0
     lora_shrink_lanes: int = 1
-    lora_dense_shrink: bool = False
-    lora_down_in_gate_up: bool = False
     use_tma: bool = False
     plan_per_route: bool = False
 

@@ -87,17 +87,8 @@ def _delta_rows(slots_ptr, ranks_ptr, tok, valid):
 
 
 @triton.jit
-def _xa_rows(tok, offs_m, e, stride_xat, BY_TOKEN: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Element offset of each block row's xa: plan row offs_m of xa [SPLIT, P, BLOCK_R], or (BY_TOKEN,
-    FusedMoEConfig.lora_dense_shrink) token row tok, expert e's columns, of xa [T, E * BLOCK_R]."""
-    if BY_TOKEN:
-        return tok.to(tl.int64) * stride_xat + e * BLOCK_R
-    return offs_m.to(tl.int64) * BLOCK_R
-
-
-@triton.jit
 def _xa_chunk(xa_ptr, xa_off, sel, split_stride, r0, SPLIT: tl.constexpr, RC: tl.constexpr):
-    """Rank columns [r0, r0+RC) of the block's xa (row offsets xa_off, `_xa_rows`), summed over the
+    """Rank columns [r0, r0+RC) of the block's xa (row offsets xa_off: plan row * BLOCK_R), summed over the
     SPLIT partials; rows not in sel read nothing (and give 0)."""
     offs_r = r0 + tl.arange(0, RC)
     xa = tl.zeros((xa_off.shape[0], RC), tl.float32)
@@ -154,43 +145,19 @@ def _b_lanes(b_ptr, e, s_col, r_col, offs_n, n_limit, stride_bs, stride_be, stri
 
 
 @triton.jit
-def _down_shrink_part(hv, tok, valid, offs_m, offs_n, pid_n, e, inter, P, slots_ptr, d_ranks_ptr, a_d_ptr, xa_d_ptr,
-                      stride_as, stride_ae, stride_ar, LANES: tl.constexpr, BLOCK_R: tl.constexpr):
-    """The down LoRA shrink's share of this gate_up tile (FusedMoEConfig.lora_down_in_gate_up):
-    xa_d[pid_n, row, :] = h[row, this tile's I columns] @ A_d[s, e, :rank_d, same columns]^T (fp32; h
-    as stored, in x's dtype) for each row's slot s, its lane's columns of one dot over the block's
-    laned slots (every slot of the pool has a lane: the launcher's condition). The down epilogue sums
-    the I / BN partials."""
-    slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
-    row_lane, s_col, r_col, _ = _lane_columns(slot, d_ranks_ptr, LANES, BLOCK_R)
-    offs_c = tl.arange(0, LANES * BLOCK_R)
-    c_r = offs_c % BLOCK_R
-    a_cols = a_d_ptr + tl.maximum(s_col, 0).to(tl.int64) * stride_as + e * stride_ae + c_r * stride_ar
-    at = tl.load(a_cols[None, :] + offs_n[:, None], mask=(c_r < r_col)[None, :] & (offs_n < inter)[:, None],
-                 other=0.0)
-    part = tl.dot(hv, at.to(hv.dtype))
-    part = tl.where(row_lane[:, None] == (offs_c // BLOCK_R)[None, :], part, 0.0)
-    xa = tl.sum(tl.reshape(part, (offs_m.shape[0], LANES, BLOCK_R)), axis=1)
-    tl.store(xa_d_ptr + (pid_n * P + offs_m[:, None]).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[None, :], xa,
-             mask=valid[:, None])
-
-
-@triton.jit
 def gate_up_kernel(
     x_ptr, w, h_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr,
-    slots_ptr, ranks_ptr, a_ptr, b_ptr, xa_ptr, delta_ptr, d_ranks_ptr, a_d_ptr, xa_d_ptr,
+    slots_ptr, ranks_ptr, a_ptr, b_ptr, xa_ptr, delta_ptr,
     n_routes, top_k, H, inter, num_blocks,
-    stride_xt, stride_we, stride_wn, stride_hp, stride_dr, stride_xat,
-    stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_ads, stride_ade, stride_adr,
+    stride_xt, stride_we, stride_wn, stride_hp, stride_dr,
+    stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_LORA: tl.constexpr, INLINE_SHRINK: tl.constexpr, XA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
     LORA_BK: tl.constexpr, LORA_RC: tl.constexpr, USE_TMA: tl.constexpr, LORA_DELTA: tl.constexpr,
-    RAW_OUT: tl.constexpr, EXPAND_LANES: tl.constexpr = 0, XA_BY_TOKEN: tl.constexpr = False,
-    DOWN_SHRINK: tl.constexpr = False,
+    RAW_OUT: tl.constexpr, EXPAND_LANES: tl.constexpr = 0,
 ):
     """h[plan row] = silu(gate) * up of x[token] @ W_gu[e]^T (+ LoRA); RAW_OUT: h is [P, 2I] and gets
-    gate and up as they are (columns [0, I) and [I, 2I)), for `act_delta_kernel` to finish.
-    DOWN_SHRINK: also the down LoRA shrink's partial over this tile's columns (`_down_shrink_part`)."""
+    gate and up as they are (columns [0, I) and [I, 2I)), for `act_delta_kernel` to finish."""
     pid_m, pid_n = _tile_ids(num_blocks, tl.cdiv(inter, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_padded_ptr):
         return
@@ -256,7 +223,7 @@ def gate_up_kernel(
                 rest = tl.where(sel, -1, rest)
                 s = tl.max(rest, axis=0)
         else:  # xa precomputed: expand only, LORA_RC rank columns at a time, up to the slot's rank
-            xa_off = _xa_rows(tok, offs_m, e, stride_xat, XA_BY_TOKEN, BLOCK_R)
+            xa_off = offs_m.to(tl.int64) * BLOCK_R
             if EXPAND_LANES > 0:  # the block's largest slots in one dot each for gate and up; the loop takes the rest
                 row_lane, s_col, r_col, slot = _lane_columns(slot, ranks_ptr, EXPAND_LANES, BLOCK_R)
                 xl = _xa_lanes(xa_ptr, xa_off, row_lane, r_col, num_blocks * BM * BLOCK_R, XA_SPLIT, BLOCK_R,
@@ -291,10 +258,6 @@ def gate_up_kernel(
     else:
         hv = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         tl.store(h_rows, hv.to(h_ptr.dtype.element_ty), mask=h_mask)
-        if DOWN_SHRINK:
-            _down_shrink_part(hv.to(h_ptr.dtype.element_ty), tok, valid, offs_m, offs_n, pid_n, e, inter,
-                              num_blocks * BM, slots_ptr, d_ranks_ptr, a_d_ptr, xa_d_ptr, stride_ads, stride_ade,
-                              stride_adr, EXPAND_LANES, BLOCK_R)
 
 
 @triton.jit
@@ -387,7 +350,7 @@ def down_kernel(
                 rest = tl.where(sel, -1, rest)
                 s = tl.max(rest, axis=0)
         else:  # xa precomputed: expand only, LORA_RC rank columns at a time, up to the slot's rank
-            xa_off = _xa_rows(tok, offs_m, e, 0, False, BLOCK_R)
+            xa_off = offs_m.to(tl.int64) * BLOCK_R
             if EXPAND_LANES > 0:  # the block's largest slots in one dot; the loop takes the rest
                 row_lane, s_col, r_col, slot = _lane_columns(slot, ranks_ptr, EXPAND_LANES, BLOCK_R)
                 xl = _xa_lanes(xa_ptr, xa_off, row_lane, r_col, num_blocks * BM * BLOCK_R, XA_SPLIT, BLOCK_R,

@@ -34,11 +34,6 @@ SPLIT reduction splits, RC = 16 rank columns per step (cost follows each slot's 
   A/B read once per sub-block instead of once per block. PERSIST (lora_block_programs): a fixed
   number of programs loop over those (sub-block, lane, split) items: slower alone, faster beside the
   base GEMM at M = 128 / 256 on the H200 (docs/benchmarks.md).
-- `lora_slot_shrink_kernel` ("separate" with lora_dense_shrink, gate_up only): xa [T, E * BLOCK_R]
-  fp32 of every token against every expert's A of its slot, one dense GEMM per slot over the rows
-  grouped by slot (a routing plan over token_slots); the gate_up epilogue reads row (token, expert).
-  At M >= 256 with many adapters nearly every (slot, expert) pair is routed anyway, so it reads about
-  the A bytes the routed shrink does, as a streaming GEMM.
 - The route / block switch (FusedMoEConfig.lora_block_max_slots): both delta kernels are launched
   and each program first counts the distinct slots of the batch (`slots_skip`); with at most
   max_slots the block kernel runs and the route kernel's programs exit, else the reverse. One
@@ -91,39 +86,6 @@ def lora_shrink_kernel(
         slot = tl.where(sel, -1, slot)
         s = tl.where(last, tl.max(slot, axis=0), -1)  # a lane below the last takes one slot
 
-
-
-@triton.jit
-def lora_slot_shrink_kernel(
-    x_ptr, xa_ptr, a_ptr, ranks_ptr, sorted_ptr, bslot_ptr, num_padded_ptr, T, k_dim, n_cols,
-    stride_xt, stride_xat, stride_as, stride_ae, stride_ar,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_R: tl.constexpr,
-):
-    """xa[t, e * BLOCK_R + r] = x[t] @ A[s, e, r]^T (fp32) for every expert e and r < rank_s, for the
-    rows t of row-plan block program_id(0) (all on slot s: the plan of token_slots), over the columns of
-    program_id(1); columns past the slot's rank get 0 and read no A bytes. A dense GEMM per slot, A_s
-    taken as [E * R, k_dim]: no routing, every expert of the slot (lora_dense_shrink)."""
-    pid_b = tl.program_id(0)
-    if pid_b * BM >= tl.load(num_padded_ptr):
-        return
-    s = tl.load(bslot_ptr + pid_b)
-    rank = tl.load(ranks_ptr + s)
-    rows = tl.load(sorted_ptr + pid_b * BM + tl.arange(0, BM))
-    valid = rows < T
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    r = offs_n % BLOCK_R
-    n_ok = (offs_n < n_cols) & (r < rank)
-    a_cols = a_ptr + s.to(tl.int64) * stride_as + (offs_n // BLOCK_R).to(tl.int64) * stride_ae + r * stride_ar
-    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xt
-    acc = tl.zeros((BM, BN), tl.float32)
-    for k0 in range(0, k_dim, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        k_ok = offs_k < k_dim
-        xt = tl.load(x_rows + offs_k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        at = tl.load(a_cols[None, :] + offs_k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = tl.dot(xt, at.to(xt.dtype), acc)
-    tl.store(xa_ptr + rows[:, None].to(tl.int64) * stride_xat + offs_n[None, :], acc,
-             mask=valid[:, None] & (offs_n < n_cols)[None, :])
 
 
 @triton.jit

@@ -63,7 +63,6 @@ class ExpertLoRAArgs:
     gate_up_ranks: torch.Tensor
     down_ranks: torch.Tensor
     active: tuple[SlotRows, ...] | None  # None: for the Triton kernels only (the twins refuse it)
-    row_plan: MoERoutingPlan | None = None  # the tokens grouped by slot (lora_dense_shrink; built if None)
 
 
 def _need_rows(lora: DenseLoRAArgs | ExpertLoRAArgs) -> None:
