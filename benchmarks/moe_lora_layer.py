@@ -3,7 +3,7 @@
 Shape legend: M tokens, H hidden, I expert intermediate, E experts, K top-k, R rank.
 Usage: python benchmarks/moe_lora_layer.py [CSV path] [--shapes a,b] [--ms 1,8] [--variants off,8ad_r16]
        [--shrink table,route,block]   (LoRA variants once per shrink mode; "table": the tuned config's own)
-       [--gate-up-at table,epilogue,activation] [--no-side-stream] [--chain 8]
+       [--gate-up-at table,epilogue,activation] [--no-side-stream] [--chain 8 (default; 0: off)]
 The LoRA deltas get a side stream, as the engine gives them (EngineConfig.overlap_lora), unless
 --no-side-stream. --chain N: also the time per layer of one graph replaying N layers of distinct
 weights in turn (as a decode step replays its layers; their weights exceed L2, so no flush is needed):
@@ -55,7 +55,8 @@ def main(argv=None):
     ap.add_argument("--shrink", default="table")
     ap.add_argument("--gate-up-at", default="table", help="table, or a list of epilogue / activation")
     ap.add_argument("--no-side-stream", action="store_true", help="LoRA deltas on the main stream (overlap_lora off)")
-    ap.add_argument("--chain", type=int, default=0, help="also time N distinct layers in one graph, per layer")
+    ap.add_argument("--chain", type=int, default=8, help="also time N distinct layers in one graph, per layer "
+                    "(0: not; the decode-like per-layer time, the one the targets are read against)")
     args = ap.parse_args(argv)
     side = None if args.no_side_stream else torch.cuda.Stream()
     out_dir = os.environ.get("OUT", ".")
