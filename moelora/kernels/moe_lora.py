@@ -28,7 +28,8 @@ SPLIT reduction splits, RC = 16 rank columns per step (cost follows each slot's 
   "route"), then expands them tile by tile. A and B of a (slot, expert) pair are read once per
   block and split instead of once per route: the reuse "route" lacks when blocks hold several
   routes of one adapter (M >= 256), with the slots of a block in parallel programs (lanes), not
-  the serial per-slot loop of "separate". One pass at the pool's width, masked to each slot's rank.
+  the serial per-slot loop of "separate". One pass per pair at the pool's width, masked to the slot's
+  rank, or (a slot of rank <= 16 in a wider pool) at 16 columns; the delta in x's dtype.
   SUB > 1 (FusedMoEConfig.lora_block_m): each plan block is taken as SUB sub-blocks of BM / SUB
   rows, one program row each: tiles of fewer masked rows staged per step and more programs, for
   A/B read once per sub-block instead of once per block. PERSIST (lora_block_programs): a fixed
