@@ -40,6 +40,7 @@ class Layer:
     w_gu: torch.Tensor
     w_d: torch.Tensor
     pools: dict  # pool max rank -> (gate_up_a, gate_up_b, down_a, down_b)
+    route_rows: dict = dataclasses.field(default_factory=dict)  # fused_moe's per-route plan rows, as a layer keeps
 
 
 def make_layer(shape: dict, pool_ranks=(8, 16, 64), seed=0, device="cuda") -> Layer:
@@ -113,7 +114,7 @@ def moe_call(layer: Layer, x, wts, ids, lora, config=None, side_stream=None):
     """The layer call to time; `side_stream`: the LoRA side stream the engine gives it (overlap_lora)."""
     out = torch.empty_like(x)
     return lambda: fused_moe(x, layer.w_gu, layer.w_d, wts, ids, lora=lora, out=out, config=config,
-                             side_stream=side_stream)
+                             side_stream=side_stream, route_rows=layer.route_rows)
 
 
 def copy_gbps() -> float:

@@ -167,18 +167,20 @@ def test_plan_per_route(shrink, R):
 
 def test_per_route_plan_layout():
     """Block r holds route r at row r * BM and sentinels elsewhere; its expert is topk_ids' r-th entry
-    (the ids themselves when int32: no copy); the row tensors are shared by calls of one shape."""
+    (the ids themselves when int32: no copy); the row tensors are shared by calls of one shape through
+    the caller's cache."""
     from moelora.kernels.moe_plan import ROUTE_PER_BLOCK, per_route_plan
 
     ids = torch.tensor([[3, 0], [1, 3], [2, 2]], dtype=torch.int32)
-    plan = per_route_plan(ids, 4, 16)
+    cache = {}
+    plan = per_route_plan(ids, 4, 16, cache)
     assert plan.layout == ROUTE_PER_BLOCK and plan.max_blocks == 6 and int(plan.num_padded) == 96
     want = torch.full((96,), 6, dtype=torch.int32)
     want[::16] = torch.arange(6, dtype=torch.int32)
     assert torch.equal(plan.sorted_route_ids, want)
     assert plan.expert_of_block.data_ptr() == ids.data_ptr()
     assert torch.equal(plan.expert_of_block, ids.view(-1))
-    again = per_route_plan(ids.long() + 0, 4, 16)
+    again = per_route_plan(ids.long() + 0, 4, 16, cache)
     assert again.sorted_route_ids is plan.sorted_route_ids and again.expert_of_block.dtype == torch.int32
     assert torch.equal(again.expert_of_block, ids.view(-1))
 
@@ -370,7 +372,8 @@ def test_gpu_plan_per_route_bf16(T, shrink):
         cfg = replace(cfg, lora_shrink=shrink, lora_shrink_wide=shrink)
     cfg = replace(cfg, plan_per_route=True, use_tma=False)
     want = reference(*case, dtype=torch.float32)
-    call = lambda o: fused_moe(*case[:5], lora=case[5], out=o, config=cfg)  # noqa: E731
+    rows = {}  # the per-route plan's rows, kept across calls as the routed-experts layer keeps them
+    call = lambda o: fused_moe(*case[:5], lora=case[5], out=o, config=cfg, route_rows=rows)  # noqa: E731
     if T == 1:
         assert rel_err(call(torch.full_like(case[0], float("nan"))), want) <= 1e-2
     assert rel_err(graph_replayed(call, torch.empty_like(case[0])), want) <= 1e-2

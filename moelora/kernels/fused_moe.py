@@ -239,13 +239,16 @@ def _tma_operands(w_gate_up: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, lora: ExpertLoRAArgs | None = None, out: torch.Tensor | None = None,
               config: FusedMoEConfig | None = None, plan: MoERoutingPlan | None = None,
-              side_stream: torch.cuda.Stream | None = None, table: str | None = None) -> torch.Tensor:
+              side_stream: torch.cuda.Stream | None = None, table: str | None = None,
+              route_rows: dict | None = None) -> torch.Tensor:
     """Routed experts (+ routed LoRA) of `fused_moe_ref`, on the GPU. Returns `out` ([T, H], x's dtype;
     a new tensor unless the caller passes its own `out=`). `plan` may be passed to share one routing
     plan with other consumers; it must match this call's T, K, E and the config's block_m.
     `side_stream`: a second CUDA stream for the route / block down LoRA delta (forked and joined
     inside this call; the same kernels, so the same result bit for bit). `table`: the tuned-config
-    table file `config` is taken from when None (`moe_config.check_table_file`; default: the package's)."""
+    table file `config` is taken from when None (`moe_config.check_table_file`; default: the package's).
+    `route_rows`: the caller's cache of `per_route_plan`'s constant rows (config.plan_per_route), kept
+    across its calls; None: made on each call."""
     T, H, E, inter, K = _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids)
     block_r = _check_lora(lora, T, H, E, inter) if lora is not None else 16
     if config is None:
@@ -261,7 +264,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     _need(all(out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
               for t in (x, w_gate_up, w_down)), "out must not alias an input (contract 2)")
     if plan is None and config.plan_per_route:
-        plan = per_route_plan(topk_ids, E, config.block_m)
+        plan = per_route_plan(topk_ids, E, config.block_m, route_rows)
     elif plan is None:
         plan = build_routing_plan(topk_ids, E, config.block_m)
     _check_plan(plan, T, K, E, config.block_m)

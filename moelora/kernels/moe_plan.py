@@ -193,29 +193,28 @@ def build_routing_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int, *
     return plan
 
 
-_ROUTE_ROWS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def per_route_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoERoutingPlan:
+def per_route_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                   cache: dict | None = None) -> MoERoutingPlan:
     """A plan with no sort (FusedMoEConfig.plan_per_route): block r holds route r alone (row r * BM; the
     block's other rows the sentinel T*K) and its expert is topk_ids' r-th entry. Nothing of it depends
     on the ids but expert_of_block, which is topk_ids itself (a view when int32), so a decode step builds
     it with no launch: worth it when routes rarely share an expert (one token: its K experts are
-    distinct), since each block reads its expert's weights. The row tensors are cached per (T, K, BM,
-    device) outside CUDA-graph capture (made inside one, they would hold nothing until its replay)."""
+    distinct), since each block reads its expert's weights. `cache`: the caller's dict (the routed-experts
+    layer keeps one) where the row tensors are kept per (T, K, BM, device), filled only outside CUDA-graph
+    capture (made inside one, they would hold nothing until its replay); None: made on every call."""
     if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids must be [T, K] int32/int64, got {tuple(topk_ids.shape)} {topk_ids.dtype}")
     T, K = topk_ids.shape
     n, dev = T * K, topk_ids.device
     key = (T, K, block_m, str(dev))
-    rows = _ROUTE_ROWS.get(key)
+    rows = cache.get(key) if cache is not None else None
     if rows is None:
         pos = torch.arange(n * block_m, dtype=torch.int32, device=dev)
         rows = (torch.where(pos % block_m == 0, pos // block_m, n).to(torch.int32),
                 torch.full((1,), n * block_m, dtype=torch.int32, device=dev))
         capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if not capturing:
-            _ROUTE_ROWS[key] = rows
+        if cache is not None and not capturing:
+            cache[key] = rows
     ids = topk_ids.reshape(-1)
     eob = ids if ids.dtype == torch.int32 else ids.to(torch.int32)
     return MoERoutingPlan(sorted_route_ids=rows[0], expert_of_block=eob, num_padded=rows[1], block_m=block_m,

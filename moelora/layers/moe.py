@@ -36,6 +36,7 @@ class Experts(nn.Module):
         super().__init__()
         E, H, inner = num_experts, hidden, inter
         self.backend = backend
+        self.route_rows: dict = {}  # fused_moe's per-route plan rows, per batch shape (plan_per_route)
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inner, H, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(E, H, inner, dtype=dtype))
         self.has_lora = max_loras > 0 and max_rank > 0
@@ -72,7 +73,7 @@ class Experts(nn.Module):
             from moelora.kernels.fused_moe import fused_moe
 
             return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, lora=args,
-                             side_stream=self.lora_stream, table=self.moe_table)
+                             side_stream=self.lora_stream, table=self.moe_table, route_rows=self.route_rows)
         return fused_moe_ref(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, lora=args)
 
 
