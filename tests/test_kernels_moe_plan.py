@@ -68,6 +68,25 @@ def test_plan_matches_twin(T, K, E, bm):
     _check_plan(_topk_ids(T, K, E, gen=gen, device=DEV), E, bm)
 
 
+# Either side of each launcher threshold: the per-expert kernel's warps (n 1024 / 1025) and its
+# route limit (n 4096 / 4098); chunked path: n not a multiple of the chunk, E not a power of two,
+# more chunks than one scan tile (E=100: 69 chunks of 128, tiles of 64; E=1000: chunks of 32, tiles of 8)
+@kernel_test
+@pytest.mark.parametrize("T,K,E,bm", [(128, 8, 128, 64), (205, 5, 100, 32), (512, 8, 128, 64), (683, 6, 60, 16),
+                                      (1100, 8, 100, 128), (150, 32, 1000, 16), (2500, 2, 3, 64)])
+def test_plan_matches_twin_across_thresholds(T, K, E, bm):
+    gen = torch.Generator().manual_seed(T * 7 + E)
+    _check_plan(_topk_ids(T, K, E, gen=gen, device=DEV), E, bm)
+
+
+@kernel_test
+@pytest.mark.parametrize("n", [4096, 5000])
+def test_plan_one_expert_takes_every_route(n):
+    ids = torch.full((n, 1), 5, dtype=torch.int64, device=DEV)
+    plan = _check_plan(ids, 6, 128)
+    assert int(plan.num_padded.cpu()[0]) == -(-n // 128) * 128
+
+
 @kernel_test
 def test_plan_all_routes_one_expert_and_empty_experts():
     ids = torch.full((40, 1), 3, dtype=torch.int32, device=DEV)
