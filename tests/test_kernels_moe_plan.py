@@ -70,7 +70,7 @@ def test_plan_matches_twin(T, K, E, bm):
 
 # Either side of each launcher threshold: the per-expert kernel's warps (n 1024 / 1025) and its
 # route limit (n 4096 / 4098); chunked path: n not a multiple of the chunk, E not a power of two,
-# more chunks than one scan tile (E=100: 69 chunks of 128, tiles of 64; E=1000: chunks of 32, tiles of 8)
+# more chunks (of 128) than one scan tile (E=100: 69 chunks, tiles of 64; E=1000: 38 chunks, tiles of 8)
 @kernel_test
 @pytest.mark.parametrize("T,K,E,bm", [(128, 8, 128, 64), (205, 5, 100, 32), (512, 8, 128, 64), (683, 6, 60, 16),
                                       (1100, 8, 100, 128), (150, 32, 1000, 16), (2500, 2, 3, 64)])

@@ -37,26 +37,6 @@ _PER_EXPERT_MAX_ROUTES = 4096
 
 
 @triton.jit
-def _chunk_onehot(ids_ptr, start, n_routes, E, C: tl.constexpr, BLOCK_E: tl.constexpr):
-    offs = start + tl.arange(0, C)
-    valid = offs < n_routes
-    e = tl.load(ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
-    cols = tl.arange(0, BLOCK_E)
-    onehot = ((e[:, None] == cols[None, :]) & (cols[None, :] < E)).to(tl.int32)
-    return offs, valid, onehot
-
-
-@triton.jit
-def _scatter_chunk(ids_ptr, sorted_ptr, start, base, n_routes, E, C: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Write the chunk's route ids at base[e] + rank-within-chunk; return the advanced base."""
-    offs, valid, onehot = _chunk_onehot(ids_ptr, start, n_routes, E, C, BLOCK_E)
-    rank = tl.sum((tl.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
-    pos = tl.sum(onehot * base[None, :], axis=1) + rank
-    tl.store(sorted_ptr + pos, offs.to(tl.int32), mask=valid)
-    return base + tl.sum(onehot, axis=0)
-
-
-@triton.jit
 def _layout(counts, sorted_ptr, eob_ptr, num_padded_ptr, n_routes, E, max_blocks,
             BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
     """From per-expert counts: padding sentinels, tail sentinels, expert_of_block, num_padded.
@@ -152,10 +132,18 @@ def _plan_scan_kernel(counts_ptr, base_ptr, sorted_ptr, eob_ptr, num_padded_ptr,
 
 
 @triton.jit
-def _plan_scatter_kernel(ids_ptr, base_ptr, sorted_ptr, n_routes, E, C: tl.constexpr, BLOCK_E: tl.constexpr):
+def _plan_scatter_kernel(ids_ptr, base_ptr, sorted_ptr, n_routes, C: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Program c: route i of the chunk goes to base[c, e_i] + the chunk's earlier routes on e_i (a [C, C]
+    compare, whatever E: the [C, BLOCK_E] one-hot it replaces also needed a cumsum down the chunk)."""
     c = tl.program_id(0)
-    base = tl.load(base_ptr + c * BLOCK_E + tl.arange(0, BLOCK_E))
-    _scatter_chunk(ids_ptr, sorted_ptr, c * C, base, n_routes, E, C, BLOCK_E)
+    j = tl.arange(0, C)
+    offs = c * C + j
+    valid = offs < n_routes
+    e = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+    earlier = (e[:, None] == e[None, :]) & (j[None, :] < j[:, None])  # padding ids sit after every route
+    rank = tl.sum(earlier.to(tl.int32), axis=1)
+    base = tl.load(base_ptr + c * BLOCK_E + e, mask=valid, other=0)
+    tl.store(sorted_ptr + base + rank, offs, mask=valid)
 
 
 def build_routing_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
@@ -196,17 +184,16 @@ def build_routing_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int, *
                                             BM=block_m, BLOCK_N=block_n, BLOCK_E=block_e, BLOCK_B=block_b,
                                             num_warps=warps)
         return plan
-    chunk = min(256, max(32, 16384 // block_e))  # the scatter's one-hot is [chunk, BLOCK_E]
+    chunk = 128  # the scatter compares [chunk, chunk] pairs; the count's histogram wants >= 32 ids a warp
     n_chunks = triton.cdiv(n, chunk)
     # 8192 counts per scan tile: 32 a thread at 8 warps; 16384 took 200 B of stack (sm_90, E=128, BM=128)
     tile_c = min(triton.next_power_of_2(n_chunks), max(1, 8192 // block_e))
     counts = torch.empty(n_chunks, block_e, dtype=torch.int32, device=dev)
     bases = torch.empty_like(counts)
-    _plan_count_kernel[(n_chunks,)](ids, counts, n, C=chunk, BLOCK_E=block_e, num_warps=min(4, chunk // 32))
+    _plan_count_kernel[(n_chunks,)](ids, counts, n, C=chunk, BLOCK_E=block_e, num_warps=4)
     _plan_scan_kernel[(1,)](counts, bases, sorted_ids, eob, num_padded, n_chunks, n, num_experts, max_blocks,
                             BM=block_m, BLOCK_E=block_e, BLOCK_B=block_b, TILE_C=tile_c, num_warps=8)
-    _plan_scatter_kernel[(n_chunks,)](ids, bases, sorted_ids, n, num_experts, C=chunk, BLOCK_E=block_e,
-                                      num_warps=4)
+    _plan_scatter_kernel[(n_chunks,)](ids, bases, sorted_ids, n, C=chunk, BLOCK_E=block_e, num_warps=4)
     return plan
 
 
