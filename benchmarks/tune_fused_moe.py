@@ -98,6 +98,8 @@ def lora_trials(base: FusedMoEConfig) -> list[FusedMoEConfig]:
     if base.block_m > 16:  # 16-row block-delta programs over the plan's larger blocks
         trials += [dataclasses.replace(base, lora_shrink="block", lora_block_n=bn, lora_block_k=bk, lora_block_m=16)
                    for bn, bk in ((256, 128), (128, 128), (256, 256))]
+    # every slot's lane of xa side by side: stacked shrink programs of n columns, expanded as more K steps
+    trials += [dataclasses.replace(base, lora_shrink="stacked", lora_stack_n=n) for n in (64, 128)]
     return trials
 
 
@@ -117,7 +119,7 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("1ad_r16", 
         scored.append((t, cfg))
         log.append(dict(M=M, what=f"lora_{cfg.lora_shrink}_{cfg.lora_split_k}_{cfg.lora_n_split}_{cfg.lora_block_n}"
                         f"_x{cfg.lora_expand_lanes}"
-                        f"_m{cfg.lora_block_m}",
+                        f"_m{cfg.lora_block_m}_s{cfg.lora_stack_n}",
                         config=json.dumps(cfg.to_dict()), ms=t))
     t_best, best = min(scored, key=lambda p: p[0])
     # refinements of a route / block pick, each kept if faster: the route delta's programs and warps, the

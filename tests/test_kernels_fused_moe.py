@@ -112,7 +112,7 @@ def test_one_token_and_zero_tokens():
 # "inline" is only taken for pools of rank <= 16 (wider pools go the rank-chunked separate path)
 SHRINK_POOLS = [("inline", 16), ("separate", 24), ("route", 24), ("route", 16), ("route", 64), ("block", 16),
                 ("block", 24), ("block", 64), ("separate_lanes8", 16), ("separate_lanes2", 16), ("separate_lanes8", 24),
-                ("separate_lanes8", 64)]
+                ("separate_lanes8", 64), ("stacked", 16), ("stacked", 24), ("stacked", 64)]
 
 
 @kernel_test
@@ -151,7 +151,7 @@ def test_gate_up_delta_at_activation(shrink, R, dtype, tol):
 
 @kernel_test
 @pytest.mark.parametrize("shrink,R", [("inline", 16), ("separate", 16), ("separate", 24), ("route", 16), ("route", 64),
-                                      ("block", 16), ("block", 64), ("separate_lanes8", 16)])
+                                      ("block", 16), ("block", 64), ("separate_lanes8", 16), ("stacked", 24)])
 def test_plan_per_route(shrink, R):
     """plan_per_route: one route a block, no sort; one token (its K experts distinct: the decode case)
     and 9 tokens whose routes share experts (blocks of one expert repeat), rows on no slot and an
@@ -274,6 +274,22 @@ def test_block_delta_sub_blocks(block_m, lora_block_m, n_split, programs):
 
 
 @kernel_test
+@pytest.mark.parametrize("stack_n", [16, 32, 128])
+@pytest.mark.parametrize("R", [16, 64])
+def test_stacked_column_steps(stack_n, R):
+    """"stacked" with shrink programs narrower and wider than a slot's lane of R columns: 12 slots
+    (one empty, ranks 1..R) in one block over a 32-row plan block, so a shrink program holds part of a
+    lane, one lane or several; then a batch on the low slots only, whose higher lanes are never read."""
+    ranks = (R, 3, 8, 0, 16, 5, 12, R, 1, 7, 16, 4)
+    slots = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, -1, 11, 0, 7, 9, 9, 2, -1]
+    case = make_case(20, 32, 24, 3, 2, ranks=ranks, R=R, device=DEV, seed=15, slots=slots)
+    cfg = replace(tiny_config("stacked", bm=32), lora_stack_n=stack_n)
+    run_checked(case, cfg, 1e-4)
+    low = make_case(20, 32, 24, 3, 2, ranks=ranks, R=R, device=DEV, seed=16, slots=[0, 1, 2, -1] * 5)
+    run_checked(low, cfg, 1e-4)
+
+
+@kernel_test
 def test_tma_layout_equals_plain_in_interpreter():
     if not INTERP:
         pytest.skip("the GPU twin of this test is test_gpu_tma_equals_plain_with_lora")
@@ -325,10 +341,11 @@ def gpu_case(shape, T, seed, ranks=(64, 16, 8, 0, 64, 32, 16, 8), R=64):
 @pytest.mark.parametrize("T", [1, 33, 512])
 @pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block", "route_plan", "route_wide_grid",
                                     "block_wide_tiles", "block_sub16", "block_persist", "separate_lanes",
-                                    "separate_lanes_r16"])
+                                    "separate_lanes_r16", "stacked", "stacked_r16"])
 def test_gpu_qwen3_shape_bf16_lora(T, shrink):
     # a rank-16 pool: inline's, and the lanes' where every slot has a lane (8 of 16 columns each)
-    pool = dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16) if shrink in ("inline", "separate_lanes_r16") else {}
+    pool = dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16) if shrink in ("inline", "separate_lanes_r16",
+                                                                          "stacked_r16") else {}
     case = gpu_case(QWEN3, T, seed=T, **pool)
     from moelora.kernels.moe_config import tuned_fused_moe_config
 

@@ -11,7 +11,8 @@ Launches (no host sync, fixed sizes: CUDA-graph safe; one stream unless `side_st
   plan -> [shrink x A_gu] -> gate_up GEMM + LoRA + SiLU*up -> h [P, I]
        -> [shrink h A_d] -> down GEMM + LoRA, x routing weight -> y [T*K, H] -> sum over K -> out
 (bracketed launches only on the separate-shrink path: lora_shrink="separate", or any pool of max
-rank > 16 under "inline"); under "route" (per
+rank > 16 under "inline", and on "stacked", whose shrink writes xa [P, S * BLOCK_R] in x's dtype, each
+row in its slot's columns, and whose GEMMs expand it as more K steps); under "route" (per
 route) and "block" (per plan block and slot) they compute each route's whole delta instead, [T*K,
 2I] and [T*K, H] in x's dtype (fp32 for route on pools of max rank > 16): the gate_up epilogue adds the first
 (or, with lora_gate_up_at="activation", act_delta_kernel after a gate_up GEMM that writes gate and
@@ -35,6 +36,7 @@ from moelora.kernels.moe_lora import (
     lora_block_delta_kernel,
     lora_route_delta_kernel,
     lora_shrink_kernel,
+    lora_stacked_shrink_kernel,
 )
 from moelora.kernels.moe_plan import (
     EXPERT_SORTED_PADDED,
@@ -51,6 +53,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LORA_RC = 16  # rank columns per step of the separate shrink/expand: cost follows each slot's own rank
 _BLOCK_TARGET_PROGRAMS = 264  # "block" LoRA: programs to aim for (2 per SM on a 132-SM H200)
 _BLOCK_LANES = 8  # "block" LoRA: programs per plan block, one distinct slot each (the last: the rest)
+_STACK_BK = 64  # "stacked" shrink: depth of a K step ([128, 64] x [64, 128] tiles, 3 stages: 96 KB of shared memory)
 _SWITCH_MAX_TOKENS = 1024  # lora_block_max_slots: beyond this many tokens the switch's slot count is not tried
 
 
@@ -137,6 +140,18 @@ def _shrink(src, xa, plan, lora, which, gather, k_dim, block_r, cfg):
         LORA_BK=cfg.lora_block_k, LORA_RC=_LORA_RC, num_warps=4, num_stages=2)
 
 
+def _stacked_shrink(src, xa, plan, lora, which, gather, k_dim, block_r, cfg: FusedMoEConfig):
+    """xa [P, S * block_r] ("stacked"): each plan row's src @ A^T in its slot's lane of columns."""
+    a, ranks = getattr(lora, f"{which}_a"), getattr(lora, f"{which}_ranks")
+    cw = min(cfg.lora_stack_n, triton.next_power_of_2(xa.shape[1]))
+    lora_stacked_shrink_kernel[(plan.max_blocks, triton.cdiv(xa.shape[1], cw))](
+        src, xa, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots, ranks, a,
+        plan.num_routes, plan.top_k, k_dim, a.shape[0], src.stride(0), xa.stride(0), a.stride(0), a.stride(1),
+        a.stride(2), GATHER_TOKENS=gather, BM=plan.block_m, BLOCK_R=block_r, CW=cw, BK=_STACK_BK,
+        S_P2=triton.next_power_of_2(a.shape[0]),
+        num_warps=8 if plan.block_m * cw >= 8192 else 4, num_stages=3)
+
+
 def _switch_args(plan, lora, cfg: FusedMoEConfig, side: int) -> dict:
     """Launch arguments of one side of the route / block switch (`slots_skip`); side 0: no switch."""
     if not side:
@@ -215,6 +230,8 @@ def _lora_buffers(lora, config: FusedMoEConfig, block_r: int, x: torch.Tensor, P
     xa = delta_gu = delta_d = x
     if mode == "separate":
         xa = torch.empty(config.lora_split_k, P, block_r, dtype=torch.float32, device=x.device)
+    elif mode == "stacked":  # the gate_up and then the down shrink's, in x's dtype (the twin rounds xa so)
+        xa = torch.empty(P, lora.gate_up_a.shape[0] * block_r, dtype=x.dtype, device=x.device)
     elif mode in ("route", "block"):
         # route: wide slots in rank chunks summed in the buffer (fp32 for pools wider than one chunk);
         # block: one pass per (slot, expert) pair, so x's dtype (a route pick's block switch shares
@@ -277,6 +294,9 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
                   num_blocks=plan.max_blocks, BM=BM, GROUP_M=config.group_m, HAS_LORA=mode in ("inline", "separate"),
                   INLINE_SHRINK=mode == "inline",
                   EXPAND_LANES=_expand_lanes(config, block_r) if mode == "separate" else 0,
+                  STACKED=mode == "stacked", stride_xa=xa.stride(0),
+                  n_slots=lora.gate_up_a.shape[0] if lora is not None else 0,
+                  S_P2=triton.next_power_of_2(lora.gate_up_a.shape[0]) if mode == "stacked" else 1,
                   BLOCK_R=block_r, LORA_BK=config.lora_block_k, LORA_RC=_LORA_RC, USE_TMA=config.use_tma)
     w_gu, w_dn, h_in = _tma_operands(w_gate_up, w_down, h, config) if config.use_tma else (w_gate_up, w_down, h)
     route_deltas = mode in ("route", "block")  # each route's whole gate_up and down delta, computed first
@@ -286,6 +306,8 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     gu_out = torch.empty(P, 2 * inter, dtype=x.dtype, device=x.device) if late_gu else h
     if mode == "separate":
         _shrink(x, xa, plan, lora, "gate_up", True, H, block_r, config)
+    elif mode == "stacked":
+        _stacked_shrink(x, xa, plan, lora, "gate_up", True, H, block_r, config)
     elif route_deltas:
         # Fork when late_gu (contract 2): the side stream reads x, the plan, topk_ids and the LoRA
         # slots and writes only delta_gu; the GEMM here reads x and writes only gu_out. Both were
@@ -305,6 +327,8 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
             K, inter, gu_out.stride(0), delta_gu.stride(0), h.stride(0), BM=BM, BN=bn, num_warps=4)
     if mode == "separate":
         _shrink(h, xa, plan, lora, "down", False, inter, block_r, config)
+    elif mode == "stacked":  # after the gate_up GEMM on this stream, which has read the gate_up xa
+        _stacked_shrink(h, xa, plan, lora, "down", False, inter, block_r, config)
     elif route_deltas:
         # Fork (contract 2): the side stream reads h, the plan, topk_ids and the LoRA slots and writes
         # only delta_d; the down GEMM on this stream reads h and writes only y. delta_d, h and y were

@@ -56,6 +56,28 @@ def lora_b_tile_cols(b_ptr, offs_n, n_lo, n_hi, stride_bn, rank, BLOCK_R: tl.con
                    mask=(offs_r[:, None] < rank) & cols[None, :], other=0.0)
 
 
+# the "stacked" routed-expert LoRA: column c of S * BLOCK_R stands for rank row c % BLOCK_R of slot c // BLOCK_R
+@triton.jit
+def stacked_slot_ranks(slot, ranks_ptr, n_slots, S_P2: tl.constexpr):
+    """[S_P2]: each slot's rank if some row of `slot` is on it, else 0 (loaded once per program, so the
+    stacked steps' masks need no memory access)."""
+    offs_s = tl.arange(0, S_P2)
+    present = tl.max((slot[:, None] == offs_s[None, :]).to(tl.int32), axis=0) > 0
+    return tl.load(ranks_ptr + offs_s, mask=present & (offs_s < n_slots), other=0)
+
+
+@triton.jit
+def stacked_columns(slot_ranks, c0, BLOCK_R: tl.constexpr, CW: tl.constexpr, S_P2: tl.constexpr):
+    """Stacked columns [c0, c0 + CW): (columns, their slots, their rank rows, live: below the rank of a
+    slot of the block, from `stacked_slot_ranks`). A column that is not live moves no bytes."""
+    cols = c0 + tl.arange(0, CW)
+    s_col = cols // BLOCK_R
+    r_col = cols % BLOCK_R
+    hit = s_col[:, None] == tl.arange(0, S_P2)[None, :]
+    rank_col = tl.sum(tl.where(hit, slot_ranks[None, :], 0), axis=1)
+    return cols, s_col, r_col, r_col < rank_col
+
+
 @triton.jit
 def drop_largest_slots(slot, lane):
     """(slot vector with its `lane` largest distinct slots set to -1, the largest one left or -1):

@@ -21,8 +21,8 @@ import torch
 from moelora.kernels.checks import need_at_least, need_one_of, need_pow2
 
 CONFIG_DIR = Path(__file__).parent / "configs"
-LORA_SHRINK_MODES = ("inline", "separate", "route", "block")
-WIDE_SHRINK_MODES = ("separate", "route", "block")  # "inline" is rank-proportional only up to rank 16
+LORA_SHRINK_MODES = ("inline", "separate", "route", "block", "stacked")
+WIDE_SHRINK_MODES = ("separate", "route", "block", "stacked")  # "inline" is rank-proportional only up to rank 16
 GATE_UP_DELTA_AT = ("epilogue", "activation")
 ROUTE_ORDERS = ("token", "plan")
 
@@ -90,7 +90,13 @@ class FusedMoEConfig:
     tensor descriptors for the weight (and down-GEMM activation) tiles; the off switch of that
     path (contract 6). plan_per_route: no routing-plan launch; each plan block holds one route
     (`moe_plan.per_route_plan`): a block per route reads its expert's weights, so only for batches
-    whose routes rarely share an expert (one token)."""
+    whose routes rarely share an expert (one token). "stacked" (prefill): a shrink kernel writes each plan
+    row's xa into its slot's lane of S * BLOCK_R columns and zeros in the others (xa_stacked [P, S *
+    BLOCK_R]), and each GEMM adds xa_stacked @ B_stacked[e] (every slot's B of the block's expert; B of a
+    slot absent from the block, or past a slot's rank, loads nothing) as more steps of its K loop, one
+    lane a step, with no reduction or branch between steps (the separate path's slot loop has both);
+    lora_stack_n: the stacked columns of each shrink program (a program per plan block and
+    lora_stack_n columns; one with no row on its columns' slots only writes zeros)."""
 
     block_m: int = 16
     gate_up: GemmTile = field(default_factory=GemmTile)
@@ -112,6 +118,7 @@ class FusedMoEConfig:
     lora_block_max_slots: int = 0
     lora_expand_lanes: int = 0
     lora_shrink_lanes: int = 1
+    lora_stack_n: int = 128
     use_tma: bool = False
     plan_per_route: bool = False
 
@@ -119,7 +126,7 @@ class FusedMoEConfig:
         need_pow2("FusedMoEConfig", block_m=self.block_m, gate_up_block_n=self.gate_up.block_n,
                   gate_up_block_k=self.gate_up.block_k, down_block_n=self.down.block_n,
                   down_block_k=self.down.block_k, lora_block_k=self.lora_block_k, lora_block_n=self.lora_block_n,
-                  lora_route_tile=self.lora_route_tile)
+                  lora_route_tile=self.lora_route_tile, lora_stack_n=self.lora_stack_n)
         need_at_least("FusedMoEConfig", 256, lora_route_tile=self.lora_route_tile)  # 16 rank columns x 16
         need_at_least("FusedMoEConfig", 1, lora_split_k=self.lora_split_k, lora_route_programs=self.lora_route_programs)
         need_at_least("FusedMoEConfig", 0, lora_n_split=self.lora_n_split,

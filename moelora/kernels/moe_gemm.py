@@ -18,6 +18,11 @@ different slots (or none: slot -1 never enters any LoRA work).
   separate (prefill): lora_shrink_kernel (moe_lora) computes xa first, and the GEMM epilogue
     only expands, slot by slot; with EXPAND_LANES (FusedMoEConfig.lora_expand_lanes) the block's
     largest slots in one dot: xa rows in their slot's lane of columns, the slots' B tiles stacked.
+  stacked (prefill, STACKED): lora_stacked_shrink_kernel (moe_lora) writes each row's xa in its slot's
+    lane of S * BLOCK_R columns (zeros in the others); the epilogue adds xa_stacked @ B_stacked[e] as K
+    steps of one lane each, slot 0 up to the block's largest: a plain loop with no reduction or branch
+    (Triton pipelines its loads), where a slot absent from the block, or B columns past a slot's rank,
+    load nothing.
   route / block (decode, LORA_DELTA): lora_route_delta_kernel / lora_block_delta_kernel (moe_lora)
     compute each route's whole delta; the gate_up epilogue adds delta[route] to the tile before the
     activation (HAS_LORA is off: no slot loop). The down delta is not added by down_kernel but by
@@ -35,7 +40,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moelora.kernels.lora_tiles import lora_a_tile, lora_b_tile, lora_shrink_rows
+from moelora.kernels.lora_tiles import lora_a_tile, lora_b_tile, lora_shrink_rows, stacked_slot_ranks
 
 
 @triton.jit
@@ -150,11 +155,11 @@ def gate_up_kernel(
     slots_ptr, ranks_ptr, a_ptr, b_ptr, xa_ptr, delta_ptr,
     n_routes, top_k, H, inter, num_blocks,
     stride_xt, stride_we, stride_wn, stride_hp, stride_dr,
-    stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn,
+    stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_xa, n_slots,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_LORA: tl.constexpr, INLINE_SHRINK: tl.constexpr, XA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
     LORA_BK: tl.constexpr, LORA_RC: tl.constexpr, USE_TMA: tl.constexpr, LORA_DELTA: tl.constexpr,
-    RAW_OUT: tl.constexpr, EXPAND_LANES: tl.constexpr = 0,
+    RAW_OUT: tl.constexpr, EXPAND_LANES: tl.constexpr = 0, STACKED: tl.constexpr = False, S_P2: tl.constexpr = 1,
 ):
     """h[plan row] = silu(gate) * up of x[token] @ W_gu[e]^T (+ LoRA); RAW_OUT: h is [P, 2I] and gets
     gate and up as they are (columns [0, I) and [I, 2I)), for `act_delta_kernel` to finish."""
@@ -245,6 +250,17 @@ def gate_up_kernel(
                                                    LORA_RC).to(dt), acc_u)
                 slot = tl.where(sel, -1, slot)
                 s = tl.max(slot, axis=0)
+    if STACKED:  # "stacked": xa_stacked @ B_stacked[e] as more K steps, one slot's lane of BLOCK_R columns each
+        slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
+        slot_ranks = stacked_slot_ranks(slot, ranks_ptr, n_slots, S_P2)
+        xa_rows = xa_ptr + offs_m[:, None].to(tl.int64) * stride_xa + tl.arange(0, BLOCK_R)[None, :]
+        for s in range(0, tl.max(slot, axis=0) + 1):  # no lane past the block's largest slot
+            rank = tl.sum(tl.where(tl.arange(0, S_P2) == s, slot_ranks, 0), axis=0)  # 0: not in the block
+            xs = tl.load(xa_rows + s * BLOCK_R)
+            b_se = slot_base(b_ptr, s, e, stride_bs, stride_be)
+            acc_g = tl.dot(xs, lora_b_tile(b_se, offs_n, inter, stride_bn, rank, BLOCK_R).to(dt), acc_g)
+            acc_u = tl.dot(xs, lora_b_tile(b_se + inter * stride_bn, offs_n, inter, stride_bn, rank, BLOCK_R).to(dt),
+                           acc_u)
     if LORA_DELTA:  # "route": the delta of each route was computed before this kernel
         d_rows = delta_ptr + route[:, None].to(tl.int64) * stride_dr + offs_n[None, :]
         live = _delta_rows(slots_ptr, ranks_ptr, tok, valid)[:, None] & (offs_n[None, :] < inter)
@@ -290,10 +306,11 @@ def down_kernel(
     slots_ptr, ranks_ptr, a_ptr, b_ptr, xa_ptr,
     n_routes, top_k, H, inter, num_blocks,
     stride_hp, stride_we, stride_wn, stride_yr,
-    stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn,
+    stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_xa, n_slots,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_LORA: tl.constexpr, INLINE_SHRINK: tl.constexpr, XA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
     LORA_BK: tl.constexpr, LORA_RC: tl.constexpr, USE_TMA: tl.constexpr, EXPAND_LANES: tl.constexpr = 0,
+    STACKED: tl.constexpr = False, S_P2: tl.constexpr = 1,
 ):
     pid_m, pid_n = _tile_ids(num_blocks, tl.cdiv(H, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_padded_ptr):
@@ -367,6 +384,14 @@ def down_kernel(
                     acc = tl.dot(xs, lora_b_tile(b_se + r0, offs_n, H, stride_bn, rank - r0, LORA_RC).to(dt), acc)
                 slot = tl.where(sel, -1, slot)
                 s = tl.max(slot, axis=0)
+    if STACKED:  # "stacked", as in gate_up_kernel
+        slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
+        slot_ranks = stacked_slot_ranks(slot, ranks_ptr, n_slots, S_P2)
+        xa_rows = xa_ptr + offs_m[:, None].to(tl.int64) * stride_xa + tl.arange(0, BLOCK_R)[None, :]
+        for s in range(0, tl.max(slot, axis=0) + 1):
+            rank = tl.sum(tl.where(tl.arange(0, S_P2) == s, slot_ranks, 0), axis=0)
+            acc = tl.dot(tl.load(xa_rows + s * BLOCK_R), lora_b_tile(slot_base(b_ptr, s, e, stride_bs, stride_be),
+                                                                   offs_n, H, stride_bn, rank, BLOCK_R).to(dt), acc)
     wt_route = tl.load(topk_w_ptr + route, mask=valid, other=0.0).to(tl.float32)
     acc = acc * wt_route[:, None]
     tl.store(y_ptr + route[:, None].to(tl.int64) * stride_yr + offs_n[None, :],

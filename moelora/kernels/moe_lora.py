@@ -35,6 +35,10 @@ SPLIT reduction splits, RC = 16 rank columns per step (cost follows each slot's 
   A/B read once per sub-block instead of once per block. PERSIST (lora_block_programs): a fixed
   number of programs loop over those (sub-block, lane, split) items: slower alone, faster beside the
   base GEMM at M = 128 / 256 on the H200 (docs/benchmarks.md).
+- `lora_stacked_shrink_kernel` ("stacked"): xa_stacked [P, S * BLOCK_R] in x's dtype, each row's xa in
+  its slot's BLOCK_R columns and zeros in the others (every row of a live block written); program (plan
+  block, CW stacked columns); the GEMM kernels expand it as extra K steps against every slot's B of the
+  block's expert (moe_gemm).
 - The route / block switch (FusedMoEConfig.lora_block_max_slots): both delta kernels are launched
   and each program first counts the distinct slots of the batch (`slots_skip`); with at most
   max_slots the block kernel runs and the route kernel's programs exit, else the reverse. One
@@ -48,7 +52,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moelora.kernels.lora_tiles import drop_largest_slots, lora_b_tile, lora_shrink_rows
+from moelora.kernels.lora_tiles import (
+    drop_largest_slots,
+    lora_b_tile,
+    lora_shrink_rows,
+    stacked_columns,
+    stacked_slot_ranks,
+)
 from moelora.kernels.moe_gemm import plan_rows, slot_base
 
 
@@ -87,6 +97,44 @@ def lora_shrink_kernel(
         slot = tl.where(sel, -1, slot)
         s = tl.where(last, tl.max(slot, axis=0), -1)  # a lane below the last takes one slot
 
+
+
+@triton.jit
+def lora_stacked_shrink_kernel(
+    src_ptr, xa_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr, slots_ptr, ranks_ptr, a_ptr,
+    n_routes, top_k, k_dim, n_slots, stride_src, stride_xa, stride_as, stride_ae, stride_ar,
+    GATHER_TOKENS: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr, CW: tl.constexpr, BK: tl.constexpr,
+    S_P2: tl.constexpr,
+):
+    """xa_stacked[row, c] for the CW stacked columns c of program_id(1) and every row of plan block
+    program_id(0): src row @ A[c // BLOCK_R, e, c % BLOCK_R]^T where c is in the row's slot's lane, 0
+    elsewhere, in xa's dtype. One tl.dot a K step over all the block's slots of those columns (a dense
+    GEMM, not a loop over slots); A rows of slots absent from the block, or past a slot's rank, load
+    nothing, and a program with no row on its columns' slots only writes its zeros."""
+    pid_m = tl.program_id(0)
+    if pid_m * BM >= tl.load(num_padded_ptr):
+        return
+    offs_m, route, valid, tok = plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BM)
+    slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
+    cols, s_col, r_col, live = stacked_columns(stacked_slot_ranks(slot, ranks_ptr, n_slots, S_P2),
+                                               tl.program_id(1) * CW, BLOCK_R, CW, S_P2)
+    own = slot[:, None] == s_col[None, :]
+    mine = tl.max(own.to(tl.int32), axis=1) > 0  # rows on a slot of these columns
+    acc = tl.zeros((BM, CW), tl.float32)
+    if tl.max(mine.to(tl.int32), axis=0) > 0:
+        e = tl.load(eob_ptr + pid_m).to(tl.int64)
+        rows = tok if GATHER_TOKENS else offs_m
+        a_cols = a_ptr + s_col.to(tl.int64) * stride_as + e * stride_ae + r_col * stride_ar
+        for k0 in range(0, k_dim, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            k_ok = offs_k < k_dim
+            xt = tl.load(src_ptr + rows[:, None].to(tl.int64) * stride_src + offs_k[None, :],
+                         mask=mine[:, None] & k_ok[None, :], other=0.0)
+            at = tl.load(a_cols[None, :] + offs_k[:, None], mask=live[None, :] & k_ok[:, None], other=0.0)
+            acc = tl.dot(xt, at.to(xt.dtype), acc)
+    xa = tl.where(own, acc, 0.0).to(xa_ptr.dtype.element_ty)
+    tl.store(xa_ptr + offs_m[:, None].to(tl.int64) * stride_xa + cols[None, :], xa,
+             mask=(cols < n_slots * BLOCK_R)[None, :])
 
 
 @triton.jit
