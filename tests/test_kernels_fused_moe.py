@@ -52,9 +52,9 @@ def make_case(T, H, inter, E, K, *, ranks=(), R=0, dtype=torch.float32, device="
         S = len(ranks)
         ga, gb = rn(S, E, R, H, scale=H ** -0.5), rn(S, E, 2 * inter, R, scale=R ** -0.5)
         da, db = rn(S, E, R, inter, scale=inter ** -0.5), rn(S, E, H, R, scale=R ** -0.5)
-        for s, r in enumerate(ranks):  # a slot of rank r < R has zeros beyond column r
+        for s, r in enumerate(ranks):  # NaN beyond a slot's rank: no path may use those columns
             for t in (ga[s, :, r:], gb[s, :, :, r:], da[s, :, r:], db[s, :, :, r:]):
-                t.zero_()
+                t.fill_(float("nan"))
         if slots is None:
             slots = torch.randint(-1, S, (T,), generator=g, dtype=torch.int32)
         slots = torch.as_tensor(slots, dtype=torch.int32)
