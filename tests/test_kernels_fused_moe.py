@@ -273,6 +273,20 @@ def test_block_delta_sub_blocks(block_m, lora_block_m, n_split, programs):
     run_checked(case, cfg, 1e-2)
 
 
+def test_stacked_falls_back_on_wide_pools():
+    """A pool of more than STACK_MAX_COLS slot columns takes "separate" under a "stacked" config (xa and the
+    expand steps grow with the pool); narrower pools and other modes are as configured."""
+    from moelora.kernels.fused_moe import STACK_MAX_COLS, lora_mode
+
+    cfg = tiny_config("stacked")
+    for slots, block_r, want in ((STACK_MAX_COLS // 64, 64, "stacked"), (STACK_MAX_COLS // 64 + 1, 64, "separate"),
+                                 (STACK_MAX_COLS // 16, 16, "stacked"), (STACK_MAX_COLS // 16 + 1, 16, "separate")):
+        lora = ExpertLoRAArgs(torch.zeros(slots, 1, 1, 1), None, None, None, None, None, None, ())
+        assert lora_mode(lora, cfg, block_r) == want, (slots, block_r)
+        assert lora_mode(lora, tiny_config("block"), block_r) == "block"
+    assert lora_mode(None, cfg, 16) is None
+
+
 @kernel_test
 @pytest.mark.parametrize("stack_n", [16, 32, 128])
 @pytest.mark.parametrize("R", [16, 64])

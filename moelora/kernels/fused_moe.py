@@ -53,6 +53,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LORA_RC = 16  # rank columns per step of the separate shrink/expand: cost follows each slot's own rank
 _BLOCK_TARGET_PROGRAMS = 264  # "block" LoRA: programs to aim for (2 per SM on a 132-SM H200)
 _BLOCK_LANES = 8  # "block" LoRA: programs per plan block, one distinct slot each (the last: the rest)
+STACK_MAX_COLS = 512  # "stacked" up to this many slot columns (8 slots of rank 64; 32 of 16): 25 MB of xa at M=4096
 _STACK_BK = 64  # "stacked" shrink: depth of a K step ([128, 64] x [64, 128] tiles, 3 stages: 96 KB of shared memory)
 _SWITCH_MAX_TOKENS = 1024  # lora_block_max_slots: beyond this many tokens the switch's slot count is not tried
 
@@ -222,11 +223,23 @@ def _expand_lanes(cfg: FusedMoEConfig, block_r: int) -> int:
     return min(cfg.lora_expand_lanes, max(1, 128 // block_r))
 
 
+def lora_mode(lora: ExpertLoRAArgs | None, config: FusedMoEConfig, block_r: int) -> str | None:
+    """The LoRA path of a call: `FusedMoEConfig.shrink_mode`, except that "stacked" on a pool of more than
+    STACK_MAX_COLS slot columns (S * block_r) goes "separate": its xa buffer ([P, S * block_r]) and its
+    expand steps (one per slot up to a block's largest) grow with the pool, not with the batch's adapters."""
+    if lora is None:
+        return None
+    mode = config.shrink_mode(block_r)
+    if mode == "stacked" and lora.gate_up_a.shape[0] * block_r > STACK_MAX_COLS:
+        return "separate"
+    return mode
+
+
 def _lora_buffers(lora, config: FusedMoEConfig, block_r: int, x: torch.Tensor, P: int, n_routes: int, inter: int):
     """(mode, xa, delta_gu, delta_d): the LoRA path this call takes (`FusedMoEConfig.shrink_mode`) and its
     scratch buffers (x as a dummy where a path has none). "separate": the gate_up and then the down
     shrink's xa, one [SPLIT, P, block_r] fp32 buffer for both."""
-    mode = config.shrink_mode(block_r) if lora is not None else None
+    mode = lora_mode(lora, config, block_r)
     xa = delta_gu = delta_d = x
     if mode == "separate":
         xa = torch.empty(config.lora_split_k, P, block_r, dtype=torch.float32, device=x.device)

@@ -96,7 +96,8 @@ class FusedMoEConfig:
     slot absent from the block, or past a slot's rank, loads nothing) as more steps of its K loop, one
     lane a step, with no reduction or branch between steps (the separate path's slot loop has both);
     lora_stack_n: the stacked columns of each shrink program (a program per plan block and
-    lora_stack_n columns; one with no row on its columns' slots only writes zeros)."""
+    lora_stack_n columns; one with no row on its columns' slots only writes zeros). A pool of more than
+    fused_moe.STACK_MAX_COLS slot columns (S * BLOCK_R) takes "separate" instead (`fused_moe.lora_mode`)."""
 
     block_m: int = 16
     gate_up: GemmTile = field(default_factory=GemmTile)
