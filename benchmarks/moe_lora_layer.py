@@ -79,30 +79,30 @@ def main(argv=None):
                     for m in (["table"] if v == "off" else args.shrink.split(","))
                     for a in (["table"] if v == "off" else args.gate_up_at.split(","))]
             for var, mode, at in runs:
-                lora_var = var
+                label = var
                 lora = make_lora(layer, M, var)
                 cfg = tuned_fused_moe_config(shape["E"], shape["H"], shape["I"], M, shape["K"], torch.bfloat16, gpu)
                 if mode != "table":
                     cfg = replace(cfg, lora_shrink=mode,
                                   lora_shrink_wide="" if mode == "inline" else mode)  # this mode at every width
-                    var = f"{var}/{mode}"
+                    label = f"{label}/{mode}"
                 if at != "table":
                     cfg = replace(cfg, lora_gate_up_at=at)
-                    var = f"{var}@{at[:3]}"
+                    label = f"{label}@{at[:3]}"
                 fn = moe_call(layer, x, wts, ids, lora, cfg, side)
                 t = graph_time_ms(fn)
-                t_eager = eager_time_ms(fn) if var.split('/')[0] in EAGER_VARIANTS else float("nan")
+                t_eager = eager_time_ms(fn) if label.split("/")[0] in EAGER_VARIANTS else float("nan")
                 t_chain = float("nan")
                 if others:
-                    calls = [fn] + [moe_call(o, x, wts, ids, make_lora(o, M, lora_var), cfg, side) for o in others]
+                    calls = [fn] + [moe_call(o, x, wts, ids, make_lora(o, M, var), cfg, side) for o in others]
                     t_chain = graph_time_ms(lambda calls=calls: [c() for c in calls]) / len(calls)
                 t_off = t if var == "off" else t_off
                 c_off = t_chain if var == "off" else c_off
                 nbytes = bytes_bound(layer, x, ids, lora)
                 flops = 2 * M * shape["K"] * 3 * shape["H"] * shape["I"]
                 bound_ms = nbytes / (bw * 1e9) * 1e3
-                rows.append(dict(gpu=gpu, shape=sname, M=M, variant=var, graph_ms=t, eager_ms=t_eager, chain_ms=t_chain,
-                                 chain_x_bound=t_chain / bound_ms,
+                rows.append(dict(gpu=gpu, shape=sname, M=M, variant=label, graph_ms=t, eager_ms=t_eager,
+                                 chain_ms=t_chain, chain_x_bound=t_chain / bound_ms,
                                  chain_vs_off=t_chain / c_off if c_off else float("nan"),
                                  bytes=nbytes, gbps=nbytes / (t * 1e-3) / 1e9, x_bytes_bound=t / bound_ms,
                                  tflops=flops / (t * 1e-3) / 1e12, pct_peak=100 * flops / (t * 1e-3) / 1e12 / peak,
@@ -113,7 +113,7 @@ def main(argv=None):
                     writer.writeheader()
                 writer.writerow(r)
                 f.flush()
-                print(f"{sname:14s} M={M:5d} {var:14s} {t * 1e3:9.1f} us  eager {t_eager * 1e3:8.1f} us  "
+                print(f"{sname:14s} M={M:5d} {label:14s} {t * 1e3:9.1f} us  eager {t_eager * 1e3:8.1f} us  "
                       f"chain {t_chain * 1e3:8.1f} us/layer (x{t_chain / bound_ms:.2f} bound)  "
                       f"{r['gbps']:6.0f} GB/s  x{r['x_bytes_bound']:.2f} bound  {r['tflops']:6.1f} TF/s "
                       f"({r['pct_peak']:4.1f}%)  vs_off {r['vs_off']:.3f}", flush=True)

@@ -236,7 +236,7 @@ def lora_mode(lora: ExpertLoRAArgs | None, config: FusedMoEConfig, block_r: int)
 
 
 def _lora_buffers(lora, config: FusedMoEConfig, block_r: int, x: torch.Tensor, P: int, n_routes: int, inter: int):
-    """(mode, xa, delta_gu, delta_d): the LoRA path this call takes (`FusedMoEConfig.shrink_mode`) and its
+    """(mode, xa, delta_gu, delta_d): the LoRA path this call takes (`lora_mode`) and its
     scratch buffers (x as a dummy where a path has none). "separate": the gate_up and then the down
     shrink's xa, one [SPLIT, P, block_r] fp32 buffer for both."""
     mode = lora_mode(lora, config, block_r)

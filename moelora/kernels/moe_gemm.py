@@ -40,7 +40,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moelora.kernels.lora_tiles import lora_a_tile, lora_b_tile, lora_shrink_rows, stacked_slot_ranks
+from moelora.kernels.lora_tiles import lora_a_tile, lora_b_tile, lora_shrink_rows, rank_of, stacked_slot_ranks
 
 
 @triton.jit
@@ -255,7 +255,7 @@ def gate_up_kernel(
         slot_ranks = stacked_slot_ranks(slot, ranks_ptr, n_slots, S_P2)
         xa_rows = xa_ptr + offs_m[:, None].to(tl.int64) * stride_xa + tl.arange(0, BLOCK_R)[None, :]
         for s in range(0, tl.max(slot, axis=0) + 1):  # no lane past the block's largest slot
-            rank = tl.sum(tl.where(tl.arange(0, S_P2) == s, slot_ranks, 0), axis=0)  # 0: not in the block
+            rank = rank_of(slot_ranks, s, S_P2)  # 0: not in the block
             xs = tl.load(xa_rows + s * BLOCK_R)
             b_se = slot_base(b_ptr, s, e, stride_bs, stride_be)
             acc_g = tl.dot(xs, lora_b_tile(b_se, offs_n, inter, stride_bn, rank, BLOCK_R).to(dt), acc_g)
@@ -389,7 +389,7 @@ def down_kernel(
         slot_ranks = stacked_slot_ranks(slot, ranks_ptr, n_slots, S_P2)
         xa_rows = xa_ptr + offs_m[:, None].to(tl.int64) * stride_xa + tl.arange(0, BLOCK_R)[None, :]
         for s in range(0, tl.max(slot, axis=0) + 1):
-            rank = tl.sum(tl.where(tl.arange(0, S_P2) == s, slot_ranks, 0), axis=0)
+            rank = rank_of(slot_ranks, s, S_P2)
             acc = tl.dot(tl.load(xa_rows + s * BLOCK_R), lora_b_tile(slot_base(b_ptr, s, e, stride_bs, stride_be),
                                                                    offs_n, H, stride_bn, rank, BLOCK_R).to(dt), acc)
     wt_route = tl.load(topk_w_ptr + route, mask=valid, other=0.0).to(tl.float32)
