@@ -68,6 +68,7 @@ class Compiler:
     def __init__(self, resources: bool):
         self.resources = resources
         self.seen: dict[tuple, str] = {}
+        self.kernels: dict[tuple, object] = {}  # the compiled kernels (asm["ttgir"], asm["ptx"]), same keys
         self.failures: list[str] = []
         self.too_big: list[str] = []
 
@@ -106,6 +107,7 @@ class Compiler:
             self.seen[key] = "FAIL"
             return
         self.seen[key] = f"shared {kernel.metadata.shared}" + (_resources(kernel) if self.resources else "")
+        self.kernels[key] = kernel
 
 
 def _located(error: str) -> str:

@@ -58,3 +58,59 @@ def test_table_entries_compile_for_sm90(tmp_path, monkeypatch):
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compile, not read last run's cubins
     assert compile_check.main(["--shapes", "qwen3_30b_a3b", "--picks"]) == 0
+
+
+def _element_loads(kernel) -> int:
+    """bf16/fp16 global loads of one element each in the kernel's PTX (a vector or cp.async load is not one)."""
+    import re
+
+    return len(re.findall(r"ld\.global(?:\.\w+)*\.b16 ", kernel.asm["ptx"]))
+
+
+def test_lora_b_tiles_are_vector_loads(tmp_path, monkeypatch):
+    """The LoRA B tiles compile to vector loads for sm_90: a B tile's rank mask changes inside its contiguous
+    columns unless it is cut at whole 16-column chunks (`lora_tiles.rank_chunks`); otherwise each B element
+    is a 2-byte load. The LoRA kernels that read no gathered scalars (gate_up GEMM, the delta kernels, the
+    dense delta kernels) then have no element load at all; each down GEMM as many as its no-LoRA twin (the
+    routing weights)."""
+    import dataclasses
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from moe_bench_common import SHAPES, make_inputs, make_layer, make_lora
+
+    from moelora.kernels.fused_moe import fused_moe
+    from moelora.kernels.lora_linear import default_lora_linear_config, lora_linear
+    from moelora.kernels.moe_config import tuned_fused_moe_config
+    from moelora.kernels.reference import DenseLoRAArgs
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    shape = SHAPES["qwen3_30b_a3b"]
+    layer = make_layer(dict(shape, E=16), pool_ranks=(16, 64), device="cpu")
+    T, n_in, n_out, S, R = 64, 256, 384, 4, 64
+    dense = DenseLoRAArgs(torch.randn(S, R, n_in, dtype=torch.bfloat16), torch.randn(S, n_out, R, dtype=torch.bfloat16),
+                          torch.arange(T, dtype=torch.int32) % S, torch.tensor([8, 16, 64, 24], dtype=torch.int32),
+                          None)
+    with Compiler(resources=False) as comp:
+        for M in (8, 128):
+            x, wts, ids = make_inputs(layer, M)
+            base = tuned_fused_moe_config(shape["E"], shape["H"], shape["I"], M, shape["K"], torch.bfloat16,
+                                          "NVIDIA H200")
+            for mode in ("inline", "block", "route", "stacked", "separate"):
+                cfg = dataclasses.replace(base, use_tma=False, lora_shrink=mode)
+                for lora in (None, make_lora(layer, M, "8ad_r16"), make_lora(layer, M, "8ad_r64")):
+                    fused_moe(x, layer.w_gu, layer.w_d, wts, ids, lora=lora, out=torch.empty_like(x), config=cfg)
+        xd, w = torch.randn(T, n_in, dtype=torch.bfloat16), torch.randn(n_out, n_in, dtype=torch.bfloat16)
+        for mode in ("split", "fused", "planned"):
+            lora_linear(xd, w, None, dense, config=default_lora_linear_config(T, mode))
+    assert comp.failures == []
+    names = {key[0] for key in comp.kernels}
+    assert {"lora_block_delta_kernel", "lora_route_delta_kernel", "lora_stacked_shrink_kernel",
+            "planned_delta_kernel", "_lora_expand_add_kernel", "_lora_delta_add_fused_kernel"} <= names, names
+    down_base = {_element_loads(k) for (name, c), k in comp.kernels.items()
+                 if name == "down_kernel" and not dict(c)["HAS_LORA"] and not dict(c)["STACKED"]}
+    assert len(down_base) == 1
+    for (name, consts), kernel in comp.kernels.items():
+        if name in ("combine_kernel", "_plan_count_kernel", "_plan_scan_kernel", "_plan_scatter_kernel"):
+            continue
+        want = next(iter(down_base)) if name == "down_kernel" else 0
+        assert _element_loads(kernel) == want, f"{name} {dict(consts)}: {_element_loads(kernel)} element loads"

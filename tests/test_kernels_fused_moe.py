@@ -317,7 +317,10 @@ def test_tma_layout_equals_plain_in_interpreter():
         tma = fused_moe(*case[:5], lora=case[5], config=tiny_config(tma=True))
     finally:
         fm._check_tma = check
-    assert torch.equal(tma, plain)
+    # Not bitwise: the interpreter's fp32 tl.dot is numpy's matmul, whose summation order follows the
+    # operands' memory layout (TMA's weight tile is a transposed view) and the BLAS build; a layout bug
+    # moves outputs by O(1), rounding by ~1e-7 here.
+    torch.testing.assert_close(tma, plain, rtol=1e-5, atol=1e-5)
 
 
 @kernel_test

@@ -92,6 +92,10 @@ def _check_lora(lora: ExpertLoRAArgs, T, H, E, inter):
         t = getattr(lora, name)
         _need(tuple(t.shape) == shape, f"lora.{name} must be {shape}, got {tuple(t.shape)}")
         _need(t.stride(-1) == 1 and t.is_floating_point(), f"lora.{name} must be float, unit last stride")
+    for name in ("gate_up_b", "down_b"):  # B tiles read whole 16-column chunks of a row, up to its stride
+        t = getattr(lora, name)
+        _need(t.shape[2] <= 1 or t.stride(2) == R, f"lora.{name} must have rows of R={R} contiguous columns, "
+              f"got row stride {t.stride(2)}")
     _need(tuple(lora.token_slots.shape) == (T,) and lora.token_slots.dtype == torch.int32,
           f"lora.token_slots must be [T={T}] int32, got {tuple(lora.token_slots.shape)} {lora.token_slots.dtype}")
     for name in ("gate_up_ranks", "down_ranks"):

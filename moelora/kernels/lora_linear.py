@@ -259,7 +259,8 @@ def _lora_delta_add_fused_kernel(
             for r0 in range(0, rank, RC):  # only the slot's own rank columns, RC at a time
                 xa = lora_shrink_rows(x_ptr, offs_t, stride_xt, sel, a_s + r0 * stride_ar, stride_ar, rank - r0, 0,
                                       N_in, BM, RC, BK).to(x_ptr.dtype.element_ty)
-                acc = tl.dot(xa, lora_b_tile(b_s + r0, offs_n, N_out, stride_bn, rank - r0, RC).to(xa.dtype), acc)
+                bt = lora_b_tile(b_s + r0, offs_n, N_out, stride_bn, rank - r0, stride_bn - r0, RC)
+                acc = tl.dot(xa, bt.to(xa.dtype), acc)
         else:
             n0 = tl.program_id(1) * BN
             for g in tl.static_range(G):  # the segments this tile overlaps, each up to its own rank
@@ -271,7 +272,7 @@ def _lora_delta_add_fused_kernel(
                     for r0 in range(0, rank, RC):
                         xa = lora_shrink_rows(x_ptr, offs_t, stride_xt, sel, a_g + r0 * stride_ar, stride_ar,
                                               rank - r0, 0, N_in, BM, RC, BK).to(x_ptr.dtype.element_ty)
-                        bt = lora_b_tile_cols(b_s + r0, offs_n, lo, hi, stride_bn, rank - r0, RC)
+                        bt = lora_b_tile_cols(b_s + r0, offs_n, lo, hi, stride_bn, rank - r0, stride_bn - r0, RC)
                         acc = tl.dot(xa, bt.to(xa.dtype), acc)
         slot = tl.where(sel, -1, slot)
         s = tl.max(slot, axis=0)
@@ -307,6 +308,8 @@ def _check_lora(lora, T, n_in, n_out):
     for name, t, shape in (("a", lora.a, (S, GR, n_in)), ("b", lora.b, (S, n_out, R))):
         if tuple(t.shape) != shape or t.stride(-1) != 1 or not t.is_floating_point():
             raise ValueError(f"lora.{name} must be float {shape} with unit last stride, got {tuple(t.shape)}")
+    if n_out > 1 and lora.b.stride(1) != R:  # B tiles read whole 16-column chunks of a row, up to its stride
+        raise ValueError(f"lora.b must have rows of R={R} contiguous columns, got row stride {lora.b.stride(1)}")
     if tuple(lora.token_slots.shape) != (T,) or lora.token_slots.dtype != torch.int32:
         raise ValueError(f"lora.token_slots must be [T={T}] int32, got {tuple(lora.token_slots.shape)} "
                          f"{lora.token_slots.dtype}")

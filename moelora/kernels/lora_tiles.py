@@ -3,7 +3,7 @@
 Shape legend: BM rows, BN output columns, R rank (BLOCK_R = pow2 >= 16 >= R), k_dim the input
 features. A [R, k_dim] and B [N, R] are one (slot, expert) or one slot's matrices, unit last
 stride. Loads are masked to the slot's rank: an adapter of rank r moves r rows of A / columns
-of B whatever the pool's R.
+of B (rounded up to 16 for B: `rank_chunks`) whatever the pool's R.
 """
 
 from __future__ import annotations
@@ -31,11 +31,28 @@ def lora_shrink_rows(src_ptr, rows, stride_src, sel, a_ptr, stride_ar, rank, k_s
 
 
 @triton.jit
-def lora_b_tile(b_ptr, offs_n, n_limit, stride_bn, rank, BLOCK_R: tl.constexpr):
-    """[BLOCK_R, BN] tile of B^T (B is [N, R]), rank- and column-masked."""
+def rank_chunks(rank, r_limit):
+    """The B columns a tile loads for a slot of `rank`: its rank rounded up to whole 16-column chunks
+    (a multiple of 16 the compiler can see), at most r_limit (the columns B's rows hold from the tile's
+    first one). A mask of `offs_r < rank` alone varies inside every 16 contiguous columns, so each B
+    element became its own 2-byte load (ld.global.b16 in the PTX); chunk-aligned, the loads are vectors
+    (and a pipelined loop's are cp.async). The columns read past the rank (at most 15, in one 32-byte
+    sector of the row the rank's own columns already touch) are zeroed by `_ranked`."""
+    return tl.minimum(tl.cdiv(rank, 16) * 16, r_limit)
+
+
+@triton.jit
+def _ranked(bt, offs_r, rank):
+    return tl.where(offs_r[:, None] < rank, bt, 0.0)
+
+
+@triton.jit
+def lora_b_tile(b_ptr, offs_n, n_limit, stride_bn, rank, r_limit, BLOCK_R: tl.constexpr):
+    """[BLOCK_R, BN] tile of B^T (B is [N, R]), rank- and column-masked; r_limit: `rank_chunks`."""
     offs_r = tl.arange(0, BLOCK_R)
-    return tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None],
-                   mask=(offs_r[:, None] < rank) & (offs_n[None, :] < n_limit), other=0.0)
+    bt = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None],
+                 mask=(offs_r[:, None] < rank_chunks(rank, r_limit)) & (offs_n[None, :] < n_limit), other=0.0)
+    return _ranked(bt, offs_r, rank)
 
 
 @triton.jit
@@ -47,13 +64,14 @@ def lora_a_tile(a_ptr, k0, offs_k, k_dim, stride_ar, rank, BLOCK_R: tl.constexpr
 
 
 @triton.jit
-def lora_b_tile_cols(b_ptr, offs_n, n_lo, n_hi, stride_bn, rank, BLOCK_R: tl.constexpr):
+def lora_b_tile_cols(b_ptr, offs_n, n_lo, n_hi, stride_bn, rank, r_limit, BLOCK_R: tl.constexpr):
     """[BLOCK_R, BN] tile of B^T (B is [N, R]) for output rows in [n_lo, n_hi) only: one segment of
-    a merged projection's B, rank- and segment-masked."""
+    a merged projection's B, rank- and segment-masked; r_limit: `rank_chunks`."""
     offs_r = tl.arange(0, BLOCK_R)
     cols = (offs_n >= n_lo) & (offs_n < n_hi)
-    return tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None],
-                   mask=(offs_r[:, None] < rank) & cols[None, :], other=0.0)
+    bt = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None],
+                 mask=(offs_r[:, None] < rank_chunks(rank, r_limit)) & cols[None, :], other=0.0)
+    return _ranked(bt, offs_r, rank)
 
 
 # the "stacked" routed-expert LoRA: column c of S * BLOCK_R stands for rank row c % BLOCK_R of slot c // BLOCK_R
@@ -185,7 +203,7 @@ def expand_tile(xa_ptr, y_ptr, b_ptr, slot, s, ranks, offs_t, offs_n, mine, lane
         while s >= 0:
             sel = slot == s
             bt = lora_b_tile(b_ptr + s.to(tl.int64) * stride_bs, offs_n, N_out, stride_bn, rank_of(ranks, s, S_P2),
-                             BLOCK_R)
+                             stride_bn, BLOCK_R)
             acc = tl.dot(tl.where(sel[:, None], xa, 0.0).to(xa.dtype), bt.to(xa.dtype), acc)
             slot = tl.where(sel, -1, slot)
             s = tl.where(lane == n_lanes - 1, tl.max(slot, axis=0), -1)
@@ -222,7 +240,8 @@ def expand_segments(xa_ptr, y_ptr, b_ptr, slot0, s0, ranks, offs_t, offs_n, mine
                 sel = slot == s
                 rank = segment_rank(ranks, s, g, S_P2, G_P2)
                 if rank > 0:
-                    bt = lora_b_tile_cols(b_ptr + s.to(tl.int64) * stride_bs, offs_n, lo, hi, stride_bn, rank, BLOCK_R)
+                    bt = lora_b_tile_cols(b_ptr + s.to(tl.int64) * stride_bs, offs_n, lo, hi, stride_bn, rank,
+                                          stride_bn, BLOCK_R)
                     acc = tl.dot(tl.where(sel[:, None], xa, 0.0).to(xa.dtype), bt.to(xa.dtype), acc)
                 slot = tl.where(sel, -1, slot)
                 s = tl.where(lane == n_lanes - 1, tl.max(slot, axis=0), -1)

@@ -204,14 +204,16 @@ def gate_up_kernel(
             if r0 > 0:
                 b0 = slot_base(b_ptr, s0, e, stride_bs, stride_be)
                 xs = tl.where((slot == s0)[:, None], xa0, 0.0).to(dt)
-                acc_g = tl.dot(xs, lora_b_tile(b0, offs_n, inter, stride_bn, r0, BLOCK_R).to(dt), acc_g)
-                acc_u = tl.dot(xs, lora_b_tile(b0 + inter * stride_bn, offs_n, inter, stride_bn, r0,
+                acc_g = tl.dot(xs, lora_b_tile(b0, offs_n, inter, stride_bn, r0, stride_bn, BLOCK_R).to(dt),
+                               acc_g)
+                acc_u = tl.dot(xs, lora_b_tile(b0 + inter * stride_bn, offs_n, inter, stride_bn, r0, stride_bn,
                                                BLOCK_R).to(dt), acc_u)
             if r1 > 0:
                 b1 = slot_base(b_ptr, s1, e, stride_bs, stride_be)
                 xs = tl.where((slot == s1)[:, None], xa1, 0.0).to(dt)
-                acc_g = tl.dot(xs, lora_b_tile(b1, offs_n, inter, stride_bn, r1, BLOCK_R).to(dt), acc_g)
-                acc_u = tl.dot(xs, lora_b_tile(b1 + inter * stride_bn, offs_n, inter, stride_bn, r1,
+                acc_g = tl.dot(xs, lora_b_tile(b1, offs_n, inter, stride_bn, r1, stride_bn, BLOCK_R).to(dt),
+                               acc_g)
+                acc_u = tl.dot(xs, lora_b_tile(b1 + inter * stride_bn, offs_n, inter, stride_bn, r1, stride_bn,
                                                BLOCK_R).to(dt), acc_u)
             s = tl.max(rest, axis=0)
             while s >= 0:  # slots beyond the two fused ones: a second pass over x (from L2)
@@ -222,8 +224,9 @@ def gate_up_kernel(
                     a_se = slot_base(a_ptr, s, e, stride_as, stride_ae)
                     xs = lora_shrink_rows(x_ptr, tok, stride_xt, sel, a_se, stride_ar, rank, 0, H, BM, BLOCK_R,
                                           LORA_BK).to(dt)
-                    acc_g = tl.dot(xs, lora_b_tile(b_se, offs_n, inter, stride_bn, rank, BLOCK_R).to(dt), acc_g)
-                    acc_u = tl.dot(xs, lora_b_tile(b_se + inter * stride_bn, offs_n, inter, stride_bn, rank,
+                    acc_g = tl.dot(xs, lora_b_tile(b_se, offs_n, inter, stride_bn, rank, stride_bn,
+                                                   BLOCK_R).to(dt), acc_g)
+                    acc_u = tl.dot(xs, lora_b_tile(b_se + inter * stride_bn, offs_n, inter, stride_bn, rank, stride_bn,
                                                    BLOCK_R).to(dt), acc_u)
                 rest = tl.where(sel, -1, rest)
                 s = tl.max(rest, axis=0)
@@ -244,10 +247,10 @@ def gate_up_kernel(
                 b_se = slot_base(b_ptr, s, e, stride_bs, stride_be)
                 for r0 in range(0, rank, LORA_RC):
                     xs = _xa_chunk(xa_ptr, xa_off, sel, num_blocks * BM * BLOCK_R, r0, XA_SPLIT, LORA_RC).to(dt)
-                    acc_g = tl.dot(xs, lora_b_tile(b_se + r0, offs_n, inter, stride_bn, rank - r0, LORA_RC).to(dt),
-                                   acc_g)
+                    acc_g = tl.dot(xs, lora_b_tile(b_se + r0, offs_n, inter, stride_bn, rank - r0, stride_bn - r0,
+                                                   LORA_RC).to(dt), acc_g)
                     acc_u = tl.dot(xs, lora_b_tile(b_se + inter * stride_bn + r0, offs_n, inter, stride_bn, rank - r0,
-                                                   LORA_RC).to(dt), acc_u)
+                                                   stride_bn - r0, LORA_RC).to(dt), acc_u)
                 slot = tl.where(sel, -1, slot)
                 s = tl.max(slot, axis=0)
     if STACKED:  # "stacked": xa_stacked @ B_stacked[e] as more K steps, one slot's lane of BLOCK_R columns each
@@ -258,9 +261,9 @@ def gate_up_kernel(
             rank = rank_of(slot_ranks, s, S_P2)  # 0: not in the block
             xs = tl.load(xa_rows + s * BLOCK_R)
             b_se = slot_base(b_ptr, s, e, stride_bs, stride_be)
-            acc_g = tl.dot(xs, lora_b_tile(b_se, offs_n, inter, stride_bn, rank, BLOCK_R).to(dt), acc_g)
-            acc_u = tl.dot(xs, lora_b_tile(b_se + inter * stride_bn, offs_n, inter, stride_bn, rank, BLOCK_R).to(dt),
-                           acc_u)
+            acc_g = tl.dot(xs, lora_b_tile(b_se, offs_n, inter, stride_bn, rank, stride_bn, BLOCK_R).to(dt), acc_g)
+            acc_u = tl.dot(xs, lora_b_tile(b_se + inter * stride_bn, offs_n, inter, stride_bn, rank, stride_bn,
+                                           BLOCK_R).to(dt), acc_u)
     if LORA_DELTA:  # "route": the delta of each route was computed before this kernel
         d_rows = delta_ptr + route[:, None].to(tl.int64) * stride_dr + offs_n[None, :]
         live = _delta_rows(slots_ptr, ranks_ptr, tok, valid)[:, None] & (offs_n[None, :] < inter)
@@ -349,11 +352,11 @@ def down_kernel(
             if r0 > 0:
                 xs = tl.where((slot == s0)[:, None], xa0, 0.0).to(dt)
                 acc = tl.dot(xs, lora_b_tile(slot_base(b_ptr, s0, e, stride_bs, stride_be), offs_n, H, stride_bn,
-                                             r0, BLOCK_R).to(dt), acc)
+                                             r0, stride_bn, BLOCK_R).to(dt), acc)
             if r1 > 0:
                 xs = tl.where((slot == s1)[:, None], xa1, 0.0).to(dt)
                 acc = tl.dot(xs, lora_b_tile(slot_base(b_ptr, s1, e, stride_bs, stride_be), offs_n, H, stride_bn,
-                                             r1, BLOCK_R).to(dt), acc)
+                                             r1, stride_bn, BLOCK_R).to(dt), acc)
             s = tl.max(rest, axis=0)
             while s >= 0:  # slots beyond the two fused ones: a second pass over h (from L2)
                 sel = rest == s
@@ -363,7 +366,7 @@ def down_kernel(
                     xs = lora_shrink_rows(h_ptr, offs_m, stride_hp, sel, a_se, stride_ar, rank, 0, inter, BM,
                                           BLOCK_R, LORA_BK).to(dt)
                     acc = tl.dot(xs, lora_b_tile(slot_base(b_ptr, s, e, stride_bs, stride_be), offs_n, H,
-                                                 stride_bn, rank, BLOCK_R).to(dt), acc)
+                                                 stride_bn, rank, stride_bn, BLOCK_R).to(dt), acc)
                 rest = tl.where(sel, -1, rest)
                 s = tl.max(rest, axis=0)
         else:  # xa precomputed: expand only, LORA_RC rank columns at a time, up to the slot's rank
@@ -381,7 +384,8 @@ def down_kernel(
                 b_se = slot_base(b_ptr, s, e, stride_bs, stride_be)
                 for r0 in range(0, rank, LORA_RC):
                     xs = _xa_chunk(xa_ptr, xa_off, sel, num_blocks * BM * BLOCK_R, r0, XA_SPLIT, LORA_RC).to(dt)
-                    acc = tl.dot(xs, lora_b_tile(b_se + r0, offs_n, H, stride_bn, rank - r0, LORA_RC).to(dt), acc)
+                    acc = tl.dot(xs, lora_b_tile(b_se + r0, offs_n, H, stride_bn, rank - r0, stride_bn - r0,
+                                                 LORA_RC).to(dt), acc)
                 slot = tl.where(sel, -1, slot)
                 s = tl.max(slot, axis=0)
     if STACKED:  # "stacked", as in gate_up_kernel
@@ -390,8 +394,9 @@ def down_kernel(
         xa_rows = xa_ptr + offs_m[:, None].to(tl.int64) * stride_xa + tl.arange(0, BLOCK_R)[None, :]
         for s in range(0, tl.max(slot, axis=0) + 1):
             rank = rank_of(slot_ranks, s, S_P2)
-            acc = tl.dot(tl.load(xa_rows + s * BLOCK_R), lora_b_tile(slot_base(b_ptr, s, e, stride_bs, stride_be),
-                                                                   offs_n, H, stride_bn, rank, BLOCK_R).to(dt), acc)
+            b_se = slot_base(b_ptr, s, e, stride_bs, stride_be)
+            acc = tl.dot(tl.load(xa_rows + s * BLOCK_R),
+                         lora_b_tile(b_se, offs_n, H, stride_bn, rank, stride_bn, BLOCK_R).to(dt), acc)
     wt_route = tl.load(topk_w_ptr + route, mask=valid, other=0.0).to(tl.float32)
     acc = acc * wt_route[:, None]
     tl.store(y_ptr + route[:, None].to(tl.int64) * stride_yr + offs_n[None, :],

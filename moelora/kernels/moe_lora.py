@@ -56,6 +56,7 @@ from moelora.kernels.lora_tiles import (
     drop_largest_slots,
     lora_b_tile,
     lora_shrink_rows,
+    rank_chunks,
     stacked_columns,
     stacked_slot_ranks,
 )
@@ -226,8 +227,9 @@ def _delta_pass(src, a_base, b_base, d_row, r0, rank, k_dim, n_start, n_end, str
     for n0 in range(n_start, n_end, BN):
         offs_n = n0 + tl.arange(0, BN)
         n_ok = offs_n < n_end
-        b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
-                    other=0.0)
+        b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :],
+                    mask=n_ok[:, None] & (offs_r < rank_chunks(rank, stride_bn))[None, :], other=0.0)
+        b = tl.where(r_ok[None, :], b, 0.0)  # the chunk's columns past the rank
         d = tl.sum(b.to(tl.float32) * xa[None, :], axis=1)
         if r0 > 0:  # this program stored the earlier chunks' sum here
             d += tl.load(d_row + offs_n, mask=n_ok, other=0.0).to(tl.float32)
@@ -282,7 +284,7 @@ def _block_pair_delta(src_ptr, rows, stride_src, sel, a_se, b_se, stride_ar, str
     xa = xa.to(src_ptr.dtype.element_ty)
     for n0 in range(n_start, n_end, BN):
         offs_n = n0 + tl.arange(0, BN)
-        d = tl.dot(xa, lora_b_tile(b_se, offs_n, n_end, stride_bn, rank, R).to(xa.dtype))
+        d = tl.dot(xa, lora_b_tile(b_se, offs_n, n_end, stride_bn, rank, stride_bn, R).to(xa.dtype))
         tl.store(d_rows + offs_n[None, :], d.to(d_rows.dtype.element_ty), mask=sel[:, None] & (offs_n[None, :] < n_end))
 
 

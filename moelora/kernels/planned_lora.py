@@ -51,7 +51,7 @@ def _add_expanded(xa, b_s, y_rows, valid, c0, c1, stride_bn, rank, BN: tl.conste
     store); xa [BM, BLOCK_R] in y's dtype, y_rows the rows' pointers [BM, 1], rows past `valid` untouched."""
     for n0 in range(c0, c1, BN):
         offs_n = n0 + tl.arange(0, BN)
-        bt = lora_b_tile_cols(b_s, offs_n, n0, c1, stride_bn, rank, BLOCK_R)
+        bt = lora_b_tile_cols(b_s, offs_n, n0, c1, stride_bn, rank, stride_bn, BLOCK_R)
         mask = valid[:, None] & (offs_n[None, :] < c1)
         y = tl.load(y_rows + offs_n[None, :], mask=mask, other=0.0)
         d = tl.dot(xa, bt.to(xa.dtype))
