@@ -64,14 +64,21 @@ def lora_a_tile(a_ptr, k0, offs_k, k_dim, stride_ar, rank, BLOCK_R: tl.constexpr
 
 
 @triton.jit
-def lora_b_tile_cols(b_ptr, offs_n, n_lo, n_hi, stride_bn, rank, r_limit, BLOCK_R: tl.constexpr):
+def lora_b_tile_cols(b_ptr, offs_n, n_lo, n_hi, stride_bn, rank, r_limit, BLOCK_R: tl.constexpr,
+                     CHUNKS: tl.constexpr = True):
     """[BLOCK_R, BN] tile of B^T (B is [N, R]) for output rows in [n_lo, n_hi) only: one segment of
-    a merged projection's B, rank- and segment-masked; r_limit: `rank_chunks`."""
+    a merged projection's B, rank- and segment-masked; r_limit: `rank_chunks`. CHUNKS False: masked
+    column by column (element loads, no select after them; r_limit unused)."""
     offs_r = tl.arange(0, BLOCK_R)
     cols = (offs_n >= n_lo) & (offs_n < n_hi)
-    bt = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None],
-                 mask=(offs_r[:, None] < rank_chunks(rank, r_limit)) & cols[None, :], other=0.0)
-    return _ranked(bt, offs_r, rank)
+    if CHUNKS:
+        bt = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None],
+                     mask=(offs_r[:, None] < rank_chunks(rank, r_limit)) & cols[None, :], other=0.0)
+        bt = _ranked(bt, offs_r, rank)
+    else:
+        bt = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None],
+                     mask=(offs_r[:, None] < rank) & cols[None, :], other=0.0)
+    return bt
 
 
 # the "stacked" routed-expert LoRA: column c of S * BLOCK_R stands for rank row c % BLOCK_R of slot c // BLOCK_R
@@ -240,8 +247,11 @@ def expand_segments(xa_ptr, y_ptr, b_ptr, slot0, s0, ranks, offs_t, offs_n, mine
                 sel = slot == s
                 rank = segment_rank(ranks, s, g, S_P2, G_P2)
                 if rank > 0:
+                    # element loads here: chunked, the kernel took 181 registers a thread, not 168 (sm_90), 2
+                    # programs an SM instead of 3; H200, split q/k/v 2048->5120, 8 adapters r16: T=64 19.7 ->
+                    # 22.5 us, T=256 42.4 -> 46.1, T=1024 119.5 -> 129.6 (docs/benchmarks.md)
                     bt = lora_b_tile_cols(b_ptr + s.to(tl.int64) * stride_bs, offs_n, lo, hi, stride_bn, rank,
-                                          stride_bn, BLOCK_R)
+                                          stride_bn, BLOCK_R, CHUNKS=False)
                     acc = tl.dot(tl.where(sel[:, None], xa, 0.0).to(xa.dtype), bt.to(xa.dtype), acc)
                 slot = tl.where(sel, -1, slot)
                 s = tl.where(lane == n_lanes - 1, tl.max(slot, axis=0), -1)
