@@ -257,6 +257,17 @@ def test_block_delta_more_slots_in_a_block_than_lanes():
 
 
 @kernel_test
+@pytest.mark.parametrize("R", [16, 40])
+def test_block_delta_b_by_columns(R):
+    """lora_block_b_chunks=False (B tiles masked column by column) equals the twin too, in a pool of the
+    minimum width and in one whose rows are not whole 16-column chunks (NaN past every slot's rank)."""
+    slots = [0, 1, 2, 3, -1, 3, 2, 1, 0, -1, 1, 2, 3, 0, 2]
+    case = make_case(15, 32, 24, 3, 2, ranks=(R, 5, 16, 0), R=R, device=DEV, seed=21, slots=slots)
+    run_checked(case, replace(tiny_config("block"), lora_block_b_chunks=False, lora_block_n=16), 1e-4)
+    run_checked(case, replace(tiny_config("block"), lora_block_n=16), 1e-4)
+
+
+@kernel_test
 @pytest.mark.parametrize("block_m,lora_block_m,n_split",
                          [(32, 16, 0), (32, 16, 2), (64, 16, 0), (32, 32, 0), (64, 0, 0)])
 @pytest.mark.parametrize("programs", [0, 3])
@@ -358,7 +369,7 @@ def gpu_case(shape, T, seed, ranks=(64, 16, 8, 0, 64, 32, 16, 8), R=64):
 @pytest.mark.parametrize("T", [1, 33, 512])
 @pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block", "route_plan", "route_wide_grid",
                                     "block_wide_tiles", "block_sub16", "block_persist", "separate_lanes",
-                                    "separate_lanes_r16", "stacked", "stacked_r16"])
+                                    "separate_lanes_r16", "stacked", "stacked_r16", "block_elements"])
 def test_gpu_qwen3_shape_bf16_lora(T, shrink):
     # a rank-16 pool: inline's, and the lanes' where every slot has a lane (8 of 16 columns each)
     pool = dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16) if shrink in ("inline", "separate_lanes_r16",
@@ -378,7 +389,9 @@ def test_gpu_qwen3_shape_bf16_lora(T, shrink):
         grid = dict(lora_block_m=16, lora_block_n=256, lora_block_programs=264)  # 264 programs loop over the items
     if shrink in ("separate_lanes", "separate_lanes_r16"):
         grid = dict(lora_expand_lanes=8, lora_shrink_lanes=8)  # a shrink program per slot; the epilogue's in one dot
-    for suffix in ("_plan", "_wide_grid", "_wide_tiles", "_sub16", "_persist", "_r16", "_lanes"):
+    if shrink == "block_elements":
+        grid = dict(lora_block_b_chunks=False)  # B tiles masked column by column
+    for suffix in ("_plan", "_wide_grid", "_wide_tiles", "_sub16", "_persist", "_r16", "_lanes", "_elements"):
         shrink = shrink.removesuffix(suffix)
     cfg = replace(cfg, lora_shrink=shrink, lora_shrink_wide="" if shrink == "inline" else shrink, use_tma=False,
                   lora_route_order=order, **grid)

@@ -47,12 +47,23 @@ def _ranked(bt, offs_r, rank):
 
 
 @triton.jit
-def lora_b_tile(b_ptr, offs_n, n_limit, stride_bn, rank, r_limit, BLOCK_R: tl.constexpr):
-    """[BLOCK_R, BN] tile of B^T (B is [N, R]), rank- and column-masked; r_limit: `rank_chunks`."""
+def _b_tile(b_ptr, offs_n, cols, stride_bn, rank, r_limit, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr):
+    """[BLOCK_R, BN] tile of B^T for the output rows in `cols`: whole rank chunks then the select
+    (CHUNKS), or masked column by column (element loads, no select: fewer registers; r_limit unused)."""
     offs_r = tl.arange(0, BLOCK_R)
-    bt = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None],
-                 mask=(offs_r[:, None] < rank_chunks(rank, r_limit)) & (offs_n[None, :] < n_limit), other=0.0)
-    return _ranked(bt, offs_r, rank)
+    ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None]
+    if CHUNKS:
+        bt = _ranked(tl.load(ptrs, mask=(offs_r[:, None] < rank_chunks(rank, r_limit)) & cols[None, :], other=0.0),
+                     offs_r, rank)
+    else:
+        bt = tl.load(ptrs, mask=(offs_r[:, None] < rank) & cols[None, :], other=0.0)
+    return bt
+
+
+@triton.jit
+def lora_b_tile(b_ptr, offs_n, n_limit, stride_bn, rank, r_limit, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr = True):
+    """[BLOCK_R, BN] tile of B^T (B is [N, R]), rank- and column-masked; r_limit: `rank_chunks`."""
+    return _b_tile(b_ptr, offs_n, offs_n < n_limit, stride_bn, rank, r_limit, BLOCK_R, CHUNKS)
 
 
 @triton.jit
@@ -67,18 +78,8 @@ def lora_a_tile(a_ptr, k0, offs_k, k_dim, stride_ar, rank, BLOCK_R: tl.constexpr
 def lora_b_tile_cols(b_ptr, offs_n, n_lo, n_hi, stride_bn, rank, r_limit, BLOCK_R: tl.constexpr,
                      CHUNKS: tl.constexpr = True):
     """[BLOCK_R, BN] tile of B^T (B is [N, R]) for output rows in [n_lo, n_hi) only: one segment of
-    a merged projection's B, rank- and segment-masked; r_limit: `rank_chunks`. CHUNKS False: masked
-    column by column (element loads, no select after them; r_limit unused)."""
-    offs_r = tl.arange(0, BLOCK_R)
-    cols = (offs_n >= n_lo) & (offs_n < n_hi)
-    if CHUNKS:
-        bt = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None],
-                     mask=(offs_r[:, None] < rank_chunks(rank, r_limit)) & cols[None, :], other=0.0)
-        bt = _ranked(bt, offs_r, rank)
-    else:
-        bt = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None],
-                     mask=(offs_r[:, None] < rank) & cols[None, :], other=0.0)
-    return bt
+    a merged projection's B, rank- and segment-masked; r_limit: `rank_chunks` (CHUNKS: `_b_tile`)."""
+    return _b_tile(b_ptr, offs_n, (offs_n >= n_lo) & (offs_n < n_hi), stride_bn, rank, r_limit, BLOCK_R, CHUNKS)
 
 
 # the "stacked" routed-expert LoRA: column c of S * BLOCK_R stands for rank row c % BLOCK_R of slot c // BLOCK_R

@@ -97,7 +97,11 @@ class FusedMoEConfig:
     lane a step, with no reduction or branch between steps (the separate path's slot loop has both);
     lora_stack_n: the stacked columns of each shrink program (a program per plan block and
     lora_stack_n columns; one with no row on its columns' slots only writes zeros). A pool of more than
-    fused_moe.STACK_MAX_COLS slot columns (S * BLOCK_R) takes "separate" instead (`fused_moe.lora_mode`)."""
+    fused_moe.STACK_MAX_COLS slot columns (S * BLOCK_R) takes "separate" instead (`fused_moe.lora_mode`).
+    lora_block_b_chunks ("block"): the delta's B tiles loaded in whole 16-column chunks of the slot's rank
+    (vector loads, then a select zeroes the columns past the rank) or, False, masked column by column
+    (2-byte element loads, no select): for sm_90 (Triton 3.9's ptxas) the chunked kernel takes up to ~1.8x
+    the registers (95 -> 174 at lora_block_n / lora_block_k 256), 5 -> 2 programs an SM."""
 
     block_m: int = 16
     gate_up: GemmTile = field(default_factory=GemmTile)
@@ -120,6 +124,7 @@ class FusedMoEConfig:
     lora_expand_lanes: int = 0
     lora_shrink_lanes: int = 1
     lora_stack_n: int = 128
+    lora_block_b_chunks: bool = True
     use_tma: bool = False
     plan_per_route: bool = False
 
