@@ -15,6 +15,11 @@
 #            LoRA delta kernels alone against their bytes bound
 #   HOST=0   benchmarks/host_overhead.py --device cuda (HOST_ARGS): the host phases of a decode step
 #   PROFILE=0 benchmarks/decode_profile.py (PROFILE_ARGS): host phases, graph replay, top kernels
+#   AB=0     a same-run A/B against another commit, prepared here by `scripts/ab_base.sh COMMIT` (.ab_base/,
+#            carried to the device): the LAYER bench (BENCH_ARGS) and, with DENSE=1, the DENSE one (DENSE_ARGS),
+#            run from .ab_base and from this tree in alternation, AB_ROUNDS times (default 2): *_base_rK / *_rK
+#   PACK=1   at the end, every log and CSV into $OUT/gpu_check.tgz (the device returns at most 8 files), and
+#            $OUT/summary.txt (the tail of each log) beside it
 # Exit status: non-zero if any stage failed; every stage runs regardless.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +38,27 @@ fi
 if [ "${TUNE:-0}" = 1 ]; then
   "$PY" benchmarks/tune_fused_moe.py ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" || rc=1
 fi
-if [ "${LAYER:-1}" = 1 ]; then
+if [ "${AB:-0}" = 1 ]; then
+  if [ ! -f .ab_base/COMMIT ]; then
+    echo "AB=1: no .ab_base/ (run scripts/ab_base.sh COMMIT here and carry .ab_base)" | tee "$OUT/ab.log"; rc=1
+  else
+    echo "A/B: base $(cat .ab_base/COMMIT) vs this tree (${COMMIT:-unknown})" | tee "$OUT/ab.log"
+    for ((r = 1; r <= ${AB_ROUNDS:-2}; r++)); do
+      for side in base head; do
+        root="$PWD"; sfx="_r$r"
+        [ $side = base ] && root="$PWD/.ab_base" && sfx="_base_r$r"
+        if [ "${LAYER:-1}" = 1 ]; then
+          PYTHONPATH="$root" "$PY" "$root/benchmarks/moe_lora_layer.py" "$OUT/moe_lora_layer$sfx.csv" ${BENCH_ARGS:-} \
+            > "$OUT/moe_lora_layer$sfx.log" 2>&1 || rc=1
+        fi
+        if [ "${DENSE:-0}" = 1 ]; then
+          PYTHONPATH="$root" "$PY" "$root/benchmarks/lora_linear.py" "$OUT/lora_linear$sfx.csv" ${DENSE_ARGS:-} \
+            > "$OUT/lora_linear$sfx.log" 2>&1 || rc=1
+        fi
+      done
+    done
+  fi
+elif [ "${LAYER:-1}" = 1 ]; then
   "$PY" benchmarks/moe_lora_layer.py "$OUT/moe_lora_layer.csv" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/moe_lora_layer.log" || rc=1
 fi
 if [ "${DECODE:-1}" = 1 ]; then
@@ -50,7 +75,7 @@ if [ "${DECODE:-1}" = 1 ]; then
     done
   done
 fi
-if [ "${DENSE:-0}" = 1 ]; then
+if [ "${DENSE:-0}" = 1 ] && [ "${AB:-0}" != 1 ]; then
   "$PY" benchmarks/lora_linear.py "$OUT/lora_linear.csv" ${DENSE_ARGS:-} 2>&1 | tee "$OUT/lora_linear.log" || rc=1
 fi
 if [ "${DELTA:-0}" = 1 ]; then
@@ -61,5 +86,13 @@ if [ "${HOST:-0}" = 1 ]; then
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
   "$PY" benchmarks/decode_profile.py "$OUT/decode_profile.txt" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/decode_profile.log" || rc=1
+fi
+if [ "${PACK:-1}" = 1 ]; then
+  (cd "$OUT" && for f in *.log; do [ -f "$f" ] && { echo "== $f"; tail -n 25 "$f"; }; done) > "$OUT/summary.txt" 2>/dev/null
+  files=$(cd "$OUT" && ls | grep -v -x -e gpu_check.tgz -e summary.txt -e gpu.txt || true)
+  if [ -n "$files" ]; then
+    (cd "$OUT" && tar czf gpu_check.tgz $files && rm -rf $files)
+  fi
+  echo "packed $OUT/gpu_check.tgz; $OUT/summary.txt holds each log's tail"
 fi
 exit $rc
