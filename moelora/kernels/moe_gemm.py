@@ -150,6 +150,95 @@ def _b_lanes(b_ptr, e, s_col, r_col, offs_n, n_limit, stride_bs, stride_be, stri
 
 
 @triton.jit
+def _add_expand(acc_g, acc_u, xs, b_se, offs_n, n_limit, stride_bn, rank, r_limit, R: tl.constexpr, TWO: tl.constexpr):
+    """acc_g += xs @ B^T over B rows offs_n (masked to n_limit and the rank), and with TWO (gate_up) acc_u += the
+    same over the up half, B rows n_limit + offs_n. xs [BM, R] in the dot's dtype; B tiles: `lora_b_tile`."""
+    acc_g = tl.dot(xs, lora_b_tile(b_se, offs_n, n_limit, stride_bn, rank, r_limit, R).to(xs.dtype), acc_g)
+    if TWO:
+        acc_u = tl.dot(xs, lora_b_tile(b_se + n_limit * stride_bn, offs_n, n_limit, stride_bn, rank, r_limit,
+                                       R).to(xs.dtype), acc_u)
+    return acc_g, acc_u
+
+
+@triton.jit
+def _inline_epilogue(acc_g, acc_u, xa0, xa1, slot, rest, s0, r0, s1, r1, src_ptr, src_rows, stride_src, k_dim, e,
+                     ranks_ptr, a_ptr, b_ptr, offs_n, n_limit, stride_as, stride_ae, stride_ar, stride_bs, stride_be,
+                     stride_bn, BM: tl.constexpr, BLOCK_R: tl.constexpr, LORA_BK: tl.constexpr, TWO: tl.constexpr):
+    """"inline": the expand of the two slots shrunk in the K loop (xa0, xa1), then every further slot of the
+    block in a second pass over its src rows (from L2): shrink and expand. `_add_expand`'s acc_g / acc_u / TWO."""
+    dt = src_ptr.dtype.element_ty
+    if r0 > 0:
+        xs = tl.where((slot == s0)[:, None], xa0, 0.0).to(dt)
+        acc_g, acc_u = _add_expand(acc_g, acc_u, xs, slot_base(b_ptr, s0, e, stride_bs, stride_be), offs_n, n_limit,
+                                   stride_bn, r0, stride_bn, BLOCK_R, TWO)
+    if r1 > 0:
+        xs = tl.where((slot == s1)[:, None], xa1, 0.0).to(dt)
+        acc_g, acc_u = _add_expand(acc_g, acc_u, xs, slot_base(b_ptr, s1, e, stride_bs, stride_be), offs_n, n_limit,
+                                   stride_bn, r1, stride_bn, BLOCK_R, TWO)
+    s = tl.max(rest, axis=0)
+    while s >= 0:  # slots beyond the two fused ones
+        sel = rest == s
+        rank = tl.load(ranks_ptr + s)
+        if rank > 0:
+            xs = lora_shrink_rows(src_ptr, src_rows, stride_src, sel, slot_base(a_ptr, s, e, stride_as, stride_ae),
+                                  stride_ar, rank, 0, k_dim, BM, BLOCK_R, LORA_BK).to(dt)
+            acc_g, acc_u = _add_expand(acc_g, acc_u, xs, slot_base(b_ptr, s, e, stride_bs, stride_be), offs_n,
+                                       n_limit, stride_bn, rank, stride_bn, BLOCK_R, TWO)
+        rest = tl.where(sel, -1, rest)
+        s = tl.max(rest, axis=0)
+    return acc_g, acc_u
+
+
+@triton.jit
+def _separate_epilogue(acc_g, acc_u, src_ptr, slot, e, offs_m, ranks_ptr, b_ptr, xa_ptr, offs_n, n_limit, stride_bs,
+                       stride_be, stride_bn, num_blocks, BM: tl.constexpr, BLOCK_R: tl.constexpr,
+                       XA_SPLIT: tl.constexpr, LORA_RC: tl.constexpr, EXPAND_LANES: tl.constexpr, TWO: tl.constexpr):
+    """"separate" (xa precomputed): expand only, LORA_RC rank columns at a time up to each slot's rank; with
+    EXPAND_LANES the block's largest slots first in one dot, the loop takes the rest. The dot in src's dtype;
+    acc_g / acc_u / TWO as `_add_expand`."""
+    dt = src_ptr.dtype.element_ty
+    xa_off = offs_m.to(tl.int64) * BLOCK_R
+    if EXPAND_LANES > 0:
+        row_lane, s_col, r_col, slot = _lane_columns(slot, ranks_ptr, EXPAND_LANES, BLOCK_R)
+        xl = _xa_lanes(xa_ptr, xa_off, row_lane, r_col, num_blocks * BM * BLOCK_R, XA_SPLIT, BLOCK_R,
+                       EXPAND_LANES).to(dt)
+        acc_g = tl.dot(xl, _b_lanes(b_ptr, e, s_col, r_col, offs_n, n_limit, stride_bs, stride_be, stride_bn, BLOCK_R,
+                                    EXPAND_LANES).to(dt), acc_g)
+        if TWO:
+            acc_u = tl.dot(xl, _b_lanes(b_ptr + n_limit * stride_bn, e, s_col, r_col, offs_n, n_limit, stride_bs,
+                                        stride_be, stride_bn, BLOCK_R, EXPAND_LANES).to(dt), acc_u)
+    s = tl.max(slot, axis=0)
+    while s >= 0:
+        sel = slot == s
+        rank = tl.load(ranks_ptr + s)
+        b_se = slot_base(b_ptr, s, e, stride_bs, stride_be)
+        for r0 in range(0, rank, LORA_RC):
+            xs = _xa_chunk(xa_ptr, xa_off, sel, num_blocks * BM * BLOCK_R, r0, XA_SPLIT, LORA_RC).to(dt)
+            acc_g, acc_u = _add_expand(acc_g, acc_u, xs, b_se + r0, offs_n, n_limit, stride_bn, rank - r0,
+                                       stride_bn - r0, LORA_RC, TWO)
+        slot = tl.where(sel, -1, slot)
+        s = tl.max(slot, axis=0)
+    return acc_g, acc_u
+
+
+@triton.jit
+def _stacked_epilogue(acc_g, acc_u, slots_ptr, ranks_ptr, tok, valid, offs_m, e, xa_ptr, stride_xa, b_ptr, offs_n,
+                      n_limit, stride_bs, stride_be, stride_bn, n_slots, BLOCK_R: tl.constexpr, S_P2: tl.constexpr,
+                      TWO: tl.constexpr):
+    """"stacked": xa_stacked @ B_stacked[e] as more K steps, slot 0 up to the block's largest, one slot's lane
+    of BLOCK_R columns a step (a slot absent from the block has rank 0 here and loads no B).
+    acc_g / acc_u / TWO as `_add_expand`."""
+    slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
+    slot_ranks = stacked_slot_ranks(slot, ranks_ptr, n_slots, S_P2)
+    xa_rows = xa_ptr + offs_m[:, None].to(tl.int64) * stride_xa + tl.arange(0, BLOCK_R)[None, :]
+    for s in range(0, tl.max(slot, axis=0) + 1):  # no lane past the block's largest slot
+        acc_g, acc_u = _add_expand(acc_g, acc_u, tl.load(xa_rows + s * BLOCK_R),
+                                   slot_base(b_ptr, s, e, stride_bs, stride_be), offs_n, n_limit, stride_bn,
+                                   rank_of(slot_ranks, s, S_P2), stride_bn, BLOCK_R, TWO)
+    return acc_g, acc_u
+
+
+@triton.jit
 def gate_up_kernel(
     x_ptr, w, h_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr,
     slots_ptr, ranks_ptr, a_ptr, b_ptr, xa_ptr, delta_ptr,
@@ -201,69 +290,18 @@ def gate_up_kernel(
             xa1 = tl.dot(xt, lora_a_tile(a1, k0, offs_k, H, stride_ar, r1, BLOCK_R).to(dt), xa1)
     if HAS_LORA:
         if INLINE_SHRINK:
-            if r0 > 0:
-                b0 = slot_base(b_ptr, s0, e, stride_bs, stride_be)
-                xs = tl.where((slot == s0)[:, None], xa0, 0.0).to(dt)
-                acc_g = tl.dot(xs, lora_b_tile(b0, offs_n, inter, stride_bn, r0, stride_bn, BLOCK_R).to(dt),
-                               acc_g)
-                acc_u = tl.dot(xs, lora_b_tile(b0 + inter * stride_bn, offs_n, inter, stride_bn, r0, stride_bn,
-                                               BLOCK_R).to(dt), acc_u)
-            if r1 > 0:
-                b1 = slot_base(b_ptr, s1, e, stride_bs, stride_be)
-                xs = tl.where((slot == s1)[:, None], xa1, 0.0).to(dt)
-                acc_g = tl.dot(xs, lora_b_tile(b1, offs_n, inter, stride_bn, r1, stride_bn, BLOCK_R).to(dt),
-                               acc_g)
-                acc_u = tl.dot(xs, lora_b_tile(b1 + inter * stride_bn, offs_n, inter, stride_bn, r1, stride_bn,
-                                               BLOCK_R).to(dt), acc_u)
-            s = tl.max(rest, axis=0)
-            while s >= 0:  # slots beyond the two fused ones: a second pass over x (from L2)
-                sel = rest == s
-                rank = tl.load(ranks_ptr + s)
-                if rank > 0:
-                    b_se = slot_base(b_ptr, s, e, stride_bs, stride_be)
-                    a_se = slot_base(a_ptr, s, e, stride_as, stride_ae)
-                    xs = lora_shrink_rows(x_ptr, tok, stride_xt, sel, a_se, stride_ar, rank, 0, H, BM, BLOCK_R,
-                                          LORA_BK).to(dt)
-                    acc_g = tl.dot(xs, lora_b_tile(b_se, offs_n, inter, stride_bn, rank, stride_bn,
-                                                   BLOCK_R).to(dt), acc_g)
-                    acc_u = tl.dot(xs, lora_b_tile(b_se + inter * stride_bn, offs_n, inter, stride_bn, rank, stride_bn,
-                                                   BLOCK_R).to(dt), acc_u)
-                rest = tl.where(sel, -1, rest)
-                s = tl.max(rest, axis=0)
-        else:  # xa precomputed: expand only, LORA_RC rank columns at a time, up to the slot's rank
-            xa_off = offs_m.to(tl.int64) * BLOCK_R
-            if EXPAND_LANES > 0:  # the block's largest slots in one dot each for gate and up; the loop takes the rest
-                row_lane, s_col, r_col, slot = _lane_columns(slot, ranks_ptr, EXPAND_LANES, BLOCK_R)
-                xl = _xa_lanes(xa_ptr, xa_off, row_lane, r_col, num_blocks * BM * BLOCK_R, XA_SPLIT, BLOCK_R,
-                               EXPAND_LANES).to(dt)
-                acc_g = tl.dot(xl, _b_lanes(b_ptr, e, s_col, r_col, offs_n, inter, stride_bs, stride_be, stride_bn,
-                                            BLOCK_R, EXPAND_LANES).to(dt), acc_g)
-                acc_u = tl.dot(xl, _b_lanes(b_ptr + inter * stride_bn, e, s_col, r_col, offs_n, inter, stride_bs,
-                                            stride_be, stride_bn, BLOCK_R, EXPAND_LANES).to(dt), acc_u)
-            s = tl.max(slot, axis=0)
-            while s >= 0:
-                sel = slot == s
-                rank = tl.load(ranks_ptr + s)
-                b_se = slot_base(b_ptr, s, e, stride_bs, stride_be)
-                for r0 in range(0, rank, LORA_RC):
-                    xs = _xa_chunk(xa_ptr, xa_off, sel, num_blocks * BM * BLOCK_R, r0, XA_SPLIT, LORA_RC).to(dt)
-                    acc_g = tl.dot(xs, lora_b_tile(b_se + r0, offs_n, inter, stride_bn, rank - r0, stride_bn - r0,
-                                                   LORA_RC).to(dt), acc_g)
-                    acc_u = tl.dot(xs, lora_b_tile(b_se + inter * stride_bn + r0, offs_n, inter, stride_bn, rank - r0,
-                                                   stride_bn - r0, LORA_RC).to(dt), acc_u)
-                slot = tl.where(sel, -1, slot)
-                s = tl.max(slot, axis=0)
+            acc_g, acc_u = _inline_epilogue(acc_g, acc_u, xa0, xa1, slot, rest, s0, r0, s1, r1, x_ptr, tok,
+                                            stride_xt, H, e, ranks_ptr, a_ptr, b_ptr, offs_n, inter, stride_as,
+                                            stride_ae, stride_ar, stride_bs, stride_be, stride_bn, BM, BLOCK_R,
+                                            LORA_BK, True)
+        else:
+            acc_g, acc_u = _separate_epilogue(acc_g, acc_u, x_ptr, slot, e, offs_m, ranks_ptr, b_ptr, xa_ptr, offs_n,
+                                              inter, stride_bs, stride_be, stride_bn, num_blocks, BM, BLOCK_R,
+                                              XA_SPLIT, LORA_RC, EXPAND_LANES, True)
     if STACKED:  # "stacked": xa_stacked @ B_stacked[e] as more K steps, one slot's lane of BLOCK_R columns each
-        slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
-        slot_ranks = stacked_slot_ranks(slot, ranks_ptr, n_slots, S_P2)
-        xa_rows = xa_ptr + offs_m[:, None].to(tl.int64) * stride_xa + tl.arange(0, BLOCK_R)[None, :]
-        for s in range(0, tl.max(slot, axis=0) + 1):  # no lane past the block's largest slot
-            rank = rank_of(slot_ranks, s, S_P2)  # 0: not in the block
-            xs = tl.load(xa_rows + s * BLOCK_R)
-            b_se = slot_base(b_ptr, s, e, stride_bs, stride_be)
-            acc_g = tl.dot(xs, lora_b_tile(b_se, offs_n, inter, stride_bn, rank, stride_bn, BLOCK_R).to(dt), acc_g)
-            acc_u = tl.dot(xs, lora_b_tile(b_se + inter * stride_bn, offs_n, inter, stride_bn, rank, stride_bn,
-                                           BLOCK_R).to(dt), acc_u)
+        acc_g, acc_u = _stacked_epilogue(acc_g, acc_u, slots_ptr, ranks_ptr, tok, valid, offs_m, e, xa_ptr, stride_xa,
+                                         b_ptr, offs_n, inter, stride_bs, stride_be, stride_bn, n_slots, BLOCK_R, S_P2,
+                                         True)
     if LORA_DELTA:  # "route": the delta of each route was computed before this kernel
         d_rows = delta_ptr + route[:, None].to(tl.int64) * stride_dr + offs_n[None, :]
         live = _delta_rows(slots_ptr, ranks_ptr, tok, valid)[:, None] & (offs_n[None, :] < inter)
@@ -349,54 +387,16 @@ def down_kernel(
             xa1 = tl.dot(ht, lora_a_tile(a1, k0, offs_k, inter, stride_ar, r1, BLOCK_R).to(dt), xa1)
     if HAS_LORA:
         if INLINE_SHRINK:
-            if r0 > 0:
-                xs = tl.where((slot == s0)[:, None], xa0, 0.0).to(dt)
-                acc = tl.dot(xs, lora_b_tile(slot_base(b_ptr, s0, e, stride_bs, stride_be), offs_n, H, stride_bn,
-                                             r0, stride_bn, BLOCK_R).to(dt), acc)
-            if r1 > 0:
-                xs = tl.where((slot == s1)[:, None], xa1, 0.0).to(dt)
-                acc = tl.dot(xs, lora_b_tile(slot_base(b_ptr, s1, e, stride_bs, stride_be), offs_n, H, stride_bn,
-                                             r1, stride_bn, BLOCK_R).to(dt), acc)
-            s = tl.max(rest, axis=0)
-            while s >= 0:  # slots beyond the two fused ones: a second pass over h (from L2)
-                sel = rest == s
-                rank = tl.load(ranks_ptr + s)
-                if rank > 0:
-                    a_se = slot_base(a_ptr, s, e, stride_as, stride_ae)
-                    xs = lora_shrink_rows(h_ptr, offs_m, stride_hp, sel, a_se, stride_ar, rank, 0, inter, BM,
-                                          BLOCK_R, LORA_BK).to(dt)
-                    acc = tl.dot(xs, lora_b_tile(slot_base(b_ptr, s, e, stride_bs, stride_be), offs_n, H,
-                                                 stride_bn, rank, stride_bn, BLOCK_R).to(dt), acc)
-                rest = tl.where(sel, -1, rest)
-                s = tl.max(rest, axis=0)
-        else:  # xa precomputed: expand only, LORA_RC rank columns at a time, up to the slot's rank
-            xa_off = offs_m.to(tl.int64) * BLOCK_R
-            if EXPAND_LANES > 0:  # the block's largest slots in one dot; the loop takes the rest
-                row_lane, s_col, r_col, slot = _lane_columns(slot, ranks_ptr, EXPAND_LANES, BLOCK_R)
-                xl = _xa_lanes(xa_ptr, xa_off, row_lane, r_col, num_blocks * BM * BLOCK_R, XA_SPLIT, BLOCK_R,
-                               EXPAND_LANES).to(dt)
-                acc = tl.dot(xl, _b_lanes(b_ptr, e, s_col, r_col, offs_n, H, stride_bs, stride_be, stride_bn,
-                                          BLOCK_R, EXPAND_LANES).to(dt), acc)
-            s = tl.max(slot, axis=0)
-            while s >= 0:
-                sel = slot == s
-                rank = tl.load(ranks_ptr + s)
-                b_se = slot_base(b_ptr, s, e, stride_bs, stride_be)
-                for r0 in range(0, rank, LORA_RC):
-                    xs = _xa_chunk(xa_ptr, xa_off, sel, num_blocks * BM * BLOCK_R, r0, XA_SPLIT, LORA_RC).to(dt)
-                    acc = tl.dot(xs, lora_b_tile(b_se + r0, offs_n, H, stride_bn, rank - r0, stride_bn - r0,
-                                                 LORA_RC).to(dt), acc)
-                slot = tl.where(sel, -1, slot)
-                s = tl.max(slot, axis=0)
+            acc, _ = _inline_epilogue(acc, acc, xa0, xa1, slot, rest, s0, r0, s1, r1, h_ptr, offs_m, stride_hp,
+                                      inter, e, ranks_ptr, a_ptr, b_ptr, offs_n, H, stride_as, stride_ae, stride_ar,
+                                      stride_bs, stride_be, stride_bn, BM, BLOCK_R, LORA_BK, False)
+        else:
+            acc, _ = _separate_epilogue(acc, acc, h_ptr, slot, e, offs_m, ranks_ptr, b_ptr, xa_ptr, offs_n, H,
+                                        stride_bs, stride_be, stride_bn, num_blocks, BM, BLOCK_R, XA_SPLIT, LORA_RC,
+                                        EXPAND_LANES, False)
     if STACKED:  # "stacked", as in gate_up_kernel
-        slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
-        slot_ranks = stacked_slot_ranks(slot, ranks_ptr, n_slots, S_P2)
-        xa_rows = xa_ptr + offs_m[:, None].to(tl.int64) * stride_xa + tl.arange(0, BLOCK_R)[None, :]
-        for s in range(0, tl.max(slot, axis=0) + 1):
-            rank = rank_of(slot_ranks, s, S_P2)
-            b_se = slot_base(b_ptr, s, e, stride_bs, stride_be)
-            acc = tl.dot(tl.load(xa_rows + s * BLOCK_R),
-                         lora_b_tile(b_se, offs_n, H, stride_bn, rank, stride_bn, BLOCK_R).to(dt), acc)
+        acc, _ = _stacked_epilogue(acc, acc, slots_ptr, ranks_ptr, tok, valid, offs_m, e, xa_ptr, stride_xa, b_ptr,
+                                   offs_n, H, stride_bs, stride_be, stride_bn, n_slots, BLOCK_R, S_P2, False)
     wt_route = tl.load(topk_w_ptr + route, mask=valid, other=0.0).to(tl.float32)
     acc = acc * wt_route[:, None]
     tl.store(y_ptr + route[:, None].to(tl.int64) * stride_yr + offs_n[None, :],
