@@ -198,6 +198,15 @@ def test_route_delta_in_plan_order(R):
 
 
 @kernel_test
+@pytest.mark.parametrize("R,stages", [(16, 2), (64, 3)])
+def test_route_delta_pipelined(R, stages):
+    """lora_route_stages: the delta's shrink and expand loops software-pipelined (several K and N steps,
+    ragged last ones: H = 300 and 2I = 576 over 256-wide steps at 4096 tiles; 64 at the wide pass)."""
+    case = make_case(5, 300, 288, 4, 2, ranks=(R, 5, 0), R=R, device=DEV, seed=17, slots=[0, -1, 1, 2, 0])
+    run_checked(case, replace(tiny_config("route"), lora_route_stages=stages), 1e-4)
+
+
+@kernel_test
 @pytest.mark.parametrize("programs,warps,tile", [(1, 4, 4096), (10_000, 8, 4096), (10_000, 4, 1024),
                                                  (1, 8, 16384)])
 def test_route_delta_n_splits(programs, warps, tile):
@@ -369,7 +378,8 @@ def gpu_case(shape, T, seed, ranks=(64, 16, 8, 0, 64, 32, 16, 8), R=64):
 @pytest.mark.parametrize("T", [1, 33, 512])
 @pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block", "route_plan", "route_wide_grid",
                                     "block_wide_tiles", "block_sub16", "block_persist", "separate_lanes",
-                                    "separate_lanes_r16", "stacked", "stacked_r16", "block_elements"])
+                                    "separate_lanes_r16", "stacked", "stacked_r16", "block_elements",
+                                    "route_stages"])
 def test_gpu_qwen3_shape_bf16_lora(T, shrink):
     # a rank-16 pool: inline's, and the lanes' where every slot has a lane (8 of 16 columns each)
     pool = dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16) if shrink in ("inline", "separate_lanes_r16",
@@ -391,7 +401,10 @@ def test_gpu_qwen3_shape_bf16_lora(T, shrink):
         grid = dict(lora_expand_lanes=8, lora_shrink_lanes=8)  # a shrink program per slot; the epilogue's in one dot
     if shrink == "block_elements":
         grid = dict(lora_block_b_chunks=False)  # B tiles masked column by column
-    for suffix in ("_plan", "_wide_grid", "_wide_tiles", "_sub16", "_persist", "_r16", "_lanes", "_elements"):
+    if shrink == "route_stages":
+        grid = dict(lora_route_stages=3)  # the delta's loops pipelined
+    for suffix in ("_plan", "_wide_grid", "_wide_tiles", "_sub16", "_persist", "_r16", "_lanes", "_elements",
+                   "_stages"):
         shrink = shrink.removesuffix(suffix)
     cfg = replace(cfg, lora_shrink=shrink, lora_shrink_wide="" if shrink == "inline" else shrink, use_tma=False,
                   lora_route_order=order, **grid)

@@ -182,7 +182,8 @@ def _route_delta(src, delta, plan, topk_ids, lora, which, block_r, cfg: FusedMoE
         ranks, a, b, plan.num_routes, plan.top_k, k_dim, n_out, per_split, src.stride(0), delta.stride(0),
         a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2), BY_PLAN_ROW=by_row,
         SRC_BY_TOKEN=which == "gate_up", BM=plan.block_m, RC=_LORA_RC, BK=step, BN=step,
-        WIDE_RC=max(_LORA_RC, block_r), WIDE_MIN=2 * _LORA_RC, num_warps=cfg.lora_route_warps,
+        WIDE_RC=max(_LORA_RC, block_r), WIDE_MIN=2 * _LORA_RC, STAGES=cfg.lora_route_stages,
+        num_warps=cfg.lora_route_warps,
         **_switch_args(plan, lora, cfg, switch))
 
 

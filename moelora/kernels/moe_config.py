@@ -75,7 +75,9 @@ class FusedMoEConfig:
     aims for (each route's output columns are split until routes x splits reach it; a split repeats
     its route's shrink, from L2), the warps of each, and the elements of each [16, tile / 16] A or B
     load of a narrow pool's pass (264 / 4 / 4096: two programs per SM of an H200, 8 shrink steps
-    over H = 2048; more programs or wider loads put more of a latency-bound GEMV chain in flight).
+    over H = 2048; more programs or wider loads put more of a latency-bound GEMV chain in flight);
+    lora_route_stages (1: off): the delta's shrink and expand loops software-pipelined that many stages
+    deep (their loads through cp.async, several steps in flight; not measured yet).
     lora_block_max_slots ("route", up to 1024 tokens; 0: off): a batch whose tokens name at most
     this many distinct slots takes the "block" delta instead (the route delta reads a pair's A/B
     once per route, block once per plan block, so with few adapters and many routes per pair block
@@ -117,6 +119,7 @@ class FusedMoEConfig:
     lora_route_programs: int = 264
     lora_route_warps: int = 4
     lora_route_tile: int = 4096
+    lora_route_stages: int = 1
     lora_block_n: int = 64
     lora_block_m: int = 0
     lora_block_programs: int = 0
@@ -141,6 +144,7 @@ class FusedMoEConfig:
         need_one_of("FusedMoEConfig", "lora_expand_lanes", self.lora_expand_lanes, (0, 1, 2, 4, 8))
         need_at_least("FusedMoEConfig", 1, lora_shrink_lanes=self.lora_shrink_lanes)
         need_one_of("FusedMoEConfig", "lora_route_warps", self.lora_route_warps, (1, 2, 4, 8, 16))
+        need_one_of("FusedMoEConfig", "lora_route_stages", self.lora_route_stages, (1, 2, 3, 4))
         need_one_of("FusedMoEConfig", "lora_route_order", self.lora_route_order, ROUTE_ORDERS)
         need_one_of("FusedMoEConfig", "lora_gate_up_at", self.lora_gate_up_at, GATE_UP_DELTA_AT)
         need_one_of("FusedMoEConfig", "lora_shrink", self.lora_shrink, LORA_SHRINK_MODES)

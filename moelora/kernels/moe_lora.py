@@ -163,12 +163,13 @@ def lora_route_delta_kernel(
     stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, max_slots,
     BY_PLAN_ROW: tl.constexpr, BM: tl.constexpr, RC: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
     WIDE_RC: tl.constexpr, WIDE_MIN: tl.constexpr, SRC_BY_TOKEN: tl.constexpr,
-    SWITCH: tl.constexpr = 0, T_P2: tl.constexpr = 1, S_P2: tl.constexpr = 1,
+    SWITCH: tl.constexpr = 0, T_P2: tl.constexpr = 1, S_P2: tl.constexpr = 1, STAGES: tl.constexpr = 1,
 ):
     """delta[route, n] for the n of split program_id(1); see the module docstring. BY_PLAN_ROW: program
     pid takes plan row pid (routes of one expert, hence of few (slot, expert) pairs, run side by side
     and share their A/B through L2), reading src row pid (h, down) or, SRC_BY_TOKEN, its token's row
-    (x, gate_up); else program pid takes route pid, reading its token's row. SWITCH: `slots_skip`."""
+    (x, gate_up); else program pid takes route pid, reading its token's row. SWITCH: `slots_skip`. STAGES:
+    `_delta_pass`'s loops software-pipelined that deep (1: not)."""
     if SWITCH != 0:
         if slots_skip(slots_ptr, n_routes // top_k, max_slots, SWITCH, T_P2, S_P2):
             return
@@ -202,21 +203,22 @@ def lora_route_delta_kernel(
     if WIDE_RC > RC:  # a pool wider than RC: slots of rank > WIDE_MIN take one wide pass (x and the
         if rank > WIDE_MIN:  # delta row touched once), the others RC columns at a time (cost ~ rank)
             _delta_pass(src, a_base, b_base, d_row, 0, rank, k_dim, n_start, n_end, stride_ar, stride_bn,
-                        WIDE_RC, 4096 // WIDE_RC, 4096 // WIDE_RC)
+                        WIDE_RC, 4096 // WIDE_RC, 4096 // WIDE_RC, STAGES)
             return
     for r0 in range(0, rank, RC):
-        _delta_pass(src, a_base, b_base, d_row, r0, rank, k_dim, n_start, n_end, stride_ar, stride_bn, RC, BK, BN)
+        _delta_pass(src, a_base, b_base, d_row, r0, rank, k_dim, n_start, n_end, stride_ar, stride_bn, RC, BK, BN,
+                    STAGES)
 
 
 @triton.jit
 def _delta_pass(src, a_base, b_base, d_row, r0, rank, k_dim, n_start, n_end, stride_ar, stride_bn,
-                RC: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+                RC: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr):
     """Rank columns [r0, r0 + RC) of one route's delta: xa = src . A[r0:r0+RC]^T (rounded to src's
     dtype), then d_row[n] (+)= B[n, r0:r0+RC] . xa for n in [n_start, n_end); adds to d_row when r0 > 0."""
     offs_r = r0 + tl.arange(0, RC)
     r_ok = offs_r < rank
     xa = tl.zeros((RC,), tl.float32)
-    for k0 in range(0, k_dim, BK):
+    for k0 in tl.range(0, k_dim, BK, num_stages=STAGES):  # a GEMV chain: loads in flight only if pipelined
         offs_k = k0 + tl.arange(0, BK)
         k_ok = offs_k < k_dim
         xv = tl.load(src + offs_k, mask=k_ok, other=0.0).to(tl.float32)
@@ -224,7 +226,7 @@ def _delta_pass(src, a_base, b_base, d_row, r0, rank, k_dim, n_start, n_end, str
                     other=0.0)
         xa += tl.sum(a.to(tl.float32) * xv[None, :], axis=1)
     xa = xa.to(src.dtype.element_ty).to(tl.float32)
-    for n0 in range(n_start, n_end, BN):
+    for n0 in tl.range(n_start, n_end, BN, num_stages=STAGES):
         offs_n = n0 + tl.arange(0, BN)
         n_ok = offs_n < n_end
         b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :],
