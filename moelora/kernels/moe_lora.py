@@ -56,7 +56,6 @@ from moelora.kernels.lora_tiles import (
     drop_largest_slots,
     lora_b_tile,
     lora_shrink_rows,
-    rank_chunks,
     stacked_columns,
     stacked_slot_ranks,
 )
@@ -229,10 +228,8 @@ def _delta_pass(src, a_base, b_base, d_row, r0, rank, k_dim, n_start, n_end, str
     for n0 in tl.range(n_start, n_end, BN, num_stages=STAGES):
         offs_n = n0 + tl.arange(0, BN)
         n_ok = offs_n < n_end
-        b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :],
-                    mask=n_ok[:, None] & (offs_r < rank_chunks(rank, stride_bn))[None, :], other=0.0)
-        b = tl.where(r_ok[None, :], b, 0.0)  # the chunk's columns past the rank
-        d = tl.sum(b.to(tl.float32) * xa[None, :], axis=1)
+        bt = lora_b_tile(b_base + r0, offs_n, n_end, stride_bn, rank - r0, stride_bn - r0, RC)  # [RC, BN]
+        d = tl.sum(bt.to(tl.float32) * xa[:, None], axis=0)
         if r0 > 0:  # this program stored the earlier chunks' sum here
             d += tl.load(d_row + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(d_row + offs_n, d.to(d_row.dtype.element_ty), mask=n_ok)
