@@ -22,7 +22,9 @@ SHAPES = {
     "mixtral_8x7b": dict(E=8, K=2, H=4096, I=14336),
 }
 MS = (1, 8, 32, 128, 512, 4096)
-# name -> (adapters spread over tokens, pool max rank, adapter rank)
+# name -> (adapters spread over tokens, pool max rank, adapter rank); "_eager": the call carries the batch's
+# width (`ExpertLoRAArgs.width`, the engine's `LoRABatch.max_rank`), as the engine's eager forwards (prefill,
+# mixed steps) do; without it the kernels tile at the pool's rank, as its captured decode graphs do
 LORA_VARIANTS = {
     "off": (0, 0, 0),
     "1ad_r16": (1, 16, 16),
@@ -30,6 +32,7 @@ LORA_VARIANTS = {
     "8ad_r64": (8, 64, 64),
     "8ad_r8": (8, 8, 8),
     "8ad_r8_pool64": (8, 64, 8),
+    "8ad_r8_pool64_eager": (8, 64, 8),
 }
 SLOTS = 8
 
@@ -81,7 +84,8 @@ def make_lora(layer: Layer, M: int, variant: str, grouped: bool = False):
         ga, gb, da, db = ga.clone(), gb.clone(), da.clone(), db.clone()
         for t in (ga[:, :, rank:], gb[..., rank:], da[:, :, rank:], db[..., rank:]):
             t.zero_()
-    return ExpertLoRAArgs(ga, gb, da, db, slots, ranks, ranks, active=())
+    return ExpertLoRAArgs(ga, gb, da, db, slots, ranks, ranks, active=(),
+                          width=rank if variant.endswith("_eager") else None)
 
 
 def bytes_bound(layer: Layer, x, ids, lora) -> int:

@@ -308,6 +308,44 @@ def test_stacked_falls_back_on_wide_pools():
 
 
 @kernel_test
+@pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block", "stacked"])
+def test_width_of_the_batch_in_a_wide_pool(shrink):
+    """`ExpertLoRAArgs.width` (the batch's largest rank, `LoRABatch.max_rank`): slots of rank <= 8 in
+    a rank-64 pool tile at 16 columns and equal the twin, and the pool's width (None); every mode."""
+    ranks = (8, 3, 0, 8, 5, 1)
+    case = make_case(23, 32, 24, 4, 2, ranks=ranks, R=64, device=DEV, seed=21)
+    cfg = tiny_config(shrink)
+    narrow = run_checked((*case[:5], replace(case[5], width=8)), cfg, 1e-4)
+    assert rel_err(narrow, run_checked(case, cfg, 1e-4).to(torch.float64)) <= 1e-5
+
+
+def test_width_narrows_tiles_and_stacked_columns():
+    """The width sets BLOCK_R (a power of two >= 16, at most the pool's), so a wide pool of narrow
+    adapters keeps "stacked" (its columns are slots x BLOCK_R) instead of falling back to "separate"."""
+    from moelora.kernels.checks import lora_tile_rank
+    from moelora.kernels.fused_moe import STACK_MAX_COLS, lora_mode
+
+    assert [lora_tile_rank(64, w) for w in (None, 0, 1, 8, 16, 17, 40, 64, 100)] == [64, 16, 16, 16, 16, 32, 64, 64, 64]
+    assert lora_tile_rank(24, None) == 32 and lora_tile_rank(8, None) == 16
+    with pytest.raises(ValueError, match="width"):
+        lora_tile_rank(64, -1)
+    lora = ExpertLoRAArgs(torch.zeros(STACK_MAX_COLS // 16, 1, 64, 1), None, None, None, None, None, None, ())
+    assert lora_mode(lora, tiny_config("stacked"), lora_tile_rank(64, None)) == "separate"
+    assert lora_mode(lora, tiny_config("stacked"), lora_tile_rank(64, 8)) == "stacked"
+
+
+@kernel_test
+def test_a_width_below_a_slots_rank_drops_its_columns():
+    """The kernels tile at the width they are given: one below a slot's rank (which `LoRABatch` never
+    hands out) loses that slot's columns past it. So the width must come from the pool's ranks."""
+    case = make_case(19, 32, 24, 3, 2, ranks=(40, 40), R=64, device=DEV, seed=22, slots=[0, 1] * 9 + [0])
+    cfg = tiny_config("block")
+    run_checked(case, cfg, 1e-4)
+    got = fused_moe(*case[:5], lora=replace(case[5], width=16), config=cfg)
+    assert rel_err(got, reference(*case)) > 1e-3
+
+
+@kernel_test
 @pytest.mark.parametrize("stack_n", [16, 32, 128])
 @pytest.mark.parametrize("R", [16, 64])
 def test_stacked_column_steps(stack_n, R):
@@ -379,12 +417,16 @@ def gpu_case(shape, T, seed, ranks=(64, 16, 8, 0, 64, 32, 16, 8), R=64):
 @pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block", "route_plan", "route_wide_grid",
                                     "block_wide_tiles", "block_sub16", "block_persist", "separate_lanes",
                                     "separate_lanes_r16", "stacked", "stacked_r16", "block_elements",
-                                    "route_stages"])
+                                    "route_stages", "stacked_w8", "separate_w8"])
 def test_gpu_qwen3_shape_bf16_lora(T, shrink):
     # a rank-16 pool: inline's, and the lanes' where every slot has a lane (8 of 16 columns each)
     pool = dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16) if shrink in ("inline", "separate_lanes_r16",
                                                                           "stacked_r16") else {}
+    if shrink.endswith("_w8"):  # narrow adapters in a rank-64 pool, called with the batch's width (eager)
+        pool = dict(ranks=(8, 8, 4, 0, 8, 2, 8, 8), R=64)
     case = gpu_case(QWEN3, T, seed=T, **pool)
+    if shrink.endswith("_w8"):
+        case = (*case[:5], replace(case[5], width=8))
     from moelora.kernels.moe_config import tuned_fused_moe_config
 
     cfg = tuned_fused_moe_config(128, 2048, 768, T, 8, torch.bfloat16, torch.cuda.get_device_name())
@@ -404,7 +446,7 @@ def test_gpu_qwen3_shape_bf16_lora(T, shrink):
     if shrink == "route_stages":
         grid = dict(lora_route_stages=3)  # the delta's loops pipelined
     for suffix in ("_plan", "_wide_grid", "_wide_tiles", "_sub16", "_persist", "_r16", "_lanes", "_elements",
-                   "_stages"):
+                   "_stages", "_w8"):
         shrink = shrink.removesuffix(suffix)
     cfg = replace(cfg, lora_shrink=shrink, lora_shrink_wide="" if shrink == "inline" else shrink, use_tma=False,
                   lora_route_order=order, **grid)

@@ -113,6 +113,20 @@ def test_mixed_slots_ranks_below_max(mode, dtype, tol):
 
 @kernel_test
 @pytest.mark.parametrize("mode", MODES)
+def test_width_of_the_batch_in_a_wide_pool(mode):
+    """`DenseLoRAArgs.width` (the batch's largest rank): slots of rank <= 8 in a rank-64 pool tile at 16
+    columns, equal to the twin and to the pool's width."""
+    dtype, tol = (torch.float16, 1e-2) if mode == "splitk" else (torch.float32, 1e-4)
+    case = make_case(37, 40, 72, (8, 5, 0, 3), 64, dtype=dtype, device=DEV, seed=3,
+                     slots=[0, -1, 1, 2, 1, 3] * 6 + [-1])
+    x, w, b, lora = case
+    wide = check(case, tol, TINY[mode], delta_tol=tol * 5)
+    narrow = check((x, w, b, replace(lora, width=8)), tol, TINY[mode], delta_tol=tol * 5)
+    assert rel_err(narrow, wide.to(torch.float64)) <= tol / 10
+
+
+@kernel_test
+@pytest.mark.parametrize("mode", MODES)
 def test_one_slot_per_row_block_and_empty_blocks(mode):
     # rows 0-15: slot 1 only; 16-31: no adapter; 32-47: slot 0 rank 3 in a pool of max rank 40; 48-52 mixed
     slots = [1] * 16 + [-1] * 16 + [0] * 16 + [1, -1, 0, 0, 1]

@@ -120,6 +120,17 @@ def test_segments_mixed_slots_and_ranks(mode, dtype, tol):
 
 @kernel_test
 @pytest.mark.parametrize("mode", list(TINY))
+def test_segments_width_of_the_batch_in_a_wide_pool(mode):
+    """`DenseLoRAArgs.width` 8 over a rank-64 pool: each segment's A rows still start at g * 64, its xa
+    columns at g * 16 (BLOCK_R of the width, not of the pool); equal to the twin and each segment alone."""
+    dtype, tol = (torch.float16, 1e-2) if mode == "splitk" else (torch.float32, F32_TOL)
+    slots = [0, -1, 1, 2, 3, 4, 1, 0] * 4 + [3, -1, 2, 2, 4]
+    x, w, b, lora, clean = make_case(37, 40, SEGS, RANKS, 64, slots=slots, dtype=dtype, device=DEV, seed=2)
+    check((x, w, b, replace(lora, width=8), clean), tol, TINY[mode], alone_tol=tol)
+
+
+@kernel_test
+@pytest.mark.parametrize("mode", list(TINY))
 def test_segments_block_aligned_and_uneven(mode):
     """Boundaries on tile edges (32 + 16 + 16 with BN 16) and uneven ones (33 + 17 + 5), N_in 45."""
     ranks = [[16, 5, 0], [7, 16, 0], [16, 1, 0]]  # slot 2: no LoRA on any segment

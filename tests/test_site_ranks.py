@@ -122,6 +122,22 @@ def test_sites_hand_their_own_ranks_to_the_kernels(hf):
     assert (ex_args.gate_up_ranks[1].item(), ex_args.down_ranks[1].item()) == (PARTIAL["experts.gate_up"], 0)
 
 
+def test_batch_width_is_its_slots_largest_rank(hf):
+    """`LoRABatch.max_rank`: the largest adapter rank among the slots the rows name (not the pool's),
+    handed to every site as its kernels' width; the graph runner's batches leave it None (the pool's)."""
+    assert LoRABatch.build([2, -1, 0, 2], [8, 64, 4], "cpu").max_rank == 8
+    assert LoRABatch.build([1, 1], [8, 64, 4], "cpu", rows=False).max_rank == 64
+    assert LoRABatch.build([-1, -1], [8, 64, 4], "cpu").max_rank == 0
+    batch = LoRABatch.build([1, -1, 1], [0, 5, 0], "cpu")
+    assert batch.with_row_plan(SLOTS).max_rank == 5
+    model = build(hf, max_loras=SLOTS, max_rank=RANK)
+    layer = model.model.layers[0]
+    assert layer.self_attn.o_proj.lora_args(batch).width == 5
+    assert layer.mlp.experts.lora_args(batch).width == 5
+    unknown = LoRABatch(batch.token_slots, batch.active)
+    assert unknown.max_rank is None and layer.mlp.experts.lora_args(unknown).width is None
+
+
 def test_pool_eviction_and_removal_zero_site_ranks(hf):
     model = build(hf, max_loras=1, max_rank=RANK)
     a, b = partial_adapter(model, "a", 1, PARTIAL), partial_adapter(model, "b", 2, OTHER)

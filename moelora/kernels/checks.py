@@ -34,6 +34,18 @@ def need_one_of(owner: str, name: str, value, allowed: tuple) -> None:
     need(value in allowed, f"{owner}.{name} must be one of {allowed}, got {value!r}")
 
 
+def lora_tile_rank(pool_rank: int, width: int | None) -> int:
+    """BLOCK_R of a LoRA launch: the pool's rank, or `width` when smaller (a bound, known on the host,
+    on the ranks of the slots the call's rows name: `LoRABatch.max_rank`), rounded up to a power of two
+    >= 16 (tl.dot). Loads stay masked to each slot's own rank; the width only narrows the tiles, the
+    buffers and the stacked columns, so a batch of rank-8 adapters in a rank-64 pool runs rank-8 tiles.
+    A width below a slot's real rank would drop that slot's columns past it: it must come from the
+    pool's ranks, never be guessed, and a CUDA graph captured with it holds only while it does."""
+    need(width is None or width >= 0, f"LoRA width must be None or >= 0, got {width}")
+    r = pool_rank if width is None else min(pool_rank, width)
+    return max(16, 1 << max(0, r - 1).bit_length())
+
+
 def check_rows(name: str, t: torch.Tensor, shape: tuple[int, ...] | None = None,
                dtype: torch.dtype | None = None) -> None:
     """A float activation of `shape` (any row stride) with unit stride in its last dim."""

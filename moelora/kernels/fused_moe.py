@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from moelora.kernels.checks import lora_tile_rank
 from moelora.kernels.moe_config import FusedMoEConfig, tuned_fused_moe_config
 from moelora.kernels.moe_gemm import act_delta_kernel, combine_kernel, down_kernel, gate_up_kernel
 from moelora.kernels.moe_lora import (
@@ -102,7 +103,7 @@ def _check_lora(lora: ExpertLoRAArgs, T, H, E, inter):
         t = getattr(lora, name)
         _need(tuple(t.shape) == (S,) and t.dtype == torch.int32 and t.is_contiguous(),
               f"lora.{name} must be contiguous [S={S}] int32, got {tuple(t.shape)} {t.dtype}")
-    return max(16, triton.next_power_of_2(R))
+    return lora_tile_rank(R, lora.width)
 
 
 def _check_tma(x, H, inter, cfg: FusedMoEConfig):

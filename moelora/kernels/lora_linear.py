@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.checks import need_at_least, need_one_of, need_pow2
+from moelora.kernels.checks import lora_tile_rank, need_at_least, need_one_of, need_pow2
 from moelora.kernels.lora_tiles import (
     dense_shrink_program,
     expand_tile,
@@ -332,7 +332,7 @@ class _Segments:
         self.G = max(1, len(lora.segments))
         self.r_seg = lora.a.shape[1] // self.G
         self.bounds = tuple(itertools.accumulate(lora.segments, initial=0)) if self.G > 1 else None
-        self.block_r = max(16, triton.next_power_of_2(self.r_seg))
+        self.block_r = lora_tile_rank(self.r_seg, lora.width)
         self.g_p2 = triton.next_power_of_2(self.G)
 
 

@@ -46,6 +46,7 @@ class DenseLoRAArgs:
     active: tuple[SlotRows, ...] | None  # None: for the Triton kernels only (the twins refuse it)
     segments: tuple[int, ...] = ()
     row_plan: MoERoutingPlan | None = None  # the rows grouped by slot (Triton "planned" mode; built if None)
+    width: int | None = None  # Triton: a host bound on the rows' slots' ranks (checks.lora_tile_rank); None: R
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class ExpertLoRAArgs:
     gate_up_ranks: torch.Tensor
     down_ranks: torch.Tensor
     active: tuple[SlotRows, ...] | None  # None: for the Triton kernels only (the twins refuse it)
+    width: int | None = None  # Triton: a host bound on the rows' slots' ranks (checks.lora_tile_rank); None: R
 
 
 def _need_rows(lora: DenseLoRAArgs | ExpertLoRAArgs) -> None:

@@ -71,7 +71,7 @@ class LinearSite(nn.Module):
         if lora is None or not self.has_lora or lora.skips(self.lora_owner):
             return None
         return DenseLoRAArgs(self.lora_a, self.lora_b, lora.token_slots, self.lora_ranks, lora.active,
-                             row_plan=lora.row_plan)
+                             row_plan=lora.row_plan, width=lora.max_rank)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         return _project(self.backend, x, self.weight, self.bias, self.lora_args(lora), self.lora_stream)
@@ -139,7 +139,7 @@ class MergedLinear(nn.Module):
         if lora is None or not self.has_lora or lora.skips(self):
             return None
         return DenseLoRAArgs(self.lora_a, self.lora_b, lora.token_slots, self.lora_ranks, lora.active,
-                             self.out_sizes, lora.row_plan)
+                             self.out_sizes, lora.row_plan, width=lora.max_rank)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         return _project(self.backend, x, self.weight, self.bias, self.lora_args(lora), self.lora_stream)

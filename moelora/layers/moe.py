@@ -64,7 +64,8 @@ class Experts(nn.Module):
         if lora is None or not self.has_lora or lora.skips(self):
             return None
         return ExpertLoRAArgs(self.lora_gate_up_a, self.lora_gate_up_b, self.lora_down_a, self.lora_down_b,
-                              lora.token_slots, self.lora_gate_up_ranks, self.lora_down_ranks, lora.active)
+                              lora.token_slots, self.lora_gate_up_ranks, self.lora_down_ranks, lora.active,
+                              width=lora.max_rank)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 lora: LoRABatch | None) -> torch.Tensor:

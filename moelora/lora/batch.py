@@ -25,6 +25,13 @@ program per block of one slot's rows, where it measured faster); every dense LoR
 registered adapter has weights (every slot's rank 0 there, so their delta is exactly zero). A layer
 whose module is in it skips LoRA altogether (`skips`): no kernel launches, not even ones that would
 exit at once.
+
+`max_rank` (`build`): the largest adapter-level rank among the slots the rows name, a host int, so
+the Triton kernels tile at that width rather than the pool's (`kernels.checks.lora_tile_rank`): a
+batch of rank-8 adapters in a rank-64 pool runs rank-8 tiles, buffers and stacked columns. It is a
+bound on every site's rank of those slots (the pool's `slot_ranks`), so the narrower tiles drop
+nothing. None (the graph runner's batches): the pool's width, the only one a captured graph may
+bake in, since the slots its replays will name are not known when it is captured.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ class LoRABatch:
     active: tuple[SlotRows, ...] | None
     idle: frozenset = frozenset()  # LoRA modules no registered adapter has weights at
     row_plan: MoERoutingPlan | None = None  # the rows grouped by slot (a routing plan over the model's slots)
+    max_rank: int | None = None  # the rows' slots' largest adapter rank (host); None: the pool's width
 
     def with_row_plan(self, num_slots: int) -> LoRABatch:
         """This batch plus its rows grouped by slot (`moelora.kernels.planned_lora.row_plan`) when a
@@ -72,12 +80,14 @@ class LoRABatch:
               idle: frozenset = frozenset()) -> LoRABatch:
         """Plan for tokens whose slots are `token_slots` (host ints) given per-slot ranks; `rows`
         False leaves `active` None (the Triton backend never reads it: one copy and loop less)."""
-        bad = [s for s in set(token_slots) if s != NO_SLOT and not 0 <= s < len(slot_ranks)]
+        named = set(token_slots) - {NO_SLOT}
+        bad = [s for s in named if not 0 <= s < len(slot_ranks)]
         if bad:
             raise ValueError(f"tokens name slot {bad[0]}, but there are {len(slot_ranks)} slots")
+        max_rank = max((int(slot_ranks[s]) for s in named), default=0)
         token_slots_t = upload(list(token_slots), torch.int32, device)
         if not rows:
-            return LoRABatch(token_slots=token_slots_t, active=None, idle=idle)
+            return LoRABatch(token_slots=token_slots_t, active=None, idle=idle, max_rank=max_rank)
         by_slot: dict[int, list[int]] = {}
         for t, s in enumerate(token_slots):
             if s != NO_SLOT:
@@ -87,4 +97,4 @@ class LoRABatch:
         flat = upload([t for _, r in live for t in r], torch.long, device)
         active = tuple(SlotRows(slot=s, rank=int(slot_ranks[s]), rows=part)
                        for (s, _), part in zip(live, flat.split([len(r) for _, r in live]), strict=True))
-        return LoRABatch(token_slots=token_slots_t, active=active, idle=idle)
+        return LoRABatch(token_slots=token_slots_t, active=active, idle=idle, max_rank=max_rank)
