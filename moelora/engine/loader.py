@@ -35,7 +35,10 @@ def _kv_blocks(cfg: EngineConfig, model_cfg: ModelConfig, model) -> int:
 
 
 def _profile_activations(cfg: EngineConfig, model_cfg: ModelConfig, model) -> int:
-    """Peak extra memory of a forward at the full token budget (one block table, one sequence)."""
+    """Peak extra memory of a forward at the full token budget (one block table, one sequence), its rows
+    on an adapter slot of the pool's full rank (when there are slots): the LoRA kernels' buffers (xa,
+    per-route deltas) follow the batch's width (`LoRABatch.max_rank`), so the widest batch is measured.
+    The slots hold no weights yet (every site's rank 0): the kernels allocate, launch and skip."""
     from moelora.engine.request import Request, SamplingParams, Status
     from moelora.engine.runner import ModelRunner
     from moelora.engine.scheduler import ScheduledStep
@@ -43,12 +46,14 @@ def _profile_activations(cfg: EngineConfig, model_cfg: ModelConfig, model) -> in
     n = min(cfg.max_num_batched_tokens, cfg.max_model_len)
     cache = PagedKVCache(model.kv_cache_shapes(), -(-n // cfg.block_size), cfg.block_size, cfg.torch_device,
                          cfg.torch_dtype)
-    req = Request("profile", [0] * n, SamplingParams(), status=Status.RUNNING)
+    lora = cfg.max_loras > 0 and cfg.max_lora_rank > 0
+    req = Request("profile", [0] * n, SamplingParams(), adapter="profile" if lora else None, status=Status.RUNNING)
     req.block_ids = list(range(cache.allocator.num_blocks))
     before = torch.cuda.memory_allocated(cfg.torch_device)
     torch.cuda.reset_peak_memory_stats(cfg.torch_device)
     runner = ModelRunner(model, cache, cfg.torch_device)
-    runner.run(runner.prepare(ScheduledStep([req], [n], []), {}, [0] * cfg.max_loras))
+    runner.run(runner.prepare(ScheduledStep([req], [n], []), {"profile": 0} if lora else {},
+                              [cfg.max_lora_rank] * cfg.max_loras))
     peak = torch.cuda.max_memory_allocated(cfg.torch_device) - before
     del cache, runner
     torch.cuda.empty_cache()
