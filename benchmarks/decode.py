@@ -193,16 +193,19 @@ def moe_table_on(models, table: str | None):
 
 
 def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank: int, bw: float,
-              engine_kw: dict, repeats: int = 1, ab: dict | None = None, ab_table: str | None = None) -> list[dict]:
+              engine_kw: dict, repeats: int = 1, ab: dict | None = None, ab_table: str | None = None,
+              pool_rank: int | None = None) -> list[dict]:
     """`ab`: engine settings of a second engine pair ("B", e.g. {"async_scheduling": True}) over the same
     weights, measured in the same turns as the first, so a few-percent effect is not lost to drift.
     `ab_table`: a fused-MoE table file the B pair is built, captured and run with (its
     EngineConfig.fused_moe_table, which the engine sets on the shared model's routed experts: each
-    turn sets it there again, `moe_table_on`)."""
+    turn sets it there again, `moe_table_on`). `pool_rank`: the slots' max rank (max_lora_rank), default
+    the adapters' `rank`."""
     spec = MODELS[name]
     cfg = ModelConfig(**{**spec, "num_layers": layers or spec["num_layers"]}).resolve()
     print(f"model {name}, layers {cfg.num_layers}")
-    model = random_model(cfg, 8, rank)
+    pool_rank = pool_rank or rank
+    model = random_model(cfg, 8, pool_rank)
     adapters = {f"a{i}": random_adapter(model, f"a{i}", rank, i) for i in range(8)}
     twin = no_lora_twin(model, cfg)
     has_b = bool(ab) or ab_table is not None
@@ -216,7 +219,7 @@ def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank:
     b_kw = {**engine_kw, **(ab or {}), "fused_moe_table": b_table}
     for variant, kw in (("", engine_kw), *((("B", b_kw),) if has_b else ())):
         with table(variant):
-            lora_eng = engine(model, cfg, 8, rank, max(concs), adapters, **kw)
+            lora_eng = engine(model, cfg, 8, pool_rank, max(concs), adapters, **kw)
             base_kw = {k: v for k, v in kw.items() if k != "lora_target_modules"}  # it has no LoRA sites to name
             base_eng = engine(twin, cfg, 0, 0, max(concs), {}, **base_kw)
         runs += [(variant, "no LoRA", base_eng, [None]), (variant, "1 adapter", lora_eng, ["a0"]),
@@ -286,6 +289,8 @@ def main() -> None:
     ap.add_argument("--conc", default="1,8,32,64,128,256")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--pool-rank", type=int, default=None, help="the slots' max rank (EngineConfig.max_lora_rank; "
+                    "default --rank), e.g. 64 (the engine's default) for rank-16 adapters")
     ap.add_argument("--repeats", type=int, default=2, help="rounds of (no LoRA, 1 adapter, 8 adapters); median")
     ap.add_argument("--async-scheduling", action="store_true", help="EngineConfig.async_scheduling")
     ap.add_argument("--no-overlap-lora", action="store_true", help="EngineConfig.overlap_lora=False")
@@ -305,7 +310,7 @@ def main() -> None:
     rows = []
     for name in (list(MODELS) if args.model == "all" else [args.model]):
         rows += run_model(name, args.layers, concs, args.steps, args.rank, bw, repeats=args.repeats,
-                          ab=parse_ab(args.ab), ab_table=args.ab_table, engine_kw=
+                          ab=parse_ab(args.ab), ab_table=args.ab_table, pool_rank=args.pool_rank, engine_kw=
                           dict(async_scheduling=args.async_scheduling, overlap_lora=not args.no_overlap_lora,
                                lora_stream_priority=args.lora_stream_priority,
                                lora_target_modules=tuple(args.lora_target_modules.split(","))

@@ -156,6 +156,39 @@ def test_graphs_recaptured_as_lora_sites_turn_on(model_and_adapters):
     assert logprob_diff(reqs, ref) <= 0.05
 
 
+def test_graphs_at_the_registered_adapters_width():
+    """`lora_width_by_batch`: in a rank-64 pool, adapters of rank <= 16 get decode graphs at 16 rank
+    columns; a rank-40 adapter registered afterwards has them re-captured at 64 before its first replay.
+    Token for token equal to the eager engine, whose steps run at their own rows' width (the same as the
+    graphs' in both waves: every decode step of the second one has rows on the wide adapter).
+    (Against an engine at the pool's width throughout, greedy tokens may part at near-ties: other tile
+    widths round differently; H200, this workload: with the tokens forced through one eager forward,
+    every generated token's logprob is within 0.135 of it for both widths alike, and of the pool-width
+    engine's own run.)"""
+    model = tiny_model("qwen2_moe", max_rank=64)
+    adapters = {**tiny_adapters(model, "qwen2_moe"), "wide": random_adapter(model, 50, 40, frac=0.8)}
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, logprobs=0)
+    prompts, names = workload(n=16, seed=11)
+
+    def two_waves(eng):
+        first = [eng.add_request(p, params, name) for p, name in zip(prompts[:8], names[:8], strict=True)]
+        while eng.has_unfinished():
+            eng.step()
+        width = eng.graphs.lora_width if eng.graphs is not None else None
+        eng.pool.add("wide", "wide")
+        second = [eng.add_request(p, params, name) for p, name in zip(prompts[8:], ["wide", None] * 4, strict=True)]
+        while eng.has_unfinished():
+            eng.step()
+        return first + second, width
+
+    narrow = ("a0", "a1", "a2", "a3")
+    graphed = gpu_engine(model, adapters, registered=narrow, max_lora_rank=64)
+    reqs, first_width = two_waves(graphed)
+    assert (first_width, graphed.graphs.lora_width) == (16, 64)
+    eager, _ = two_waves(gpu_engine(model, adapters, registered=narrow, max_lora_rank=64, enforce_eager=True))
+    assert logprob_diff(reqs, eager) <= 0.05
+
+
 def test_dense_splitk_decode_graph_matches_eager(model_and_adapters, monkeypatch):
     """The dense splitk path (split-K GEMM with the LoRA shrink in its launch, expand in its reduce) on
     every decode projection: the default keeps it for >= 1024-wide shapes, which the tiny models lack,

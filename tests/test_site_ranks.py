@@ -138,6 +138,39 @@ def test_batch_width_is_its_slots_largest_rank(hf):
     assert unknown.max_rank is None and layer.mlp.experts.lora_args(unknown).width is None
 
 
+def test_engine_steps_carry_their_width_unless_switched_off(hf):
+    """`EngineConfig.lora_width_by_batch`: an eager step's batch carries its adapters' largest rank (the
+    pool's slot_ranks: the adapter's largest site rank), or None when the switch is off; outputs equal."""
+    model = build(hf, max_loras=SLOTS, max_rank=RANK)
+    adapter = partial_adapter(model, "a", 1, PARTIAL)
+    seen, logits = [], []
+    for on in (True, False):
+        eng = engine(model, {"a": adapter}, max_loras=SLOTS, lora_width_by_batch=on)
+        run = eng.runner.run
+
+        def spy(inputs, all_logits=False, run=run):
+            seen.append(inputs.lora.max_rank)
+            return run(inputs, all_logits)
+        eng.runner.run = spy
+        logits.append(eng.prompt_logits([[5, 6, 7, 8]], ["a"])[0])
+    assert seen == [adapter.max_rank, None] and adapter.max_rank == max(PARTIAL.values())
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_graph_width_classes():
+    """The decode graphs' LoRA width: a class (power of two >= 16) serving every rank up to it; a step of
+    wider adapters, or of unknown width, is not served (the runner re-captures first); None serves all."""
+    from types import SimpleNamespace
+
+    from moelora.engine.cuda_graphs import CudaGraphRunner
+
+    assert [CudaGraphRunner.width_class(r) for r in (None, 0, 8, 16, 17, 40, 64)] == [None, 16, 16, 16, 32, 64, 64]
+    holds = CudaGraphRunner.holds
+    assert holds(SimpleNamespace(lora_width=16), 16) and holds(SimpleNamespace(lora_width=16), 0)
+    assert not holds(SimpleNamespace(lora_width=16), 17) and not holds(SimpleNamespace(lora_width=16), None)
+    assert holds(SimpleNamespace(lora_width=None), 64) and holds(SimpleNamespace(lora_width=None), None)
+
+
 def test_pool_eviction_and_removal_zero_site_ranks(hf):
     model = build(hf, max_loras=1, max_rank=RANK)
     a, b = partial_adapter(model, "a", 1, PARTIAL), partial_adapter(model, "b", 2, OTHER)

@@ -47,6 +47,11 @@ class EngineConfig:
     # step, and the sites' delta one program per block of one slot's rows ("planned"), where that
     # measured faster (H200, merged q/k/v at 256 rows, 8 adapters r16: 41.9 -> 23.0 us). Off switch.
     group_lora_rows: bool = True
+    # Triton LoRA kernels tile at the width of the adapters at hand, not max_lora_rank: an eager step at
+    # its rows' adapters' largest rank (`LoRABatch.max_rank`), the decode graphs at the largest rank of the
+    # registered adapters (re-captured, like idle sites, when a wider one is registered: at most twice,
+    # 16 -> 32 -> 64 columns). Off: every launch at max_lora_rank.
+    lora_width_by_batch: bool = True
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # off switch for CUDA-graph decode
     overlap_shared_experts: bool = True  # off switch for the shared expert's second stream

@@ -11,6 +11,10 @@ The engine's idle set only shrinks (a site turns on when an adapter with LoRA th
 `capture` again with the new set, or a step whose LoRA batch names another set than the graphs were
 captured with, re-captures every bucket (after a device sync: no replay of the old graphs is in
 flight when they go).
+LoRA width (`EngineConfig.lora_width_by_batch`): the graphs are captured at a LoRA width (`LoRABatch.max_rank`:
+the kernels tile at that many rank columns, a power of two >= 16, not at the pool's max_lora_rank), the
+registered adapters' largest rank; a replay for a step whose rows' adapters are wider first re-captures at
+the wider class (`holds`), so no replay ever drops a rank column. Width None: the pool's, for every step.
 Steps with no adapter rows replay whatever is captured: they need no LoRA.
 Needs the Triton backend: the torch twins loop on the host and cannot be captured.
 """
@@ -23,6 +27,7 @@ import time
 import torch
 
 from moelora.engine.runner import StepInputs
+from moelora.kernels.checks import lora_tile_rank
 from moelora.layers.attention import AttnMetadata, SeqSlice
 from moelora.lora.batch import NO_SLOT, LoRABatch
 
@@ -54,6 +59,7 @@ class CudaGraphRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.lora_idle: frozenset = frozenset()  # the idle LoRA sites the graphs were captured with
+        self.lora_width: int | None = None  # the LoRA width they were captured at (None: the pool's)
         self.captures = 0
         self.capture_s = 0.0  # wall time of the last capture, warm-up included
 
@@ -61,16 +67,27 @@ class CudaGraphRunner:
         meta = AttnMetadata(self.slot_mapping[:B], self.block_tables[:B], self.seq_lens[:B],
                             self.query_start[:B + 1], tuple(SeqSlice(i, 1, 1, i) for i in range(B)),
                             max_seq_len=self.max_model_len, max_query_len=1)
-        lora = LoRABatch(self.token_slots[:B], (), self.lora_idle)
+        lora = LoRABatch(self.token_slots[:B], (), self.lora_idle, max_rank=self.lora_width)
         if self.row_plan_slots:  # inside the capture: every replay groups its own rows
             lora = lora.with_row_plan(self.row_plan_slots)
         hidden = self.model(self.input_ids[:B], self.positions[:B], meta, self.cache.layers, lora)
         return self.model.logits(hidden).float()
 
+    def holds(self, max_rank: int | None) -> bool:
+        """Whether the graphs serve a step whose rows' adapters reach rank `max_rank` (None: unknown)."""
+        return self.lora_width is None or (max_rank is not None and max_rank <= self.lora_width)
+
+    @staticmethod
+    def width_class(max_rank: int | None) -> int | None:
+        """The width to capture at for adapters up to `max_rank`: its tile width (a power of two >= 16),
+        so every rank of one class shares the graphs."""
+        return None if max_rank is None else lora_tile_rank(max_rank, None)
+
     @torch.inference_mode()
-    def capture(self, lora_idle: frozenset = frozenset()) -> None:
+    def capture(self, lora_idle: frozenset = frozenset(), lora_width: int | None = None) -> None:
         """Capture every bucket (again: the old graphs and their memory pool are released first)
-        with `lora_idle` the LoRA sites left out."""
+        with `lora_idle` the LoRA sites left out, at LoRA width `lora_width` (rounded to its `width_class`;
+        None: the pool's)."""
         if self.graphs:
             torch.cuda.synchronize()
             self.graphs.clear()
@@ -80,6 +97,7 @@ class CudaGraphRunner:
             self._pad(0, self.buckets[-1])
         t0 = time.perf_counter()
         self.lora_idle = lora_idle
+        self.lora_width = self.width_class(lora_width)
         self.captures += 1
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -114,10 +132,13 @@ class CudaGraphRunner:
         """Replay the bucket graph for a decode step (one token per sequence) -> logits [n, V]."""
         n = inputs.input_ids.shape[0]
         B = next(b for b in self.buckets if b >= n)
-        if inputs.lora is not None and inputs.lora.idle != self.lora_idle:
-            self.capture(inputs.lora.idle)
-            log.info("LoRA sites turned on: decode graphs re-captured (%d buckets, %.2f s)", len(self.buckets),
-                     self.capture_s)
+        lora = inputs.lora
+        if lora is not None and (lora.idle != self.lora_idle or not self.holds(lora.max_rank)):
+            why = "LoRA sites turned on" if self.holds(lora.max_rank) else f"LoRA rank {lora.max_rank}"
+            width = None if lora.max_rank is None or self.lora_width is None else max(lora.max_rank, self.lora_width)
+            self.capture(lora.idle, width)
+            log.info("%s: decode graphs re-captured at LoRA width %s (%d buckets, %.2f s)", why,
+                     self.lora_width or "of the pool", len(self.buckets), self.capture_s)
         meta = inputs.meta
         self.input_ids[:n].copy_(inputs.input_ids, non_blocking=True)
         self.positions[:n].copy_(inputs.positions, non_blocking=True)

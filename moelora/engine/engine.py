@@ -69,7 +69,8 @@ class LLMEngine:
                                    adapter_ready=self.pool.ensure if cfg.async_adapter_loading else None)
         row_plan_slots = model.max_loras if cfg.group_lora_rows and cfg.kernel_backend == "triton" else 0
         self.runner = ModelRunner(model, self.cache, self.device, lora_rows=cfg.kernel_backend == "torch",
-                                  row_plan_slots=row_plan_slots)
+                                  row_plan_slots=row_plan_slots, lora_width=cfg.lora_width_by_batch)
+        self._registered_rank = 0  # the largest rank of any adapter registered so far (the graphs' LoRA width)
         # LoRA sites no registered adapter has weights at (all of them until one is added): skipped
         self.runner.lora_idle = frozenset(self._site_owners.values()) if cfg.skip_idle_lora_sites else frozenset()
         lora_stream = (torch.cuda.Stream(self.device, priority=cfg.lora_stream_priority)
@@ -96,7 +97,7 @@ class LLMEngine:
             dummy = self.cache.allocator.allocate()  # padding rows of a graph bucket write here, forever
             self.graphs = CudaGraphRunner(model, self.cache, cfg.max_num_seqs, cfg.max_model_len, dummy,
                                           row_plan_slots)
-            self.graphs.capture(self.lora_idle)
+            self.graphs.capture(self.lora_idle, self._graph_width)
         self.requests: dict[str, Request] = {}
         eos = set(model.config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -129,15 +130,24 @@ class LLMEngine:
             return adapter
         return load
 
+    @property
+    def _graph_width(self) -> int | None:
+        """The LoRA width decode graphs are captured at: the registered adapters' largest rank, or None
+        (max_lora_rank) when `lora_width_by_batch` is off."""
+        return self._registered_rank if self.cfg.lora_width_by_batch else None
+
     def capture_graphs(self) -> None:
-        """Re-capture the decode graphs now if the idle LoRA sites changed since their capture (so the
-        first request after adding adapters at run time does not pay for it)."""
-        if self.graphs is not None and self.graphs.lora_idle != self.lora_idle:
-            self.graphs.capture(self.lora_idle)
+        """Re-capture the decode graphs now if the idle LoRA sites changed since their capture, or a
+        registered adapter is wider than their LoRA width (so the first request after adding adapters at
+        run time does not pay for it)."""
+        g = self.graphs
+        if g is not None and (g.lora_idle != self.lora_idle or not g.holds(self._graph_width)):
+            self.graphs.capture(self.lora_idle, self._graph_width)
 
     def _turn_on(self, adapter: LoRAAdapter) -> None:
         """Every site `adapter` has LoRA at is no longer idle (monotone: the next LoRA batch carries the
-        smaller set)."""
+        smaller set); the graphs' LoRA width grows to its rank if it is wider."""
+        self._registered_rank = max(self._registered_rank, adapter.max_rank)
         idle = self.runner.lora_idle
         if idle:
             self.runner.lora_idle = idle - {self._site_owners[key] for key, w in adapter.sites.items() if w.rank > 0}

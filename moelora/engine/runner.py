@@ -8,7 +8,7 @@ that sample (the last computed token of each request that reaches its end this s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,12 +32,15 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model, cache: PagedKVCache, device: torch.device, lora_rows: bool = True,
-                 row_plan_slots: int = 0):
+                 row_plan_slots: int = 0, lora_width: bool = True):
         """`lora_rows`: build `LoRABatch.active` (the torch backend's per-slot rows; the Triton
         kernels read only the token slots). `row_plan_slots` > 0 (`EngineConfig.group_lora_rows`, the
-        model's slot count): every LoRA batch gets its rows grouped by slot (`LoRABatch.with_row_plan`)."""
+        model's slot count): every LoRA batch gets its rows grouped by slot (`LoRABatch.with_row_plan`).
+        `lora_width` (`EngineConfig.lora_width_by_batch`): batches carry their adapters' largest rank
+        (`LoRABatch.max_rank`), so the kernels tile at it; off: None, the pool's."""
         self.model, self.cache, self.device, self.lora_rows = model, cache, device, lora_rows
         self.row_plan_slots = row_plan_slots
+        self.lora_width = lora_width
         self.lora_idle: frozenset = frozenset()  # the engine's idle LoRA sites, carried by every LoRABatch
 
     def _upload(self, *lists: list[int]) -> list[torch.Tensor]:
@@ -97,6 +100,8 @@ class ModelRunner:
             max_seq_len=max(seq_lens), max_query_len=max(step.num_new))
         lora = LoRABatch.build(slots, slot_ranks, self.device, self.lora_rows, self.lora_idle) \
             if any(s != NO_SLOT for s in slots) else None
+        if lora is not None and not self.lora_width:
+            lora = replace(lora, max_rank=None)
         if lora is not None and self.row_plan_slots:
             lora = lora.with_row_plan(self.row_plan_slots)
         return StepInputs(ids_t, pos_t, meta, lora, rows_t, tuple(sample_index))
