@@ -47,23 +47,29 @@ def _ranked(bt, offs_r, rank):
 
 
 @triton.jit
-def _b_tile(b_ptr, offs_n, cols, stride_bn, rank, r_limit, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr):
+def _b_tile(b_ptr, offs_n, cols, stride_bn, rank, r_limit, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr,
+            SELECT: tl.constexpr = True):
     """[BLOCK_R, BN] tile of B^T for the output rows in `cols`: whole rank chunks then the select
-    (CHUNKS), or masked column by column (element loads, no select: fewer registers; r_limit unused)."""
+    (CHUNKS), or masked column by column (element loads, no select: fewer registers; r_limit unused).
+    SELECT False (CHUNKS only): the chunks as loaded, for a caller that knows the rank is a multiple of
+    16 (then the select is the identity, and the tile can go from its cp.async buffer straight to the dot
+    instead of through registers and back to shared memory)."""
     offs_r = tl.arange(0, BLOCK_R)
     ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None]
     if CHUNKS:
-        bt = _ranked(tl.load(ptrs, mask=(offs_r[:, None] < rank_chunks(rank, r_limit)) & cols[None, :], other=0.0),
-                     offs_r, rank)
+        bt = tl.load(ptrs, mask=(offs_r[:, None] < rank_chunks(rank, r_limit)) & cols[None, :], other=0.0)
+        if SELECT:
+            bt = _ranked(bt, offs_r, rank)
     else:
         bt = tl.load(ptrs, mask=(offs_r[:, None] < rank) & cols[None, :], other=0.0)
     return bt
 
 
 @triton.jit
-def lora_b_tile(b_ptr, offs_n, n_limit, stride_bn, rank, r_limit, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr = True):
-    """[BLOCK_R, BN] tile of B^T (B is [N, R]), rank- and column-masked; r_limit: `rank_chunks`."""
-    return _b_tile(b_ptr, offs_n, offs_n < n_limit, stride_bn, rank, r_limit, BLOCK_R, CHUNKS)
+def lora_b_tile(b_ptr, offs_n, n_limit, stride_bn, rank, r_limit, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr = True,
+                SELECT: tl.constexpr = True):
+    """[BLOCK_R, BN] tile of B^T (B is [N, R]), rank- and column-masked; r_limit: `rank_chunks`; SELECT: `_b_tile`."""
+    return _b_tile(b_ptr, offs_n, offs_n < n_limit, stride_bn, rank, r_limit, BLOCK_R, CHUNKS, SELECT)
 
 
 @triton.jit
