@@ -298,6 +298,7 @@ def _block_pair_delta(src_ptr, rows, stride_src, sel, a_se, b_se, stride_ar, str
 @triton.jit
 def _expand_pair(xa, b_se, stride_bn, rank, d_rows, sel, n_start, n_end, R: tl.constexpr, BN: tl.constexpr,
                  CHUNKS: tl.constexpr, SELECT: tl.constexpr):
+    """d_rows[sel, n] = xa @ B[n, :rank]^T for n in [n_start, n_end), BN at a time (`lora_b_tile`'s modes)."""
     for n0 in range(n_start, n_end, BN):
         offs_n = n0 + tl.arange(0, BN)
         d = tl.dot(xa, lora_b_tile(b_se, offs_n, n_end, stride_bn, rank, stride_bn, R, CHUNKS, SELECT).to(xa.dtype))
