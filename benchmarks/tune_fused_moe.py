@@ -1,5 +1,6 @@
 """Offline tuner: picks fused_moe launch configs per (shape, M) on this GPU and writes the table
-moelora/kernels/configs/fused_moe_<gpu>.json (and a copy plus all timings under $OUT).
+moelora/kernels/configs/fused_moe_<gpu>.json (and a copy plus all timings under $OUT), after every
+(shape, M) entry, so a run cut short keeps the entries it finished.
 
 Shape legend: M tokens, H hidden, I expert intermediate, E experts, K top-k.
 Per (shape, M): time the LoRA-off layer (CUDA-graph replay, L2 flushed, median) over a short
@@ -234,6 +235,18 @@ def main(argv=None):
     log = []
     shapes = [(n, SHAPES[n]) for n in (args.shapes or ("" if args.model else ",".join(SHAPES))).split(",") if n]
     shapes += [model_shape(m) for m in args.model]
+    out = Path(os.environ.get("OUT", "."))
+
+    def save():  # after every entry: a run cut short (a device call's time limit) keeps what it tuned
+        text = json.dumps(table, indent=1, sort_keys=True) + "\n"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        (out / path.name).write_text(text)
+        with (out / "tune_fused_moe.csv").open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=["shape", "M", "what", "config", "ms"])
+            w.writeheader()
+            w.writerows(log)
+
     for sname, shape in shapes:
         print(f"# {sname} {shape}", flush=True)
         layer = make_layer(shape, pool_ranks=(16, 64))
@@ -247,18 +260,10 @@ def main(argv=None):
                 per_m[str(M)] = tune_one(layer, M, log, side, score).to_dict()
             for row in log:
                 row.setdefault("shape", sname)
+            save()
+            print(f"# wrote {path} and {out / path.name} ({sname} M={M} done)", flush=True)
         del layer
         torch.cuda.empty_cache()
-    text = json.dumps(table, indent=1, sort_keys=True) + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    out = Path(os.environ.get("OUT", "."))
-    (out / path.name).write_text(text)
-    with (out / "tune_fused_moe.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["shape", "M", "what", "config", "ms"])
-        w.writeheader()
-        w.writerows(log)
-    print(f"# wrote {path} and {out / path.name}")
 
 
 if __name__ == "__main__":
