@@ -82,10 +82,11 @@ def lora_a_tile(a_ptr, k0, offs_k, k_dim, stride_ar, rank, BLOCK_R: tl.constexpr
 
 @triton.jit
 def lora_b_tile_cols(b_ptr, offs_n, n_lo, n_hi, stride_bn, rank, r_limit, BLOCK_R: tl.constexpr,
-                     CHUNKS: tl.constexpr = True):
+                     CHUNKS: tl.constexpr = True, SELECT: tl.constexpr = True):
     """[BLOCK_R, BN] tile of B^T (B is [N, R]) for output rows in [n_lo, n_hi) only: one segment of
-    a merged projection's B, rank- and segment-masked; r_limit: `rank_chunks` (CHUNKS: `_b_tile`)."""
-    return _b_tile(b_ptr, offs_n, (offs_n >= n_lo) & (offs_n < n_hi), stride_bn, rank, r_limit, BLOCK_R, CHUNKS)
+    a merged projection's B, rank- and segment-masked; r_limit: `rank_chunks` (CHUNKS, SELECT: `_b_tile`)."""
+    return _b_tile(b_ptr, offs_n, (offs_n >= n_lo) & (offs_n < n_hi), stride_bn, rank, r_limit, BLOCK_R, CHUNKS,
+                   SELECT)
 
 
 # the "stacked" routed-expert LoRA: column c of S * BLOCK_R stands for rank row c % BLOCK_R of slot c // BLOCK_R
