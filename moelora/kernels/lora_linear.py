@@ -261,7 +261,7 @@ def _lora_delta_add_fused_kernel(
             for r0 in range(0, rank, RC):  # only the slot's own rank columns, RC at a time
                 xa = lora_shrink_rows(x_ptr, offs_t, stride_xt, sel, a_s + r0 * stride_ar, stride_ar, rank - r0, 0,
                                       N_in, BM, RC, BK).to(x_ptr.dtype.element_ty)
-                bt = lora_b_tile(b_s + r0, offs_n, N_out, stride_bn, rank - r0, stride_bn - r0, RC)
+                bt = lora_b_tile(b_s, offs_n, N_out, stride_bn, rank, r0, RC)
                 acc = tl.dot(xa, bt.to(xa.dtype), acc)
         else:
             n0 = tl.program_id(1) * BN
@@ -274,7 +274,7 @@ def _lora_delta_add_fused_kernel(
                     for r0 in range(0, rank, RC):
                         xa = lora_shrink_rows(x_ptr, offs_t, stride_xt, sel, a_g + r0 * stride_ar, stride_ar,
                                               rank - r0, 0, N_in, BM, RC, BK).to(x_ptr.dtype.element_ty)
-                        bt = lora_b_tile_cols(b_s + r0, offs_n, lo, hi, stride_bn, rank - r0, stride_bn - r0, RC)
+                        bt = lora_b_tile_cols(b_s, offs_n, lo, hi, stride_bn, rank, r0, RC)
                         acc = tl.dot(xa, bt.to(xa.dtype), acc)
         slot = tl.where(sel, -1, slot)
         s = tl.max(slot, axis=0)

@@ -47,29 +47,31 @@ def _ranked(bt, offs_r, rank):
 
 
 @triton.jit
-def _b_tile(b_ptr, offs_n, cols, stride_bn, rank, r_limit, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr,
+def _b_tile(b_ptr, offs_n, cols, stride_bn, rank, col0, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr,
             SELECT: tl.constexpr = True):
-    """[BLOCK_R, BN] tile of B^T for the output rows in `cols`: whole rank chunks then the select
-    (CHUNKS), or masked column by column (element loads, no select: fewer registers; r_limit unused).
+    """[BLOCK_R, BN] tile of B^T for the output rows in `cols`, rank columns [col0, col0 + BLOCK_R) of B (b_ptr:
+    its column 0; B's rows hold stride_bn columns, the launchers' check): whole rank chunks then the select
+    (CHUNKS), or masked column by column (element loads, no select: fewer registers).
     SELECT False (CHUNKS only): the chunks as loaded, for a caller that knows the rank is a multiple of
     16 (then the select is the identity, and the tile can go from its cp.async buffer straight to the dot
     instead of through registers and back to shared memory)."""
     offs_r = tl.arange(0, BLOCK_R)
-    ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_r[:, None]
+    ptrs = b_ptr + col0 + offs_n[None, :] * stride_bn + offs_r[:, None]
+    left = rank - col0  # the slot's columns from col0 on
     if CHUNKS:
-        bt = tl.load(ptrs, mask=(offs_r[:, None] < rank_chunks(rank, r_limit)) & cols[None, :], other=0.0)
+        bt = tl.load(ptrs, mask=(offs_r[:, None] < rank_chunks(left, stride_bn - col0)) & cols[None, :], other=0.0)
         if SELECT:
-            bt = _ranked(bt, offs_r, rank)
+            bt = _ranked(bt, offs_r, left)
     else:
-        bt = tl.load(ptrs, mask=(offs_r[:, None] < rank) & cols[None, :], other=0.0)
+        bt = tl.load(ptrs, mask=(offs_r[:, None] < left) & cols[None, :], other=0.0)
     return bt
 
 
 @triton.jit
-def lora_b_tile(b_ptr, offs_n, n_limit, stride_bn, rank, r_limit, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr = True,
+def lora_b_tile(b_ptr, offs_n, n_limit, stride_bn, rank, col0, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr = True,
                 SELECT: tl.constexpr = True):
-    """[BLOCK_R, BN] tile of B^T (B is [N, R]), rank- and column-masked; r_limit: `rank_chunks`; SELECT: `_b_tile`."""
-    return _b_tile(b_ptr, offs_n, offs_n < n_limit, stride_bn, rank, r_limit, BLOCK_R, CHUNKS, SELECT)
+    """[BLOCK_R, BN] tile of B^T (B is [N, R]) from rank column col0, rank- and column-masked (`_b_tile`)."""
+    return _b_tile(b_ptr, offs_n, offs_n < n_limit, stride_bn, rank, col0, BLOCK_R, CHUNKS, SELECT)
 
 
 @triton.jit
@@ -81,11 +83,11 @@ def lora_a_tile(a_ptr, k0, offs_k, k_dim, stride_ar, rank, BLOCK_R: tl.constexpr
 
 
 @triton.jit
-def lora_b_tile_cols(b_ptr, offs_n, n_lo, n_hi, stride_bn, rank, r_limit, BLOCK_R: tl.constexpr,
+def lora_b_tile_cols(b_ptr, offs_n, n_lo, n_hi, stride_bn, rank, col0, BLOCK_R: tl.constexpr,
                      CHUNKS: tl.constexpr = True, SELECT: tl.constexpr = True):
     """[BLOCK_R, BN] tile of B^T (B is [N, R]) for output rows in [n_lo, n_hi) only: one segment of
-    a merged projection's B, rank- and segment-masked; r_limit: `rank_chunks` (CHUNKS, SELECT: `_b_tile`)."""
-    return _b_tile(b_ptr, offs_n, (offs_n >= n_lo) & (offs_n < n_hi), stride_bn, rank, r_limit, BLOCK_R, CHUNKS,
+    a merged projection's B, from rank column col0, rank- and segment-masked (`_b_tile`)."""
+    return _b_tile(b_ptr, offs_n, (offs_n >= n_lo) & (offs_n < n_hi), stride_bn, rank, col0, BLOCK_R, CHUNKS,
                    SELECT)
 
 
@@ -218,7 +220,7 @@ def expand_tile(xa_ptr, y_ptr, b_ptr, slot, s, ranks, offs_t, offs_n, mine, lane
         while s >= 0:
             sel = slot == s
             bt = lora_b_tile(b_ptr + s.to(tl.int64) * stride_bs, offs_n, N_out, stride_bn, rank_of(ranks, s, S_P2),
-                             stride_bn, BLOCK_R)
+                             0, BLOCK_R)
             acc = tl.dot(tl.where(sel[:, None], xa, 0.0).to(xa.dtype), bt.to(xa.dtype), acc)
             slot = tl.where(sel, -1, slot)
             s = tl.where(lane == n_lanes - 1, tl.max(slot, axis=0), -1)
@@ -258,8 +260,8 @@ def expand_segments(xa_ptr, y_ptr, b_ptr, slot0, s0, ranks, offs_t, offs_n, mine
                     # element loads here: chunked, the kernel took 181 registers a thread, not 168 (sm_90), 2
                     # programs an SM instead of 3; H200, split q/k/v 2048->5120, 8 adapters r16: T=64 19.7 ->
                     # 22.5 us, T=256 42.4 -> 46.1, T=1024 119.5 -> 129.6 (docs/benchmarks.md)
-                    bt = lora_b_tile_cols(b_ptr + s.to(tl.int64) * stride_bs, offs_n, lo, hi, stride_bn, rank,
-                                          stride_bn, BLOCK_R, CHUNKS=False)
+                    bt = lora_b_tile_cols(b_ptr + s.to(tl.int64) * stride_bs, offs_n, lo, hi, stride_bn, rank, 0,
+                                          BLOCK_R, CHUNKS=False)
                     acc = tl.dot(tl.where(sel[:, None], xa, 0.0).to(xa.dtype), bt.to(xa.dtype), acc)
                 slot = tl.where(sel, -1, slot)
                 s = tl.where(lane == n_lanes - 1, tl.max(slot, axis=0), -1)

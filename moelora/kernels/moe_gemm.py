@@ -150,12 +150,13 @@ def _b_lanes(b_ptr, e, s_col, r_col, offs_n, n_limit, stride_bs, stride_be, stri
 
 
 @triton.jit
-def _add_expand(acc_g, acc_u, xs, b_se, offs_n, n_limit, stride_bn, rank, r_limit, R: tl.constexpr, TWO: tl.constexpr):
-    """acc_g += xs @ B^T over B rows offs_n (masked to n_limit and the rank), and with TWO (gate_up) acc_u += the
-    same over the up half, B rows n_limit + offs_n. xs [BM, R] in the dot's dtype; B tiles: `lora_b_tile`."""
-    acc_g = tl.dot(xs, lora_b_tile(b_se, offs_n, n_limit, stride_bn, rank, r_limit, R).to(xs.dtype), acc_g)
+def _add_expand(acc_g, acc_u, xs, b_se, offs_n, n_limit, stride_bn, rank, col0, R: tl.constexpr, TWO: tl.constexpr):
+    """acc_g += xs @ B^T over B rows offs_n (masked to n_limit and the rank), rank columns from col0, and with TWO
+    (gate_up) acc_u += the same over the up half, B rows n_limit + offs_n. xs [BM, R] in the dot's dtype; B tiles:
+    `lora_b_tile`."""
+    acc_g = tl.dot(xs, lora_b_tile(b_se, offs_n, n_limit, stride_bn, rank, col0, R).to(xs.dtype), acc_g)
     if TWO:
-        acc_u = tl.dot(xs, lora_b_tile(b_se + n_limit * stride_bn, offs_n, n_limit, stride_bn, rank, r_limit,
+        acc_u = tl.dot(xs, lora_b_tile(b_se + n_limit * stride_bn, offs_n, n_limit, stride_bn, rank, col0,
                                        R).to(xs.dtype), acc_u)
     return acc_g, acc_u
 
@@ -170,11 +171,11 @@ def _inline_epilogue(acc_g, acc_u, xa0, xa1, slot, rest, s0, r0, s1, r1, src_ptr
     if r0 > 0:
         xs = tl.where((slot == s0)[:, None], xa0, 0.0).to(dt)
         acc_g, acc_u = _add_expand(acc_g, acc_u, xs, slot_base(b_ptr, s0, e, stride_bs, stride_be), offs_n, n_limit,
-                                   stride_bn, r0, stride_bn, BLOCK_R, TWO)
+                                   stride_bn, r0, 0, BLOCK_R, TWO)
     if r1 > 0:
         xs = tl.where((slot == s1)[:, None], xa1, 0.0).to(dt)
         acc_g, acc_u = _add_expand(acc_g, acc_u, xs, slot_base(b_ptr, s1, e, stride_bs, stride_be), offs_n, n_limit,
-                                   stride_bn, r1, stride_bn, BLOCK_R, TWO)
+                                   stride_bn, r1, 0, BLOCK_R, TWO)
     s = tl.max(rest, axis=0)
     while s >= 0:  # slots beyond the two fused ones
         sel = rest == s
@@ -183,7 +184,7 @@ def _inline_epilogue(acc_g, acc_u, xa0, xa1, slot, rest, s0, r0, s1, r1, src_ptr
             xs = lora_shrink_rows(src_ptr, src_rows, stride_src, sel, slot_base(a_ptr, s, e, stride_as, stride_ae),
                                   stride_ar, rank, 0, k_dim, BM, BLOCK_R, LORA_BK).to(dt)
             acc_g, acc_u = _add_expand(acc_g, acc_u, xs, slot_base(b_ptr, s, e, stride_bs, stride_be), offs_n,
-                                       n_limit, stride_bn, rank, stride_bn, BLOCK_R, TWO)
+                                       n_limit, stride_bn, rank, 0, BLOCK_R, TWO)
         rest = tl.where(sel, -1, rest)
         s = tl.max(rest, axis=0)
     return acc_g, acc_u
@@ -214,8 +215,7 @@ def _separate_epilogue(acc_g, acc_u, src_ptr, slot, e, offs_m, ranks_ptr, b_ptr,
         b_se = slot_base(b_ptr, s, e, stride_bs, stride_be)
         for r0 in range(0, rank, LORA_RC):
             xs = _xa_chunk(xa_ptr, xa_off, sel, num_blocks * BM * BLOCK_R, r0, XA_SPLIT, LORA_RC).to(dt)
-            acc_g, acc_u = _add_expand(acc_g, acc_u, xs, b_se + r0, offs_n, n_limit, stride_bn, rank - r0,
-                                       stride_bn - r0, LORA_RC, TWO)
+            acc_g, acc_u = _add_expand(acc_g, acc_u, xs, b_se, offs_n, n_limit, stride_bn, rank, r0, LORA_RC, TWO)
         slot = tl.where(sel, -1, slot)
         s = tl.max(slot, axis=0)
     return acc_g, acc_u
@@ -234,7 +234,7 @@ def _stacked_epilogue(acc_g, acc_u, slots_ptr, ranks_ptr, tok, valid, offs_m, e,
     for s in range(0, tl.max(slot, axis=0) + 1):  # no lane past the block's largest slot
         acc_g, acc_u = _add_expand(acc_g, acc_u, tl.load(xa_rows + s * BLOCK_R),
                                    slot_base(b_ptr, s, e, stride_bs, stride_be), offs_n, n_limit, stride_bn,
-                                   rank_of(slot_ranks, s, S_P2), stride_bn, BLOCK_R, TWO)
+                                   rank_of(slot_ranks, s, S_P2), 0, BLOCK_R, TWO)
     return acc_g, acc_u
 
 

@@ -228,7 +228,7 @@ def _delta_pass(src, a_base, b_base, d_row, r0, rank, k_dim, n_start, n_end, str
     for n0 in tl.range(n_start, n_end, BN, num_stages=STAGES):
         offs_n = n0 + tl.arange(0, BN)
         n_ok = offs_n < n_end
-        bt = lora_b_tile(b_base + r0, offs_n, n_end, stride_bn, rank - r0, stride_bn - r0, RC)  # [RC, BN]
+        bt = lora_b_tile(b_base, offs_n, n_end, stride_bn, rank, r0, RC)  # [RC, BN]
         d = tl.sum(bt.to(tl.float32) * xa[:, None], axis=0)
         if r0 > 0:  # this program stored the earlier chunks' sum here
             d += tl.load(d_row + offs_n, mask=n_ok, other=0.0).to(tl.float32)
@@ -301,7 +301,7 @@ def _expand_pair(xa, b_se, stride_bn, rank, d_rows, sel, n_start, n_end, R: tl.c
     """d_rows[sel, n] = xa @ B[n, :rank]^T for n in [n_start, n_end), BN at a time (`lora_b_tile`'s modes)."""
     for n0 in range(n_start, n_end, BN):
         offs_n = n0 + tl.arange(0, BN)
-        d = tl.dot(xa, lora_b_tile(b_se, offs_n, n_end, stride_bn, rank, stride_bn, R, CHUNKS, SELECT).to(xa.dtype))
+        d = tl.dot(xa, lora_b_tile(b_se, offs_n, n_end, stride_bn, rank, 0, R, CHUNKS, SELECT).to(xa.dtype))
         tl.store(d_rows + offs_n[None, :], d.to(d_rows.dtype.element_ty), mask=sel[:, None] & (offs_n[None, :] < n_end))
 
 

@@ -53,7 +53,7 @@ def _add_expanded(xa, b_s, y_rows, valid, c0, c1, stride_bn, rank, BN: tl.conste
     SELECT False: `lora_b_tile_cols`' (a rank that is a multiple of 16 only)."""
     for n0 in range(c0, c1, BN):
         offs_n = n0 + tl.arange(0, BN)
-        bt = lora_b_tile_cols(b_s, offs_n, n0, c1, stride_bn, rank, stride_bn, BLOCK_R, True, SELECT)
+        bt = lora_b_tile_cols(b_s, offs_n, n0, c1, stride_bn, rank, 0, BLOCK_R, True, SELECT)
         mask = valid[:, None] & (offs_n[None, :] < c1)
         y = tl.load(y_rows + offs_n[None, :], mask=mask, other=0.0)
         d = tl.dot(xa, bt.to(xa.dtype))
