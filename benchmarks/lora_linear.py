@@ -104,11 +104,9 @@ def graph_ms(calls) -> float:
 
 def mode_config(T: int, mode: str) -> LoRALinearConfig:
     """A --modes name's default config; "planned_split": planned with the split path's shrink (on the
-    side stream, next to cuBLAS) and the planned expand; "planned_aligned": planned with plan_b_aligned."""
+    side stream, next to cuBLAS) and the planned expand."""
     if mode == "planned_split":
         return replace(default_lora_linear_config(T, "planned"), plan_shrink="split")
-    if mode == "planned_aligned":
-        return replace(default_lora_linear_config(T, "planned"), plan_b_aligned=True)
     return default_lora_linear_config(T, mode)
 
 
@@ -120,7 +118,7 @@ def cfg_name(cfg: LoRALinearConfig | None) -> str:
     if cfg.mode == "planned":
         shrink = "" if cfg.plan_shrink == "fused" else f"/shrink-split{cfg.split_k}"
         return (f"planned/bm{cfg.block_m}/bn{cfg.block_n}/bk{cfg.block_k}/cols{cfg.plan_cols}/w{cfg.num_warps}"
-                f"/st{cfg.num_stages}{shrink}" + ("/aligned" if cfg.plan_b_aligned else ""))
+                f"/st{cfg.num_stages}{shrink}")
     if cfg.mode == "splitk":
         return (f"splitk/gbn{cfg.gemm_block_n}/gbk{cfg.gemm_block_k}/gsk{cfg.gemm_split_k}/bm{cfg.block_m}"
                 f"/bn{cfg.block_n}/sk{cfg.split_k}")
@@ -144,8 +142,7 @@ def sweep_configs(T: int, mode: str) -> list[LoRALinearConfig]:
                  for bn in (64, 128) for bk in (128, 256, 512) for pc in (0, 512) for st in (2, 3, 4)]
                 + [replace(base, plan_shrink="split", block_k=bk, split_k=sk, plan_cols=pc)
                    for bk in (128, 256) for sk in (0, 2, 4, 8) for pc in (0, 512)]
-                + [replace(base, block_m=32, block_k=bk, num_warps=w) for bk in (256, 512) for w in (4, 8)]
-                + [replace(base, plan_b_aligned=True), replace(base, plan_b_aligned=True, plan_shrink="split")])
+                + [replace(base, block_m=32, block_k=bk, num_warps=w) for bk in (256, 512) for w in (4, 8)])
     base = default_lora_linear_config(T, "split")
     cfgs = [replace(base, block_m=bm, block_n=bn, num_warps=w, split_k=sk)
             for bm, bn, w in ((16, 64, 4), (16, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4),

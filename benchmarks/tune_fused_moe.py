@@ -13,8 +13,8 @@ and the best path differs between them: H200, Qwen3 M=256, scored on 8 alone the
 both the block path, which then decoded faster with 1 adapter AND with 8) (a route pick then tries
 4x the delta's programs, 8 warps and 4x wider loads, lora_route_stages 2 / 3, lora_route_order
 "plan", a route or block pick lora_gate_up_at "activation", a block pick lora_block_programs 132 /
-264 / 528, lora_block_b_chunks off and lora_block_b_aligned on, and a route pick the block switch
-for batches on <= 2 slots, scored on 1 + 8 adapters), and lora_shrink_wide (separate /
+264 / 528 and lora_block_b_chunks off, and a route pick the block switch for batches on <= 2 slots,
+scored on 1 + 8 adapters), and lora_shrink_wide (separate /
 route / block) on 8 adapters of rank 64 plus 8 of rank 8 in the rank-64 pool. LoRA timings use a
 side stream, as the engine's overlap_lora does (--no-side-stream: not). Usage:
   python benchmarks/tune_fused_moe.py [--shapes a,b] [--model /path/to/hf-model ...] [--ms 1,8]
@@ -84,8 +84,6 @@ REFINEMENTS += [(("route",), dict(lora_route_order="plan")),
 REFINEMENTS += [(("block",), dict(lora_block_programs=p)) for p in (132, 264, 528)]
 # a block pick: its B tiles column-masked (element loads, fewer registers: more programs an SM)
 REFINEMENTS += [(("block",), dict(lora_block_b_chunks=False))]
-# a block pick: slots of ranks in whole 16-column chunks expand with no select (B tiles straight to the dot)
-REFINEMENTS += [(("block",), dict(lora_block_b_aligned=True))]
 
 
 def lora_trials(base: FusedMoEConfig) -> list[FusedMoEConfig]:
@@ -156,8 +154,7 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("1ad_r16", 
     tag = ("{0.lora_shrink}/{0.lora_split_k}/{0.lora_n_split}/{0.lora_route_order:.1}/{0.lora_gate_up_at:.3}"
            "/p{0.lora_route_programs}w{0.lora_route_warps}t{0.lora_route_tile}st{0.lora_route_stages}/n{0.lora_block_n}k{0.lora_block_k}"
            "m{0.lora_block_m}p{0.lora_block_programs}/s{0.lora_block_max_slots}"
-           "/x{0.lora_expand_lanes}l{0.lora_shrink_lanes}/c{0.lora_block_b_chunks:d}a{0.lora_block_b_aligned:d}"
-           ).format
+           "/x{0.lora_expand_lanes}l{0.lora_shrink_lanes}/c{0.lora_block_b_chunks:d}").format
     print(f"  M={M:5d} {'+'.join(score)} " + "  ".join(f"{tag(c)} {t * 1e3:7.1f}" for t, c in scored)
           + f"  -> {tag(best)}", flush=True)
     return tune_wide(layer, M, best, log, side)

@@ -277,19 +277,6 @@ def test_block_delta_b_by_columns(R):
 
 
 @kernel_test
-@pytest.mark.parametrize("R", [16, 64])
-def test_block_delta_b_aligned(R):
-    """lora_block_b_aligned: slots of rank 16, 32 or 48 expand with no select, the others (5, 8, 40) with
-    it, in one batch; NaN past every slot's rank, so a skipped select on a rank that needs it shows."""
-    ranks = (16, 5, 8, 0) if R == 16 else (48, 5, 16, 40, 32, 8)
-    g = torch.Generator().manual_seed(3)
-    slots = torch.randint(-1, len(ranks), (29,), generator=g, dtype=torch.int32)
-    case = make_case(29, 32, 40, 3, 2, ranks=ranks, R=R, device=DEV, seed=23, slots=slots)
-    for block_n in (16, 32):
-        run_checked(case, replace(tiny_config("block"), lora_block_b_aligned=True, lora_block_n=block_n), 1e-4)
-
-
-@kernel_test
 @pytest.mark.parametrize("block_m,lora_block_m,n_split",
                          [(32, 16, 0), (32, 16, 2), (64, 16, 0), (32, 32, 0), (64, 0, 0)])
 @pytest.mark.parametrize("programs", [0, 3])
@@ -430,7 +417,7 @@ def gpu_case(shape, T, seed, ranks=(64, 16, 8, 0, 64, 32, 16, 8), R=64):
 @pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block", "route_plan", "route_wide_grid",
                                     "block_wide_tiles", "block_sub16", "block_persist", "separate_lanes",
                                     "separate_lanes_r16", "stacked", "stacked_r16", "block_elements",
-                                    "route_stages", "stacked_w8", "separate_w8", "block_aligned"])
+                                    "route_stages", "stacked_w8", "separate_w8"])
 def test_gpu_qwen3_shape_bf16_lora(T, shrink):
     # a rank-16 pool: inline's, and the lanes' where every slot has a lane (8 of 16 columns each)
     pool = dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16) if shrink in ("inline", "separate_lanes_r16",
@@ -458,10 +445,8 @@ def test_gpu_qwen3_shape_bf16_lora(T, shrink):
         grid = dict(lora_block_b_chunks=False)  # B tiles masked column by column
     if shrink == "route_stages":
         grid = dict(lora_route_stages=3)  # the delta's loops pipelined
-    if shrink == "block_aligned":
-        grid = dict(lora_block_b_aligned=True)  # ranks 64, 16, 32 expand with no select, 8 with it
     for suffix in ("_plan", "_wide_grid", "_wide_tiles", "_sub16", "_persist", "_r16", "_lanes", "_elements",
-                   "_stages", "_w8", "_aligned"):
+                   "_stages", "_w8"):
         shrink = shrink.removesuffix(suffix)
     cfg = replace(cfg, lora_shrink=shrink, lora_shrink_wide="" if shrink == "inline" else shrink, use_tma=False,
                   lora_route_order=order, **grid)

@@ -28,18 +28,14 @@ TINY = {"split": LoRALinearConfig("split", 16, 32, 16, 16, split_k=3),
         # rows grouped by slot: 16-row plan blocks, 16-column programs (tiles straddle no segment bound)
         "planned": LoRALinearConfig("planned", 16, 16, 16, plan_cols=16),
         # the split path's shrink (3 N_in chunks), then the planned expand
-        "planned_split": LoRALinearConfig("planned", 16, 16, 16, 16, split_k=3, plan_cols=16, plan_shrink="split"),
-        # planned, where a slot's rank is a multiple of 16 its B tiles skip the select (plan_b_aligned)
-        "planned_aligned": LoRALinearConfig("planned", 16, 16, 16, plan_cols=16, plan_b_aligned=True)}
+        "planned_split": LoRALinearConfig("planned", 16, 16, 16, 16, split_k=3, plan_cols=16, plan_shrink="split")}
 
 
 def named_config(T: int, name: str) -> LoRALinearConfig:
     """A TINY key's real-size default: its mode's default config ("planned_split": planned's, with the
-    split path's shrink; "planned_aligned": planned's, with plan_b_aligned)."""
+    split path's shrink)."""
     if name == "planned_split":
         return replace(default_lora_linear_config(T, "planned"), plan_shrink="split")
-    if name == "planned_aligned":
-        return replace(default_lora_linear_config(T, "planned"), plan_b_aligned=True)
     return default_lora_linear_config(T, name)
 
 
@@ -127,16 +123,6 @@ def test_width_of_the_batch_in_a_wide_pool(mode):
     wide = check(case, tol, TINY[mode], delta_tol=tol * 5)
     narrow = check((x, w, b, replace(lora, width=8)), tol, TINY[mode], delta_tol=tol * 5)
     assert rel_err(narrow, wide.to(torch.float64)) <= tol / 10
-
-
-@kernel_test
-@pytest.mark.parametrize("mode", ["planned", "planned_split"])
-def test_planned_b_aligned(mode):
-    """plan_b_aligned: slots of rank 16 / 32 expand with no select on their B tiles, ranks 5 / 20 with it,
-    in one call; NaN past every rank, so a select skipped where it is needed shows."""
-    slots = [0, 1, 2, 3, 4, -1] * 6 + [2, 0, 1, 3, 2]
-    case = make_case(41, 40, 72, (16, 5, 32, 20, 0), 32, device=DEV, seed=7, slots=slots)
-    check(case, 1e-4, replace(TINY[mode], plan_b_aligned=True), delta_tol=5e-4)
 
 
 @kernel_test

@@ -130,16 +130,6 @@ def test_segments_width_of_the_batch_in_a_wide_pool(mode):
 
 
 @kernel_test
-@pytest.mark.parametrize("mode", ["planned", "planned_split"])
-def test_segments_planned_b_aligned(mode):
-    """plan_b_aligned per segment: a slot's rank is a multiple of 16 at some segments and not at others."""
-    ranks = [[16, 3, 32, 0], [5, 16, 16, 32], [32, 32, 1, 16]]
-    slots = [0, -1, 1, 2, 3, 1, 0, 2] * 4 + [3, -1, 2, 2, 0]
-    case = make_case(37, 40, SEGS, ranks, 32, slots=slots, device=DEV, seed=4)
-    check(case, F32_TOL, replace(TINY[mode], plan_b_aligned=True), alone_tol=F32_TOL)
-
-
-@kernel_test
 @pytest.mark.parametrize("mode", list(TINY))
 def test_segments_block_aligned_and_uneven(mode):
     """Boundaries on tile edges (32 + 16 + 16 with BN 16) and uneven ones (33 + 17 + 5), N_in 45."""

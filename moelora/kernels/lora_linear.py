@@ -139,8 +139,7 @@ class LoRALinearConfig:
     block), block_n x block_k tiles, plan_cols output columns a program (0: from the shapes);
     plan_shrink "fused" (each program shrinks its rows over the full N_in) or "split" (the split
     path's shrink, split_k / shrink_block_m / slot_lanes, on the side stream when given; the planned
-    programs only expand); plan_b_aligned: `planned_delta_kernel`'s B_ALIGNED (a slot's segment of rank
-    a multiple of 16 expands with no select on its B tiles).
+    programs only expand).
     All block sizes are powers of two >= 16 (tl.dot)."""
 
     mode: str = "split"
@@ -158,7 +157,6 @@ class LoRALinearConfig:
     gemm_split_k: int = 4
     plan_cols: int = 0
     plan_shrink: str = "fused"
-    plan_b_aligned: bool = False
 
     def __post_init__(self):
         need_one_of("LoRALinearConfig", "mode", self.mode, _MODES)
@@ -406,7 +404,7 @@ def _add_delta_planned(x, out, lora, T, n_out, cfg, shrunk: ShrinkLaunch | None 
     cols = cfg.plan_cols or planned_cols(T, n_out, S, cfg.block_m, cfg.block_n, _PLANNED_TARGET_PROGRAMS)
     planned_delta(x if shrunk is None else shrunk.xa, out, lora.a, lora.b, lora.slot_ranks, plan,
                   seg.bounds or (0, n_out), seg.r_seg, seg.block_r, cols, cfg.block_n, cfg.block_k, cfg.num_warps,
-                  cfg.num_stages, cfg.plan_b_aligned)
+                  cfg.num_stages)
 
 
 def _splitk_linear(x, weight, bias, lora, out, T, n_in, cfg):

@@ -47,31 +47,25 @@ def _ranked(bt, offs_r, rank):
 
 
 @triton.jit
-def _b_tile(b_ptr, offs_n, cols, stride_bn, rank, col0, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr,
-            SELECT: tl.constexpr = True):
+def _b_tile(b_ptr, offs_n, cols, stride_bn, rank, col0, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr):
     """[BLOCK_R, BN] tile of B^T for the output rows in `cols`, rank columns [col0, col0 + BLOCK_R) of B (b_ptr:
     its column 0; B's rows hold stride_bn columns, the launchers' check): whole rank chunks then the select
-    (CHUNKS), or masked column by column (element loads, no select: fewer registers).
-    SELECT False (CHUNKS only): the chunks as loaded, for a caller that knows the rank is a multiple of
-    16 (then the select is the identity, and the tile can go from its cp.async buffer straight to the dot
-    instead of through registers and back to shared memory)."""
+    (CHUNKS), or masked column by column (element loads, no select: fewer registers)."""
     offs_r = tl.arange(0, BLOCK_R)
     ptrs = b_ptr + col0 + offs_n[None, :] * stride_bn + offs_r[:, None]
     left = rank - col0  # the slot's columns from col0 on
     if CHUNKS:
         bt = tl.load(ptrs, mask=(offs_r[:, None] < rank_chunks(left, stride_bn - col0)) & cols[None, :], other=0.0)
-        if SELECT:
-            bt = _ranked(bt, offs_r, left)
+        bt = _ranked(bt, offs_r, left)
     else:
         bt = tl.load(ptrs, mask=(offs_r[:, None] < left) & cols[None, :], other=0.0)
     return bt
 
 
 @triton.jit
-def lora_b_tile(b_ptr, offs_n, n_limit, stride_bn, rank, col0, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr = True,
-                SELECT: tl.constexpr = True):
+def lora_b_tile(b_ptr, offs_n, n_limit, stride_bn, rank, col0, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr = True):
     """[BLOCK_R, BN] tile of B^T (B is [N, R]) from rank column col0, rank- and column-masked (`_b_tile`)."""
-    return _b_tile(b_ptr, offs_n, offs_n < n_limit, stride_bn, rank, col0, BLOCK_R, CHUNKS, SELECT)
+    return _b_tile(b_ptr, offs_n, offs_n < n_limit, stride_bn, rank, col0, BLOCK_R, CHUNKS)
 
 
 @triton.jit
@@ -84,11 +78,10 @@ def lora_a_tile(a_ptr, k0, offs_k, k_dim, stride_ar, rank, BLOCK_R: tl.constexpr
 
 @triton.jit
 def lora_b_tile_cols(b_ptr, offs_n, n_lo, n_hi, stride_bn, rank, col0, BLOCK_R: tl.constexpr,
-                     CHUNKS: tl.constexpr = True, SELECT: tl.constexpr = True):
+                     CHUNKS: tl.constexpr = True):
     """[BLOCK_R, BN] tile of B^T (B is [N, R]) for output rows in [n_lo, n_hi) only: one segment of
     a merged projection's B, from rank column col0, rank- and segment-masked (`_b_tile`)."""
-    return _b_tile(b_ptr, offs_n, (offs_n >= n_lo) & (offs_n < n_hi), stride_bn, rank, col0, BLOCK_R, CHUNKS,
-                   SELECT)
+    return _b_tile(b_ptr, offs_n, (offs_n >= n_lo) & (offs_n < n_hi), stride_bn, rank, col0, BLOCK_R, CHUNKS)
 
 
 # the "stacked" routed-expert LoRA: column c of S * BLOCK_R stands for rank row c % BLOCK_R of slot c // BLOCK_R

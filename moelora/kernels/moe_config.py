@@ -104,10 +104,7 @@ class FusedMoEConfig:
     (vector loads, then a select zeroes the columns past the rank) or, False, masked column by column
     (2-byte element loads, no select): for sm_90 (Triton 3.9's ptxas) the chunked kernel takes up to ~1.8x
     the registers (95 -> 174 at lora_block_n / lora_block_k 256), 5 -> 2 programs an SM; on the H200 the
-    chunks won at every M=64..256 pick anyway (docs/benchmarks.md). lora_block_b_aligned (with the chunks):
-    a slot whose rank is a multiple of 16 expands with no select (the chunks are its columns), its B tiles
-    going from their cp.async buffer to the dot, not through registers and back to shared memory; other
-    ranks keep the select (a runtime branch around the expand loop)."""
+    chunks won at every M=64..256 pick anyway (docs/benchmarks.md)."""
 
     block_m: int = 16
     gate_up: GemmTile = field(default_factory=GemmTile)
@@ -132,7 +129,6 @@ class FusedMoEConfig:
     lora_shrink_lanes: int = 1
     lora_stack_n: int = 128
     lora_block_b_chunks: bool = True
-    lora_block_b_aligned: bool = False
     use_tma: bool = False
     plan_per_route: bool = False
 

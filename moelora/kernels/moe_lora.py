@@ -242,12 +242,11 @@ def lora_block_delta_kernel(
     stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, max_slots,
     BY_PLAN_ROW: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
     SUB: tl.constexpr = 1, SWITCH: tl.constexpr = 0, T_P2: tl.constexpr = 1, S_P2: tl.constexpr = 1,
-    PERSIST: tl.constexpr = False, B_CHUNKS: tl.constexpr = True, B_ALIGNED: tl.constexpr = False,
+    PERSIST: tl.constexpr = False, B_CHUNKS: tl.constexpr = True,
 ):
     """delta[route, n] for the rows of sub-block program_id(0) (BM / SUB rows of plan block
     program_id(0) // SUB) on the lane-th distinct slot, n in split program_id(2); see the module
-    docstring. SWITCH: `slots_skip`. B_CHUNKS: `lora_b_tile`'s CHUNKS (FusedMoEConfig.lora_block_b_chunks);
-    B_ALIGNED: `_block_pair_delta`'s (FusedMoEConfig.lora_block_b_aligned).
+    docstring. SWITCH: `slots_skip`. B_CHUNKS: `lora_b_tile`'s CHUNKS (FusedMoEConfig.lora_block_b_chunks).
     PERSIST: a 1-D grid of fewer programs, each looping over the (sub-block, lane, split) items of the live
     sub-blocks (sub-block fastest). In a pool wider than
     NARROW_R, a slot of rank <= NARROW_R takes NARROW_R-column tiles (`_block_pair_delta`), not the
@@ -265,12 +264,12 @@ def lora_block_delta_kernel(
                               n_routes, top_k, k_dim, n_out, n_per_split, n_lanes, stride_src, stride_d, stride_as,
                               stride_ae, stride_ar, stride_bs, stride_be, stride_bn, item % live,
                               (item // live) % n_lanes, item // (live * n_lanes), BY_PLAN_ROW, BMS, SUB, BLOCK_R,
-                              BK, BN, B_CHUNKS, B_ALIGNED)
+                              BK, BN, B_CHUNKS)
     elif tl.program_id(0) < live:
         _block_delta_item(src_ptr, delta_ptr, sorted_ids_ptr, eob_ptr, slots_ptr, ranks_ptr, a_ptr, b_ptr,
                           n_routes, top_k, k_dim, n_out, n_per_split, n_lanes, stride_src, stride_d, stride_as,
                           stride_ae, stride_ar, stride_bs, stride_be, stride_bn, tl.program_id(0), tl.program_id(1),
-                          tl.program_id(2), BY_PLAN_ROW, BMS, SUB, BLOCK_R, BK, BN, B_CHUNKS, B_ALIGNED)
+                          tl.program_id(2), BY_PLAN_ROW, BMS, SUB, BLOCK_R, BK, BN, B_CHUNKS)
 
 
 NARROW_R = tl.constexpr(16)  # the block delta's rank tile for slots of rank <= 16, whatever the pool's
@@ -279,29 +278,15 @@ NARROW_R = tl.constexpr(16)  # the block delta's rank tile for slots of rank <= 
 @triton.jit
 def _block_pair_delta(src_ptr, rows, stride_src, sel, a_se, b_se, stride_ar, stride_bn, rank, k_dim, d_rows, n_start,
                       n_end, BMS: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-                      B_CHUNKS: tl.constexpr, B_ALIGNED: tl.constexpr):
+                      B_CHUNKS: tl.constexpr):
     """The delta of the rows in sel for one (slot, expert) pair, in R rank columns (>= its rank): xa =
-    rows @ A[:rank]^T rounded to src's dtype, then d_rows[:, n] = xa @ B[n, :rank]^T over [n_start, n_end).
-    B_ALIGNED (with B_CHUNKS): a slot whose rank is a multiple of 16 takes an expand loop with no select
-    on its B tiles (`_b_tile`'s SELECT), the others the loop with it."""
+    rows @ A[:rank]^T rounded to src's dtype, then d_rows[:, n] = xa @ B[n, :rank]^T over [n_start, n_end),
+    BN columns at a time."""
     xa = lora_shrink_rows(src_ptr, rows, stride_src, sel, a_se, stride_ar, rank, 0, k_dim, BMS, R, BK)
     xa = xa.to(src_ptr.dtype.element_ty)
-    if B_ALIGNED and B_CHUNKS:
-        if rank % 16 == 0:
-            _expand_pair(xa, b_se, stride_bn, rank, d_rows, sel, n_start, n_end, R, BN, True, False)
-        else:
-            _expand_pair(xa, b_se, stride_bn, rank, d_rows, sel, n_start, n_end, R, BN, True, True)
-    else:
-        _expand_pair(xa, b_se, stride_bn, rank, d_rows, sel, n_start, n_end, R, BN, B_CHUNKS, True)
-
-
-@triton.jit
-def _expand_pair(xa, b_se, stride_bn, rank, d_rows, sel, n_start, n_end, R: tl.constexpr, BN: tl.constexpr,
-                 CHUNKS: tl.constexpr, SELECT: tl.constexpr):
-    """d_rows[sel, n] = xa @ B[n, :rank]^T for n in [n_start, n_end), BN at a time (`lora_b_tile`'s modes)."""
     for n0 in range(n_start, n_end, BN):
         offs_n = n0 + tl.arange(0, BN)
-        d = tl.dot(xa, lora_b_tile(b_se, offs_n, n_end, stride_bn, rank, 0, R, CHUNKS, SELECT).to(xa.dtype))
+        d = tl.dot(xa, lora_b_tile(b_se, offs_n, n_end, stride_bn, rank, 0, R, B_CHUNKS).to(xa.dtype))
         tl.store(d_rows + offs_n[None, :], d.to(d_rows.dtype.element_ty), mask=sel[:, None] & (offs_n[None, :] < n_end))
 
 
@@ -310,7 +295,7 @@ def _block_delta_item(src_ptr, delta_ptr, sorted_ids_ptr, eob_ptr, slots_ptr, ra
                       top_k, k_dim, n_out, n_per_split, n_lanes, stride_src, stride_d, stride_as, stride_ae,
                       stride_ar, stride_bs, stride_be, stride_bn, pid_m, lane, pid_n, BY_PLAN_ROW: tl.constexpr,
                       BMS: tl.constexpr, SUB: tl.constexpr, BLOCK_R: tl.constexpr, BK: tl.constexpr,
-                      BN: tl.constexpr, B_CHUNKS: tl.constexpr, B_ALIGNED: tl.constexpr):
+                      BN: tl.constexpr, B_CHUNKS: tl.constexpr):
     """One (sub-block, lane, split) item of `lora_block_delta_kernel`."""
     e = tl.load(eob_ptr + pid_m // SUB).to(tl.int64)
     offs_m, route, valid, tok = plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BMS)
@@ -329,12 +314,12 @@ def _block_delta_item(src_ptr, delta_ptr, sorted_ids_ptr, eob_ptr, slots_ptr, ra
             if BLOCK_R > NARROW_R:
                 if rank <= NARROW_R:  # a narrow adapter in a wide pool: tiles of its width, not the pool's
                     _block_pair_delta(src_ptr, rows, stride_src, sel, a_se, b_se, stride_ar, stride_bn, rank, k_dim,
-                                      d_rows, n_start, n_end, BMS, NARROW_R, BK, BN, B_CHUNKS, B_ALIGNED)
+                                      d_rows, n_start, n_end, BMS, NARROW_R, BK, BN, B_CHUNKS)
                 else:
                     _block_pair_delta(src_ptr, rows, stride_src, sel, a_se, b_se, stride_ar, stride_bn, rank, k_dim,
-                                      d_rows, n_start, n_end, BMS, BLOCK_R, BK, BN, B_CHUNKS, B_ALIGNED)
+                                      d_rows, n_start, n_end, BMS, BLOCK_R, BK, BN, B_CHUNKS)
             else:
                 _block_pair_delta(src_ptr, rows, stride_src, sel, a_se, b_se, stride_ar, stride_bn, rank, k_dim,
-                                  d_rows, n_start, n_end, BMS, BLOCK_R, BK, BN, B_CHUNKS, B_ALIGNED)
+                                  d_rows, n_start, n_end, BMS, BLOCK_R, BK, BN, B_CHUNKS)
         slot = tl.where(sel, -1, slot)
         s = tl.where(last, tl.max(slot, axis=0), -1)  # a lane below the last takes one slot

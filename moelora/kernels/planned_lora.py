@@ -46,14 +46,12 @@ def row_plan(token_slots: torch.Tensor, n_slots: int, block_m: int) -> MoERoutin
 
 
 @triton.jit
-def _add_expanded(xa, b_s, y_rows, valid, c0, c1, stride_bn, rank, BN: tl.constexpr, BLOCK_R: tl.constexpr,
-                  SELECT: tl.constexpr = True):
+def _add_expanded(xa, b_s, y_rows, valid, c0, c1, stride_bn, rank, BN: tl.constexpr, BLOCK_R: tl.constexpr):
     """y[rows, n] += xa @ B_s[n, :rank]^T for n in [c0, c1), BN columns at a time (read, add in fp32,
-    store); xa [BM, BLOCK_R] in y's dtype, y_rows the rows' pointers [BM, 1], rows past `valid` untouched.
-    SELECT False: `lora_b_tile_cols`' (a rank that is a multiple of 16 only)."""
+    store); xa [BM, BLOCK_R] in y's dtype, y_rows the rows' pointers [BM, 1], rows past `valid` untouched."""
     for n0 in range(c0, c1, BN):
         offs_n = n0 + tl.arange(0, BN)
-        bt = lora_b_tile_cols(b_s, offs_n, n0, c1, stride_bn, rank, 0, BLOCK_R, True, SELECT)
+        bt = lora_b_tile_cols(b_s, offs_n, n0, c1, stride_bn, rank, 0, BLOCK_R)
         mask = valid[:, None] & (offs_n[None, :] < c1)
         y = tl.load(y_rows + offs_n[None, :], mask=mask, other=0.0)
         d = tl.dot(xa, bt.to(xa.dtype))
@@ -65,16 +63,13 @@ def planned_delta_kernel(
     src_ptr, y_ptr, a_ptr, b_ptr, ranks_ptr, sorted_ptr, bslot_ptr, num_padded_ptr,
     T, N_in, n_slots, n_per_split, R_SEG, stride_src, stride_yt, stride_as, stride_ar, stride_bs, stride_bn,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_R: tl.constexpr, G: tl.constexpr,
-    SEG_BOUNDS: tl.constexpr, SPLIT: tl.constexpr = 0, B_ALIGNED: tl.constexpr = False,
+    SEG_BOUNDS: tl.constexpr, SPLIT: tl.constexpr = 0,
 ):
     """y[rows of plan block program_id(0), columns of split program_id(1)] += their LoRA delta;
     see the module docstring. SEG_BOUNDS: G + 1 column bounds (G = 1: (0, N_out)); ranks [G, S].
     SPLIT 0: src is x [T, N_in] (row stride stride_src), shrunk here over the full N_in; SPLIT > 0
     (`plan_shrink` "split"): src is the split path's xa [SPLIT, T, G * BLOCK_R] (fp32 partials over
-    N_in chunks, each row's own slot; partial stride stride_src), summed here (A is not read).
-    B_ALIGNED (LoRALinearConfig.plan_b_aligned): where the slot's rank at a segment is a multiple of 16,
-    that segment's expand loop skips the B tiles' rank select (then the identity), so the tiles go from
-    their cp.async buffer to the dot instead of through registers and back to shared memory."""
+    N_in chunks, each row's own slot; partial stride stride_src), summed here (A is not read)."""
     pid_b = tl.program_id(0)
     if pid_b * BM >= tl.load(num_padded_ptr):
         return
@@ -103,32 +98,26 @@ def planned_delta_kernel(
                     xa = tl.zeros((BM, BLOCK_R), tl.float32)
                     for p in tl.static_range(SPLIT):
                         xa += tl.load(xa_rows + p * stride_src, mask=valid[:, None], other=0.0)
-                xa = xa.to(y_ptr.dtype.element_ty)
-                if B_ALIGNED:
-                    if rank % 16 == 0:
-                        _add_expanded(xa, b_s, y_rows, valid, c0, c1, stride_bn, rank, BN, BLOCK_R, False)
-                    else:
-                        _add_expanded(xa, b_s, y_rows, valid, c0, c1, stride_bn, rank, BN, BLOCK_R)
-                else:
-                    _add_expanded(xa, b_s, y_rows, valid, c0, c1, stride_bn, rank, BN, BLOCK_R)
+                _add_expanded(xa.to(y_ptr.dtype.element_ty), b_s, y_rows, valid, c0, c1, stride_bn, rank, BN,
+                              BLOCK_R)
 
 
 def planned_delta(src: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slot_ranks: torch.Tensor,
                   plan: MoERoutingPlan, bounds: tuple[int, ...], r_seg: int, block_r: int, cols_per_program: int,
-                  block_n: int, block_k: int, num_warps: int, num_stages: int, b_aligned: bool = False) -> None:
+                  block_n: int, block_k: int, num_warps: int, num_stages: int) -> None:
     """out[t] += its LoRA delta for the rows of `plan` (slot s of their block). src: x [T, N_in]
     (shrunk here) or the split path's xa [P, T, G block_r] fp32 partials (`plan_shrink` "split": A
     is not read). a [S, G r_seg, N_in], b [S, N_out, r_seg], slot_ranks [G, S]
     (or [S] with G = 1) contiguous, bounds the G + 1 column bounds of the segments;
-    cols_per_program: columns a program covers (a multiple of block_n); b_aligned: the kernel's B_ALIGNED."""
+    cols_per_program: columns a program covers (a multiple of block_n)."""
     partials = src.dim() == 3
     grid = (plan.max_blocks, triton.cdiv(bounds[-1], cols_per_program))
     planned_delta_kernel[grid](
         src, out, a, b, slot_ranks, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded,
         out.shape[0], a.shape[2], a.shape[0], cols_per_program, r_seg, src.stride(0), out.stride(0), a.stride(0),
         a.stride(1), b.stride(0), b.stride(1), BM=plan.block_m, BN=block_n, BK=block_k, BLOCK_R=block_r,
-        G=len(bounds) - 1, SEG_BOUNDS=tuple(bounds), SPLIT=src.shape[0] if partials else 0, B_ALIGNED=b_aligned,
-        num_warps=num_warps, num_stages=num_stages)
+        G=len(bounds) - 1, SEG_BOUNDS=tuple(bounds), SPLIT=src.shape[0] if partials else 0, num_warps=num_warps,
+        num_stages=num_stages)
 
 
 def planned_cols(T: int, n_out: int, n_slots: int, block_m: int, block_n: int, target_programs: int) -> int:
