@@ -125,6 +125,31 @@ def test_cuda_graph_decode_matches_eager(model_and_adapters):
     assert forced_logprob_diff(gpu_engine(model, adapters, enforce_eager=True), reqs) <= 0.05
 
 
+def test_base_only_steps_replay_graphs_without_lora(model_and_adapters):
+    """`base_decode_graphs`: a mixed wave of requests (its first step re-captures the graphs: this helper
+    registers the adapters after the first capture, with every site idle), then a wave on no adapter. The
+    base wave's steps replay the graphs captured without LoRA, the mixed wave's the LoRA graphs; every
+    request matches the eager engine (whose base-only steps run the plain path too) token for token.
+    Off: no base graphs, every step replays the LoRA graphs, the same tokens."""
+    model, adapters = model_and_adapters
+    prompts, names = workload(n=16, seed=5)
+
+    def waves(eng):
+        return generate(eng, prompts[8:], names[8:], 48) + generate(eng, prompts[:8], [None] * 8, 48)
+
+    graphed = gpu_engine(model, adapters)
+    reqs = waves(graphed)
+    g = graphed.graphs
+    assert len(g.base) == len(g.buckets) and 0 < g.base_replays < g.replays
+    eager = waves(gpu_engine(model, adapters, enforce_eager=True))
+    assert logprob_diff(reqs, eager) <= 0.05
+    off = gpu_engine(model, adapters, base_decode_graphs=False)
+    assert logprob_diff(waves(off), eager) <= 0.05
+    assert not off.graphs.base and off.graphs.base_replays == 0 and off.graphs.replays == g.replays
+    idle = gpu_engine(model, adapters, registered=())  # every LoRA site idle: the LoRA graphs launch no LoRA
+    assert not idle.graphs.base
+
+
 def test_graphs_recaptured_as_lora_sites_turn_on(model_and_adapters):
     """Graphs are captured with every LoRA site idle; the first adapter (attention only) turns its
     sites on and the graphs are re-captured at the next decode step; a second adapter with LoRA

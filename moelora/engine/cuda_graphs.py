@@ -15,7 +15,11 @@ LoRA width (`EngineConfig.lora_width_by_batch`): the graphs are captured at a Lo
 the kernels tile at that many rank columns, a power of two >= 16, not at the pool's max_lora_rank), the
 registered adapters' largest rank; a replay for a step whose rows' adapters are wider first re-captures at
 the wider class (`holds`), so no replay ever drops a rank column. Width None: the pool's, for every step.
-Steps with no adapter rows replay whatever is captured: they need no LoRA.
+Base graphs (`EngineConfig.base_decode_graphs`): a second graph per bucket captured with no LoRA batch
+(the model's plain path: no LoRA kernel launched, not even one that would exit at once), in the same
+memory pool, replayed by steps whose rows name no adapter (`StepInputs.lora` None, as the eager runner
+then runs the plain path too). Captured beside the LoRA graphs, unless every LoRA site is idle (then the
+LoRA graphs launch no LoRA either and serve those steps).
 Needs the Triton backend: the torch twins loop on the host and cannot be captured.
 """
 
@@ -41,8 +45,10 @@ def default_buckets(max_num_seqs: int) -> list[int]:
 
 class CudaGraphRunner:
     def __init__(self, model, cache, max_num_seqs: int, max_model_len: int, dummy_block: int,
-                 row_plan_slots: int = 0):
-        """`row_plan_slots`: as `ModelRunner`'s (the captured forward groups the rows by slot)."""
+                 row_plan_slots: int = 0, base_graphs: bool = False, lora_sites: frozenset = frozenset()):
+        """`row_plan_slots`: as `ModelRunner`'s (the captured forward groups the rows by slot).
+        `base_graphs`: also capture graphs without LoRA for steps with no adapter rows; `lora_sites`:
+        every LoRA site of the model (when all are idle the LoRA graphs serve those steps)."""
         self.model, self.cache, self.row_plan_slots = model, cache, row_plan_slots
         self.buckets = sorted(set(default_buckets(max_num_seqs)))
         self.max_model_len = max_model_len
@@ -57,18 +63,21 @@ class CudaGraphRunner:
         self.query_start = torch.arange(B + 1, dtype=torch.int32, device=dev)
         self.token_slots = torch.full((B,), NO_SLOT, dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.base_graphs, self.lora_sites = base_graphs, lora_sites
+        self.base: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # the graphs without LoRA
+        self.replays = self.base_replays = 0
         self.pool = None
         self.lora_idle: frozenset = frozenset()  # the idle LoRA sites the graphs were captured with
         self.lora_width: int | None = None  # the LoRA width they were captured at (None: the pool's)
         self.captures = 0
         self.capture_s = 0.0  # wall time of the last capture, warm-up included
 
-    def _forward(self, B: int) -> torch.Tensor:
+    def _forward(self, B: int, with_lora: bool = True) -> torch.Tensor:
         meta = AttnMetadata(self.slot_mapping[:B], self.block_tables[:B], self.seq_lens[:B],
                             self.query_start[:B + 1], tuple(SeqSlice(i, 1, 1, i) for i in range(B)),
                             max_seq_len=self.max_model_len, max_query_len=1)
-        lora = LoRABatch(self.token_slots[:B], (), self.lora_idle, max_rank=self.lora_width)
-        if self.row_plan_slots:  # inside the capture: every replay groups its own rows
+        lora = LoRABatch(self.token_slots[:B], (), self.lora_idle, max_rank=self.lora_width) if with_lora else None
+        if lora is not None and self.row_plan_slots:  # inside the capture: every replay groups its own rows
             lora = lora.with_row_plan(self.row_plan_slots)
         hidden = self.model(self.input_ids[:B], self.positions[:B], meta, self.cache.layers, lora)
         return self.model.logits(hidden).float()
@@ -87,10 +96,11 @@ class CudaGraphRunner:
     def capture(self, lora_idle: frozenset = frozenset(), lora_width: int | None = None) -> None:
         """Capture every bucket (again: the old graphs and their memory pool are released first)
         with `lora_idle` the LoRA sites left out, at LoRA width `lora_width` (rounded to its `width_class`;
-        None: the pool's)."""
+        None: the pool's); and, with `base_graphs` while some LoRA site is on, each bucket without LoRA."""
         if self.graphs:
             torch.cuda.synchronize()
             self.graphs.clear()
+            self.base.clear()
             self.pool = None
             # the warm-up below runs the forward for real: every row must write the dummy KV block,
             # not the cache slots the last step's sequences left in these buffers
@@ -99,19 +109,24 @@ class CudaGraphRunner:
         self.lora_idle = lora_idle
         self.lora_width = self.width_class(lora_width)
         self.captures += 1
+        sets = [(self.graphs, True)]
+        if self.base_graphs and not self.lora_sites <= lora_idle:
+            sets.append((self.base, False))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: compile kernels, settle allocations
-            for B in self.buckets:
-                self._forward(B)
+            for _, with_lora in sets:
+                for B in self.buckets:
+                    self._forward(B, with_lora)
         torch.cuda.current_stream().wait_stream(side)
-        for B in reversed(self.buckets):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = self._forward(B)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[B] = (graph, logits)
+        for graphs, with_lora in sets:  # one pool: a replay at a time, and each step reads its logits first
+            for B in reversed(self.buckets):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    logits = self._forward(B, with_lora)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                graphs[B] = (graph, logits)
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - t0
 
@@ -151,6 +166,8 @@ class CudaGraphRunner:
             self.token_slots[:n].copy_(inputs.lora.token_slots, non_blocking=True)
         if n < B:
             self._pad(n, B)
-        graph, logits = self.graphs[B]
+        graph, logits = self.base[B] if lora is None and self.base else self.graphs[B]
+        self.replays += 1
+        self.base_replays += lora is None and bool(self.base)
         graph.replay()
         return logits[:n]

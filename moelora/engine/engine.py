@@ -96,7 +96,8 @@ class LLMEngine:
         if cfg.use_cuda_graphs and graph_safe and getattr(model, "supports_cuda_graphs", False):
             dummy = self.cache.allocator.allocate()  # padding rows of a graph bucket write here, forever
             self.graphs = CudaGraphRunner(model, self.cache, cfg.max_num_seqs, cfg.max_model_len, dummy,
-                                          row_plan_slots)
+                                          row_plan_slots, cfg.base_decode_graphs,
+                                          frozenset(self._site_owners.values()))
             self.graphs.capture(self.lora_idle, self._graph_width)
         self.requests: dict[str, Request] = {}
         eos = set(model.config.eos_token_ids)
