@@ -128,6 +128,7 @@ def test_batch_width_is_its_slots_largest_rank(hf):
     assert LoRABatch.build([2, -1, 0, 2], [8, 64, 4], "cpu").max_rank == 8
     assert LoRABatch.build([1, 1], [8, 64, 4], "cpu", rows=False).max_rank == 64
     assert LoRABatch.build([-1, -1], [8, 64, 4], "cpu").max_rank == 0
+    assert LoRABatch.build([1, 1], [8, 64, 4], "cpu", width=False).max_rank is None  # lora_width_by_batch off
     batch = LoRABatch.build([1, -1, 1], [0, 5, 0], "cpu")
     assert batch.with_row_plan(SLOTS).max_rank == 5
     model = build(hf, max_loras=SLOTS, max_rank=RANK)

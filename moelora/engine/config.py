@@ -53,8 +53,9 @@ class EngineConfig:
     # 16 -> 32 -> 64 columns). Off: every launch at max_lora_rank.
     lora_width_by_batch: bool = True
     # Decode steps whose rows name no adapter replay a second set of graphs captured without LoRA (no LoRA
-    # launch at all, as an eager step with no adapter rows runs), in the same memory pool; captured
-    # beside the LoRA graphs whenever some LoRA site is on (twice the capture time). H200, Qwen3-30B
+    # launch at all, as an eager step with no adapter rows runs), in the same memory pool (each set keeps
+    # its own logits: the memory plan leaves them free); captured beside the LoRA graphs whenever some
+    # LoRA site is on (twice the capture time). H200, Qwen3-30B
     # shape, a layer of a decode graph on rows of no adapter: the LoRA graphs cost 7-14 % over no LoRA
     # (8 requests 195.4 vs 171.8 us, 64: 349.7 vs 326.3, 256: 388.5 vs 358.3). Off switch.
     base_decode_graphs: bool = True

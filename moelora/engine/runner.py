@@ -8,7 +8,7 @@ that sample (the last computed token of each request that reaches its end this s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -98,10 +98,8 @@ class ModelRunner:
             slot_mapping=slot_map_t, block_tables=tables_t.view(len(seqs), max_blocks).to(torch.int32),
             seq_lens=seq_lens_t.to(torch.int32), query_start=starts_t.to(torch.int32), seqs=tuple(seqs),
             max_seq_len=max(seq_lens), max_query_len=max(step.num_new))
-        lora = LoRABatch.build(slots, slot_ranks, self.device, self.lora_rows, self.lora_idle) \
+        lora = LoRABatch.build(slots, slot_ranks, self.device, self.lora_rows, self.lora_idle, self.lora_width) \
             if any(s != NO_SLOT for s in slots) else None
-        if lora is not None and not self.lora_width:
-            lora = replace(lora, max_rank=None)
         if lora is not None and self.row_plan_slots:
             lora = lora.with_row_plan(self.row_plan_slots)
         return StepInputs(ids_t, pos_t, meta, lora, rows_t, tuple(sample_index))

@@ -77,14 +77,15 @@ class LoRABatch:
 
     @staticmethod
     def build(token_slots: Sequence[int], slot_ranks: Sequence[int], device: torch.device | str, rows: bool = True,
-              idle: frozenset = frozenset()) -> LoRABatch:
+              idle: frozenset = frozenset(), width: bool = True) -> LoRABatch:
         """Plan for tokens whose slots are `token_slots` (host ints) given per-slot ranks; `rows`
-        False leaves `active` None (the Triton backend never reads it: one copy and loop less)."""
+        False leaves `active` None (the Triton backend never reads it: one copy and loop less); `width`
+        False leaves `max_rank` None (the pool's width: `EngineConfig.lora_width_by_batch` off)."""
         named = set(token_slots) - {NO_SLOT}
         bad = [s for s in named if not 0 <= s < len(slot_ranks)]
         if bad:
             raise ValueError(f"tokens name slot {bad[0]}, but there are {len(slot_ranks)} slots")
-        max_rank = max((int(slot_ranks[s]) for s in named), default=0)
+        max_rank = max((int(slot_ranks[s]) for s in named), default=0) if width else None
         token_slots_t = upload(list(token_slots), torch.int32, device)
         if not rows:
             return LoRABatch(token_slots=token_slots_t, active=None, idle=idle, max_rank=max_rank)
