@@ -41,7 +41,7 @@ class EngineConfig:
     # Skip LoRA at sites where no registered adapter has weights (every slot rank 0 there: the delta
     # is exactly zero): they launch no LoRA kernel. A site turns on when the first adapter with LoRA
     # there is added (decode graphs are then re-captured once: 5.4 s for a 48-layer 30B MoE with 20
-    # buckets on the H200) and stays on. Off switch.
+    # buckets on the H200, before base_decode_graphs doubled the capture) and stays on. Off switch.
     skip_idle_lora_sites: bool = True
     # Dense LoRA sites (Triton) of steps of 17..1024 rows: the rows grouped by adapter slot once per
     # step, and the sites' delta one program per block of one slot's rows ("planned"), where that
