@@ -105,8 +105,7 @@ def profile_point(eng, conc, names, steps, top, log, trace: str | None = None):
     inputs = eng.runner.prepare(step, slot_of, eng.pool.slot_ranks)
     eng.graphs.run(inputs)
     B = next(b for b in eng.graphs.buckets if b >= conc)
-    g = eng.graphs
-    graph = (g.base if inputs.lora is None and g.base else g.graphs)[B][0]  # the set this step replays
+    graph = eng.graphs.graph_for(B, inputs.lora)[0]  # the set this step replays
     replays = []
     for _ in range(steps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -1,11 +1,11 @@
-"""The KV pool's memory plan: what the decode graphs keep is left free (`loader.graph_reserve`)."""
+"""The KV pool's memory plan: what the decode graphs keep is left free (`cuda_graphs.graph_reserve`)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 from moelora.engine.config import EngineConfig
-from moelora.engine.loader import graph_reserve
+from moelora.engine.cuda_graphs import graph_reserve
 
 VOCAB, ACTS, PROFILE_ROWS = 1000, 8_000_000, 2048
 # default_buckets(64): 1, 2, 4, 8, then 16, 32, 48, and 64

@@ -124,7 +124,7 @@ def test_sites_hand_their_own_ranks_to_the_kernels(hf):
 
 def test_batch_width_is_its_slots_largest_rank(hf):
     """`LoRABatch.max_rank`: the largest adapter rank among the slots the rows name (not the pool's),
-    handed to every site as its kernels' width; the graph runner's batches leave it None (the pool's)."""
+    handed to every site as its kernels' width; None (switched off, or a batch built without it): the pool's."""
     assert LoRABatch.build([2, -1, 0, 2], [8, 64, 4], "cpu").max_rank == 8
     assert LoRABatch.build([1, 1], [8, 64, 4], "cpu", rows=False).max_rank == 64
     assert LoRABatch.build([-1, -1], [8, 64, 4], "cpu").max_rank == 0

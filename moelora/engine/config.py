@@ -55,9 +55,9 @@ class EngineConfig:
     # Decode steps whose rows name no adapter replay a second set of graphs captured without LoRA (no LoRA
     # launch at all, as an eager step with no adapter rows runs), in the same memory pool (each set keeps
     # its own logits: the memory plan leaves them free); captured beside the LoRA graphs whenever some
-    # LoRA site is on (twice the capture time). H200, Qwen3-30B
-    # shape, a layer of a decode graph on rows of no adapter: the LoRA graphs cost 7-14 % over no LoRA
-    # (8 requests 195.4 vs 171.8 us, 64: 349.7 vs 326.3, 256: 388.5 vs 358.3). Off switch.
+    # LoRA site is on (twice the capture time). H200, Qwen3-30B shape, a layer of a decode graph on rows
+    # of no adapter: the LoRA graphs cost 7-14 % over no LoRA (8 requests 195.4 vs 171.8 us, 64: 349.7
+    # vs 326.3, 256: 388.5 vs 358.3). Off switch.
     base_decode_graphs: bool = True
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # off switch for CUDA-graph decode
@@ -87,6 +87,10 @@ class EngineConfig:
     # deployment's model and GPU) read instead of the package's table for the GPU; a shape it lacks
     # takes the heuristic default. None: the package's.
     fused_moe_table: str | None = None
+
+    @property
+    def has_lora_slots(self) -> bool:
+        return self.max_loras > 0 and self.max_lora_rank > 0
 
     @property
     def use_cuda_graphs(self) -> bool:

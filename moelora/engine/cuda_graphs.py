@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from moelora.engine.config import EngineConfig
 from moelora.engine.runner import StepInputs
 from moelora.kernels.checks import lora_tile_rank
 from moelora.layers.attention import AttnMetadata, SeqSlice
@@ -41,6 +42,19 @@ log = logging.getLogger(__name__)
 def default_buckets(max_num_seqs: int) -> list[int]:
     small = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
     return small + list(range(16, max_num_seqs, 16)) + [max_num_seqs]
+
+
+def graph_reserve(cfg: EngineConfig, vocab: int, activations: int, profile_tokens: int) -> int:
+    """Bytes the decode graphs keep for good (their memory pool), which the KV pool leaves free: every
+    bucket's logits [B, vocab] fp32, once per graph set (two with `base_decode_graphs` when there are
+    LoRA slots: the sets share the pool's activations, not their outputs), and one decode forward's
+    activations at the largest bucket, taken as the profile forward's peak (`activations`, at
+    `profile_tokens` rows) scaled to max_num_seqs rows. 0 without CUDA graphs."""
+    if not cfg.use_cuda_graphs:
+        return 0
+    sets = 2 if cfg.base_decode_graphs and cfg.has_lora_slots else 1
+    logits = sum(set(default_buckets(cfg.max_num_seqs))) * vocab * 4 * sets
+    return logits + int(activations * min(1.0, cfg.max_num_seqs / max(1, profile_tokens)))
 
 
 class CudaGraphRunner:
@@ -139,6 +153,11 @@ class CudaGraphRunner:
         self.seq_lens[lo:hi].fill_(1)
         self.token_slots[lo:hi].fill_(NO_SLOT)
 
+    def graph_for(self, B: int, lora: LoRABatch | None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The bucket-B graph (and its logits) a step whose LoRA batch is `lora` replays: the base set's
+        when its rows name no adapter and base graphs are captured, else the LoRA set's."""
+        return self.base[B] if lora is None and self.base else self.graphs[B]
+
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.buckets[-1]
 
@@ -166,8 +185,8 @@ class CudaGraphRunner:
             self.token_slots[:n].copy_(inputs.lora.token_slots, non_blocking=True)
         if n < B:
             self._pad(n, B)
-        graph, logits = self.base[B] if lora is None and self.base else self.graphs[B]
+        graph, logits = self.graph_for(B, lora)
         self.replays += 1
-        self.base_replays += lora is None and bool(self.base)
+        self.base_replays += self.base.get(B, (None,))[0] is graph
         graph.replay()
         return logits[:n]

@@ -10,6 +10,7 @@ import torch
 
 from moelora.config import ModelConfig
 from moelora.engine.config import EngineConfig
+from moelora.engine.cuda_graphs import graph_reserve
 from moelora.engine.engine import LLMEngine
 from moelora.engine.kv_cache import PagedKVCache
 from moelora.engine.tokenizer import Tokenizer
@@ -35,21 +36,6 @@ def _kv_blocks(cfg: EngineConfig, model_cfg: ModelConfig, model) -> int:
     return max(0, int(budget // per_block))
 
 
-def graph_reserve(cfg: EngineConfig, vocab: int, activations: int, profile_tokens: int) -> int:
-    """Bytes the decode graphs keep for good (their memory pool), which the KV pool leaves free: every
-    bucket's logits [B, vocab] fp32, once per graph set (two with `base_decode_graphs` when there are
-    LoRA slots: the sets share the pool's activations, not their outputs), and one decode forward's
-    activations at the largest bucket, taken as the profile forward's peak (`activations`, at
-    `profile_tokens` rows) scaled to max_num_seqs rows. 0 without CUDA graphs."""
-    if not cfg.use_cuda_graphs:
-        return 0
-    from moelora.engine.cuda_graphs import default_buckets
-
-    sets = 2 if cfg.base_decode_graphs and cfg.max_loras > 0 and cfg.max_lora_rank > 0 else 1
-    logits = sum(set(default_buckets(cfg.max_num_seqs))) * vocab * 4 * sets
-    return logits + int(activations * min(1.0, cfg.max_num_seqs / max(1, profile_tokens)))
-
-
 def _profile_tokens(cfg: EngineConfig) -> int:
     return min(cfg.max_num_batched_tokens, cfg.max_model_len)
 
@@ -66,7 +52,7 @@ def _profile_activations(cfg: EngineConfig, model_cfg: ModelConfig, model) -> in
     n = _profile_tokens(cfg)
     cache = PagedKVCache(model.kv_cache_shapes(), -(-n // cfg.block_size), cfg.block_size, cfg.torch_device,
                          cfg.torch_dtype)
-    lora = cfg.max_loras > 0 and cfg.max_lora_rank > 0
+    lora = cfg.has_lora_slots
     req = Request("profile", [0] * n, SamplingParams(), adapter="profile" if lora else None, status=Status.RUNNING)
     req.block_ids = list(range(cache.allocator.num_blocks))
     before = torch.cuda.memory_allocated(cfg.torch_device)

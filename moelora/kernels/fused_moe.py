@@ -206,8 +206,7 @@ def _block_delta(src, delta, plan, lora, which, block_r, cfg, switch: int = 0):
         ranks, a, b, plan.num_routes, plan.top_k, k_dim, n_out, per_split, lanes, src.stride(0),
         delta.stride(0), a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
         BY_PLAN_ROW=which == "down", BM=plan.block_m, BLOCK_R=block_r, BK=cfg.lora_block_k, BN=bn, SUB=sub,
-        PERSIST=persist, B_CHUNKS=cfg.lora_block_b_chunks, num_warps=4,
-        **_switch_args(plan, lora, cfg, switch))
+        PERSIST=persist, B_CHUNKS=cfg.lora_block_b_chunks, num_warps=4, **_switch_args(plan, lora, cfg, switch))
 
 
 def _delta_on(side, mode, src, delta, plan, topk_ids, lora, which, block_r, cfg):

@@ -30,8 +30,9 @@ exit at once.
 the Triton kernels tile at that width rather than the pool's (`kernels.checks.lora_tile_rank`): a
 batch of rank-8 adapters in a rank-64 pool runs rank-8 tiles, buffers and stacked columns. It is a
 bound on every site's rank of those slots (the pool's `slot_ranks`), so the narrower tiles drop
-nothing. None (the graph runner's batches): the pool's width, the only one a captured graph may
-bake in, since the slots its replays will name are not known when it is captured.
+nothing. None: the pool's width (`EngineConfig.lora_width_by_batch` off). The graph runner's captured
+batches carry the registered adapters' width class instead (`CudaGraphRunner.lora_width`), since the
+slots their replays will name are not known at capture; a wider step re-captures first.
 """
 
 from __future__ import annotations
