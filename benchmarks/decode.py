@@ -20,8 +20,8 @@ and norms are left out (< 1%).
 2 shared experts, first layer dense) or all (both, one after the other).
 
 usage: python benchmarks/decode.py OUT.csv [--model qwen3_30b|dsv2_lite|all] [--layers N]
-       [--conc 1,8,32,64,128,256] [--steps 20] [--repeats 2] [--async-scheduling] [--no-overlap-lora]
-       [--lora-target-modules self_attn,experts] [--ab async_scheduling=1]  (engine-level keys only)
+       [--conc 1,8,32,64,128,256] [--steps 20] [--repeats 2] [--no-async-scheduling] [--no-overlap-lora]
+       [--lora-target-modules self_attn,experts] [--ab async_scheduling=0]  (engine-level keys only)
        [--ab-table other_fused_moe_table.json]  (B engines built, captured and run with that MoE table)
 """
 
@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -85,6 +86,25 @@ def random_adapter(model: MoECausalLM, name: str, rank: int, seed: int) -> LoRAA
             a, b = (a_buf.shape[1], rank, a_buf.shape[3]), (b_buf.shape[1], b_buf.shape[2], rank)
         sites[key] = LoRAWeights(0.01 * torch.randn(a, generator=g), 0.01 * torch.randn(b, generator=g))
     return LoRAAdapter(name, "", sites)
+
+
+def qwen3_with_adapters(layers: int, n: int = 8, rank: int = 16):
+    """The Qwen3-30B-A3B shape cut to `layers` layers: (config, random model with n slots of `rank`,
+    adapters a0..a{n-1} of that rank), as the profiling benchmarks use it."""
+    cfg = ModelConfig(**{**QWEN3_30B, "num_layers": layers}).resolve()
+    model = random_model(cfg, n, rank)
+    return cfg, model, {f"a{i}": random_adapter(model, f"a{i}", rank, i) for i in range(n)}
+
+
+def tee() -> tuple[list[str], Callable[..., None]]:
+    """(lines, log): log(s) prints s and keeps it in lines (for the benchmark's OUT.txt)."""
+    lines: list[str] = []
+
+    def log(s: str = "") -> None:
+        print(s, flush=True)
+        lines.append(s)
+
+    return lines, log
 
 
 def attention_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
@@ -292,7 +312,8 @@ def main() -> None:
     ap.add_argument("--pool-rank", type=int, default=None, help="the slots' max rank (EngineConfig.max_lora_rank; "
                     "default --rank), e.g. 64 (the engine's default) for rank-16 adapters")
     ap.add_argument("--repeats", type=int, default=2, help="rounds of (no LoRA, 1 adapter, 8 adapters); median")
-    ap.add_argument("--async-scheduling", action="store_true", help="EngineConfig.async_scheduling")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="EngineConfig.async_scheduling (default: the engine's, on with CUDA)")
     ap.add_argument("--no-overlap-lora", action="store_true", help="EngineConfig.overlap_lora=False")
     ap.add_argument("--lora-stream-priority", type=int, default=0, help="EngineConfig.lora_stream_priority "
                     "(-1: the LoRA side stream's kernels get freed SMs first)")

@@ -30,11 +30,10 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 
-from decode import QWEN3_30B, engine, no_lora_twin, random_adapter, random_model  # noqa: E402
+from decode import engine, no_lora_twin, qwen3_with_adapters, tee  # noqa: E402
 from host_overhead import phase_timers  # noqa: E402
 
 import moelora.engine.engine as engine_module  # noqa: E402
-from moelora.config import ModelConfig  # noqa: E402
 from moelora.engine.request import SamplingParams  # noqa: E402
 
 # (owner, attribute): owner an engine attribute, None for the engine itself, or a module (the sampler,
@@ -189,17 +188,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.trace:
         Path(args.trace).mkdir(parents=True, exist_ok=True)  # the profiler's trace writer does not create it
-    lines = []
-
-    def log(s=""):
-        print(s, flush=True)
-        lines.append(s)
-
+    lines, log = tee()
     concs = [int(c) for c in args.conc.split(",")]
-    cfg = ModelConfig(**{**QWEN3_30B, "num_layers": args.layers}).resolve()
-    model = random_model(cfg, 8, 16)
-    adapters = {f"a{i}": random_adapter(model, f"a{i}", 16, i) for i in range(8)}
-    eng = engine(model, cfg, 8, 16, max(concs), adapters)
+    cfg, model, adapters = qwen3_with_adapters(args.layers)
+    # the synchronous step: its phases are timed one by one and a step is then driven by hand
+    eng = engine(model, cfg, 8, 16, max(concs), adapters, async_scheduling=False)
     log(f"GPU {torch.cuda.get_device_name()}, {args.layers} layers, Qwen3-30B-A3B shape, bf16")
     for conc in concs:
         for label, names in (("8 adapters r16", list(adapters)), ("1 adapter r16", ["a0"]),
@@ -207,7 +200,7 @@ def main() -> None:
             log(f"conc {conc}, {label}:")
             profile_point(eng, conc, names, args.steps, args.top, log, _trace_path(args.trace, conc, label))
     del eng
-    eng = engine(no_lora_twin(model, cfg), cfg, 0, 0, max(concs), {})  # the same weights, no LoRA sites
+    eng = engine(no_lora_twin(model, cfg), cfg, 0, 0, max(concs), {}, async_scheduling=False)  # same weights
     for conc in concs:
         log(f"conc {conc}, no LoRA (engine without slots):")
         profile_point(eng, conc, [None], args.steps, args.top, log, _trace_path(args.trace, conc, "no LoRA"))

@@ -120,7 +120,8 @@ def main() -> None:
     ap.add_argument("--conc", default="64,256")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--no-lora", action="store_true")
-    ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                    help="EngineConfig.async_scheduling (default off: the phases as the synchronous step runs them)")
     ap.add_argument("--profile", type=int, default=0, help="print this many functions of a cProfile of the steps")
     args = ap.parse_args()
     lora = not args.no_lora

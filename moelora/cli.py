@@ -141,8 +141,8 @@ def _serve_parser(sub) -> None:
                        help="default: triton on CUDA, torch on the CPU")
     serve.add_argument("--no-async-adapter-loading", action="store_true",
                        help="write adapter slots on the main stream (off switch of the side-stream loads)")
-    serve.add_argument("--async-scheduling", action="store_true",
-                       help="launch each step before reading the previous one back (experimental)")
+    serve.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="launch each step before reading the previous one back (default: on with CUDA)")
     serve.add_argument("--no-overlap-shared-experts", action="store_true",
                        help="run shared experts on the main stream (off switch of the second stream)")
     serve.add_argument("--no-overlap-lora", action="store_true",

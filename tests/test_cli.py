@@ -63,5 +63,6 @@ def test_serve_flags_reach_the_engine_config():
     default = serve_engine_config(build_parser().parse_args(["serve"]))
     assert (default.async_adapter_loading, default.async_scheduling, default.kernel_backend,
             default.overlap_shared_experts, default.overlap_lora, default.enable_prefix_caching) == (
-                True, False, None, True, True, True)
+                True, None, None, True, True, True)
     assert default.lora_target_modules is None and default.fused_moe_table is None
+    assert serve_engine_config(build_parser().parse_args(["serve", "--no-async-scheduling"])).async_scheduling is False

@@ -326,7 +326,7 @@ def test_triton_backend_is_as_accurate_as_torch_backend(family):
 
 def test_decode_forward_has_no_host_sync(model_and_adapters):
     model, adapters = model_and_adapters
-    eng = gpu_engine(model, adapters, enforce_eager=True)
+    eng = gpu_engine(model, adapters, enforce_eager=True, async_scheduling=False)  # the step driven by hand
     prompts, names = workload(n=8, seed=3)
     reqs = [eng.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True), a)
             for p, a in zip(prompts, names, strict=True)]

@@ -101,3 +101,16 @@ def test_abort_returns_blocks_and_leaves_nothing_unfinished(setup):  # noqa: F81
     eng.abort(r.request_id)
     assert eng.cache.allocator.num_used == 0 and not eng.has_unfinished()
     assert eng.step() == [] and eng._launched is None
+
+
+def test_overlap_is_on_by_default_with_cuda_only(setup):  # noqa: F811
+    """None (the default) resolves to the device's choice: off on the CPU, where there is no device
+    work to hide host work behind; an explicit value is kept."""
+    from moelora.engine.config import EngineConfig
+
+    model, _ = setup
+    assert EngineConfig(device="cpu").resolve(model.config).async_scheduling is False
+    assert EngineConfig(device="cpu", async_scheduling=True).resolve(model.config).async_scheduling is True
+    if torch.cuda.is_available():
+        assert EngineConfig(device="cuda").resolve(model.config).async_scheduling is True
+        assert EngineConfig(device="cuda", async_scheduling=False).resolve(model.config).async_scheduling is False

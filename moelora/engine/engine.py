@@ -18,6 +18,7 @@ import torch
 from moelora.engine.config import EngineConfig
 from moelora.engine.cuda_graphs import CudaGraphRunner
 from moelora.engine.kv_cache import PagedKVCache
+from moelora.engine.readback import ReadBack
 from moelora.engine.request import Request, SamplingParams, Status
 from moelora.engine.runner import ModelRunner
 from moelora.engine.sampler import (
@@ -43,12 +44,14 @@ from moelora.upload import upload
 @dataclass
 class _Launched:
     """A step whose forward and sampling are enqueued on the device but not read back (overlapped
-    scheduling): `tokens[i]` is the token of `reqs[i]`."""
+    scheduling): `tokens[i]` (on the device, for the next step's inputs) is the token of `reqs[i]`;
+    `host` their copies on their way to the host (tokens, then the logprob tensors)."""
 
     step: ScheduledStep
     reqs: list[Request]
     tokens: torch.Tensor | None
     logprobs: tuple | None  # `logprobs_on_device` output, or None when no request asked
+    host: ReadBack | None
 
 
 class LLMEngine:
@@ -260,7 +263,9 @@ class LLMEngine:
             known_after = len(req.output_ids) + req.num_pending
             if known_after >= req.params.max_tokens or len(req.prompt_ids) + known_after >= self.cfg.max_model_len:
                 self.scheduler.hold(req)  # finishes by length when read: schedule it no more
-        return _Launched(step, reqs, tokens, logprobs)
+        # queued behind this step's sampling, so reading it back never waits for a step launched later
+        host = ReadBack([tokens, *(logprobs[2:] if logprobs else ())]) if reqs else None
+        return _Launched(step, reqs, tokens, logprobs, host)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """Token ids [len(reqs)] on the device. Requests with logit adjustments sample from adjusted
@@ -286,8 +291,9 @@ class LLMEngine:
     def _read_back(self, launched: _Launched) -> list[Request]:
         changed = []
         if launched.reqs:
-            tokens = launched.tokens.tolist()  # the one host sync of a step
-            logprobs = logprobs_to_host(launched.logprobs) if launched.logprobs else [None] * len(tokens)
+            tokens, *lp = launched.host.get()  # the one host sync of a step
+            tokens = tokens.tolist()
+            logprobs = logprobs_to_host((*launched.logprobs[:2], *lp)) if launched.logprobs else [None] * len(tokens)
             for req, tok, logprob in zip(launched.reqs, tokens, logprobs, strict=True):
                 if req.finished:  # stopped or aborted after this step was launched: drop the row
                     continue
