@@ -15,7 +15,7 @@ def assets(tmp_path_factory):
 
 
 def test_incremental_detokenizer_never_splits_a_character_nor_leaks_a_stop_string():
-    from moelora.server.detokenize import IncrementalDetokenizer
+    from moelora.engine.detokenize import IncrementalDetokenizer
 
     tok = byte_tokenizer()
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)

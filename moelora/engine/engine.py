@@ -17,6 +17,7 @@ import torch
 
 from moelora.engine.config import EngineConfig
 from moelora.engine.cuda_graphs import CudaGraphRunner
+from moelora.engine.detokenize import StopStrings, find_stop
 from moelora.engine.kv_cache import PagedKVCache
 from moelora.engine.readback import ReadBack
 from moelora.engine.request import Request, SamplingParams, Status
@@ -319,23 +320,23 @@ class LLMEngine:
         if logprob is not None:
             req.logprobs.append(logprob)
         if self.tokenizer is not None and p.stop and len(req.output_ids) >= p.min_tokens:  # text: stop strings
-            req.text = self.tokenizer.decode(req.output_ids)
-            # with min_tokens, a stop string counts only if it ends after the first min_tokens tokens
-            # (their text length, decoded once)
-            if req.stop_floor is None:
-                req.stop_floor = len(self.tokenizer.decode(req.output_ids[:p.min_tokens])) if p.min_tokens else 0
-            floor = req.stop_floor
-            cut = min((i for i in (req.text.find(s, max(0, floor - len(s) + 1)) for s in p.stop) if i >= 0),
-                      default=-1)
-            if cut >= 0:
-                req.text = req.text[:cut]
-                self.scheduler.finish(req, "stop")
-                return
+            if req.stop_strings is None:
+                # with min_tokens, a stop string counts only if it ends after the first min_tokens tokens
+                # (their text length, decoded once)
+                floor = len(self.tokenizer.decode(req.output_ids[:p.min_tokens])) if p.min_tokens else 0
+                req.stop_strings = StopStrings(self.tokenizer.decode, p.stop, floor)
+            if req.stop_strings.found(req.output_ids):  # a short window decoded per token
+                text = self.tokenizer.decode(req.output_ids)  # the whole output, once
+                cut = find_stop(text, p.stop, req.stop_strings.floor)
+                if cut >= 0:
+                    req.text = text[:cut]
+                    self.scheduler.finish(req, "stop")
+                    return
         if len(req.output_ids) >= p.max_tokens or len(req.prompt_ids) + len(req.output_ids) >= self.cfg.max_model_len:
             self._finish(req, "length")
 
     def _finish(self, req: Request, reason: str) -> None:
-        if self.tokenizer is not None and not req.params.stop:  # decoded once, at the end
+        if self.tokenizer is not None:  # decoded once, at the end
             req.text = self.tokenizer.decode(req.output_ids)
         self.scheduler.finish(req, reason)
 

@@ -127,7 +127,7 @@ class Request:
     # read tokens only.
     num_pending: int = 0
     penalty: object = None  # sampler.PenaltyState on the device, for requests with penalties
-    stop_floor: int | None = None  # text length of the first min_tokens outputs (stop strings end after it)
+    stop_strings: object = None  # detokenize.StopStrings, from the first check of the request's stop strings
 
     @property
     def all_ids(self) -> list[int]:

@@ -1,8 +1,8 @@
 """Tokenizer (`tokenizers` library, from tokenizer.json) and chat template (jinja2).
 
 The chat template is read from `chat_template.jinja`, else from `tokenizer_config.json`'s
-`chat_template` field. Incremental detokenisation decodes the whole generated tail, which is
-exact for byte-level BPE and cheap at the lengths a request produces.
+`chat_template` field. Incremental detokenisation (streamed text, stop strings) lives in
+`detokenize.py`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server (`moelora serve`); see README.md here.
 
-protocol.py (request bodies, the error shape), async_engine.py (the engine thread), detokenize.py
-(streamed text), serving.py (completions and chat), metrics.py (Prometheus), app.py (routes),
-launch.py (build and run).
+protocol.py (request bodies, the error shape), async_engine.py (the engine thread), serving.py
+(completions and chat; streamed text through `moelora.engine.detokenize`), metrics.py (Prometheus),
+app.py (routes), launch.py (build and run).
 """

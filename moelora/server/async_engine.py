@@ -5,7 +5,7 @@ runs in a single background thread, so the engine needs no locks. Callers on the
 send commands through a thread-safe queue; the thread drains the queue, steps while there is
 work (and blocks on the queue while there is none), and hands each request's new token ids to
 its asyncio queue with one `loop.call_soon_threadsafe` per step. The thread only ships token
-ids: detokenisation happens on the event loop (`detokenize.py`), off the step's critical path.
+ids: detokenisation happens on the event loop (`engine/detokenize.py`), off the step's critical path.
 
 After every command batch and every step the thread publishes an immutable `EngineStats`
 (queue lengths, KV and adapter-slot use, the registered adapters), which the server reads

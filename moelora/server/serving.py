@@ -15,10 +15,10 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from moelora.engine.detokenize import IncrementalDetokenizer
 from moelora.engine.request import SamplingParams
 from moelora.errors import RequestError
 from moelora.server.async_engine import AsyncEngine, EngineDead, GenerateSpec, Overloaded, RequestStream, UnknownAdapter
-from moelora.server.detokenize import IncrementalDetokenizer
 from moelora.server.metrics import ServerMetrics
 from moelora.server.protocol import (
     ApiError,
