@@ -127,10 +127,12 @@ def assets(tmp_path_factory):
     return make_assets(tmp_path_factory.mktemp("server"))
 
 
-@pytest.fixture(scope="module")
-def server(assets):
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlapped"])
+def server(assets, request):
+    """Every route test against both step modes: the CPU engine's default (synchronous) and the CUDA
+    engine's (overlapped scheduling: a step's tokens read back after the next step is launched)."""
     model_dir, adapters = assets
-    with running_server(model_dir, {n: adapters[n] for n in ADAPTERS}) as (url, app):
+    with running_server(model_dir, {n: adapters[n] for n in ADAPTERS}, async_scheduling=request.param) as (url, app):
         yield url, app
 
 
