@@ -114,3 +114,28 @@ def test_overlap_is_on_by_default_with_cuda_only(setup):  # noqa: F811
     if torch.cuda.is_available():
         assert EngineConfig(device="cuda").resolve(model.config).async_scheduling is True
         assert EngineConfig(device="cuda", async_scheduling=False).resolve(model.config).async_scheduling is False
+
+
+def test_a_step_settled_by_prompt_logits_is_still_reported(setup):  # noqa: F811
+    """`prompt_logits` (the server's echo) reads the step in flight back itself; the requests that
+    step changed, finished ones included, must still come out of the next `step()` (the server
+    delivers tokens and finishes from what step() returns: a lost finish is a client that waits
+    forever)."""
+    model, adapters = setup
+    eng = engine(model, adapters, async_scheduling=True)
+    p = prompts(2, model.config.vocab_size, seed=12)
+    done = eng.add_request(p[0], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), "x")
+    assert eng.step() == []  # its prefill is in flight, not read back
+    eng.prompt_logits([p[1]], [None])
+    assert done.finished and eng.has_unfinished()
+    assert eng.step() == [done] and not eng.has_unfinished()
+    # a request still running: its settled token comes out with the next step, once
+    going = eng.add_request(p[1], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), "y")
+    eng.step()
+    eng.step()
+    eng.prompt_logits([p[0]], ["x"])
+    got = eng.step()
+    assert got.count(going) == 1 and len(going.output_ids) == 2
+    while eng.has_unfinished():
+        eng.step()
+    assert going.finish_reason == "length" and len(going.output_ids) == 3

@@ -110,6 +110,9 @@ class LLMEngine:
         self.eos = eos
         self._counter = 0
         self._launched: _Launched | None = None  # overlapped scheduling: the step in flight
+        # requests a step read back outside `step()` changed (`prompt_logits` settles the step in flight);
+        # the next `step()` reports them, so a caller delivering step() results never misses a token or a finish
+        self._settled: list[Request] = []
 
     @property
     def lora_idle(self) -> frozenset:
@@ -213,18 +216,23 @@ class LLMEngine:
         """Requests wait, run, or have a token in flight (a step in flight whose requests all
         stopped or were aborted holds nothing anyone waits for: the next step drops it)."""
         launched = self._launched
-        return self.scheduler.has_work() or (launched is not None and any(not r.finished for r in launched.reqs))
+        return (self.scheduler.has_work() or bool(self._settled)
+                or (launched is not None and any(not r.finished for r in launched.reqs)))
 
     # stepping -----------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Run one step; returns the requests that got a token or finished in it (with
-        `async_scheduling`, those of the step launched by the previous call)."""
+        `async_scheduling`, those of the step launched by the previous call), after those of a step read
+        back since the last call by `prompt_logits`."""
+        settled, self._settled = self._settled, []
         if self.cfg.async_scheduling:
-            return self._step_overlapped()
-        if not self.scheduler.has_work():
-            return []
-        step = self.scheduler.schedule()
-        return self._read_back(self._launch(step, None)) if step.requests else []
+            changed = self._step_overlapped()
+        elif not self.scheduler.has_work():
+            changed = []
+        else:
+            step = self.scheduler.schedule()
+            changed = self._read_back(self._launch(step, None)) if step.requests else []
+        return settled + changed  # after a settle no step was in flight: nothing comes out twice
 
     def _step_overlapped(self) -> list[Request]:
         """Schedule and launch step n+1 while step n runs on the device, then read step n back.
@@ -356,7 +364,7 @@ class LLMEngine:
         """fp32 logits of every position of each sequence, computed as one batch (no caching)."""
         if self._launched is not None:  # overlapped scheduling: settle the step in flight first
             launched, self._launched = self._launched, None
-            self._read_back(launched)
+            self._settled += self._read_back(launched)  # reported by the next step()
         reqs = []
         for i, (ids, name) in enumerate(zip(token_ids, adapters, strict=True)):
             if name is not None and name not in self.pool.names:
