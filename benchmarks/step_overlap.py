@@ -23,6 +23,7 @@ import gzip
 import json
 import shutil
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -137,10 +138,10 @@ def analyse(trace_path: str, steps: int, log) -> None:
         + "; ".join(f"{k} {c / steps:.0f}x {t / steps / 1e3:.3f} ({m:.0f})" for k, (c, t, m) in top))
 
 
-def point(eng, conc: int, names: list, steps: int, label: str, log, trace: str | None, tmp: Path) -> None:
+def point(eng, conc: int, names: list, steps: int, label: str, log, trace: str | None, tmp: str) -> None:
     reqs = start(eng, conc, names, steps)
     wall = sorted(timed_steps(eng, steps) for _ in range(3))[1]
-    path = str(tmp / "trace.json")
+    path = f"{tmp}/trace.json"  # the profiler writes a file; analysed, then kept (gzip) only with --trace
     with labelled_phases(eng), torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -169,7 +170,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.trace:
         Path(args.trace).mkdir(parents=True, exist_ok=True)
-    tmp = Path(args.out).parent
+    tmp = tempfile.mkdtemp()
     lines, log = tee()
     concs = [int(c) for c in args.conc.split(",")]
     cfg, model, adapters = qwen3_with_adapters(args.layers)

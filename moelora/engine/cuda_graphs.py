@@ -185,8 +185,9 @@ class CudaGraphRunner:
             self.token_slots[:n].copy_(inputs.lora.token_slots, non_blocking=True)
         if n < B:
             self._pad(n, B)
-        graph, logits = self.graph_for(B, lora)
+        entry = self.graph_for(B, lora)
         self.replays += 1
-        self.base_replays += self.base.get(B, (None,))[0] is graph
+        self.base_replays += entry is self.base.get(B)
+        graph, logits = entry
         graph.replay()
         return logits[:n]

@@ -51,7 +51,7 @@ class _Launched:
     step: ScheduledStep
     reqs: list[Request]
     tokens: torch.Tensor | None
-    logprobs: tuple | None  # `logprobs_on_device` output, or None when no request asked
+    logprob_rows: tuple | None  # (wants, rows) of `logprobs_on_device`, or None when no request asked
     host: ReadBack | None
 
 
@@ -274,7 +274,7 @@ class LLMEngine:
                 self.scheduler.hold(req)  # finishes by length when read: schedule it no more
         # queued behind this step's sampling, so reading it back never waits for a step launched later
         host = ReadBack([tokens, *(logprobs[2:] if logprobs else ())]) if reqs else None
-        return _Launched(step, reqs, tokens, logprobs, host)
+        return _Launched(step, reqs, tokens, logprobs[:2] if logprobs else None, host)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """Token ids [len(reqs)] on the device. Requests with logit adjustments sample from adjusted
@@ -302,7 +302,8 @@ class LLMEngine:
         if launched.reqs:
             tokens, *lp = launched.host.get()  # the one host sync of a step
             tokens = tokens.tolist()
-            logprobs = logprobs_to_host((*launched.logprobs[:2], *lp)) if launched.logprobs else [None] * len(tokens)
+            rows = launched.logprob_rows
+            logprobs = logprobs_to_host((*rows, *lp)) if rows else [None] * len(tokens)
             for req, tok, logprob in zip(launched.reqs, tokens, logprobs, strict=True):
                 if req.finished:  # stopped or aborted after this step was launched: drop the row
                     continue
