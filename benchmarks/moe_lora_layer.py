@@ -4,6 +4,8 @@ Shape legend: M tokens, H hidden, I expert intermediate, E experts, K top-k, R r
 Usage: python benchmarks/moe_lora_layer.py [CSV path] [--shapes a,b] [--ms 1,8] [--variants off,8ad_r16]
        [--shrink table,route,block]   (LoRA variants once per shrink mode; "table": the tuned config's own)
        [--gate-up-at table,epilogue,activation] [--no-side-stream] [--chain 8 (default; 0: off)]
+       [--sets "lora_block_n=64;lora_block_n=256,lora_block_k=64"]   (LoRA variants once per ';'-separated
+       set of FusedMoEConfig overrides, ints or strings, on top of the shrink mode's config)
 The LoRA deltas get a side stream, as the engine gives them (EngineConfig.overlap_lora), unless
 --no-side-stream. --chain N: also the time per layer of one graph replaying N layers of distinct
 weights in turn (as a decode step replays its layers; their weights exceed L2, so no flush is needed):
@@ -54,6 +56,7 @@ def main(argv=None):
     ap.add_argument("--variants", default=",".join(LORA_VARIANTS))
     ap.add_argument("--shrink", default="table")
     ap.add_argument("--gate-up-at", default="table", help="table, or a list of epilogue / activation")
+    ap.add_argument("--sets", default="", help="';'-separated sets of config overrides (key=value,...)")
     ap.add_argument("--no-side-stream", action="store_true", help="LoRA deltas on the main stream (overlap_lora off)")
     ap.add_argument("--chain", type=int, default=8, help="also time N distinct layers in one graph, per layer "
                     "(0: not; the decode-like per-layer time, the one the targets are read against)")
@@ -75,10 +78,11 @@ def main(argv=None):
         for M in map(int, args.ms.split(",")):
             x, wts, ids = make_inputs(layer, M)
             t_off = c_off = None
-            runs = [(v, m, a) for v in args.variants.split(",")
+            runs = [(v, m, a, o) for v in args.variants.split(",")
                     for m in (["table"] if v == "off" else args.shrink.split(","))
-                    for a in (["table"] if v == "off" else args.gate_up_at.split(","))]
-            for var, mode, at in runs:
+                    for a in (["table"] if v == "off" else args.gate_up_at.split(","))
+                    for o in ([""] if v == "off" else args.sets.split(";"))]
+            for var, mode, at, sets in runs:
                 label = var
                 lora = make_lora(layer, M, var)
                 cfg = tuned_fused_moe_config(shape["E"], shape["H"], shape["I"], M, shape["K"], torch.bfloat16, gpu)
@@ -89,6 +93,10 @@ def main(argv=None):
                 if at != "table":
                     cfg = replace(cfg, lora_gate_up_at=at)
                     label = f"{label}@{at[:3]}"
+                if sets:
+                    kv = dict(item.split("=") for item in sets.split(","))
+                    cfg = replace(cfg, **{k: int(v) if v.lstrip("-").isdigit() else v for k, v in kv.items()})
+                    label = f"{label}[{sets}]"
                 fn = moe_call(layer, x, wts, ids, lora, cfg, side)
                 t = graph_time_ms(fn)
                 t_eager = eager_time_ms(fn) if label.split("/")[0] in EAGER_VARIANTS else float("nan")

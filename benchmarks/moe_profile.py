@@ -1,7 +1,8 @@
 """Per-kernel device time of one fused_moe call (torch.profiler, eager, warm; not L2-flushed).
 
 Shape legend: M tokens; shapes and LoRA variants as in moe_lora_layer.py.
-Usage: python benchmarks/moe_profile.py [shape:M:variant ...]  (default: a few decode/prefill points)
+Usage: python benchmarks/moe_profile.py [shape:M:variant[:shrink mode] ...]  (default: a few decode/prefill
+       points; the mode replaces the tuned config's lora_shrink, at every pool width)
 Prints, per point, each kernel's mean device time in microseconds: where the layer's time goes.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -17,6 +19,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).parent))
 from moe_bench_common import SHAPES, make_inputs, make_layer, make_lora, moe_call  # noqa: E402
 
+from moelora.kernels.moe_config import tuned_fused_moe_config  # noqa: E402
+
 DEFAULT = ["qwen3_30b_a3b:1:off", "qwen3_30b_a3b:1:8ad_r16", "qwen3_30b_a3b:32:8ad_r16",
            "qwen3_30b_a3b:512:off", "qwen3_30b_a3b:512:8ad_r16", "mixtral_8x7b:1:off"]
 
@@ -24,10 +28,15 @@ DEFAULT = ["qwen3_30b_a3b:1:off", "qwen3_30b_a3b:1:8ad_r16", "qwen3_30b_a3b:32:8
 def main(points):
     layers = {}
     for point in points:
-        sname, m, var = point.split(":")
+        sname, m, var, *mode = point.split(":")
         layer = layers.setdefault(sname, make_layer(SHAPES[sname], pool_ranks=(16, 64, 8)))
         x, wts, ids = make_inputs(layer, int(m))
-        fn = moe_call(layer, x, wts, ids, make_lora(layer, int(m), var))
+        shape = SHAPES[sname]
+        cfg = tuned_fused_moe_config(shape["E"], shape["H"], shape["I"], int(m), shape["K"], torch.bfloat16,
+                                     torch.cuda.get_device_name())
+        if mode:
+            cfg = replace(cfg, lora_shrink=mode[0], lora_shrink_wide=mode[0])
+        fn = moe_call(layer, x, wts, ids, make_lora(layer, int(m), var), cfg)
         for _ in range(3):
             fn()
         torch.cuda.synchronize()

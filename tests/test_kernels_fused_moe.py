@@ -27,8 +27,10 @@ def tiny_config(shrink="inline", tma=False, bm=16):
     """"separate_lanesN": the separate path with N shrink programs a block and split, one per slot
     (lora_shrink_lanes), and an epilogue that expands N slots in one dot (lora_expand_lanes)."""
     lanes = int(shrink.removeprefix("separate_lanes")) if shrink.startswith("separate_lanes") else 0
+    # "spread": 16 activation columns a program, so the down shrink has several partials at I = 24..40
     return FusedMoEConfig(bm, TINY, TINY, lora_shrink="separate" if lanes else shrink, lora_block_k=32, use_tma=tma,
-                          lora_expand_lanes=lanes, lora_shrink_lanes=max(1, lanes))
+                          lora_expand_lanes=lanes, lora_shrink_lanes=max(1, lanes),
+                          lora_block_n=16 if shrink == "spread" else 64)
 
 
 def make_case(T, H, inter, E, K, *, ranks=(), R=0, dtype=torch.float32, device="cpu", seed=0,
@@ -112,7 +114,8 @@ def test_one_token_and_zero_tokens():
 # "inline" is only taken for pools of rank <= 16 (wider pools go the rank-chunked separate path)
 SHRINK_POOLS = [("inline", 16), ("separate", 24), ("route", 24), ("route", 16), ("route", 64), ("block", 16),
                 ("block", 24), ("block", 64), ("separate_lanes8", 16), ("separate_lanes2", 16), ("separate_lanes8", 24),
-                ("separate_lanes8", 64), ("stacked", 16), ("stacked", 24), ("stacked", 64)]
+                ("separate_lanes8", 64), ("stacked", 16), ("stacked", 24), ("stacked", 64), ("spread", 16),
+                ("spread", 24), ("spread", 64)]
 
 
 @kernel_test
@@ -308,7 +311,22 @@ def test_stacked_falls_back_on_wide_pools():
 
 
 @kernel_test
-@pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block", "stacked"])
+@pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block", "stacked", "spread", "block_act"])
+def test_gate_up_and_down_ranks_differ(shrink):
+    """A slot with LoRA on down only, one on gate_up only, one on both (site ranks per projection):
+    every path adds exactly the deltas the twin adds (e.g. "spread" computes the down shrink of rows
+    whose h the gate_up GEMM finished, as they have no gate_up delta)."""
+    case = make_case(12, 32, 24, 4, 2, ranks=(16, 5, 16), R=16, device=DEV, seed=31,
+                     slots=[0, 1, 2, -1, 1, 0, 2, 1, -1, 0, 2, 1])
+    dev = case[0].device
+    lora = replace(case[5], gate_up_ranks=torch.tensor([16, 0, 7], dtype=torch.int32, device=dev),
+                   down_ranks=torch.tensor([0, 5, 9], dtype=torch.int32, device=dev))
+    cfg = replace(tiny_config("block"), lora_gate_up_at="activation") if shrink == "block_act" else tiny_config(shrink)
+    run_checked((*case[:5], lora), cfg, 1e-4)
+
+
+@kernel_test
+@pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block", "stacked", "spread"])
 def test_width_of_the_batch_in_a_wide_pool(shrink):
     """`ExpertLoRAArgs.width` (the batch's largest rank, `LoRABatch.max_rank`): slots of rank <= 8 in
     a rank-64 pool tile at 16 columns and equal the twin, and the pool's width (None); every mode."""
@@ -417,11 +435,11 @@ def gpu_case(shape, T, seed, ranks=(64, 16, 8, 0, 64, 32, 16, 8), R=64):
 @pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block", "route_plan", "route_wide_grid",
                                     "block_wide_tiles", "block_sub16", "block_persist", "separate_lanes",
                                     "separate_lanes_r16", "stacked", "stacked_r16", "block_elements",
-                                    "route_stages", "stacked_w8", "separate_w8"])
+                                    "route_stages", "stacked_w8", "separate_w8", "spread", "spread_r16", "spread_w8"])
 def test_gpu_qwen3_shape_bf16_lora(T, shrink):
     # a rank-16 pool: inline's, and the lanes' where every slot has a lane (8 of 16 columns each)
     pool = dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16) if shrink in ("inline", "separate_lanes_r16",
-                                                                          "stacked_r16") else {}
+                                                                          "stacked_r16", "spread_r16") else {}
     if shrink.endswith("_w8"):  # narrow adapters in a rank-64 pool, called with the batch's width (eager)
         pool = dict(ranks=(8, 8, 4, 0, 8, 2, 8, 8), R=64)
     case = gpu_case(QWEN3, T, seed=T, **pool)
@@ -461,7 +479,7 @@ def test_gpu_qwen3_shape_bf16_lora(T, shrink):
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("T", [1, 8])
-@pytest.mark.parametrize("shrink", ["off", "separate", "block"])
+@pytest.mark.parametrize("shrink", ["off", "separate", "block", "spread"])
 def test_gpu_plan_per_route_bf16(T, shrink):
     """plan_per_route at the Qwen3 shape (one token: K distinct experts; 8 tokens: some shared), against
     the fp32 reference: T=1 eager (which caches its plan rows), then in a CUDA graph; T=8 only in a

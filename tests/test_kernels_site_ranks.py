@@ -132,7 +132,7 @@ def moe_case(dtype: torch.dtype, g: torch.Generator):
 
 @kernel_test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("shrink", ["inline", "separate", "layer"])
+@pytest.mark.parametrize("shrink", ["inline", "separate", "spread", "layer"])
 def test_experts_skip_slot_of_site_rank_zero(dtype, shrink):
     g = torch.Generator().manual_seed(1)
     ex, x, weights, ids = moe_case(dtype, g)

@@ -18,7 +18,10 @@ route) and "block" (per plan block and slot) they compute each route's whole del
 (or, with lora_gate_up_at="activation", act_delta_kernel after a gate_up GEMM that writes gate and
 up unactivated, so that with `side_stream` the gate_up delta runs concurrently with that GEMM); the
 second, times the routing weight, is added by the top-k combine, so with `side_stream` the down
-delta runs on that stream concurrently with the down GEMM (both read h only). The top-k combine sums
+delta runs on that stream concurrently with the down GEMM (both read h only). Under "spread" there is
+no bracketed launch: the gate_up GEMM also writes the gate_up shrink's partials (and gate / up raw for
+rows with a delta), act_spread_kernel expands them, applies SiLU * up and writes the down shrink's
+partials, and the down epilogue expands those (`moe_gemm`). The top-k combine sums
 y's K rows in a fixed order, so results are deterministic (with or without the side stream). x and
 the weights are never written (contract 2). Rows on slot -1 do no LoRA work; a slot of rank r reads only r rows of A /
 columns of B and, on the separate path, loops over ceil(r/16) rank chunks whatever the pool's
@@ -32,7 +35,7 @@ import triton
 
 from moelora.kernels.checks import lora_tile_rank
 from moelora.kernels.moe_config import FusedMoEConfig, tuned_fused_moe_config
-from moelora.kernels.moe_gemm import act_delta_kernel, combine_kernel, down_kernel, gate_up_kernel
+from moelora.kernels.moe_gemm import act_delta_kernel, act_spread_kernel, combine_kernel, down_kernel, gate_up_kernel
 from moelora.kernels.moe_lora import (
     lora_block_delta_kernel,
     lora_route_delta_kernel,
@@ -247,7 +250,10 @@ def _lora_buffers(lora, config: FusedMoEConfig, block_r: int, x: torch.Tensor, P
     shrink's xa, one [SPLIT, P, block_r] fp32 buffer for both."""
     mode = lora_mode(lora, config, block_r)
     xa = delta_gu = delta_d = x
-    if mode == "separate":
+    if mode == "spread":  # the gate_up shrink's partials, then the down shrink's (`_spread_parts`)
+        gu_parts, _, d_parts, _ = _spread_parts(x.shape[1], inter, config)
+        xa = torch.empty(gu_parts + d_parts, P, block_r, dtype=torch.float32, device=x.device)
+    elif mode == "separate":
         xa = torch.empty(config.lora_split_k, P, block_r, dtype=torch.float32, device=x.device)
     elif mode == "stacked":  # the gate_up and then the down shrink's, in x's dtype (the twin rounds xa so)
         xa = torch.empty(P, lora.gate_up_a.shape[0] * block_r, dtype=x.dtype, device=x.device)
@@ -259,6 +265,16 @@ def _lora_buffers(lora, config: FusedMoEConfig, block_r: int, x: torch.Tensor, P
         delta_gu = torch.empty(n_routes, 2 * inter, dtype=d_dtype, device=x.device)
         delta_d = torch.empty(n_routes, x.shape[1], dtype=d_dtype, device=x.device)
     return mode, xa, delta_gu, delta_d
+
+
+def _spread_parts(H: int, inter: int, config: FusedMoEConfig) -> tuple[int, int, int, int]:
+    """"spread": (gate_up shrink partials, x columns each, down shrink partials, h columns each). The gate_up
+    GEMM's programs of output tile n take x columns [n k, (n + 1) k) (k a multiple of lora_block_k), so every
+    column is shrunk once; act_spread_kernel's programs take lora_block_n columns of h each."""
+    n_tiles = triton.cdiv(inter, config.gate_up.block_n)
+    gu_k = triton.cdiv(triton.cdiv(H, n_tiles), config.lora_block_k) * config.lora_block_k
+    d_n = min(config.lora_block_n, triton.next_power_of_2(inter))
+    return triton.cdiv(H, gu_k), gu_k, triton.cdiv(inter, d_n), d_n
 
 
 def _tma_operands(w_gate_up: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, config: FusedMoEConfig):
@@ -310,7 +326,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     mode, xa, delta_gu, delta_d = _lora_buffers(lora, config, block_r, x, P, T * K, inter)
     common = dict(sorted_ids_ptr=plan.sorted_route_ids, eob_ptr=plan.expert_of_block,
                   num_padded_ptr=plan.num_padded, n_routes=T * K, top_k=K, H=H, inter=inter,
-                  num_blocks=plan.max_blocks, BM=BM, GROUP_M=config.group_m, HAS_LORA=mode in ("inline", "separate"),
+                  num_blocks=plan.max_blocks, BM=BM, GROUP_M=config.group_m,
                   INLINE_SHRINK=mode == "inline",
                   EXPAND_LANES=_expand_lanes(config, block_r) if mode == "separate" else 0,
                   STACKED=mode == "stacked", stride_xa=xa.stride(0),
@@ -322,7 +338,13 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     # "activation": the gate_up delta is added after the GEMM (act_delta_kernel), so it may run on the
     # side stream next to the GEMM; "epilogue": the GEMM adds it, so it runs first
     late_gu = route_deltas and config.lora_gate_up_at == "activation"
-    gu_out = torch.empty(P, 2 * inter, dtype=x.dtype, device=x.device) if late_gu else h
+    # "spread": no LoRA launch of its own; each GEMM program shrinks a share of its input, the next kernel
+    # expands: gate_up GEMM (raw gate / up, gate_up shrink) -> act_spread_kernel (expand, SiLU * up, down
+    # shrink) -> down GEMM (expand in the epilogue, as "separate")
+    spread = mode == "spread"
+    gu_out = torch.empty(P, 2 * inter, dtype=x.dtype, device=x.device) if late_gu or spread else h
+    gu_parts, gu_k, d_parts, d_n = _spread_parts(H, inter, config) if spread else (0, 0, config.lora_split_k, 0)
+    xa_d = xa[gu_parts:] if spread else xa
     if mode == "separate":
         _shrink(x, xa, plan, lora, "gate_up", True, H, block_r, config)
     elif mode == "stacked":
@@ -337,13 +359,22 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         x, w_gu, gu_out, stride_xt=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
         stride_hp=gu_out.stride(0), BN=gu.block_n, BK=gu.block_k, num_warps=gu.num_warps, delta_ptr=delta_gu,
         stride_dr=delta_gu.stride(0), num_stages=gu.num_stages, LORA_DELTA=route_deltas and not late_gu,
-        RAW_OUT=late_gu, xa_ptr=xa, XA_SPLIT=config.lora_split_k, **common, **_lora_kernel_args(lora, x, "gate_up"))
+        RAW_OUT=late_gu or spread, xa_ptr=xa, XA_SPLIT=config.lora_split_k, HAS_LORA=mode in ("inline", "separate"),
+        SPREAD=spread, spread_k=gu_k, h_act_ptr=h, stride_act=h.stride(0), **common,
+        **_lora_kernel_args(lora, x, "gate_up"))
     if late_gu:
         join(side_stream, x.device)  # delta_gu is complete
         bn = min(256, triton.next_power_of_2(inter))
         act_delta_kernel[(plan.max_blocks, triton.cdiv(inter, bn))](
             gu_out, delta_gu, h, plan.sorted_route_ids, plan.num_padded, lora.token_slots, lora.gate_up_ranks, T * K,
             K, inter, gu_out.stride(0), delta_gu.stride(0), h.stride(0), BM=BM, BN=bn, num_warps=4)
+    elif spread:
+        gb, da = lora.gate_up_b, lora.down_a
+        act_spread_kernel[(plan.max_blocks, d_parts)](
+            gu_out, h, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots,
+            lora.gate_up_ranks, gb, xa, lora.down_ranks, da, xa_d, T * K, K, inter, plan.max_blocks, gu_out.stride(0),
+            h.stride(0), gb.stride(0), gb.stride(1), gb.stride(2), da.stride(0), da.stride(1), da.stride(2), BM=BM,
+            BN=d_n, BLOCK_R=block_r, GU_SPLIT=gu_parts, LORA_RC=_LORA_RC, num_warps=4)
     if mode == "separate":
         _shrink(h, xa, plan, lora, "down", False, inter, block_r, config)
     elif mode == "stacked":  # after the gate_up GEMM on this stream, which has read the gate_up xa
@@ -358,7 +389,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     down_kernel[(plan.max_blocks * triton.cdiv(H, dn.block_n),)](
         h_in, h, w_dn, y, topk_w, stride_hp=h.stride(0), stride_we=w_down.stride(0),
         stride_wn=w_down.stride(1), stride_yr=y.stride(0), BN=dn.block_n, BK=dn.block_k, num_warps=dn.num_warps,
-        num_stages=dn.num_stages, xa_ptr=xa, XA_SPLIT=config.lora_split_k,
+        num_stages=dn.num_stages, xa_ptr=xa_d, XA_SPLIT=d_parts, HAS_LORA=mode in ("inline", "separate", "spread"),
         **common, **_lora_kernel_args(lora, x, "down"))
     if route_deltas:
         join(side_stream, x.device)  # delta_d is complete

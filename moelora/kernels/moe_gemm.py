@@ -31,6 +31,13 @@ different slots (or none: slot -1 never enters any LoRA work).
     at "activation" (FusedMoEConfig.lora_gate_up_at), gate_up_kernel writes gate and up unactivated
     (RAW_OUT, [P, 2I]) and act_delta_kernel adds the delta and applies SiLU * up: the gate_up delta
     kernel then depends on x only and can run concurrently with the gate_up GEMM.
+  spread (one token, SPREAD): no LoRA launch of its own. gate_up_kernel's programs of output tile n also
+    shrink x over columns [n k, (n + 1) k) into partials xa_gu [parts, P, BLOCK_R] and write gate and up
+    raw for the rows with a gate_up delta; act_spread_kernel sums the partials, expands, applies SiLU * up
+    and shrinks its own h columns into xa_d partials; down_kernel's epilogue expands those as "separate".
+    Each shrink column is read once, and only the distinct slots of a block loop: with one route a block
+    (M = 1) nothing repeats. With several slots a block the loops sit in the tails of every GEMM program
+    and lose to "block" (docs/benchmarks.md).
 USE_TMA: weight tiles (and h in the down GEMM, whose rows are contiguous in plan order) come
 through Hopper tensor descriptors; LoRA and everything else is unchanged.
 """
@@ -239,6 +246,26 @@ def _stacked_epilogue(acc_g, acc_u, slots_ptr, ranks_ptr, tok, valid, offs_m, e,
 
 
 @triton.jit
+def _spread_shrink(src_ptr, src_rows, stride_src, slot, valid, ranks_ptr, a_ptr, e, xa_ptr, offs_m, part, k_start,
+                   k_end, part_stride, stride_as, stride_ae, stride_ar, BM: tl.constexpr, BLOCK_R: tl.constexpr,
+                   LORA_BK: tl.constexpr):
+    """"spread": xa[part, plan rows] = src[rows, k_start:k_end] @ A[slot(row), e][:rank, k_start:k_end]^T (fp32),
+    one dot per distinct slot of the block (rank-masked A loads); rows on no slot get zeros."""
+    xa = tl.zeros((BM, BLOCK_R), tl.float32)
+    s = tl.max(slot, axis=0)
+    while s >= 0:
+        sel = slot == s
+        rank = tl.load(ranks_ptr + s)
+        if rank > 0:
+            xa += lora_shrink_rows(src_ptr, src_rows, stride_src, sel, slot_base(a_ptr, s, e, stride_as, stride_ae),
+                                   stride_ar, rank, k_start, k_end, BM, BLOCK_R, LORA_BK)
+        slot = tl.where(sel, -1, slot)
+        s = tl.max(slot, axis=0)
+    tl.store(xa_ptr + part * part_stride + offs_m[:, None].to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[None, :], xa,
+             mask=valid[:, None])
+
+
+@triton.jit
 def gate_up_kernel(
     x_ptr, w, h_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr,
     slots_ptr, ranks_ptr, a_ptr, b_ptr, xa_ptr, delta_ptr,
@@ -249,9 +276,14 @@ def gate_up_kernel(
     HAS_LORA: tl.constexpr, INLINE_SHRINK: tl.constexpr, XA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
     LORA_BK: tl.constexpr, LORA_RC: tl.constexpr, USE_TMA: tl.constexpr, LORA_DELTA: tl.constexpr,
     RAW_OUT: tl.constexpr, EXPAND_LANES: tl.constexpr = 0, STACKED: tl.constexpr = False, S_P2: tl.constexpr = 1,
+    SPREAD: tl.constexpr = False, spread_k=0, h_act_ptr=None, stride_act=0,
 ):
     """h[plan row] = silu(gate) * up of x[token] @ W_gu[e]^T (+ LoRA); RAW_OUT: h is [P, 2I] and gets
-    gate and up as they are (columns [0, I) and [I, 2I)), for `act_delta_kernel` to finish."""
+    gate and up as they are (columns [0, I) and [I, 2I)), for `act_delta_kernel` / `act_spread_kernel` to
+    finish. SPREAD: program (block, n tile) also computes the gate_up shrink over x columns [n spread_k,
+    (n + 1) spread_k) into xa[n] ([parts, P, BLOCK_R] fp32), for `act_spread_kernel` to sum and expand; only
+    rows with a gate_up delta are written raw, the others get silu(gate) * up in h_act [P, I] (stride_act)
+    here, as without LoRA (bit for bit)."""
     pid_m, pid_n = _tile_ids(num_blocks, tl.cdiv(inter, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_padded_ptr):
         return
@@ -288,6 +320,12 @@ def gate_up_kernel(
         if INLINE_SHRINK:
             xa0 = tl.dot(xt, lora_a_tile(a0, k0, offs_k, H, stride_ar, r0, BLOCK_R).to(dt), xa0)
             xa1 = tl.dot(xt, lora_a_tile(a1, k0, offs_k, H, stride_ar, r1, BLOCK_R).to(dt), xa1)
+    if SPREAD:
+        k_start = pid_n * spread_k
+        if k_start < H:
+            _spread_shrink(x_ptr, tok, stride_xt, tl.load(slots_ptr + tok, mask=valid, other=-1), valid, ranks_ptr,
+                           a_ptr, e, xa_ptr, offs_m, pid_n, k_start, tl.minimum(k_start + spread_k, H),
+                           num_blocks * BM * BLOCK_R, stride_as, stride_ae, stride_ar, BM, BLOCK_R, LORA_BK)
     if HAS_LORA:
         if INLINE_SHRINK:
             acc_g, acc_u = _inline_epilogue(acc_g, acc_u, xa0, xa1, slot, rest, s0, r0, s1, r1, x_ptr, tok,
@@ -309,7 +347,14 @@ def gate_up_kernel(
         acc_u += tl.load(d_rows + inter, mask=live, other=0.0).to(tl.float32)
     h_rows = h_ptr + offs_m[:, None].to(tl.int64) * stride_hp + offs_n[None, :]
     h_mask = valid[:, None] & (offs_n[None, :] < inter)
-    if RAW_OUT:
+    if SPREAD:
+        live = _delta_rows(slots_ptr, ranks_ptr, tok, valid)[:, None]
+        tl.store(h_rows, acc_g.to(h_ptr.dtype.element_ty), mask=h_mask & live)
+        tl.store(h_rows + inter, acc_u.to(h_ptr.dtype.element_ty), mask=h_mask & live)
+        hv = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(h_act_ptr + offs_m[:, None].to(tl.int64) * stride_act + offs_n[None, :],
+                 hv.to(h_act_ptr.dtype.element_ty), mask=h_mask & ~live)
+    elif RAW_OUT:
         tl.store(h_rows, acc_g.to(h_ptr.dtype.element_ty), mask=h_mask)
         tl.store(h_rows + inter, acc_u.to(h_ptr.dtype.element_ty), mask=h_mask)
     else:
@@ -339,6 +384,52 @@ def act_delta_kernel(gu_ptr, delta_ptr, h_ptr, sorted_ids_ptr, num_padded_ptr, s
     hv = g / (1.0 + tl.exp(-g)) * u
     tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_h + offs_n[None, :], hv.to(h_ptr.dtype.element_ty),
              mask=mask)
+
+
+@triton.jit
+def act_spread_kernel(gu_ptr, h_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr, slots_ptr, gu_ranks_ptr, gu_b_ptr,
+                      xa_gu_ptr, d_ranks_ptr, d_a_ptr, xa_d_ptr, n_routes, top_k, inter, num_blocks, stride_gu,
+                      stride_h, stride_gbs, stride_gbe, stride_gbn, stride_das, stride_dae, stride_dar,
+                      BM: tl.constexpr, BN: tl.constexpr, BLOCK_R: tl.constexpr, GU_SPLIT: tl.constexpr,
+                      LORA_RC: tl.constexpr):
+    """"spread": h[p] = silu(gate + delta_g) * (up + delta_u) for the plan rows p of block program_id(0)
+    with a gate_up delta (the others' h the gate_up GEMM wrote), columns [n BN, (n + 1) BN) of n =
+    program_id(1), the delta expanded here from the gate_up shrink's GU_SPLIT partials (xa_gu, written by
+    gate_up_kernel's SPREAD programs); then this tile's share of the down shrink, h[p, columns] @
+    A_d[slot, e][:rank, columns]^T for every row, into xa_d[n] (fp32), for down_kernel's epilogue to sum
+    and expand. Padding rows are left unwritten."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BM >= tl.load(num_padded_ptr):
+        return
+    e = tl.load(eob_ptr + pid_m).to(tl.int64)
+    offs_m, route, valid, tok = plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask = valid[:, None] & (offs_n[None, :] < inter)
+    slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
+    live = _delta_rows(slots_ptr, gu_ranks_ptr, tok, valid)[:, None]
+    gu_rows = gu_ptr + offs_m[:, None].to(tl.int64) * stride_gu + offs_n[None, :]
+    g = tl.load(gu_rows, mask=mask & live, other=0.0).to(tl.float32)
+    u = tl.load(gu_rows + inter, mask=mask & live, other=0.0).to(tl.float32)
+    g, u = _separate_epilogue(g, u, gu_ptr, slot, e, offs_m, gu_ranks_ptr, gu_b_ptr, xa_gu_ptr, offs_n, inter,
+                              stride_gbs, stride_gbe, stride_gbn, num_blocks, BM, BLOCK_R, GU_SPLIT, LORA_RC, 0, True)
+    h_rows = h_ptr + offs_m[:, None].to(tl.int64) * stride_h + offs_n[None, :]
+    hv = (g / (1.0 + tl.exp(-g)) * u).to(h_ptr.dtype.element_ty)
+    tl.store(h_rows, hv, mask=mask & live)
+    hv = tl.where(live, hv, tl.load(h_rows, mask=mask & ~live, other=0.0))
+    xa = tl.zeros((BM, BLOCK_R), tl.float32)
+    s = tl.max(slot, axis=0)
+    while s >= 0:  # the down shrink's share: the h tile just rounded, as the down GEMM reads it
+        sel = slot == s
+        rank = tl.load(d_ranks_ptr + s)
+        if rank > 0:
+            at = lora_a_tile(slot_base(d_a_ptr, s, e, stride_das, stride_dae), pid_n * BN, tl.arange(0, BN), inter,
+                             stride_dar, rank, BLOCK_R)
+            xa = tl.dot(tl.where(sel[:, None], hv, 0.0).to(hv.dtype), at.to(hv.dtype), xa)
+        slot = tl.where(sel, -1, slot)
+        s = tl.max(slot, axis=0)
+    tl.store(xa_d_ptr + pid_n * (num_blocks * BM * BLOCK_R) + offs_m[:, None].to(tl.int64) * BLOCK_R
+             + tl.arange(0, BLOCK_R)[None, :], xa, mask=valid[:, None])
 
 
 @triton.jit
