@@ -88,12 +88,26 @@ def random_adapter(model: MoECausalLM, name: str, rank: int, seed: int) -> LoRAA
     return LoRAAdapter(name, "", sites)
 
 
-def qwen3_with_adapters(layers: int, n: int = 8, rank: int = 16):
-    """The Qwen3-30B-A3B shape cut to `layers` layers: (config, random model with n slots of `rank`,
-    adapters a0..a{n-1} of that rank), as the profiling benchmarks use it."""
-    cfg = ModelConfig(**{**QWEN3_30B, "num_layers": layers}).resolve()
-    model = random_model(cfg, n, rank)
+def model_with_adapters(name: str, layers: int | None = None, n: int = 8, rank: int = 16, pool_rank: int | None = None):
+    """MODELS[name]'s shape cut to `layers` layers (None: all of its own): (config, random model with n slots
+    of `pool_rank` (default `rank`), adapters a0..a{n-1} of `rank`)."""
+    spec = MODELS[name]
+    cfg = ModelConfig(**{**spec, "num_layers": layers or spec["num_layers"]}).resolve()
+    model = random_model(cfg, n, pool_rank or rank)
     return cfg, model, {f"a{i}": random_adapter(model, f"a{i}", rank, i) for i in range(n)}
+
+
+def add_model_args(ap: argparse.ArgumentParser, layers: int) -> None:
+    """--model (a MODELS key) and --layers (default `layers`, 0: the model's own count) of the profiling
+    benchmarks (`model_from_args` builds what they name)."""
+    ap.add_argument("--model", default="qwen3_30b", choices=list(MODELS))
+    ap.add_argument("--layers", type=int, default=layers, help="layers of the model to build (0: all)")
+
+
+def model_from_args(args: argparse.Namespace):
+    """`model_with_adapters` for `add_model_args`' arguments, plus a one-line description."""
+    cfg, model, adapters = model_with_adapters(args.model, args.layers or None)
+    return cfg, model, adapters, f"{cfg.num_layers} layers, {args.model} shape, bf16"
 
 
 def tee() -> tuple[list[str], Callable[..., None]]:
@@ -221,12 +235,8 @@ def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank:
     EngineConfig.fused_moe_table, which the engine sets on the shared model's routed experts: each
     turn sets it there again, `moe_table_on`). `pool_rank`: the slots' max rank (max_lora_rank), default
     the adapters' `rank`."""
-    spec = MODELS[name]
-    cfg = ModelConfig(**{**spec, "num_layers": layers or spec["num_layers"]}).resolve()
+    cfg, model, adapters = model_with_adapters(name, layers, 8, rank, pool_rank)
     print(f"model {name}, layers {cfg.num_layers}")
-    pool_rank = pool_rank or rank
-    model = random_model(cfg, 8, pool_rank)
-    adapters = {f"a{i}": random_adapter(model, f"a{i}", rank, i) for i in range(8)}
     twin = no_lora_twin(model, cfg)
     has_b = bool(ab) or ab_table is not None
     b_table = check_table_file(ab_table) if ab_table else None

@@ -1,6 +1,7 @@
 """Where a decode step's time goes: host phases, graph replay, and the kernels of one eager step.
 
-For the Qwen3-30B-A3B-shaped model of `benchmarks/decode.py` (random bf16 weights) at a few
+For a model shape of `benchmarks/decode.py` (--model: qwen3_30b, the default, or dsv2_lite;
+--layers; random bf16 weights) at a few
 concurrencies, with no LoRA, with 1 and with 8 adapters of rank 16:
   - step wall time (median), and each host phase of `LLMEngine.step` timed with a device sync
     before and after it (schedule, adapter acquire, input prepare, graph run, sample; the rest is
@@ -30,7 +31,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 
-from decode import engine, no_lora_twin, qwen3_with_adapters, tee  # noqa: E402
+from decode import add_model_args, engine, model_from_args, no_lora_twin, tee  # noqa: E402
 from host_overhead import phase_timers  # noqa: E402
 
 import moelora.engine.engine as engine_module  # noqa: E402
@@ -179,7 +180,7 @@ def _trace_path(trace_dir: str | None, conc: int, label: str) -> str | None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--layers", type=int, default=48)
+    add_model_args(ap, 48)
     ap.add_argument("--conc", default="1,64")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=20)
@@ -190,10 +191,10 @@ def main() -> None:
         Path(args.trace).mkdir(parents=True, exist_ok=True)  # the profiler's trace writer does not create it
     lines, log = tee()
     concs = [int(c) for c in args.conc.split(",")]
-    cfg, model, adapters = qwen3_with_adapters(args.layers)
+    cfg, model, adapters, desc = model_from_args(args)
     # the synchronous step: its phases are timed one by one and a step is then driven by hand
     eng = engine(model, cfg, 8, 16, max(concs), adapters, async_scheduling=False)
-    log(f"GPU {torch.cuda.get_device_name()}, {args.layers} layers, Qwen3-30B-A3B shape, bf16")
+    log(f"GPU {torch.cuda.get_device_name()}, {desc}")
     for conc in concs:
         for label, names in (("8 adapters r16", list(adapters)), ("1 adapter r16", ["a0"]),
                              ("LoRA engine, base rows", [None])):

@@ -1,6 +1,7 @@
 """Does the host keep the device busy? Synchronous vs overlapped scheduling, traced.
 
-For the Qwen3-30B-A3B-shaped model of `benchmarks/decode.py` (random bf16 weights), at a few
+For a model shape of `benchmarks/decode.py` (--model: qwen3_30b, the default, or dsv2_lite;
+--layers; random bf16 weights), at a few
 concurrencies, with no LoRA (an engine without slots) and with 8 adapters of rank 16, each with
 `async_scheduling` off and on:
   - step time of `--steps` back-to-back steps (one device sync at the end, as decode.py measures);
@@ -33,7 +34,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 
-from decode import engine, no_lora_twin, qwen3_with_adapters, tee  # noqa: E402
+from decode import add_model_args, engine, model_from_args, no_lora_twin, tee  # noqa: E402
 
 import moelora.engine.engine as engine_module  # noqa: E402
 from moelora.engine.request import SamplingParams  # noqa: E402
@@ -163,7 +164,7 @@ def point(eng, conc: int, names: list, steps: int, label: str, log, trace: str |
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--layers", type=int, default=12)
+    add_model_args(ap, 12)
     ap.add_argument("--conc", default="8,64,256")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--trace", default=None, help="directory for each point's Chrome trace (gzip)")
@@ -173,9 +174,9 @@ def main() -> None:
     tmp = tempfile.mkdtemp()
     lines, log = tee()
     concs = [int(c) for c in args.conc.split(",")]
-    cfg, model, adapters = qwen3_with_adapters(args.layers)
+    cfg, model, adapters, desc = model_from_args(args)
     twin = no_lora_twin(model, cfg)
-    log(f"GPU {torch.cuda.get_device_name()}, {args.layers} layers, Qwen3-30B-A3B shape, bf16")
+    log(f"GPU {torch.cuda.get_device_name()}, {desc}")
     for overlapped in (False, True):
         mode = "async" if overlapped else "sync"
         engines = (("no LoRA", engine(twin, cfg, 0, 0, max(concs), {}, async_scheduling=overlapped), [None]),

@@ -17,7 +17,9 @@
 #   PROFILE=0 benchmarks/decode_profile.py (PROFILE_ARGS): host phases, graph replay, top kernels
 #   AB=0     a same-run A/B against another commit, prepared here by `scripts/ab_base.sh COMMIT` (.ab_base/,
 #            carried to the device): the LAYER bench (BENCH_ARGS) and, with DENSE=1, the DENSE one (DENSE_ARGS),
-#            run from .ab_base and from this tree in alternation, AB_ROUNDS times (default 2): *_base_rK / *_rK
+#            run from .ab_base and from this tree in alternation, AB_ROUNDS times (default 2): *_base_rK / *_rK;
+#            AB_DECODE=1 alternates decode.py (DECODE_ARGS) the same way, for a change with no EngineConfig
+#            switch for decode.py --ab (e.g. a kernel swapped inside a layer; with LAYER=0 DECODE=0 for that alone)
 #   PACK=1   at the end, every log and CSV into $OUT/gpu_check.tgz (the device returns at most 8 files), and
 #            $OUT/summary.txt (the tail of each log) beside it
 # Exit status: non-zero if any stage failed; every stage runs regardless.
@@ -54,6 +56,10 @@ if [ "${AB:-0}" = 1 ]; then
         if [ "${DENSE:-0}" = 1 ]; then
           PYTHONPATH="$root" "$PY" "$root/benchmarks/lora_linear.py" "$OUT/lora_linear$sfx.csv" ${DENSE_ARGS:-} \
             > "$OUT/lora_linear$sfx.log" 2>&1 || rc=1
+        fi
+        if [ "${AB_DECODE:-0}" = 1 ]; then
+          PYTHONPATH="$root" "$PY" "$root/benchmarks/decode.py" "$OUT/decode_ab$sfx.csv" ${DECODE_ARGS:-} \
+            > "$OUT/decode_ab$sfx.log" 2>&1 || rc=1
         fi
       done
     done

@@ -103,10 +103,20 @@ def test_lora_b_tiles_are_vector_loads(tmp_path, monkeypatch):
         xd, w = torch.randn(T, n_in, dtype=torch.bfloat16), torch.randn(n_out, n_in, dtype=torch.bfloat16)
         for mode in ("split", "fused", "planned"):
             lora_linear(xd, w, None, dense, config=default_lora_linear_config(T, mode))
+        # MLA's kv_b_proj LoRA (DeepSeek-V2-Lite sizes: N 16, Dn = Dv 128, C 512)
+        from moelora.kernels.mla_lora import mla_absorb_lora_, mla_expand_lora_
+
+        ka, kb = torch.randn(4, 16, 512, dtype=torch.bfloat16), torch.randn(4, 16 * 256, 16, dtype=torch.bfloat16)
+        kr, ks = torch.tensor([16, 8, 0, 4], dtype=torch.int32), torch.tensor([0, -1, 3], dtype=torch.int32)
+        mla_absorb_lora_(torch.randn(3, 16, 512, dtype=torch.bfloat16), torch.randn(3, 16, 128, dtype=torch.bfloat16),
+                         ka, kb, kr, ks)
+        mla_expand_lora_(torch.randn(3, 16, 128, dtype=torch.bfloat16), torch.randn(3, 16, 512, dtype=torch.bfloat16),
+                         ka, kb, 128, kr, ks)
     assert comp.failures == []
     names = {key[0] for key in comp.kernels}
     assert {"lora_block_delta_kernel", "lora_route_delta_kernel", "lora_stacked_shrink_kernel", "act_spread_kernel",
-            "planned_delta_kernel", "_lora_expand_add_kernel", "_lora_delta_add_fused_kernel"} <= names, names
+            "planned_delta_kernel", "_lora_expand_add_kernel", "_lora_delta_add_fused_kernel", "_absorb_lora_kernel",
+            "_expand_lora_kernel"} <= names, names
     down_base = {_element_loads(k) for (name, c), k in comp.kernels.items()
                  if name == "down_kernel" and not dict(c)["HAS_LORA"] and not dict(c)["STACKED"]}
     assert len(down_base) == 1

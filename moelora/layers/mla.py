@@ -26,8 +26,9 @@ buffer the caller owns, contract 2) and attends in one of two forms:
     o_lat = softmax(scale (q_abs . latent + q_rope . krot)) . latent                 [T, N, C]
     out   = o_lat W_uv^T + (o_lat A_s^T) B_s,uv^T                                    [T, N, Dv]
   exactly the expanded result (k_nope = (W_uk + B_s,uk A_s) latent, v likewise). The attention core is
-  `kernels.mla_attention` (backend "triton") or its torch twin `mla_decode_attention_ref`. The LoRA
-  terms are computed for every slot in one batched matmul per side and the token's slot is then
+  `kernels.mla_attention` (backend "triton") or its torch twin `mla_decode_attention_ref`; under "triton"
+  the LoRA terms are `kernels.mla_lora`'s two launches (each token's own slot, rank-masked), in torch
+  (the twin) they are computed for every slot in one batched matmul per side and the token's slot is then
   selected by a one-hot mask (rows on no adapter select nothing): per-token gathers of B_s would
   take T N (Dn + Dv) R elements, the all-slot form N T S R; the slot buffers are read as they are
   at each step, so an adapter written into a slot later is seen by a captured graph.
@@ -104,12 +105,26 @@ class MLAttention(nn.Module):
                          lora: LoRABatch | None) -> torch.Tensor:
         """Decode step (one query per sequence) in the absorbed form -> new [T, N, Dv]."""
         q_nope, q_rope = q[..., :self.nope], q[..., self.nope:]
+        if self.backend == "triton":  # the LoRA terms: one launch a side (`kernels.mla_lora`)
+            from moelora.kernels.mla_attention import mla_decode_attention
+            from moelora.kernels.mla_lora import mla_absorb_lora_, mla_expand_lora_
+
+            kv_b = self.kv_b_proj
+            on = lora is not None and kv_b.has_lora and not lora.skips(kv_b)
+            site = (kv_b.lora_a, kv_b.lora_b, kv_b.lora_ranks, lora.token_slots, lora.max_rank) if on else None
+            q_abs = absorb_query(q_nope, kv_b, None)
+            if site:
+                mla_absorb_lora_(q_abs, q_nope, *site)
+            o_lat = mla_decode_attention(q_abs, q_rope, entries, cache, meta, self.scale)
+            out = expand_output(o_lat, kv_b, self.nope, None)
+            if site:
+                a, b, ranks, token_slots, width = site
+                mla_expand_lora_(out, o_lat, a, b, self.nope, ranks, token_slots, width)
+            return out
+        from moelora.kernels.reference import mla_decode_attention_ref as mla_decode_attention
+
         slots = _SlotSelect.of(self.kv_b_proj, lora)
         q_abs = absorb_query(q_nope, self.kv_b_proj, slots)
-        if self.backend == "triton":
-            from moelora.kernels.mla_attention import mla_decode_attention
-        else:
-            from moelora.kernels.reference import mla_decode_attention_ref as mla_decode_attention
         o_lat = mla_decode_attention(q_abs, q_rope, entries, cache, meta, self.scale)
         return expand_output(o_lat, self.kv_b_proj, self.nope, slots)
 

@@ -1,0 +1,155 @@
+"""kv_b_proj's LoRA in MLA's absorbed decode: `layers.mla.absorb_query` / `expand_output`'s LoRA terms on the GPU.
+
+Shape legend: T tokens, N heads, Dn qk_nope_head_dim, Dv v_head_dim, C kv_lora_rank, S adapter slots, R the
+pool's max rank (BLOCK_R = pow2 >= max(16, R)), HB heads a program.
+  kv_b_proj's slots: a [S, R, C], b [S, N (Dn + Dv), R] (head n: rows n (Dn + Dv) + [0, Dn) the key half
+  uk, + [Dn, Dn + Dv) the value half uv), ranks [S] int32 (this site's own), token_slots [T] int32 (-1: none)
+  absorb: q_abs[t, n] += (q_nope[t, n] B_s,uk[n]) A_s        q_nope [T, N, Dn], q_abs [T, N, C]
+  expand: out[t, n]   += (o_lat[t, n] A_s^T) B_s,uv[n]^T     o_lat [T, N, C],   out [T, N, Dv]
+with s the slot of token t, added in place into the caller's q_abs / out (the base products it just made,
+never an input of the step). Program (t, block of HB heads): the token's slot and rank first (a row on no
+slot, or on a slot of rank 0 at this site, touches nothing), then the [HB, R] intermediate in fp32,
+rounded to the activations' dtype once (as the torch path's batched matmul rounds it), then the second
+product added in fp32 and rounded once. A slot's loads are masked to its rank: a rank-8 adapter in a
+rank-64 pool reads 8 columns. One launch per side replaces the torch path's ~8 small ones (one-hot masks,
+every slot's product, the selection, reshapes of B); grids depend on T and N only (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moelora.kernels.checks import lora_tile_rank
+from moelora.kernels.lora_tiles import rank_chunks
+
+_HB = 16  # heads a program: the rows of the tl.dot
+_DC = 32  # Dn / Dv columns a step of the per-head products ([HB, DC, BLOCK_R] in registers)
+_BC = 64  # latent columns a step
+
+
+@triton.jit
+def _program_rows(slots_ptr, ranks_ptr, N, HB: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Program (t, head block): (t, its slot s, that slot's rank here (0 on no slot), the heads, their mask,
+    the rank columns, their mask)."""
+    t = tl.program_id(0)
+    s = tl.load(slots_ptr + t)
+    rank = tl.where(s >= 0, tl.load(ranks_ptr + tl.maximum(s, 0)), 0)
+    offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
+    offs_r = tl.arange(0, BLOCK_R)
+    return t, s, rank, offs_h, offs_h < N, offs_r, offs_r < rank
+
+
+@triton.jit
+def _b_heads(b_s, rows, m, offs_r, rank, stride_bn):
+    """[HB, DC, BLOCK_R] of B_s: rows `rows` [HB, DC] (masked by m), rank columns in whole 16-column chunks
+    (vector loads; `lora_tiles.rank_chunks`, B's rows hold stride_bn columns) then those past the rank zeroed."""
+    bt = tl.load(b_s + rows[:, :, None].to(tl.int64) * stride_bn + offs_r[None, None, :],
+                 mask=m[:, :, None] & (offs_r < rank_chunks(rank, stride_bn))[None, None, :], other=0.0)
+    return tl.where((offs_r < rank)[None, None, :], bt, 0.0)
+
+
+@triton.jit
+def _absorb_lora_kernel(q_ptr, qa_ptr, a_ptr, b_ptr, slots_ptr, ranks_ptr, N, C, stride_qt, stride_qn, stride_at,
+                        stride_an, stride_as, stride_ar, stride_bs, stride_bn,
+                        DN: tl.constexpr, DV: tl.constexpr, HB: tl.constexpr, BLOCK_R: tl.constexpr,
+                        DC: tl.constexpr, BC: tl.constexpr, PRECISION: tl.constexpr):
+    t, s, rank, offs_h, h_ok, offs_r, r_ok = _program_rows(slots_ptr, ranks_ptr, N, HB, BLOCK_R)
+    if rank > 0:
+        b_s = b_ptr + s.to(tl.int64) * stride_bs
+        u = tl.zeros((HB, BLOCK_R), tl.float32)
+        for d0 in tl.static_range(0, DN, DC):  # u[n] = q_nope[t, n] B_s,uk[n]: a [DC, R] tile of each head
+            offs_d = d0 + tl.arange(0, DC)
+            m = h_ok[:, None] & (offs_d < DN)[None, :]
+            q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qn + offs_d[None, :], mask=m,
+                        other=0.0)
+            rows = offs_h[:, None] * (DN + DV) + offs_d[None, :]
+            bt = _b_heads(b_s, rows, m, offs_r, rank, stride_bn)
+            u += tl.sum(q.to(tl.float32)[:, :, None] * bt.to(tl.float32), axis=1)
+        u = u.to(qa_ptr.dtype.element_ty)
+        a_s = a_ptr + s.to(tl.int64) * stride_as
+        for c0 in range(0, C, BC):
+            offs_c = c0 + tl.arange(0, BC)
+            c_ok = offs_c < C
+            at = tl.load(a_s + offs_r[:, None] * stride_ar + offs_c[None, :], mask=r_ok[:, None] & c_ok[None, :],
+                         other=0.0)
+            ptrs = qa_ptr + t.to(tl.int64) * stride_at + offs_h[:, None] * stride_an + offs_c[None, :]
+            mc = h_ok[:, None] & c_ok[None, :]
+            y = tl.load(ptrs, mask=mc, other=0.0).to(tl.float32) + tl.dot(u, at.to(u.dtype), input_precision=PRECISION)
+            tl.store(ptrs, y.to(qa_ptr.dtype.element_ty), mask=mc)
+
+
+@triton.jit
+def _expand_lora_kernel(ol_ptr, out_ptr, a_ptr, b_ptr, slots_ptr, ranks_ptr, N, C, stride_lt, stride_ln, stride_yt,
+                        stride_yn, stride_as, stride_ar, stride_bs, stride_bn,
+                        DN: tl.constexpr, DV: tl.constexpr, HB: tl.constexpr, BLOCK_R: tl.constexpr,
+                        DC: tl.constexpr, BC: tl.constexpr, PRECISION: tl.constexpr):
+    t, s, rank, offs_h, h_ok, offs_r, r_ok = _program_rows(slots_ptr, ranks_ptr, N, HB, BLOCK_R)
+    if rank > 0:
+        a_s = a_ptr + s.to(tl.int64) * stride_as
+        w = tl.zeros((HB, BLOCK_R), tl.float32)
+        for c0 in range(0, C, BC):  # w[n] = o_lat[t, n] A_s^T
+            offs_c = c0 + tl.arange(0, BC)
+            c_ok = offs_c < C
+            o = tl.load(ol_ptr + t.to(tl.int64) * stride_lt + offs_h[:, None] * stride_ln + offs_c[None, :],
+                        mask=h_ok[:, None] & c_ok[None, :], other=0.0)
+            at = tl.load(a_s + offs_r[None, :] * stride_ar + offs_c[:, None], mask=r_ok[None, :] & c_ok[:, None],
+                         other=0.0)
+            w = tl.dot(o, at.to(o.dtype), w, input_precision=PRECISION)
+        w = w.to(out_ptr.dtype.element_ty).to(tl.float32)
+        b_s = b_ptr + s.to(tl.int64) * stride_bs
+        for v0 in tl.static_range(0, DV, DC):  # out[t, n] += w[n] B_s,uv[n]^T: a [DC, R] tile of each head
+            offs_v = v0 + tl.arange(0, DC)
+            m = h_ok[:, None] & (offs_v < DV)[None, :]
+            rows = offs_h[:, None] * (DN + DV) + DN + offs_v[None, :]
+            bt = _b_heads(b_s, rows, m, offs_r, rank, stride_bn)
+            ptrs = out_ptr + t.to(tl.int64) * stride_yt + offs_h[:, None] * stride_yn + offs_v[None, :]
+            y = tl.load(ptrs, mask=m, other=0.0).to(tl.float32) + tl.sum(w[:, None, :] * bt.to(tl.float32), axis=2)
+            tl.store(ptrs, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _check(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor,
+           slots: torch.Tensor, nope: int, latent_in: bool) -> tuple[int, int, int, str]:
+    """(T, N, Dv, tl.dot precision) after checking the shapes: x [T, N, Dn] -> y [T, N, C] (absorb), or x
+    [T, N, C] -> y [T, N, Dv] (latent_in: expand)."""
+    T, N = x.shape[:2]
+    S, R, C = a.shape
+    if b.dim() != 3 or b.shape[0] != S or b.shape[2] != R or b.shape[1] % max(N, 1) or b.shape[1] // max(N, 1) <= nope:
+        raise ValueError(f"b must be [S={S}, N={N} x (Dn={nope} + Dv), R={R}], got {tuple(b.shape)}")
+    dv = b.shape[1] // N - nope
+    for name, t, last in (("input", x, C if latent_in else nope), ("output", y, dv if latent_in else C)):
+        if t.dim() != 3 or tuple(t.shape) != (T, N, last) or t.stride(2) != 1:
+            raise ValueError(f"{name} must be [{T}, {N}, {last}] with unit last stride, got {tuple(t.shape)}")
+    if x.dtype != y.dtype or a.dtype != b.dtype or a.stride(2) != 1 or b.stride(2) != 1 or b.stride(1) != R:
+        raise ValueError("input and output must share a dtype; a and b one, unit last strides, b's rows R apart")
+    if tuple(ranks.shape) != (S,) or ranks.dtype != torch.int32 or tuple(slots.shape) != (T,) \
+            or slots.dtype != torch.int32:
+        raise ValueError(f"ranks must be [S={S}] and token_slots [T={T}], int32")
+    return T, N, dv, "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
+
+
+def mla_absorb_lora_(q_abs: torch.Tensor, q_nope: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                     ranks: torch.Tensor, token_slots: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """q_abs [T, N, C] += (q_nope [T, N, Dn] B_s,uk) A_s in place (see the module docstring); returns q_abs.
+    `width`: a host bound on the rows' slot ranks (`LoRABatch.max_rank`), narrowing the tiles."""
+    nope = q_nope.shape[2]
+    T, N, dv, precision = _check(q_nope, q_abs, a, b, ranks, token_slots, nope, latent_in=False)
+    if T:
+        _absorb_lora_kernel[(T, triton.cdiv(N, _HB))](
+            q_nope, q_abs, a, b, token_slots, ranks, N, a.shape[2], q_nope.stride(0), q_nope.stride(1),
+            q_abs.stride(0), q_abs.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1), DN=nope, DV=dv,
+            HB=_HB, BLOCK_R=lora_tile_rank(a.shape[1], width), DC=_DC, BC=_BC, PRECISION=precision, num_warps=4)
+    return q_abs
+
+
+def mla_expand_lora_(out: torch.Tensor, o_lat: torch.Tensor, a: torch.Tensor, b: torch.Tensor, nope: int,
+                     ranks: torch.Tensor, token_slots: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """out [T, N, Dv] += (o_lat [T, N, C] A_s^T) B_s,uv^T in place (see the module docstring); returns out."""
+    T, N, dv, precision = _check(o_lat, out, a, b, ranks, token_slots, nope, latent_in=True)
+    if T:
+        _expand_lora_kernel[(T, triton.cdiv(N, _HB))](
+            o_lat, out, a, b, token_slots, ranks, N, a.shape[2], o_lat.stride(0), o_lat.stride(1), out.stride(0),
+            out.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1), DN=nope, DV=dv, HB=_HB,
+            BLOCK_R=lora_tile_rank(a.shape[1], width), DC=_DC, BC=_BC, PRECISION=precision, num_warps=4)
+    return out
