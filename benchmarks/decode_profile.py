@@ -1,8 +1,8 @@
 """Where a decode step's time goes: host phases, graph replay, and the kernels of one eager step.
 
 For a model shape of `benchmarks/decode.py` (--model: qwen3_30b, the default, or dsv2_lite;
---layers; random bf16 weights) at a few
-concurrencies, with no LoRA, with 1 and with 8 adapters of rank 16:
+--layers; random bf16 weights) at a few concurrencies, with no LoRA, with 1 and with 8 adapters of
+rank 16:
   - step wall time (median), and each host phase of `LLMEngine.step` timed with a device sync
     before and after it (schedule, adapter acquire, input prepare, graph run, sample; the rest is
     token bookkeeping);

@@ -1,9 +1,8 @@
 """Does the host keep the device busy? Synchronous vs overlapped scheduling, traced.
 
 For a model shape of `benchmarks/decode.py` (--model: qwen3_30b, the default, or dsv2_lite;
---layers; random bf16 weights), at a few
-concurrencies, with no LoRA (an engine without slots) and with 8 adapters of rank 16, each with
-`async_scheduling` off and on:
+--layers; random bf16 weights), at a few concurrencies, with no LoRA (an engine without slots) and
+with 8 adapters of rank 16, each with `async_scheduling` off and on:
   - step time of `--steps` back-to-back steps (one device sync at the end, as decode.py measures);
   - the same steps under torch.profiler (CPU and CUDA): the device's busy share of the window (the
     union of its kernel / copy / memset intervals over the window), the idle gaps between them, the
