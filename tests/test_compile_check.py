@@ -125,3 +125,25 @@ def test_lora_b_tiles_are_vector_loads(tmp_path, monkeypatch):
             continue
         want = next(iter(down_base)) if name == "down_kernel" else 0
         assert _element_loads(kernel) == want, f"{name} {dict(consts)}: {_element_loads(kernel)} element loads"
+
+
+def test_mla_lora_kernels_do_not_spill_at_any_rank_tile(tmp_path, monkeypatch):
+    """MLA's kv_b_proj LoRA kernels at DeepSeek-V2-Lite sizes (N 16, Dn = Dv 128, C 512) compile for sm_90
+    with no local memory at rank tiles 16, 32 and 64 (`mla_lora._head_columns`; a fixed 32-column step
+    spilled 32-1824 bytes a thread at tiles 32 and 64). Resources come from the local ptxas."""
+    from moelora.kernels.mla_lora import mla_absorb_lora_, mla_expand_lora_
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    bf = torch.bfloat16
+    with Compiler(resources=True) as comp:
+        for R in (16, 32, 64):
+            a, b = torch.randn(4, R, 512, dtype=bf), torch.randn(4, 16 * 256, R, dtype=bf)
+            ranks, slots = torch.tensor([R, 8, 0, 4], dtype=torch.int32), torch.tensor([0, -1, 3], dtype=torch.int32)
+            mla_absorb_lora_(torch.randn(3, 16, 512, dtype=bf), torch.randn(3, 16, 128, dtype=bf), a, b, ranks, slots)
+            mla_expand_lora_(torch.randn(3, 16, 128, dtype=bf), torch.randn(3, 16, 512, dtype=bf), a, b, 128, ranks,
+                             slots)
+    assert comp.failures == []
+    found = {(name, dict(c)["BLOCK_R"]): res for (name, c), res in comp.seen.items()}
+    assert set(found) == {(k, r) for k in ("_absorb_lora_kernel", "_expand_lora_kernel") for r in (16, 32, 64)}
+    for key, res in found.items():
+        assert " stack 0" in res and " local 0" in res, f"{key}: {res}"

@@ -59,10 +59,12 @@ def kernels(q_nope, o_lat, kv_b, lora, ranks, nope, width=None):
 @kernel_test
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 1e-2)])
 @pytest.mark.parametrize("N,nope,dv,C", [(5, 12, 10, 20), (19, 40, 24, 72)])
-def test_lora_terms_equal_twin(dtype, tol, N, nope, dv, C):
+@pytest.mark.parametrize("R", [8, 24])  # rank tiles of 16 and 32 columns (other head-column steps)
+def test_lora_terms_equal_twin(dtype, tol, N, nope, dv, C, R):
     # slot 0 full rank, slot 1 rank 3, slot 2 empty (rank 0), rows on no slot
     slots = [0, -1, 1, 2, 0, 1, -1]
-    q_nope, o_lat, kv_b, lora, ranks = make_case(len(slots), N, nope, dv, C, (8, 3, 0), 8, slots, dtype, DEV, seed=N)
+    q_nope, o_lat, kv_b, lora, ranks = make_case(len(slots), N, nope, dv, C, (R, 3, 0), R, slots, dtype, DEV,
+                                                 seed=N + R)
     q_abs, out, (q_base, out_base) = kernels(q_nope, o_lat, kv_b, lora, ranks, nope)
     want_q, want_out = twin(q_nope, o_lat, kv_b, lora, nope, torch.float64)
     for got, want in ((q_abs, want_q), (out, want_out)):
@@ -100,13 +102,14 @@ def test_validation_errors():
 
 @pytest.mark.gpu
 @gpu_only
-def test_gpu_deepseek_v2_lite_sizes_bf16():
+@pytest.mark.parametrize("R", [16, 32, 64])  # every rank tile (`mla_lora._head_columns`)
+def test_gpu_deepseek_v2_lite_sizes_bf16(R):
     slots = torch.randint(-1, 8, (256,), generator=torch.Generator().manual_seed(5)).tolist()
-    ranks = (16, 8, 16, 0, 4, 16, 12, 8)
-    q_nope, o_lat, kv_b, lora, r = make_case(256, 16, 128, 128, 512, ranks, 16, slots, torch.bfloat16, "cuda")
+    ranks = (R, 8, R, 0, 4, 16, 12, 8)
+    q_nope, o_lat, kv_b, lora, r = make_case(256, 16, 128, 128, 512, ranks, R, slots, torch.bfloat16, "cuda")
     torch.cuda.set_sync_debug_mode("error")  # contract 5: no host sync
     try:
-        q_abs, out, _ = kernels(q_nope, o_lat, kv_b, lora, r, 128, width=16)
+        q_abs, out, _ = kernels(q_nope, o_lat, kv_b, lora, r, 128, width=R)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     want_q, want_out = twin(q_nope, o_lat, kv_b, lora, 128, torch.float32)

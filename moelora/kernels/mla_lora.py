@@ -25,8 +25,16 @@ from moelora.kernels.checks import lora_tile_rank
 from moelora.kernels.lora_tiles import rank_chunks
 
 _HB = 16  # heads a program: the rows of the tl.dot
-_DC = 32  # Dn / Dv columns a step of the per-head products ([HB, DC, BLOCK_R] in registers)
 _BC = 64  # latent columns a step
+
+
+def _head_columns(block_r: int) -> int:
+    """Dn / Dv columns a step of the per-head products ([HB, DC, BLOCK_R] in registers): 32 at 16 rank
+    columns (the tile measured on the H200), else the widest step that compiles for sm_90 without spilling.
+    Local ptxas (Triton 3.9), registers / stack bytes of absorb and expand: DC 32 at BLOCK_R 32 took 255 /
+    1824 and 255 / 32, at 64 255 / 904 and 255 / 1280; DC 8 at 32: 87 / 0 and 80 / 0; DC 4 at 64: 105 / 0
+    and 89 / 0 (tests/test_compile_check.py keeps them spill-free)."""
+    return 32 if block_r <= 16 else max(1, 256 // block_r)
 
 
 @triton.jit
@@ -135,11 +143,12 @@ def mla_absorb_lora_(q_abs: torch.Tensor, q_nope: torch.Tensor, a: torch.Tensor,
     `width`: a host bound on the rows' slot ranks (`LoRABatch.max_rank`), narrowing the tiles."""
     nope = q_nope.shape[2]
     T, N, dv, precision = _check(q_nope, q_abs, a, b, ranks, token_slots, nope, latent_in=False)
+    block_r = lora_tile_rank(a.shape[1], width)
     if T:
         _absorb_lora_kernel[(T, triton.cdiv(N, _HB))](
             q_nope, q_abs, a, b, token_slots, ranks, N, a.shape[2], q_nope.stride(0), q_nope.stride(1),
             q_abs.stride(0), q_abs.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1), DN=nope, DV=dv,
-            HB=_HB, BLOCK_R=lora_tile_rank(a.shape[1], width), DC=_DC, BC=_BC, PRECISION=precision, num_warps=4)
+            HB=_HB, BLOCK_R=block_r, DC=_head_columns(block_r), BC=_BC, PRECISION=precision, num_warps=4)
     return q_abs
 
 
@@ -147,9 +156,10 @@ def mla_expand_lora_(out: torch.Tensor, o_lat: torch.Tensor, a: torch.Tensor, b:
                      ranks: torch.Tensor, token_slots: torch.Tensor, width: int | None = None) -> torch.Tensor:
     """out [T, N, Dv] += (o_lat [T, N, C] A_s^T) B_s,uv^T in place (see the module docstring); returns out."""
     T, N, dv, precision = _check(o_lat, out, a, b, ranks, token_slots, nope, latent_in=True)
+    block_r = lora_tile_rank(a.shape[1], width)
     if T:
         _expand_lora_kernel[(T, triton.cdiv(N, _HB))](
             o_lat, out, a, b, token_slots, ranks, N, a.shape[2], o_lat.stride(0), o_lat.stride(1), out.stride(0),
             out.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1), DN=nope, DV=dv, HB=_HB,
-            BLOCK_R=lora_tile_rank(a.shape[1], width), DC=_DC, BC=_BC, PRECISION=precision, num_warps=4)
+            BLOCK_R=block_r, DC=_head_columns(block_r), BC=_BC, PRECISION=precision, num_warps=4)
     return out
