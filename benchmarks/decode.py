@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-import time
 from collections.abc import Callable
 
 import torch
@@ -39,10 +38,10 @@ sys.path.insert(0, __file__.rsplit("/", 2)[0])
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from moe_bench_common import copy_gbps, write_rows  # noqa: E402
 
+from moelora.bench import random_prompts, time_decode  # noqa: E402
 from moelora.config import ModelConfig  # noqa: E402
 from moelora.engine.config import EngineConfig  # noqa: E402
 from moelora.engine.engine import LLMEngine  # noqa: E402
-from moelora.engine.request import SamplingParams  # noqa: E402
 from moelora.kernels.moe_config import check_table_file  # noqa: E402
 from moelora.lora.adapter import LoRAAdapter, LoRAWeights  # noqa: E402
 from moelora.models.decoder import MoECausalLM  # noqa: E402
@@ -160,25 +159,10 @@ def step_bytes(cfg: ModelConfig, conc: int, n_adapters: int, rank: int, ctx: int
 
 
 def measure(eng: LLMEngine, conc: int, names: list, steps: int, prompt_len: int = 32) -> float:
-    g = torch.Generator().manual_seed(conc)
-    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
-    reqs = [eng.add_request(torch.randint(0, 1000, (prompt_len,), generator=g).tolist(), params,
-                            names[i % len(names)]) for i in range(conc)]
-    while any(len(r.output_ids) == 0 for r in reqs):
-        eng.step()
-    eng.step()
-    torch.cuda.synchronize()
-    # `steps` steps back to back, one device sync at the end: a sync after every step would also
-    # stall overlapped scheduling's step n+1, launched before step n is read back (the synchronous
-    # step syncs by itself when it reads its tokens back)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    torch.cuda.synchronize()
-    per_step = (time.perf_counter() - t0) / steps
-    for r in reqs:
-        eng.abort(r.request_id)
-    return per_step
+    """Seconds a decode step of `conc` requests on `names` (in turn): `moelora.bench.time_decode` (steps back
+    to back, one device sync at the end, every request one token a step or it raises)."""
+    vocab = min(1000, eng.model_config.vocab_size)
+    return time_decode(eng, random_prompts(conc, prompt_len, vocab, seed=conc), names, steps)[1]
 
 
 def engine(model, cfg: ModelConfig, max_loras: int, rank: int, max_seqs: int, adapters: dict,

@@ -1,4 +1,4 @@
-"""Command line: `moelora generate | verify | demo | serve`.
+"""Command line: `moelora generate | verify | demo | serve | bench`.
 
 With no MODEL argument the bundled demo model is used, with its adapters registered by name.
 """
@@ -82,6 +82,46 @@ def cmd_demo(args) -> int:
 
     wrong = show_demo(device=args.device)
     return 0 if wrong == 0 else 1
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise SystemExit(f"expected comma-separated integers, got {text!r}") from None
+
+
+def cmd_bench(args) -> int:
+    import json
+
+    import torch
+
+    from moelora import LLM
+    from moelora.bench import bench, format_runs
+
+    model, adapters = _model_and_adapters(args)
+    concs = _ints(args.conc)
+    llm = LLM(model, adapters, device=args.device, dtype=args.dtype, max_lora_rank=args.max_lora_rank,
+              max_loras=max(args.max_loras, len(adapters)), kernel_backend=args.kernel_backend,
+              max_num_seqs=max(concs, default=1), enforce_eager=args.enforce_eager,
+              gpu_memory_utilization=args.gpu_memory_utilization, progress=True)
+    eng = llm.engine
+    dev = eng.device
+    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    print(f"moelora bench: {model} on {where}, {eng.cfg.dtype}, kernels {eng.cfg.kernel_backend}, "
+          f"{'CUDA graphs' if eng.graphs is not None else 'eager'}; adapters: {', '.join(eng.pool.names) or 'none'}; "
+          f"prompts of {args.prompt_len} tokens, {args.steps} decode steps timed, median of {args.repeats}")
+    runs = bench(eng, concs, args.prompt_len, args.steps, args.repeats)
+    print(format_runs(runs))
+    if args.json:
+        meta = dict(model=str(model), device=where, dtype=eng.cfg.dtype, kernel_backend=eng.cfg.kernel_backend,
+                    cuda_graphs=eng.graphs is not None, adapters=eng.pool.names, prompt_len=args.prompt_len,
+                    steps=args.steps, repeats=args.repeats, torch=torch.__version__)
+        rows = [dict(workload=r.workload, conc=r.conc, step_ms=r.step_s * 1e3, tokens_per_s=r.tokens_per_s,
+                     prefill_ms=r.prefill_s * 1e3) for r in runs]
+        with open(args.json, "w") as f:
+            json.dump(dict(meta, runs=rows), f, indent=1)
+    return 0
 
 
 # serve ------------------------------------------------------------------------------------------
@@ -181,6 +221,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default=None)
     demo.set_defaults(func=cmd_demo)
     _serve_parser(sub)
+    b = sub.add_parser("bench", help="decode throughput with and without the adapters, on this machine")
+    _common(b)
+    b.add_argument("--conc", default="1,8,32", help="concurrencies, comma-separated (default 1,8,32)")
+    b.add_argument("--prompt-len", type=int, default=128, help="prompt tokens a request (random ids)")
+    b.add_argument("--steps", type=int, default=32, help="decode steps timed a run")
+    b.add_argument("--repeats", type=int, default=3, help="rounds of every workload (medians)")
+    b.add_argument("--kernel-backend", choices=["triton", "torch"], default=None,
+                   help="default: triton on CUDA, torch on the CPU")
+    b.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    b.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    b.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    b.set_defaults(func=cmd_bench)
     return parser
 
 
