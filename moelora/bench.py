@@ -26,7 +26,7 @@ from moelora.engine.engine import LLMEngine
 from moelora.engine.request import SamplingParams
 from moelora.errors import CapacityError, ConfigError
 
-_SLACK = 4  # tokens a request may get beyond the timed steps (the warm-up step, one in flight)
+_SLACK = 4  # room a request needs beyond the timed steps (its first token, the warm-up step, one in flight)
 
 
 @dataclass(frozen=True)
@@ -65,18 +65,29 @@ def _sync(device: torch.device) -> None:
 
 def time_decode(eng: LLMEngine, prompts: list[list[int]], names: list[str | None], steps: int) -> tuple[float, float]:
     """(prefill seconds, seconds a decode step) of `prompts` on adapters `names` (taken in turn), see the
-    module docstring; the engine is left with no request."""
-    if steps < 1:
-        raise ConfigError(f"steps must be >= 1, got {steps}")
-    params = SamplingParams(max_tokens=steps + _SLACK, temperature=0.0, ignore_eos=True)
+    module docstring; the engine is left with no request. Requests may generate up to max_model_len (they
+    are aborted after the timed steps): a chunked prefill admits them over several steps, and the first
+    ones decode meanwhile, so a budget of `steps` tokens would finish them inside the timed window."""
+    room = eng.cfg.max_model_len - max(map(len, prompts))
+    if steps < 1 or room < steps + _SLACK:
+        raise ConfigError(f"steps must be >= 1 and prompt + steps + {_SLACK} tokens within max_model_len "
+                          f"{eng.cfg.max_model_len}; got {steps} steps after {max(map(len, prompts))} prompt tokens")
+    params = SamplingParams(max_tokens=room, temperature=0.0, ignore_eos=True)
     reqs = []
+
+    def refuse(what: str) -> CapacityError:
+        return CapacityError(
+            f"{len(prompts)} requests of {len(prompts[0])} prompt tokens did not all decode together ({what}; "
+            f"preemptions {sum(r.num_preemptions for r in reqs)}): lower the concurrency or the prompt length, or "
+            "give the KV cache more room (max_num_seqs, gpu_memory_utilization, num_kv_blocks)")
+
     try:
         t0 = time.perf_counter()
         for i, p in enumerate(prompts):
             reqs.append(eng.add_request(p, params, names[i % len(names)]))
         while any(not r.output_ids for r in reqs):
-            if not eng.has_unfinished():
-                raise CapacityError("the engine stopped before every request had its first token")
+            if any(r.num_preemptions or r.finished for r in reqs):
+                raise refuse("a request was preempted or finished before the last one was admitted")
             eng.step()
         _sync(eng.device)
         prefill = time.perf_counter() - t0
@@ -90,11 +101,7 @@ def time_decode(eng: LLMEngine, prompts: list[list[int]], names: list[str | None
         per_step = (time.perf_counter() - t0) / steps
         gained = [len(r.output_ids) - b for r, b in zip(reqs, before, strict=True)]
         if any(g != steps for g in gained) or any(r.num_preemptions for r in reqs):
-            raise CapacityError(
-                f"{len(prompts)} requests of {len(prompts[0])} prompt tokens did not all decode together "
-                f"(tokens a request got in the {steps} timed steps: {min(gained)}..{max(gained)}; preemptions "
-                f"{sum(r.num_preemptions for r in reqs)}): lower the concurrency or the prompt length, or give "
-                "the KV cache more room (max_num_seqs, gpu_memory_utilization, num_kv_blocks)")
+            raise refuse(f"tokens a request got in the {steps} timed steps: {min(gained)}..{max(gained)}")
         return prefill, per_step
     finally:  # an overlapped step still in flight holds only aborted requests: the next step() drops it
         for r in reqs:

@@ -90,3 +90,16 @@ def test_cuda_bench_replays_base_graphs_for_the_base_workload():
     assert len(runs) == 6 and all(r.step_s > 0 for r in runs)
     assert 0 < eng.graphs.base_replays < eng.graphs.replays
     assert_empty(eng)
+
+
+def test_a_chunked_prefill_is_timed_once_every_request_decodes():
+    """8 prompts of 32 tokens with a 64-token step budget: the prefill admits them over 4+ steps while the
+    first ones already decode, so they hold more tokens than the timed steps when the timing starts; none may
+    run out of its token budget inside the timed window (the bench gave them `steps` + 4 at first)."""
+    eng = demo_llm(max_num_seqs=8, max_num_batched_tokens=64).engine
+    prompts = [[10 + i] * 32 for i in range(8)]
+    prefill, step = time_decode(eng, prompts, ["upper", None], 2)
+    assert prefill > 0 and step > 0
+    assert_empty(eng)
+    with pytest.raises(ConfigError, match="max_model_len"):
+        time_decode(eng, [[1] * 500], [None], 20)
