@@ -68,16 +68,17 @@ def time_decode(eng: LLMEngine, prompts: list[list[int]], names: list[str | None
     module docstring; the engine is left with no request. Requests may generate up to max_model_len (they
     are aborted after the timed steps): a chunked prefill admits them over several steps, and the first
     ones decode meanwhile, so a budget of `steps` tokens would finish them inside the timed window."""
-    room = eng.cfg.max_model_len - max(map(len, prompts))
+    longest = max(map(len, prompts))
+    room = eng.cfg.max_model_len - longest
     if steps < 1 or room < steps + _SLACK:
         raise ConfigError(f"steps must be >= 1 and prompt + steps + {_SLACK} tokens within max_model_len "
-                          f"{eng.cfg.max_model_len}; got {steps} steps after {max(map(len, prompts))} prompt tokens")
+                          f"{eng.cfg.max_model_len}; got {steps} steps after {longest} prompt tokens")
     params = SamplingParams(max_tokens=room, temperature=0.0, ignore_eos=True)
     reqs = []
 
     def refuse(what: str) -> CapacityError:
         return CapacityError(
-            f"{len(prompts)} requests of {len(prompts[0])} prompt tokens did not all decode together ({what}; "
+            f"{len(prompts)} requests of up to {longest} prompt tokens did not all decode together ({what}; "
             f"preemptions {sum(r.num_preemptions for r in reqs)}): lower the concurrency or the prompt length, or "
             "give the KV cache more room (max_num_seqs, gpu_memory_utilization, num_kv_blocks)")
 
@@ -115,13 +116,14 @@ def bench(eng: LLMEngine, concs: list[int], prompt_len: int, steps: int, repeats
     if max(concs) > eng.cfg.max_num_seqs:
         raise ConfigError(f"concurrency {max(concs)} is above max_num_seqs {eng.cfg.max_num_seqs}")
     vocab = eng.model_config.vocab_size
+    loads = workloads(eng.pool.names)
     runs = []
     for conc in concs:
-        for k, (_, names) in enumerate(workloads(eng.pool.names)):  # warm-up: lazy compiles, first-use buffers
+        for k, (_, names) in enumerate(loads):  # warm-up: lazy compiles, first-use buffers
             time_decode(eng, random_prompts(conc, prompt_len, vocab, seed=-1 - conc * 10 - k), names, min(steps, 2))
         times: dict[str, list[tuple[float, float]]] = {}
         for rnd in range(repeats):
-            for k, (label, names) in enumerate(workloads(eng.pool.names)):
+            for k, (label, names) in enumerate(loads):
                 prompts = random_prompts(conc, prompt_len, vocab, seed=(conc * 1000 + rnd) * 10 + k)
                 times.setdefault(label, []).append(time_decode(eng, prompts, names, steps))
         for label, ts in times.items():

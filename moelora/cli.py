@@ -43,12 +43,27 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-loras", type=int, default=8)
 
 
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    """The engine flags `serve` and `bench` share (vLLM's names)."""
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--kernel-backend", choices=["triton", "torch"], default=None,
+                   help="default: triton on CUDA, torch on the CPU")
+
+
+def _llm(args, model: str, adapters: dict[str, str], **engine_kwargs):
+    """`LLM` from the common flags (every adapter given gets a slot), plus `engine_kwargs`."""
+    from moelora import LLM
+
+    return LLM(model, adapters, device=args.device, dtype=args.dtype, max_lora_rank=args.max_lora_rank,
+               max_loras=max(args.max_loras, len(adapters)), **engine_kwargs)
+
+
 def cmd_generate(args) -> int:
-    from moelora import LLM, SamplingParams
+    from moelora import SamplingParams
 
     model, adapters = _model_and_adapters(args)
-    llm = LLM(model, adapters, device=args.device, dtype=args.dtype, max_lora_rank=args.max_lora_rank,
-              max_loras=max(args.max_loras, len(adapters)))
+    llm = _llm(args, model, adapters)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
     names = args.adapter or [None]
@@ -96,26 +111,23 @@ def cmd_bench(args) -> int:
 
     import torch
 
-    from moelora import LLM
     from moelora.bench import bench, format_runs
 
     model, adapters = _model_and_adapters(args)
     concs = _ints(args.conc)
-    llm = LLM(model, adapters, device=args.device, dtype=args.dtype, max_lora_rank=args.max_lora_rank,
-              max_loras=max(args.max_loras, len(adapters)), kernel_backend=args.kernel_backend,
-              max_num_seqs=max(concs, default=1), enforce_eager=args.enforce_eager,
-              gpu_memory_utilization=args.gpu_memory_utilization, progress=True)
-    eng = llm.engine
-    dev = eng.device
-    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    eng = _llm(args, model, adapters, kernel_backend=args.kernel_backend, max_num_seqs=max(concs, default=1),
+               enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
+               progress=True).engine
+    where = torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else "cpu"
+    graphs = eng.graphs is not None
     print(f"moelora bench: {model} on {where}, {eng.cfg.dtype}, kernels {eng.cfg.kernel_backend}, "
-          f"{'CUDA graphs' if eng.graphs is not None else 'eager'}; adapters: {', '.join(eng.pool.names) or 'none'}; "
+          f"{'CUDA graphs' if graphs else 'eager'}; adapters: {', '.join(eng.pool.names) or 'none'}; "
           f"prompts of {args.prompt_len} tokens, {args.steps} decode steps timed, median of {args.repeats}")
     runs = bench(eng, concs, args.prompt_len, args.steps, args.repeats)
     print(format_runs(runs))
     if args.json:
         meta = dict(model=str(model), device=where, dtype=eng.cfg.dtype, kernel_backend=eng.cfg.kernel_backend,
-                    cuda_graphs=eng.graphs is not None, adapters=eng.pool.names, prompt_len=args.prompt_len,
+                    cuda_graphs=graphs, adapters=eng.pool.names, prompt_len=args.prompt_len,
                     steps=args.steps, repeats=args.repeats, torch=torch.__version__)
         rows = [dict(workload=r.workload, conc=r.conc, step_ms=r.step_s * 1e3, tokens_per_s=r.tokens_per_s,
                      prefill_ms=r.prefill_s * 1e3) for r in runs]
@@ -175,10 +187,7 @@ def _serve_parser(sub) -> None:
                             "adapters with LoRA elsewhere are refused (default: all)")
     serve.add_argument("--max-num-seqs", type=int, default=64)
     serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    serve.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    serve.add_argument("--kernel-backend", choices=["triton", "torch"], default=None,
-                       help="default: triton on CUDA, torch on the CPU")
+    _engine_flags(serve)
     serve.add_argument("--no-async-adapter-loading", action="store_true",
                        help="write adapter slots on the main stream (off switch of the side-stream loads)")
     serve.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -227,10 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt-len", type=int, default=128, help="prompt tokens a request (random ids)")
     b.add_argument("--steps", type=int, default=32, help="decode steps timed a run")
     b.add_argument("--repeats", type=int, default=3, help="rounds of every workload (medians)")
-    b.add_argument("--kernel-backend", choices=["triton", "torch"], default=None,
-                   help="default: triton on CUDA, torch on the CPU")
-    b.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    b.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    _engine_flags(b)
     b.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     b.set_defaults(func=cmd_bench)
     return parser

@@ -16,8 +16,8 @@ from moelora.demo import ADAPTER_NAMES, adapter_dir, model_dir
 from moelora.errors import CapacityError, ConfigError
 
 
-def demo_llm(**kw) -> LLM:
-    return LLM(str(model_dir()), {n: str(adapter_dir(n)) for n in ADAPTER_NAMES}, device="cpu", **kw)
+def demo_llm(device: str = "cpu", **kw) -> LLM:
+    return LLM(str(model_dir()), {n: str(adapter_dir(n)) for n in ADAPTER_NAMES}, device=device, **kw)
 
 
 def assert_empty(eng) -> None:
@@ -83,8 +83,7 @@ def test_limits_are_config_errors():
 def test_cuda_bench_replays_base_graphs_for_the_base_workload():
     """On CUDA (Triton kernels, decode graphs, overlapped scheduling): the base workload replays the graphs
     captured without LoRA, the adapter workloads the LoRA ones, and every run decodes all its requests."""
-    eng = LLM(str(model_dir()), {n: str(adapter_dir(n)) for n in ADAPTER_NAMES}, device="cuda",
-              max_num_seqs=8).engine
+    eng = demo_llm("cuda", max_num_seqs=8).engine
     assert eng.graphs is not None and eng.cfg.async_scheduling
     runs = bench(eng, [1, 8], prompt_len=16, steps=8, repeats=1)
     assert len(runs) == 6 and all(r.step_s > 0 for r in runs)

@@ -67,6 +67,17 @@ def _element_loads(kernel) -> int:
     return len(re.findall(r"ld\.global(?:\.\w+)*\.b16 ", kernel.asm["ptx"]))
 
 
+def _mla_lora_launches(R: int) -> None:
+    """Both MLA kv_b_proj LoRA launches at DeepSeek-V2-Lite sizes (N 16, Dn = Dv 128, C 512), a rank-R pool."""
+    from moelora.kernels.mla_lora import mla_absorb_lora_, mla_expand_lora_
+
+    bf = torch.bfloat16
+    a, b = torch.randn(4, R, 512, dtype=bf), torch.randn(4, 16 * 256, R, dtype=bf)
+    ranks, slots = torch.tensor([R, 8, 0, 4], dtype=torch.int32), torch.tensor([0, -1, 3], dtype=torch.int32)
+    mla_absorb_lora_(torch.randn(3, 16, 512, dtype=bf), torch.randn(3, 16, 128, dtype=bf), a, b, ranks, slots)
+    mla_expand_lora_(torch.randn(3, 16, 128, dtype=bf), torch.randn(3, 16, 512, dtype=bf), a, b, 128, ranks, slots)
+
+
 def test_lora_b_tiles_are_vector_loads(tmp_path, monkeypatch):
     """The LoRA B tiles compile to vector loads for sm_90: a B tile's rank mask changes inside its contiguous
     columns unless it is cut at whole 16-column chunks (`lora_tiles.rank_chunks`); otherwise each B element
@@ -103,15 +114,7 @@ def test_lora_b_tiles_are_vector_loads(tmp_path, monkeypatch):
         xd, w = torch.randn(T, n_in, dtype=torch.bfloat16), torch.randn(n_out, n_in, dtype=torch.bfloat16)
         for mode in ("split", "fused", "planned"):
             lora_linear(xd, w, None, dense, config=default_lora_linear_config(T, mode))
-        # MLA's kv_b_proj LoRA (DeepSeek-V2-Lite sizes: N 16, Dn = Dv 128, C 512)
-        from moelora.kernels.mla_lora import mla_absorb_lora_, mla_expand_lora_
-
-        ka, kb = torch.randn(4, 16, 512, dtype=torch.bfloat16), torch.randn(4, 16 * 256, 16, dtype=torch.bfloat16)
-        kr, ks = torch.tensor([16, 8, 0, 4], dtype=torch.int32), torch.tensor([0, -1, 3], dtype=torch.int32)
-        mla_absorb_lora_(torch.randn(3, 16, 512, dtype=torch.bfloat16), torch.randn(3, 16, 128, dtype=torch.bfloat16),
-                         ka, kb, kr, ks)
-        mla_expand_lora_(torch.randn(3, 16, 128, dtype=torch.bfloat16), torch.randn(3, 16, 512, dtype=torch.bfloat16),
-                         ka, kb, 128, kr, ks)
+        _mla_lora_launches(16)
     assert comp.failures == []
     names = {key[0] for key in comp.kernels}
     assert {"lora_block_delta_kernel", "lora_route_delta_kernel", "lora_stacked_shrink_kernel", "act_spread_kernel",
@@ -131,17 +134,10 @@ def test_mla_lora_kernels_do_not_spill_at_any_rank_tile(tmp_path, monkeypatch):
     """MLA's kv_b_proj LoRA kernels at DeepSeek-V2-Lite sizes (N 16, Dn = Dv 128, C 512) compile for sm_90
     with no local memory at rank tiles 16, 32 and 64 (`mla_lora._head_columns`; a fixed 32-column step
     spilled 32-1824 bytes a thread at tiles 32 and 64). Resources come from the local ptxas."""
-    from moelora.kernels.mla_lora import mla_absorb_lora_, mla_expand_lora_
-
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    bf = torch.bfloat16
     with Compiler(resources=True) as comp:
         for R in (16, 32, 64):
-            a, b = torch.randn(4, R, 512, dtype=bf), torch.randn(4, 16 * 256, R, dtype=bf)
-            ranks, slots = torch.tensor([R, 8, 0, 4], dtype=torch.int32), torch.tensor([0, -1, 3], dtype=torch.int32)
-            mla_absorb_lora_(torch.randn(3, 16, 512, dtype=bf), torch.randn(3, 16, 128, dtype=bf), a, b, ranks, slots)
-            mla_expand_lora_(torch.randn(3, 16, 128, dtype=bf), torch.randn(3, 16, 512, dtype=bf), a, b, 128, ranks,
-                             slots)
+            _mla_lora_launches(R)
     assert comp.failures == []
     found = {(name, dict(c)["BLOCK_R"]): res for (name, c), res in comp.seen.items()}
     assert set(found) == {(k, r) for k in ("_absorb_lora_kernel", "_expand_lora_kernel") for r in (16, 32, 64)}
