@@ -60,7 +60,7 @@ class LLM:
             for r in reqs:
                 self.engine.abort(r.request_id)
             raise
-        return [RequestOutput(r.prompt, r.prompt_ids, r.adapter, r.output_ids, r.text, r.finish_reason)
+        return [RequestOutput(r.prompt, r.prompt_ids, r.adapter, r.output_ids, r.text, r.finish_reason, r.stop_reason)
                 for r in reqs]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, adapter=None):

@@ -91,11 +91,12 @@ def test_stop_token_and_max_tokens(setup):
     req = eng.add_request(p, SamplingParams(max_tokens=6, temperature=0, stop_token_ids=(stop_at,)), None)
     while eng.has_unfinished():
         eng.step()
-    assert req.output_ids == free[:first] and req.finish_reason == "stop"
+    # the stop token is the last output token (vLLM's), and not in the text
+    assert req.output_ids == free[:first + 1] and (req.finish_reason, req.stop_reason) == ("stop", stop_at)
     req = eng.add_request(p, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), None)
     while eng.has_unfinished():
         eng.step()
-    assert req.output_ids == free[:2] and req.finish_reason == "length"
+    assert req.output_ids == free[:2] and (req.finish_reason, req.stop_reason) == ("length", None)
 
 
 def test_abort_frees_blocks_and_bad_requests_are_refused(setup):

@@ -27,9 +27,9 @@ def recompute(eng, prompt: list[int], adapter, p: SamplingParams) -> tuple[list[
         if len(outs) < p.min_tokens:
             last[list(p.stop_token_ids)] = float("-inf")
         tok = int(reference_row(last, prompt, outs, p).argmax())
+        outs.append(tok)  # the stop token is an output token (vLLM's)
         if tok in p.stop_token_ids:
             return outs, "stop"
-        outs.append(tok)
     return outs, "length"
 
 

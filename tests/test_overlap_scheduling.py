@@ -52,7 +52,7 @@ def test_overlapped_equals_synchronous(setup):  # noqa: F811
         for g, w in zip(got, want, strict=True):
             assert len(g[2]) == len(w[2])
             for a, b in zip(g[2], w[2], strict=True):
-                assert abs(a[0] - b[0]) <= 1e-5 and [t for t, _ in a[1]] == [t for t, _ in b[1]]
+                assert abs(a[0] - b[0]) <= 1e-5 and a[1] == b[1] and [t for t, _ in a[2]] == [t for t, _ in b[2]]
 
 
 def test_overlapped_engine_really_overlaps_and_stops_at_max_model_len(setup):  # noqa: F811

@@ -156,7 +156,7 @@ def test_engine_min_tokens_holds_back_stop_tokens(setup, async_scheduling):  # n
                                              min_tokens=4), None)
     while eng.has_unfinished():
         eng.step()
-    assert early.output_ids == free.output_ids[:free.output_ids.index(stop)]
+    assert early.output_ids == free.output_ids[:free.output_ids.index(stop) + 1]  # ends with the stop token
     # reference: greedy with the stop token masked for the first 4 draws, then stopping on it
     want: list[int] = []
     while len(want) < 10:
@@ -164,11 +164,11 @@ def test_engine_min_tokens_holds_back_stop_tokens(setup, async_scheduling):  # n
         if len(want) < 4:
             last[stop] = float("-inf")
         tok = int(last.argmax())
+        want.append(tok)
         if tok == stop:
             break
-        want.append(tok)
-    assert held.output_ids == want and len(want) >= 4
-    assert held.finish_reason == ("stop" if len(want) < 10 else "length")
+    assert held.output_ids == want and len(want) >= 5
+    assert held.finish_reason == ("stop" if want[-1] == stop else "length")
 
 
 class _LetterTokenizer:

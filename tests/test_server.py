@@ -291,7 +291,9 @@ def test_echo_with_prompt_logprobs_as_eval_harnesses_use_it(client, assets):
     want = LLM(assets[0], device="cpu", dtype="float32").logits([ids], adapter=[None])[0].log_softmax(-1)
     for i in range(1, len(ids)):
         assert lp.token_logprobs[i] == pytest.approx(want[i - 1, ids[i]].item(), abs=1e-4)
-        assert 1 <= len(lp.top_logprobs[i]) <= 2  # keyed by token text: two bytes may both read "\ufffd"
+        # the top 2 and the prompt token itself (vLLM adds it), keyed by token text: two bytes may both read "\ufffd"
+        assert 1 <= len(lp.top_logprobs[i]) <= 3
+        assert lp.top_logprobs[i][lp.tokens[i]] == pytest.approx(lp.token_logprobs[i])
         assert max(lp.top_logprobs[i].values()) == pytest.approx(want[i - 1].max().item(), abs=1e-4)
     kw = dict(max_tokens=3, extra_body={"ignore_eos": True})
     plain = complete(client, BASE, prompt, **kw).choices[0].text

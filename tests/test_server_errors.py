@@ -116,7 +116,7 @@ def test_broken_adapter_is_refused_and_nothing_else_changes(case, server, client
 LONG = "x" * 300  # byte-level: 300 tokens > max_model_len 256
 BAD = {
     "unknown_model": ({"model": "nope", "prompt": "hi"}, 404, "does not exist", "model"),
-    "missing_model": ({"prompt": "hi"}, 400, "'model' is required", "model"),
+    "missing_prompt": ({"model": BASE}, 400, "'prompt' is required", "prompt"),  # model is optional (the base)
     "wrong_type": ({"model": BASE, "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens", "max_tokens"),
     "bool_for_int": ({"model": BASE, "prompt": "hi", "n": True}, 400, "'n'", "n"),
     "prompt_type": ({"model": BASE, "prompt": 5}, 400, "'prompt'", "prompt"),

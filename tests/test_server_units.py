@@ -54,7 +54,8 @@ def test_engine_logprobs_equal_log_softmax_of_recomputed_logits(assets):
     assert len(req.logprobs) == len(req.output_ids) == 5
     logits = eng.prompt_logits([prompt + req.output_ids], ["alpha"])[0]
     ref = logits[len(prompt) - 1:-1].log_softmax(-1)
-    for pos, (tok, (chosen, top)) in enumerate(zip(req.output_ids, req.logprobs, strict=True)):
+    for pos, (tok, (chosen, rank, top)) in enumerate(zip(req.output_ids, req.logprobs, strict=True)):
+        assert rank == 1 + int((ref[pos] > ref[pos, tok]).sum())
         assert chosen == pytest.approx(ref[pos, tok].item(), abs=1e-4)
         values, ids = ref[pos].topk(4)
         assert [t for t, _ in top] == ids.tolist()

@@ -23,8 +23,13 @@ REPLACEMENT = "\ufffd"
 def find_stop(text: str, stop: Sequence[str], floor: int = 0, since: int = 0) -> int:
     """Where the first stop string in `text` starts, among those that end after `floor` and past
     `since` (text up to there was searched before); -1 if none."""
-    hits = (text.find(s, max(0, floor - len(s) + 1, since - len(s) + 1)) for s in stop)
-    return min((i for i in hits if i >= 0), default=-1)
+    return first_stop(text, stop, floor, since)[0]
+
+
+def first_stop(text: str, stop: Sequence[str], floor: int = 0, since: int = 0) -> tuple[int, str | None]:
+    """`find_stop` and the stop string found there ((-1, None) if none; the earlier in `stop` on a tie)."""
+    hits = [(text.find(s, max(0, floor - len(s) + 1, since - len(s) + 1)), s) for s in stop]
+    return min(((i, s) for i, s in hits if i >= 0), key=lambda h: h[0], default=(-1, None))
 
 
 class IncrementalDetokenizer:

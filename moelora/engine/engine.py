@@ -17,7 +17,7 @@ import torch
 
 from moelora.engine.config import EngineConfig
 from moelora.engine.cuda_graphs import CudaGraphRunner
-from moelora.engine.detokenize import StopStrings, find_stop
+from moelora.engine.detokenize import StopStrings, first_stop
 from moelora.engine.kv_cache import PagedKVCache
 from moelora.engine.readback import ReadBack
 from moelora.engine.request import Request, SamplingParams, Status
@@ -190,6 +190,9 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (size {self.model_config.vocab_size})")
+        if params.logprobs is not None and params.logprobs > self.model_config.vocab_size:
+            raise RequestError(f"logprobs {params.logprobs} is more than the vocabulary "
+                               f"(size {self.model_config.vocab_size})")
         bad = [t for t, _ in params.logit_bias if t >= self.model_config.vocab_size]
         if bad:
             raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary "
@@ -321,45 +324,63 @@ class LLMEngine:
         return changed
 
     def _append(self, req: Request, tok: int, logprob=None) -> None:
+        """Take one sampled token, then apply the stop rules (vLLM's): the EOS or stop token that ends a
+        request is an output token (with its logprob), left out of the text unless
+        include_stop_str_in_output; a stop string cuts the text at its start (after its end with
+        include_stop_str_in_output); `stop_reason` is the stop token id or string (None for EOS)."""
         p = req.params
-        if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
-            self._finish(req, "stop")
-            return
         req.output_ids.append(tok)
         if logprob is not None:
             req.logprobs.append(logprob)
+        if tok in self.eos and not p.ignore_eos:
+            self._finish(req, "stop", None)
+            return
+        if tok in p.stop_token_ids:
+            self._finish(req, "stop", tok)
+            return
         if self.tokenizer is not None and p.stop and len(req.output_ids) >= p.min_tokens:  # text: stop strings
+            decode = self._decoder(p)
             if req.stop_strings is None:
                 # with min_tokens, a stop string counts only if it ends after the first min_tokens tokens
                 # (their text length, decoded once)
-                floor = len(self.tokenizer.decode(req.output_ids[:p.min_tokens])) if p.min_tokens else 0
-                req.stop_strings = StopStrings(self.tokenizer.decode, p.stop, floor)
+                floor = len(decode(req.output_ids[:p.min_tokens])) if p.min_tokens else 0
+                req.stop_strings = StopStrings(decode, p.stop, floor)
             if req.stop_strings.found(req.output_ids):  # a short window decoded per token
-                text = self.tokenizer.decode(req.output_ids)  # the whole output, once
-                cut = find_stop(text, p.stop, req.stop_strings.floor)
-                if cut >= 0:
-                    req.text = text[:cut]
+                text = decode(req.output_ids)  # the whole output, once
+                cut, stop = first_stop(text, p.stop, req.stop_strings.floor)
+                if stop is not None:
+                    req.text = text[:cut + len(stop) if p.include_stop_str_in_output else cut]
+                    req.stop_reason = stop
                     self.scheduler.finish(req, "stop")
                     return
         if len(req.output_ids) >= p.max_tokens or len(req.prompt_ids) + len(req.output_ids) >= self.cfg.max_model_len:
-            self._finish(req, "length")
+            self._finish(req, "length", None)
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def _decoder(self, p: SamplingParams):
+        """The text of token ids as `p` asks (special tokens skipped by default)."""
+        if p.skip_special_tokens:
+            return self.tokenizer.decode
+        return lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _finish(self, req: Request, reason: str, stop_reason: int | None) -> None:
+        """Finish by EOS / stop token (`reason` "stop": the last output token, out of the text) or length."""
         if self.tokenizer is not None:  # decoded once, at the end
-            req.text = self.tokenizer.decode(req.output_ids)
+            keep = reason != "stop" or req.params.include_stop_str_in_output
+            req.text = self._decoder(req.params)(req.output_ids if keep else req.output_ids[:-1])
+        req.stop_reason = stop_reason
         self.scheduler.finish(req, reason)
 
     # verification -------------------------------------------------------------------------------
     def prompt_logprobs(self, token_ids: list[int], adapter: str | None, k: int) -> list:
-        """Per prompt token: its logprob given the tokens before it and the k most likely tokens
-        there, as `(logprob, ((id, logprob), ...))`; the first token has none: `(None, ())`. One
+        """Per prompt token: its logprob given the tokens before it, its rank there and the k most likely
+        tokens, as `(logprob, rank, ((id, logprob), ...))`; the first token has none: `(None, None, ())`. One
         extra forward of the prompt (no caching), for completions' `echo` with `logprobs`."""
         logits = self.prompt_logits([token_ids], [adapter])[0]
         if len(token_ids) < 2:
-            return [(None, ())]
+            return [(None, None, ())]
         follow = upload(token_ids[1:], torch.long, logits.device)
         rows = logprobs_to_host(logprobs_on_device(logits[:-1], follow, [k] * (len(token_ids) - 1)))
-        return [(None, ()), *rows]
+        return [(None, None, ()), *rows]
 
     def prompt_logits(self, token_ids: list[list[int]], adapters: list[str | None]) -> list[torch.Tensor]:
         """fp32 logits of every position of each sequence, computed as one batch (no caching)."""

@@ -15,7 +15,15 @@ class SamplingParams:
     far; then frequency_penalty x (times the token was generated) and presence_penalty x (it was
     generated at all) are subtracted. logit_bias (OpenAI): token id -> bias in [-100, 100] added to
     its logit; min_tokens (vLLM): no EOS, stop token or stop string ends the request before it has
-    generated that many tokens."""
+    generated that many tokens. min_p (vLLM): after temperature, tokens whose probability is below
+    min_p x the most likely token's are dropped (0 is off).
+
+    Output (vLLM's): the EOS or stop token that ends a request is a generated token: it is in
+    `output_ids` (and `logprobs`) and counts towards max_tokens, but not in the text unless
+    `include_stop_str_in_output`, which also keeps a matched stop string at the end of the text.
+    `skip_special_tokens` (default) leaves special tokens out of the text;
+    `spaces_between_special_tokens` is accepted at its default only (a fast tokenizer's decode
+    never inserts such spaces)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -31,6 +39,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # a {token id: bias} mapping is accepted too
     min_tokens: int = 0
+    min_p: float = 0.0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -53,8 +65,13 @@ class SamplingParams:
             raise RequestError(f"top_k must be an integer, got {self.top_k!r}")
         if any(not s for s in self.stop):
             raise RequestError("stop strings must be non-empty")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise RequestError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise RequestError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+        if not 0 <= self.min_p <= 1:
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not self.spaces_between_special_tokens:
+            raise RequestError("spaces_between_special_tokens=False is not supported (a fast tokenizer's decode "
+                               "never inserts spaces between special tokens)")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
@@ -83,12 +100,16 @@ class SamplingParams:
 
 @dataclass
 class RequestOutput:
+    """One request's result, as vLLM's: `token_ids` holds the EOS / stop token that ended it (its text
+    does not, unless include_stop_str_in_output)."""
+
     prompt: str | None
     prompt_token_ids: list[int]
     adapter: str | None
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None  # "stop" (eos, stop string or stop id) or "length"
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched (None: EOS, length)
 
 
 class Status:
@@ -117,11 +138,13 @@ class Request:
     num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
     block_hashes: list = field(default_factory=list)  # chain hash of each of those blocks, in order
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's)
     text: str = ""
     num_preemptions: int = 0
     generator: object = None
     cache_key: str | None = None  # the adapter's prefix-cache identity (None: base model)
-    logprobs: list = field(default_factory=list)  # per output token, when params.logprobs is set: see sampler
+    logprobs: list = field(default_factory=list)  # per output token (the stop token too), when params.logprobs
+    # is set: (logprob, rank, ((id, logprob), ...)), see sampler
     # Overlapped scheduling: tokens sampled on the device but not read back yet. They count in
     # num_tokens (the next step computes them) and read as PENDING in token_slice; output_ids holds
     # read tokens only.

@@ -1,4 +1,4 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds, logit adjustments.
+"""Batched token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds, logit adjustments.
 
 Shape legend: B rows (one per sequence), V vocab. `sample(logits [B, V] fp32, params, gens)`.
 Sampling is the exponential-race form of a categorical draw (argmax of p / q with q ~ Exp(1)),
@@ -72,8 +72,13 @@ def record_tokens(tokens: torch.Tensor, rows: Sequence[int], states: Sequence[Pe
 
 
 def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, then vLLM's order: min_p (on the tempered probabilities), top-k, top-p."""
     B, V = logits.shape
     logits = logits / _temperatures(logits, params)
+    if any(p.min_p > 0 for p in params):
+        probs = logits.softmax(-1)
+        min_ps = upload([p.min_p for p in params], None, logits.device)
+        logits = logits.masked_fill(probs < min_ps[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
     ks = upload([p.top_k if 0 < p.top_k < V else V for p in params], None, logits.device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(V, device=logits.device)[None, :]
@@ -92,7 +97,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     if all(p.greedy for p in params):  # the common decode case: no sort, no noise
         return logits.argmax(-1)
     greedy = upload([p.greedy for p in params], None, logits.device)
-    needs_filter = any(p.top_p < 1 or p.top_k > 0 for p in params)
+    needs_filter = any(p.top_p < 1 or p.top_k > 0 or p.min_p > 0 for p in params)
     probs = (_filter(logits, params) if needs_filter else logits / _temperatures(logits, params)).softmax(-1)
     noise = torch.empty_like(probs).exponential_()  # one draw for all unseeded rows
     for i, g in enumerate(generators):
@@ -107,28 +112,29 @@ def _temperatures(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
 
 
 def logprobs_on_device(logits: torch.Tensor, tokens: torch.Tensor, wants: Sequence[int | None]):
-    """Per row i with `wants[i]` not None: the logprob of `tokens[i]` and the `wants[i]` most likely
-    tokens, from the model's own distribution (before temperature, top-k, top-p). Computed on the
-    device with no sync; `logprobs_to_host` reads it back later, so the logits buffer may be
-    overwritten in between (a CUDA graph's static output)."""
+    """Per row i with `wants[i]` not None: the logprob of `tokens[i]`, its rank (1: the most likely)
+    and the `wants[i]` most likely tokens, from the model's own distribution (before temperature,
+    top-k, top-p). Computed on the device with no sync; `logprobs_to_host` reads it back later, so
+    the logits buffer may be overwritten in between (a CUDA graph's static output)."""
     rows = [i for i, k in enumerate(wants) if k is not None]
     if not rows:
-        return (list(wants), rows, None, None, None)
+        return (list(wants), rows, None, None, None, None)
     index = upload(rows, None, logits.device)
     lp = logits.index_select(0, index).float().log_softmax(-1)
-    chosen = lp.gather(1, tokens.index_select(0, index)[:, None])[:, 0]
+    chosen = lp.gather(1, tokens.index_select(0, index)[:, None])
+    rank = (lp > chosen).sum(-1) + 1
     k = max(wants[i] for i in rows)
     top_lp, top_id = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    return (list(wants), rows, chosen, top_lp, top_id)
+    return (list(wants), rows, chosen[:, 0], rank, top_lp, top_id)
 
 
 def logprobs_to_host(pending) -> list:
-    """Per row: None where nothing was asked, else (logprob, ((id, logprob), ...))."""
-    wants, rows, chosen, top_lp, top_id = pending
+    """Per row: None where nothing was asked, else (logprob, rank, ((id, logprob), ...))."""
+    wants, rows, chosen, rank, top_lp, top_id = pending
     out: list = [None] * len(wants)
     if not rows:
         return out
-    chosen, top_lp, top_id = chosen.tolist(), top_lp.tolist(), top_id.tolist()
+    chosen, rank, top_lp, top_id = chosen.tolist(), rank.tolist(), top_lp.tolist(), top_id.tolist()
     for j, i in enumerate(rows):
-        out[i] = (chosen[j], tuple(zip(top_id[j][:wants[i]], top_lp[j][:wants[i]], strict=True)))
+        out[i] = (chosen[j], rank[j], tuple(zip(top_id[j][:wants[i]], top_lp[j][:wants[i]], strict=True)))
     return out

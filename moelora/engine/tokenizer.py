@@ -39,25 +39,36 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """`add_special_tokens`: what tokenizer.json's post-processor adds (a BOS, for many models); off by
+        default, as a chat template writes its own."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **template_kwargs) -> str:
+        """The template rendered in a sandbox; `template_kwargs` (a request's `chat_template_kwargs`, e.g.
+        enable_thinking) are extra template variables and cannot replace the ones set here."""
         if not self.chat_template:
             raise RequestError("this model has no chat template; send a plain prompt instead")
         import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
+        fixed = dict(messages=messages, add_generation_prompt=add_generation_prompt,
+                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            return env.from_string(self.chat_template).render({**template_kwargs, **fixed})
         except jinja2.TemplateError as e:
             raise RequestError(f"chat template failed: {e}") from None
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """The added tokens marked special (text -> id), e.g. <|im_start|>."""
+        return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 
 
 def _token_text(token) -> str | None:

@@ -2,7 +2,8 @@
 
 Routes (vLLM's names): POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
 POST /v1/load_lora_adapter {lora_name, lora_path}, POST /v1/unload_lora_adapter {lora_name},
-POST /tokenize {prompt | messages}, POST /detokenize {tokens}, GET /health, GET /metrics, GET /version.
+POST /tokenize {prompt | messages}, POST /detokenize {tokens}, GET /tokenizer_info (when
+`enable_tokenizer_info_endpoint`), GET /health, GET and POST /ping (as /health), GET /metrics, GET /version.
 
 Every error has OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 for an invalid
 or unimplemented parameter, a malformed body, a prompt that does not fit max_model_len, or an
@@ -112,17 +113,26 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        return serving.tokenize(body)
+        return serving.tokens.tokenize(body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        return serving.detokenize(body)
+        return serving.tokens.detokenize(body)
+
+    if cfg.enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info():
+            return serving.tokens.tokenizer_info()
 
     @app.get("/health")
     async def health():
         if not engine.alive:
             raise ApiError(503, "the engine thread is not running")
         return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():  # vLLM's (SageMaker's) liveness route: the same answer as /health
+        return await health()
 
     @app.get("/metrics")
     async def metrics_route():

@@ -67,6 +67,7 @@ class Delta:
     final_text: str | None  # the engine's whole text, once finished (cut at a stop string)
     time: float  # time.monotonic() after the step
     error: str | None = None
+    stop_reason: int | str | None = None  # once finished: the stop token id or string that matched
 
 
 @dataclass(frozen=True)
@@ -307,7 +308,7 @@ class AsyncEngine:
             final = req.text if req.finished else None
             if req.finished:
                 del self._live[req.request_id]
-            delta = Delta(live.index, new, logprobs, req.finish_reason, final, now)
+            delta = Delta(live.index, new, logprobs, req.finish_reason, final, now, stop_reason=req.stop_reason)
             batches[live.stream.loop].append((live.stream.queue, delta))
         for loop, items in batches.items():
             _deliver(loop, items)

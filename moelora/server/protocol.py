@@ -1,17 +1,22 @@
 """Request bodies of the OpenAI-compatible API (pydantic) and the error every failure becomes.
 
-Bodies are strict: an unknown field is refused (400, naming it) rather than ignored, so a
-client never believes a setting took effect when it did not. OpenAI fields this server does
-not implement are declared and listed in the class's `unimplemented` with the values that mean
-"off"; any other value is refused by `check_implemented` (400, naming the field). Types are
-strict too (no "5" for 5), except that an integer is accepted where a float is expected.
+Bodies are strict: an unknown field is refused (400, naming it) rather than ignored, so a client
+never believes a setting took effect when it did not. Fields of OpenAI's or vLLM's API that this
+server does not implement are listed in the class's `accepted_at` with the values at which they
+change nothing (null, their default, their "off"): such a value is accepted, logged at debug and
+dropped; any other value is refused (400, naming the field), as it would change the result and
+cannot be honoured. Types are strict too (no "5" for 5), except that an integer is accepted where
+a float is expected.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+log = logging.getLogger("moelora.server")
 
 ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError", 409: "ConflictError",
                500: "InternalServerError", 503: "ServiceUnavailableError"}
@@ -33,63 +38,118 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
                       "param": param, "code": status}}
 
 
+ANY = object()  # in `accepted_at`: every value changes nothing (advisory fields: store, metadata, ...)
+NONE = (None,)
+NONE_OR_EMPTY = (None, [])
+
+
+def _same(value, neutral) -> bool:
+    """`value` is `neutral` in JSON terms: True is not 1, but 1 is 1.0."""
+    if neutral is ANY:
+        return True
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    return type(value) in (int, float) and type(neutral) in (int, float) and value == neutral or (
+        type(value) is type(neutral) and value == neutral)
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    # field -> the values that leave it off; any other value is refused by `check_implemented`
-    unimplemented: ClassVar[dict[str, tuple]] = {}
+    # field -> the values at which it changes nothing: accepted (logged at debug) and dropped; others: 400
+    accepted_at: ClassVar[dict[str, tuple]] = {}
 
-    def check_implemented(self) -> None:
-        for name, neutral in self.unimplemented.items():
-            value = getattr(self, name)
-            if value not in neutral:
-                raise ApiError(400, f"'{name}' is not implemented by this server (got {value!r})", name)
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_neutral_fields(cls, data):
+        if not isinstance(data, dict) or not cls.accepted_at.keys() & data.keys():
+            return data
+        data = dict(data)
+        for name in cls.accepted_at.keys() & data.keys():
+            value = data.pop(name)
+            if not any(_same(value, n) for n in cls.accepted_at[name]):
+                shown = ", ".join(repr(n) for n in cls.accepted_at[name])
+                raise ApiError(400, f"'{name}' is not implemented by this server (got {value!r}; accepted: "
+                               f"{shown})", name)
+            log.debug("%s: field %r at %r accepted (changes nothing)", cls.__name__, name, value)
+        return data
 
 
 NonNegFloat = Annotated[float, Field(ge=0)]
+NonNegInt = Annotated[int, Field(ge=0)]
 StopField = str | list[str] | None
+
+# vLLM's and OpenAI's sampling fields this server does not implement, at the values that leave them off
+_SAMPLING_OFF = {
+    "use_beam_search": (False,), "length_penalty": (1,), "early_stopping": (False,), "best_of": (None, 1),
+    "truncate_prompt_tokens": NONE, "guided_json": NONE, "guided_regex": NONE, "guided_choice": NONE,
+    "guided_grammar": NONE, "guided_decoding_backend": NONE, "guided_whitespace_pattern": NONE,
+    "structured_outputs": NONE, "priority": (0,), "cache_salt": NONE, "kv_transfer_params": NONE,
+    "vllm_xargs": NONE, "bad_words": NONE_OR_EMPTY, "allowed_token_ids": NONE, "logits_processors": NONE,
+    "mm_processor_kwargs": NONE, "response_format": (None, {"type": "text"}),
+    "service_tier": (ANY,), "store": (ANY,), "metadata": (ANY,), "prompt_cache_key": (ANY,),
+    "safety_identifier": (ANY,),
+}
 
 
 class StreamOptions(_Body):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM: usage on every chunk (with include_usage)
 
 
 class _Sampling(_Body):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions (vLLM extensions marked)."""
 
-    model: str
+    model: str | None = None  # None: the base model
     temperature: NonNegFloat | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None  # vLLM extension: -1 or 0 is off
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # vLLM: -1 or 0 is off
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None  # vLLM: 0 is off
     seed: int | None = None
     stop: StopField = None
-    stop_token_ids: list[int] | None = None  # vLLM extension
-    ignore_eos: bool = False  # vLLM extension
-    n: Annotated[int, Field(ge=1, le=16)] = 1
-    stream: bool = False
+    stop_token_ids: list[int] | None = None  # vLLM
+    ignore_eos: bool | None = False  # vLLM
+    n: Annotated[int, Field(ge=1, le=16)] | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as OpenAI's is advisory
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0)] | None = None  # vLLM extension: 1 is off
-    min_tokens: Annotated[int, Field(ge=0)] = 0  # vLLM extension
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None  # vLLM: 1 is off
+    min_tokens: NonNegInt | None = 0  # vLLM
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    prompt_logprobs: NonNegInt | None = None  # vLLM
+    skip_special_tokens: bool | None = True  # vLLM
+    spaces_between_special_tokens: bool | None = True  # vLLM
+    include_stop_str_in_output: bool | None = False  # vLLM
+    return_tokens_as_token_ids: bool | None = None  # vLLM: None takes the server's setting
+    return_token_ids: bool | None = False  # vLLM: token ids of the prompt and of each choice
+    request_id: str | None = None  # vLLM: the response's id
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    @property
+    def choices(self) -> int:
+        return 1 if self.n is None else self.n
+
+    def usage_mode(self) -> tuple[bool, bool]:
+        """(usage in a last chunk, usage on every chunk) of a stream."""
+        o = self.stream_options
+        final = o is not None and bool(o.include_usage)
+        return final, final and bool(o.continuous_usage_stats)
+
 
 class CompletionRequest(_Sampling):
-    unimplemented = {"suffix": (None, ""), "best_of": (None, 1)}
+    accepted_at = {**_SAMPLING_OFF, "suffix": (None, ""), "prompt_embeds": NONE}
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=0)] | None = 16  # 0 only with echo (prompt logprobs alone)
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    max_tokens: NonNegInt | None = 16  # 0 only with echo (prompt logprobs alone)
+    logprobs: NonNegInt | None = None
     echo: bool | None = False
-    suffix: str | None = None
-    best_of: int | None = None
+    add_special_tokens: bool | None = True  # vLLM: what tokenizer.json adds around a prompt (e.g. BOS)
 
 
 class TextPart(_Body):
@@ -98,9 +158,14 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    # what `message.model_dump()` of an openai client's response re-sends, at null
+    accepted_at = {"refusal": NONE, "tool_calls": NONE_OR_EMPTY, "audio": NONE, "function_call": NONE,
+                   "annotations": NONE_OR_EMPTY, "reasoning_content": NONE, "reasoning": NONE}
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -109,33 +174,54 @@ class ChatMessage(_Body):
             return self.content
         return "".join(p.text for p in self.content)
 
+    def turn(self) -> dict:
+        """The message as the chat template reads it."""
+        out = {"role": self.role, "content": self.text()}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
-class ChatCompletionRequest(_Sampling):
-    unimplemented = {"tools": (None, []), "tool_choice": (None, "none"),
-                     "functions": (None, []), "function_call": (None, "none"),
-                     "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,)}
+
+class _ChatTemplateFields(_Body):
+    """How messages become a prompt (vLLM's fields; /tokenize shares them)."""
+
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False  # the last message stays open (add_generation_prompt false)
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. enable_thinking
+    add_special_tokens: bool | None = False  # the template writes its own
+
+
+_CHAT_OFF = {**_SAMPLING_OFF, "tools": NONE_OR_EMPTY, "tool_choice": (None, "none", "auto"),
+             "functions": NONE_OR_EMPTY, "function_call": (None, "none", "auto"),
+             "parallel_tool_calls": (None, True, False), "reasoning_effort": NONE, "modalities": (None, ["text"]),
+             "prediction": NONE, "web_search_options": NONE, "audio": NONE, "documents": NONE,
+             "chat_template": NONE, "verbosity": NONE, "include_reasoning": (None, True)}
+
+
+class ChatCompletionRequest(_ChatTemplateFields, _Sampling):
+    accepted_at = _CHAT_OFF
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    add_generation_prompt: bool = True  # vLLM extension
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-    function_call: Any = None
-    response_format: dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = False
+    top_logprobs: NonNegInt | None = None
+    echo: bool | None = False  # vLLM: the reply starts with the last message's content if it is the assistant's
 
 
-class TokenizeRequest(_Body):
-    """POST /tokenize (vLLM's): a prompt, or chat messages rendered by the chat template first."""
+class TokenizeRequest(_ChatTemplateFields):
+    """POST /tokenize (vLLM's): a prompt, or chat messages rendered by the chat template first.
+    `add_special_tokens` defaults to true for a prompt and false for messages, as there."""
+
+    accepted_at = {"tools": NONE_OR_EMPTY, "chat_template": NONE, "mm_processor_kwargs": NONE}
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
+    return_token_strs: bool | None = False
 
 
 class DetokenizeRequest(_Body):

@@ -3,8 +3,13 @@ and the response bodies (whole, or streamed as server-sent events).
 
 One HTTP request becomes `len(prompts) * n` engine sequences ("choices"), added all or none.
 Both endpoints share `_run`, which turns the engine's `Delta`s into per-choice events (text
-delta, token ids, logprobs, finish reason), records metrics, and aborts every unfinished choice
-when the consumer goes away (client disconnect, cancellation, error).
+delta, token ids, logprobs, finish and stop reason), records metrics, and aborts every unfinished
+choice when the consumer goes away (client disconnect, cancellation, error).
+
+Tokens and usage are vLLM's: the EOS / stop token that ends a choice is a generated token (in
+`completion_tokens`, in the logprobs with text "", in `token_ids`), and its text is not in the
+choice's text unless include_stop_str_in_output. `stop_reason` names the stop token id or string
+that matched (null for EOS and length).
 """
 
 from __future__ import annotations
@@ -19,15 +24,10 @@ from moelora.engine.detokenize import IncrementalDetokenizer
 from moelora.engine.request import SamplingParams
 from moelora.errors import RequestError
 from moelora.server.async_engine import AsyncEngine, EngineDead, GenerateSpec, Overloaded, RequestStream, UnknownAdapter
+from moelora.server.logprobs import LogprobView, TokenTexts
 from moelora.server.metrics import ServerMetrics
-from moelora.server.protocol import (
-    ApiError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-    _Sampling,
-)
+from moelora.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, _Sampling
+from moelora.server.tokens import TokenRoutes, render_chat
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,9 @@ class ServerConfig:
     model_path: str
     max_waiting_requests: int = 1024  # 503 once this many requests wait to be scheduled
     retry_after_s: int = 1
+    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (vLLM's flag of that name)
+    return_tokens_as_token_ids: bool = False  # logprob tokens read "token_id:N" (a request may override)
+    max_logprobs: int = 20  # the most logprobs / top_logprobs / prompt_logprobs a request may ask (400 above)
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,12 @@ class Event:
     token_ids: list[int]
     logprobs: list
     finish_reason: str | None
+    stop_reason: int | str | None = None
+
+    @property
+    def ends_on_stop_token(self) -> bool:
+        """The last token is the EOS / stop token that finished the choice (not part of the text)."""
+        return self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
 
 
 @dataclass
@@ -71,12 +80,13 @@ class OpenAIServing:
         self.engine, self.cfg, self.metrics = engine, cfg, metrics
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.cfg.max_model_len
-        self._token_text: dict[int, str] = {}
+        self.texts = TokenTexts(self.tokenizer.decode)
+        self.tokens = TokenRoutes(self.tokenizer, self.max_model_len, self.resolve_model, cfg.model_path)
 
     # models -------------------------------------------------------------------------------------
-    def resolve_model(self, name: str) -> str | None:
-        """The adapter a `model` field names (None: the base model); 404 if none."""
-        if name in self.cfg.served_model_names:
+    def resolve_model(self, name: str | None) -> str | None:
+        """The adapter a `model` field names (None: the base model, also when the field is left out); 404 if none."""
+        if name is None or name in self.cfg.served_model_names:
             return None
         if any(n == name for n, _ in self.engine.stats.adapters):
             return name
@@ -92,32 +102,9 @@ class OpenAIServing:
                           "parent": base, "max_model_len": self.max_model_len})
         return cards
 
-    # tokenizer routes ---------------------------------------------------------------------------
-    def tokenize(self, body: TokenizeRequest) -> dict:
-        """The ids completions / chat would feed the model for this prompt or these messages."""
-        if body.model is not None:
-            self.resolve_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise ApiError(400, "give exactly one of prompt and messages", "prompt")
-        text = body.prompt if body.messages is None else self._chat_text(body.messages, body.add_generation_prompt)
-        ids = self.tokenizer.encode(text)
-        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
-
-    def detokenize(self, body: DetokenizeRequest) -> dict:
-        if body.model is not None:
-            self.resolve_model(body.model)
-        vocab = self.tokenizer.vocab_size
-        outside = [t for t in body.tokens if t >= vocab]
-        if outside:
-            raise ApiError(400, f"token ids outside the vocabulary (size {vocab}): {outside[:5]}", "tokens")
-        return {"prompt": self.tokenizer.decode(body.tokens)}
-
     # admission ----------------------------------------------------------------------------------
-    def _encode(self, prompt, param: str) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
+    def _encode(self, prompt, param: str, add_special_tokens: bool) -> list[int]:
+        ids = self.tokenizer.encode(prompt, add_special_tokens) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ApiError(400, "the prompt is empty", param)
         if len(ids) >= self.max_model_len:
@@ -134,25 +121,38 @@ class OpenAIServing:
                            f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
                            f"{max_tokens} in the completion).", "max_tokens")
         seed = None if body.seed is None else body.seed + choice  # n > 1: distinct, reproducible choices
+        off = lambda value, default: default if value is None else value  # noqa: E731
         try:
             return SamplingParams(
-                max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k is None else body.top_k,
-                seed=seed, stop=body.stop_strings(), stop_token_ids=tuple(body.stop_token_ids or ()),
-                ignore_eos=body.ignore_eos, logprobs=logprobs,
+                max_tokens=max_tokens, temperature=off(body.temperature, 1.0), top_p=off(body.top_p, 1.0),
+                top_k=off(body.top_k, -1), min_p=off(body.min_p, 0.0), seed=seed, stop=body.stop_strings(),
+                stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=bool(body.ignore_eos), logprobs=logprobs,
                 presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-                logit_bias=body.logit_bias or {}, min_tokens=body.min_tokens)
+                repetition_penalty=off(body.repetition_penalty, 1.0), logit_bias=body.logit_bias or {},
+                min_tokens=body.min_tokens or 0, skip_special_tokens=body.skip_special_tokens is not False,
+                spaces_between_special_tokens=body.spaces_between_special_tokens is not False,
+                include_stop_str_in_output=bool(body.include_stop_str_in_output))
         except RequestError as e:
             raise ApiError(400, str(e)) from None
 
-    def _check_common(self, body: _Sampling) -> str | None:
-        body.check_implemented()
+    def _check_common(self, body: _Sampling, logprob_fields: dict[str, int | None]) -> str | None:
         if body.stream_options is not None and not body.stream:
             raise ApiError(400, "stream_options can only be set when stream is true", "stream_options")
         if any(not s for s in body.stop_strings()):
             raise ApiError(400, "stop strings must be non-empty", "stop")
+        if body.spaces_between_special_tokens is False and body.skip_special_tokens is False:
+            raise ApiError(400, "spaces_between_special_tokens=false is not supported (a fast tokenizer's decode "
+                           "never inserts spaces between special tokens)", "spaces_between_special_tokens")
+        for name, k in {**logprob_fields, "prompt_logprobs": body.prompt_logprobs}.items():
+            if k is not None and k > self.cfg.max_logprobs:
+                raise ApiError(400, f"Requested {name} of {k}, which is greater than max allowed: "
+                               f"{self.cfg.max_logprobs}", name)
         return self.resolve_model(body.model)
+
+    def _view(self, body: _Sampling) -> LogprobView:
+        as_ids = body.return_tokens_as_token_ids
+        return LogprobView(self.texts, body.skip_special_tokens is not False, bool(body.include_stop_str_in_output),
+                           self.cfg.return_tokens_as_token_ids if as_ids is None else as_ids)
 
     async def _open(self, specs: list[GenerateSpec], label: str) -> RequestStream:
         try:
@@ -169,11 +169,18 @@ class OpenAIServing:
             self.metrics.prompt_tokens.labels(label).inc(len(spec.prompt_ids))
         return stream
 
+    async def _prompt_logprobs(self, ids: list[int], adapter: str | None, k: int) -> list:
+        try:
+            return await self.engine.prompt_logprobs(ids, adapter, k)
+        except RequestError as e:
+            raise ApiError(400, str(e), "prompt") from None
+
     # the shared loop ----------------------------------------------------------------------------
-    async def _run(self, stream: RequestStream, stop: tuple[str, ...], label: str, arrival: float,
-                   incremental: bool) -> AsyncIterator[Event]:
-        m = self.metrics
-        choices = [_Choice(IncrementalDetokenizer(self.tokenizer.decode, stop)) for _ in stream.request_ids]
+    async def _run(self, stream: RequestStream, body: _Sampling, label: str, arrival: float) -> AsyncIterator[Event]:
+        m, stop, incremental = self.metrics, body.stop_strings(), bool(body.stream)
+        decode = self.tokenizer.decode if body.skip_special_tokens is not False else (
+            lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
+        choices = [_Choice(IncrementalDetokenizer(decode, stop)) for _ in stream.request_ids]
         try:
             async for d in stream:
                 c = choices[d.index]
@@ -191,12 +198,12 @@ class OpenAIServing:
                     c.last_time = d.time
                 if d.finish_reason is None:
                     text = c.detok.push(d.token_ids) if incremental else ""
-                else:  # the engine's final text is authoritative (it is cut at a stop string)
+                else:  # the engine's final text is authoritative (cut at a stop string, without the stop token)
                     text = c.detok.finish(d.final_text)
                     c.finish_reason = d.finish_reason
                     m.requests.labels(label, d.finish_reason).inc()
                     m.e2e.labels(label).observe(d.time - arrival)
-                yield Event(d.index, text, d.token_ids, d.logprobs, d.finish_reason)
+                yield Event(d.index, text, d.token_ids, d.logprobs, d.finish_reason, d.stop_reason)
         finally:
             if not stream.finished:
                 stream.abort()
@@ -204,193 +211,201 @@ class OpenAIServing:
                     if c.finish_reason is None:
                         m.requests.labels(label, "abort").inc()
 
-    def token_text(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
-        return text
-
     # completions --------------------------------------------------------------------------------
     async def completion(self, body: CompletionRequest) -> Result:
         arrival = time.monotonic()
-        adapter = self._check_common(body)
+        adapter = self._check_common(body, {"logprobs": body.logprobs})
         label = adapter or self.cfg.served_model_names[0]
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not prompts:
             raise ApiError(400, "the prompt is empty", "prompt")
-        encoded = [self._encode(p, "prompt") for p in prompts]
+        encoded = [self._encode(p, "prompt", body.add_special_tokens is not False) for p in prompts]
         if body.max_tokens == 0 and not body.echo:
             raise ApiError(400, "max_tokens must be at least 1 (0 is only allowed with echo)", "max_tokens")
-        echo = None
-        if body.echo:  # once per prompt (its logprobs cost a forward), shared by the prompt's n choices
-            echo = [e for p, ids in zip(prompts, encoded, strict=True)
-                    for e in [await self._echo(p, ids, adapter, body.logprobs)] * body.n]
-        resp = _Response("cmpl", body.model, sum(len(ids) for ids in encoded))
+        n, view = body.choices, self._view(body)
+        prompt_parts = [await self._completion_prompt(body, p, ids, adapter, view) for p, ids in zip(
+            prompts, encoded, strict=True)]  # once per prompt (its logprobs cost a forward), shared by its n choices
+        resp = _Response("cmpl", body, self.cfg.served_model_names[0], sum(len(ids) for ids in encoded))
         stream = events = None
         if body.max_tokens != 0:
             specs = [GenerateSpec(ids, self._params(body, body.max_tokens, len(ids), body.logprobs, j), adapter)
-                     for ids in encoded for j in range(body.n)]
+                     for ids in encoded for j in range(n)]
             stream = await self._open(specs, label)
-            events = self._run(stream, body.stop_strings(), label, arrival, incremental=body.stream)
-        n, logprobs = len(encoded) * body.n, body.logprobs is not None
+            events = self._run(stream, body, label, arrival)
+        parts = [part for part in prompt_parts for _ in range(n)]
         if body.stream:
-            usage = body.stream_options is not None and bool(body.stream_options.include_usage)
-            return Result(None, self._stream_completion(resp, events, n, usage, logprobs, echo), stream)
-        return Result(await self._collect_completion(resp, events, n, logprobs, echo), None, stream)
+            return Result(None, self._stream_completion(resp, events, body, view, parts), stream)
+        return Result(await self._collect_completion(resp, events, body, view, parts), None, stream)
 
-    async def _echo(self, prompt, ids: list[int], adapter: str | None, logprobs: int | None) -> tuple:
-        """(prompt text, ids, per-token logprobs or None) of an echoed prompt."""
-        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
-        if logprobs is None:
-            return text, ids, None
-        try:
-            return text, ids, await self.engine.prompt_logprobs(ids, adapter, logprobs)
-        except RequestError as e:
-            raise ApiError(400, str(e), "prompt") from None
+    async def _completion_prompt(self, body: CompletionRequest, prompt, ids: list[int], adapter, view) -> dict:
+        """What a choice shows of its prompt: the echo (text, and its logprobs object when asked, with
+        text_offset over that text), `prompt_logprobs`, `prompt_token_ids`."""
+        want = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+        entries = await self._prompt_logprobs(ids, adapter, max(want)) if want else None
+        part = {"ids": ids, "echo": "", "echo_lp": None, "prompt_logprobs": None}
+        if body.echo:
+            part["echo"] = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
+            if body.logprobs is not None:
+                part["echo_lp"] = view.completion(ids, _top(entries, body.logprobs), 0, prompt=True)
+        if body.prompt_logprobs is not None:
+            part["prompt_logprobs"] = view.prompt_logprobs(ids, entries, body.prompt_logprobs)
+        return part
 
-    def _completion_logprobs(self, token_ids: list[int], logprobs: list, offset: int) -> dict:
-        """The legacy completions `logprobs` object; `offset` is where the first token's text starts."""
-        tokens = [self.token_text(t) for t in token_ids]
-        offsets = []
-        for t in tokens:
-            offsets.append(offset)
-            offset += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp for lp, _ in logprobs],
-                "top_logprobs": [None if lp is None else self._top_by_text(top) for lp, top in logprobs],
-                "text_offset": offsets}
+    def _choice_extras(self, body: _Sampling, part_ids: list[int] | None, token_ids: list[int]) -> dict:
+        if not body.return_token_ids:
+            return {}
+        return {"token_ids": token_ids, **({"prompt_token_ids": part_ids} if part_ids is not None else {})}
 
-    def _top_by_text(self, top) -> dict:
-        """{token text: logprob} of (id, logprob) pairs, most likely first; tokens whose text is the
-        same (e.g. two partial UTF-8 bytes both reading U+FFFD) keep the most likely one."""
-        out: dict[str, float] = {}
-        for t, v in top:
-            out.setdefault(self.token_text(t), v)
-        return out
-
-    async def _collect_completion(self, resp: _Response, events, n: int, logprobs: bool, echo) -> dict:
-        texts, reasons = [""] * n, ["length"] * n
-        ids, lps = [[] for _ in range(n)], [[] for _ in range(n)]
-        if echo:  # the prompt first: its text, and its tokens' logprobs (the first token has none)
-            for i, (text, p_ids, p_lps) in enumerate(echo):
-                texts[i], ids[i], lps[i] = text, list(p_ids), list(p_lps or ())
+    async def _collect_completion(self, resp: _Response, events, body: CompletionRequest, view: LogprobView,
+                                  parts: list[dict]) -> dict:
+        n = len(parts)
+        texts, reasons, stops = [p["echo"] for p in parts], ["length"] * n, [None] * n
+        ids, lps, stop_last = [[] for _ in range(n)], [[] for _ in range(n)], [False] * n
         async for ev in events or _nothing():
             texts[ev.index] += ev.text
             reasons[ev.index] = ev.finish_reason or reasons[ev.index]
+            stops[ev.index] = ev.stop_reason
             ids[ev.index] += ev.token_ids
             lps[ev.index] += ev.logprobs
+            stop_last[ev.index] = ev.ends_on_stop_token
             resp.completion_tokens += len(ev.token_ids)
-        choices = [{"index": i, "text": texts[i], "finish_reason": reasons[i],
-                    "logprobs": self._completion_logprobs(ids[i], lps[i], 0) if logprobs else None}
-                   for i in range(n)]
+        choices = []
+        for i, part in enumerate(parts):
+            lp = None
+            if body.logprobs is not None:
+                lp = view.completion(ids[i], lps[i], len(part["echo"]), stop_last[i])
+                if part["echo_lp"] is not None:
+                    lp = {k: part["echo_lp"][k] + lp[k] for k in lp}
+            choices.append({"index": i, "text": texts[i], "logprobs": lp, "finish_reason": reasons[i],
+                            "stop_reason": stops[i], "prompt_logprobs": part["prompt_logprobs"],
+                            **self._choice_extras(body, part["ids"], ids[i])})
         return resp.body("text_completion", choices, usage=resp.usage())
 
-    async def _stream_completion(self, resp: _Response, events, n: int, usage: bool, logprobs: bool, echo):
-        offsets = [0] * n
+    async def _stream_completion(self, resp: _Response, events, body: CompletionRequest, view: LogprobView,
+                                 parts: list[dict]):
+        offsets = [len(p["echo"]) for p in parts]
         try:
-            for i, (text, p_ids, p_lps) in enumerate(echo or ()):  # the echoed prompt, one chunk a choice
-                lp = self._completion_logprobs(p_ids, p_lps, 0) if logprobs else None
-                offsets[i] = len(text)
-                yield sse(resp.body("text_completion", [{"index": i, "text": text, "logprobs": lp,
-                                                         "finish_reason": None if events else "length"}],
-                                    **({"usage": None} if usage else {})))
+            for i, part in enumerate(parts):  # the echoed prompt (or prompt_logprobs), one chunk a choice
+                if not body.echo and part["prompt_logprobs"] is None and not body.return_token_ids:
+                    continue
+                choice = {"index": i, "text": part["echo"], "logprobs": part["echo_lp"],
+                          "finish_reason": None if events else "length", "stop_reason": None,
+                          "prompt_logprobs": part["prompt_logprobs"], **self._choice_extras(body, part["ids"], [])}
+                yield sse(resp.body("text_completion", [choice], **resp.chunk_usage()))
             async for ev in events or _nothing():
                 resp.completion_tokens += len(ev.token_ids)
                 lp = None
-                if logprobs:
-                    lp = self._completion_logprobs(ev.token_ids, ev.logprobs, offsets[ev.index])
+                if body.logprobs is not None:
+                    lp = view.completion(ev.token_ids, ev.logprobs, offsets[ev.index], ev.ends_on_stop_token)
                     offsets[ev.index] += sum(len(t) for t in lp["tokens"])
                 if not ev.text and lp is None and ev.finish_reason is None:
                     continue
-                choice = {"index": ev.index, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish_reason}
-                yield sse(resp.body("text_completion", [choice], **({"usage": None} if usage else {})))
-            if usage:
+                choice = {"index": ev.index, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish_reason,
+                          "stop_reason": ev.stop_reason, **self._choice_extras(body, None, ev.token_ids)}
+                yield sse(resp.body("text_completion", [choice], **resp.chunk_usage()))
+            if resp.final_usage:
                 yield sse(resp.body("text_completion", [], usage=resp.usage()))
         except ApiError as e:
             yield sse(e.body())
         yield "data: [DONE]\n\n"
 
     # chat ---------------------------------------------------------------------------------------
-    def _chat_text(self, messages: list, add_generation_prompt: bool) -> str:
-        turns = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
-        try:
-            return self.tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt)
-        except RequestError as e:
-            raise ApiError(400, str(e), "messages") from None
-
     async def chat(self, body: ChatCompletionRequest) -> Result:
         arrival = time.monotonic()
-        adapter = self._check_common(body)
+        adapter = self._check_common(body, {"top_logprobs": body.top_logprobs})
         label = adapter or self.cfg.served_model_names[0]
-        if body.top_logprobs is not None and not body.logprobs:
+        if body.top_logprobs and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
-        ids = self._encode(self._chat_text(body.messages, body.add_generation_prompt), "messages")
+        text = render_chat(self.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
+                           body.chat_template_kwargs)
+        ids = self._encode(text, "messages", bool(body.add_special_tokens))
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        specs = [GenerateSpec(ids, self._params(body, max_tokens, len(ids), logprobs, j), adapter)
-                 for j in range(body.n)]
+        n, view = body.choices, self._view(body)
+        prompt_lp = None
+        if body.prompt_logprobs is not None:
+            entries = await self._prompt_logprobs(ids, adapter, body.prompt_logprobs)
+            prompt_lp = view.prompt_logprobs(ids, entries, body.prompt_logprobs)
+        specs = [GenerateSpec(ids, self._params(body, max_tokens, len(ids), logprobs, j), adapter) for j in range(n)]
         stream = await self._open(specs, label)
-        resp = _Response("chatcmpl", body.model, len(ids))
-        events = self._run(stream, body.stop_strings(), label, arrival, incremental=body.stream)
+        resp = _Response("chatcmpl", body, self.cfg.served_model_names[0], len(ids))
+        last = body.messages[-1]
+        echo = last.text() if body.echo and last.role == "assistant" else ""  # vLLM: the reply's role only
+        events = self._run(stream, body, label, arrival)
+        extra = {"prompt_logprobs": prompt_lp, **({"prompt_token_ids": ids} if body.return_token_ids else {})}
         if body.stream:
-            usage = body.stream_options is not None and bool(body.stream_options.include_usage)
-            return Result(None, self._stream_chat(resp, events, body.n, usage, body.logprobs), stream)
-        return Result(await self._collect_chat(resp, events, body.n, body.logprobs), None, stream)
+            return Result(None, self._stream_chat(resp, events, body, view, echo, extra), stream)
+        return Result(await self._collect_chat(resp, events, body, view, echo, extra), None, stream)
 
-    def _chat_logprobs(self, ev: Event) -> list[dict]:
-        out = []
-        for tok, (lp, top) in zip(ev.token_ids, ev.logprobs, strict=True):
-            s = self.token_text(tok)
-            out.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
-                        "top_logprobs": [{"token": self.token_text(t), "logprob": v,
-                                          "bytes": list(self.token_text(t).encode())} for t, v in top]})
-        return out
-
-    async def _collect_chat(self, resp: _Response, events, n: int, logprobs: bool) -> dict:
-        texts, reasons, lps = [[] for _ in range(n)], [None] * n, [[] for _ in range(n)]
+    async def _collect_chat(self, resp: _Response, events, body: ChatCompletionRequest, view: LogprobView,
+                            echo: str, extra: dict) -> dict:
+        n = body.choices
+        texts, reasons, stops = [[echo] for _ in range(n)], [None] * n, [None] * n
+        ids, lps = [[] for _ in range(n)], [[] for _ in range(n)]
         async for ev in events:
             texts[ev.index].append(ev.text)
             reasons[ev.index] = ev.finish_reason or reasons[ev.index]
-            if logprobs:
-                lps[ev.index] += self._chat_logprobs(ev)
+            stops[ev.index] = ev.stop_reason
+            ids[ev.index] += ev.token_ids
+            if body.logprobs:
+                lps[ev.index] += view.chat(ev.token_ids, ev.logprobs, ev.ends_on_stop_token)
             resp.completion_tokens += len(ev.token_ids)
         choices = [{"index": i, "message": {"role": "assistant", "content": "".join(texts[i])},
-                    "logprobs": {"content": lps[i]} if logprobs else None, "finish_reason": reasons[i]}
-                   for i in range(n)]
-        return resp.body("chat.completion", choices, usage=resp.usage())
+                    "logprobs": {"content": lps[i]} if body.logprobs else None, "finish_reason": reasons[i],
+                    "stop_reason": stops[i], **self._choice_extras(body, None, ids[i])} for i in range(n)]
+        return resp.body("chat.completion", choices, usage=resp.usage(), **extra)
 
-    async def _stream_chat(self, resp: _Response, events, n: int, usage: bool, logprobs: bool):
-        extra = {"usage": None} if usage else {}
+    async def _stream_chat(self, resp: _Response, events, body: ChatCompletionRequest, view: LogprobView, echo: str,
+                           extra: dict):
         try:
-            for i in range(n):
-                first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            for i in range(body.choices):  # the first chunk carries the prompt's fields (prompt_logprobs, ...)
+                first = {"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
                          "finish_reason": None}
-                yield sse(resp.body("chat.completion.chunk", [first], **extra))
+                yield sse(resp.body("chat.completion.chunk", [first], **resp.chunk_usage(),
+                                    **(extra if i == 0 else {})))
             async for ev in events:
                 resp.completion_tokens += len(ev.token_ids)
-                lp = {"content": self._chat_logprobs(ev)} if logprobs and ev.token_ids else None
+                lp = None
+                if body.logprobs and ev.token_ids:
+                    lp = {"content": view.chat(ev.token_ids, ev.logprobs, ev.ends_on_stop_token)}
                 if not ev.text and lp is None and ev.finish_reason is None:
                     continue
                 delta = {"content": ev.text} if ev.text or ev.finish_reason is None else {}
-                choice = {"index": ev.index, "delta": delta, "logprobs": lp, "finish_reason": ev.finish_reason}
-                yield sse(resp.body("chat.completion.chunk", [choice], **extra))
-            if usage:
+                choice = {"index": ev.index, "delta": delta, "logprobs": lp, "finish_reason": ev.finish_reason,
+                          "stop_reason": ev.stop_reason, **self._choice_extras(body, None, ev.token_ids)}
+                yield sse(resp.body("chat.completion.chunk", [choice], **resp.chunk_usage()))
+            if resp.final_usage:
                 yield sse(resp.body("chat.completion.chunk", [], usage=resp.usage()))
         except ApiError as e:
             yield sse(e.body())
         yield "data: [DONE]\n\n"
 
 
+def _top(entries: list, k: int) -> list:
+    """Engine logprob entries with at most k alternatives each."""
+    return [(lp, rank, top[:k]) for lp, rank, top in entries]
+
+
 class _Response:
-    def __init__(self, prefix: str, model: str, prompt_tokens: int):
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
-        self.created, self.model = int(time.time()), model
+    """The id, model and usage every body and chunk of one response carries."""
+
+    def __init__(self, prefix: str, body: _Sampling, base: str, prompt_tokens: int):
+        self.id = f"{prefix}-{body.request_id or uuid.uuid4().hex}"
+        self.created, self.model = int(time.time()), body.model or base
         self.prompt_tokens, self.completion_tokens = prompt_tokens, 0
+        self.final_usage, self.continuous_usage = body.usage_mode() if body.stream else (False, False)
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    def chunk_usage(self) -> dict:
+        """A chunk's usage field: the counts so far (continuous_usage_stats), null (include_usage), or none."""
+        if self.continuous_usage:
+            return {"usage": self.usage()}
+        return {"usage": None} if self.final_usage else {}
 
     def body(self, obj: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,

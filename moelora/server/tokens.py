@@ -1,0 +1,86 @@
+"""Prompts and tokens: chat messages rendered to a prompt (vLLM's template fields), and the tokenizer
+routes POST /tokenize, POST /detokenize, GET /tokenizer_info.
+
+`continue_final_message` leaves the last message open: the prompt ends right after its content (the
+template's end-of-turn cut off), so the model continues it; it needs add_generation_prompt false.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from moelora.engine.tokenizer import Tokenizer
+from moelora.errors import RequestError
+from moelora.server.protocol import ApiError, ChatMessage, DetokenizeRequest, TokenizeRequest
+
+_MARK = "\x00moelora-final-message\x00"  # stands for the final message's content while rendering
+
+
+def render_chat(tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool | None,
+                continue_final_message: bool | None = False, template_kwargs: dict | None = None) -> str:
+    """The prompt text the chat template makes of `messages` (400 on a template error)."""
+    add_generation_prompt = add_generation_prompt is not False
+    if continue_final_message and add_generation_prompt:
+        raise ApiError(400, "continue_final_message needs add_generation_prompt to be false",
+                       "continue_final_message")
+    turns = [m.turn() for m in messages]
+    final = turns[-1]["content"] if turns else ""
+    if continue_final_message:
+        turns[-1] = {**turns[-1], "content": _MARK}
+    try:
+        text = tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt,
+                                             **(template_kwargs or {}))
+    except RequestError as e:
+        raise ApiError(400, str(e), "messages") from None
+    if continue_final_message:
+        at = text.rfind(_MARK)
+        if at < 0:
+            raise ApiError(400, "continue_final_message: the chat template does not render the final message's "
+                           "content", "continue_final_message")
+        text = text[:at] + final
+    return text
+
+
+class TokenRoutes:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, resolve_model, model_path: str):
+        self.tokenizer, self.max_model_len, self.resolve_model = tokenizer, max_model_len, resolve_model
+        self.model_path = model_path
+
+    def tokenize(self, body: TokenizeRequest) -> dict:
+        """The ids completions / chat would feed the model for this prompt or these messages."""
+        if body.model is not None:
+            self.resolve_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give exactly one of prompt and messages", "prompt")
+        if body.messages is None:
+            text, special = body.prompt, body.add_special_tokens is not False
+        else:
+            text = render_chat(self.tokenizer, body.messages, body.add_generation_prompt,
+                               body.continue_final_message, body.chat_template_kwargs)
+            special = bool(body.add_special_tokens)
+        ids = self.tokenizer.encode(text, add_special_tokens=special)
+        out = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+        return out
+
+    def detokenize(self, body: DetokenizeRequest) -> dict:
+        if body.model is not None:
+            self.resolve_model(body.model)
+        vocab = self.tokenizer.vocab_size
+        outside = [t for t in body.tokens if t >= vocab]
+        if outside:
+            raise ApiError(400, f"token ids outside the vocabulary (size {vocab}): {outside[:5]}", "tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    def tokenizer_info(self) -> dict:
+        """vLLM's GET /tokenizer_info: the tokenizer's configuration (tokenizer_config.json's fields), its
+        class, and the chat template in use."""
+        tok = self.tokenizer
+        info = {k: v for k, v in tok.config.items() if k != "chat_template"}
+        info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+        info.setdefault("name_or_path", self.model_path)
+        info["vocab_size"] = tok.vocab_size
+        info["eos_token_id"] = tok.eos_token_id
+        info["chat_template"] = tok.chat_template
+        return info
