@@ -65,11 +65,6 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise RequestError(f"chat template failed: {e}") from None
 
-    @property
-    def special_tokens(self) -> dict[str, int]:
-        """The added tokens marked special (text -> id), e.g. <|im_start|>."""
-        return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
-
 
 def _token_text(token) -> str | None:
     if isinstance(token, dict):
