@@ -12,21 +12,25 @@ from moelora.engine.request import SamplingParams
 from moelora.engine.sampler import sample
 from moelora.errors import RequestError
 
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
 
-def test_min_p_drops_tokens_below_its_share_of_the_top_probability_per_row():
-    row = torch.tensor([0.0, -0.1, -0.2, -2.0, -3.0, -3.5, -4.0, -5.0])
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_min_p_drops_tokens_below_its_share_of_the_top_probability_per_row(device):
+    row = torch.tensor([0.0, -0.1, -0.2, -2.0, -3.0, -3.5, -4.0, -5.0], device=device)
     logits = row.repeat(3, 1)
     params = [SamplingParams(min_p=0.5), SamplingParams(), SamplingParams(min_p=0.5, temperature=10.0)]
     seen: list[set[int]] = [set(), set(), set()]
     for seed in range(600):
-        gens = [torch.Generator().manual_seed(seed * 3 + i) for i in range(3)]
+        gens = [torch.Generator(device).manual_seed(seed * 3 + i) for i in range(3)]
         for i, t in enumerate(sample(logits, params, gens).tolist()):
             seen[i].add(t)
     # p / p_max = exp(logit): kept at >= 0.5, i.e. logit >= ln 0.5 = -0.69 (at temperature 10: logit >= -6.9)
     assert seen[0] == {0, 1, 2}
     assert seen[1] - {0, 1, 2}, "without min_p the unlikely tokens are drawn too"
     assert seen[2] - {0, 1, 2, 3}, "min_p applies to the tempered distribution"
-    greedy = sample(logits[:1], [SamplingParams(min_p=1.0)], [torch.Generator().manual_seed(1)])
+    greedy = sample(logits[:1], [SamplingParams(min_p=1.0)], [torch.Generator(device).manual_seed(1)])
     assert greedy.tolist() == [0]  # min_p 1 keeps only the most likely token
     with pytest.raises(RequestError, match="min_p"):
         SamplingParams(min_p=1.5)

@@ -198,6 +198,8 @@ def test_skip_special_tokens(url):
     r = post(url, "/v1/completions", {"prompt": "a", "skip_special_tokens": False,
                                       "spaces_between_special_tokens": False})
     assert r.status_code == 400 and r.json()["error"]["param"] == "spaces_between_special_tokens"
+    no_specials = completion(url, spaces_between_special_tokens=False, **forced)["choices"][0]
+    assert no_specials["text"] == skipped["text"]  # no special token in the text: nothing to space
 
 
 def test_prompt_logprobs(url):

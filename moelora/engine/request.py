@@ -22,8 +22,8 @@ class SamplingParams:
     `output_ids` (and `logprobs`) and counts towards max_tokens, but not in the text unless
     `include_stop_str_in_output`, which also keeps a matched stop string at the end of the text.
     `skip_special_tokens` (default) leaves special tokens out of the text;
-    `spaces_between_special_tokens` is accepted at its default only (a fast tokenizer's decode
-    never inserts such spaces)."""
+    `spaces_between_special_tokens` False is refused unless they are skipped (a fast tokenizer's
+    decode never inserts such spaces)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -69,9 +69,9 @@ class SamplingParams:
             raise RequestError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
         if not 0 <= self.min_p <= 1:
             raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not self.spaces_between_special_tokens:
-            raise RequestError("spaces_between_special_tokens=False is not supported (a fast tokenizer's decode "
-                               "never inserts spaces between special tokens)")
+        if not (self.spaces_between_special_tokens or self.skip_special_tokens):
+            raise RequestError("spaces_between_special_tokens=False is not supported with skip_special_tokens=False "
+                               "(a fast tokenizer's decode never inserts spaces between special tokens)")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")

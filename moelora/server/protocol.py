@@ -230,6 +230,8 @@ class DetokenizeRequest(_Body):
 
 
 class LoadLoRAAdapterRequest(_Body):
+    accepted_at = {"load_inplace": (False,)}  # vLLM's: replacing a loaded adapter in place is not supported
+
     lora_name: Annotated[str, Field(min_length=1)]
     lora_path: Annotated[str, Field(min_length=1)]
 
