@@ -14,9 +14,7 @@ that matched (null for EOS and length).
 
 from __future__ import annotations
 
-import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -27,6 +25,7 @@ from moelora.server.async_engine import AsyncEngine, EngineDead, GenerateSpec, O
 from moelora.server.logprobs import LogprobView, TokenTexts
 from moelora.server.metrics import ServerMetrics
 from moelora.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, _Sampling
+from moelora.server.response import OpenAIResponse, no_events, sse
 from moelora.server.tokens import TokenRoutes, render_chat
 
 
@@ -227,7 +226,7 @@ class OpenAIServing:
         n, view = body.choices, self._view(body)
         prompt_parts = [await self._completion_prompt(body, p, ids, adapter, view) for p, ids in zip(
             prompts, encoded, strict=True)]  # once per prompt (its logprobs cost a forward), shared by its n choices
-        resp = _Response("cmpl", body, self.cfg.served_model_names[0], sum(len(ids) for ids in encoded))
+        resp = OpenAIResponse("cmpl", body, self.cfg.served_model_names[0], sum(len(ids) for ids in encoded))
         stream = events = None
         if body.max_tokens != 0:
             specs = [GenerateSpec(ids, self._params(body, body.max_tokens, len(ids), body.logprobs, j), adapter)
@@ -258,12 +257,12 @@ class OpenAIServing:
             return {}
         return {"token_ids": token_ids, **({"prompt_token_ids": part_ids} if part_ids is not None else {})}
 
-    async def _collect_completion(self, resp: _Response, events, body: CompletionRequest, view: LogprobView,
+    async def _collect_completion(self, resp: OpenAIResponse, events, body: CompletionRequest, view: LogprobView,
                                   parts: list[dict]) -> dict:
         n = len(parts)
         texts, reasons, stops = [p["echo"] for p in parts], ["length"] * n, [None] * n
         ids, lps, stop_last = [[] for _ in range(n)], [[] for _ in range(n)], [False] * n
-        async for ev in events or _nothing():
+        async for ev in events or no_events():
             texts[ev.index] += ev.text
             reasons[ev.index] = ev.finish_reason or reasons[ev.index]
             stops[ev.index] = ev.stop_reason
@@ -283,7 +282,7 @@ class OpenAIServing:
                             **self._choice_extras(body, part["ids"], ids[i])})
         return resp.body("text_completion", choices, usage=resp.usage())
 
-    async def _stream_completion(self, resp: _Response, events, body: CompletionRequest, view: LogprobView,
+    async def _stream_completion(self, resp: OpenAIResponse, events, body: CompletionRequest, view: LogprobView,
                                  parts: list[dict]):
         offsets = [len(p["echo"]) for p in parts]
         try:
@@ -294,7 +293,7 @@ class OpenAIServing:
                           "finish_reason": None if events else "length", "stop_reason": None,
                           "prompt_logprobs": part["prompt_logprobs"], **self._choice_extras(body, part["ids"], [])}
                 yield sse(resp.body("text_completion", [choice], **resp.chunk_usage()))
-            async for ev in events or _nothing():
+            async for ev in events or no_events():
                 resp.completion_tokens += len(ev.token_ids)
                 lp = None
                 if body.logprobs is not None:
@@ -330,7 +329,7 @@ class OpenAIServing:
             prompt_lp = view.prompt_logprobs(ids, entries, body.prompt_logprobs)
         specs = [GenerateSpec(ids, self._params(body, max_tokens, len(ids), logprobs, j), adapter) for j in range(n)]
         stream = await self._open(specs, label)
-        resp = _Response("chatcmpl", body, self.cfg.served_model_names[0], len(ids))
+        resp = OpenAIResponse("chatcmpl", body, self.cfg.served_model_names[0], len(ids))
         last = body.messages[-1]
         echo = last.text() if body.echo and last.role == "assistant" else ""  # vLLM: the reply's role only
         events = self._run(stream, body, label, arrival)
@@ -339,7 +338,7 @@ class OpenAIServing:
             return Result(None, self._stream_chat(resp, events, body, view, echo, extra), stream)
         return Result(await self._collect_chat(resp, events, body, view, echo, extra), None, stream)
 
-    async def _collect_chat(self, resp: _Response, events, body: ChatCompletionRequest, view: LogprobView,
+    async def _collect_chat(self, resp: OpenAIResponse, events, body: ChatCompletionRequest, view: LogprobView,
                             echo: str, extra: dict) -> dict:
         n = body.choices
         texts, reasons, stops = [[echo] for _ in range(n)], [None] * n, [None] * n
@@ -357,8 +356,8 @@ class OpenAIServing:
                     "stop_reason": stops[i], **self._choice_extras(body, None, ids[i])} for i in range(n)]
         return resp.body("chat.completion", choices, usage=resp.usage(), **extra)
 
-    async def _stream_chat(self, resp: _Response, events, body: ChatCompletionRequest, view: LogprobView, echo: str,
-                           extra: dict):
+    async def _stream_chat(self, resp: OpenAIResponse, events, body: ChatCompletionRequest, view: LogprobView,
+                           echo: str, extra: dict):
         try:
             for i in range(body.choices):  # the first chunk carries the prompt's fields (prompt_logprobs, ...)
                 first = {"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
@@ -386,37 +385,3 @@ class OpenAIServing:
 def _top(entries: list, k: int) -> list:
     """Engine logprob entries with at most k alternatives each."""
     return [(lp, rank, top[:k]) for lp, rank, top in entries]
-
-
-class _Response:
-    """The id, model and usage every body and chunk of one response carries."""
-
-    def __init__(self, prefix: str, body: _Sampling, base: str, prompt_tokens: int):
-        self.id = f"{prefix}-{body.request_id or uuid.uuid4().hex}"
-        self.created, self.model = int(time.time()), body.model or base
-        self.prompt_tokens, self.completion_tokens = prompt_tokens, 0
-        self.final_usage, self.continuous_usage = body.usage_mode() if body.stream else (False, False)
-
-    def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
-
-    def chunk_usage(self) -> dict:
-        """A chunk's usage field: the counts so far (continuous_usage_stats), null (include_usage), or none."""
-        if self.continuous_usage:
-            return {"usage": self.usage()}
-        return {"usage": None} if self.final_usage else {}
-
-    def body(self, obj: str, choices: list, **extra) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
-                **extra}
-
-
-async def _nothing():
-    """An empty event stream (echo with max_tokens 0 generates nothing)."""
-    return
-    yield
-
-
-def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
