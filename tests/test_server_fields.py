@@ -378,3 +378,24 @@ def test_a_resent_model_dump_assistant_message_works(client):
         client.chat.completions.create(model=BASE, max_tokens=2, messages=[
             *USER, {"role": "assistant", "content": "x", "refusal": "no"}])
     assert e.value.body["param"] == "refusal"
+
+
+def test_streamed_completion_equals_whole_with_echo_logprobs_and_n(url):
+    body = {"model": BASE, "prompt": "<|im_start|>stream", "echo": True, "logprobs": 1, "prompt_logprobs": 1, "n": 2,
+            "max_tokens": 5, "temperature": 1.0, "seed": 9, "ignore_eos": True, "return_token_ids": True}
+    whole = completion(url, **body)
+    chunks = sse_chunks(url, "/v1/completions", {**body, "stream_options": {"include_usage": True,
+                                                                           "continuous_usage_stats": True}})
+    for i, choice in enumerate(whole["choices"]):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        got = {key: [x for c in mine if c["logprobs"] for x in c["logprobs"][key]] for key in choice["logprobs"]}
+        assert got["tokens"] == choice["logprobs"]["tokens"] and got["text_offset"] == choice["logprobs"]["text_offset"]
+        # the same tokens, computed in other batches: equal up to float rounding
+        assert got["token_logprobs"] == pytest.approx(choice["logprobs"]["token_logprobs"], abs=1e-5)
+        for a, b in zip(got["top_logprobs"], choice["logprobs"]["top_logprobs"], strict=True):
+            assert a == b or a == pytest.approx(b, abs=1e-5)
+        assert mine[0]["prompt_logprobs"] == choice["prompt_logprobs"] and mine[-1]["finish_reason"] == "length"
+        assert [t for c in mine for t in c["token_ids"]] == choice["token_ids"]
+    assert chunks[-1]["usage"] == whole["usage"] and whole["usage"]["completion_tokens"] == 10
+    assert whole["usage"]["prompt_tokens"] == len(whole["choices"][0]["prompt_token_ids"])  # once, not per choice

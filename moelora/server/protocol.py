@@ -86,7 +86,7 @@ _SAMPLING_OFF = {
     "guided_grammar": NONE, "guided_decoding_backend": NONE, "guided_whitespace_pattern": NONE,
     "structured_outputs": NONE, "priority": (0,), "cache_salt": NONE, "kv_transfer_params": NONE,
     "vllm_xargs": NONE, "bad_words": NONE_OR_EMPTY, "allowed_token_ids": NONE, "logits_processors": NONE,
-    "mm_processor_kwargs": NONE, "response_format": (None, {"type": "text"}),
+    "mm_processor_kwargs": NONE, "media_io_kwargs": NONE, "response_format": (None, {"type": "text"}),
     "service_tier": (ANY,), "store": (ANY,), "metadata": (ANY,), "prompt_cache_key": (ANY,),
     "safety_identifier": (ANY,),
 }
