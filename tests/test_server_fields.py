@@ -236,7 +236,7 @@ def test_chat_template_kwargs(url):
     off = post(url, "/tokenize", {"messages": USER, "chat_template_kwargs": {"enable_thinking": False},
                                   "return_token_strs": True}).json()
     assert off["count"] == plain["count"] + len("<think></think>")
-    assert "".join(off["token_strs"]).endswith("assistant\n<think></think>")
+    assert off["token_strs"][-len("<think></think>"):] == list("<think></think>")  # the vocabulary's strings
     a, b = chat(url, USER), chat(url, USER, chat_template_kwargs={"enable_thinking": False})
     assert b["usage"]["prompt_tokens"] == a["usage"]["prompt_tokens"] + len("<think></think>")
 
@@ -246,13 +246,15 @@ def test_continue_final_message_and_chat_echo(url):
     body = {"messages": msgs, "add_generation_prompt": False, "continue_final_message": True,
             "return_token_strs": True}
     toks = post(url, "/tokenize", body).json()
-    assert "".join(toks["token_strs"]).endswith("<|im_start|>assistant\nthe answer is")
+    text = post(url, "/detokenize", {"tokens": toks["tokens"]}).json()["prompt"]
+    # the vocabulary's strings (byte-level: a space reads as 'Ġ'); the assistant turn is left open
+    assert toks["token_strs"][-len("the answer is"):] == ["\u0120" if ch == " " else ch for ch in "the answer is"]
+    assert text.endswith("assistant\nthe answer is") and toks["tokens"].count(EOS) == 1
     both = post(url, "/v1/chat/completions", {"messages": msgs, "continue_final_message": True})
     assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
     kw = dict(add_generation_prompt=False, continue_final_message=True, max_tokens=6, ignore_eos=True)
     cont = chat(url, msgs, **kw)["choices"][0]["message"]["content"]
-    raw = completion(url, prompt="".join(toks["token_strs"]), add_special_tokens=False, max_tokens=6,
-                     ignore_eos=True)["choices"][0]["text"]
+    raw = completion(url, prompt=toks["tokens"], max_tokens=6, ignore_eos=True)["choices"][0]["text"]
     assert cont == raw
     echoed = chat(url, msgs, echo=True, **kw)["choices"][0]["message"]["content"]
     assert echoed == "the answer is" + cont

@@ -47,6 +47,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def vocab_strings(self, ids: list[int]) -> list[str]:
+        """Each id's string in the vocabulary (transformers' convert_ids_to_tokens: byte-level 'Ġ' and all)."""
+        return [self._tok.id_to_token(i) or "" for i in ids]
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **template_kwargs) -> str:
         """The template rendered in a sandbox; `template_kwargs` (a request's `chat_template_kwargs`, e.g.

@@ -61,7 +61,7 @@ class TokenRoutes:
         ids = self.tokenizer.encode(text, add_special_tokens=special)
         out = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
         if body.return_token_strs:
-            out["token_strs"] = [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+            out["token_strs"] = self.tokenizer.vocab_strings(ids)  # vLLM's: the vocabulary's strings
         return out
 
     def detokenize(self, body: DetokenizeRequest) -> dict:
@@ -77,7 +77,9 @@ class TokenRoutes:
         """vLLM's GET /tokenizer_info: the tokenizer's configuration (tokenizer_config.json's fields), its
         class, and the chat template in use."""
         tok = self.tokenizer
-        info = {k: v for k, v in tok.config.items() if k != "chat_template"}
+        # special tokens as their text (tokenizer_config.json may hold {"content": ...} objects)
+        info = {k: v["content"] if k.endswith("_token") and isinstance(v, dict) and "content" in v else v
+                for k, v in tok.config.items() if k != "chat_template"}
         info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
         info.setdefault("name_or_path", self.model_path)
         info["vocab_size"] = tok.vocab_size
