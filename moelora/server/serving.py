@@ -106,6 +106,10 @@ class OpenAIServing:
         ids = self.tokenizer.encode(prompt, add_special_tokens) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ApiError(400, "the prompt is empty", param)
+        vocab = self.engine.engine.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:  # before any forward (echo, prompt_logprobs) reads it
+            raise ApiError(400, f"token id {bad} is outside the vocabulary (size {vocab})", param)
         if len(ids) >= self.max_model_len:
             raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
                            f"your prompt has {len(ids)} tokens (at least one must be left to generate).", param)
