@@ -49,8 +49,8 @@ def _same(value, neutral) -> bool:
         return True
     if isinstance(value, bool) or isinstance(neutral, bool):
         return value is neutral
-    return type(value) in (int, float) and type(neutral) in (int, float) and value == neutral or (
-        type(value) is type(neutral) and value == neutral)
+    numbers = type(value) in (int, float) and type(neutral) in (int, float)
+    return (numbers or type(value) is type(neutral)) and value == neutral
 
 
 class _Body(BaseModel):
