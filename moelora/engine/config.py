@@ -151,6 +151,7 @@ class EngineConfig:
 
     def with_kv_blocks(self, num_blocks: int) -> EngineConfig:
         blocks_per_seq = -(-self.max_model_len // self.block_size)
+        blocks_per_seq += self.use_cuda_graphs  # the graphs' padding block (BlockAllocator.reserve)
         if num_blocks < blocks_per_seq:
             raise ConfigError(f"only {num_blocks} KV blocks fit, but one sequence of max_model_len="
                               f"{self.max_model_len} needs {blocks_per_seq}; lower max_model_len or raise "
