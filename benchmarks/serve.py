@@ -9,7 +9,8 @@ Poisson at `--request-rate` (a comma-separated list sweeps the rates, one run ea
 `inf`: every request at once), gamma-distributed with `--burstiness` (1: Poisson), at most
 `--max-concurrency` in flight. Models: `--models` (names as clients send them: the base's served name,
 adapter names), taken round-robin or at random (`--model-order`, `--seed`); default every model of
-`GET /v1/models`.
+`GET /v1/models`. `--models` given again is another workload, swept after the first on the same server
+(e.g. `--models base --models a0,a1,a2,a3`: the base alone, then four adapters).
 
 Per run, overall and per model: successful / failed requests, duration, input / output tokens, request
 throughput, output and total token throughput, TTFT (to the first streamed token), TPOT (per output token
@@ -23,7 +24,7 @@ Target: a running server (`--base-url`), or one started here from a model direct
 [--lora-modules NAME=PATH ...]`; every argument after `--` goes to `moelora serve` as it is, e.g.
 `-- --load-format dummy --max-num-seqs 256`), stopped at the end.
 
-usage: python benchmarks/serve.py (--base-url URL | --model DIR [--lora-modules N=P ...]) [--models a,b]
+usage: python benchmarks/serve.py (--base-url URL | --model DIR [--lora-modules N=P ...]) [--models a,b ...]
        [--num-prompts 200] [--request-rate 1,4,16,inf] [--burstiness 1] [--max-concurrency N]
        [--input-len 256] [--output-len 128] [--range-ratio 0] [--model-order round-robin|random] [--seed 0]
        [--vocab-size V] [--json FILE] [-- SERVE ARGS]
@@ -217,15 +218,17 @@ def report(run: dict, percentiles: list[float]) -> str:
 def benchmark(url: str, models: list[str], rates: list[float], num_prompts: int, input_len: int, output_len: int,
               vocab: int, *, burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
               range_ratio: float = 0.0, order: str = "round-robin", percentiles: tuple[float, ...] = (99,),
-              print_fn=print) -> dict:
-    """The probe requests, then one run per rate; returns {"first_request_ttft_ms", "runs": [...]}."""
+              first: bool = True, print_fn=print) -> dict:
+    """The probe requests (`first`: the first since the server became ready), then one run per rate;
+    returns {"models", "probe_ttft_ms", "runs": [...]}."""
     pct = list(percentiles)
     probe = make_plan(models, len(models), input_len, output_len, vocab, seed - 1, range_ratio)
     firsts, _ = asyncio.run(run_load(url, probe, float("inf"), max_concurrency=1))
     bad = [r.error for r in firsts if not r.ok]
     if bad:
         raise SystemExit(f"probe request failed: {bad[0]}")
-    print_fn(f"first request after ready: TTFT {firsts[0].ttft * 1e3:.1f} ms ({firsts[0].model})")
+    print_fn(f"workload {','.join(models)}: " + ("first request after ready" if first else "probe request")
+             + f": TTFT {firsts[0].ttft * 1e3:.1f} ms ({firsts[0].model})")
     runs = []
     for k, rate in enumerate(rates):
         plan = make_plan(models, num_prompts, input_len, output_len, vocab, seed + k, range_ratio, order)
@@ -235,7 +238,7 @@ def benchmark(url: str, models: list[str], rates: list[float], num_prompts: int,
         run["per_model"] = {m: summarize([r for r in results if r.model == m], duration, pct) for m in models}
         print_fn(report(run, pct))
         runs.append(run)
-    return {"first_request_ttft_ms": firsts[0].ttft * 1e3, "runs": runs}
+    return {"models": models, "probe_ttft_ms": firsts[0].ttft * 1e3, "runs": runs}
 
 
 # the server ---------------------------------------------------------------------------------------
@@ -299,7 +302,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     target.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:8000")
     target.add_argument("--model", help="a model directory to serve here (moelora serve MODEL ...)")
     ap.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", help="with --model")
-    ap.add_argument("--models", default=None, help="comma-separated model names to send (default: /v1/models)")
+    ap.add_argument("--models", action="append", default=None,
+                    help="comma-separated model names to send (default: /v1/models); again: another workload")
     ap.add_argument("--model-order", choices=["round-robin", "random"], default="round-robin")
     ap.add_argument("--num-prompts", type=int, default=200)
     ap.add_argument("--request-rate", type=_rates, default=[float("inf")], help="req/s, comma-separated: a sweep")
@@ -332,14 +336,15 @@ def main(argv: list[str] | None = None) -> dict:
     with contextlib.ExitStack() as stack:
         url = args.base_url or stack.enter_context(
             launched_server(args.model, args.lora_modules, serve_args, args.server_timeout))
-        models = args.models.split(",") if args.models else served_models(url)
-        result = benchmark(url, models, args.request_rate, args.num_prompts, args.input_len, args.output_len,
-                           args.vocab_size, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-                           seed=args.seed, range_ratio=args.range_ratio, order=args.model_order,
-                           percentiles=percentiles)
-    result = {"target": args.base_url or args.model, "serve_args": serve_args, "models": models,
+        groups = [g.split(",") for g in args.models] if args.models else [served_models(url)]
+        workloads = [benchmark(url, models, args.request_rate, args.num_prompts, args.input_len, args.output_len,
+                               args.vocab_size, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+                               seed=args.seed, range_ratio=args.range_ratio, order=args.model_order,
+                               percentiles=percentiles, first=i == 0) for i, models in enumerate(groups)]
+    result = {"target": args.base_url or args.model, "serve_args": serve_args,
+              "first_request_ttft_ms": workloads[0]["probe_ttft_ms"], "workloads": workloads,
               "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-              "range_ratio": args.range_ratio, "seed": args.seed, **result}
+              "range_ratio": args.range_ratio, "seed": args.seed}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result

@@ -40,17 +40,18 @@ def test_a_rate_sweep_over_mixed_models_reports_vllm_metrics(demo_server, tmp_pa
     url, app = demo_server
     models = ["moelora-demo", *ADAPTER_NAMES[:2]]
     out = tmp_path / "bench.json"
-    got = serve_bench.main(["--base-url", url, "--models", ",".join(models), "--num-prompts", "6",
-                            "--request-rate", "40,inf", "--input-len", "12", "--output-len", "5", "--vocab-size", "256",
-                            "--json", str(out)])
+    got = serve_bench.main(["--base-url", url, "--models", ",".join(models), "--models", models[0],
+                            "--num-prompts", "6", "--request-rate", "40,inf", "--input-len", "12", "--output-len", "5",
+                            "--vocab-size", "256", "--json", str(out)])
     printed = capsys.readouterr().out
     for line in ("Serving Benchmark Result", "Successful requests:", "Request throughput (req/s):",
                  "Output token throughput (tok/s):", "Total Token throughput (tok/s):", "Mean TTFT (ms):",
-                 "Median TPOT (ms):", "P99 ITL (ms):", "first request after ready: TTFT"):
+                 "Median TPOT (ms):", "P99 ITL (ms):", "first request after ready: TTFT", "probe request: TTFT"):
         assert line in printed, line
     assert json.loads(out.read_text()) == json.loads(json.dumps(got))
-    assert [r["request_rate"] for r in got["runs"]] == [40.0, "inf"] and got["first_request_ttft_ms"] > 0
-    for run in got["runs"]:
+    assert [w["models"] for w in got["workloads"]] == [models, models[:1]] and got["first_request_ttft_ms"] > 0
+    assert [r["request_rate"] for r in got["workloads"][0]["runs"]] == [40.0, "inf"]
+    for run in got["workloads"][0]["runs"]:
         assert all(k in run for k in VLLM_KEYS)
         assert run["completed"] == 6 and run["failed"] == 0 and not run["errors"]
         assert run["total_input_tokens"] == 6 * 12 and run["total_output_tokens"] == 6 * 5
@@ -58,6 +59,7 @@ def test_a_rate_sweep_over_mixed_models_reports_vllm_metrics(demo_server, tmp_pa
         assert 0 < run["median_ttft_ms"] <= run["p99_ttft_ms"] and run["mean_tpot_ms"] > 0
         assert run["mean_e2el_ms"] >= run["mean_ttft_ms"]
         assert {m: r["completed"] for m, r in run["per_model"].items()} == {m: 2 for m in models}  # round robin
+    assert [r["completed"] for r in got["workloads"][1]["runs"]] == [6, 6]
     assert app.state.engine.stats.kv_used == 0
 
 
@@ -80,7 +82,7 @@ def test_the_launcher_serves_a_model_dir_with_serve_args_passed_through(tmp_path
     got = serve_bench.main(["--model", str(model_dir()), "--lora-modules", f"{name}={adapter_dir(name)}",
                             "--num-prompts", "2", "--input-len", "4", "--output-len", "3",
                             "--", "--device", "cpu", "--skip-warmup", "--served-model-name", "demo"])
-    assert got["models"] == ["demo", name] and got["runs"][0]["completed"] == 2
+    assert got["workloads"][0]["models"] == ["demo", name] and got["workloads"][0]["runs"][0]["completed"] == 2
     assert got["serve_args"] == ["--device", "cpu", "--skip-warmup", "--served-model-name", "demo"]
 
 
