@@ -222,7 +222,10 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             if self.engine.cfg.warmup:
-                warm_up(self.engine)
+                try:
+                    warm_up(self.engine)
+                except Exception:  # a request of that shape may fail as well, but the others should be served
+                    log.exception("warm-up failed; serving without it (first requests may compile kernels)")
             self._ready.set()
             while True:
                 busy = self.engine.has_unfinished()
