@@ -12,8 +12,8 @@ from them, and a step's block tables as their row stride (its longest sequence i
             every boundary of the fused-MoE tables, the LoRA and attention rules, and the MoE heuristics'
             for power-of-two expert counts), the largest T of each 2-adic class in it (odd, 2 mod 4, 4 mod 8,
             8 mod 16, 0 mod 16): every divisibility pattern of T and of T times any top-k;
-  extend    queries of each attention class (T <= 16, <= 32, < 256, >= 256) over cached context, with
-            block tables of 1, a few and 16 blocks a row;
+  extend    queries of each attention tile class (T <= 16, <= 32, < 256, >= 256) over cached context,
+            with block tables of each row-stride class (1 block, a multiple of 16 blocks, neither);
   decode    eager (no graphs): the same token-count classes as rows of one token; with graphs, one
             replay of each bucket, on the base and the LoRA graphs;
 each with rows on no adapter and rows on an adapter slot at every LoRA tile width up to the widest
@@ -148,6 +148,18 @@ def _step(scratch: _Scratch, seqs: list[tuple[int, int]], width: int | None, gra
     return logits
 
 
+# one query length per tile class of the attention kernels (default_attention_config: a query tile of 16 up to
+# 16 tokens, 32 up to 32, 64 below 256, 128 from 256)
+_QUERY_CLASSES = (16, 32, 255, 256)
+
+
+def _stride_classes(least: int) -> list[int]:
+    """Block counts of at least `least` with a block-table row stride of each class: 1, a multiple of 16,
+    and neither (Triton specialises the stride on both)."""
+    other = next(b for b in range(max(2, least), max(2, least) + 3) if b % 16)
+    return ([1] if least <= 1 else []) + [other, -(-least // 16) * 16]
+
+
 def _split(total: int, longest: int) -> list[tuple[int, int]]:
     """`total` new tokens as prefills of at most `longest` tokens each."""
     return [(0, min(longest, total - i)) for i in range(0, total, longest)]
@@ -160,17 +172,15 @@ def _forwards(engine, scratch: _Scratch, widths: list[int | None], small: bool) 
     longest = cfg.max_model_len - 1
     budget = min(cfg.max_num_batched_tokens, longest * cfg.max_num_seqs)
     prefills = [1, min(16, budget)] if small else token_counts(budget)
-    queries = [q for q in ((16,) if small else (2, 16, 32, 255, 256)) if q <= min(budget, longest)]
+    queries = [q for q in ((16,) if small else _QUERY_CLASSES) if q <= min(budget, longest)]
     decodes = [1] if small else token_counts(cfg.max_num_seqs)
     runs = 0
     for width in widths:
         for t in prefills:
             runs += _step(scratch, _split(t, longest), width) is not None
-        for q in queries:  # block tables of 1, 3 and 16 blocks a row under a query of q tokens
-            for blocks in (1, 3, 16):
-                context = blocks * bs - q
-                if context >= 1:
-                    runs += _step(scratch, [(context, q)], width) is not None
+        for q in queries:  # under a query of q tokens, block tables of each row-stride class
+            for blocks in _stride_classes(-(-q // bs)):
+                runs += _step(scratch, [(blocks * bs - q, q)], width) is not None
         if engine.graphs is None:
             for b in decodes:
                 for blocks in (1, 3, 16):
