@@ -114,6 +114,8 @@ async def send(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         out.error = f"{type(e).__name__}: {e}"
     out.latency = time.perf_counter() - start
+    if out.ok and not out.output_tokens and out.ttft:  # a server that sends no usage: one token a chunk
+        out.output_tokens = len(out.itl) + 1
     if out.ok and out.ttft == 0.0:
         out.error = "no token streamed"
     return out
