@@ -144,3 +144,25 @@ def test_random_adds_aborts_and_steps_leave_no_block_in_use(setup, overlapped, s
         eng.check_blocks()
     assert not eng.has_unfinished() and eng.step() == []
     assert eng.cache.allocator.num_used == 0 and not eng.requests and len(ops) > 3
+
+
+def test_allocator_reserve_and_the_invariant_catch_what_they_should():
+    from collections import Counter
+
+    from moelora.engine.kv_cache import BlockAllocator
+
+    alloc = BlockAllocator(4, 2)
+    pad = alloc.reserve()
+    assert alloc.num_blocks == 3 and alloc.num_free == 3 and alloc.num_used == 0
+    taken = [alloc.allocate() for _ in range(3)]
+    assert pad not in taken and alloc.num_free == 0
+    alloc.check(Counter(taken))
+    with pytest.raises(AssertionError, match="refcount 1, held by 0"):  # a block no live request holds: a leak
+        alloc.check(Counter(taken[:2]))
+    alloc.register(taken[0], 123)
+    for b in taken:
+        alloc.free(b)
+    alloc.check(Counter())  # one cached-free (evictable) block, two free ones
+    assert alloc.num_free == 3
+    with pytest.raises(AssertionError, match="reserved"):
+        alloc.free(pad)
