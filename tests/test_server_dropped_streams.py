@@ -51,6 +51,9 @@ def test_streams_dropped_mid_decode_leave_no_block_in_use():
     eng = app.state.engine.engine
     assert eng.graphs is not None and eng.cfg.async_scheduling
     with serving(app) as url:
+        warmed = app.state.engine.warmup  # the full GPU warm-up ran, and left no block in use
+        assert warmed is not None and "error" not in warmed and warmed["forwards"] > 50, warmed
+        assert app.state.engine.stats.kv_used == 0
         for _ in range(2):
             statuses, chunks = asyncio.run(load(url))
             assert statuses == [200] * 32 and chunks == [3] * 48

@@ -119,7 +119,7 @@ def test_server_reports_ready_only_after_the_warm_up(tmp_path, monkeypatch):
         early.join(TIMEOUT)
         assert result["r"].usage.completion_tokens >= 1
         assert httpx.get(url + "/health", timeout=TIMEOUT).status_code == 200
-        assert len(calls) == 1 and app.state.engine.stats.kv_used == 0
+        assert len(calls) == 1 and app.state.engine.stats.kv_used == 0 and app.state.engine.warmup["forwards"] > 0
     calls.clear()
     with running_server(model_dir, {}, warmup=False) as (url, _):
         assert httpx.get(url + "/health", timeout=TIMEOUT).status_code == 200 and not calls

@@ -137,6 +137,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._ready = threading.Event()  # set once the warm-up (EngineConfig.warmup) is done
+        self.warmup: dict | None = None  # what it did ({"forwards", "seconds"}) or {"error"}; None: not run
         self._publish()
 
     # event-loop side ----------------------------------------------------------------------------
@@ -223,9 +224,10 @@ class AsyncEngine:
         try:
             if self.engine.cfg.warmup:
                 try:
-                    warm_up(self.engine)
-                except Exception:  # a request of that shape may fail as well, but the others should be served
+                    self.warmup = warm_up(self.engine)
+                except Exception as e:  # a request of that shape may fail as well, but the others should be served
                     log.exception("warm-up failed; serving without it (first requests may compile kernels)")
+                    self.warmup = {"error": f"{type(e).__name__}: {e}"}
             self._ready.set()
             while True:
                 busy = self.engine.has_unfinished()
