@@ -165,13 +165,18 @@ def measure(eng: LLMEngine, conc: int, names: list, steps: int, prompt_len: int 
     return time_decode(eng, random_prompts(conc, prompt_len, vocab, seed=conc), names, steps)[1]
 
 
-def engine(model, cfg: ModelConfig, max_loras: int, rank: int, max_seqs: int, adapters: dict,
-           **engine_kw) -> LLMEngine:
+def engine_config(cfg: ModelConfig, max_loras: int, rank: int, max_seqs: int, device: str = "cuda",
+                  **engine_kw) -> EngineConfig:
     """16 KV blocks (256 tokens) a sequence: room for a prompt and up to ~200 steps without preemption,
     small enough that the no-LoRA and LoRA engines both fit next to the weights."""
-    ecfg = EngineConfig(device="cuda", dtype="bfloat16", kernel_backend="triton", max_loras=max_loras,
+    return EngineConfig(device=device, dtype="bfloat16", kernel_backend="triton", max_loras=max_loras,
                         max_lora_rank=rank, max_num_seqs=max_seqs, max_model_len=512, num_kv_blocks=max_seqs * 16 + 64,
                         block_size=16, **engine_kw).resolve(cfg)
+
+
+def engine(model, cfg: ModelConfig, max_loras: int, rank: int, max_seqs: int, adapters: dict,
+           **engine_kw) -> LLMEngine:
+    ecfg = engine_config(cfg, max_loras, rank, max_seqs, **engine_kw)
     eng = LLMEngine(model, None, ecfg, lambda name, path: adapters[name])
     for name in adapters:
         eng.pool.add(name, name)
@@ -219,6 +224,7 @@ def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank:
     EngineConfig.fused_moe_table, which the engine sets on the shared model's routed experts: each
     turn sets it there again, `moe_table_on`). `pool_rank`: the slots' max rank (max_lora_rank), default
     the adapters' `rank`."""
+    pool_rank = pool_rank or rank  # was passed on as None without --pool-rank: a TypeError in resolve()
     cfg, model, adapters = model_with_adapters(name, layers, 8, rank, pool_rank)
     print(f"model {name}, layers {cfg.num_layers}")
     twin = no_lora_twin(model, cfg)

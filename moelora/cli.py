@@ -151,7 +151,8 @@ def serve_engine_config(args) -> EngineConfig:
                         overlap_shared_experts=not args.no_overlap_shared_experts,
                         overlap_lora=not args.no_overlap_lora,
                         lora_target_modules=tuple(args.lora_target_modules) if args.lora_target_modules else None,
-                        enable_prefix_caching=not args.no_enable_prefix_caching, fused_moe_table=args.fused_moe_table)
+                        enable_prefix_caching=not args.no_enable_prefix_caching, fused_moe_table=args.fused_moe_table,
+                        warmup=not args.skip_warmup)
 
 
 def cmd_serve(args) -> int:
@@ -198,6 +199,9 @@ def _serve_parser(sub) -> None:
                        help="run the LoRA shrink / expert down delta on the main stream (off switch of the "
                             "LoRA side stream)")
     serve.add_argument("--no-enable-prefix-caching", action="store_true", help="no prefix caching")
+    serve.add_argument("--skip-warmup", action="store_true",
+                       help="report ready (/health 200) without first running every kernel shape once: a faster "
+                            "start, but the first requests pay the Triton compiles")
     serve.add_argument("--fused-moe-table", default=None, metavar="JSON",
                        help="tuned fused-MoE launch configs (benchmarks/tune_fused_moe.py's output) to use instead "
                             "of the package's table for the GPU")

@@ -63,6 +63,7 @@ def fuzz_case(model, seed: int) -> tuple[int, int, bool]:
     steps = 0
     while eng.has_unfinished():
         eng.step()
+        eng.check_blocks()
         steps += 1
         for rid, at in list(abort_after.items()):
             if steps == at:

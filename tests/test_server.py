@@ -108,8 +108,12 @@ def serving(app):
         assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
         time.sleep(0.02)
     host, port = sock.getsockname()
+    url = f"http://{host}:{port}"
+    while httpx.get(url + "/health", timeout=TIMEOUT).status_code != 200:  # 503 while the engine warms up
+        assert time.monotonic() < deadline + 600, "server not ready (warm-up: cold Triton compiles on a GPU)"
+        time.sleep(0.05)
     try:
-        yield f"http://{host}:{port}"
+        yield url
     finally:
         server.should_exit = True
         thread.join(15)

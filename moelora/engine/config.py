@@ -89,6 +89,10 @@ class EngineConfig:
     # deployment's model and GPU) read instead of the package's table for the GPU; a shape it lacks
     # takes the heuristic default. None: the package's.
     fused_moe_table: str | None = None
+    # The server runs `engine/warmup.py` before it reports ready (/health 200): the forwards and sampler
+    # paths a request can take, so none compiles a Triton kernel while a client waits. Off: start at once
+    # (tests; the first requests then pay the compiles).
+    warmup: bool = True
 
     @property
     def has_lora_slots(self) -> bool:
@@ -151,6 +155,7 @@ class EngineConfig:
 
     def with_kv_blocks(self, num_blocks: int) -> EngineConfig:
         blocks_per_seq = -(-self.max_model_len // self.block_size)
+        blocks_per_seq += self.use_cuda_graphs  # the graphs' padding block (BlockAllocator.reserve)
         if num_blocks < blocks_per_seq:
             raise ConfigError(f"only {num_blocks} KV blocks fit, but one sequence of max_model_len="
                               f"{self.max_model_len} needs {blocks_per_seq}; lower max_model_len or raise "

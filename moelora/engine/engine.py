@@ -9,6 +9,7 @@ the prefix cache, free finished requests' blocks.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,8 +99,8 @@ class LLMEngine:
         # MLA's expanded decode loops over sequences on the host: graphs need the absorbed form
         graph_safe = cfg.mla_absorbed_decode or not any(isinstance(m, MLAttention) for m in model.modules())
         if cfg.use_cuda_graphs and graph_safe and getattr(model, "supports_cuda_graphs", False):
-            dummy = self.cache.allocator.allocate()  # padding rows of a graph bucket write here, forever
-            self.graphs = CudaGraphRunner(model, self.cache, cfg.max_num_seqs, cfg.max_model_len, dummy,
+            pad = self.cache.allocator.reserve()  # padding rows of a graph bucket write here: in no request's use
+            self.graphs = CudaGraphRunner(model, self.cache, cfg.max_num_seqs, cfg.max_model_len, pad,
                                           row_plan_slots, cfg.base_decode_graphs,
                                           frozenset(self._site_owners.values()))
             self.graphs.capture(self.lora_idle, self._graph_width)
@@ -214,6 +215,20 @@ class LLMEngine:
         if req is not None and not req.finished:
             self.scheduler.finish(req, "abort")
             req.penalty = None
+
+    def check_blocks(self) -> None:
+        """Invariant (tests): the KV blocks in use are exactly those the live requests (waiting, running,
+        held) hold, refcounts included; a finished request holds none, and every unfinished request the
+        engine knows is live in the scheduler. AssertionError otherwise."""
+        s = self.scheduler
+        live = [*s.waiting, *s.running, *s.held]
+        assert not any(r.finished for r in live), "a finished request is still scheduled"
+        assert {id(r) for r in self.requests.values() if not r.finished} <= {id(r) for r in live}, \
+            "an unfinished request is in no scheduler queue"
+        launched = self._launched.step.requests if self._launched is not None else []
+        for r in [*self.requests.values(), *launched, *self._settled]:
+            assert not (r.finished and r.block_ids), f"finished request {r.request_id} holds blocks {r.block_ids}"
+        self.cache.allocator.check(Counter(b for r in live for b in r.block_ids))
 
     def has_unfinished(self) -> bool:
         """Requests wait, run, or have a token in flight (a step in flight whose requests all

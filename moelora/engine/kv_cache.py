@@ -13,7 +13,7 @@ refcount drops to zero stays cached (and reusable) until the allocator needs it,
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 import torch
 
@@ -30,6 +30,18 @@ class BlockAllocator:
         self._hash_of: dict[int, int] = {}  # block -> prefix hash, for cached blocks
         self._cached: dict[int, int] = {}  # prefix hash -> block
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks with ref 0, LRU first
+        self.reserved: list[int] = []  # blocks out of circulation for good (`reserve`)
+
+    def reserve(self) -> int:
+        """Take a never-used block out of circulation for good (the decode graphs' padding rows write
+        there): neither free nor in use, and `num_blocks`, the blocks requests can hold, drops by one.
+        (It was allocated like a request's block, so an idle engine showed one block in use forever.)"""
+        if not self._free or self.num_blocks < 2:
+            raise CapacityError(f"no block left to reserve ({self.num_blocks} blocks, {len(self._free)} never used)")
+        block = self._free.pop()
+        self.reserved.append(block)
+        self.num_blocks -= 1
+        return block
 
     @property
     def num_free(self) -> int:
@@ -52,7 +64,7 @@ class BlockAllocator:
         return block
 
     def free(self, block: int) -> None:
-        assert self._ref[block] > 0, f"double free of block {block}"
+        assert self._ref[block] > 0, f"double free of block {block}" + (" (reserved)" if block in self.reserved else "")
         self._ref[block] -= 1
         if self._ref[block] == 0:
             if block in self._hash_of:
@@ -69,6 +81,23 @@ class BlockAllocator:
             del self._evictable[block]
         self._ref[block] += 1
         return block
+
+    def check(self, held: Counter) -> None:
+        """Invariant (tests, debugging): `held` (block -> how many live requests hold it) accounts for every
+        reference; a block with none is exactly once either free or (cached) evictable. AssertionError
+        naming the first blocks that disagree otherwise."""
+        free, evictable = Counter(self._free), set(self._evictable)
+        bad = []
+        for block in sorted(set(range(len(self._ref))) - set(self.reserved)):
+            ref, where = self._ref[block], free[block] + (block in evictable)
+            if ref != held.get(block, 0) or where != (ref == 0) or (block in evictable) != (
+                    ref == 0 and block in self._hash_of):
+                bad.append(f"block {block}: refcount {ref}, held by {held.get(block, 0)} live requests, "
+                           f"{free[block]}x on the free list, {'' if block in evictable else 'not '}evictable")
+        bad += [f"reserved block {b} is in circulation" for b in self.reserved if self._ref[b] or free[b] or b in held]
+        if bad:
+            raise AssertionError(f"KV block accounting broken ({len(bad)} blocks): " + "; ".join(bad[:4]))
+        assert self.num_used == len(held), (self.num_used, len(held))
 
     def register(self, block: int, prefix_hash: int) -> None:
         """Record that `block` holds the full block whose prefix hash is `prefix_hash`."""

@@ -128,6 +128,9 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     async def health():
         if not engine.alive:
             raise ApiError(503, "the engine thread is not running")
+        if not engine.ready:  # not an error to count in the metrics: probes poll this while the server starts
+            return JSONResponse(error_body(503, "warming up (running every kernel shape once); retry shortly"),
+                                status_code=503, headers={"Retry-After": "1"})
         return Response(status_code=200)
 
     @app.api_route("/ping", methods=["GET", "POST"])

@@ -7,11 +7,12 @@ work (and blocks on the queue while there is none), and hands each request's new
 its asyncio queue with one `loop.call_soon_threadsafe` per step. The thread only ships token
 ids: detokenisation happens on the event loop (`engine/detokenize.py`), off the step's critical path.
 
-After every command batch and every step the thread publishes an immutable `EngineStats`
-(queue lengths, KV and adapter-slot use, the registered adapters), which the server reads
-without touching the engine. Admission control: `open()` refuses (`Overloaded`) while the
-requests not yet scheduled (in the command queue or the scheduler's waiting list) reach
-`max_waiting`; the count is exact because both sides update it under one lock.
+The thread first runs the warm-up (`engine/warmup.py`, unless `EngineConfig.warmup` is off) and only
+then reports `ready`; commands sent meanwhile wait in the queue. After every command batch and every
+step the thread publishes an immutable `EngineStats` (queue lengths, KV and adapter-slot use, the
+registered adapters), which the server reads without touching the engine. Admission control: `open()`
+refuses (`Overloaded`) while the requests not yet scheduled (in the command queue or the scheduler's
+waiting list) reach `max_waiting`; the count is exact because both sides update it under one lock.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 
 from moelora.engine.engine import LLMEngine
 from moelora.engine.request import SamplingParams
+from moelora.engine.warmup import warm_up
 from moelora.errors import AdapterError, MoeLoRAError
 
 log = logging.getLogger("moelora.server")
@@ -135,6 +137,8 @@ class AsyncEngine:
         self._stats = EngineStats()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._ready = threading.Event()  # set once the warm-up (EngineConfig.warmup) is done
+        self.warmup: dict | None = None  # what it did ({"forwards", "seconds"}) or {"error"}; None: not run
         self._publish()
 
     # event-loop side ----------------------------------------------------------------------------
@@ -147,6 +151,14 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def ready(self) -> bool:
+        """Running and warmed up: no request will compile a kernel (requests sent before are queued)."""
+        return self.alive and self._ready.is_set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self._ready.wait(timeout) and self.alive
 
     @property
     def stats(self) -> EngineStats:
@@ -211,6 +223,13 @@ class AsyncEngine:
     # engine thread ------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            if self.engine.cfg.warmup:
+                try:
+                    self.warmup = warm_up(self.engine)
+                except Exception as e:  # a request of that shape may fail as well, but the others should be served
+                    log.exception("warm-up failed; serving without it (first requests may compile kernels)")
+                    self.warmup = {"error": f"{type(e).__name__}: {e}"}
+            self._ready.set()
             while True:
                 busy = self.engine.has_unfinished()
                 command = self._commands.get() if not busy else self._get_nowait()
