@@ -13,8 +13,9 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError", 409: "ConflictError",
-               500: "InternalServerError", 503: "ServiceUnavailableError"}
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
+               405: "MethodNotAllowedError", 409: "ConflictError", 500: "InternalServerError",
+               503: "ServiceUnavailableError"}
 
 
 class ApiError(Exception):

@@ -36,6 +36,15 @@ class ServerConfig:
     model_path: str
     max_waiting_requests: int = 1024  # 503 once this many requests wait to be scheduled
     retry_after_s: int = 1
+    api_keys: tuple[str, ...] = ()  # any of them as `Authorization: Bearer KEY` (none: no authentication)
+    allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter served
+    lora_roots: tuple[str, ...] = ()  # a runtime load reads only paths inside one of these (none: anywhere)
+    max_logprobs: int = 20  # the most logprobs / top_logprobs a request may ask for
+    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:{id}"
+    enable_log_requests: bool = False  # log each request's fields (at info)
+    log_stats_interval_s: float = 10.0  # throughput / queue / cache log line while busy (0: off)
+    default_sampling: tuple[tuple[str, object], ...] = ()  # --generation-config defaults, for unset fields
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,7 @@ class OpenAIServing:
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.cfg.max_model_len
         self._token_text: dict[int, str] = {}
+        self.defaults = dict(cfg.default_sampling)  # --generation-config: for the fields a request leaves unset
 
     # models -------------------------------------------------------------------------------------
     def resolve_model(self, name: str) -> str | None:
@@ -127,8 +137,9 @@ class OpenAIServing:
 
     def _params(self, body: _Sampling, max_tokens: int | None, prompt_len: int, logprobs: int | None,
                 choice: int) -> SamplingParams:
+        d = self.defaults
         if max_tokens is None:
-            max_tokens = self.max_model_len - prompt_len
+            max_tokens = min(self.max_model_len - prompt_len, d.get("max_tokens", self.max_model_len))
         elif prompt_len + max_tokens > self.max_model_len:
             raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
                            f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
@@ -136,12 +147,14 @@ class OpenAIServing:
         seed = None if body.seed is None else body.seed + choice  # n > 1: distinct, reproducible choices
         try:
             return SamplingParams(
-                max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k is None else body.top_k,
+                max_tokens=max_tokens, temperature=d.get("temperature", 1.0) if body.temperature is None
+                else body.temperature, top_p=d.get("top_p", 1.0) if body.top_p is None else body.top_p,
+                top_k=d.get("top_k", -1) if body.top_k is None else body.top_k,
                 seed=seed, stop=body.stop_strings(), stop_token_ids=tuple(body.stop_token_ids or ()),
                 ignore_eos=body.ignore_eos, logprobs=logprobs,
                 presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                repetition_penalty=d.get("repetition_penalty", 1.0) if body.repetition_penalty is None
+                else body.repetition_penalty,
                 logit_bias=body.logit_bias or {}, min_tokens=body.min_tokens)
         except RequestError as e:
             raise ApiError(400, str(e)) from None
@@ -230,7 +243,8 @@ class OpenAIServing:
         resp = _Response("cmpl", body.model, sum(len(ids) for ids in encoded))
         stream = events = None
         if body.max_tokens != 0:
-            specs = [GenerateSpec(ids, self._params(body, body.max_tokens, len(ids), body.logprobs, j), adapter)
+            specs = [GenerateSpec(ids, self._params(body, body.max_tokens, len(ids), body.logprobs, j), adapter,
+                                  body.n)
                      for ids in encoded for j in range(body.n)]
             stream = await self._open(specs, label)
             events = self._run(stream, body.stop_strings(), label, arrival, incremental=body.stream)
@@ -328,7 +342,7 @@ class OpenAIServing:
         ids = self._encode(self._chat_text(body.messages, body.add_generation_prompt), "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        specs = [GenerateSpec(ids, self._params(body, max_tokens, len(ids), logprobs, j), adapter)
+        specs = [GenerateSpec(ids, self._params(body, max_tokens, len(ids), logprobs, j), adapter, body.n)
                  for j in range(body.n)]
         stream = await self._open(specs, label)
         resp = _Response("chatcmpl", body.model, len(ids))
