@@ -150,3 +150,17 @@ def test_lora_requests_info_follows_the_running_adapters_and_aborts_count(server
     m = scrape(url)
     assert value(m, "vllm:request_success", "vllm:request_success_total", finished_reason="abort") == aborted + 1
     assert lora_info(url)[0]["running_lora_adapters"] == ""
+
+
+def test_engine_thread_histogram_buckets_are_inclusive_and_cumulative():
+    from moelora.server.metrics import _Hist
+
+    h = _Hist((0.1, 0.5, 1.0))
+    for v in (0.05, 0.1, 0.1000001, 0.5, 3.0):
+        h.observe(v)
+    fam = h.family("vllm:x", "doc", {"model_name": "m", "engine": "0"})
+    got = {s.labels["le"]: s.value for s in fam.samples if s.name == "vllm:x_bucket"}
+    assert got == {"0.1": 2, "0.5": 4, "1.0": 4, "+Inf": 5}
+    (count,) = [s.value for s in fam.samples if s.name == "vllm:x_count"]
+    (total,) = [s.value for s in fam.samples if s.name == "vllm:x_sum"]
+    assert count == 5 and total == pytest.approx(3.7500001)

@@ -68,7 +68,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        logger = asyncio.ensure_future(log_stats_while_serving(lambda: engine.stats, metrics.vllm.totals,
+        logger = asyncio.ensure_future(log_stats_while_serving(lambda: engine.stats, metrics.vllm,
                                                                 cfg.log_stats_interval_s))
         try:
             yield

@@ -14,10 +14,13 @@ Two families of series (every one is listed, with its meaning, in moelora/server
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
+from itertools import accumulate
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from moelora.engine.request import Request
 from moelora.server.async_engine import EngineStats, GenerateSpec
@@ -106,45 +109,46 @@ class _EngineCollector:
                                   value=s.evictions)
 
 
+class _Hist:
+    """A histogram the engine thread fills without a lock: one bisect and two additions an observation
+    (prometheus_client's Histogram costs ~4 us an observation, ~1 ms a step at 256 requests). Only the
+    engine thread writes; a scrape reads counts that may lag one observation behind the sum."""
+
+    def __init__(self, bounds: Sequence[float]):
+        self.bounds, self.counts, self.sum = tuple(bounds), [0] * (len(bounds) + 1), 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # le is inclusive: the first bound >= value
+        self.sum += value
+
+    def family(self, name: str, doc: str, labels: dict[str, str]) -> HistogramMetricFamily:
+        h = HistogramMetricFamily(name, doc, labels=list(labels))
+        cumulative = list(accumulate(self.counts))
+        buckets = [(floatToGoString(b), c) for b, c in zip(self.bounds, cumulative, strict=False)]
+        h.add_metric(list(labels.values()), buckets + [("+Inf", cumulative[-1])], self.sum)
+        return h
+
+
+_PHASES = {"e2e": ("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds."),
+           "queue": ("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request."),
+           "prefill": ("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request."),
+           "decode": ("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request."),
+           "inference": ("request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.")}
+
+
 class _VllmRequestSeries:
-    """vLLM's request series, recorded on the engine thread (a `RequestObserver`)."""
+    """vLLM's request series: filled on the engine thread (a `RequestObserver`), exposed at scrape time (a
+    collector)."""
 
-    def __init__(self, r: CollectorRegistry, labels: dict[str, str], max_model_len: int):
-        names, values = list(labels), list(labels.values())
-
-        def counter(name, doc):
-            return Counter(f"vllm:{name}", doc, names, registry=r).labels(*values)
-
-        def hist(name, doc, buckets):
-            return Histogram(f"vllm:{name}", doc, names, buckets=buckets, registry=r).labels(*values)
-
+    def __init__(self, labels: dict[str, str], max_model_len: int):
+        self.labels = labels
         tokens = buckets_1_2_5(max_model_len)
-        self.totals = [0, 0]  # prompt, generation tokens so far (the periodic stats log line reads them)
-        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
-        success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                          [*names, "finished_reason"], registry=r)
-        self.success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
-        self.prompt_len = hist("request_prompt_tokens", "Number of prefill tokens processed.", tokens)
-        self.generation_len = hist("request_generation_tokens", "Number of generation tokens processed.", tokens)
-        self.params_n = hist("request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
-        self.params_max_tokens = hist("request_params_max_tokens", "Histogram of the max_tokens request "
-                                      "parameter.", tokens)
-        self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                         TTFT_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
-        self.tpot = hist("time_per_output_token_seconds", "Histogram of time per output token in seconds "
-                         "(vLLM's older name of inter_token_latency_seconds).", ITL_BUCKETS)
-        self.request_tpot = hist("request_time_per_output_token_seconds", "Histogram of "
-                                 "time_per_output_token_seconds per request.", ITL_BUCKETS)
-        phases = {"e2e": ("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds."),
-                  "queue": ("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request."),
-                  "prefill": ("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for "
-                              "request."),
-                  "decode": ("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request."),
-                  "inference": ("request_inference_time_seconds", "Histogram of time spent in RUNNING phase for "
-                                "request.")}
-        self.phase = {key: hist(name, doc, REQUEST_LATENCY_BUCKETS) for key, (name, doc) in phases.items()}
+        self.prompt_tokens = self.generation_tokens = 0  # the periodic stats line reads them too
+        self.success = dict.fromkeys(FINISH_REASONS, 0)
+        self.prompt_len, self.generation_len = _Hist(tokens), _Hist(tokens)
+        self.params_n, self.params_max_tokens = _Hist(N_BUCKETS), _Hist(tokens)
+        self.ttft, self.itl, self.request_tpot = _Hist(TTFT_BUCKETS), _Hist(ITL_BUCKETS), _Hist(ITL_BUCKETS)
+        self.phase = {key: _Hist(REQUEST_LATENCY_BUCKETS) for key in _PHASES}
 
     # RequestObserver ----------------------------------------------------------------------------
     def added(self, specs: Sequence[GenerateSpec]) -> None:
@@ -153,33 +157,60 @@ class _VllmRequestSeries:
                 self.params_n.observe(spec.n)
 
     def tokens(self, req: Request, new: int, gap: float | None) -> None:
-        self.generation_tokens.inc(new)
-        self.totals[1] += new
+        self.generation_tokens += new
         if gap is None:
-            self.prompt_tokens.inc(len(req.prompt_ids))
-            self.totals[0] += len(req.prompt_ids)
+            self.prompt_tokens += len(req.prompt_ids)
             self.ttft.observe(req.first_token_time - req.arrival)
-        elif new:
+        else:
             for _ in range(new):
                 self.itl.observe(gap / new)
-                self.tpot.observe(gap / new)
 
     def finished(self, req: Request, reason: str) -> None:
         end = req.finished_time if req.finished_time is not None else time.monotonic()
         scheduled = req.scheduled_time if req.scheduled_time is not None else end
         first = req.first_token_time if req.first_token_time is not None else end
-        self.success[reason if reason in self.success else "stop"].inc()
-        self.phase["e2e"].observe(end - req.arrival)
-        self.phase["queue"].observe(scheduled - req.arrival)
-        self.phase["prefill"].observe(first - scheduled)
-        self.phase["decode"].observe(end - first)
-        self.phase["inference"].observe(end - scheduled)
+        self.success[reason if reason in self.success else "stop"] += 1
+        phase = self.phase
+        phase["e2e"].observe(end - req.arrival)
+        phase["queue"].observe(scheduled - req.arrival)
+        phase["prefill"].observe(first - scheduled)
+        phase["decode"].observe(end - first)
+        phase["inference"].observe(end - scheduled)
         generated = len(req.output_ids)
         self.prompt_len.observe(len(req.prompt_ids))
         self.generation_len.observe(generated)
         self.params_max_tokens.observe(req.params.max_tokens)
         if generated > 1:
             self.request_tpot.observe((end - first) / (generated - 1))
+
+    # collector ----------------------------------------------------------------------------------
+    def collect(self):
+        labels, names, values = self.labels, list(self.labels), list(self.labels.values())
+        for name, doc, value in (("prompt_tokens", "Number of prefill tokens processed.", self.prompt_tokens),
+                                 ("generation_tokens", "Number of generation tokens processed.",
+                                  self.generation_tokens)):
+            c = CounterMetricFamily(f"vllm:{name}", doc, labels=names)
+            c.add_metric(values, value)
+            yield c
+        c = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
+                                labels=[*names, "finished_reason"])
+        for reason, count in self.success.items():
+            c.add_metric([*values, reason], count)
+        yield c
+        hists = [(self.prompt_len, "request_prompt_tokens", "Number of prefill tokens processed."),
+                 (self.generation_len, "request_generation_tokens", "Number of generation tokens processed."),
+                 (self.params_n, "request_params_n", "Histogram of the n request parameter."),
+                 (self.params_max_tokens, "request_params_max_tokens", "Histogram of the max_tokens request "
+                  "parameter."),
+                 (self.ttft, "time_to_first_token_seconds", "Histogram of time to first token in seconds."),
+                 (self.itl, "inter_token_latency_seconds", "Histogram of inter-token latency in seconds."),
+                 (self.itl, "time_per_output_token_seconds", "Histogram of time per output token in seconds "
+                  "(vLLM's older name of inter_token_latency_seconds)."),
+                 (self.request_tpot, "request_time_per_output_token_seconds", "Histogram of "
+                  "time_per_output_token_seconds per request.")]
+        hists += [(self.phase[key], name, doc) for key, (name, doc) in _PHASES.items()]
+        for hist, name, doc in hists:
+            yield hist.family(f"vllm:{name}", doc, labels)
 
 
 class ServerMetrics:
@@ -189,7 +220,8 @@ class ServerMetrics:
                  cache_config: Mapping[str, object] | None = None, max_loras: int = 0):
         self.registry = r = CollectorRegistry()
         labels = {"model_name": model_name, "engine": "0"}
-        self.vllm = _VllmRequestSeries(r, labels, max_model_len)
+        self.vllm = _VllmRequestSeries(labels, max_model_len)
+        r.register(self.vllm)
         # per adapter (moelora:*): recorded by the request handlers (serving.py)
         self.requests = Counter("moelora:requests", "Finished sequences by model and outcome.",
                                 ["model", "outcome"], registry=r)

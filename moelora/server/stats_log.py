@@ -28,15 +28,16 @@ def stats_line(prev: tuple, now: tuple, stats: EngineStats) -> str | None:
             f"Prefix cache hit rate: {hit_rate:.1%}")
 
 
-async def log_stats_while_serving(stats: Callable[[], EngineStats], totals: list[int], interval_s: float) -> None:
-    """Log `stats_line` every `interval_s` seconds (0: never); `totals` are the [prompt, generation] token
-    counts so far (the metrics' running sums)."""
+async def log_stats_while_serving(stats: Callable[[], EngineStats], totals, interval_s: float) -> None:
+    """Log `stats_line` every `interval_s` seconds (0: never); `totals.prompt_tokens` and
+    `totals.generation_tokens` are the token counts so far (the metrics' running sums)."""
     if interval_s <= 0:
         return
 
     def sample() -> tuple:
         s = stats()
-        return time.monotonic(), totals[0], totals[1], s.prefix_queried_tokens, s.prefix_hit_tokens
+        return time.monotonic(), totals.prompt_tokens, totals.generation_tokens, s.prefix_queried_tokens, \
+            s.prefix_hit_tokens
 
     prev = sample()
     while True:
