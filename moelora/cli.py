@@ -282,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--tolerance", type=float, default=1e-3)
     ver.set_defaults(func=cmd_verify, parser=ver)
     demo = sub.add_parser("demo", help="the bundled model: base and every adapter on the same inputs")
-    demo.add_argument("--device", default=None)
+    demo.add_argument("--device", type=types.device, default=None)
     demo.set_defaults(func=cmd_demo)
     _serve_parser(sub)
     b = sub.add_parser("bench", help="decode throughput with and without the adapters, on this machine")

@@ -71,6 +71,7 @@ def model_dir(tmp_path_factory):
 BAD_FLAGS = [
     (["serve", "--device", "tpu"], "--device"), (["generate", "--device", "tpu", "--prompt", "x"], "--device"),
     (["serve", "--port", "99999"], "--port"), (["serve", "--port", "http"], "--port"),
+    (["demo", "--device", "tpu"], "--device"),
     (["verify", "--lora", "noequals"], "NAME=PATH"), (["serve", "--lora", "=x"], "NAME=PATH"),
     (["serve", "--max-num-seqs", "0"], "--max-num-seqs"), (["serve", "--max-loras", "-1"], "--max-loras"),
     (["serve", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
