@@ -29,7 +29,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="HF model directory (default: the bundled demo)")
     p.add_argument("--lora", action="append", type=types.lora_pair, metavar="NAME=PATH", help="register an adapter")
     p.add_argument("--device", type=types.device, default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--dtype", type=types.dtype, default="auto", help="auto, float32 (float), float16 (half), bfloat16")
     p.add_argument("--max-lora-rank", type=types.non_negative, default=64)
     p.add_argument("--max-loras", type=types.non_negative, default=8, help="device adapter slots")
 

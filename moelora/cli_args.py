@@ -22,6 +22,17 @@ def device(text: str) -> str:
     return text
 
 
+_DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "float16": "float16", "half": "float16",
+           "bfloat16": "bfloat16"}
+
+
+def dtype(text: str) -> str:
+    """vLLM's --dtype spellings (half = float16, float = float32)."""
+    if text not in _DTYPES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(_DTYPES)}")
+    return _DTYPES[text]
+
+
 def port(text: str) -> int:
     value = _int(text)
     if not 0 <= value <= 65535:  # 0: a free port the system picks

@@ -180,5 +180,7 @@ def test_vllm_serve_flags_reach_the_configs(monkeypatch):
     for value, on in (("True", True), ("1", True), ("true", True), ("0", False), ("False", False)):
         monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", value)
         assert serve_options(parse())["allow_runtime_lora_updating"] is on, value
+    assert [parse("--dtype", d).dtype for d in ("half", "float", "bfloat16", "auto")] == [
+        "float16", "float32", "bfloat16", "auto"]
     args = parse("--seed", "7", "--load-format", "dummy", "--chat-template", "{{ x }}", "--generation-config", "vllm")
     assert (args.seed, args.load_format, args.chat_template, args.generation_config) == (7, "dummy", "{{ x }}", "vllm")
