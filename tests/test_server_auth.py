@@ -7,7 +7,7 @@ import shutil
 
 import httpx
 import pytest
-from test_server import ADAPTERS, BASE, TIMEOUT, make_assets, make_client, openai, post, running_server
+from test_server import ADAPTERS, BASE, TIMEOUT, make_assets, make_client, openai, post, running_server, wait_idle
 
 KEYS = ("first-key", "second-key")
 
@@ -66,6 +66,21 @@ def test_the_openai_client_with_and_without_the_key(server):
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEYS[1], max_retries=0, timeout=TIMEOUT)
     out = client.completions.create(model="alpha", prompt="hello", max_tokens=4, temperature=0)
     assert out.usage.completion_tokens >= 1
+
+
+def test_streams_pass_the_key_check_and_a_dropped_one_still_aborts(server):
+    url, app = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEYS[0], max_retries=0, timeout=TIMEOUT)
+    chunks = list(client.completions.create(model="beta", prompt="stream me", max_tokens=6, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert sum(len(c.choices[0].text) > 0 for c in chunks if c.choices) >= 1
+    body = {"model": BASE, "prompt": "long", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=TIMEOUT) as http, http.stream("POST", url + "/v1/completions", json=body,
+                                                            headers=auth(KEYS[1])) as r:
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if line.startswith("data: "))
+        assert app.state.engine.stats.kv_used > 0
+    wait_idle(app)  # the disconnect reached the handler through the middleware: aborted, blocks freed
 
 
 def test_lora_root_confines_runtime_loads(server, assets, tmp_path):
