@@ -24,7 +24,8 @@ COUNTERS = ("prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cac
 HISTOGRAMS = ("request_prompt_tokens", "request_generation_tokens", "request_params_n", "request_params_max_tokens",
               "time_to_first_token_seconds", "inter_token_latency_seconds", "time_per_output_token_seconds",
               "request_time_per_output_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-              "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds")
+              "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
+              "iteration_tokens_total")
 PHASES = ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
           "request_decode_time_seconds", "request_inference_time_seconds")
 
@@ -99,6 +100,12 @@ def test_vllm_series_add_up_to_the_traffic(server):
         assert value(m, f"vllm:{name}", f"vllm:{name}_count") == count, name
         if total is not None:
             assert value(m, f"vllm:{name}", f"vllm:{name}_sum") == total, name
+    # every token but each request's last is computed once (a preempted one again, less what the cache keeps)
+    computed = value(m, "vllm:iteration_tokens_total", "vllm:iteration_tokens_total_sum")
+    cached = value(m, "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total")
+    assert computed >= expect["prompt"] + expect["generated"] - expect["requests"] - cached
+    assert value(m, "vllm:iteration_tokens_total", "vllm:iteration_tokens_total_count") >= max(
+        j[2] for j in jobs)  # at least one step a token of the longest
     sums = {p: value(m, f"vllm:{p}", f"vllm:{p}_sum") for p in PHASES}
     assert all(v > 0 for k, v in sums.items() if k != "request_queue_time_seconds"), sums
     # per request: e2e = queue + inference, inference = prefill + decode

@@ -56,6 +56,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.num_steps = 0  # steps scheduled with work, and the tokens the last of them computes
+        self.last_step_tokens = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -199,6 +201,9 @@ class Scheduler:
             self._admit(step, budget)
         for req, n in zip(step.requests, step.num_new, strict=True):
             self.served[req.adapter] += n
+        if step.requests:
+            self.num_steps += 1
+            self.last_step_tokens = step.num_tokens
         if not step.requests and self.waiting and not self.running and not self.held:
             req = self.waiting[0]
             raise CapacityError(f"request {req.request_id} needs {req.num_tokens} tokens of KV cache, more "

@@ -71,6 +71,9 @@ class RequestObserver(Protocol):
 
     def finished(self, req: Request, reason: str) -> None: ...
 
+    def step(self, tokens: int) -> None:
+        """A step was scheduled that computes `tokens` tokens (prefill chunks and decodes)."""
+
 
 @dataclass(frozen=True)
 class Delta:
@@ -325,6 +328,7 @@ class AsyncEngine:
         del self._adapters[name]  # its cached KV is keyed by pool.cache_key: a reload never reuses it
 
     def _step(self) -> None:
+        steps = self.engine.scheduler.num_steps
         try:
             changed = self.engine.step()
         except Exception as e:  # a failed step fails the requests in it, not the server
@@ -334,6 +338,8 @@ class AsyncEngine:
         now = time.monotonic()
         batches: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         observer = self._observer
+        if observer is not None and self.engine.scheduler.num_steps != steps:
+            observer.step(self.engine.scheduler.last_step_tokens)
         for req in changed:
             live = self._live.get(req.request_id)
             if live is None:

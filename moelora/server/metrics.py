@@ -33,6 +33,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                            240.0, 480.0, 960.0, 1920.0, 7680.0)
 N_BUCKETS = (1, 2, 5, 10, 20)
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # moelora's per-adapter latency series (finer at the low end: a small model's tokens come in milliseconds)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -149,12 +150,16 @@ class _VllmRequestSeries:
         self.params_n, self.params_max_tokens = _Hist(N_BUCKETS), _Hist(tokens)
         self.ttft, self.itl, self.request_tpot = _Hist(TTFT_BUCKETS), _Hist(ITL_BUCKETS), _Hist(ITL_BUCKETS)
         self.phase = {key: _Hist(REQUEST_LATENCY_BUCKETS) for key in _PHASES}
+        self.iteration = _Hist(ITERATION_BUCKETS)
 
     # RequestObserver ----------------------------------------------------------------------------
     def added(self, specs: Sequence[GenerateSpec]) -> None:
         for i, spec in enumerate(specs):
             if i % spec.n == 0:  # once per prompt: its n choices are consecutive
                 self.params_n.observe(spec.n)
+
+    def step(self, tokens: int) -> None:
+        self.iteration.observe(tokens)
 
     def tokens(self, req: Request, new: int, gap: float | None) -> None:
         self.generation_tokens += new
@@ -207,7 +212,8 @@ class _VllmRequestSeries:
                  (self.itl, "time_per_output_token_seconds", "Histogram of time per output token in seconds "
                   "(vLLM's older name of inter_token_latency_seconds)."),
                  (self.request_tpot, "request_time_per_output_token_seconds", "Histogram of "
-                  "time_per_output_token_seconds per request.")]
+                  "time_per_output_token_seconds per request."),
+                 (self.iteration, "iteration_tokens_total", "Histogram of number of tokens per engine_step.")]
         hists += [(self.phase[key], name, doc) for key, (name, doc) in _PHASES.items()]
         for hist, name, doc in hists:
             yield hist.family(f"vllm:{name}", doc, labels)
