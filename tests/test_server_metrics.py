@@ -160,9 +160,9 @@ def test_lora_requests_info_follows_the_running_adapters_and_aborts_count(server
 
 
 def test_engine_thread_histogram_buckets_are_inclusive_and_cumulative():
-    from moelora.server.metrics import _Hist
+    from moelora.server.metric_types import Hist
 
-    h = _Hist((0.1, 0.5, 1.0))
+    h = Hist((0.1, 0.5, 1.0))
     for v in (0.05, 0.1, 0.1000001, 0.5, 3.0):
         h.observe(v)
     fam = h.family("vllm:x", "doc", {"model_name": "m", "engine": "0"})

@@ -14,16 +14,14 @@ Two families of series (every one is listed, with its meaning, in moelora/server
 from __future__ import annotations
 
 import time
-from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
-from itertools import accumulate
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.utils import floatToGoString
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from moelora.engine.request import Request
 from moelora.server.async_engine import EngineStats, GenerateSpec
+from moelora.server.metric_types import Family, Hist
 
 # vLLM's buckets (its PrometheusStatLogger): first-token, inter-token and whole-request latencies
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -110,26 +108,6 @@ class _EngineCollector:
                                   value=s.evictions)
 
 
-class _Hist:
-    """A histogram the engine thread fills without a lock: one bisect and two additions an observation
-    (prometheus_client's Histogram costs ~4 us an observation, ~1 ms a step at 256 requests). Only the
-    engine thread writes; a scrape reads counts that may lag one observation behind the sum."""
-
-    def __init__(self, bounds: Sequence[float]):
-        self.bounds, self.counts, self.sum = tuple(bounds), [0] * (len(bounds) + 1), 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1  # le is inclusive: the first bound >= value
-        self.sum += value
-
-    def family(self, name: str, doc: str, labels: dict[str, str]) -> HistogramMetricFamily:
-        h = HistogramMetricFamily(name, doc, labels=list(labels))
-        cumulative = list(accumulate(self.counts))
-        buckets = [(floatToGoString(b), c) for b, c in zip(self.bounds, cumulative, strict=False)]
-        h.add_metric(list(labels.values()), buckets + [("+Inf", cumulative[-1])], self.sum)
-        return h
-
-
 _PHASES = {"e2e": ("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds."),
            "queue": ("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request."),
            "prefill": ("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request."),
@@ -146,11 +124,11 @@ class _VllmRequestSeries:
         tokens = buckets_1_2_5(max_model_len)
         self.prompt_tokens = self.generation_tokens = 0  # the periodic stats line reads them too
         self.success = dict.fromkeys(FINISH_REASONS, 0)
-        self.prompt_len, self.generation_len = _Hist(tokens), _Hist(tokens)
-        self.params_n, self.params_max_tokens = _Hist(N_BUCKETS), _Hist(tokens)
-        self.ttft, self.itl, self.request_tpot = _Hist(TTFT_BUCKETS), _Hist(ITL_BUCKETS), _Hist(ITL_BUCKETS)
-        self.phase = {key: _Hist(REQUEST_LATENCY_BUCKETS) for key in _PHASES}
-        self.iteration = _Hist(ITERATION_BUCKETS)
+        self.prompt_len, self.generation_len = Hist(tokens), Hist(tokens)
+        self.params_n, self.params_max_tokens = Hist(N_BUCKETS), Hist(tokens)
+        self.ttft, self.itl, self.request_tpot = Hist(TTFT_BUCKETS), Hist(ITL_BUCKETS), Hist(ITL_BUCKETS)
+        self.phase = {key: Hist(REQUEST_LATENCY_BUCKETS) for key in _PHASES}
+        self.iteration = Hist(ITERATION_BUCKETS)
 
     # RequestObserver ----------------------------------------------------------------------------
     def added(self, specs: Sequence[GenerateSpec]) -> None:
@@ -228,19 +206,19 @@ class ServerMetrics:
         labels = {"model_name": model_name, "engine": "0"}
         self.vllm = _VllmRequestSeries(labels, max_model_len)
         r.register(self.vllm)
-        # per adapter (moelora:*): recorded by the request handlers (serving.py)
-        self.requests = Counter("moelora:requests", "Finished sequences by model and outcome.",
-                                ["model", "outcome"], registry=r)
-        self.errors = Counter("moelora:request_errors", "Requests refused with an HTTP error.", ["status"],
-                              registry=r)
-        self.prompt_tokens = Counter("moelora:prompt_tokens", "Prompt tokens admitted.", ["model"], registry=r)
-        self.generation_tokens = Counter("moelora:generation_tokens", "Tokens generated.", ["model"], registry=r)
-        self.ttft = Histogram("moelora:time_to_first_token_seconds", "Arrival to first token.", ["model"],
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("moelora:inter_token_latency_seconds", "Time between consecutive tokens.",
-                             ["model"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("moelora:e2e_request_latency_seconds", "Arrival to finish.", ["model"],
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        # per adapter (moelora:*): recorded by the request handlers (serving.py), on the event loop
+        self.requests = Family("moelora:requests", "Finished sequences by model and outcome.", ["model", "outcome"])
+        self.errors = Family("moelora:request_errors", "Requests refused with an HTTP error.", ["status"])
+        self.prompt_tokens = Family("moelora:prompt_tokens", "Prompt tokens admitted.", ["model"])
+        self.generation_tokens = Family("moelora:generation_tokens", "Tokens generated.", ["model"])
+        self.ttft = Family("moelora:time_to_first_token_seconds", "Arrival to first token.", ["model"],
+                           _LATENCY_BUCKETS)
+        self.itl = Family("moelora:inter_token_latency_seconds", "Time between consecutive tokens.", ["model"],
+                          _LATENCY_BUCKETS)
+        self.e2e = Family("moelora:e2e_request_latency_seconds", "Arrival to finish.", ["model"], _LATENCY_BUCKETS)
+        for family in (self.requests, self.errors, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl,
+                       self.e2e):
+            r.register(family)
         r.register(_EngineCollector(stats, labels, cache_config or {}, max_loras))
 
     @property
