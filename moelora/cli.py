@@ -9,24 +9,15 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from moelora import cli_args as types
 from moelora.errors import MoeLoRAError
 
 if TYPE_CHECKING:
     from moelora.engine.config import EngineConfig
 
 
-def _lora_pairs(items: list[str] | None) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in items or []:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise SystemExit(f"--lora expects NAME=PATH, got {item!r}")
-        out[name] = path
-    return out
-
-
 def _model_and_adapters(args) -> tuple[str, dict[str, str]]:
-    adapters = _lora_pairs(args.lora)
+    adapters = dict(args.lora or ())
     if args.model:
         return args.model, adapters
     from moelora.demo import ADAPTER_NAMES, adapter_dir, model_dir
@@ -36,16 +27,16 @@ def _model_and_adapters(args) -> tuple[str, dict[str, str]]:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="HF model directory (default: the bundled demo)")
-    p.add_argument("--lora", action="append", metavar="NAME=PATH", help="register an adapter")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
-    p.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
-    p.add_argument("--max-lora-rank", type=int, default=64)
-    p.add_argument("--max-loras", type=int, default=8)
+    p.add_argument("--lora", action="append", type=types.lora_pair, metavar="NAME=PATH", help="register an adapter")
+    p.add_argument("--device", type=types.device, default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    p.add_argument("--dtype", type=types.dtype, default="auto", help="auto, float32 (float), float16 (half), bfloat16")
+    p.add_argument("--max-lora-rank", type=types.non_negative, default=64)
+    p.add_argument("--max-loras", type=types.non_negative, default=8, help="device adapter slots")
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     """The engine flags `serve` and `bench` share (vLLM's names)."""
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--gpu-memory-utilization", type=types.fraction, default=0.9)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--kernel-backend", choices=["triton", "torch"], default=None,
                    help="default: triton on CUDA, torch on the CPU")
@@ -101,9 +92,12 @@ def cmd_demo(args) -> int:
 
 def _ints(text: str) -> list[int]:
     try:
-        return [int(v) for v in text.split(",") if v]
+        values = [int(v) for v in text.split(",") if v]
     except ValueError:
-        raise SystemExit(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
 
 
 def cmd_bench(args) -> int:
@@ -114,7 +108,7 @@ def cmd_bench(args) -> int:
     from moelora.bench import bench, format_runs
 
     model, adapters = _model_and_adapters(args)
-    concs = _ints(args.conc)
+    concs = args.conc
     eng = _llm(args, model, adapters, kernel_backend=args.kernel_backend, max_num_seqs=max(concs, default=1),
                enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
                progress=True).engine
@@ -145,27 +139,53 @@ def serve_engine_config(args) -> EngineConfig:
 
     return EngineConfig(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                         max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+                        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
                         enforce_eager=args.enforce_eager, kernel_backend=args.kernel_backend,
                         async_adapter_loading=not args.no_async_adapter_loading, async_scheduling=args.async_scheduling,
                         overlap_shared_experts=not args.no_overlap_shared_experts,
                         overlap_lora=not args.no_overlap_lora,
                         lora_target_modules=tuple(args.lora_target_modules) if args.lora_target_modules else None,
-                        enable_prefix_caching=not args.no_enable_prefix_caching, fused_moe_table=args.fused_moe_table,
+                        enable_prefix_caching=args.enable_prefix_caching, fused_moe_table=args.fused_moe_table,
                         warmup=not args.skip_warmup)
 
 
-def cmd_serve(args) -> int:
-    from moelora.server.launch import build_server, parse_lora_modules, run_server
+def serve_options(args) -> dict:
+    """The `ServerConfig` fields `moelora serve`'s flags (and vLLM's environment variables) set."""
+    return dict(api_keys=types.api_keys(args.api_key),
+                allow_runtime_lora_updating=(args.allow_runtime_lora_updating
+                                             or types.env_true("VLLM_ALLOW_RUNTIME_LORA_UPDATING")),
+                lora_roots=tuple(args.lora_root or ()), max_logprobs=args.max_logprobs,
+                enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                enable_log_requests=args.enable_log_requests and not args.disable_log_requests,
+                log_stats_interval_s=0.0 if args.disable_log_stats else 10.0)
 
-    model, adapters = _model_and_adapters(args)  # no MODEL: the demo and its adapters, plus --lora
-    names = args.served_model_name or ([args.model] if args.model else ["moelora-demo"])
+
+def serve_adapters(args) -> tuple[str, dict[str, str]]:
+    """The model and every adapter `serve` registers: the demo's (no MODEL), --lora and --lora-modules."""
+    from moelora.server.launch import parse_lora_modules
+
+    model, adapters = _model_and_adapters(args)
     for name, path in parse_lora_modules(args.lora_modules).items():
         if name in adapters and adapters[name] != path:
-            raise SystemExit(f"adapter {name!r} is given twice with different paths")
+            raise MoeLoRAError(f"adapter {name!r} is given twice with different paths")
         adapters[name] = path
-    cfg = serve_engine_config(args)
-    app = build_server(model, adapters, cfg, names, args.max_waiting_requests, progress=True)
+    return model, adapters
+
+
+def cmd_serve(args) -> int:
+    import torch
+
+    from moelora.server.launch import build_server, run_server
+
+    model, adapters = serve_adapters(args)
+    names = args.served_model_name or ([args.model] if args.model else ["moelora-demo"])
+    if args.seed is not None:
+        torch.manual_seed(args.seed)  # requests without a seed of their own draw from it
+    app = build_server(model, adapters, serve_engine_config(args), names, args.max_waiting_requests, progress=True,
+                       load_format=args.load_format, tokenizer=args.tokenizer, chat_template=args.chat_template,
+                       seed=args.seed or 0, generation_config=args.generation_config, **serve_options(args))
     run_server(app, args.host, args.port, args.uvicorn_log_level)
     return 0
 
@@ -178,7 +198,7 @@ def _serve_parser(sub) -> None:
     serve.add_argument("--enable-lora", action="store_true", help="accepted for vLLM compatibility (always on)")
     serve.add_argument("--served-model-name", nargs="+", help="names of the base model (default: MODEL)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=types.port, default=8000)
     serve.add_argument("--max-cpu-loras", type=int, default=None,
                        help="adapters kept in host memory (page-locked unless --no-async-adapter-loading); "
                             "default max(32, --max-loras)")
@@ -186,8 +206,11 @@ def _serve_parser(sub) -> None:
                        help="modules that carry LoRA (e.g. q_proj k_proj v_proj o_proj experts), or 'auto': those "
                             "the --lora-modules adapters have LoRA on; the others launch no LoRA kernels and "
                             "adapters with LoRA elsewhere are refused (default: all)")
-    serve.add_argument("--max-num-seqs", type=int, default=64)
-    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--max-num-seqs", type=types.positive, default=64)
+    serve.add_argument("--max-model-len", type=types.positive, default=None)
+    serve.add_argument("--max-num-batched-tokens", type=types.positive, default=2048,
+                       help="tokens one step computes at most (chunked prefill)")
+    serve.add_argument("--block-size", type=types.positive, default=16, help="tokens a KV cache block holds")
     _engine_flags(serve)
     serve.add_argument("--no-async-adapter-loading", action="store_true",
                        help="write adapter slots on the main stream (off switch of the side-stream loads)")
@@ -198,7 +221,10 @@ def _serve_parser(sub) -> None:
     serve.add_argument("--no-overlap-lora", action="store_true",
                        help="run the LoRA shrink / expert down delta on the main stream (off switch of the "
                             "LoRA side stream)")
-    serve.add_argument("--no-enable-prefix-caching", action="store_true", help="no prefix caching")
+    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="reuse the KV of shared prompt prefixes (default on)")
+    serve.add_argument("--disable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                       help="same as --no-enable-prefix-caching")
     serve.add_argument("--skip-warmup", action="store_true",
                        help="report ready (/health 200) without first running every kernel shape once: a faster "
                             "start, but the first requests pay the Triton compiles")
@@ -208,7 +234,36 @@ def _serve_parser(sub) -> None:
     serve.add_argument("--max-waiting-requests", type=int, default=1024,
                        help="answer 503 (Retry-After) while this many requests wait to be scheduled")
     serve.add_argument("--uvicorn-log-level", default="info")
-    serve.set_defaults(func=cmd_serve)
+    _serve_vllm_flags(serve)
+    serve.set_defaults(func=cmd_serve, parser=serve)
+
+
+def _serve_vllm_flags(serve: argparse.ArgumentParser) -> None:
+    """vLLM's serve flags beyond the engine's: access, tokenizer, defaults, logging, loading."""
+    serve.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                       help="require Authorization: Bearer KEY on every route but /health, /ping, /metrics, /version "
+                            "(default: $MOELORA_API_KEY, else $VLLM_API_KEY, else none)")
+    serve.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (also: "
+                            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
+    serve.add_argument("--lora-root", action="append", metavar="DIR",
+                       help="a runtime adapter load may read only inside these directories (repeatable)")
+    serve.add_argument("--chat-template", default=None, help="chat template: a file, or the jinja template itself")
+    serve.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer directory (default: MODEL)")
+    serve.add_argument("--seed", type=int, default=None, help="seed of requests without one (and of dummy weights)")
+    serve.add_argument("--max-logprobs", type=types.non_negative, default=20,
+                       help="the most logprobs / top_logprobs a request may ask for")
+    serve.add_argument("--generation-config", default="auto",
+                       help="default sampling fields from generation_config.json: auto (the model's), vllm (none) "
+                            "or a directory")
+    serve.add_argument("--enable-tokenizer-info-endpoint", action="store_true", help="serve GET /tokenizer_info")
+    serve.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help="logprob tokens as 'token_id:{id}'")
+    serve.add_argument("--enable-log-requests", action="store_true", help="log every request's fields")
+    serve.add_argument("--disable-log-requests", action="store_true", help="do not log requests (the default)")
+    serve.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
+    serve.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default="auto",
+                       help="dummy: random weights of config.json's shapes (no checkpoint needed)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -219,36 +274,40 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--adapter", action="append", help="adapter name per run ('base' for none); repeatable")
     gen.add_argument("--prompt", dest="prompts", action="append", required=True, help="a prompt; repeatable")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--max-tokens", type=types.positive, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append")
-    gen.set_defaults(func=cmd_generate)
+    gen.set_defaults(func=cmd_generate, parser=gen)
     ver = sub.add_parser("verify", help="compare logits with transformers + PEFT (needs the dev extra)")
     _common(ver)
     ver.add_argument("--tolerance", type=float, default=1e-3)
-    ver.set_defaults(func=cmd_verify)
+    ver.set_defaults(func=cmd_verify, parser=ver)
     demo = sub.add_parser("demo", help="the bundled model: base and every adapter on the same inputs")
-    demo.add_argument("--device", default=None)
+    demo.add_argument("--device", type=types.device, default=None)
     demo.set_defaults(func=cmd_demo)
     _serve_parser(sub)
     b = sub.add_parser("bench", help="decode throughput with and without the adapters, on this machine")
     _common(b)
-    b.add_argument("--conc", default="1,8,32", help="concurrencies, comma-separated (default 1,8,32)")
-    b.add_argument("--prompt-len", type=int, default=128, help="prompt tokens a request (random ids)")
-    b.add_argument("--steps", type=int, default=32, help="decode steps timed a run")
-    b.add_argument("--repeats", type=int, default=3, help="rounds of every workload (medians)")
+    b.add_argument("--conc", type=_ints, default=[1, 8, 32], help="concurrencies, comma-separated (default 1,8,32)")
+    b.add_argument("--prompt-len", type=types.positive, default=128, help="prompt tokens a request (random ids)")
+    b.add_argument("--steps", type=types.positive, default=32, help="decode steps timed a run")
+    b.add_argument("--repeats", type=types.positive, default=3, help="rounds of every workload (medians)")
     _engine_flags(b)
     b.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
-    b.set_defaults(func=cmd_bench)
+    b.set_defaults(func=cmd_bench, parser=b)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
+        if args.command != "demo":  # every check that needs no model, before one is loaded
+            _, adapters = serve_adapters(args) if args.command == "serve" else _model_and_adapters(args)
+            types.check_args(args.parser, args, adapters)
         return args.func(args)
     except MoeLoRAError as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)

@@ -86,12 +86,14 @@ def free_port() -> socket.socket:
 
 
 @contextmanager
-def running_server(model_dir, adapters, max_waiting=1024, **engine_kw):
-    """The test model with `adapters`, served; yields (base_url, app)."""
+def running_server(model_dir, adapters, max_waiting=1024, server_kw=None, **engine_kw):
+    """The test model with `adapters`, served (runtime adapter loading on, unless `server_kw` says otherwise);
+    yields (base_url, app)."""
     kw = dict(device="cpu", dtype="float32", max_loras=2, max_cpu_loras=2, max_lora_rank=8, max_num_seqs=64,
               block_size=4, num_kv_blocks=2048)
     cfg = EngineConfig(**{**kw, **engine_kw})
-    app = build_server(model_dir, {n: str(p) for n, p in adapters.items()}, cfg, [BASE], max_waiting)
+    app = build_server(model_dir, {n: str(p) for n, p in adapters.items()}, cfg, [BASE], max_waiting,
+                       **{"allow_runtime_lora_updating": True, **(server_kw or {})})
     with serving(app) as url:
         yield url, app
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from oracle import FAMILIES, tiny_hf_model  # tests/ is on sys.path under pytest
+from oracle import DEEPSEEK_GLM_FAMILIES, FAMILIES, tiny_hf_model  # tests/ is on sys.path under pytest
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -368,3 +368,101 @@ def test_no_weights(models, tmp_path):
     assert "no weights" in load_error(model, tmp_path / "empty")
     assert "does not exist" in load_error(model, tmp_path / "nowhere")
     assert "no tensors" in load_error(model, write_single(tmp_path / "zero", {}))
+
+
+# ------------------------------------------------------------------------- --load-format dummy
+
+
+def config_only_dir(tmp_path, family: str, **overrides):
+    """A model directory holding config.json and a tokenizer, no weights (what a serving benchmark of a model
+    that is not on disk has)."""
+    from oracle import tiny_hf_config
+    from test_server import byte_tokenizer
+
+    out = tmp_path / family
+    tiny_hf_config(family, **overrides).save_pretrained(str(out))
+    byte_tokenizer().save(str(out / "tokenizer.json"))
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES + DEEPSEEK_GLM_FAMILIES)
+def test_dummy_weights_need_only_config_json_and_give_finite_outputs(family, tmp_path):
+    from moelora.engine.config import EngineConfig
+    from moelora.engine.loader import build_engine
+    from moelora.engine.request import SamplingParams
+    from moelora.models.weights import init_dummy_weights
+
+    model_dir = config_only_dir(tmp_path, family, vocab_size=260)
+    assert not list(model_dir.glob("*.safetensors"))
+    cfg = EngineConfig(device="cpu", max_loras=1, max_lora_rank=4, num_kv_blocks=64, max_model_len=128)
+    with pytest.raises(CheckpointError):  # auto still wants the checkpoint
+        build_engine(model_dir, cfg)
+    engine = build_engine(model_dir, cfg, load_format="dummy", seed=3)
+    params = engine.model.weight_params()
+    assert all(torch.isfinite(p).all() for p in params.values())
+    matrices = [p for n, p in params.items() if p.dim() >= 2 and "norm" not in n]
+    assert all(0 < p.abs().max() <= 1e-3 and p.std() > 1e-4 for p in matrices)  # drawn, not left empty
+    assert all((p == 1).all() for n, p in params.items() if n.endswith("norm.weight"))
+    logits = engine.prompt_logits([[5, 9, 200, 17]], [None])[0]
+    assert logits.shape == (4, 260) and torch.isfinite(logits).all()
+    out = engine.add_request([5, 9, 200], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert len(out.output_ids) == 4
+    again = {n: torch.empty_like(p) for n, p in params.items()}
+    init_dummy_weights(again, seed=3)  # the seed fixes the weights
+    assert all(torch.equal(again[n], p) for n, p in params.items())
+    init_dummy_weights(again, seed=4)
+    assert not torch.equal(again["model.embed_tokens.weight"], params["model.embed_tokens.weight"])
+
+
+def qwen3_30b_a3b_config(**overrides):
+    """Qwen3-30B-A3B's config.json (the serving benchmark's shape)."""
+    import transformers as tf
+
+    fields = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                  num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                  num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                  max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
+                  bos_token_id=151643, eos_token_id=151645, dtype="bfloat16")
+    return tf.Qwen3MoeConfig(**{**fields, **overrides})
+
+
+def test_dummy_weights_of_the_qwen3_30b_a3b_config(tmp_path):
+    """Its config.json, cut on the CPU to one layer of 8 experts and 512 tokens (a CPU generator draws 0.6 G
+    values in ~12 s); the whole model runs in test_dummy_weights_serve_the_whole_qwen3_30b_a3b_on_cuda."""
+    from moelora.engine.config import EngineConfig
+    from moelora.engine.loader import build_engine
+
+    qwen3_30b_a3b_config(num_hidden_layers=1, num_experts=8, vocab_size=512).save_pretrained(str(tmp_path))
+    engine = build_engine(tmp_path, EngineConfig(device="cpu", dtype="bfloat16", max_loras=1, max_lora_rank=8,
+                                                 num_kv_blocks=8, max_model_len=64), load_format="dummy")
+    experts = engine.model.weight_params()["model.layers.0.mlp.experts.gate_up_proj"]
+    assert experts.shape == (8, 2 * 768, 2048) and experts.dtype == torch.bfloat16
+    logits = engine.prompt_logits([list(range(1, 20))], [None])[0]
+    assert logits.shape == (19, 512) and torch.isfinite(logits).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dummy_weights_serve_the_whole_qwen3_30b_a3b_on_cuda(tmp_path):
+    """What benchmarks/serve.py runs on the H200: the whole Qwen3-30B-A3B from its config.json alone, random
+    weights, CUDA graphs; generated tokens come out and every logit is finite."""
+    from test_server import byte_tokenizer
+
+    from moelora.engine.config import EngineConfig
+    from moelora.engine.loader import build_engine
+    from moelora.engine.request import SamplingParams
+
+    qwen3_30b_a3b_config().save_pretrained(str(tmp_path))
+    byte_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    engine = build_engine(tmp_path, EngineConfig(max_model_len=2048, max_num_seqs=16, max_loras=2, max_lora_rank=16),
+                          load_format="dummy")
+    assert engine.model.weight_params()["model.layers.47.mlp.experts.down_proj"].shape == (128, 2048, 768)
+    logits = engine.prompt_logits([list(range(1, 200))], [None])[0]
+    assert torch.isfinite(logits).all()
+    reqs = [engine.add_request(list(range(i, i + 50)), SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+            for i in range(1, 9)]
+    while engine.has_unfinished():
+        engine.step()
+    assert all(len(r.output_ids) == 32 for r in reqs)

@@ -322,10 +322,13 @@ class LLMEngine:
             tokens = tokens.tolist()
             rows = launched.logprob_rows
             logprobs = logprobs_to_host((*rows, *lp)) if rows else [None] * len(tokens)
+            now = time.monotonic()
             for req, tok, logprob in zip(launched.reqs, tokens, logprobs, strict=True):
                 if req.finished:  # stopped or aborted after this step was launched: drop the row
                     continue
                 req.num_pending -= 1
+                if req.first_token_time is None:
+                    req.first_token_time = now
                 self._append(req, tok, logprob)
                 if req.finished:
                     req.num_pending = 0

@@ -13,12 +13,13 @@ from moelora.engine.config import EngineConfig
 from moelora.engine.cuda_graphs import graph_reserve
 from moelora.engine.engine import LLMEngine
 from moelora.engine.kv_cache import PagedKVCache
-from moelora.engine.tokenizer import Tokenizer
+from moelora.engine.tokenizer import Tokenizer, resolve_chat_template
 from moelora.errors import ConfigError
 from moelora.models.lora_targets import restrict_lora_sites
 from moelora.models.registry import model_class
 
 _CPU_DEFAULT_KV_TOKENS = 1 << 16
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 def _kv_blocks(cfg: EngineConfig, model_cfg: ModelConfig, model) -> int:
@@ -89,27 +90,41 @@ def _adapter_sites(model_dir: str | Path, adapters: dict[str, str | Path], cfg: 
 
 
 def build_engine(model_dir: str | Path, cfg: EngineConfig | None = None, progress: bool = False,
-                 adapters: Mapping[str, str | Path] | None = None) -> LLMEngine:
+                 adapters: Mapping[str, str | Path] | None = None, load_format: str = "auto",
+                 tokenizer: str | Path | None = None, chat_template: str | None = None,
+                 seed: int = 0) -> LLMEngine:
     """The engine of `model_dir`; `adapters` (name -> path) are registered before its decode graphs
-    are captured, so the graphs are captured once, with those adapters' LoRA sites on."""
+    are captured, so the graphs are captured once, with those adapters' LoRA sites on. `load_format`
+    (vLLM's): auto / safetensors read the checkpoint, dummy draws random weights from `seed` (only
+    config.json is read). `tokenizer`: the directory of tokenizer.json (default `model_dir`);
+    `chat_template`: a file or the template itself, over the tokenizer's."""
     from moelora.lora.loader import load_adapter
-    from moelora.models.weights import load_checkpoint
+    from moelora.models.weights import init_dummy_weights, load_checkpoint
 
+    if load_format not in LOAD_FORMATS:
+        raise ConfigError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+    template = resolve_chat_template(chat_template)
     model_dir = Path(model_dir)
+    tok_dir = Path(tokenizer) if tokenizer is not None else model_dir
+    if tokenizer is not None and not (tok_dir / "tokenizer.json").is_file():
+        raise ConfigError(f"--tokenizer {str(tokenizer)!r}: no tokenizer.json there")
     model_cfg = ModelConfig.from_hf(model_dir)
     cfg = (cfg or EngineConfig()).resolve(model_cfg)
     with torch.device(cfg.torch_device):
         model = model_class(model_cfg)(model_cfg, max_loras=cfg.max_loras, max_rank=cfg.max_lora_rank,
                                        backend=cfg.kernel_backend, dtype=cfg.torch_dtype)
-    load_checkpoint(model_dir, model.weight_params(), progress=progress)
+    if load_format == "dummy":
+        init_dummy_weights(model.weight_params(), seed)
+    else:
+        load_checkpoint(model_dir, model.weight_params(), progress=progress)
     model.eval()
     restrict_lora_sites(model, cfg.lora_target_modules)  # before the memory plan: dropped slots are free
     if cfg.torch_device.type == "cuda":
         torch.cuda.empty_cache()
     cfg = cfg.with_kv_blocks(_kv_blocks(cfg, model_cfg, model))
-    tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+    tok = Tokenizer(tok_dir, template) if (tok_dir / "tokenizer.json").is_file() else None
 
     def load(name: str, path: Path):
         return load_adapter(path, model_cfg, name=name, max_rank=cfg.max_lora_rank)
 
-    return LLMEngine(model, tokenizer, cfg, load, adapters)
+    return LLMEngine(model, tok, cfg, load, adapters)

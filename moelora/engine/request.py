@@ -130,7 +130,13 @@ class Request:
     params: SamplingParams
     adapter: str | None = None
     prompt: str | None = None
+    # time.monotonic() stamps, host-side (for the metrics): added (queued), first scheduled, first token read
+    # back, finished (None: not yet)
     arrival: float = 0.0
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied when it was (last) admitted
     output_ids: list[int] = field(default_factory=list)
     status: str = Status.WAITING
     num_computed: int = 0

@@ -12,6 +12,7 @@ still being copied to its slot waits without holding back the requests behind it
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +51,13 @@ class Scheduler:
         self.running: list[Request] = []
         self.served: dict[str | None, int] = defaultdict(int)
         self.held: list[Request] = []  # certain to finish when their pending token is read: not scheduled
+        # cumulative counters (vLLM's metrics): preemptions; prefix-cache lookups of admitted requests, in tokens
+        # looked up and tokens found
+        self.num_preemptions = 0
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.num_steps = 0  # steps scheduled with work, and the tokens the last of them computes
+        self.last_step_tokens = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -121,6 +129,7 @@ class Scheduler:
         self.free_blocks(victim)
         victim.num_computed, victim.status = 0, Status.WAITING
         victim.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.insert(0, victim)
         step.preempted.append(victim)
         return victim
@@ -173,6 +182,12 @@ class Scheduler:
                 req.num_computed = 0
                 return
             self.waiting.remove(req)
+            if self.cfg.enable_prefix_caching:
+                self.prefix_queried_tokens += req.num_tokens
+                self.prefix_hit_tokens += req.num_computed
+            req.num_cached_tokens = req.num_computed
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             req.status = Status.RUNNING
             self.running.append(req)
             step.requests.append(req)
@@ -186,6 +201,9 @@ class Scheduler:
             self._admit(step, budget)
         for req, n in zip(step.requests, step.num_new, strict=True):
             self.served[req.adapter] += n
+        if step.requests:
+            self.num_steps += 1
+            self.last_step_tokens = step.num_tokens
         if not step.requests and self.waiting and not self.running and not self.held:
             req = self.waiting[0]
             raise CapacityError(f"request {req.request_id} needs {req.num_tokens} tokens of KV cache, more "
@@ -201,7 +219,7 @@ class Scheduler:
             self.held.append(req)
 
     def finish(self, req: Request, reason: str) -> None:
-        req.status, req.finish_reason = Status.FINISHED, reason
+        req.status, req.finish_reason, req.finished_time = Status.FINISHED, reason, time.monotonic()
         if req in self.held:
             self.held.remove(req)
         if req in self.running:

@@ -1,7 +1,8 @@
 """Tokenizer (`tokenizers` library, from tokenizer.json) and chat template (jinja2).
 
-The chat template is read from `chat_template.jinja`, else from `tokenizer_config.json`'s
-`chat_template` field. Incremental detokenisation (streamed text, stop strings) lives in
+The chat template is the one given (`--chat-template`: a file or the template itself), else
+`chat_template.jinja`, else `tokenizer_config.json`'s `chat_template` field.
+Incremental detokenisation (streamed text, stop strings) lives in
 `detokenize.py`.
 """
 
@@ -13,8 +14,24 @@ from pathlib import Path
 from moelora.errors import ConfigError, RequestError
 
 
+def resolve_chat_template(value: str | None) -> str | None:
+    """`--chat-template` as vLLM reads it: a file's contents, or the value itself when it holds template
+    syntax; a value that names no file and holds no template is an error (a mistyped path)."""
+    if value is None:
+        return None
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:  # a template too long to be a file name
+        pass
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ConfigError(f"--chat-template {value!r} is neither a file nor a jinja template")
+
+
 class Tokenizer:
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, chat_template: str | None = None):
         from tokenizers import Tokenizer as HFTokenizer
 
         model_dir = Path(model_dir)
@@ -25,8 +42,8 @@ class Tokenizer:
         cfg_file = model_dir / "tokenizer_config.json"
         self.config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
         template_file = model_dir / "chat_template.jinja"
-        self.chat_template = (template_file.read_text() if template_file.is_file()
-                              else self.config.get("chat_template"))
+        self.chat_template = chat_template or (template_file.read_text() if template_file.is_file()
+                                               else self.config.get("chat_template"))
         self.eos_token_id = self._token_id(self.config.get("eos_token"))
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))

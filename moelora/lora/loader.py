@@ -38,6 +38,13 @@ def load_adapter(path: str | Path, config: ModelConfig, *, name: str, max_rank: 
     root = Path(path)
     if not root.is_dir():
         raise AdapterError(f"adapter {name!r}: {root} is not a directory")
+    try:
+        return _load(root, config, name, max_rank)
+    except AdapterError as e:  # every refusal names the adapter (and where it was read from)
+        raise AdapterError(f"adapter {name!r} ({root}): {e}") from None
+
+
+def _load(root: Path, config: ModelConfig, name: str, max_rank: int) -> LoRAAdapter:
     hp = hyperparams(read_config(root))
     _refuse_added_tokens(root, config)
     tensors = read_weights(root)

@@ -281,3 +281,26 @@ def load_checkpoint(model_dir, params: dict[str, torch.Tensor], *, progress: boo
                 for key, target in copies:
                     _destination_view(params[target.name], target).copy_(f.get_tensor(key))
                     bar.update(1)
+
+
+_ONES = re.compile(r"(norm\.weight|scale|scale_inv)$")
+
+
+def init_dummy_weights(params: dict[str, torch.Tensor], seed: int = 0, scale: float = 1e-3) -> None:
+    """`--load-format dummy`: random weights instead of a checkpoint (a serving benchmark of a model that is
+    not on disk). Matrices and embeddings draw U(-scale, scale) (vLLM's dummy range: activations stay small
+    and every output finite); norm weights and quantization scales are 1, biases 0. Drawn on each
+    destination's device from `seed`, one tensor at a time (no host copy of the model)."""
+    with torch.no_grad():
+        for i, (name, dest) in enumerate(params.items()):
+            if _ONES.search(name):
+                dest.fill_(1)
+            elif name.endswith("bias") or dest.dim() < 2:
+                dest.zero_()
+            else:
+                gen = torch.Generator(dest.device).manual_seed(seed + i)
+                if dest.is_floating_point() and dest.element_size() >= 2:
+                    dest.uniform_(-scale, scale, generator=gen)
+                else:  # fp8 / integer storage: drawn in fp16, cast
+                    draw = torch.empty(dest.shape, dtype=torch.float16, device=dest.device)
+                    dest.copy_(draw.uniform_(-scale, scale, generator=gen))

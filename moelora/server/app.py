@@ -11,6 +11,11 @@ adapter that fails to load (the server and the other adapters are untouched); 40
 model/adapter; 409 for unloading an adapter that has requests in flight (nothing is cancelled:
 retry once they finish); 503 with Retry-After when too many requests wait to be scheduled.
 
+Access (`auth.py`): with `api_keys`, every route but /health, /ping, /metrics and /version needs
+`Authorization: Bearer KEY` (401 otherwise). The adapter load / unload routes answer 404 unless
+`allow_runtime_lora_updating` (vLLM does not register them then); with `lora_roots`, a load may
+only read inside those directories (403).
+
 A client that disconnects aborts its request: for streams, Starlette cancels the response
 iterator (and a background task aborts whatever is left); for whole responses, `_unless_disconnected`
 races the handler against the client's disconnect.
@@ -30,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moelora.errors import MoeLoRAError
 from moelora.server.async_engine import AdapterBusy, AsyncEngine, EngineDead, UnknownAdapter
+from moelora.server.auth import ApiKeyMiddleware, check_lora_path
 from moelora.server.metrics import ServerMetrics
 from moelora.server.protocol import (
     ApiError,
@@ -42,6 +48,7 @@ from moelora.server.protocol import (
     error_body,
 )
 from moelora.server.serving import OpenAIServing, Result, ServerConfig
+from moelora.server.stats_log import log_stats_while_serving
 
 log = logging.getLogger("moelora.server")
 
@@ -50,22 +57,36 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     """An app serving `engine`; its lifespan starts and stops the engine thread."""
     if engine.engine.tokenizer is None:
         raise MoeLoRAError("the server needs a model with tokenizer.json")
-    metrics = ServerMetrics(lambda: engine.stats)
+    ecfg = engine.engine.cfg
+    cache_config = dict(block_size=ecfg.block_size, cache_dtype=ecfg.dtype,
+                        enable_prefix_caching=ecfg.enable_prefix_caching,
+                        gpu_memory_utilization=ecfg.gpu_memory_utilization, num_gpu_blocks=ecfg.num_kv_blocks)
+    metrics = ServerMetrics(lambda: engine.stats, cfg.served_model_names[0], ecfg.max_model_len, cache_config,
+                            ecfg.max_loras)
+    engine.observe(metrics.observer)
     serving = OpenAIServing(engine, cfg, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        logger = asyncio.ensure_future(log_stats_while_serving(lambda: engine.stats, metrics.vllm,
+                                                                cfg.log_stats_interval_s))
         try:
             yield
         finally:
+            logger.cancel()
             engine.shutdown()
 
     app = FastAPI(title="moelora", lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
     _error_handlers(app, metrics)
+    if cfg.api_keys:
+        app.add_middleware(ApiKeyMiddleware, api_keys=cfg.api_keys,
+                           on_refused=lambda: metrics.errors.labels("401").inc())
 
     async def respond(request: Request, handler, body) -> Response:
+        if cfg.enable_log_requests:
+            log.info("request %s: %s", request.url.path, body.model_dump_json(exclude_unset=True)[:4096])
         if not body.stream:
             result = await _unless_disconnected(request, handler(body))
             return JSONResponse(result.body) if result is not None else Response(status_code=499)
@@ -85,12 +106,19 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     async def models():
         return {"object": "list", "data": serving.model_cards()}
 
+    def runtime_lora_updating() -> None:
+        if not cfg.allow_runtime_lora_updating:
+            raise ApiError(404, "loading and unloading adapters at run time is off; start the server with "
+                                "--allow-runtime-lora-updating or VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
+
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        runtime_lora_updating()
+        path = check_lora_path(body.lora_path, cfg.lora_roots)
         if body.lora_name in cfg.served_model_names:
             raise ApiError(400, f"'{body.lora_name}' is the base model's name", "lora_name")
         try:
-            await engine.load_adapter(body.lora_name, body.lora_path)
+            await engine.load_adapter(body.lora_name, path)
         except EngineDead as e:
             raise ApiError(503, str(e)) from None
         except Exception as e:  # the adapter's own error: bad path, files, shapes, values
@@ -101,6 +129,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        runtime_lora_updating()
         try:
             await engine.unload_adapter(body.lora_name)
         except UnknownAdapter as e:

@@ -10,9 +10,12 @@ ids: detokenisation happens on the event loop (`engine/detokenize.py`), off the 
 The thread first runs the warm-up (`engine/warmup.py`, unless `EngineConfig.warmup` is off) and only
 then reports `ready`; commands sent meanwhile wait in the queue. After every command batch and every
 step the thread publishes an immutable `EngineStats` (queue lengths, KV and adapter-slot use, the
-registered adapters), which the server reads without touching the engine. Admission control: `open()`
-refuses (`Overloaded`) while the requests not yet scheduled (in the command queue or the scheduler's
-waiting list) reach `max_waiting`; the count is exact because both sides update it under one lock.
+registered adapters, cumulative preemption and prefix-cache counters), which the server reads without
+touching the engine. A `RequestObserver` (the server's metrics) hears, on the engine thread, of every
+request added, every delivery of tokens and every sequence finished (with the engine's timestamps on
+the `Request`). Admission control: `open()` refuses (`Overloaded`) while the requests not yet scheduled
+(in the command queue or the scheduler's waiting list) reach `max_waiting`; the count is exact because
+both sides update it under one lock.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from moelora.engine.engine import LLMEngine
-from moelora.engine.request import SamplingParams
+from moelora.engine.request import Request, SamplingParams
 from moelora.engine.warmup import warm_up
 from moelora.errors import AdapterError, MoeLoRAError
 
@@ -56,6 +60,21 @@ class GenerateSpec:
     prompt_ids: list[int]
     params: SamplingParams
     adapter: str | None
+    n: int = 1  # choices of this prompt (the request's n): the specs of one prompt are consecutive
+
+
+class RequestObserver(Protocol):
+    """Hears of requests on the engine thread (keep it cheap: it runs between steps)."""
+
+    def added(self, specs: Sequence[GenerateSpec]) -> None: ...
+
+    def tokens(self, req: Request, new: int, gap: float | None) -> None:
+        """`new` tokens delivered; `gap`: seconds since the request's previous delivery (None: its first)."""
+
+    def finished(self, req: Request, reason: str) -> None: ...
+
+    def step(self, tokens: int) -> None:
+        """A step was scheduled that computes `tokens` tokens (prefill chunks and decodes)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +103,12 @@ class EngineStats:
     evictions: int = 0
     adapters: tuple[tuple[str, str], ...] = ()  # (name, path) of every registered adapter, in load order
     in_flight: dict[str | None, int] = field(default_factory=dict)  # live sequences per adapter
+    preemptions: int = 0  # cumulative, as the scheduler counts them
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    running_adapters: tuple[str, ...] = ()  # adapters of the running requests (sorted)
+    waiting_adapters: tuple[str, ...] = ()  # adapters of the waiting requests (sorted)
+    time: float = 0.0  # time.time() when published
 
 
 @dataclass
@@ -91,7 +116,9 @@ class _Live:
     stream: RequestStream
     index: int
     adapter: str | None
+    req: Request
     sent: int = 0
+    last_time: float | None = None  # when its last tokens were delivered
 
 
 class RequestStream:
@@ -139,6 +166,7 @@ class AsyncEngine:
         self._stopping = False
         self._ready = threading.Event()  # set once the warm-up (EngineConfig.warmup) is done
         self.warmup: dict | None = None  # what it did ({"forwards", "seconds"}) or {"error"}; None: not run
+        self._observer: RequestObserver | None = None
         self._publish()
 
     # event-loop side ----------------------------------------------------------------------------
@@ -207,6 +235,12 @@ class AsyncEngine:
         self.send((kind, *args, loop, future))
         return await future
 
+    def observe(self, observer: RequestObserver) -> None:
+        """Report requests to `observer` (before `start`: the engine thread then owns it)."""
+        if self._thread is not None:
+            raise MoeLoRAError("observe() must be called before start()")
+        self._observer = observer
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="moelora-engine", daemon=True)
         self._thread.start()
@@ -259,8 +293,11 @@ class AsyncEngine:
         kind, *args = command
         if kind == "abort":
             for rid in args[0]:
-                if self._live.pop(rid, None) is not None:
+                live = self._live.pop(rid, None)
+                if live is not None:
                     self.engine.abort(rid)
+                    if self._observer is not None:
+                        self._observer.finished(live.req, "abort")
             return
         *payload, loop, future = args
         try:
@@ -277,9 +314,9 @@ class AsyncEngine:
             for i, (rid, spec) in enumerate(zip(stream.request_ids, specs, strict=True)):
                 if spec.adapter is not None and spec.adapter not in self._adapters:
                     raise UnknownAdapter(f"adapter {spec.adapter!r} is not loaded")
-                self.engine.add_request(spec.prompt_ids, spec.params, spec.adapter, request_id=rid)
+                req = self.engine.add_request(spec.prompt_ids, spec.params, spec.adapter, request_id=rid)
                 added.append(rid)
-                self._live[rid] = _Live(stream, i, spec.adapter)
+                self._live[rid] = _Live(stream, i, spec.adapter, req)
         except Exception:
             for rid in added:
                 self._live.pop(rid, None)
@@ -289,6 +326,8 @@ class AsyncEngine:
             with self._lock:
                 self._pending -= len(specs)
                 self._publish()
+        if self._observer is not None:
+            self._observer.added(specs)
 
     def _do_prompt_logprobs(self, token_ids: list[int], adapter: str | None, k: int) -> list:
         return self.engine.prompt_logprobs(token_ids, adapter, k)
@@ -309,6 +348,7 @@ class AsyncEngine:
         del self._adapters[name]  # its cached KV is keyed by pool.cache_key: a reload never reuses it
 
     def _step(self) -> None:
+        steps = self.engine.scheduler.num_steps
         try:
             changed = self.engine.step()
         except Exception as e:  # a failed step fails the requests in it, not the server
@@ -317,6 +357,9 @@ class AsyncEngine:
             return
         now = time.monotonic()
         batches: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        observer = self._observer
+        if observer is not None and self.engine.scheduler.num_steps != steps:
+            observer.step(self.engine.scheduler.last_step_tokens)
         for req in changed:
             live = self._live.get(req.request_id)
             if live is None:
@@ -325,13 +368,18 @@ class AsyncEngine:
             logprobs = req.logprobs[live.sent:] if req.params.logprobs is not None else []
             live.sent = len(req.output_ids)
             final = req.text if req.finished else None
+            if observer is not None and (new or (live.last_time is None and req.first_token_time is not None)):
+                observer.tokens(req, len(new), None if live.last_time is None else now - live.last_time)
+                live.last_time = now
             if req.finished:
                 del self._live[req.request_id]
+                if observer is not None:
+                    observer.finished(req, req.finish_reason)
             delta = Delta(live.index, new, logprobs, req.finish_reason, final, now, stop_reason=req.stop_reason)
             batches[live.stream.loop].append((live.stream.queue, delta))
+        self._publish()  # before the tokens: a client that has them sees stats that include this step
         for loop, items in batches.items():
             _deliver(loop, items)
-        self._publish()
 
     def _fail_live(self, message: str) -> None:
         """Abort every live request and tell its stream why."""
@@ -339,6 +387,8 @@ class AsyncEngine:
         batches: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         for rid, live in list(self._live.items()):
             self.engine.abort(rid)
+            if self._observer is not None:
+                self._observer.finished(live.req, "error")
             batches[live.stream.loop].append(
                 (live.stream.queue, Delta(live.index, [], [], "error", None, now, error=message)))
         self._live.clear()
@@ -357,15 +407,21 @@ class AsyncEngine:
             _resolve(command[-2], command[-1], error=EngineDead(message))
 
     def _publish(self) -> None:
-        eng, pool = self.engine, self.engine.pool
+        eng, pool, sched = self.engine, self.engine.pool, self.engine.scheduler
         in_flight: dict[str | None, int] = defaultdict(int)
         for live in self._live.values():
             in_flight[live.adapter] += 1
+        running = {r.adapter for r in sched.running if r.adapter is not None}
+        running.update(r.adapter for r in sched.held if r.adapter is not None)
+        waiting = {r.adapter for r in sched.waiting if r.adapter is not None}
         self._stats = EngineStats(
-            waiting=len(eng.scheduler.waiting), running=len(eng.scheduler.running),
+            waiting=len(sched.waiting), running=len(sched.running),
             kv_used=eng.cache.allocator.num_used, kv_total=eng.cache.allocator.num_blocks,
             slots_in_use=pool.slots_in_use(), slots_total=pool.max_loras, loads=pool.loads,
-            evictions=pool.evictions, adapters=tuple(self._adapters.items()), in_flight=dict(in_flight))
+            evictions=pool.evictions, adapters=tuple(self._adapters.items()), in_flight=dict(in_flight),
+            preemptions=sched.num_preemptions, prefix_queried_tokens=sched.prefix_queried_tokens,
+            prefix_hit_tokens=sched.prefix_hit_tokens, running_adapters=tuple(sorted(running)),
+            waiting_adapters=tuple(sorted(waiting)), time=time.time())
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, items: list) -> None:

@@ -38,10 +38,39 @@ def parse_lora_modules(items: Iterable[str] | None) -> dict[str, str]:
     return out
 
 
+# generation_config.json fields that become request defaults (vLLM's --generation-config auto), as
+# (their name there, the request field they default)
+_GENERATION_DEFAULTS = (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
+                        ("min_p", "min_p"), ("repetition_penalty", "repetition_penalty"),
+                        ("max_new_tokens", "max_tokens"))
+
+
+def generation_defaults(model: str | Path, generation_config: str = "auto") -> tuple[tuple[str, object], ...]:
+    """Default sampling fields from a generation_config.json: `auto` the model's, `vllm` none, or a
+    folder holding one. Only fields a request can set are taken; absent file: none."""
+    if generation_config == "vllm":
+        return ()
+    folder = Path(model) if generation_config == "auto" else Path(generation_config)
+    if generation_config != "auto" and not folder.is_dir():
+        raise ConfigError(f"--generation-config {generation_config!r}: not 'auto', 'vllm' or a directory")
+    file = folder / "generation_config.json"
+    if not file.is_file():
+        return ()
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{file}: {e}") from None
+    return tuple((field, data[key]) for key, field in _GENERATION_DEFAULTS
+                 if isinstance(data.get(key), (int, float)) and not isinstance(data.get(key), bool))
+
+
 def build_server(model: str | Path, adapters: dict[str, str], engine_cfg: EngineConfig,
                  served_model_names: Iterable[str] = (), max_waiting_requests: int = 1024,
-                 progress: bool = False) -> FastAPI:
-    """Load the model and every adapter (any failure raises before serving), then the app."""
+                 progress: bool = False, *, load_format: str = "auto", tokenizer: str | None = None,
+                 chat_template: str | None = None, seed: int = 0, generation_config: str = "vllm",
+                 **server_options) -> FastAPI:
+    """Load the model and every adapter (any failure raises before serving), then the app.
+    `server_options`: the other `ServerConfig` fields (api_keys, allow_runtime_lora_updating, ...)."""
     from moelora.engine.loader import build_engine, resolve_auto_targets
     from moelora.server.app import build_app
 
@@ -49,11 +78,14 @@ def build_server(model: str | Path, adapters: dict[str, str], engine_cfg: Engine
     clash = set(names) & set(adapters)
     if clash:
         raise ConfigError(f"adapter names {sorted(clash)} clash with the served model name")
+    defaults = generation_defaults(model, generation_config)
     # the adapters are registered before the decode graphs are captured: captured once, their sites on
     engine = build_engine(model, resolve_auto_targets(model, adapters, engine_cfg), progress=progress,
-                          adapters=adapters)
+                          adapters=adapters, load_format=load_format, tokenizer=tokenizer,
+                          chat_template=chat_template, seed=seed)
     async_engine = AsyncEngine(engine, {n: str(p) for n, p in adapters.items()}, max_waiting_requests)
-    return build_app(async_engine, ServerConfig(names, str(model), max_waiting_requests))
+    cfg = ServerConfig(names, str(model), max_waiting_requests, default_sampling=defaults, **server_options)
+    return build_app(async_engine, cfg)
 
 
 def run_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:

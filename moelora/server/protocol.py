@@ -18,8 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 log = logging.getLogger("moelora.server")
 
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError", 409: "ConflictError",
-               500: "InternalServerError", 503: "ServiceUnavailableError"}
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
+               405: "MethodNotAllowedError", 409: "ConflictError", 500: "InternalServerError",
+               503: "ServiceUnavailableError"}
 
 
 class ApiError(Exception):

@@ -35,9 +35,15 @@ class ServerConfig:
     model_path: str
     max_waiting_requests: int = 1024  # 503 once this many requests wait to be scheduled
     retry_after_s: int = 1
+    api_keys: tuple[str, ...] = ()  # any of them as `Authorization: Bearer KEY` (none: no authentication)
+    allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter served
+    lora_roots: tuple[str, ...] = ()  # a runtime load reads only paths inside one of these (none: anywhere)
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (vLLM's flag of that name)
     return_tokens_as_token_ids: bool = False  # logprob tokens read "token_id:N" (a request may override)
     max_logprobs: int = 20  # the most logprobs / top_logprobs / prompt_logprobs a request may ask (400 above)
+    enable_log_requests: bool = False  # log each request's fields (at info)
+    log_stats_interval_s: float = 10.0  # throughput / queue / cache log line while busy (0: off)
+    default_sampling: tuple[tuple[str, object], ...] = ()  # --generation-config defaults, for unset fields
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,7 @@ class OpenAIServing:
         self.max_model_len = engine.engine.cfg.max_model_len
         self.texts = TokenTexts(self.tokenizer.decode)
         self.tokens = TokenRoutes(self.tokenizer, self.max_model_len, self.resolve_model, cfg.model_path)
+        self.defaults = dict(cfg.default_sampling)  # --generation-config: for the fields a request leaves unset
 
     # models -------------------------------------------------------------------------------------
     def resolve_model(self, name: str | None) -> str | None:
@@ -117,8 +124,9 @@ class OpenAIServing:
 
     def _params(self, body: _Sampling, max_tokens: int | None, prompt_len: int, logprobs: int | None,
                 choice: int) -> SamplingParams:
+        d = self.defaults
         if max_tokens is None:
-            max_tokens = self.max_model_len - prompt_len
+            max_tokens = min(self.max_model_len - prompt_len, d.get("max_tokens", self.max_model_len))
         elif prompt_len + max_tokens > self.max_model_len:
             raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
                            f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
@@ -127,11 +135,13 @@ class OpenAIServing:
         off = lambda value, default: default if value is None else value  # noqa: E731
         try:
             return SamplingParams(
-                max_tokens=max_tokens, temperature=off(body.temperature, 1.0), top_p=off(body.top_p, 1.0),
-                top_k=off(body.top_k, -1), min_p=off(body.min_p, 0.0), seed=seed, stop=body.stop_strings(),
+                max_tokens=max_tokens, temperature=off(body.temperature, d.get("temperature", 1.0)),
+                top_p=off(body.top_p, d.get("top_p", 1.0)), top_k=off(body.top_k, d.get("top_k", -1)),
+                min_p=off(body.min_p, d.get("min_p", 0.0)), seed=seed, stop=body.stop_strings(),
                 stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=bool(body.ignore_eos), logprobs=logprobs,
                 presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-                repetition_penalty=off(body.repetition_penalty, 1.0), logit_bias=body.logit_bias or {},
+                repetition_penalty=off(body.repetition_penalty, d.get("repetition_penalty", 1.0)),
+                logit_bias=body.logit_bias or {},
                 min_tokens=body.min_tokens or 0, skip_special_tokens=body.skip_special_tokens is not False,
                 spaces_between_special_tokens=body.spaces_between_special_tokens is not False,
                 include_stop_str_in_output=bool(body.include_stop_str_in_output))
@@ -233,7 +243,7 @@ class OpenAIServing:
         resp = OpenAIResponse("cmpl", body, self.cfg.served_model_names[0], sum(len(ids) for ids in encoded))
         stream = events = None
         if body.max_tokens != 0:
-            specs = [GenerateSpec(ids, self._params(body, body.max_tokens, len(ids), body.logprobs, j), adapter)
+            specs = [GenerateSpec(ids, self._params(body, body.max_tokens, len(ids), body.logprobs, j), adapter, n)
                      for ids in encoded for j in range(n)]
             stream = await self._open(specs, label)
             events = self._run(stream, body, label, arrival)
@@ -331,7 +341,8 @@ class OpenAIServing:
         if body.prompt_logprobs is not None:
             entries = await self._prompt_logprobs(ids, adapter, body.prompt_logprobs)
             prompt_lp = view.prompt_logprobs(ids, entries, body.prompt_logprobs)
-        specs = [GenerateSpec(ids, self._params(body, max_tokens, len(ids), logprobs, j), adapter) for j in range(n)]
+        specs = [GenerateSpec(ids, self._params(body, max_tokens, len(ids), logprobs, j), adapter, n)
+                 for j in range(n)]
         stream = await self._open(specs, label)
         resp = OpenAIResponse("chatcmpl", body, self.cfg.served_model_names[0], len(ids))
         last = body.messages[-1]

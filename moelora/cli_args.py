@@ -1,0 +1,140 @@
+"""Argument types and the checks `moelora` runs on its flags before it loads anything.
+
+A bad value ends the command the argparse way (usage, then one `moelora <cmd>: error: ...` line,
+exit status 2) before a model is read: types check single values as they are parsed, `check_args`
+checks what needs several flags or the file system.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from pathlib import Path
+
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+TRUE = ("1", "true")  # vLLM's reading of a boolean environment variable (case-insensitive)
+
+
+def device(text: str) -> str:
+    if not _DEVICE.match(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device (cpu, cuda, cuda:N or auto)")
+    return text
+
+
+_DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "float16": "float16", "half": "float16",
+           "bfloat16": "bfloat16"}
+
+
+def dtype(text: str) -> str:
+    """vLLM's --dtype spellings (half = float16, float = float32)."""
+    if text not in _DTYPES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(_DTYPES)}")
+    return _DTYPES[text]
+
+
+def port(text: str) -> int:
+    value = _int(text)
+    if not 0 <= value <= 65535:  # 0: a free port the system picks
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (0..65535)")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def positive(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def non_negative(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} must be in (0, 1]")
+    return value
+
+
+def lora_pair(text: str) -> tuple[str, str]:
+    """`--lora NAME=PATH`."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
+
+
+def env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in TRUE
+
+
+def api_keys(flag: list[str] | None) -> tuple[str, ...]:
+    """`--api-key` values, else MOELORA_API_KEY, else VLLM_API_KEY (vLLM's variable)."""
+    if flag:
+        return tuple(flag)
+    for var in ("MOELORA_API_KEY", "VLLM_API_KEY"):
+        if os.environ.get(var):
+            return (os.environ[var],)
+    return ()
+
+
+def _model_dir_error(model: str | None, load_format: str) -> str | None:
+    if model is None:
+        return None
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        return f"model {model!r}: no config.json there (a local model directory is needed)"
+    if load_format != "dummy" and not any(path.glob("*.safetensors")):
+        return f"model {model!r}: no *.safetensors weights there (--load-format dummy serves random weights)"
+    return None
+
+
+def check_args(parser: argparse.ArgumentParser, args, adapters: dict[str, str]) -> None:
+    """What the parser cannot check value by value; `parser.error` (exit 2) on the first problem."""
+    problems = []
+    if getattr(args, "max_loras", 1) == 0 and adapters:
+        problems.append("--max-loras 0 leaves no adapter slot, but adapters are given: "
+                        + ", ".join(repr(n) for n in sorted(adapters)))
+    problems.append(_model_dir_error(getattr(args, "model", None), getattr(args, "load_format", "auto")))
+    for name, path in adapters.items():
+        if not Path(path).exists():
+            problems.append(f"adapter {name!r}: {path!r} does not exist")
+    if getattr(args, "command", None) == "serve":
+        problems += _serve_problems(args)
+    problems = [p for p in problems if p]
+    if problems:
+        parser.error(problems[0])
+
+
+def _serve_problems(args) -> list[str | None]:
+    from moelora.engine.tokenizer import resolve_chat_template
+    from moelora.errors import ConfigError
+
+    out: list[str | None] = []
+    try:
+        resolve_chat_template(args.chat_template)
+    except ConfigError as e:
+        out.append(str(e))
+    if args.tokenizer is not None and not (Path(args.tokenizer) / "tokenizer.json").is_file():
+        out.append(f"--tokenizer {args.tokenizer!r}: no tokenizer.json there")
+    if args.generation_config not in ("auto", "vllm") and not Path(args.generation_config).is_dir():
+        out.append(f"--generation-config {args.generation_config!r}: not 'auto', 'vllm' or a directory")
+    out += [f"--lora-root {r!r} is not a directory" for r in args.lora_root or () if not Path(r).is_dir()]
+    if args.max_model_len is not None and args.max_model_len < 2:
+        out.append("--max-model-len must be >= 2 (a prompt token and a generated one)")
+    return out
