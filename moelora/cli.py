@@ -41,6 +41,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
     p.add_argument("--max-lora-rank", type=int, default=64)
     p.add_argument("--max-loras", type=int, default=8)
+    p.add_argument("--quantization", "-q", choices=["fp8", "compressed-tensors"], default=None,
+                   help="fp8: quantize a bf16 checkpoint's projections to FP8 while loading (128x128 blocks); "
+                        "default: as the checkpoint is (FP8 checkpoints load as FP8)")
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -56,7 +59,7 @@ def _llm(args, model: str, adapters: dict[str, str], **engine_kwargs):
     from moelora import LLM
 
     return LLM(model, adapters, device=args.device, dtype=args.dtype, max_lora_rank=args.max_lora_rank,
-               max_loras=max(args.max_loras, len(adapters)), **engine_kwargs)
+               max_loras=max(args.max_loras, len(adapters)), quantization=args.quantization, **engine_kwargs)
 
 
 def cmd_generate(args) -> int:
@@ -82,6 +85,9 @@ def cmd_verify(args) -> int:
     from moelora.verify import verify
 
     model, adapters = _model_and_adapters(args)
+    if args.quantization:
+        raise SystemExit("moelora verify compares a checkpoint as it is stored (an FP8 one against transformers + "
+                         "PEFT on its dequantized weights); --quantization does not apply")
     worst = verify(model, adapters, tolerance=args.tolerance, print_fn=print)
     return 0 if worst <= args.tolerance else 1
 
@@ -151,7 +157,8 @@ def serve_engine_config(args) -> EngineConfig:
                         overlap_shared_experts=not args.no_overlap_shared_experts,
                         overlap_lora=not args.no_overlap_lora,
                         lora_target_modules=tuple(args.lora_target_modules) if args.lora_target_modules else None,
-                        enable_prefix_caching=not args.no_enable_prefix_caching, fused_moe_table=args.fused_moe_table)
+                        enable_prefix_caching=not args.no_enable_prefix_caching, fused_moe_table=args.fused_moe_table,
+                        quantization=args.quantization)
 
 
 def cmd_serve(args) -> int:
