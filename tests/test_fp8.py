@@ -108,6 +108,24 @@ def test_quantize_on_load_equals_a_block_fp8_checkpoint(family, tmp_path):
     assert router.dtype == torch.float32 and on_load.engine.model.lm_head.weight.dtype == torch.float32
 
 
+def test_deepseek_fp8_paged_decode_equals_full_recompute(tmp_path):
+    """Decode steps run MLA absorbed, reading the FP8 kv_b_proj dequantized: the same tokens as recomputing
+    every prefix (the expanded path), with an adapter on kv_b_proj and rows on none."""
+    from test_engine import greedy_by_recompute
+
+    from moelora.engine.request import SamplingParams
+
+    hf = fp8_model("deepseek_v3", seed=8)
+    write_fp8_checkpoint(hf, tmp_path / "model", "block", "fused")
+    peft_dir = build_peft_adapter(hf, tmp_path / "peft", seed=1, target_modules=SITES["deepseek_v3"] + MLP)
+    llm = LLM(tmp_path / "model", {"b": peft_dir}, device="cpu", dtype="float32", max_lora_rank=8, max_loras=1,
+              block_size=4)
+    prompts, names = [[3, 9, 27, 4, 5], [11, 2, 40], [7, 7, 8, 60]], ["b", None, "b"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), names)
+    for prompt, name, out in zip(prompts, names, outs, strict=True):
+        assert out.token_ids == greedy_by_recompute(llm.engine, prompt, name, 6)
+
+
 def test_verify_on_an_fp8_checkpoint(tmp_path):
     from moelora.verify import verify
 
@@ -138,3 +156,41 @@ def test_demo_under_quantization_fp8_keeps_95_percent_exact(device):
     for task in ("copy", *ADAPTER_NAMES):
         hits = sum(answers[(task, x)] == transform(task, x) for x in inputs)
         assert hits / len(inputs) >= 0.95, f"{task}: {hits}/{len(inputs)}"
+
+
+def test_fp8_weight_bytes_of_the_qwen3_30b_shape():
+    """Computed, not timed (README's table): the Qwen3-30B-A3B shape built on the meta device."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from decode import QWEN3_30B
+
+    from moelora.config import ModelConfig
+    from moelora.models.registry import model_class
+    from moelora.quant.config import FP8Config
+    from moelora.quant.storage import weight_bytes
+
+    cfg = ModelConfig(**QWEN3_30B).resolve()
+    sizes = {}
+    for quant in (None, FP8Config.from_engine("fp8")):
+        with torch.device("meta"):
+            sizes[quant is not None] = weight_bytes(model_class(cfg)(cfg, dtype=torch.bfloat16, quant=quant))
+    L, E, H, inter, q, kv, V = 48, 128, 2048, 768, 32 * 128, 4 * 128, 151936
+    projections = L * (E * 3 * H * inter + 2 * H * q + 2 * H * kv)  # one byte each in FP8
+    scales = 4 * L * (E * (2 * 6 * 16 + 16 * 6) + 2 * 32 * 16 + 2 * 4 * 16)
+    assert sizes[True]["float8_e4m3fn"] == projections
+    assert sizes[True]["float32"] - sizes[False]["float32"] == scales  # the norms are fp32 in both
+    assert sizes[False]["bfloat16"] == 2 * projections + 2 * 2 * V * H + 2 * L * H * E  # + embed, head, router
+    fp8_total, bf16_total = sum(sizes[True].values()), sum(sizes[False].values())
+    assert (round(bf16_total / 2 ** 30, 2), round(fp8_total / 2 ** 30, 2)) == (56.87, 29.03)
+
+
+def test_cli_quantization_flag(tmp_path):
+    from moelora.cli import build_parser, main, serve_engine_config
+
+    args = build_parser().parse_args(["serve", "--quantization", "fp8"])
+    assert serve_engine_config(args).quantization == "fp8"
+    assert build_parser().parse_args(["bench", "-q", "fp8"]).quantization == "fp8"
+    with pytest.raises(SystemExit, match="--quantization does not apply"):
+        main(["verify", str(tmp_path), "--quantization", "fp8"])
