@@ -25,9 +25,10 @@ from moelora.quant.fp8 import FP8_DTYPE
 # family, scheme, expert form, shards; qwen3 with sizes past one 128 block (partial blocks in both dims)
 CASES = [("qwen3_moe", "block", "per_expert", 2), ("qwen3_moe", "channel", "per_expert", 1),
          ("deepseek_v3", "block", "fused", 1), ("deepseek_v3", "tensor", "per_expert", 2),
-         ("glm4_moe", "block", "per_expert", 1), ("glm4_moe", "channel", "per_expert", 1)]
+         ("glm4_moe", "block", "per_expert", 1), ("glm4_moe", "channel", "per_expert", 1),
+         ("qwen2_moe", "tensor", "per_expert", 1)]  # its shared_expert_gate stays high precision
 QWEN_SIZES = dict(hidden_size=144, moe_intermediate_size=136, intermediate_size=200)
-SITES = dict(ATTN_SITES, qwen3_moe=ATTN)
+SITES = dict(ATTN_SITES, qwen3_moe=ATTN, qwen2_moe=ATTN)
 
 
 @pytest.fixture(autouse=True)
@@ -95,7 +96,7 @@ def test_quantize_on_load_equals_a_block_fp8_checkpoint(family, tmp_path):
     """`quantization="fp8"` on a high-precision checkpoint holds the weights a block-FP8 checkpoint of the same
     model holds: the same logits, and every projection in e4m3."""
     hf = fp8_model(family, seed=3)
-    hf.save_pretrained(str(tmp_path / "bf16"))
+    hf.save_pretrained(str(tmp_path / "bf16"), **({"save_original_format": False} if family == "deepseek_v3" else {}))
     write_fp8_checkpoint(hf, tmp_path / "fp8", "block", "per_expert")
     on_load = LLM(tmp_path / "bf16", device="cpu", dtype="float32", max_loras=1, quantization="fp8")
     from_disk = LLM(tmp_path / "fp8", device="cpu", dtype="float32", max_loras=1)
