@@ -109,6 +109,18 @@ def test_quantize_on_load_equals_a_block_fp8_checkpoint(family, tmp_path):
     assert router.dtype == torch.float32 and on_load.engine.model.lm_head.weight.dtype == torch.float32
 
 
+def test_fp8_unmerged_qkv_equals_merged(tmp_path):
+    """merge_qkv off: q, k and v each dequantize their own rows and scale rows (views of the merged ones)."""
+    hf = fp8_model("qwen3_moe", seed=9)
+    write_fp8_checkpoint(hf, tmp_path / "model", "block", "per_expert")
+    peft_dir = build_peft_adapter(hf, tmp_path / "peft", seed=1, target_modules=ATTN)
+    ids, names = [[4, 8, 15, 16, 23, 42], [1, 2, 3]], ["b", None]
+    merged, split = (LLM(tmp_path / "model", {"b": peft_dir}, device="cpu", dtype="float32", max_lora_rank=8,
+                         max_loras=1, merge_qkv=m).logits(ids, names) for m in (True, False))
+    for a, b in zip(merged, split, strict=True):
+        assert (a - b).abs().max() <= 1e-5
+
+
 def test_deepseek_fp8_paged_decode_equals_full_recompute(tmp_path):
     """Decode steps run MLA absorbed, reading the FP8 kv_b_proj dequantized: the same tokens as recomputing
     every prefix (the expanded path), with an adapter on kv_b_proj and rows on none."""

@@ -59,6 +59,10 @@ class _FP8Weight:
             return self.weight
         return dense_weight(self.weight, self.weight_scale_inv, self.quant, self.scale_segments, dtype)
 
+    def fp8_weights(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(weight, scale, row segments) of this module's FP8 parameters (`quant.storage.fp8_weight_sites`)."""
+        return [("weight", "weight_scale_inv", self.scale_segments)]
+
     def _project(self, x: torch.Tensor, args: DenseLoRAArgs | None) -> torch.Tensor:
         return _project(self.backend, x, self.dense_weight(x.dtype), self.bias, args, self.lora_stream,
                         activation_quantizer(self.quant))

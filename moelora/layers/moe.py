@@ -78,14 +78,20 @@ class Experts(nn.Module):
                               lora.token_slots, self.lora_gate_up_ranks, self.lora_down_ranks, lora.active,
                               width=lora.max_rank)
 
+    def fp8_weights(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(weight, scale, row segments) of the FP8 expert parameters (`quant.storage.fp8_weight_sites`)."""
+        inner, hidden = self.down_proj.shape[2], self.down_proj.shape[1]
+        return [("gate_up_proj", "gate_up_proj_scale_inv", (inner, inner)),
+                ("down_proj", "down_proj_scale_inv", (hidden,))]
+
     def dense_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [E, 2I, H], down [E, H, I]) as the expert GEMMs read them: the parameters, or the FP8
         ones dequantized into transients (the FP8 fused-MoE kernels plug in here)."""
         if self.quant is None:
             return self.gate_up_proj, self.down_proj
-        inner = self.down_proj.shape[2]
-        return (dense_weight(self.gate_up_proj, self.gate_up_proj_scale_inv, self.quant, (inner, inner), dtype),
-                dense_weight(self.down_proj, self.down_proj_scale_inv, self.quant, (self.down_proj.shape[1],), dtype))
+        gate_up, down = (dense_weight(getattr(self, w), getattr(self, s), self.quant, segments, dtype)
+                         for w, s, segments in self.fp8_weights())
+        return gate_up, down
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 lora: LoRABatch | None) -> torch.Tensor:

@@ -75,6 +75,13 @@ def check_ignored(model: nn.Module, cfg: FP8Config) -> None:
                           f"(only routers, norms, embeddings and the LM head may stay high precision)")
 
 
+def fp8_weight_sites(model: nn.Module) -> list[tuple[nn.Module, str, str, tuple[int, ...]]]:
+    """(module, weight name, scale name, row segments) of every FP8 parameter `model` owns (a merged
+    projection's, not again its segments' views)."""
+    return [(mod, w, s, segs) for mod in model.modules() if getattr(mod, "quant", None) is not None
+            for w, s, segs in mod.fp8_weights() if w in mod._parameters]
+
+
 def weight_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes of the model's parameters by dtype name (the weights; LoRA slots are buffers)."""
     out: dict[str, int] = {}
