@@ -60,11 +60,12 @@ def write_fp8_checkpoint(hf, out_dir, scheme: str, form: str = "per_expert", sha
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     scale_key = "weight_scale_inv" if scheme == "block" else "weight_scale"
+    blocks = scheme in ("block", "ct_block")
     tensors: dict[str, torch.Tensor] = {}
     deq_state: dict[str, torch.Tensor] = {}
 
     def put(key: str, w: torch.Tensor) -> torch.Tensor:
-        q, s, deq = quantize_loop(w, scheme)
+        q, s, deq = quantize_loop(w, "block" if blocks else scheme)
         tensors[key], tensors[key[: -len("weight")] + scale_key] = q, s
         return deq
 
@@ -123,6 +124,7 @@ def _save(tensors: dict[str, torch.Tensor], out_dir: Path, shards: int) -> None:
 
 
 def quantization_config(scheme: str) -> dict:
+    """"block": quant_method fp8; "channel" / "tensor" / "ct_block": compressed-tensors FP8_DYNAMIC / FP8_BLOCK."""
     if scheme == "block":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
                 "modules_to_not_convert": ["lm_head", "model.embed_tokens"]}
@@ -131,6 +133,9 @@ def quantization_config(scheme: str) -> dict:
                          "group_size": None, "observer": "minmax"},
              "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
                                    "strategy": "token", "observer": None}}
+    if scheme == "ct_block":
+        group["weights"].update(strategy="block", block_structure=[128, 128])
+        group["input_activations"].update(strategy="group", group_size=128)
     return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
             "config_groups": {"group_0": group}, "kv_cache_scheme": None,
             "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"]}

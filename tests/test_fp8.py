@@ -26,7 +26,8 @@ from moelora.quant.fp8 import FP8_DTYPE
 CASES = [("qwen3_moe", "block", "per_expert", 2), ("qwen3_moe", "channel", "per_expert", 1),
          ("deepseek_v3", "block", "fused", 1), ("deepseek_v3", "tensor", "per_expert", 2),
          ("glm4_moe", "block", "per_expert", 1), ("glm4_moe", "channel", "per_expert", 1),
-         ("qwen2_moe", "tensor", "per_expert", 1)]  # its shared_expert_gate stays high precision
+         ("qwen2_moe", "tensor", "per_expert", 1),  # its shared_expert_gate stays high precision
+         ("qwen3_moe", "ct_block", "per_expert", 1)]  # compressed-tensors FP8_BLOCK
 QWEN_SIZES = dict(hidden_size=144, moe_intermediate_size=136, intermediate_size=200)
 SITES = dict(ATTN_SITES, qwen3_moe=ATTN, qwen2_moe=ATTN)
 

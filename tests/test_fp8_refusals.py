@@ -58,11 +58,13 @@ def _two_groups():
     (_ct(num_bits=4), "num_bits=4"),
     (_ct(type="int"), "type='int'"),
     (_ct(symmetric=False), "symmetric=False"),
-    (_ct(strategy="block", block_structure=[128, 128]), "strategy='block'"),
+    (_ct(strategy="block", block_structure=[64, 64]), r"block_structure=\[64, 64\]"),
+    (_ct(strategy="block"), "block_structure=None"),
     (_ct(strategy="group", group_size=128), "strategy='group'"),
     (_ct_act({"num_bits": 8, "type": "float", "dynamic": False, "strategy": "tensor"}), "static activation"),
-    (_ct_act({"num_bits": 8, "type": "float", "dynamic": True, "strategy": "group", "group_size": 128}),
-     "strategy='group'"),
+    (_ct_act({"num_bits": 8, "type": "float", "dynamic": True, "strategy": "group", "group_size": 64}),
+     "group_size=64"),
+    (_ct_act({"num_bits": 8, "type": "float", "dynamic": True, "strategy": "tensor"}), "strategy='tensor'"),
     (_ct_act({"num_bits": 8, "type": "int", "dynamic": True, "strategy": "token"}), "type='int'"),
     (_two_groups(), "different schemes"),
 ])
@@ -82,6 +84,9 @@ def test_accepted_schemes():
     assert ct.ignores("model.layers.3.mlp.gate") and not ct.ignores("model.layers.3.mlp.gate_proj")
     weight_only = parse_quantization_config(_ct_act(None))
     assert weight_only.activations == "none"
+    block = parse_quantization_config(quantization_config("ct_block"))
+    assert (block.weights, block.activations, block.activation_group, block.scale_key) == (
+        "block", "group", 128, "weight_scale")
 
 
 def test_ignore_matching():

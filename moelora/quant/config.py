@@ -7,9 +7,11 @@ Accepted (anything else is a `ConfigError` naming the field and value):
   `float8_e4m3fn`, `weight_scale_inv` [ceil(out/128), ceil(in/128)]. Activations: dynamic 1 x 128 groups.
 - `quant_method: "compressed-tensors"`, `format: "float-quantized"` (llm-compressor's FP8 / FP8_DYNAMIC):
   one scheme over `targets: ["Linear"]` (several config groups only if they are identical), weights
-  `num_bits: 8, type: "float", symmetric`, `strategy: "channel"` (`weight_scale` [out, 1]) or `"tensor"`
-  ([1] or a scalar); `input_activations` null or `dynamic: true` with `strategy: "token"`; `ignore` list
-  (names or `re:` patterns). No kv-cache or output-activation scheme.
+  `num_bits: 8, type: "float", symmetric`, `strategy: "channel"` (`weight_scale` [out, 1]), `"tensor"`
+  ([1] or a scalar) or `"block"` with `block_structure: [128, 128]` (FP8_BLOCK: `weight_scale`
+  [ceil(out/128), ceil(in/128)]); `input_activations` null or `dynamic: true` with `strategy: "token"` or
+  `"group"` of `group_size: 128`; `ignore` list (names or `re:` patterns). No kv-cache or
+  output-activation scheme.
 `from_engine("fp8")` is `--quantization fp8` on a bf16/fp16/fp32 checkpoint: the "fp8" block scheme,
 applied while loading. Routers, norms, embeddings and the LM head are never quantized (the layers
 build them without `quant`); a checkpoint whose ignore list names a projection moelora holds in FP8 is
@@ -144,15 +146,22 @@ def _group_scheme(group: dict) -> tuple[str, str]:
             raise ConfigError(f"unsupported compressed-tensors weights {field}={w.get(field)!r} (only {want!r}: "
                               f"8-bit float, symmetric, static weights)")
     strategy = w.get("strategy")
-    if strategy not in ("channel", "tensor"):
-        raise ConfigError(f"unsupported compressed-tensors weights strategy={strategy!r} (only 'channel', 'tensor')")
+    if strategy not in ("channel", "tensor", "block"):
+        raise ConfigError(f"unsupported compressed-tensors weights strategy={strategy!r} (only 'channel', 'tensor', "
+                          f"'block')")
+    if strategy == "block" and list(w.get("block_structure") or ()) != [128, 128]:
+        raise ConfigError(f"unsupported compressed-tensors weights block_structure={w.get('block_structure')!r} "
+                          f"(only [128, 128])")
     a = group.get("input_activations")
     if not a:
         return strategy, "none"
     if not a.get("dynamic"):
         raise ConfigError("unsupported compressed-tensors input_activations dynamic=false: static activation "
                           "scales are not supported")
-    if a.get("num_bits", 8) != 8 or a.get("type", "float") != "float" or a.get("strategy") != "token":
+    kind = {"token": "token", "group": "group"}.get(a.get("strategy"))
+    if (a.get("num_bits", 8) != 8 or a.get("type", "float") != "float" or kind is None
+            or (kind == "group" and a.get("group_size") != 128)):
         raise ConfigError(f"unsupported compressed-tensors input_activations num_bits={a.get('num_bits')!r} "
-                          f"type={a.get('type')!r} strategy={a.get('strategy')!r} (only 8-bit float per 'token')")
-    return strategy, "token"
+                          f"type={a.get('type')!r} strategy={a.get('strategy')!r} group_size={a.get('group_size')!r} "
+                          f"(only 8-bit float per 'token', or per 'group' of 128)")
+    return strategy, kind
