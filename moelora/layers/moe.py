@@ -102,8 +102,9 @@ class Experts(nn.Module):
 
             return fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, lora=args,
                              side_stream=self.lora_stream, table=self.moe_table, route_rows=self.route_rows)
+        act_quant = activation_quantizer(self.quant)  # the W8A8 twin; None: the bf16 call as it always was
         return fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids, lora=args,
-                             act_quant=activation_quantizer(self.quant))
+                             **({} if act_quant is None else {"act_quant": act_quant}))
 
 
 class SparseMoE(nn.Module):
