@@ -169,3 +169,31 @@ def test_engine_quantization_settings_are_checked(fp8_dir):
     assert EngineConfig(device="cpu", quantization="fp8").resolve(fp8).fp8_config(fp8).method == "fp8"
     assert EngineConfig(device="cpu", quantization="fp8").resolve(plain).fp8_config(plain).on_load
     assert EngineConfig(device="cpu").resolve(plain).fp8_config(plain) is None
+
+
+EXPERTS = "model.layers.3.mlp.experts"
+
+
+@pytest.mark.parametrize("key,target", [
+    ("model.layers.3.mlp.experts.5.up_proj.weight_scale_inv", (f"{EXPERTS}.gate_up_proj_scale_inv", 5, 1)),
+    ("model.layers.2.block_sparse_moe.experts.1.w2.weight_scale_inv",
+     ("model.layers.2.mlp.experts.down_proj_scale_inv", 1, None)),
+    (f"{EXPERTS}.gate_up_proj_scale_inv", (f"{EXPERTS}.gate_up_proj_scale_inv", None, None)),
+    ("model.layers.0.self_attn.q_proj.weight_scale_inv", ("model.layers.0.self_attn.q_proj.weight_scale_inv",)),
+])
+def test_scale_keys_map_like_their_weights(key, target):
+    from moelora.models.weights import KeyTarget, checkpoint_key, map_checkpoint_key
+
+    got = map_checkpoint_key(key)
+    assert got == KeyTarget(*target)
+    style = "mixtral" if "block_sparse_moe" in key else "hub"
+    assert checkpoint_key(got, style) == key
+
+
+def test_compressed_tensors_scale_spelling():
+    from moelora.quant.checkpoint import FP8Loading
+
+    rules = FP8Loading(parse_quantization_config(CT))
+    key = "model.layers.0.mlp.experts.5.up_proj.weight_scale"
+    assert rules.rename(key) == key + "_inv" and rules.spell(key + "_inv") == key
+    assert FP8Loading(parse_quantization_config(BLOCK)).rename(key) == key  # only compressed-tensors renames
