@@ -93,6 +93,8 @@ def test_ignore_matching():
     cfg = parse_quantization_config(dict(BLOCK, modules_to_not_convert=["model.layers.1", "o_proj"]))
     assert cfg.ignores("model.layers.1.self_attn.q_proj") and not cfg.ignores("model.layers.11.self_attn.q_proj")
     assert cfg.ignores("model.layers.4.self_attn.o_proj") and not cfg.ignores("model.layers.4.self_attn.o_proj2")
+    regex = parse_quantization_config(dict(BLOCK, modules_to_not_convert=[r"model\.layers\.\d+\.mlp\.gate", "(bad"]))
+    assert regex.ignores("model.layers.7.mlp.gate") and not regex.ignores("model.layers.7.mlp.gate_proj")
 
 
 @pytest.fixture(scope="module")

@@ -76,7 +76,10 @@ def _matches(pattern: str, module: str) -> bool:
         return re.match(pattern[3:], module) is not None
     if module == pattern or module.endswith("." + pattern):
         return True
-    return re.match(rf"(?:{re.escape(pattern)})(?:(?<=\.)|(?=\.|$))", module) is not None
+    try:
+        return re.match(rf"(?:{pattern})(?:(?<=\.)|(?=\.|$))", module) is not None
+    except re.error:  # not a regex: a plain name, matched above
+        return False
 
 
 def parse_quantization_config(raw: Any) -> FP8Config | None:
