@@ -70,6 +70,20 @@ def test_dequantize_blocks_by_hand():
     assert torch.all(w[:128] == 2.0) and w[128, 0] == 0.5 and w[129, 1] == -1.5
 
 
+def test_whole_blocks_by_hand():
+    """256 x 384 (2 x 3 whole blocks, the broadcast path): each block's elements times its own scale."""
+    q = torch.ones(2, 256, 384).to(FP8_DTYPE)
+    s = torch.arange(1.0, 13.0).view(2, 2, 3)
+    w = dequantize_blocks(q, s)
+    assert w.shape == (2, 256, 384)
+    for e in range(2):
+        for i in range(2):
+            for j in range(3):
+                assert torch.all(w[e, i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] == s[e, i, j])
+    q2, s2 = quantize_blocks(w)
+    assert torch.equal(s2, s / 448) and torch.all(q2.float() == 448)
+
+
 def test_segments_block_each_on_its_own():
     w = torch.tensor([[8.0, 1.0], [2.0, 0.0], [4.0, 2.0], [1.0, -1.0], [0.5, 0.25]])
     q, s = quantize_segments(w, (3, 2))  # segment 0: amax 8, segment 1: amax 1

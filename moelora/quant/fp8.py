@@ -76,7 +76,11 @@ def dequantize_blocks(q: torch.Tensor, s: torch.Tensor, block: tuple[int, int] =
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """q [.., N, K] e4m3 and s [.., ceil(N/bn), ceil(K/bk)] -> w [.., N, K] in `dtype` (product in fp32)."""
     rows, cols = q.shape[-2:]
-    return (q.float() * _expand_blocks(s.float(), rows, cols, block)).to(dtype)
+    if rows % block[0] or cols % block[1]:
+        return (q.float() * _expand_blocks(s.float(), rows, cols, block)).to(dtype)
+    # whole blocks (every shipped shape): broadcast s over a blocked view, no expanded copy of the scales
+    blocked = q.float().unflatten(-1, (cols // block[1], block[1])).unflatten(-3, (rows // block[0], block[0]))
+    return (blocked * s.float()[..., :, None, :, None]).reshape(q.shape).to(dtype)
 
 
 def quantize_channels(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
