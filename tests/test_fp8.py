@@ -208,3 +208,26 @@ def test_cli_quantization_flag(tmp_path):
     assert build_parser().parse_args(["bench", "-q", "fp8"]).quantization == "fp8"
     with pytest.raises(SystemExit, match="--quantization does not apply"):
         main(["verify", str(tmp_path), "--quantization", "fp8"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_decode_forward_has_no_host_sync():
+    """Contract 5 on the FP8 path: the per-call dequantization and the bf16 kernels sync nothing."""
+    from moelora.demo import ADAPTER_NAMES
+    from moelora.demo.show import load_demo_llm
+    from moelora.engine.request import SamplingParams
+
+    eng = load_demo_llm("cuda", quantization="fp8", enforce_eager=True, async_scheduling=False).engine
+    reqs = [eng.add_request([5 + i, 9, 11, 40 + i], SamplingParams(max_tokens=4, ignore_eos=True), name)
+            for i, name in enumerate([None, *ADAPTER_NAMES])]
+    eng.step()  # prefill
+    step = eng.scheduler.schedule()
+    inputs = eng.runner.prepare(step, eng.pool.acquire(r.adapter for r in step.requests), eng.pool.slot_ranks)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eng.runner.run(inputs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert reqs
