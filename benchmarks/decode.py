@@ -16,6 +16,10 @@ layers, LoRA A/B of every adapted projection per adapter and of the distinct (ad
 and the KV read (GQA: 2 N_kv D per cached token; MLA: the latent C + Dr); plus the LM head. Routers
 and norms are left out (< 1%).
 
+--quantization fp8: every projection in FP8 (128 x 128 blocks, random weights quantized; `moelora.quant`),
+the bound counting them one byte each (scales < 0.03 %); until the FP8 kernels land they run dequantized
+per call, so this measures that path.
+
 --model qwen3_30b (default), dsv2_lite (DeepSeek-V2-Lite: 27 layers, MLA with C 512, 64 experts top-6,
 2 shared experts, first layer dense) or all (both, one after the other).
 
@@ -23,6 +27,7 @@ usage: python benchmarks/decode.py OUT.csv [--model qwen3_30b|dsv2_lite|all] [--
        [--conc 1,8,32,64,128,256] [--steps 20] [--repeats 2] [--no-async-scheduling] [--no-overlap-lora]
        [--lora-target-modules self_attn,experts] [--ab async_scheduling=0]  (engine-level keys only)
        [--ab-table other_fused_moe_table.json]  (B engines built, captured and run with that MoE table)
+       [--quantization fp8]
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ from moelora.kernels.moe_config import check_table_file  # noqa: E402
 from moelora.lora.adapter import LoRAAdapter, LoRAWeights  # noqa: E402
 from moelora.models.decoder import MoECausalLM  # noqa: E402
 from moelora.models.registry import model_class  # noqa: E402
+from moelora.quant.config import FP8Config  # noqa: E402
+from moelora.quant.fp8 import quantize_segments  # noqa: E402
+from moelora.quant.storage import fp8_weight_sites  # noqa: E402
 
 QWEN3_30B = dict(family="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,
                  num_kv_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
@@ -60,11 +68,21 @@ DSV2_LITE = dict(family="deepseek_v2", vocab_size=102400, hidden_size=2048, num_
 MODELS = {"qwen3_30b": QWEN3_30B, "dsv2_lite": DSV2_LITE}
 
 
-def random_model(cfg: ModelConfig, max_loras: int, rank: int) -> MoECausalLM:
+def random_model(cfg: ModelConfig, max_loras: int, rank: int, quant: FP8Config | None = None) -> MoECausalLM:
     with torch.device("cuda"):
-        model = model_class(cfg)(cfg, max_loras=max_loras, max_rank=rank, backend="triton", dtype=torch.bfloat16)
+        model = model_class(cfg)(cfg, max_loras=max_loras, max_rank=rank, backend="triton", dtype=torch.bfloat16,
+                                 quant=quant)
     with torch.no_grad():
+        for mod, weight, scale, segments in fp8_weight_sites(model):  # random bf16, quantized a matrix at a time
+            w, s = getattr(mod, weight), getattr(mod, scale)
+            for i in range(w.shape[0] if w.dim() == 3 else 1):
+                dest_w, dest_s = (w[i], s[i]) if w.dim() == 3 else (w, s)
+                q, sc = quantize_segments(torch.empty(dest_w.shape, dtype=torch.bfloat16).normal_(0, 0.02), segments)
+                dest_w.copy_(q)
+                dest_s.copy_(sc)
         for name, p in model.named_parameters():
+            if p.dtype == torch.float8_e4m3fn or name.endswith("_scale_inv"):
+                continue
             if "norm" in name:
                 p.fill_(1.0)
             else:
@@ -87,12 +105,13 @@ def random_adapter(model: MoECausalLM, name: str, rank: int, seed: int) -> LoRAA
     return LoRAAdapter(name, "", sites)
 
 
-def model_with_adapters(name: str, layers: int | None = None, n: int = 8, rank: int = 16, pool_rank: int | None = None):
+def model_with_adapters(name: str, layers: int | None = None, n: int = 8, rank: int = 16, pool_rank: int | None = None,
+                        quant: FP8Config | None = None):
     """MODELS[name]'s shape cut to `layers` layers (None: all of its own): (config, random model with n slots
-    of `pool_rank` (default `rank`), adapters a0..a{n-1} of `rank`)."""
+    of `pool_rank` (default `rank`), FP8 projections with `quant`, adapters a0..a{n-1} of `rank`)."""
     spec = MODELS[name]
     cfg = ModelConfig(**{**spec, "num_layers": layers or spec["num_layers"]}).resolve()
-    model = random_model(cfg, n, pool_rank or rank)
+    model = random_model(cfg, n, pool_rank or rank, quant)
     return cfg, model, {f"a{i}": random_adapter(model, f"a{i}", rank, i) for i in range(n)}
 
 
@@ -136,7 +155,8 @@ def kv_per_token(cfg: ModelConfig) -> int:
     return cfg.latent_cache_dim if cfg.attention == "mla" else 2 * cfg.num_kv_heads * cfg.head_dim
 
 
-def step_bytes(cfg: ModelConfig, conc: int, n_adapters: int, rank: int, ctx: int) -> float:
+def step_bytes(cfg: ModelConfig, conc: int, n_adapters: int, rank: int, ctx: int, weight_bytes: int = 2) -> float:
+    """Bytes a decode step reads: the projections at `weight_bytes` each (1: FP8), the rest in bf16."""
     H, inter, E, K = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.top_k
     shapes = attention_shapes(cfg)
     attn = sum(i * o for i, o in shapes)
@@ -153,9 +173,9 @@ def step_bytes(cfg: ModelConfig, conc: int, n_adapters: int, rank: int, ctx: int
     dense_lora = n_adapters * rank * 3 * (H + cfg.intermediate_size)
     n_sparse = len(cfg.sparse_layers)
     n_dense = cfg.num_layers - n_sparse
-    per_model = (cfg.num_layers * (attn + attn_lora + kv) + n_sparse * (sparse + sparse_lora)
-                 + n_dense * (dense + dense_lora))
-    return 2.0 * (per_model + cfg.vocab_size * H)
+    weights = cfg.num_layers * attn + n_sparse * sparse + n_dense * dense
+    rest = cfg.num_layers * (attn_lora + kv) + n_sparse * sparse_lora + n_dense * dense_lora
+    return weight_bytes * weights + 2.0 * (rest + cfg.vocab_size * H)
 
 
 def measure(eng: LLMEngine, conc: int, names: list, steps: int, prompt_len: int = 32) -> float:
@@ -183,11 +203,11 @@ def engine(model, cfg: ModelConfig, max_loras: int, rank: int, max_seqs: int, ad
     return eng
 
 
-def no_lora_twin(model: MoECausalLM, cfg: ModelConfig) -> MoECausalLM:
+def no_lora_twin(model: MoECausalLM, cfg: ModelConfig, quant: FP8Config | None = None) -> MoECausalLM:
     """The same model without LoRA sites, over the same weight tensors (no second copy): the no-LoRA
     baseline, alive next to the LoRA engine so the two are measured in turns."""
     with torch.device("meta"):
-        twin = model_class(cfg)(cfg, max_loras=0, max_rank=0, backend="triton", dtype=torch.bfloat16)
+        twin = model_class(cfg)(cfg, max_loras=0, max_rank=0, backend="triton", dtype=torch.bfloat16, quant=quant)
     src = dict(model.named_modules())
     for name, mod in twin.named_modules():
         for table, other in ((mod._parameters, src[name]._parameters), (mod._buffers, src[name]._buffers)):
@@ -217,7 +237,7 @@ def moe_table_on(models, table: str | None):
 
 def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank: int, bw: float,
               engine_kw: dict, repeats: int = 1, ab: dict | None = None, ab_table: str | None = None,
-              pool_rank: int | None = None) -> list[dict]:
+              pool_rank: int | None = None, quant: FP8Config | None = None) -> list[dict]:
     """`ab`: engine settings of a second engine pair ("B", e.g. {"async_scheduling": True}) over the same
     weights, measured in the same turns as the first, so a few-percent effect is not lost to drift.
     `ab_table`: a fused-MoE table file the B pair is built, captured and run with (its
@@ -225,9 +245,9 @@ def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank:
     turn sets it there again, `moe_table_on`). `pool_rank`: the slots' max rank (max_lora_rank), default
     the adapters' `rank`."""
     pool_rank = pool_rank or rank  # was passed on as None without --pool-rank: a TypeError in resolve()
-    cfg, model, adapters = model_with_adapters(name, layers, 8, rank, pool_rank)
-    print(f"model {name}, layers {cfg.num_layers}")
-    twin = no_lora_twin(model, cfg)
+    cfg, model, adapters = model_with_adapters(name, layers, 8, rank, pool_rank, quant)
+    print(f"model {name}, layers {cfg.num_layers}, {'FP8' if quant else 'bf16'} projections")
+    twin = no_lora_twin(model, cfg, quant)
     has_b = bool(ab) or ab_table is not None
     b_table = check_table_file(ab_table) if ab_table else None
     shared = [model, twin]
@@ -268,7 +288,7 @@ def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank:
         for conc in concs:
             for label, n in (("no LoRA", 0), ("1 adapter", 1), ("8 adapters", 8)):
                 t = results[(variant, label, conc)]
-                bound = step_bytes(cfg, conc, n, rank, 40) / bw
+                bound = step_bytes(cfg, conc, n, rank, 40, 1 if quant else 2) / bw
                 ratio = results[(variant, "no LoRA", conc)] / t
                 rows.append(dict(model=name, variant=variant or "A", config=label, concurrency=conc, step_ms=t * 1e3,
                                  tokens_per_s=conc / t, bound_ms=bound * 1e3, x_bound=t / bound,
@@ -324,6 +344,7 @@ def main() -> None:
     ap.add_argument("--ab", default="", help="A/B in the same turns: engine settings of a second engine pair, "
                     "e.g. async_scheduling=1 or skip_idle_lora_sites=0 (B/A: its step time over the first's); "
                     "keys that set the shared model's modules are refused")
+    ap.add_argument("--quantization", choices=["fp8"], default=None, help="FP8 projections (see the docstring)")
     args = ap.parse_args()
     concs = [int(c) for c in args.conc.split(",")]
     bw = copy_gbps() * 1e9  # bytes/s
@@ -331,7 +352,8 @@ def main() -> None:
     rows = []
     for name in (list(MODELS) if args.model == "all" else [args.model]):
         rows += run_model(name, args.layers, concs, args.steps, args.rank, bw, repeats=args.repeats,
-                          ab=parse_ab(args.ab), ab_table=args.ab_table, pool_rank=args.pool_rank, engine_kw=
+                          ab=parse_ab(args.ab), ab_table=args.ab_table, pool_rank=args.pool_rank,
+                          quant=FP8Config.from_engine(args.quantization) if args.quantization else None, engine_kw=
                           dict(async_scheduling=args.async_scheduling, overlap_lora=not args.no_overlap_lora,
                                lora_stream_priority=args.lora_stream_priority,
                                lora_target_modules=tuple(args.lora_target_modules.split(","))

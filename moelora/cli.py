@@ -32,6 +32,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", type=types.dtype, default="auto", help="auto, float32 (float), float16 (half), bfloat16")
     p.add_argument("--max-lora-rank", type=types.non_negative, default=64)
     p.add_argument("--max-loras", type=types.non_negative, default=8, help="device adapter slots")
+    p.add_argument("--quantization", "-q", choices=["fp8", "compressed-tensors"], default=None,
+                   help="fp8: quantize a bf16 checkpoint's projections to FP8 while loading (128x128 blocks); "
+                        "default: as the checkpoint is (FP8 checkpoints load as FP8)")
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -47,7 +50,7 @@ def _llm(args, model: str, adapters: dict[str, str], **engine_kwargs):
     from moelora import LLM
 
     return LLM(model, adapters, device=args.device, dtype=args.dtype, max_lora_rank=args.max_lora_rank,
-               max_loras=max(args.max_loras, len(adapters)), **engine_kwargs)
+               max_loras=max(args.max_loras, len(adapters)), quantization=args.quantization, **engine_kwargs)
 
 
 def cmd_generate(args) -> int:
@@ -73,6 +76,9 @@ def cmd_verify(args) -> int:
     from moelora.verify import verify
 
     model, adapters = _model_and_adapters(args)
+    if args.quantization:
+        raise SystemExit("moelora verify compares a checkpoint as it is stored (an FP8 one against transformers + "
+                         "PEFT on its dequantized weights); --quantization does not apply")
     worst = verify(model, adapters, tolerance=args.tolerance, print_fn=print)
     return 0 if worst <= args.tolerance else 1
 
@@ -147,7 +153,7 @@ def serve_engine_config(args) -> EngineConfig:
                         overlap_lora=not args.no_overlap_lora,
                         lora_target_modules=tuple(args.lora_target_modules) if args.lora_target_modules else None,
                         enable_prefix_caching=args.enable_prefix_caching, fused_moe_table=args.fused_moe_table,
-                        warmup=not args.skip_warmup)
+                        warmup=not args.skip_warmup, quantization=args.quantization)
 
 
 def serve_options(args) -> dict:

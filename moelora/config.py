@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from moelora.errors import ConfigError
+from moelora.quant.config import FP8Config, parse_quantization_config
 
 # HF architecture name -> family name used by moelora.models.registry.
 ARCHITECTURES = {
@@ -126,6 +127,8 @@ class ModelConfig:
     sparse_layers: tuple[int, ...] = field(default=())
     rotary_dim: int = 0
     shared_experts_intermediate_size: int = 0
+    # FP8 checkpoint (config.json's quantization_config; `moelora.quant.config`), None: high precision
+    quantization: FP8Config | None = None
 
     def resolve(self) -> ModelConfig:
         """Validate and fill derived fields; returns a new config."""
@@ -273,6 +276,7 @@ def _common(family: str, raw: dict[str, Any]) -> dict[str, Any]:
         dtype=_DTYPES[dtype_name],
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        quantization=parse_quantization_config(raw.get("quantization_config")),
     )
 
 
@@ -297,11 +301,6 @@ def _yarn(raw: dict[str, Any]) -> YarnRope | None:
 
 
 def _check_deepseek_glm(family: str, raw: dict[str, Any]) -> None:
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "?") if isinstance(
-            raw["quantization_config"], dict) else "?"
-        raise ConfigError(f"quantized checkpoints are not supported (quantization_config quant_method={method!r}); "
-                          f"use a bf16/fp16/fp32 checkpoint")
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"unsupported hidden_act {act!r} (only 'silu')")

@@ -2,12 +2,15 @@
 
 Needs the dev extra (transformers, peft). Runs both on the CPU in float32 over a few seeded
 token sequences and reports the max abs logit difference per adapter (base model included).
+An FP8 checkpoint is compared against transformers + PEFT on its weights dequantized (each e4m3 weight
+times its scale, in fp32: `moelora.quant.checkpoint.dequantize_checkpoint`, into a temporary directory).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import tempfile
 from collections.abc import Callable
 
 import torch
@@ -21,7 +24,15 @@ def _oracle(model_dir: str):
         import transformers
     except ImportError:
         raise ConfigError("moelora verify needs transformers and peft: pip install 'moelora[dev]'") from None
-    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    from moelora.config import ModelConfig
+    from moelora.quant.checkpoint import dequantize_checkpoint
+
+    fp8 = ModelConfig.from_hf(model_dir).quantization
+    if fp8 is None:
+        return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with tempfile.TemporaryDirectory() as plain:
+        dequantize_checkpoint(model_dir, plain, fp8)
+        return transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
 
 
 @contextlib.contextmanager

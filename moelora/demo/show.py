@@ -22,7 +22,7 @@ def run_demo_batch(llm, inputs: list[str]) -> dict[tuple[str, str], str]:
     return {pair: out.text for pair, out in zip(pairs, outs, strict=True)}
 
 
-def load_demo_llm(device: str | None = None):
+def load_demo_llm(device: str | None = None, **engine_kwargs):
     from moelora import LLM
 
     return LLM(
@@ -31,6 +31,7 @@ def load_demo_llm(device: str | None = None):
         device=device,
         max_lora_rank=64,
         max_loras=len(ADAPTER_NAMES),
+        **engine_kwargs,
     )
 
 

@@ -15,6 +15,7 @@ import torch
 from moelora.config import ModelConfig
 from moelora.errors import ConfigError
 from moelora.kernels.moe_config import check_table_file
+from moelora.quant.config import FP8Config
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -93,6 +94,16 @@ class EngineConfig:
     # paths a request can take, so none compiles a Triton kernel while a client waits. Off: start at once
     # (tests; the first requests then pay the compiles).
     warmup: bool = True
+    # FP8 base weights (vLLM's `quantization`): None follows the checkpoint (its quantization_config, or
+    # none); "fp8" on a bf16/fp16/fp32 checkpoint quantizes every projection while loading (128 x 128
+    # blocks, per expert), on an FP8 checkpoint it names the checkpoint's method ("fp8" or
+    # "compressed-tensors", which must agree). Until the Triton FP8 kernels land (issue 28), each FP8 layer
+    # dequantizes its weights per call into a transient and runs the bf16 kernels (`moelora.quant.storage`).
+    quantization: str | None = None
+    # The W8A8 twin: FP8 GEMMs also round their input activations as the checkpoint's scheme says (dynamic
+    # 1 x 128 groups per token, or per token for compressed-tensors), LoRA reading them unrounded; the
+    # reference of the future W8A8 kernels (kernel_backend "torch" only). Off: W8A16, activations as they are.
+    fp8_activation_quant: bool = False
 
     @property
     def has_lora_slots(self) -> bool:
@@ -101,6 +112,11 @@ class EngineConfig:
     @property
     def use_cuda_graphs(self) -> bool:
         return self.torch_device.type == "cuda" and self.kernel_backend == "triton" and not self.enforce_eager
+
+    def fp8_config(self, model: ModelConfig) -> FP8Config | None:
+        """The model's FP8 scheme under this engine config (resolved: checked by `resolve`)."""
+        fp8 = model.quantization or (FP8Config.from_engine(self.quantization) if self.quantization else None)
+        return None if fp8 is None else dataclasses.replace(fp8, quantize_activations=self.fp8_activation_quant)
 
     @property
     def torch_device(self) -> torch.device:
@@ -141,6 +157,7 @@ class EngineConfig:
             targets = tuple(t.strip(".") for t in targets)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        self._check_quantization(model, backend)
         table = self.fused_moe_table
         if table is not None:
             try:
@@ -152,6 +169,23 @@ class EngineConfig:
             max_cpu_loras=self.max_cpu_loras or max(32, self.max_loras), lora_target_modules=targets,
             fused_moe_table=table, async_scheduling=(torch.device(device).type == "cuda"
                                                      if self.async_scheduling is None else self.async_scheduling))
+
+    def _check_quantization(self, model: ModelConfig, backend: str) -> None:
+        method = model.quantization.method if model.quantization else None
+        if self.quantization not in (None, "fp8", "compressed-tensors"):
+            raise ConfigError(f"quantization={self.quantization!r} is not supported (only 'fp8', or "
+                              f"'compressed-tensors' for such a checkpoint)")
+        if self.quantization is not None and method is not None and self.quantization != method:
+            raise ConfigError(f"quantization={self.quantization!r} does not match the checkpoint's "
+                              f"quantization_config quant_method={method!r}")
+        if self.quantization == "compressed-tensors" and method is None:
+            raise ConfigError("quantization='compressed-tensors' needs a compressed-tensors checkpoint; use 'fp8' "
+                              "to quantize a bf16 checkpoint while loading")
+        if self.fp8_activation_quant and method is None and self.quantization is None:
+            raise ConfigError("fp8_activation_quant needs FP8 weights (an FP8 checkpoint or quantization='fp8')")
+        if self.fp8_activation_quant and backend != "torch":
+            raise ConfigError("fp8_activation_quant (the W8A8 twin) runs on kernel_backend='torch' only: the Triton "
+                              "FP8 kernels are not built yet")
 
     def with_kv_blocks(self, num_blocks: int) -> EngineConfig:
         blocks_per_seq = -(-self.max_model_len // self.block_size)

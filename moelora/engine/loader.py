@@ -17,6 +17,8 @@ from moelora.engine.tokenizer import Tokenizer, resolve_chat_template
 from moelora.errors import ConfigError
 from moelora.models.lora_targets import restrict_lora_sites
 from moelora.models.registry import model_class
+from moelora.quant.checkpoint import FP8Loading
+from moelora.quant.storage import check_ignored
 
 _CPU_DEFAULT_KV_TOKENS = 1 << 16
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -110,13 +112,16 @@ def build_engine(model_dir: str | Path, cfg: EngineConfig | None = None, progres
         raise ConfigError(f"--tokenizer {str(tokenizer)!r}: no tokenizer.json there")
     model_cfg = ModelConfig.from_hf(model_dir)
     cfg = (cfg or EngineConfig()).resolve(model_cfg)
+    fp8 = cfg.fp8_config(model_cfg)  # FP8 storage of the projections (`moelora.quant`), or None
     with torch.device(cfg.torch_device):
         model = model_class(model_cfg)(model_cfg, max_loras=cfg.max_loras, max_rank=cfg.max_lora_rank,
-                                       backend=cfg.kernel_backend, dtype=cfg.torch_dtype)
+                                       backend=cfg.kernel_backend, dtype=cfg.torch_dtype, quant=fp8)
+    if fp8 is not None:
+        check_ignored(model, fp8)
     if load_format == "dummy":
         init_dummy_weights(model.weight_params(), seed)
     else:
-        load_checkpoint(model_dir, model.weight_params(), progress=progress)
+        load_checkpoint(model_dir, model.weight_params(), progress=progress, quant=fp8 and FP8Loading(fp8))
     model.eval()
     restrict_lora_sites(model, cfg.lora_target_modules)  # before the memory plan: dropped slots are free
     if cfg.torch_device.type == "cuda":

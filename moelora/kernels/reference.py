@@ -13,6 +13,7 @@ per step, so they never sync on a tensor value.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -74,10 +75,11 @@ def _need_rows(lora: DenseLoRAArgs | ExpertLoRAArgs) -> None:
 
 
 def lora_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    lora: DenseLoRAArgs | None) -> torch.Tensor:
+                    lora: DenseLoRAArgs | None, act_quant: Callable | None = None) -> torch.Tensor:
     """y = x @ W^T + bias + (x @ A_s^T @ B_s^T for rows on slot s). x [T, N_in] -> [T, N_out].
-    With segments, each segment's columns get its own A_g / B_g (see `DenseLoRAArgs`)."""
-    y = F.linear(x, weight, bias)
+    With segments, each segment's columns get its own A_g / B_g (see `DenseLoRAArgs`).
+    `act_quant` (the FP8 W8A8 twin, `moelora.quant`): rounds the base GEMM's input; LoRA reads x."""
+    y = F.linear(x if act_quant is None else act_quant(x), weight, bias)
     if lora is None:
         return y
     _need_rows(lora)
@@ -100,7 +102,7 @@ def _expert_delta(h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rank: int) 
 
 def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  lora: ExpertLoRAArgs | None = None) -> torch.Tensor:
+                  lora: ExpertLoRAArgs | None = None, act_quant: Callable | None = None) -> torch.Tensor:
     """Routed experts with optional per-token LoRA. x [T, H], w_gate_up [E, 2I, H],
     w_down [E, H, I], topk_weights [T, K] (applied after the down projection, in fp32),
     topk_ids [T, K] -> out [T, H] (a new tensor; x is never written).
@@ -109,8 +111,10 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
       gu = x_t W_gu[e]^T + (x_t A_gu[s,e]^T) B_gu[s,e]^T;  h = silu(gu[:I]) * gu[I:]
       y  = h W_d[e]^T + (h A_d[s,e]^T) B_d[s,e]^T;         out_t += w_tk * y
     Loops over experts on the host with index lists: correct everywhere, syncs on CUDA (the
-    Triton path is the graph-safe one).
+    Triton path is the graph-safe one). `act_quant` (the FP8 W8A8 twin, `moelora.quant`): rounds the
+    base GEMMs' inputs x_t and h; the LoRA terms read them as they are.
     """
+    base_in = (lambda t: t) if act_quant is None else act_quant
     T, H = x.shape
     inter = w_down.shape[2]
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
@@ -126,7 +130,7 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         route = (flat_ids == e).nonzero().squeeze(1)
         tok = route // topk_ids.shape[1]
         xe = x.index_select(0, tok)
-        gu = xe @ w_gate_up[e].t()
+        gu = base_in(xe) @ w_gate_up[e].t()
         if slot_of_row is not None:
             gu = gu.clone()
             slots = slot_of_row.index_select(0, tok)
@@ -136,7 +140,7 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
                 sel = (slots == s).nonzero().squeeze(1)
                 gu[sel] += _expert_delta(xe[sel], lora.gate_up_a[s, e], lora.gate_up_b[s, e], gu_ranks[s])
         h = F.silu(gu[:, :inter]) * gu[:, inter:]
-        y = h @ w_down[e].t()
+        y = base_in(h) @ w_down[e].t()
         if slot_of_row is not None:
             for s in torch.unique(slots).tolist():
                 if s < 0:

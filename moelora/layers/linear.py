@@ -19,6 +19,11 @@ checkpoint name of its own: a `LinearSegment` (e.g. `self_attn.q_proj`) whose we
 LoRA buffers are views into the merged ones, taken on every access (so they follow `.to()`), and
 which saves and loads `q_proj.weight` / `q_proj.bias` in `state_dict()` / `load_state_dict()`; the
 merged module itself has no state-dict keys.
+
+FP8 (`quant`, an `FP8Config`; contract 10): the weight is e4m3 with its `weight_scale_inv` (block
+[sum_g ceil(N_g/128), ceil(N_in/128)], each segment blocked on its own, or per row [N_out, 1]:
+`moelora.quant.storage`); the GEMM reads `dense_weight(dtype)`, the dequantized transient, and the
+LoRA slots and paths are the same as in bf16.
 """
 
 from __future__ import annotations
@@ -31,18 +36,39 @@ from torch import nn
 from moelora.kernels.reference import DenseLoRAArgs, lora_linear_ref
 from moelora.lora.adapter import LoRAWeights
 from moelora.lora.batch import LoRABatch
+from moelora.quant.config import FP8Config
+from moelora.quant.storage import activation_quantizer, dense_weight, fp8_parameters, scale_rows
 
 
 def _project(backend: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-             args: DenseLoRAArgs | None, side_stream: torch.cuda.Stream | None) -> torch.Tensor:
-    if backend == "triton":
+             args: DenseLoRAArgs | None, side_stream: torch.cuda.Stream | None, act_quant=None) -> torch.Tensor:
+    if backend == "triton":  # FP8: the dequantized weight (the FP8 kernels plug in here; act_quant is torch-only)
         from moelora.kernels.lora_linear import lora_linear
 
         return lora_linear(x, weight, bias, args, side_stream=side_stream)
-    return lora_linear_ref(x, weight, bias, args)
+    return lora_linear_ref(x, weight, bias, args, act_quant)
 
 
-class LinearSite(nn.Module):
+class _FP8Weight:
+    """The GEMM weight of a dense site or merged projection: the parameter, or an FP8 one dequantized."""
+
+    quant: FP8Config | None = None
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.quant is None:
+            return self.weight
+        return dense_weight(self.weight, self.weight_scale_inv, self.quant, self.scale_segments, dtype)
+
+    def fp8_weights(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(weight, scale, row segments) of this module's FP8 parameters (`quant.storage.fp8_weight_sites`)."""
+        return [("weight", "weight_scale_inv", self.scale_segments)]
+
+    def _project(self, x: torch.Tensor, args: DenseLoRAArgs | None) -> torch.Tensor:
+        return _project(self.backend, x, self.dense_weight(x.dtype), self.bias, args, self.lora_stream,
+                        activation_quantizer(self.quant))
+
+
+class LinearSite(_FP8Weight, nn.Module):
     """A dense LoRA site: y = x W^T + b + its LoRA delta. Subclasses provide `weight` [N_out, N_in],
     `bias`, `lora_a` [S, R, N_in], `lora_b` [S, N_out, R], `lora_ranks` [S], `has_lora`, `backend`,
     `in_features` and `out_features`. `lora_stream` (set by the engine, `EngineConfig.overlap_lora`):
@@ -74,7 +100,7 @@ class LinearSite(nn.Module):
                              row_plan=lora.row_plan, width=lora.max_rank)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        return _project(self.backend, x, self.weight, self.bias, self.lora_args(lora), self.lora_stream)
+        return self._project(x, self.lora_args(lora))
 
     def forward_one_slot(self, x: torch.Tensor, slot: torch.Tensor | None) -> torch.Tensor:
         """Rows that all belong to one adapter slot, given as a 0-d int device tensor (-1: none), so
@@ -92,11 +118,14 @@ class LinearSite(nn.Module):
 class Linear(LinearSite):
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
                  max_loras: int = 0, max_rank: int = 0, backend: str = "torch",
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, quant: FP8Config | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.backend = backend
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.backend, self.quant, self.scale_segments = backend, quant, (out_features,)
+        if quant is None:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        else:
+            self.weight, self.weight_scale_inv = fp8_parameters(quant, self.scale_segments, in_features)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
         self.has_lora = max_loras > 0 and max_rank > 0
         if self.has_lora:
@@ -107,7 +136,7 @@ class Linear(LinearSite):
             self.register_buffer("lora_ranks", torch.zeros(max_loras, dtype=torch.int32), persistent=False)
 
 
-class MergedLinear(nn.Module):
+class MergedLinear(_FP8Weight, nn.Module):
     """G linears over one input, `out_sizes` (N_0, .., N_{G-1}): forward -> y [T, sum N_g], one GEMM
     and one LoRA shrink + expand. Its segments (`segments`) are the sites and checkpoint names; the
     owner registers them as its own children under their names (see `Attention`). `lora_stream`:
@@ -117,13 +146,17 @@ class MergedLinear(nn.Module):
 
     def __init__(self, in_features: int, out_sizes: tuple[int, ...], *, bias: bool = False,
                  max_loras: int = 0, max_rank: int = 0, backend: str = "torch",
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, quant: FP8Config | None = None):
         super().__init__()
         self.in_features, self.out_sizes = in_features, tuple(out_sizes)
         self.out_features = sum(self.out_sizes)
         self.bounds = tuple(itertools.accumulate(self.out_sizes, initial=0))
         self.backend, self.max_rank = backend, max_rank
-        self.weight = nn.Parameter(torch.empty(self.out_features, in_features, dtype=dtype))
+        self.quant, self.scale_segments = quant, self.out_sizes
+        if quant is None:
+            self.weight = nn.Parameter(torch.empty(self.out_features, in_features, dtype=dtype))
+        else:
+            self.weight, self.weight_scale_inv = fp8_parameters(quant, self.out_sizes, in_features)
         self.bias = nn.Parameter(torch.empty(self.out_features, dtype=dtype)) if bias else None
         self.has_lora = max_loras > 0 and max_rank > 0
         G = len(self.out_sizes)
@@ -142,7 +175,7 @@ class MergedLinear(nn.Module):
                              self.out_sizes, lora.row_plan, width=lora.max_rank)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        return _project(self.backend, x, self.weight, self.bias, self.lora_args(lora), self.lora_stream)
+        return self._project(x, self.lora_args(lora))
 
     # The segments save and load the weights under their own names.
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -166,6 +199,8 @@ class LinearSegment(LinearSite):
         self.in_features, self.out_features = merged.in_features, merged.out_sizes[index]
         self.has_lora, self.backend = merged.has_lora, merged.backend
         self._rows = slice(merged.bounds[index], merged.bounds[index + 1])
+        self.quant, self.scale_segments = merged.quant, (self.out_features,)
+        self._scale_rows = None if self.quant is None else scale_rows(self.quant, merged.out_sizes, index)
 
     @property
     def lora_owner(self) -> nn.Module:
@@ -174,6 +209,10 @@ class LinearSegment(LinearSite):
     @property
     def weight(self) -> torch.Tensor:
         return self.merged.weight[self._rows]
+
+    @property
+    def weight_scale_inv(self) -> torch.Tensor:
+        return self.merged.weight_scale_inv[self._scale_rows]
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -193,7 +232,8 @@ class LinearSegment(LinearSite):
         return self.merged.lora_ranks[self.index]
 
     def _checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        return {"weight": self.weight} | ({} if self.bias is None else {"bias": self.bias})
+        scale = {} if self.quant is None else {"weight_scale_inv": self.weight_scale_inv}
+        return {"weight": self.weight} | scale | ({} if self.bias is None else {"bias": self.bias})
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         for name, t in self._checkpoint_tensors().items():

@@ -144,10 +144,15 @@ class _SlotSelect:
         if lora is None or not kv_b_proj.has_lora or lora.skips(kv_b_proj):
             return None
         a, b = kv_b_proj.lora_a, kv_b_proj.lora_b  # [S, R, C], [S, N(Dn + Dv), R]
-        dtype = kv_b_proj.weight.dtype
+        dtype = a.dtype  # the model's (an FP8 kv_b_proj's weight is e4m3)
         slots = lora.token_slots.long()
         onehot = (slots[:, None] == torch.arange(a.shape[0], device=slots.device)[None, :]).to(dtype)
         return _SlotSelect(onehot, a.index_select(0, slots.clamp(min=0)).to(dtype), b.to(dtype))
+
+
+def _kv_b_weight(kv_b_proj: Linear, dtype: torch.dtype) -> torch.Tensor:
+    """kv_b_proj's weight as the absorbed products read it: an FP8 one dequantized (W8A16 in every mode)."""
+    return kv_b_proj.weight if getattr(kv_b_proj, "quant", None) is None else kv_b_proj.dense_weight(dtype)
 
 
 def absorb_query(q_nope: torch.Tensor, kv_b_proj: Linear, slots: _SlotSelect | None) -> torch.Tensor:
@@ -156,7 +161,7 @@ def absorb_query(q_nope: torch.Tensor, kv_b_proj: Linear, slots: _SlotSelect | N
     assert kv_b_proj.bias is None
     T, N, nope = q_nope.shape
     C = kv_b_proj.in_features
-    w = kv_b_proj.weight.view(N, -1, C)
+    w = _kv_b_weight(kv_b_proj, q_nope.dtype).view(N, -1, C)
     qn = q_nope.transpose(0, 1)  # [N, T, Dn]
     q_abs = torch.bmm(qn, w[:, :nope]).transpose(0, 1)  # [T, N, C]
     if slots is None:
@@ -171,7 +176,7 @@ def absorb_query(q_nope: torch.Tensor, kv_b_proj: Linear, slots: _SlotSelect | N
 def expand_output(o_lat: torch.Tensor, kv_b_proj: Linear, nope: int, slots: _SlotSelect | None) -> torch.Tensor:
     """o_lat [T, N, C] -> out [T, N, Dv] = o_lat W_uv^T (+ (o_lat A_s^T) B_s,uv^T)."""
     T, N, C = o_lat.shape
-    w = kv_b_proj.weight.view(N, -1, C)
+    w = _kv_b_weight(kv_b_proj, o_lat.dtype).view(N, -1, C)
     out = torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)  # [T, N, Dv]
     if slots is None:
         return out

@@ -9,6 +9,11 @@ Expert LoRA slots: gate_up a [S, E, R, H] / b [S, E, 2I, R]; down a [S, E, R, I]
 site ranks [S] int32: `lora_gate_up_ranks`, `lora_down_ranks` (each projection's rank in the slot, 0
 when the adapter has no LoRA there or the slot is empty), each read by its own projection's kernels:
 an adapter with no LoRA on a projection costs that projection no LoRA work.
+FP8 (`quant`, contract 10): `gate_up_proj` / `down_proj` are e4m3 with `gate_up_proj_scale_inv`
+[E, 2 ceil(I/128), ceil(H/128)] (the gate and up halves blocked each on its own) and `down_proj_scale_inv`
+[E, ceil(H/128), ceil(I/128)], or per row [E, 2I, 1] / [E, H, 1]; every call reads them dequantized
+(`moelora.quant.storage.dense_weight`); routing plan and LoRA as in bf16. The router, Qwen2's
+`shared_expert_gate` and the fp32 `Router` are never quantized.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from moelora.layers.mlp import DenseMLP
 from moelora.layers.router import Router, RoutingSpec, route
 from moelora.lora.adapter import LoRAWeights
 from moelora.lora.batch import LoRABatch
+from moelora.quant.config import FP8Config
+from moelora.quant.storage import activation_quantizer, dense_weight, fp8_parameters
 
 
 class Experts(nn.Module):
@@ -32,13 +39,17 @@ class Experts(nn.Module):
     moe_table: str | None = None  # the fused-MoE tuned-config table file (EngineConfig.fused_moe_table)
 
     def __init__(self, num_experts: int, hidden: int, inter: int, *, max_loras: int, max_rank: int,
-                 backend: str, dtype: torch.dtype | None = None):
+                 backend: str, dtype: torch.dtype | None = None, quant: FP8Config | None = None):
         super().__init__()
         E, H, inner = num_experts, hidden, inter
-        self.backend = backend
+        self.backend, self.quant = backend, quant
         self.route_rows: dict = {}  # fused_moe's per-route plan rows, per batch shape (plan_per_route)
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inner, H, dtype=dtype))
-        self.down_proj = nn.Parameter(torch.empty(E, H, inner, dtype=dtype))
+        if quant is None:
+            self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inner, H, dtype=dtype))
+            self.down_proj = nn.Parameter(torch.empty(E, H, inner, dtype=dtype))
+        else:
+            self.gate_up_proj, self.gate_up_proj_scale_inv = fp8_parameters(quant, (inner, inner), H, (E,))
+            self.down_proj, self.down_proj_scale_inv = fp8_parameters(quant, (H,), inner, (E,))
         self.has_lora = max_loras > 0 and max_rank > 0
         if self.has_lora:
             S, R = max_loras, max_rank
@@ -67,15 +78,33 @@ class Experts(nn.Module):
                               lora.token_slots, self.lora_gate_up_ranks, self.lora_down_ranks, lora.active,
                               width=lora.max_rank)
 
+    def fp8_weights(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(weight, scale, row segments) of the FP8 expert parameters (`quant.storage.fp8_weight_sites`)."""
+        inner, hidden = self.down_proj.shape[2], self.down_proj.shape[1]
+        return [("gate_up_proj", "gate_up_proj_scale_inv", (inner, inner)),
+                ("down_proj", "down_proj_scale_inv", (hidden,))]
+
+    def dense_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E, 2I, H], down [E, H, I]) as the expert GEMMs read them: the parameters, or the FP8
+        ones dequantized into transients (the FP8 fused-MoE kernels plug in here)."""
+        if self.quant is None:
+            return self.gate_up_proj, self.down_proj
+        gate_up, down = (dense_weight(getattr(self, w), getattr(self, s), self.quant, segments, dtype)
+                         for w, s, segments in self.fp8_weights())
+        return gate_up, down
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 lora: LoRABatch | None) -> torch.Tensor:
         args = self.lora_args(lora)
+        w_gate_up, w_down = self.dense_weights(x.dtype)
         if self.backend == "triton":
             from moelora.kernels.fused_moe import fused_moe
 
-            return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, lora=args,
+            return fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, lora=args,
                              side_stream=self.lora_stream, table=self.moe_table, route_rows=self.route_rows)
-        return fused_moe_ref(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, lora=args)
+        act_quant = activation_quantizer(self.quant)  # the W8A8 twin; None: the bf16 call as it always was
+        return fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids, lora=args,
+                             **({} if act_quant is None else {"act_quant": act_quant}))
 
 
 class SparseMoE(nn.Module):
@@ -97,13 +126,14 @@ class SparseMoE(nn.Module):
         self.backend = kw.get("backend", "torch")  # the router's; experts, gate, shared MLPs carry their own
         self.overlap_shared = False
         self._side_stream: torch.cuda.Stream | None = None
+        plain = dict(kw, quant=None)  # routers and Qwen2's shared-expert gate stay high precision
         if self.routing.fp32_router:
-            self.gate = Router(hidden, num_experts, correction_bias=correction_bias, **kw)
+            self.gate = Router(hidden, num_experts, correction_bias=correction_bias, **plain)
         else:
-            self.gate = Linear(hidden, num_experts, **kw)
+            self.gate = Linear(hidden, num_experts, **plain)
         self.experts = Experts(num_experts, hidden, inter, **kw)
         self.shared_expert = DenseMLP(hidden, shared_inter, **kw) if shared_inter else None
-        self.shared_expert_gate = Linear(hidden, 1, **kw) if shared_inter else None
+        self.shared_expert_gate = Linear(hidden, 1, **plain) if shared_inter else None
         self.shared_experts = DenseMLP(hidden, shared_experts_inter, **kw) if shared_experts_inter else None
         self.has_shared = self.shared_expert is not None or self.shared_experts is not None
 

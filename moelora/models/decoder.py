@@ -25,6 +25,7 @@ from moelora.layers.rotary import RotaryEmbedding
 from moelora.layers.router import RoutingSpec
 from moelora.lora.adapter import LoRAAdapter
 from moelora.lora.batch import LoRABatch
+from moelora.quant.config import FP8Config
 
 
 def gqa_attention(cfg: ModelConfig, **kw) -> nn.Module:
@@ -79,10 +80,11 @@ class MoECausalLM(nn.Module):
     supports_cuda_graphs = True
 
     def __init__(self, cfg: ModelConfig, *, max_loras: int = 0, max_rank: int = 0, backend: str = "torch",
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, quant: FP8Config | None = None):
         super().__init__()
         self.config = cfg
-        kw = dict(max_loras=max_loras, max_rank=max_rank, backend=backend, dtype=dtype)
+        # quant: FP8 storage of every projection (attention, MLPs, experts; `moelora.quant`), None: dtype
+        kw = dict(max_loras=max_loras, max_rank=max_rank, backend=backend, dtype=dtype, quant=quant)
         self.max_loras = max_loras  # adapter slots of every LoRA site (a row plan groups rows over them)
         self.model = Backbone(cfg, self.make_attention, **kw)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_yarn)

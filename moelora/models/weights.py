@@ -27,6 +27,11 @@ ignored: rotary-embedding buffers (`rotary_emb.inv_freq`), which are not weights
 and the multi-token-prediction layers DeepSeek-V3 / GLM-4.5 ship after the decoder
 (`model.layers.{k}.*` with k past the last decoder layer, only when the checkpoint holds that
 layer's `model.layers.{k}.eh_proj.weight`), which moelora does not run -- as transformers ignores them.
+
+FP8 checkpoints (`quant`, a `moelora.quant.checkpoint.FP8Loading`): every FP8 weight key has a scale key
+next to it (`X.weight_scale_inv`, per-expert `...experts.{e}.gate_proj.weight_scale_inv`, fused
+`experts.gate_up_proj_scale_inv`; compressed-tensors' `weight_scale`), mapped, checked and copied like any
+other tensor; dtypes are checked too, and quantize-on-load writes a weight's scale with it.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import torch
 from tqdm.auto import tqdm
 
 from moelora.errors import CheckpointError
+from moelora.quant.checkpoint import SCALE, FP8Loading, is_scale, scale_name
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -54,7 +60,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _MTP_MARK = "eh_proj.weight"  # the embedding/hidden projection only a multi-token-prediction layer has
 _PER_EXPERT = re.compile(
     r"^(?P<prefix>(?:.*\.)?)(?:mlp\.experts\.(?P<e1>\d+)\.(?P<hub>gate_proj|up_proj|down_proj)"
-    r"|block_sparse_moe\.experts\.(?P<e2>\d+)\.(?P<mix>w1|w3|w2))\.weight$"
+    r"|block_sparse_moe\.experts\.(?P<e2>\d+)\.(?P<mix>w1|w3|w2))\.(?P<param>weight(?:_scale_inv)?)$"
 )
 # projection spelling -> (fused destination suffix, half: 0 = gate rows, 1 = up rows, None = all)
 _PROJ = {"gate_proj": (GATE_UP, 0), "up_proj": (GATE_UP, 1), "down_proj": (DOWN, None),
@@ -80,7 +86,8 @@ def map_checkpoint_key(key: str) -> KeyTarget | None:
     if m:
         proj = m["hub"] or m["mix"]
         suffix, half = _PROJ[proj]
-        return KeyTarget(m["prefix"] + suffix, int(m["e1"] or m["e2"]), half)
+        scale = SCALE if m["param"] != "weight" else ""
+        return KeyTarget(m["prefix"] + suffix + scale, int(m["e1"] or m["e2"]), half)
     if ".block_sparse_moe.gate." in key:
         return KeyTarget(key.replace(".block_sparse_moe.gate.", ".mlp.gate."))
     return KeyTarget(key)
@@ -94,14 +101,21 @@ def checkpoint_key(target: KeyTarget, style: str) -> str:
         return name[: -len("mlp.gate.weight")] + "block_sparse_moe.gate.weight"
     if target.expert is None:
         return name
+    scale = SCALE if is_scale(name) else ""
+    name = _weight_of(name)
     prefix = name[: -len(GATE_UP if name.endswith(GATE_UP) else DOWN)]
     proj = _SPELLING[style][target.half]
     block = "block_sparse_moe" if style == "mixtral" else "mlp"
-    return f"{prefix}{block}.experts.{target.expert}.{proj}.weight"
+    return f"{prefix}{block}.experts.{target.expert}.{proj}.weight{scale}"
+
+
+def _weight_of(name: str) -> str:
+    """The weight a destination belongs to (an FP8 scale's weight, or the name itself)."""
+    return name[: -len(SCALE)] if is_scale(name) else name
 
 
 def _is_fused_experts(name: str, dest: torch.Tensor) -> bool:
-    return dest.dim() == 3 and (name.endswith(GATE_UP) or name.endswith(DOWN))
+    return dest.dim() == 3 and _weight_of(name).endswith((GATE_UP, DOWN))
 
 
 def _units(name: str, dest: torch.Tensor, target: KeyTarget) -> set:
@@ -110,7 +124,7 @@ def _units(name: str, dest: torch.Tensor, target: KeyTarget) -> set:
         return {None}
     if target.expert is not None:
         return {(target.expert, target.half)}
-    halves = (0, 1) if name.endswith(GATE_UP) else (None,)
+    halves = (0, 1) if _weight_of(name).endswith(GATE_UP) else (None,)
     return {(e, h) for e in range(dest.shape[0]) for h in halves}
 
 
@@ -155,8 +169,10 @@ def _shard_files(model_dir: Path) -> dict[Path, set[str] | None]:
     raise CheckpointError(f"no weights in {model_dir}: expected {SINGLE_FILE} or {INDEX_FILE}{hint}")
 
 
-def _read_headers(files: dict[Path, set[str] | None]) -> dict[Path, dict[str, tuple[int, ...]]]:
-    """Key -> shape of every tensor in every file (headers only, no tensor data)."""
+def _read_headers(files: dict[Path, set[str] | None], dtypes: dict[str, str] | None = None
+                  ) -> dict[Path, dict[str, tuple[int, ...]]]:
+    """Key -> shape of every tensor in every file (headers only, no tensor data); `dtypes`, if given,
+    receives key -> safetensors dtype name."""
     from safetensors import safe_open
 
     headers = {}
@@ -164,6 +180,8 @@ def _read_headers(files: dict[Path, set[str] | None]) -> dict[Path, dict[str, tu
         try:
             with safe_open(str(path), framework="pt") as f:
                 shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+                if dtypes is not None:
+                    dtypes.update((k, f.get_slice(k).get_dtype()) for k in f.keys())
         except Exception as exc:  # safetensors raises its own error types for corrupt headers
             raise CheckpointError(f"cannot read safetensors file {path}: {exc}") from exc
         absent = sorted((promised or set()) - shapes.keys())
@@ -186,9 +204,10 @@ def _checkpoint_style(keys) -> str:
     return "fused"
 
 
-def _target_of(key: str, shape: tuple[int, ...], params: dict[str, torch.Tensor]) -> KeyTarget | None:
+def _target_of(key: str, shape: tuple[int, ...], params: dict[str, torch.Tensor],
+               quant: FP8Loading | None = None) -> KeyTarget | None:
     """Map and validate one checkpoint key against the destinations; None means ignore it."""
-    target = map_checkpoint_key(key)
+    target = map_checkpoint_key(key if quant is None else quant.rename(key))
     if target is None:
         return None
     if target.name not in params:
@@ -205,7 +224,7 @@ def _target_of(key: str, shape: tuple[int, ...], params: dict[str, torch.Tensor]
             raise CheckpointError(f"unexpected tensor {key!r}: expert {target.expert} out of range, "
                                   f"{target.name!r} holds {dest.shape[0]} experts")
     expected = tuple(_destination_view(dest, target).shape)
-    if shape != expected:
+    if shape != expected and not (quant and quant.broadcasts(target.name, shape, expected)):
         raise CheckpointError(f"tensor {key!r} has shape {list(shape)} in the checkpoint, "
                               f"expected {list(expected)} (destination {target.name!r})")
     return target
@@ -219,11 +238,12 @@ def _mtp_layers(keys, params: dict[str, torch.Tensor]) -> set[str]:
             and f"{m[0]}{_MTP_MARK}" in keys}
 
 
-def _plan(headers, params: dict[str, torch.Tensor]) -> dict[Path, list[tuple[str, KeyTarget]]]:
-    """Per file, the (key, target) copies to make; raises on any unknown, duplicate, mis-shaped or
-    missing tensor before a byte of tensor data is read."""
+def _plan(headers, params: dict[str, torch.Tensor], quant: FP8Loading | None = None,
+          dtypes: dict[str, str] | None = None) -> dict[Path, list[tuple[str, KeyTarget, str]]]:
+    """Per file, the (key, target, "copy" | "quantize") copies to make; raises on any unknown, duplicate,
+    mis-shaped or missing tensor (and, FP8, a dtype that does not fit) before a byte of tensor data is read."""
     written: dict[str, set] = {name: set() for name in params}
-    plan: dict[Path, list[tuple[str, KeyTarget]]] = {}
+    plan: dict[Path, list[tuple[str, KeyTarget, str]]] = {}
     mtp = _mtp_layers((k for s in headers.values() for k in s), params)
     for path, shapes in headers.items():
         copies = plan.setdefault(path, [])
@@ -231,20 +251,24 @@ def _plan(headers, params: dict[str, torch.Tensor]) -> dict[Path, list[tuple[str
             layer = _LAYER.match(key)
             if layer and layer[0] in mtp:
                 continue
-            target = _target_of(key, shape, params)
+            target = _target_of(key, shape, params, quant)
             if target is None:
                 continue
-            units = _units(target.name, params[target.name], target)
-            if units & written[target.name]:
-                raise CheckpointError(f"tensor {key!r} writes part of {target.name!r} that another "
-                                      f"checkpoint tensor already wrote (duplicate or mixed forms)")
-            written[target.name] |= units
-            copies.append((key, target))
-    _check_complete(params, written, _checkpoint_style(k for s in headers.values() for k in s))
+            mode = "copy" if quant is None else quant.mode(key, dtypes[key], target.name, params[target.name])
+            marks = [target] + ([target._replace(name=scale_name(target.name))] if mode == "quantize" else [])
+            for t in marks:
+                units = _units(t.name, params[t.name], t)
+                if units & written[t.name]:
+                    raise CheckpointError(f"tensor {key!r} writes part of {t.name!r} that another "
+                                          f"checkpoint tensor already wrote (duplicate or mixed forms)")
+                written[t.name] |= units
+            copies.append((key, target, mode))
+    _check_complete(params, written, _checkpoint_style(k for s in headers.values() for k in s),
+                    quant.spell if quant else str)
     return plan
 
 
-def _check_complete(params: dict[str, torch.Tensor], written: dict[str, set], style: str) -> None:
+def _check_complete(params: dict[str, torch.Tensor], written: dict[str, set], style: str, spell=str) -> None:
     missing: list[str] = []
     for name, dest in params.items():
         all_units = _units(name, dest, KeyTarget(name))
@@ -257,29 +281,40 @@ def _check_complete(params: dict[str, torch.Tensor], written: dict[str, set], st
         per_expert_style = "hub" if style == "fused" else style
         missing += [checkpoint_key(KeyTarget(name, e, h), per_expert_style)
                     for e, h in sorted(lacking, key=lambda unit: (unit[0], unit[1] or 0))]
+    missing = [spell(k) for k in missing]
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s): "
                               f"{missing[:_SHOW_MISSING]}{' ...' if len(missing) > _SHOW_MISSING else ''}")
 
 
-def load_checkpoint(model_dir, params: dict[str, torch.Tensor], *, progress: bool = True) -> None:
+def load_checkpoint(model_dir, params: dict[str, torch.Tensor], *, progress: bool = True,
+                    quant: FP8Loading | None = None) -> None:
     """Copy every tensor of the safetensors checkpoint in `model_dir` into `params` (moelora name ->
-    preallocated destination, any dtype/device), casting dtype, one tensor at a time.
+    preallocated destination, any dtype/device), casting dtype, one tensor at a time; `quant`: the
+    model's FP8 rules (see the module docstring).
 
     Raises `CheckpointError` on a missing, unexpected, duplicated or mis-shaped tensor (before
     any data is copied), on a missing shard, and on a directory without safetensors weights.
     """
     from safetensors import safe_open
 
-    headers = _read_headers(_shard_files(Path(model_dir)))
-    plan = _plan(headers, params)
+    dtypes: dict[str, str] = {}
+    headers = _read_headers(_shard_files(Path(model_dir)), dtypes)
+    plan = _plan(headers, params, quant, dtypes)
     total = sum(len(copies) for copies in plan.values())
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar, \
             torch.no_grad():
         for path, copies in plan.items():
             with safe_open(str(path), framework="pt") as f:
-                for key, target in copies:
-                    _destination_view(params[target.name], target).copy_(f.get_tensor(key))
+                for key, target, mode in copies:
+                    dest = _destination_view(params[target.name], target)
+                    if mode == "quantize":
+                        scale = _destination_view(params[scale_name(target.name)], target)
+                        quant.quantize(f.get_tensor(key), dest, scale, _row_segments(target, dest))
+                    elif quant is not None:
+                        quant.copy(f.get_tensor(key), dest)
+                    else:
+                        dest.copy_(f.get_tensor(key))
                     bar.update(1)
 
 
@@ -304,3 +339,9 @@ def init_dummy_weights(params: dict[str, torch.Tensor], seed: int = 0, scale: fl
                 else:  # fp8 / integer storage: drawn in fp16, cast
                     draw = torch.empty(dest.shape, dtype=torch.float16, device=dest.device)
                     dest.copy_(draw.uniform_(-scale, scale, generator=gen))
+
+
+def _row_segments(target: KeyTarget, dest: torch.Tensor) -> tuple[int, ...]:
+    """A whole fused gate_up [E, 2I, H] is blocked per half; every other destination as one segment."""
+    rows = dest.shape[-2]
+    return (rows // 2, rows // 2) if target.name.endswith(GATE_UP) and target.half is None else (rows,)
