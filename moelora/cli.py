@@ -75,10 +75,7 @@ def cmd_generate(args) -> int:
 def cmd_verify(args) -> int:
     from moelora.verify import verify
 
-    model, adapters = _model_and_adapters(args)
-    if args.quantization:
-        raise SystemExit("moelora verify compares a checkpoint as it is stored (an FP8 one against transformers + "
-                         "PEFT on its dequantized weights); --quantization does not apply")
+    model, adapters = _model_and_adapters(args)  # --quantization is refused by cli_args.check_args
     worst = verify(model, adapters, tolerance=args.tolerance, print_fn=print)
     return 0 if worst <= args.tolerance else 1
 

@@ -107,6 +107,9 @@ def _model_dir_error(model: str | None, load_format: str) -> str | None:
 def check_args(parser: argparse.ArgumentParser, args, adapters: dict[str, str]) -> None:
     """What the parser cannot check value by value; `parser.error` (exit 2) on the first problem."""
     problems = []
+    if getattr(args, "command", None) == "verify" and getattr(args, "quantization", None):
+        problems.append("moelora verify compares a checkpoint as it is stored (an FP8 one against transformers + "
+                        "PEFT on its dequantized weights); --quantization does not apply")
     if getattr(args, "max_loras", 1) == 0 and adapters:
         problems.append("--max-loras 0 leaves no adapter slot, but adapters are given: "
                         + ", ".join(repr(n) for n in sorted(adapters)))

@@ -29,8 +29,8 @@ def test_run_model_gives_the_lora_engine_a_slot_rank(monkeypatch, pool_rank, wan
         built.append(decode.engine_config(cfg, max_loras, rank, max_seqs, device="cpu", **kw))
         raise _Built
 
-    monkeypatch.setattr(decode, "model_with_adapters", lambda name, layers, n, rank, pool: (cfg, Identity(), {}))
-    monkeypatch.setattr(decode, "no_lora_twin", lambda model, cfg: Identity())
+    monkeypatch.setattr(decode, "model_with_adapters", lambda name, layers, n, rank, pool, quant=None: (cfg, Identity(), {}))
+    monkeypatch.setattr(decode, "no_lora_twin", lambda model, cfg, quant=None: Identity())
     monkeypatch.setattr(decode, "engine", fake_engine)
     with pytest.raises(_Built):
         decode.run_model("qwen3_30b", 1, [1, 8], 4, 16, 1e12, engine_kw=dict(async_scheduling=None),

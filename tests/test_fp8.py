@@ -200,14 +200,16 @@ def test_fp8_weight_bytes_of_the_qwen3_30b_shape():
     assert (round(bf16_total / 2 ** 30, 2), round(fp8_total / 2 ** 30, 2)) == (56.87, 29.03)
 
 
-def test_cli_quantization_flag(tmp_path):
+def test_cli_quantization_flag(tmp_path, capsys):
     from moelora.cli import build_parser, main, serve_engine_config
 
     args = build_parser().parse_args(["serve", "--quantization", "fp8"])
     assert serve_engine_config(args).quantization == "fp8"
     assert build_parser().parse_args(["bench", "-q", "fp8"]).quantization == "fp8"
-    with pytest.raises(SystemExit, match="--quantization does not apply"):
+    with pytest.raises(SystemExit) as exit_info:
         main(["verify", str(tmp_path), "--quantization", "fp8"])
+    assert exit_info.value.code == 2
+    assert "--quantization does not apply" in capsys.readouterr().err
 
 
 @pytest.mark.gpu
