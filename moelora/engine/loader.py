@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -125,6 +126,9 @@ def build_engine(model_dir: str | Path, cfg: EngineConfig | None = None, progres
     model.eval()
     restrict_lora_sites(model, cfg.lora_target_modules)  # before the memory plan: dropped slots are free
     if cfg.torch_device.type == "cuda":
+        # an engine dropped earlier in this process (its graphs and caches hold reference cycles) is only
+        # freed by the cycle collector: collect it, or the memory plan counts its KV pool as taken
+        gc.collect()
         torch.cuda.empty_cache()
     cfg = cfg.with_kv_blocks(_kv_blocks(cfg, model_cfg, model))
     tok = Tokenizer(tok_dir, template) if (tok_dir / "tokenizer.json").is_file() else None
