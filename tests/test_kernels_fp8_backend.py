@@ -34,5 +34,6 @@ def test_triton_backend_on_fp8_equals_torch_backend(family, tmp_path):
         before = weight_bytes(llm.engine.model)
         logits[backend] = llm.logits(seqs, names)
         assert weight_bytes(llm.engine.model) == before and "float8_e4m3fn" in before
+        del llm  # before the next engine plans its memory (on CUDA it takes what is free)
     for got, want in zip(logits["triton"], logits["torch"], strict=True):
         assert (got - want).abs().max() <= 1e-4 * max(1.0, want.abs().max().item())

@@ -114,6 +114,11 @@ def build_engine(model_dir: str | Path, cfg: EngineConfig | None = None, progres
     model_cfg = ModelConfig.from_hf(model_dir)
     cfg = (cfg or EngineConfig()).resolve(model_cfg)
     fp8 = cfg.fp8_config(model_cfg)  # FP8 storage of the projections (`moelora.quant`), or None
+    if cfg.torch_device.type == "cuda":
+        # an engine dropped earlier in this process (its graphs and caches hold reference cycles) is only
+        # freed by the cycle collector: collect it first, or its weights and KV pool still take the memory
+        gc.collect()
+        torch.cuda.empty_cache()
     with torch.device(cfg.torch_device):
         model = model_class(model_cfg)(model_cfg, max_loras=cfg.max_loras, max_rank=cfg.max_lora_rank,
                                        backend=cfg.kernel_backend, dtype=cfg.torch_dtype, quant=fp8)
@@ -126,9 +131,6 @@ def build_engine(model_dir: str | Path, cfg: EngineConfig | None = None, progres
     model.eval()
     restrict_lora_sites(model, cfg.lora_target_modules)  # before the memory plan: dropped slots are free
     if cfg.torch_device.type == "cuda":
-        # an engine dropped earlier in this process (its graphs and caches hold reference cycles) is only
-        # freed by the cycle collector: collect it, or the memory plan counts its KV pool as taken
-        gc.collect()
         torch.cuda.empty_cache()
     cfg = cfg.with_kv_blocks(_kv_blocks(cfg, model_cfg, model))
     tok = Tokenizer(tok_dir, template) if (tok_dir / "tokenizer.json").is_file() else None
