@@ -89,6 +89,12 @@ class EngineConfig:
     # deployment's model and GPU) read instead of the package's table for the GPU; a shape it lacks
     # takes the heuristic default. None: the package's.
     fused_moe_table: str | None = None
+    # Tensor / expert parallelism (moelora.parallel, docs/parallel.md): ranks (one process per device, rank 0
+    # this one), routed experts partitioned over them instead of split inside, and the seconds a rank waits
+    # on a dead or hung peer before the engine raises WorkerError.
+    tensor_parallel_size: int = 1
+    expert_parallel: bool = False
+    parallel_step_timeout_s: float = 300.0
 
     @property
     def has_lora_slots(self) -> bool:
@@ -97,6 +103,12 @@ class EngineConfig:
     @property
     def use_cuda_graphs(self) -> bool:
         return self.torch_device.type == "cuda" and self.kernel_backend == "triton" and not self.enforce_eager
+
+    @property
+    def parallel_config(self):
+        from moelora.parallel.config import ParallelConfig
+
+        return ParallelConfig(self.tensor_parallel_size, self.expert_parallel, self.parallel_step_timeout_s)
 
     @property
     def torch_device(self) -> torch.device:
@@ -143,11 +155,17 @@ class EngineConfig:
                 table = check_table_file(table)
             except FileNotFoundError as e:
                 raise ConfigError(f"fused_moe_table: {e}") from None
-        return dataclasses.replace(
+        parallel = self.parallel_config  # validates the sizes
+        resolved = dataclasses.replace(
             self, device=device, dtype=dtype, kernel_backend=backend, max_model_len=max_len,
             max_cpu_loras=self.max_cpu_loras or max(32, self.max_loras), lora_target_modules=targets,
             fused_moe_table=table, async_scheduling=(torch.device(device).type == "cuda"
                                                      if self.async_scheduling is None else self.async_scheduling))
+        if parallel.distributed:
+            from moelora.parallel.build import resolved_for_ranks
+
+            resolved = resolved_for_ranks(resolved)
+        return resolved
 
     def with_kv_blocks(self, num_blocks: int) -> EngineConfig:
         blocks_per_seq = -(-self.max_model_len // self.block_size)

@@ -72,8 +72,8 @@ class LLMEngine:
                                                    cfg.enable_prefix_caching), self.cache.allocator,
                                    adapter_ready=self.pool.ensure if cfg.async_adapter_loading else None)
         row_plan_slots = model.max_loras if cfg.group_lora_rows and cfg.kernel_backend == "triton" else 0
-        self.runner = ModelRunner(model, self.cache, self.device, lora_rows=cfg.kernel_backend == "torch",
-                                  row_plan_slots=row_plan_slots, lora_width=cfg.lora_width_by_batch)
+        self.runner = self._make_runner(model, lora_rows=cfg.kernel_backend == "torch",
+                                        row_plan_slots=row_plan_slots, lora_width=cfg.lora_width_by_batch)
         self._registered_rank = 0  # the largest rank of any adapter registered so far (the graphs' LoRA width)
         # LoRA sites no registered adapter has weights at (all of them until one is added): skipped
         self.runner.lora_idle = frozenset(self._site_owners.values()) if cfg.skip_idle_lora_sites else frozenset()
@@ -159,6 +159,13 @@ class LLMEngine:
         idle = self.runner.lora_idle
         if idle:
             self.runner.lora_idle = idle - {self._site_owners[key] for key, w in adapter.sites.items() if w.rank > 0}
+
+    def _make_runner(self, model, **kw) -> ModelRunner:
+        """The step runner (a tensor-parallel engine's also sends each step to its workers)."""
+        return ModelRunner(model, self.cache, self.device, **kw)
+
+    def close(self) -> None:
+        """Release what outlives the engine object (a tensor-parallel engine's workers); nothing here."""
 
     def _adapter_pool(self, cfg: EngineConfig, load_adapter) -> AdapterPool:
         """Slot writes through a side stream on CUDA when `async_adapter_loading` (adapters staged once

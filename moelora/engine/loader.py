@@ -98,6 +98,10 @@ def build_engine(model_dir: str | Path, cfg: EngineConfig | None = None, progres
     model_dir = Path(model_dir)
     model_cfg = ModelConfig.from_hf(model_dir)
     cfg = (cfg or EngineConfig()).resolve(model_cfg)
+    if cfg.parallel_config.distributed:  # one process per rank (moelora.parallel)
+        from moelora.parallel.engine import build_parallel_engine
+
+        return build_parallel_engine(model_dir, cfg, adapters)
     with torch.device(cfg.torch_device):
         model = model_class(model_cfg)(model_cfg, max_loras=cfg.max_loras, max_rank=cfg.max_lora_rank,
                                        backend=cfg.kernel_backend, dtype=cfg.torch_dtype)

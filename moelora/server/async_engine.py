@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from moelora.engine.engine import LLMEngine
 from moelora.engine.request import SamplingParams
-from moelora.errors import AdapterError, MoeLoRAError
+from moelora.errors import AdapterError, MoeLoRAError, WorkerError
 
 log = logging.getLogger("moelora.server")
 
@@ -206,6 +206,7 @@ class AsyncEngine:
         self._thread.join(timeout)
         if not self._thread.is_alive():  # commands sent while it stopped still get an answer
             self._drain_commands("the engine stopped")
+        self.engine.close()  # a tensor-parallel engine's workers
 
     # engine thread ------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -291,6 +292,8 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             changed = self.engine.step()
+        except WorkerError:  # a tensor-parallel rank is gone: the engine stops (requests get 503, /health fails)
+            raise
         except Exception as e:  # a failed step fails the requests in it, not the server
             log.exception("engine step failed")
             self._fail_live(f"engine step failed: {type(e).__name__}: {e}")

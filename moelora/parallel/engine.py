@@ -1,0 +1,97 @@
+"""The rank-0 engine of a tensor- / expert-parallel group: the ordinary `LLMEngine` (scheduler, tokenizer,
+prefix cache, adapter registry, sampling all on rank 0) whose runner sends each step's packed host inputs to
+the workers before running its own shard of the forward, and whose adapter loads and slot writes reach every
+rank. Workers decide nothing (contract 9)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from moelora.config import ModelConfig
+from moelora.engine.config import EngineConfig
+from moelora.engine.engine import LLMEngine
+from moelora.engine.runner import ModelRunner
+from moelora.engine.tokenizer import Tokenizer
+from moelora.lora.pool import AdapterPool
+from moelora.parallel.driver import Driver
+from moelora.parallel.rules import ShardPlan
+
+
+class ParallelRunner(ModelRunner):
+    def __init__(self, *args, driver: Driver, **kw):
+        super().__init__(*args, **kw)
+        self.driver = driver
+
+    def run(self, inputs, all_logits: bool = False):
+        self.driver.send(("step", inputs.host, all_logits))
+        try:
+            return super().run(inputs, all_logits)
+        except RuntimeError as exc:  # a collective a worker did not join (dead, hung past the timeout, failed)
+            raise self.driver.fault(exc) from exc
+
+
+class ParallelAdapterPool(AdapterPool):
+    """Removing an adapter also makes the workers forget their cut of it."""
+
+    def __init__(self, *args, driver: Driver, **kw):
+        super().__init__(*args, **kw)
+        self.driver = driver
+
+    def remove(self, name: str) -> None:
+        super().remove(name)
+        self.driver.send(("unload", name))
+
+
+class ParallelEngine(LLMEngine):
+    def __init__(self, model, tokenizer: Tokenizer | None, cfg: EngineConfig, load_adapter,
+                 adapters: Mapping[str, str | Path] | None, driver: Driver):
+        self.driver = driver
+
+        def load_everywhere(name: str, path):
+            return driver.load_adapter(name, path, lambda: load_adapter(name, path))
+        super().__init__(model, tokenizer, cfg, load_everywhere, adapters)
+
+    def _make_runner(self, model, **kw) -> ModelRunner:
+        return ParallelRunner(model, self.cache, self.device, driver=self.driver, **kw)
+
+    def _adapter_pool(self, cfg: EngineConfig, load_adapter) -> AdapterPool:
+        def write_slot(slot: int, adapter) -> None:
+            self.driver.send(("slot", slot, None if adapter is None else adapter.name))
+            self.model.set_lora_slot(slot, adapter)
+        return ParallelAdapterPool(cfg.max_loras, cfg.max_cpu_loras, load_adapter, write_slot, driver=self.driver)
+
+    def close(self) -> None:
+        """Stop the workers (also done when the engine is collected or the interpreter exits)."""
+        self.driver.close()
+
+
+def build_parallel_engine(model_dir: Path, cfg: EngineConfig, adapters: Mapping[str, str | Path] | None
+                          ) -> ParallelEngine:
+    """Spawn the workers, build rank 0's shard while they build theirs, then the engine (`cfg` resolved)."""
+    from moelora.lora.loader import load_adapter
+    from moelora.parallel.adapters import shard_adapter
+    from moelora.parallel.build import build_rank_model, plan_kv_blocks
+
+    model_cfg = ModelConfig.from_hf(model_dir)
+    pcfg = cfg.parallel_config
+    ShardPlan(0, pcfg.world_size, pcfg.expert_parallel).check(model_cfg)  # before any process starts
+    driver = Driver(model_dir, cfg, pcfg)
+    try:
+        model = build_rank_model(model_dir, cfg, driver.shard)
+        cfg = plan_kv_blocks(cfg, model, driver.shard)
+        driver.wait_ready()
+    except BaseException:
+        driver.close()
+        raise
+    tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+
+    def load(name: str, path: Path):
+        adapter = load_adapter(Path(path), model_cfg, name=name, max_rank=cfg.max_lora_rank)
+        return shard_adapter(adapter, driver.shard.plan, model_cfg)
+
+    try:
+        return ParallelEngine(model, tokenizer, cfg, load, adapters, driver)
+    except BaseException:
+        driver.close()
+        raise

@@ -1,0 +1,110 @@
+"""The worker processes (ranks 1..N-1): build the rank's model, then run what rank 0 sends, nothing else.
+
+Rank 0 talks to each worker over a pipe (`multiprocessing` spawn context): each message is one pickled
+tuple, written once per worker (docs/parallel.md: why a pipe and not a broadcast on the group):
+- ("step", HostStep, all_logits): upload the step's host lists and run the same forward (its collectives
+  meet rank 0's); the logits are rank 0's to sample;
+- ("load", name, path): load and validate the adapter, keep this rank's cut; answers ("ok",) or
+  ("error", kind, message), so a load failing on any rank fails on every rank;
+- ("slot", slot, name | None): write that adapter's cut into a slot (or empty it);
+- ("unload", name): forget it; ("stop",): exit.
+A worker whose step fails sends ("error", ...) and exits: rank 0's collective then fails or times out and
+the engine raises WorkerError. A worker whose pipe closes (rank 0 gone) exits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+from pathlib import Path
+
+import torch
+
+from moelora.engine.config import EngineConfig
+from moelora.parallel.config import ParallelConfig
+from moelora.parallel.rules import ShardPlan
+from moelora.parallel.shard import Shard
+
+
+def _error(exc: BaseException) -> tuple[str, str, str]:
+    return ("error", type(exc).__name__, f"{exc}")
+
+
+class _Worker:
+    def __init__(self, model_dir: str, cfg: EngineConfig, shard: Shard):
+        from moelora.engine.kv_cache import PagedKVCache
+        from moelora.engine.runner import ModelRunner
+        from moelora.models.lora_targets import lora_site_owners
+        from moelora.parallel.build import build_rank_model, plan_kv_blocks
+
+        self.model_dir, self.shard = model_dir, shard
+        self.model = build_rank_model(model_dir, cfg, shard)
+        self.cfg = cfg = plan_kv_blocks(cfg, self.model, shard)
+        self.cache = PagedKVCache(self.model.kv_cache_shapes(), cfg.num_kv_blocks, cfg.block_size,
+                                  cfg.torch_device, cfg.torch_dtype)
+        row_plan_slots = self.model.max_loras if cfg.group_lora_rows and cfg.kernel_backend == "triton" else 0
+        self.runner = ModelRunner(self.model, self.cache, cfg.torch_device, lora_rows=cfg.kernel_backend == "torch",
+                                  row_plan_slots=row_plan_slots, lora_width=cfg.lora_width_by_batch)
+        self.owners = lora_site_owners(self.model)
+        self.runner.lora_idle = frozenset(self.owners.values()) if cfg.skip_idle_lora_sites else frozenset()
+        self.adapters: dict = {}
+
+    def load(self, name: str, path: str) -> None:
+        from moelora.lora.loader import load_adapter
+        from moelora.parallel.adapters import shard_adapter
+
+        adapter = load_adapter(Path(path), self.model.config, name=name, max_rank=self.cfg.max_lora_rank)
+        self.adapters[name] = shard_adapter(adapter, self.shard.plan, self.model.config)
+        if self.runner.lora_idle:  # as rank 0's engine turns the adapter's sites on
+            on = {self.owners[k] for k, w in adapter.sites.items() if w.rank > 0 and k in self.owners}
+            self.runner.lora_idle = self.runner.lora_idle - on
+
+    def handle(self, msg: tuple):
+        kind = msg[0]
+        if kind == "step":
+            self.runner.run(self.runner.unpack(msg[1]), all_logits=msg[2])
+        elif kind == "load":
+            try:
+                self.load(msg[1], msg[2])
+            except Exception as exc:  # reported to rank 0, which fails the load on every rank
+                return _error(exc)
+            return ("ok",)
+        elif kind == "slot":
+            self.model.set_lora_slot(msg[1], None if msg[2] is None else self.adapters[msg[2]])
+        elif kind == "unload":
+            self.adapters.pop(msg[1], None)
+        return None
+
+
+def worker_main(rank: int, host: str, port: int, model_dir: str, cfg: EngineConfig, pcfg: ParallelConfig,
+                conn) -> None:
+    """Entry point of a spawned worker process."""
+    from moelora.parallel.groups import device_group, open_store
+
+    if torch.device(cfg.device).type == "cuda":
+        torch.cuda.set_device(rank)
+        cfg = dataclasses.replace(cfg, device=f"cuda:{rank}")
+    else:
+        torch.set_num_threads(1)  # the ranks share the host's cores
+    try:
+        store = open_store(host, port, rank, pcfg.world_size, pcfg.step_timeout_s)
+        group = device_group(store, rank, pcfg.world_size, cfg.torch_device, pcfg.step_timeout_s)
+        worker = _Worker(model_dir, cfg, Shard(ShardPlan(rank, pcfg.world_size, pcfg.expert_parallel), group))
+        conn.send(("ready",))
+    except BaseException as exc:
+        conn.send(("error", type(exc).__name__, f"{exc}\n{traceback.format_exc()}"))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return  # rank 0 is gone
+        if msg[0] == "stop":
+            return
+        try:
+            reply = worker.handle(msg)
+        except BaseException as exc:
+            conn.send(_error(exc))
+            return
+        if reply is not None:
+            conn.send(reply)
