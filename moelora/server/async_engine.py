@@ -222,6 +222,8 @@ class AsyncEngine:
                 self._publish()
                 if self.engine.has_unfinished():
                     self._step()
+                if self._stopping:
+                    return
         except BaseException:
             log.exception("engine thread crashed")
             raise
@@ -292,8 +294,11 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             changed = self.engine.step()
-        except WorkerError:  # a tensor-parallel rank is gone: the engine stops (requests get 503, /health fails)
-            raise
+        except WorkerError as e:  # a tensor-parallel rank is gone: the engine stops (503s, /health fails)
+            log.error("engine stopped: %s", e)
+            self._stopping = True
+            self._fail_live(f"the engine stopped: {e}")
+            return
         except Exception as e:  # a failed step fails the requests in it, not the server
             log.exception("engine step failed")
             self._fail_live(f"engine step failed: {type(e).__name__}: {e}")
