@@ -12,6 +12,7 @@ interpreter exits) stops, then terminates, then kills each worker, and joins it:
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 import weakref
 from pathlib import Path
 
@@ -43,12 +44,27 @@ class Driver:
             self.conns.append(parent)
             self.procs.append(proc)
         self._finalizer = weakref.finalize(self, _stop, self.conns, self.procs)
+        self._await_alive()  # a worker that dies before the rendezvous fails now, not at the group's timeout
         try:
             group = device_group(store, 0, size, cfg.torch_device, timeout)
         except Exception as exc:
             self._fail(f"the process group did not form: {exc}")
         self._store = store  # the workers' rendezvous: alive as long as the group
         self.shard = Shard(ShardPlan(0, size, pcfg.expert_parallel), group)
+
+    def _await_alive(self, poll_s: float = 0.05) -> None:
+        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs, strict=True), start=1):
+            deadline = time.monotonic() + self.pcfg.step_timeout_s
+            while not conn.poll(poll_s):
+                if not proc.is_alive():
+                    self._fail(f"rank {rank} exited at start-up (exit code {proc.exitcode})")
+                if time.monotonic() > deadline:
+                    self._fail(f"rank {rank} did not start within {self.pcfg.step_timeout_s} s")
+            try:
+                conn.recv()
+            except (EOFError, OSError):  # the pipe closed: the process is exiting
+                proc.join(5)
+                self._fail(f"rank {rank} exited at start-up (exit code {proc.exitcode})")
 
     def wait_ready(self) -> None:
         """Every worker built its shard (call after rank 0 built its own: their collectives interleave)."""

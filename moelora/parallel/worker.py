@@ -81,6 +81,7 @@ def worker_main(rank: int, host: str, port: int, model_dir: str, cfg: EngineConf
     """Entry point of a spawned worker process."""
     from moelora.parallel.groups import device_group, open_store
 
+    conn.send(("alive",))
     if torch.device(cfg.device).type == "cuda":
         torch.cuda.set_device(rank)
         cfg = dataclasses.replace(cfg, device=f"cuda:{rank}")
