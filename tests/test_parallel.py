@@ -154,3 +154,20 @@ def test_adapter_load_failing_on_a_worker_fails_everywhere(built, tmp_path):
         assert (with_a[1] - with_b[1]).abs().max() <= 1e-5
     finally:
         llm.engine.close()
+
+
+@pytest.mark.slow
+def test_hung_worker_raises_worker_error_after_the_step_timeout(built):
+    model_dir, adapters, vocab = built("qwen3_moe")
+    llm = LLM(model_dir, adapters, **ENGINE, **TP2, parallel_step_timeout_s=4)
+    procs = llm.engine.driver.procs
+    seqs, names = _batch(vocab)
+    os.kill(procs[0].pid, signal.SIGSTOP)  # alive, never answers
+    start = time.monotonic()
+    try:
+        with pytest.raises(WorkerError):
+            llm.logits(seqs[:2], names[:2])
+        assert time.monotonic() - start < 4 * 3
+    finally:
+        llm.engine.close()
+    assert not any(p.is_alive() for p in procs)

@@ -156,6 +156,9 @@ class EngineConfig:
             except FileNotFoundError as e:
                 raise ConfigError(f"fused_moe_table: {e}") from None
         parallel = self.parallel_config  # validates the sizes
+        if parallel.distributed and self.async_scheduling:
+            raise ConfigError("async_scheduling is not supported with tensor_parallel_size > 1 yet (each step's "
+                              "token ids reach the workers from rank 0's host lists); leave it unset")
         resolved = dataclasses.replace(
             self, device=device, dtype=dtype, kernel_backend=backend, max_model_len=max_len,
             max_cpu_loras=self.max_cpu_loras or max(32, self.max_loras), lora_target_modules=targets,

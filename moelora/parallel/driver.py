@@ -24,6 +24,7 @@ from moelora.parallel.rules import ShardPlan
 from moelora.parallel.shard import Shard
 
 _HOST = "127.0.0.1"
+_FAULT_GRACE_S = 0.5  # after a fault the group is dead: a worker stuck in a collective only needs stopping
 
 
 class Driver:
@@ -132,16 +133,20 @@ class Driver:
                         why = f"rank {rank}: {reply[1]}: {reply[2]}"
             except (EOFError, OSError):
                 why = f"rank {rank} died ({exc})"
-        self.close()
+        self.close(grace_s=_FAULT_GRACE_S)
         return WorkerError(f"a tensor-parallel step failed: {why}")
 
     def _fail(self, why: str):
-        self.close()
+        self.close(grace_s=_FAULT_GRACE_S)
         raise WorkerError(why)
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 5.0) -> None:
+        """Stop every worker: `grace_s` to exit on request, as long again after SIGTERM, then SIGKILL."""
         self.closed = True
-        self._finalizer()
+        stop = self._finalizer.detach()  # None once run (at collection / exit, or an earlier close)
+        if stop is not None:
+            _, func, args, _ = stop
+            func(*args, grace_s=grace_s)
 
 
 def _stop(conns, procs, grace_s: float = 5.0) -> None:
