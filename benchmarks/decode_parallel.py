@@ -4,7 +4,7 @@ A tensor-parallel engine reads its weights from disk (every rank reads its slice
 bf16 checkpoint of the model's shape, cut to `--layers` layers (default 8: ~10 GB for the Qwen3-30B shape), and
 8 random rank-`--rank` adapters (attention and routed-expert LoRA, PEFT per-expert keys) into a temporary
 directory, then times decode (`moelora.bench.time_decode`: back-to-back steps, one sync at the end) on an
-engine of 1 rank (CUDA graphs, the reference) and of N ranks (eager: several ranks do not capture graphs yet),
+engine of 1 rank (the reference) and of N ranks (both under CUDA graphs; overlapped scheduling is off with N),
 with no LoRA, 1 adapter and 8 adapters. Prints the step time, tokens/s and the ratio N ranks / 1 rank, and
 writes the rows to the CSV.
 """

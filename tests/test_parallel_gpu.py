@@ -4,7 +4,8 @@
   the vocab gather are real NCCL collectives), decoding under CUDA graphs, equals the plain engine token for
   token and logprob for logprob (a size-1 all-reduce and gather are copies: bit-exact).
 - Two or more GPUs: TP=2 (and TP=2 with EP) equal one GPU (fp32, torch backend: cuBLAS fp32, no TF32, so the
-  CPU tests' 1e-4 holds), and greedy tokens are identical.
+  CPU tests' 1e-4 holds), and greedy tokens are identical; TP=2 decode graphs (bf16, Triton) equal TP=2 eager
+  (tokens identical, logprobs within the single-GPU graph-vs-eager test's 0.05).
 """
 
 from __future__ import annotations
@@ -104,3 +105,26 @@ def test_tp2_on_two_gpus_equals_one(assets, expert_parallel):
     worst = max((a - b).abs().max().item() for a, b in zip(got, ref, strict=True))
     assert worst <= 1e-4, f"TP=2 logits differ from one GPU by {worst}"
     assert got_tokens == ref_tokens
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_decode_graphs_equal_tp2_eager(assets):
+    """Every rank captures and replays its decode graphs in step with rank 0 (NCCL inside the graphs),
+    including the re-capture a run-time adapter with new LoRA sites triggers."""
+    model_dir, adapters = assets
+    prompts, names = _workload()
+    results = []
+    for eager in (False, True):
+        llm = LLM(model_dir, {"a0": adapters["a0"]}, device="cuda", dtype="bfloat16", tensor_parallel_size=2,
+                  enforce_eager=eager, **ENGINE)
+        try:
+            assert (llm.engine.graphs is None) == eager
+            llm.add_adapter("a1", adapters["a1"])  # run time: the graphs re-capture at its first replay
+            llm.add_adapter("a2", adapters["a2"])
+            results.append(_generate(llm.engine, prompts, names))
+        finally:
+            llm.engine.close()
+    graphed, eager = results
+    assert [t for t, _ in graphed] == [t for t, _ in eager]
+    worst = max(abs(a - b) for (_, x), (_, y) in zip(graphed, eager, strict=True) for a, b in zip(x, y, strict=True))
+    assert worst <= 0.05, f"TP=2 graphs vs eager: max |logprob diff| {worst}"

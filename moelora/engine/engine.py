@@ -99,9 +99,9 @@ class LLMEngine:
         graph_safe = cfg.mla_absorbed_decode or not any(isinstance(m, MLAttention) for m in model.modules())
         if cfg.use_cuda_graphs and graph_safe and getattr(model, "supports_cuda_graphs", False):
             dummy = self.cache.allocator.allocate()  # padding rows of a graph bucket write here, forever
-            self.graphs = CudaGraphRunner(model, self.cache, cfg.max_num_seqs, cfg.max_model_len, dummy,
-                                          row_plan_slots, cfg.base_decode_graphs,
-                                          frozenset(self._site_owners.values()))
+            self.graphs = self._make_graphs(model, self.cache, cfg.max_num_seqs, cfg.max_model_len, dummy,
+                                            row_plan_slots, cfg.base_decode_graphs,
+                                            frozenset(self._site_owners.values()))
             self.graphs.capture(self.lora_idle, self._graph_width)
         self.requests: dict[str, Request] = {}
         eos = set(model.config.eos_token_ids)
@@ -163,6 +163,10 @@ class LLMEngine:
     def _make_runner(self, model, **kw) -> ModelRunner:
         """The step runner (a tensor-parallel engine's also sends each step to its workers)."""
         return ModelRunner(model, self.cache, self.device, **kw)
+
+    def _make_graphs(self, *args) -> CudaGraphRunner:
+        """The decode-graph runner (a tensor-parallel engine's also drives its workers' graphs)."""
+        return CudaGraphRunner(*args)
 
     def close(self) -> None:
         """Release what outlives the engine object (a tensor-parallel engine's workers); nothing here."""

@@ -50,6 +50,6 @@ def plan_kv_blocks(cfg: EngineConfig, model, shard: Shard) -> EngineConfig:
 
 
 def resolved_for_ranks(cfg: EngineConfig) -> EngineConfig:
-    """What several ranks run: steps synchronous (the workers get each step's ids from rank 0's host lists),
-    adapter slots written synchronously, decode eager (see docs/parallel.md: the next steps)."""
-    return dataclasses.replace(cfg, async_scheduling=False, async_adapter_loading=False, enforce_eager=True)
+    """What several ranks run: steps synchronous (the workers get each step's ids from rank 0's host lists)
+    and adapter slots written synchronously (see docs/parallel.md: the next steps)."""
+    return dataclasses.replace(cfg, async_scheduling=False, async_adapter_loading=False)

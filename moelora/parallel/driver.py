@@ -32,6 +32,8 @@ class Driver:
         from moelora.parallel.worker import worker_main
 
         self.pcfg, self.closed = pcfg, False
+        self.site_owners: dict = {}  # adapter site key -> LoRA owner module on rank 0 (set by the engine)
+        self.sent_idle: frozenset | None = None  # the idle set the workers hold
         size, timeout = pcfg.world_size, pcfg.step_timeout_s
         store = open_store(_HOST, 0, 0, size, timeout)  # port 0: the OS picks a free one
         ctx = mp.get_context("spawn")
@@ -79,6 +81,17 @@ class Driver:
                 conn.send(msg)
         except (BrokenPipeError, OSError) as exc:
             self._fail(f"a worker's pipe broke: {exc}")
+
+    def send_step(self, host, all_logits: bool, graph: bool, idle: frozenset | None) -> None:
+        """One step for the workers; first rank 0's idle LoRA sites (by site key) when they changed since the
+        last step that had a LoRA batch, so every rank's `LoRABatch.idle`, and so its decode graphs, agree."""
+        if idle is not None and idle is not self.sent_idle:
+            self.send(("idle", self.idle_keys(idle)))
+            self.sent_idle = idle
+        self.send(("step", host, all_logits, graph))
+
+    def idle_keys(self, idle: frozenset) -> list[str]:
+        return [key for key, owner in self.site_owners.items() if owner in idle]
 
     def replies(self, what: str) -> list[tuple]:
         out = []

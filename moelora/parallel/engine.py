@@ -10,10 +10,12 @@ from pathlib import Path
 
 from moelora.config import ModelConfig
 from moelora.engine.config import EngineConfig
+from moelora.engine.cuda_graphs import CudaGraphRunner
 from moelora.engine.engine import LLMEngine
 from moelora.engine.runner import ModelRunner
 from moelora.engine.tokenizer import Tokenizer
 from moelora.lora.pool import AdapterPool
+from moelora.models.lora_targets import lora_site_owners
 from moelora.parallel.driver import Driver
 from moelora.parallel.rules import ShardPlan
 
@@ -24,11 +26,41 @@ class ParallelRunner(ModelRunner):
         self.driver = driver
 
     def run(self, inputs, all_logits: bool = False):
-        self.driver.send(("step", inputs.host, all_logits))
+        self.driver.send_step(inputs.host, all_logits, False, None if inputs.lora is None else inputs.lora.idle)
         try:
             return super().run(inputs, all_logits)
         except RuntimeError as exc:  # a collective a worker did not join (dead, hung past the timeout, failed)
             raise self.driver.fault(exc) from exc
+
+
+class ParallelGraphRunner(CudaGraphRunner):
+    """Rank 0's decode graphs: every capture and replay is also the workers' (their graphs hold the same
+    collectives). A replay's message goes first; a re-capture it triggers (`ensure_captured`, decided from the
+    step's inputs) happens on every rank alike. A capture from outside a replay (start-up,
+    `LLMEngine.capture_graphs`) is sent as such."""
+
+    def __init__(self, *args, driver: Driver):
+        super().__init__(*args)
+        self.driver, self._replaying = driver, False
+
+    def capture(self, lora_idle: frozenset = frozenset(), lora_width: int | None = None) -> None:
+        if not self._replaying:
+            self.driver.send(("capture", self.driver.idle_keys(lora_idle), lora_width))
+            self.driver.sent_idle = lora_idle  # the workers set their idle sites to these
+        try:
+            super().capture(lora_idle, lora_width)
+        except RuntimeError as exc:
+            raise self.driver.fault(exc) from exc
+
+    def run(self, inputs):
+        self.driver.send_step(inputs.host, False, True, None if inputs.lora is None else inputs.lora.idle)
+        self._replaying = True
+        try:
+            return super().run(inputs)
+        except RuntimeError as exc:
+            raise self.driver.fault(exc) from exc
+        finally:
+            self._replaying = False
 
 
 class ParallelAdapterPool(AdapterPool):
@@ -47,10 +79,14 @@ class ParallelEngine(LLMEngine):
     def __init__(self, model, tokenizer: Tokenizer | None, cfg: EngineConfig, load_adapter,
                  adapters: Mapping[str, str | Path] | None, driver: Driver):
         self.driver = driver
+        driver.site_owners = lora_site_owners(model)
 
         def load_everywhere(name: str, path):
             return driver.load_adapter(name, path, lambda: load_adapter(name, path))
         super().__init__(model, tokenizer, cfg, load_everywhere, adapters)
+
+    def _make_graphs(self, *args) -> CudaGraphRunner:
+        return ParallelGraphRunner(*args, driver=self.driver)
 
     def _make_runner(self, model, **kw) -> ModelRunner:
         return ParallelRunner(model, self.cache, self.device, driver=self.driver, **kw)

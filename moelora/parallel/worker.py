@@ -2,8 +2,12 @@
 
 Rank 0 talks to each worker over a pipe (`multiprocessing` spawn context): each message is one pickled
 tuple, written once per worker (docs/parallel.md: why a pipe and not a broadcast on the group):
-- ("step", HostStep, all_logits): upload the step's host lists and run the same forward (its collectives
-  meet rank 0's); the logits are rank 0's to sample;
+- ("step", HostStep, all_logits, graph): upload the step's host lists and run the same forward, eagerly or as
+  a decode-graph replay (its collectives meet rank 0's); the logits are rank 0's to sample;
+- ("idle", site keys): the LoRA sites rank 0 skips (`LoRABatch.idle`), sent when they change; a worker never
+  changes them itself, so its LoRA batches and decode-graph captures are rank 0's;
+- ("capture", site keys, width): capture the decode graphs (start-up, `LLMEngine.capture_graphs`); a
+  re-capture a replay needs is decided by every rank alike from the step's inputs;
 - ("load", name, path): load and validate the adapter, keep this rank's cut; answers ("ok",) or
   ("error", kind, message), so a load failing on any rank fails on every rank;
 - ("slot", slot, name | None): write that adapter's cut into a slot (or empty it);
@@ -48,6 +52,23 @@ class _Worker:
         self.owners = lora_site_owners(self.model)
         self.runner.lora_idle = frozenset(self.owners.values()) if cfg.skip_idle_lora_sites else frozenset()
         self.adapters: dict = {}
+        self.graphs = self._graphs(cfg, row_plan_slots)
+
+    def _graphs(self, cfg: EngineConfig, row_plan_slots: int):
+        """Decode graphs when rank 0's engine has them (the same rule as `LLMEngine`), else None."""
+        from moelora.engine.cuda_graphs import CudaGraphRunner
+        from moelora.layers.mla import MLAttention
+
+        graph_safe = cfg.mla_absorbed_decode or not any(isinstance(m, MLAttention) for m in self.model.modules())
+        if not (cfg.use_cuda_graphs and graph_safe and getattr(self.model, "supports_cuda_graphs", False)):
+            return None
+        dummy = self.cache.allocator.allocate()  # the block rank 0's engine takes first, too
+        return CudaGraphRunner(self.model, self.cache, cfg.max_num_seqs, cfg.max_model_len, dummy, row_plan_slots,
+                               cfg.base_decode_graphs, frozenset(self.owners.values()))
+
+    def set_idle(self, keys: list[str]) -> frozenset:
+        self.runner.lora_idle = frozenset(self.owners[k] for k in keys)
+        return self.runner.lora_idle
 
     def load(self, name: str, path: str) -> None:
         from moelora.lora.loader import load_adapter
@@ -55,14 +76,19 @@ class _Worker:
 
         adapter = load_adapter(Path(path), self.model.config, name=name, max_rank=self.cfg.max_lora_rank)
         self.adapters[name] = shard_adapter(adapter, self.shard.plan, self.model.config)
-        if self.runner.lora_idle:  # as rank 0's engine turns the adapter's sites on
-            on = {self.owners[k] for k, w in adapter.sites.items() if w.rank > 0 and k in self.owners}
-            self.runner.lora_idle = self.runner.lora_idle - on
 
     def handle(self, msg: tuple):
         kind = msg[0]
         if kind == "step":
-            self.runner.run(self.runner.unpack(msg[1]), all_logits=msg[2])
+            inputs = self.runner.unpack(msg[1])
+            if msg[3]:
+                self.graphs.run(inputs)
+            else:
+                self.runner.run(inputs, all_logits=msg[2])
+        elif kind == "idle":
+            self.set_idle(msg[1])
+        elif kind == "capture":
+            self.graphs.capture(self.set_idle(msg[1]), msg[2])
         elif kind == "load":
             try:
                 self.load(msg[1], msg[2])
@@ -82,9 +108,11 @@ def worker_main(rank: int, host: str, port: int, model_dir: str, cfg: EngineConf
     from moelora.parallel.groups import device_group, open_store
 
     conn.send(("alive",))
-    if torch.device(cfg.device).type == "cuda":
-        torch.cuda.set_device(rank)
-        cfg = dataclasses.replace(cfg, device=f"cuda:{rank}")
+    device = torch.device(cfg.device)
+    if device.type == "cuda":  # rank r on the r-th GPU after rank 0's
+        index = (device.index or 0) + rank
+        torch.cuda.set_device(index)
+        cfg = dataclasses.replace(cfg, device=f"cuda:{index}")
     else:
         torch.set_num_threads(1)  # the ranks share the host's cores
     try:
