@@ -3,13 +3,11 @@ process, and tests can start and stop groups freely): a TCPStore rendezvous, the
 by the forward's collectives, NCCL on CUDA and gloo on the CPU, built straight from the store.
 
 Rendezvous: the engine's rank 0 opens the store on a free port the OS picks at run time (port 0), never a
-fixed one, and hands host:port to the workers it spawns. `env_rendezvous()` reads torchrun's variables
-(MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE) for a launch by torchrun (`env://`).
+fixed one, and hands host:port to the workers it spawns (one host; several hosts: docs/parallel.md).
 """
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import torch
@@ -19,12 +17,6 @@ from torch.distributed import PrefixStore, TCPStore
 def open_store(host: str, port: int, rank: int, size: int, timeout_s: float) -> TCPStore:
     """Rank 0 hosts the store (port 0: a free port, read back from `store.port`); the others connect."""
     return TCPStore(host, port, size, rank == 0, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-
-
-def env_rendezvous() -> tuple[str, int, int, int]:
-    """(host, port, rank, world size) from torchrun's environment (`env://`)."""
-    return (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"]),
-            int(os.environ["WORLD_SIZE"]))
 
 
 def device_group(store, rank: int, size: int, device: torch.device, timeout_s: float):

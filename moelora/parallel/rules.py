@@ -69,10 +69,6 @@ class ShardPlan:
             need(cfg.shared_experts_intermediate_size, "moe_intermediate_size * n_shared_experts (shared experts)")
 
     # local sizes --------------------------------------------------------------------------------
-    @property
-    def is_distributed(self) -> bool:
-        return self.size > 1
-
     def heads(self, cfg: ModelConfig) -> tuple[int, int]:
         """(first head, local head count)."""
         per = cfg.num_heads // self.size

@@ -44,15 +44,11 @@ class Shard:
         return torch.cat(parts, dim=1)[:, :vocab_size]
 
 
-def apply_cut(full: torch.Tensor, cut: Cut | None, offset: int = 0) -> torch.Tensor:
-    """The rank's part of `full` (a copy only when a dim keeps several ranges). `offset`: how many leading
-    dims `full` has beyond the cut's (0), or fewer (negative: the cut's first dims are absent)."""
+def apply_cut(full: torch.Tensor, cut: Cut | None) -> torch.Tensor:
+    """The rank's part of `full` (a copy only when a dim keeps several ranges)."""
     if cut is None:
         return full
     for dim, ranges in cut:
-        d = dim + offset
-        if d < 0:
-            continue
-        parts = [full.narrow(d, a, b - a) for a, b in ranges]
-        full = parts[0] if len(parts) == 1 else torch.cat(parts, dim=d)
+        parts = [full.narrow(dim, a, b - a) for a, b in ranges]
+        full = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
     return full
