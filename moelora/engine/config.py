@@ -175,9 +175,6 @@ class EngineConfig:
         if device.type == "cuda" and torch.cuda.device_count() < first + parallel.world_size:
             raise ConfigError(f"tensor_parallel_size={parallel.world_size} on {device} needs GPUs {first}.."
                               f"{first + parallel.world_size - 1}; {torch.cuda.device_count()} are visible")
-        if self.async_scheduling:
-            raise ConfigError("async_scheduling is not supported with tensor_parallel_size > 1 yet (each step's "
-                              "token ids reach the workers from rank 0's host lists); leave it unset")
         return parallel
 
     def with_kv_blocks(self, num_blocks: int) -> EngineConfig:

@@ -118,7 +118,8 @@ class ModelRunner:
         ids_t, pos_t, slot_map_t, seq_lens_t, starts_t, rows_t, tables_t, src_t = self._upload(*host.lists)
         seqs, slots, seq_lens, src = host.seqs, host.slots, host.lists[3], host.lists[7]
         max_blocks = host.max_blocks
-        if src:  # device-side: the tokens the previous step sampled, never read back to the host here
+        if src and pending is not None:  # device-side: the tokens the previous step sampled, never read back here
+            # (a tensor-parallel worker has no `pending`: it receives these ids from rank 0, `parallel/worker.py`)
             ids_t = torch.where(src_t >= 0, pending[0].index_select(0, src_t.clamp(min=0)), ids_t)
         meta = AttnMetadata(
             slot_mapping=slot_map_t, block_tables=tables_t.view(len(seqs), max_blocks).to(torch.int32),

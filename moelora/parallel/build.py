@@ -50,6 +50,6 @@ def plan_kv_blocks(cfg: EngineConfig, model, shard: Shard) -> EngineConfig:
 
 
 def resolved_for_ranks(cfg: EngineConfig) -> EngineConfig:
-    """What several ranks run: steps synchronous (the workers get each step's ids from rank 0's host lists)
-    and adapter slots written synchronously (see docs/parallel.md: the next steps)."""
-    return dataclasses.replace(cfg, async_scheduling=False, async_adapter_loading=False)
+    """What several ranks run: adapter slots written synchronously (each rank's slot write follows rank 0's
+    message in step order; a side-stream write on every rank is the next step, docs/parallel.md)."""
+    return dataclasses.replace(cfg, async_adapter_loading=False)

@@ -90,6 +90,13 @@ class Driver:
             self.sent_idle = idle
         self.send(("step", host, all_logits, graph))
 
+    def share_ids(self, inputs) -> None:
+        """Overlapped scheduling: a step whose token ids rank 0 took from its previous step's samples on the
+        device (`HostStep` pending sources) broadcasts them on the device group, with no host sync; the workers
+        receive them into their own ids (`worker.py`). Called after `send_step`, before the forward."""
+        if inputs.host.lists[7]:
+            self.shard.broadcast(inputs.input_ids)
+
     def idle_keys(self, idle: frozenset) -> list[str]:
         return [key for key, owner in self.site_owners.items() if owner in idle]
 

@@ -28,6 +28,7 @@ class ParallelRunner(ModelRunner):
     def run(self, inputs, all_logits: bool = False):
         self.driver.send_step(inputs.host, all_logits, False, None if inputs.lora is None else inputs.lora.idle)
         try:
+            self.driver.share_ids(inputs)
             return super().run(inputs, all_logits)
         except RuntimeError as exc:  # a collective a worker did not join (dead, hung past the timeout, failed)
             raise self.driver.fault(exc) from exc
@@ -56,6 +57,7 @@ class ParallelGraphRunner(CudaGraphRunner):
         self.driver.send_step(inputs.host, False, True, None if inputs.lora is None else inputs.lora.idle)
         self._replaying = True
         try:
+            self.driver.share_ids(inputs)
             return super().run(inputs)
         except RuntimeError as exc:
             raise self.driver.fault(exc) from exc

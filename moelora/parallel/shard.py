@@ -36,6 +36,17 @@ class Shard:
         self.group.allreduce([partial]).wait()
         return partial
 
+    def broadcast(self, t: torch.Tensor) -> None:
+        """Rank 0's `t` into every rank's `t` (same shape on all; the step's token ids, a buffer the receiving
+        rank owns)."""
+        if self.group is None:
+            return
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.group.broadcast([t], opts).wait()
+
     def gather_vocab(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor:
         if self.group is None:
             return local[:, :vocab_size]
