@@ -58,3 +58,14 @@ def test_kv_heads_replicate_below_the_rank_count():
     assert [ShardPlan(r, 4).kv_heads(cfg) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
     assert [ShardPlan(r, 2).kv_heads(cfg) for r in range(2)] == [(0, 1), (1, 1)]
     assert ShardPlan(1, 2).vocab(cfg) == (49, 48, 49)  # 97 rows: 49 + 48, the last block padded by one
+
+
+def test_untargeted_expert_parallel_experts_free_their_lora_slots(checkpoint):
+    from moelora.layers.parallel_experts import ExpertParallelExperts
+
+    path, _ = checkpoint
+    cfg = EngineConfig(device="cpu", dtype="float32", max_loras=2, max_lora_rank=4,
+                       lora_target_modules=("self_attn",)).resolve(ModelConfig.from_hf(path))
+    model = build_rank_model(path, cfg, Shard(ShardPlan(1, 2, True)))
+    experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+    assert experts and all(not m.has_lora and m.lora_gate_up_a is None and m.lora_down_b is None for m in experts)
