@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 import weakref
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 from moelora.engine.config import EngineConfig
@@ -22,6 +23,7 @@ from moelora.parallel.config import ParallelConfig
 from moelora.parallel.groups import device_group, open_store
 from moelora.parallel.rules import ShardPlan
 from moelora.parallel.shard import Shard
+from moelora.parallel.wire import encode
 
 _HOST = "127.0.0.1"
 _FAULT_GRACE_S = 0.5  # after a fault the group is dead: a worker stuck in a collective only needs stopping
@@ -75,10 +77,12 @@ class Driver:
 
     # messages -----------------------------------------------------------------------------------
     def send(self, msg: tuple) -> None:
+        """One pickle of `msg`, its bytes written to every worker's pipe (`Connection.recv` reads them)."""
         self.check()
+        data = ForkingPickler.dumps(msg)
         try:
             for conn in self.conns:
-                conn.send(msg)
+                conn.send_bytes(data)
         except (BrokenPipeError, OSError) as exc:
             self._fail(f"a worker's pipe broke: {exc}")
 
@@ -88,7 +92,7 @@ class Driver:
         if idle is not None and idle is not self.sent_idle:
             self.send(("idle", self.idle_keys(idle)))
             self.sent_idle = idle
-        self.send(("step", host, all_logits, graph))
+        self.send(("step", encode(host), all_logits, graph))
 
     def share_ids(self, inputs) -> None:
         """Overlapped scheduling: a step whose token ids rank 0 took from its previous step's samples on the

@@ -2,9 +2,10 @@
 
 Rank 0 talks to each worker over a pipe (`multiprocessing` spawn context): each message is one pickled
 tuple, written once per worker (docs/parallel.md: why a pipe and not a broadcast on the group):
-- ("step", HostStep, all_logits, graph): upload the step's host lists and run the same forward, eagerly or as
-  a decode-graph replay (its collectives meet rank 0's); the logits are rank 0's to sample. Under overlapped
-  scheduling the ids of tokens rank 0 has not read back yet arrive by a broadcast on the device group first;
+- ("step", packed HostStep (`wire.py`), all_logits, graph): upload the step's host lists and run the same
+  forward, eagerly or as a decode-graph replay (its collectives meet rank 0's); the logits are rank 0's to
+  sample. Under overlapped scheduling the ids of tokens rank 0 has not read back yet arrive first, by a
+  broadcast on the device group;
 - ("idle", site keys): the LoRA sites rank 0 skips (`LoRABatch.idle`), sent when they change; a worker never
   changes them itself, so its LoRA batches and decode-graph captures are rank 0's;
 - ("capture", site keys, width): capture the decode graphs (start-up, `LLMEngine.capture_graphs`); a
@@ -29,6 +30,7 @@ from moelora.engine.config import EngineConfig
 from moelora.parallel.config import ParallelConfig
 from moelora.parallel.rules import ShardPlan
 from moelora.parallel.shard import Shard
+from moelora.parallel.wire import decode
 
 
 def _error(exc: BaseException) -> tuple[str, str, str]:
@@ -81,8 +83,9 @@ class _Worker:
     def handle(self, msg: tuple):
         kind = msg[0]
         if kind == "step":
-            inputs = self.runner.unpack(msg[1])
-            if msg[1].lists[7]:  # overlapped scheduling: ids rank 0 sampled on the device, into this rank's ids
+            host = decode(msg[1])
+            inputs = self.runner.unpack(host)
+            if host.lists[7]:  # overlapped scheduling: ids rank 0 sampled on the device, into this rank's ids
                 self.shard.broadcast(inputs.input_ids)
             if msg[3]:
                 self.graphs.run(inputs)
