@@ -155,27 +155,19 @@ class EngineConfig:
                 table = check_table_file(table)
             except FileNotFoundError as e:
                 raise ConfigError(f"fused_moe_table: {e}") from None
-        parallel = self._check_parallel(torch.device(device))
-        resolved = dataclasses.replace(
+        self._check_parallel(torch.device(device))
+        return dataclasses.replace(
             self, device=device, dtype=dtype, kernel_backend=backend, max_model_len=max_len,
             max_cpu_loras=self.max_cpu_loras or max(32, self.max_loras), lora_target_modules=targets,
             fused_moe_table=table, async_scheduling=(torch.device(device).type == "cuda"
                                                      if self.async_scheduling is None else self.async_scheduling))
-        if parallel.distributed:
-            from moelora.parallel.build import resolved_for_ranks
 
-            resolved = resolved_for_ranks(resolved)
-        return resolved
-
-    def _check_parallel(self, device: torch.device):
+    def _check_parallel(self, device: torch.device) -> None:
         parallel = self.parallel_config  # validates the sizes
-        if not parallel.distributed:
-            return parallel
         first = device.index or 0
-        if device.type == "cuda" and torch.cuda.device_count() < first + parallel.world_size:
+        if parallel.distributed and device.type == "cuda" and torch.cuda.device_count() < first + parallel.world_size:
             raise ConfigError(f"tensor_parallel_size={parallel.world_size} on {device} needs GPUs {first}.."
                               f"{first + parallel.world_size - 1}; {torch.cuda.device_count()} are visible")
-        return parallel
 
     def with_kv_blocks(self, num_blocks: int) -> EngineConfig:
         blocks_per_seq = -(-self.max_model_len // self.block_size)

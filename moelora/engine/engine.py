@@ -175,12 +175,17 @@ class LLMEngine:
         """Slot writes through a side stream on CUDA when `async_adapter_loading` (adapters staged once
         in each site's slot dtype and page-locked, so the copies are asynchronous); synchronous otherwise."""
         if not (cfg.async_adapter_loading and self.device.type == "cuda"):
-            return AdapterPool(cfg.max_loras, cfg.max_cpu_loras, load_adapter, self.model.set_lora_slot)
+            return self._new_pool(cfg.max_loras, cfg.max_cpu_loras, load_adapter, self.model.set_lora_slot)
         from moelora.engine.adapter_loads import SideStreamLoads
 
         dtypes = self.model.lora_site_dtypes()
-        return AdapterPool(cfg.max_loras, cfg.max_cpu_loras, load_adapter, self.model.set_lora_slot,
-                           loads=SideStreamLoads(self.device), stage=lambda adapter: adapter.staged(dtypes, pin=True))
+        return self._new_pool(cfg.max_loras, cfg.max_cpu_loras, load_adapter, self.model.set_lora_slot,
+                              loads=SideStreamLoads(self.device),
+                              stage=lambda adapter: adapter.staged(dtypes, pin=True))
+
+    def _new_pool(self, *args, **kw) -> AdapterPool:
+        """The adapter pool (a tensor-parallel engine's also writes every worker's slots)."""
+        return AdapterPool(*args, **kw)
 
     # requests -----------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams, adapter: str | None = None,

@@ -3,7 +3,6 @@ including the memory plan's profiling forward on CUDA, run in the same order).""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
@@ -48,8 +47,3 @@ def plan_kv_blocks(cfg: EngineConfig, model, shard: Shard) -> EngineConfig:
         shard.group.allreduce([blocks], opts).wait()
     return cfg.with_kv_blocks(int(blocks.item()))
 
-
-def resolved_for_ranks(cfg: EngineConfig) -> EngineConfig:
-    """What several ranks run: adapter slots written synchronously (each rank's slot write follows rank 0's
-    message in step order; a side-stream write on every rank is the next step, docs/parallel.md)."""
-    return dataclasses.replace(cfg, async_adapter_loading=False)

@@ -66,10 +66,15 @@ class ParallelGraphRunner(CudaGraphRunner):
 
 
 class ParallelAdapterPool(AdapterPool):
-    """Removing an adapter also makes the workers forget their cut of it."""
+    """Every slot write is also the workers' (a message in step order: each worker writes its cut of that
+    adapter before it runs a later step; rank 0's own write may run on the side stream, its requests held until
+    it completes, as on one device); removing an adapter makes the workers forget their cut of it."""
 
-    def __init__(self, *args, driver: Driver, **kw):
-        super().__init__(*args, **kw)
+    def __init__(self, max_loras: int, max_cpu_loras: int, load, write_slot, *, driver: Driver, **kw):
+        def write_everywhere(slot: int, adapter) -> None:
+            driver.send(("slot", slot, None if adapter is None else adapter.name))
+            write_slot(slot, adapter)
+        super().__init__(max_loras, max_cpu_loras, load, write_everywhere, **kw)
         self.driver = driver
 
     def remove(self, name: str) -> None:
@@ -93,11 +98,8 @@ class ParallelEngine(LLMEngine):
     def _make_runner(self, model, **kw) -> ModelRunner:
         return ParallelRunner(model, self.cache, self.device, driver=self.driver, **kw)
 
-    def _adapter_pool(self, cfg: EngineConfig, load_adapter) -> AdapterPool:
-        def write_slot(slot: int, adapter) -> None:
-            self.driver.send(("slot", slot, None if adapter is None else adapter.name))
-            self.model.set_lora_slot(slot, adapter)
-        return ParallelAdapterPool(cfg.max_loras, cfg.max_cpu_loras, load_adapter, write_slot, driver=self.driver)
+    def _new_pool(self, *args, **kw) -> AdapterPool:
+        return ParallelAdapterPool(*args, driver=self.driver, **kw)
 
     def close(self) -> None:
         """Stop the workers (also done when the engine is collected or the interpreter exits)."""
