@@ -69,3 +69,14 @@ def test_untargeted_expert_parallel_experts_free_their_lora_slots(checkpoint):
     model = build_rank_model(path, cfg, Shard(ShardPlan(1, 2, True)))
     experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
     assert experts and all(not m.has_lora and m.lora_gate_up_a is None and m.lora_down_b is None for m in experts)
+
+
+def test_serve_parallel_flags_reach_the_engine_config():
+    from moelora.cli import build_parser, serve_engine_config
+
+    cfg = serve_engine_config(build_parser().parse_args(["serve", "--tensor-parallel-size", "4",
+                                                         "--enable-expert-parallel"]))
+    assert (cfg.tensor_parallel_size, cfg.expert_parallel) == (4, True)
+    default = serve_engine_config(build_parser().parse_args(["serve"]))
+    assert (default.tensor_parallel_size, default.expert_parallel) == (1, False)
+    assert serve_engine_config(build_parser().parse_args(["serve", "-tp", "2"])).tensor_parallel_size == 2
