@@ -28,6 +28,8 @@ usage: python benchmarks/decode.py OUT.csv [--model qwen3_30b|dsv2_lite|all] [--
        [--lora-target-modules self_attn,experts] [--ab async_scheduling=0]  (engine-level keys only)
        [--ab-table other_fused_moe_table.json]  (B engines built, captured and run with that MoE table)
        [--quantization fp8]
+       [--tensor-parallel-size N [--enable-expert-parallel]]  (N GPUs: benchmarks/decode_parallel.py, 8 layers
+       unless --layers, a random checkpoint written to a temporary directory; 1 rank vs N ranks)
 """
 
 from __future__ import annotations
@@ -345,8 +347,21 @@ def main() -> None:
                     "e.g. async_scheduling=1 or skip_idle_lora_sites=0 (B/A: its step time over the first's); "
                     "keys that set the shared model's modules are refused")
     ap.add_argument("--quantization", choices=["fp8"], default=None, help="FP8 projections (see the docstring)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="N > 1: time 1 rank against N ranks "
+                    "(needs N GPUs; benchmarks/decode_parallel.py)")
+    ap.add_argument("--enable-expert-parallel", action="store_true", help="with --tensor-parallel-size: EP experts")
     args = ap.parse_args()
     concs = [int(c) for c in args.conc.split(",")]
+    if args.tensor_parallel_size > 1:
+        from decode_parallel import run_parallel
+
+        if torch.cuda.device_count() < args.tensor_parallel_size:
+            raise SystemExit(f"--tensor-parallel-size {args.tensor_parallel_size} needs as many GPUs; "
+                             f"{torch.cuda.device_count()} here")
+        name = "qwen3_30b" if args.model == "all" else args.model
+        write_rows(args.out, run_parallel(MODELS[name], name, args.tensor_parallel_size, args.enable_expert_parallel,
+                                          args.layers or 8, concs, args.steps, args.rank, args.repeats))
+        return
     bw = copy_gbps() * 1e9  # bytes/s
     print(f"GPU {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = []

@@ -43,6 +43,14 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--kernel-backend", choices=["triton", "torch"], default=None,
                    help="default: triton on CUDA, torch on the CPU")
+    # several devices (moelora.parallel, docs/parallel.md)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks: one process per device")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="partition the routed experts over the ranks instead of splitting each one")
+
+
+def _parallel(args) -> dict:
+    return dict(tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.enable_expert_parallel)
 
 
 def _llm(args, model: str, adapters: dict[str, str], **engine_kwargs):
@@ -113,7 +121,7 @@ def cmd_bench(args) -> int:
     model, adapters = _model_and_adapters(args)
     concs = args.conc
     eng = _llm(args, model, adapters, kernel_backend=args.kernel_backend, max_num_seqs=max(concs, default=1),
-               enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
+               enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization, **_parallel(args),
                progress=True).engine
     where = torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else "cpu"
     graphs = eng.graphs is not None
@@ -150,7 +158,7 @@ def serve_engine_config(args) -> EngineConfig:
                         overlap_lora=not args.no_overlap_lora,
                         lora_target_modules=tuple(args.lora_target_modules) if args.lora_target_modules else None,
                         enable_prefix_caching=args.enable_prefix_caching, fused_moe_table=args.fused_moe_table,
-                        warmup=not args.skip_warmup, quantization=args.quantization)
+                        warmup=not args.skip_warmup, quantization=args.quantization, **_parallel(args))
 
 
 def serve_options(args) -> dict:

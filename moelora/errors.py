@@ -27,3 +27,7 @@ class CapacityError(MoeLoRAError):
 
 class RequestError(MoeLoRAError):
     """A request carries an invalid parameter (names it)."""
+
+
+class WorkerError(MoeLoRAError):
+    """A tensor-parallel worker died, hung past the step timeout or failed a step: the engine stops."""

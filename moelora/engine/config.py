@@ -104,6 +104,12 @@ class EngineConfig:
     # 1 x 128 groups per token, or per token for compressed-tensors), LoRA reading them unrounded; the
     # reference of the future W8A8 kernels (kernel_backend "torch" only). Off: W8A16, activations as they are.
     fp8_activation_quant: bool = False
+    # Tensor / expert parallelism (moelora.parallel, docs/parallel.md): ranks (one process per device, rank 0
+    # this one), routed experts partitioned over them instead of split inside, and the seconds a rank waits
+    # on a dead or hung peer before the engine raises WorkerError.
+    tensor_parallel_size: int = 1
+    expert_parallel: bool = False
+    parallel_step_timeout_s: float = 300.0
 
     @property
     def has_lora_slots(self) -> bool:
@@ -117,6 +123,12 @@ class EngineConfig:
         """The model's FP8 scheme under this engine config (resolved: checked by `resolve`)."""
         fp8 = model.quantization or (FP8Config.from_engine(self.quantization) if self.quantization else None)
         return None if fp8 is None else dataclasses.replace(fp8, quantize_activations=self.fp8_activation_quant)
+
+    @property
+    def parallel_config(self):
+        from moelora.parallel.config import ParallelConfig
+
+        return ParallelConfig(self.tensor_parallel_size, self.expert_parallel, self.parallel_step_timeout_s)
 
     @property
     def torch_device(self) -> torch.device:
@@ -164,6 +176,7 @@ class EngineConfig:
                 table = check_table_file(table)
             except FileNotFoundError as e:
                 raise ConfigError(f"fused_moe_table: {e}") from None
+        self._check_parallel(torch.device(device))
         return dataclasses.replace(
             self, device=device, dtype=dtype, kernel_backend=backend, max_model_len=max_len,
             max_cpu_loras=self.max_cpu_loras or max(32, self.max_loras), lora_target_modules=targets,
@@ -186,6 +199,13 @@ class EngineConfig:
         if self.fp8_activation_quant and backend != "torch":
             raise ConfigError("fp8_activation_quant (the W8A8 twin) runs on kernel_backend='torch' only: the Triton "
                               "FP8 kernels are not built yet")
+
+    def _check_parallel(self, device: torch.device) -> None:
+        parallel = self.parallel_config  # validates the sizes
+        first = device.index or 0
+        if parallel.distributed and device.type == "cuda" and torch.cuda.device_count() < first + parallel.world_size:
+            raise ConfigError(f"tensor_parallel_size={parallel.world_size} on {device} needs GPUs {first}.."
+                              f"{first + parallel.world_size - 1}; {torch.cuda.device_count()} are visible")
 
     def with_kv_blocks(self, num_blocks: int) -> EngineConfig:
         blocks_per_seq = -(-self.max_model_len // self.block_size)

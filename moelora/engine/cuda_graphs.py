@@ -161,18 +161,23 @@ class CudaGraphRunner:
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.buckets[-1]
 
-    @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> torch.Tensor:
-        """Replay the bucket graph for a decode step (one token per sequence) -> logits [n, V]."""
-        n = inputs.input_ids.shape[0]
-        B = next(b for b in self.buckets if b >= n)
-        lora = inputs.lora
+    def ensure_captured(self, lora: LoRABatch | None) -> None:
+        """Re-capture first when a step's LoRA batch needs sites the graphs left out or a wider LoRA width
+        (decided from the step's inputs alone: every tensor-parallel rank decides the same)."""
         if lora is not None and (lora.idle != self.lora_idle or not self.holds(lora.max_rank)):
             why = "LoRA sites turned on" if self.holds(lora.max_rank) else f"LoRA rank {lora.max_rank}"
             width = None if lora.max_rank is None or self.lora_width is None else max(lora.max_rank, self.lora_width)
             self.capture(lora.idle, width)
             log.info("%s: decode graphs re-captured at LoRA width %s (%d buckets, %.2f s)", why,
                      self.lora_width or "of the pool", len(self.buckets), self.capture_s)
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Replay the bucket graph for a decode step (one token per sequence) -> logits [n, V]."""
+        n = inputs.input_ids.shape[0]
+        B = next(b for b in self.buckets if b >= n)
+        lora = inputs.lora
+        self.ensure_captured(lora)
         meta = inputs.meta
         self.input_ids[:n].copy_(inputs.input_ids, non_blocking=True)
         self.positions[:n].copy_(inputs.positions, non_blocking=True)

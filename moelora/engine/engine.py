@@ -73,8 +73,8 @@ class LLMEngine:
                                                    cfg.enable_prefix_caching), self.cache.allocator,
                                    adapter_ready=self.pool.ensure if cfg.async_adapter_loading else None)
         row_plan_slots = model.max_loras if cfg.group_lora_rows and cfg.kernel_backend == "triton" else 0
-        self.runner = ModelRunner(model, self.cache, self.device, lora_rows=cfg.kernel_backend == "torch",
-                                  row_plan_slots=row_plan_slots, lora_width=cfg.lora_width_by_batch)
+        self.runner = self._make_runner(model, lora_rows=cfg.kernel_backend == "torch",
+                                        row_plan_slots=row_plan_slots, lora_width=cfg.lora_width_by_batch)
         self._registered_rank = 0  # the largest rank of any adapter registered so far (the graphs' LoRA width)
         # LoRA sites no registered adapter has weights at (all of them until one is added): skipped
         self.runner.lora_idle = frozenset(self._site_owners.values()) if cfg.skip_idle_lora_sites else frozenset()
@@ -100,9 +100,9 @@ class LLMEngine:
         graph_safe = cfg.mla_absorbed_decode or not any(isinstance(m, MLAttention) for m in model.modules())
         if cfg.use_cuda_graphs and graph_safe and getattr(model, "supports_cuda_graphs", False):
             pad = self.cache.allocator.reserve()  # padding rows of a graph bucket write here: in no request's use
-            self.graphs = CudaGraphRunner(model, self.cache, cfg.max_num_seqs, cfg.max_model_len, pad,
-                                          row_plan_slots, cfg.base_decode_graphs,
-                                          frozenset(self._site_owners.values()))
+            self.graphs = self._make_graphs(model, self.cache, cfg.max_num_seqs, cfg.max_model_len, pad,
+                                            row_plan_slots, cfg.base_decode_graphs,
+                                            frozenset(self._site_owners.values()))
             self.graphs.capture(self.lora_idle, self._graph_width)
         self.requests: dict[str, Request] = {}
         eos = set(model.config.eos_token_ids)
@@ -161,16 +161,32 @@ class LLMEngine:
         if idle:
             self.runner.lora_idle = idle - {self._site_owners[key] for key, w in adapter.sites.items() if w.rank > 0}
 
+    def _make_runner(self, model, **kw) -> ModelRunner:
+        """The step runner (a tensor-parallel engine's also sends each step to its workers)."""
+        return ModelRunner(model, self.cache, self.device, **kw)
+
+    def _make_graphs(self, *args) -> CudaGraphRunner:
+        """The decode-graph runner (a tensor-parallel engine's also drives its workers' graphs)."""
+        return CudaGraphRunner(*args)
+
+    def close(self) -> None:
+        """Release what outlives the engine object (a tensor-parallel engine's workers); nothing here."""
+
     def _adapter_pool(self, cfg: EngineConfig, load_adapter) -> AdapterPool:
         """Slot writes through a side stream on CUDA when `async_adapter_loading` (adapters staged once
         in each site's slot dtype and page-locked, so the copies are asynchronous); synchronous otherwise."""
         if not (cfg.async_adapter_loading and self.device.type == "cuda"):
-            return AdapterPool(cfg.max_loras, cfg.max_cpu_loras, load_adapter, self.model.set_lora_slot)
+            return self._new_pool(cfg.max_loras, cfg.max_cpu_loras, load_adapter, self.model.set_lora_slot)
         from moelora.engine.adapter_loads import SideStreamLoads
 
         dtypes = self.model.lora_site_dtypes()
-        return AdapterPool(cfg.max_loras, cfg.max_cpu_loras, load_adapter, self.model.set_lora_slot,
-                           loads=SideStreamLoads(self.device), stage=lambda adapter: adapter.staged(dtypes, pin=True))
+        return self._new_pool(cfg.max_loras, cfg.max_cpu_loras, load_adapter, self.model.set_lora_slot,
+                              loads=SideStreamLoads(self.device),
+                              stage=lambda adapter: adapter.staged(dtypes, pin=True))
+
+    def _new_pool(self, *args, **kw) -> AdapterPool:
+        """The adapter pool (a tensor-parallel engine's also writes every worker's slots)."""
+        return AdapterPool(*args, **kw)
 
     # requests -----------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams, adapter: str | None = None,

@@ -114,6 +114,16 @@ def build_engine(model_dir: str | Path, cfg: EngineConfig | None = None, progres
     model_cfg = ModelConfig.from_hf(model_dir)
     cfg = (cfg or EngineConfig()).resolve(model_cfg)
     fp8 = cfg.fp8_config(model_cfg)  # FP8 storage of the projections (`moelora.quant`), or None
+    if cfg.parallel_config.distributed:  # one process per rank (moelora.parallel)
+        from moelora.parallel.engine import build_parallel_engine
+
+        unsupported = [name for name, on in (("FP8 weights", fp8 is not None), ("load_format='dummy'",
+                       load_format == "dummy"), ("tokenizer", tokenizer is not None),
+                       ("chat_template", chat_template is not None)) if on]
+        if unsupported:
+            raise ConfigError(f"tensor_parallel_size={cfg.tensor_parallel_size} does not support "
+                              f"{', '.join(unsupported)} yet")
+        return build_parallel_engine(model_dir, cfg, adapters)
     if cfg.torch_device.type == "cuda":
         # an engine dropped earlier in this process (its graphs and caches hold reference cycles) is only
         # freed by the cycle collector: collect it first, or its weights and KV pool still take the memory

@@ -2,7 +2,8 @@
 
 Shape legend: T tokens in the step, B sequences, MB max blocks per sequence, V vocab.
 `prepare(step, slot_of)` builds input ids, positions, the paged `AttnMetadata` and the
-`LoRABatch` once per step; `run(...)` executes the model and returns the logits of the rows
+`LoRABatch` once per step: `pack` makes the step's host lists (`HostStep`, plain ints: what rank 0 sends
+tensor-parallel workers), `unpack` uploads them; `run(...)` executes the model and returns the logits of the rows
 that sample (the last computed token of each request that reaches its end this step).
 """
 
@@ -21,6 +22,20 @@ from moelora.upload import upload
 
 
 @dataclass(frozen=True)
+class HostStep:
+    """One step's packed host inputs: ids, positions, slot mapping, sequence lengths, query starts, sample
+    rows, flat block tables and pending sources (int lists), then the token slots and slot ranks."""
+
+    lists: tuple[list[int], ...]
+    slots: list[int]
+    slot_ranks: list[int]
+    seqs: tuple[SeqSlice, ...]
+    max_blocks: int
+    max_query_len: int
+    sample_index: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -28,6 +43,7 @@ class StepInputs:
     lora: LoRABatch | None
     sample_rows: torch.Tensor  # [B_s] rows of the step whose logits are sampled
     sample_index: tuple[int, ...]  # index into step.requests of each sampled row
+    host: HostStep | None = None  # what it was built from (tensor parallelism sends it to the workers)
 
 
 class ModelRunner:
@@ -54,6 +70,10 @@ class ModelRunner:
                 pending: tuple[torch.Tensor, dict] | None = None) -> StepInputs:
         """`pending` (overlapped scheduling): (the previous step's sampled tokens on the device, request
         -> its row there); a position whose token is still PENDING takes its id from that tensor."""
+        return self.unpack(self.pack(step, slot_of, slot_ranks, pending), pending)
+
+    def pack(self, step: ScheduledStep, slot_of: dict[str, int], slot_ranks: list[int],
+             pending: tuple[torch.Tensor, dict] | None = None) -> HostStep:
         bs = self.cache.block_size
         ids, pos, slots, slot_map, seqs, sample_rows, sample_index = [], [], [], [], [], [], []
         seq_lens, starts, flat_tables = [], [0], []
@@ -90,19 +110,26 @@ class ModelRunner:
             for req, n in zip(step.requests, step.num_new, strict=True):
                 src += [row_of[req] if t == PENDING else -1 for t in ids[offset:offset + n]]
                 offset += n
-        ids_t, pos_t, slot_map_t, seq_lens_t, starts_t, rows_t, tables_t, src_t = self._upload(
-            ids, pos, slot_map, seq_lens, starts, sample_rows, flat_tables, src)
-        if src:  # device-side: the tokens the previous step sampled, never read back to the host here
+        return HostStep((ids, pos, slot_map, seq_lens, starts, sample_rows, flat_tables, src), slots,
+                        list(slot_ranks), tuple(seqs), max_blocks, max(step.num_new), tuple(sample_index))
+
+    def unpack(self, host: HostStep, pending: tuple[torch.Tensor, dict] | None = None) -> StepInputs:
+        """The device tensors of `host` (one upload) and its `LoRABatch`."""
+        ids_t, pos_t, slot_map_t, seq_lens_t, starts_t, rows_t, tables_t, src_t = self._upload(*host.lists)
+        seqs, slots, seq_lens, src = host.seqs, host.slots, host.lists[3], host.lists[7]
+        max_blocks = host.max_blocks
+        if src and pending is not None:  # device-side: the tokens the previous step sampled, never read back here
+            # (a tensor-parallel worker has no `pending`: it receives these ids from rank 0, `parallel/worker.py`)
             ids_t = torch.where(src_t >= 0, pending[0].index_select(0, src_t.clamp(min=0)), ids_t)
         meta = AttnMetadata(
             slot_mapping=slot_map_t, block_tables=tables_t.view(len(seqs), max_blocks).to(torch.int32),
             seq_lens=seq_lens_t.to(torch.int32), query_start=starts_t.to(torch.int32), seqs=tuple(seqs),
-            max_seq_len=max(seq_lens), max_query_len=max(step.num_new))
-        lora = LoRABatch.build(slots, slot_ranks, self.device, self.lora_rows, self.lora_idle, self.lora_width) \
+            max_seq_len=max(seq_lens), max_query_len=host.max_query_len)
+        lora = LoRABatch.build(slots, host.slot_ranks, self.device, self.lora_rows, self.lora_idle, self.lora_width) \
             if any(s != NO_SLOT for s in slots) else None
         if lora is not None and self.row_plan_slots:
             lora = lora.with_row_plan(self.row_plan_slots)
-        return StepInputs(ids_t, pos_t, meta, lora, rows_t, tuple(sample_index))
+        return StepInputs(ids_t, pos_t, meta, lora, rows_t, host.sample_index, host)
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs, all_logits: bool = False) -> torch.Tensor:

@@ -57,7 +57,7 @@ class AttnMetadata:
 
 class Attention(nn.Module):
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, *, bias: bool,
-                 qk_norm: str, eps: float, **kw):
+                 qk_norm: str, eps: float, make_norm=None, **kw):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         kv = num_kv_heads * head_dim
@@ -69,9 +69,9 @@ class Attention(nn.Module):
         self.backend = kw.get("backend", "torch")
         if qk_norm == "per_head":
             self.q_norm, self.k_norm = RMSNorm(head_dim, eps, self.backend), RMSNorm(head_dim, eps, self.backend)
-        elif qk_norm == "whole":
-            self.q_norm = RMSNorm(num_heads * head_dim, eps, self.backend)
-            self.k_norm = RMSNorm(num_kv_heads * head_dim, eps, self.backend)
+        elif qk_norm == "whole":  # `make_norm(width)`: a norm over columns split across ranks (parallel_norm)
+            make_norm = make_norm or (lambda width: RMSNorm(width, eps, self.backend))
+            self.q_norm, self.k_norm = make_norm(num_heads * head_dim), make_norm(num_kv_heads * head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
                 kv: tuple[torch.Tensor, torch.Tensor], lora: LoRABatch | None = None) -> torch.Tensor:

@@ -119,7 +119,7 @@ class SparseMoE(nn.Module):
 
     def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, renormalize: bool,
                  shared_inter: int = 0, *, routing: RoutingSpec | None = None, shared_experts_inter: int = 0,
-                 correction_bias: bool = False, **kw):
+                 correction_bias: bool = False, experts: Experts | None = None, **kw):
         super().__init__()
         self.routing = routing or RoutingSpec("softmax", top_k, renormalize)
         self.top_k, self.renormalize = top_k, renormalize
@@ -131,7 +131,8 @@ class SparseMoE(nn.Module):
             self.gate = Router(hidden, num_experts, correction_bias=correction_bias, **plain)
         else:
             self.gate = Linear(hidden, num_experts, **plain)
-        self.experts = Experts(num_experts, hidden, inter, **kw)
+        # `experts`: a rank's expert-parallel share (`layers.parallel_experts`); default all E experts
+        self.experts = experts if experts is not None else Experts(num_experts, hidden, inter, **kw)
         self.shared_expert = DenseMLP(hidden, shared_inter, **kw) if shared_inter else None
         self.shared_expert_gate = Linear(hidden, 1, **plain) if shared_inter else None
         self.shared_experts = DenseMLP(hidden, shared_experts_inter, **kw) if shared_experts_inter else None

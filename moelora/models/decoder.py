@@ -7,6 +7,12 @@ dense layers, router method), so they share this module tree; its parameter name
 transformers 5's.
 `forward(input_ids [T], positions [T], meta, kv_caches, lora) -> hidden [T, H]`;
 `logits(hidden) -> [T, V]`.
+
+Under tensor / expert parallelism (`shard`, `moelora.parallel`) the same tree is built from the rank's
+local config (`ShardPlan.local_config`: its heads and intermediate sizes), so every projection holds its
+shard; attention and the MLP / MoE block return partial sums that one all-reduce each completes (row-
+parallel o_proj and down projections carry no bias), the embedding and LM head are vocab-parallel, and
+EP layers hold their experts (`layers.parallel_experts`). `shard` None: one device, nothing changes.
 """
 
 from __future__ import annotations
@@ -28,18 +34,30 @@ from moelora.lora.batch import LoRABatch
 from moelora.quant.config import FP8Config
 
 
-def gqa_attention(cfg: ModelConfig, **kw) -> nn.Module:
+def gqa_attention(cfg: ModelConfig, shard=None, **kw) -> nn.Module:
+    make_norm = None
+    if shard is not None and cfg.qk_norm == "whole":  # OLMoE: the q/k norm spans every rank's heads
+        from moelora.layers.parallel_norm import ShardedRMSNorm
+
+        def make_norm(width: int) -> nn.Module:
+            return ShardedRMSNorm(width, cfg.rms_norm_eps, shard)
     return Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                     bias=cfg.attention_bias, qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps, **kw)
+                     bias=cfg.attention_bias, qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps, make_norm=make_norm, **kw)
 
 
-def sparse_moe(cfg: ModelConfig, **kw) -> SparseMoE:
+def sparse_moe(cfg: ModelConfig, shard=None, **kw) -> SparseMoE:
+    experts = None
+    if shard is not None and shard.plan.expert_parallel:
+        from moelora.layers.parallel_experts import ExpertParallelExperts
+
+        first, count = shard.plan.experts(cfg)
+        experts = ExpertParallelExperts(first, count, cfg.hidden_size, cfg.moe_intermediate_size, **kw)
     routing = RoutingSpec(cfg.topk_method, cfg.top_k, cfg.norm_topk_prob, cfg.n_group, cfg.topk_group,
                           cfg.routed_scaling_factor)
     return SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.top_k, cfg.norm_topk_prob,
                      cfg.shared_expert_intermediate_size, routing=routing,
                      shared_experts_inter=cfg.shared_experts_intermediate_size,
-                     correction_bias=cfg.router_correction_bias, **kw)
+                     correction_bias=cfg.router_correction_bias, experts=experts, **kw)
 
 
 class DecoderLayer(nn.Module):
@@ -48,30 +66,41 @@ class DecoderLayer(nn.Module):
     pair: the add before each norm is fused into that norm (`RMSNorm.add_forward`), two launches a
     layer under the Triton backend, with the torch backend's sums and roundings unchanged."""
 
-    def __init__(self, cfg: ModelConfig, idx: int, make_attention=gqa_attention, **kw):
+    def __init__(self, cfg: ModelConfig, idx: int, make_attention=gqa_attention, shard=None, **kw):
         super().__init__()
         backend = kw.get("backend", "torch")
+        self.shard = shard  # tensor parallelism: attention and MLP outputs are partial sums
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
-        self.self_attn = make_attention(cfg, **kw)
+        self.self_attn = make_attention(cfg, shard=shard, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         if cfg.is_sparse(idx):
-            self.mlp = sparse_moe(cfg, **kw)
+            self.mlp = sparse_moe(cfg, shard, **kw)
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, **kw)
 
     def forward(self, residual: torch.Tensor, delta: torch.Tensor | None, cos, sin, meta, kv, lora
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         x, normed = self.input_layernorm.add_forward(residual, delta)
-        h, normed = self.post_attention_layernorm.add_forward(x, self.self_attn(normed, cos, sin, meta, kv, lora))
-        return h, self.mlp(normed, lora)
+        attn = self.self_attn(normed, cos, sin, meta, kv, lora)
+        if self.shard is not None:
+            attn = self.shard.all_reduce(attn)
+        h, normed = self.post_attention_layernorm.add_forward(x, attn)
+        out = self.mlp(normed, lora)
+        return h, out if self.shard is None else self.shard.all_reduce(out)
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, make_attention=gqa_attention, **kw):
+    def __init__(self, cfg: ModelConfig, make_attention=gqa_attention, shard=None, **kw):
         super().__init__()
         dtype = kw.get("dtype")
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, make_attention, **kw) for i in range(cfg.num_layers))
+        if shard is None:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        else:
+            from moelora.layers.vocab_parallel import VocabParallelEmbedding
+
+            start, _, rows = shard.plan.vocab(cfg)
+            self.embed_tokens = VocabParallelEmbedding(start, rows, cfg.hidden_size, shard, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, make_attention, shard, **kw) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kw.get("backend", "torch"))
 
 
@@ -80,21 +109,23 @@ class MoECausalLM(nn.Module):
     supports_cuda_graphs = True
 
     def __init__(self, cfg: ModelConfig, *, max_loras: int = 0, max_rank: int = 0, backend: str = "torch",
-                 dtype: torch.dtype | None = None, quant: FP8Config | None = None):
+                 dtype: torch.dtype | None = None, quant: FP8Config | None = None, shard=None):
         super().__init__()
-        self.config = cfg
+        self.config, self.shard = cfg, shard  # `shard`: this rank's `moelora.parallel.shard.Shard`, or None
+        self.layer_config = cfg if shard is None else shard.plan.local_config(cfg)
         # quant: FP8 storage of every projection (attention, MLPs, experts; `moelora.quant`), None: dtype
         kw = dict(max_loras=max_loras, max_rank=max_rank, backend=backend, dtype=dtype, quant=quant)
         self.max_loras = max_loras  # adapter slots of every LoRA site (a row plan groups rows over them)
-        self.model = Backbone(cfg, self.make_attention, **kw)
+        self.model = Backbone(self.layer_config, self.make_attention, shard, **kw)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_yarn)
+        head_rows = cfg.vocab_size if shard is None else shard.plan.vocab(cfg)[2]
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+            cfg.hidden_size, head_rows, bias=False, dtype=dtype)
 
     @staticmethod
-    def make_attention(cfg: ModelConfig, **kw) -> nn.Module:
+    def make_attention(cfg: ModelConfig, shard=None, **kw) -> nn.Module:
         """The attention module of one layer (a family with another attention overrides this)."""
-        return gqa_attention(cfg, **kw)
+        return gqa_attention(cfg, shard, **kw)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 kv_caches: list[tuple[torch.Tensor, ...]], lora: LoRABatch | None = None
@@ -107,11 +138,15 @@ class MoECausalLM(nn.Module):
 
     def kv_cache_shapes(self) -> list[tuple[tuple[int, ...], ...]]:
         """What one token stores in the paged cache, per layer: keys and values [N_kv, D]."""
-        kv = (self.config.num_kv_heads, self.config.head_dim)
+        kv = (self.layer_config.num_kv_heads, self.config.head_dim)
         return [(kv, kv) for _ in range(self.config.num_layers)]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.shard is not None:
+            from moelora.layers.vocab_parallel import vocab_parallel_logits
+
+            return vocab_parallel_logits(hidden, weight, self.shard, self.config.vocab_size)
         return torch.nn.functional.linear(hidden, weight)
 
     def weight_params(self) -> dict[str, torch.Tensor]:

@@ -23,7 +23,8 @@ class DeepseekCausalLM(MoECausalLM):
     supports_cuda_graphs = True  # decode steps run MLA in the absorbed form (no host loop or sync)
 
     @staticmethod
-    def make_attention(cfg: ModelConfig, **kw) -> nn.Module:
+    def make_attention(cfg: ModelConfig, shard=None, **kw) -> nn.Module:
+        """`cfg` holds this rank's heads under tensor parallelism (`shard`): MLA needs nothing else."""
         scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5 * yarn_softmax_scale(cfg.rope_yarn)
         return MLAttention(cfg.hidden_size, cfg.num_heads, q_lora_rank=cfg.q_lora_rank,
                            kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,

@@ -45,7 +45,8 @@ def _drop(module: nn.Module) -> None:
     module.has_lora = False
     if isinstance(module, LinearSegment):  # its buffers are views of the merged module's
         return
-    for name in _BUFFERS.get(type(module), _DENSE_BUFFERS):
+    buffers = next((names for kind, names in _BUFFERS.items() if isinstance(module, kind)), _DENSE_BUFFERS)
+    for name in buffers:  # by isinstance: expert-parallel experts are Experts too
         if name in module._buffers:
             setattr(module, name, None)
 

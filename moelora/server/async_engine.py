@@ -34,7 +34,7 @@ from typing import Protocol
 from moelora.engine.engine import LLMEngine
 from moelora.engine.request import Request, SamplingParams
 from moelora.engine.warmup import warm_up
-from moelora.errors import AdapterError, MoeLoRAError
+from moelora.errors import AdapterError, MoeLoRAError, WorkerError
 
 log = logging.getLogger("moelora.server")
 
@@ -253,6 +253,7 @@ class AsyncEngine:
         self._thread.join(timeout)
         if not self._thread.is_alive():  # commands sent while it stopped still get an answer
             self._drain_commands("the engine stopped")
+        self.engine.close()  # a tensor-parallel engine's workers
 
     # engine thread ------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -275,6 +276,8 @@ class AsyncEngine:
                 self._publish()
                 if self.engine.has_unfinished():
                     self._step()
+                if self._stopping:
+                    return
         except BaseException:
             log.exception("engine thread crashed")
             raise
@@ -351,6 +354,11 @@ class AsyncEngine:
         steps = self.engine.scheduler.num_steps
         try:
             changed = self.engine.step()
+        except WorkerError as e:  # a tensor-parallel rank is gone: the engine stops (503s, /health fails)
+            log.error("engine stopped: %s", e)
+            self._stopping = True
+            self._fail_live(f"the engine stopped: {e}")
+            return
         except Exception as e:  # a failed step fails the requests in it, not the server
             log.exception("engine step failed")
             self._fail_live(f"engine step failed: {type(e).__name__}: {e}")

@@ -1,0 +1,191 @@
+"""Rank 0's side of the group: spawn the workers, send them each step and adapter change, notice faults,
+stop them.
+
+Faults: before every message the driver checks that each worker is alive; a collective a dead or hung
+worker never joins fails (gloo: the peer's connection closes) or times out after
+`ParallelConfig.step_timeout_s`; a worker's answer is awaited at most that long. Each raises WorkerError
+(naming the rank and, when the worker said why, its error), after which the driver is closed: the engine
+is unusable and the server answers 503. `close()` (also run when the engine is collected or the
+interpreter exits) stops, then terminates, then kills each worker, and joins it: no process is left.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import weakref
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+
+from moelora.engine.config import EngineConfig
+from moelora.errors import AdapterError, WorkerError
+from moelora.parallel.config import ParallelConfig
+from moelora.parallel.groups import device_group, open_store
+from moelora.parallel.rules import ShardPlan
+from moelora.parallel.shard import Shard
+from moelora.parallel.wire import encode
+
+_HOST = "127.0.0.1"
+_FAULT_GRACE_S = 0.5  # after a fault the group is dead: a worker stuck in a collective only needs stopping
+
+
+class Driver:
+    def __init__(self, model_dir: str | Path, cfg: EngineConfig, pcfg: ParallelConfig):
+        from moelora.parallel.worker import worker_main
+
+        self.pcfg, self.closed = pcfg, False
+        self.site_owners: dict = {}  # adapter site key -> LoRA owner module on rank 0 (set by the engine)
+        self.sent_idle: frozenset | None = None  # the idle set the workers hold
+        size, timeout = pcfg.world_size, pcfg.step_timeout_s
+        store = open_store(_HOST, 0, 0, size, timeout)  # port 0: the OS picks a free one
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for rank in range(1, size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, name=f"moelora-rank{rank}", daemon=True,
+                               args=(rank, _HOST, store.port, str(model_dir), cfg, pcfg, child))
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self._finalizer = weakref.finalize(self, _stop, self.conns, self.procs)
+        self._await_alive()  # a worker that dies before the rendezvous fails now, not at the group's timeout
+        try:
+            group = device_group(store, 0, size, cfg.torch_device, timeout)
+        except Exception as exc:
+            self._fail(f"the process group did not form: {exc}")
+        self._store = store  # the workers' rendezvous: alive as long as the group
+        self.shard = Shard(ShardPlan(0, size, pcfg.expert_parallel), group)
+
+    def _await_alive(self, poll_s: float = 0.05) -> None:
+        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs, strict=True), start=1):
+            deadline = time.monotonic() + self.pcfg.step_timeout_s
+            while not conn.poll(poll_s):
+                if not proc.is_alive():
+                    self._fail(f"rank {rank} exited at start-up (exit code {proc.exitcode})")
+                if time.monotonic() > deadline:
+                    self._fail(f"rank {rank} did not start within {self.pcfg.step_timeout_s} s")
+            try:
+                conn.recv()
+            except (EOFError, OSError):  # the pipe closed: the process is exiting
+                proc.join(5)
+                self._fail(f"rank {rank} exited at start-up (exit code {proc.exitcode})")
+
+    def wait_ready(self) -> None:
+        """Every worker built its shard (call after rank 0 built its own: their collectives interleave)."""
+        self.replies("start-up")
+
+    # messages -----------------------------------------------------------------------------------
+    def send(self, msg: tuple) -> None:
+        """One pickle of `msg`, its bytes written to every worker's pipe (`Connection.recv` reads them)."""
+        self.check()
+        data = ForkingPickler.dumps(msg)
+        try:
+            for conn in self.conns:
+                conn.send_bytes(data)
+        except (BrokenPipeError, OSError) as exc:
+            self._fail(f"a worker's pipe broke: {exc}")
+
+    def send_step(self, host, all_logits: bool, graph: bool, idle: frozenset | None) -> None:
+        """One step for the workers; first rank 0's idle LoRA sites (by site key) when they changed since the
+        last step that had a LoRA batch, so every rank's `LoRABatch.idle`, and so its decode graphs, agree."""
+        if idle is not None and idle is not self.sent_idle:
+            self.send(("idle", self.idle_keys(idle)))
+            self.sent_idle = idle
+        self.send(("step", encode(host), all_logits, graph))
+
+    def share_ids(self, inputs) -> None:
+        """Overlapped scheduling: a step whose token ids rank 0 took from its previous step's samples on the
+        device (`HostStep` pending sources) broadcasts them on the device group, with no host sync; the workers
+        receive them into their own ids (`worker.py`). Called after `send_step`, before the forward."""
+        if inputs.host.lists[7]:
+            self.shard.broadcast(inputs.input_ids)
+
+    def idle_keys(self, idle: frozenset) -> list[str]:
+        return [key for key, owner in self.site_owners.items() if owner in idle]
+
+    def replies(self, what: str) -> list[tuple]:
+        out = []
+        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs, strict=True), start=1):
+            if not conn.poll(self.pcfg.step_timeout_s):
+                self._fail(f"rank {rank} did not answer ({what}) within {self.pcfg.step_timeout_s} s"
+                           f"{'' if proc.is_alive() else ' and is dead'}")
+            try:
+                reply = conn.recv()
+            except (EOFError, OSError):
+                self._fail(f"rank {rank} died during {what} (exit code {proc.exitcode})")
+            if reply[0] == "error" and what == "start-up":
+                self._fail(f"rank {rank} failed at start-up: {reply[1]}: {reply[2]}")
+            out.append(reply)
+        return out
+
+    def load_adapter(self, name: str, path: str | Path, load_local):
+        """Load an adapter on every rank: `load_local()` is rank 0's (its cut); any rank failing fails the
+        load everywhere, with that rank's error (workers that loaded it forget it again)."""
+        self.send(("load", name, str(path)))
+        local_error = None
+        try:
+            adapter = load_local()
+        except Exception as exc:
+            local_error = exc
+        replies = self.replies(f"loading adapter {name!r}")
+        bad = [(rank, r) for rank, r in enumerate(replies, start=1) if r[0] != "ok"]
+        if local_error is not None or bad:
+            self.send(("unload", name))
+            if local_error is not None:
+                raise local_error
+            rank, (_, kind, text) = bad[0]
+            raise AdapterError(f"adapter {name!r} failed to load on rank {rank}: {kind}: {text}")
+        return adapter
+
+    # faults -------------------------------------------------------------------------------------
+    def check(self) -> None:
+        if self.closed:
+            raise WorkerError("the tensor-parallel workers are stopped (an earlier fault or shutdown)")
+        for rank, proc in enumerate(self.procs, start=1):
+            if not proc.is_alive():
+                self._fail(f"rank {rank} (pid {proc.pid}) is dead, exit code {proc.exitcode}")
+
+    def fault(self, exc: BaseException) -> WorkerError:
+        """The WorkerError for a failed collective (a worker's own report when it sent one); closes."""
+        why = f"{exc}"
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                if conn.poll(0):
+                    reply = conn.recv()
+                    if reply[0] == "error":
+                        why = f"rank {rank}: {reply[1]}: {reply[2]}"
+            except (EOFError, OSError):
+                why = f"rank {rank} died ({exc})"
+        self.close(grace_s=_FAULT_GRACE_S)
+        return WorkerError(f"a tensor-parallel step failed: {why}")
+
+    def _fail(self, why: str):
+        self.close(grace_s=_FAULT_GRACE_S)
+        raise WorkerError(why)
+
+    def close(self, grace_s: float = 5.0) -> None:
+        """Stop every worker: `grace_s` to exit on request, as long again after SIGTERM, then SIGKILL."""
+        self.closed = True
+        stop = self._finalizer.detach()  # None once run (at collection / exit, or an earlier close)
+        if stop is not None:
+            _, func, args, _ = stop
+            func(*args, grace_s=grace_s)
+
+
+def _stop(conns, procs, grace_s: float = 5.0) -> None:
+    for conn in conns:
+        try:
+            conn.send(("stop",))
+        except (BrokenPipeError, OSError):
+            pass
+    for proc in procs:
+        proc.join(grace_s)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(grace_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    for conn in conns:
+        conn.close()

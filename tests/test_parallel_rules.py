@@ -1,0 +1,82 @@
+"""Sharding rules and sliced loading, in one process (no group): each rank's model has its shard's shapes, its
+weights are exactly its slices of the checkpoint, and it reads only those slices (per-expert keys of other ranks'
+experts not at all)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import tiny_hf_model
+
+import moelora.parallel.weights as pw
+from moelora.config import ModelConfig
+from moelora.engine.config import EngineConfig
+from moelora.parallel.build import build_rank_model
+from moelora.parallel.rules import ShardPlan
+from moelora.parallel.shard import Shard, apply_cut
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rules") / "model"
+    hf = tiny_hf_model("qwen3_moe", seed=2)
+    hf.save_pretrained(str(path))  # per-expert (Hub) keys on disk
+    return path, {k: v.detach() for k, v in hf.state_dict().items()}  # fused experts in memory: moelora's names
+
+
+@pytest.mark.parametrize("size,rank,ep", [(2, 1, False), (2, 0, True), (4, 3, False), (2, 1, True)])
+def test_rank_weights_are_its_slices_and_only_those_are_read(checkpoint, monkeypatch, size, rank, ep):
+    path, hf_state = checkpoint
+    reads = []
+    real = pw._read
+
+    def recording(src, cut, ndim):
+        out = real(src, cut, ndim)
+        reads.append((tuple(src.get_shape()), tuple(out.shape)))
+        return out
+    monkeypatch.setattr(pw, "_read", recording)
+    cfg = EngineConfig(device="cpu", dtype="float32", max_loras=0, max_lora_rank=0).resolve(ModelConfig.from_hf(path))
+    plan = ShardPlan(rank, size, ep)
+    model = build_rank_model(path, cfg, Shard(plan))
+    model_cfg = model.config
+    for name, local in model.weight_params().items():
+        want = apply_cut(hf_state[name], plan.cut(name, model_cfg))
+        if name.endswith("embed_tokens.weight") or name.endswith("lm_head.weight"):
+            assert torch.equal(local[: want.shape[0]], want) and not local[want.shape[0]:].any(), name
+        else:
+            assert torch.equal(local, want), name
+    split_reads = [r for r in reads if r[0] != r[1]]
+    assert split_reads, "every rank of a split model reads some tensors partly"
+    if ep:  # per-expert keys: this rank's experts only (6 experts, 2 sparse layers, 3 projections)
+        expert_reads = [r for r in reads if len(r[0]) == 2 and 40 in r[0] and 48 in r[0]]
+        assert len(expert_reads) == 2 * 3 * 3
+
+
+def test_kv_heads_replicate_below_the_rank_count():
+    raw = tiny_hf_model("qwen3_moe").config.to_dict()
+    cfg = ModelConfig.from_dict(dict(raw, architectures=["Qwen3MoeForCausalLM"]))
+    assert [ShardPlan(r, 4).kv_heads(cfg) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    assert [ShardPlan(r, 2).kv_heads(cfg) for r in range(2)] == [(0, 1), (1, 1)]
+    assert ShardPlan(1, 2).vocab(cfg) == (49, 48, 49)  # 97 rows: 49 + 48, the last block padded by one
+
+
+def test_untargeted_expert_parallel_experts_free_their_lora_slots(checkpoint):
+    from moelora.layers.parallel_experts import ExpertParallelExperts
+
+    path, _ = checkpoint
+    cfg = EngineConfig(device="cpu", dtype="float32", max_loras=2, max_lora_rank=4,
+                       lora_target_modules=("self_attn",)).resolve(ModelConfig.from_hf(path))
+    model = build_rank_model(path, cfg, Shard(ShardPlan(1, 2, True)))
+    experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+    assert experts and all(not m.has_lora and m.lora_gate_up_a is None and m.lora_down_b is None for m in experts)
+
+
+def test_serve_parallel_flags_reach_the_engine_config():
+    from moelora.cli import build_parser, serve_engine_config
+
+    cfg = serve_engine_config(build_parser().parse_args(["serve", "--tensor-parallel-size", "4",
+                                                         "--enable-expert-parallel"]))
+    assert (cfg.tensor_parallel_size, cfg.expert_parallel) == (4, True)
+    default = serve_engine_config(build_parser().parse_args(["serve"]))
+    assert (default.tensor_parallel_size, default.expert_parallel) == (1, False)
+    assert serve_engine_config(build_parser().parse_args(["serve", "-tp", "2"])).tensor_parallel_size == 2
