@@ -34,7 +34,7 @@ def load_sharded_checkpoint(model_dir, params: dict[str, torch.Tensor], full_sha
                 dest.zero_()  # vocab padding rows; everything else is overwritten below
         for path, items in copies.items():
             with safe_open(str(path), framework="pt") as f:
-                for key, target in items:
+                for key, target, _mode in items:  # "copy": FP8 is refused with several ranks
                     if plan.drops(target.name):
                         params[target.name].zero_()
                         continue
