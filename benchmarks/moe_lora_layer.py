@@ -87,8 +87,7 @@ def main(argv=None):
                 lora = make_lora(layer, M, var)
                 cfg = tuned_fused_moe_config(shape["E"], shape["H"], shape["I"], M, shape["K"], torch.bfloat16, gpu)
                 if mode != "table":
-                    cfg = replace(cfg, lora_shrink=mode,
-                                  lora_shrink_wide="" if mode == "inline" else mode)  # this mode at every width
+                    cfg = replace(cfg, lora_shrink=mode, lora_shrink_wide=mode)  # this mode at every width
                     label = f"{label}/{mode}"
                 if at != "table":
                     cfg = replace(cfg, lora_gate_up_at=at)

@@ -6,16 +6,14 @@ Shape legend: M tokens, H hidden, I expert intermediate, E experts, K top-k.
 Per (shape, M): time the LoRA-off layer (CUDA-graph replay, L2 flushed, median) over a short
 candidate list of tiles chosen by routes per expert, keep the fastest; then try TMA on it, and where
 M * K <= E the plan with a block per route and no sort (plan_per_route); then
-pick lora_shrink (inline / separate, also with 8 shrink and 2 / 4 / 8 expand lanes / route / block)
-and lora_split_k by the
+pick lora_shrink (separate / route / block / stacked) and lora_split_k by the
 summed time of one adapter and of 8 adapters, rank 16 (--score; a graph serves both kinds of batch,
 and the best path differs between them: H200, Qwen3 M=256, scored on 8 alone the route path won, on
 both the block path, which then decoded faster with 1 adapter AND with 8) (a route pick then tries
-4x the delta's programs, 8 warps and 4x wider loads, lora_route_stages 2 / 3, lora_route_order
-"plan", a route or block pick lora_gate_up_at "activation", a block pick lora_block_programs 132 /
-264 / 528 and lora_block_b_chunks off, and a route pick the block switch for batches on <= 2 slots,
-scored on 1 + 8 adapters), and lora_shrink_wide (separate /
-route / block) on 8 adapters of rank 64 plus 8 of rank 8 in the rank-64 pool. LoRA timings use a
+8 warps, lora_route_order "plan", a route or block pick lora_gate_up_at "activation", a block pick
+lora_block_programs 132 / 264 / 528 and lora_block_b_chunks off, and a route pick the block switch
+for batches on <= 2 slots, scored on 1 + 8 adapters), and lora_shrink_wide (every path) on 8 adapters
+of rank 64 plus 8 of rank 8 in the rank-64 pool. LoRA timings use a
 side stream, as the engine's overlap_lora does (--no-side-stream: not). Usage:
   python benchmarks/tune_fused_moe.py [--shapes a,b] [--model /path/to/hf-model ...] [--ms 1,8]
                                       [--lora-only] [--no-side-stream] [--score 1ad_r16,8ad_r16 | 8ad_r16]
@@ -40,7 +38,7 @@ from moe_bench_common import MS, SHAPES, graph_time_ms, make_inputs, make_layer,
 from moelora.config import ModelConfig  # noqa: E402
 from moelora.kernels.moe_config import (  # noqa: E402
     CONFIG_DIR,
-    WIDE_SHRINK_MODES,
+    LORA_SHRINK_MODES,
     FusedMoEConfig,
     GemmTile,
     device_tag,
@@ -75,10 +73,8 @@ def timed(layer, x, wts, ids, lora, cfg, side=None) -> float:
         return float("inf")
 
 
-REFINEMENTS = [(("route",), dict(lora_route_programs=p, lora_route_warps=w, lora_route_tile=t))
-               for p, w, t in ((1056, 4, 4096), (264, 8, 4096), (264, 8, 16384), (1056, 8, 16384))]
-REFINEMENTS += [(("route",), dict(lora_route_stages=s)) for s in (2, 3)]  # the delta's loops pipelined
-REFINEMENTS += [(("route",), dict(lora_route_order="plan")),
+REFINEMENTS = [(("route",), dict(lora_route_warps=8)),
+               (("route",), dict(lora_route_order="plan")),
                 (("route", "block"), dict(lora_gate_up_at="activation"))]
 # a block pick: a fixed number of delta programs (1, 2, 4 per H200 SM) next to the GEMM's
 REFINEMENTS += [(("block",), dict(lora_block_programs=p)) for p in (132, 264, 528)]
@@ -89,15 +85,8 @@ REFINEMENTS += [(("block",), dict(lora_block_b_chunks=False))]
 def lora_trials(base: FusedMoEConfig) -> list[FusedMoEConfig]:
     """The LoRA paths tune_lora times on base's tiles (scripts/compile_check.py compiles each)."""
     trials = [dataclasses.replace(base, lora_shrink="separate", lora_split_k=k) for k in (1, 4, 8)]
-    # separate with no per-slot chain: a shrink program per slot of a block, the epilogue's slots in one dot
-    trials += [dataclasses.replace(base, lora_shrink="separate", lora_split_k=k, lora_expand_lanes=8,
-                                   lora_shrink_lanes=8) for k in (1, 4, 8)]
-    # ... fewer expand lanes (a narrower [lanes * R, BN] B tile: fewer registers, more loop slots)
-    trials += [dataclasses.replace(base, lora_shrink="separate", lora_split_k=k, lora_expand_lanes=lanes,
-                                   lora_shrink_lanes=8) for lanes in (2, 4) for k in (1, 4)]
-    trials.append(dataclasses.replace(base, lora_shrink="inline"))
     trials.append(dataclasses.replace(base, lora_shrink="route"))
-    trials += [dataclasses.replace(base, lora_shrink="block", lora_n_split=n) for n in (0, 4, 8)]
+    trials.append(dataclasses.replace(base, lora_shrink="block"))
     trials += [dataclasses.replace(base, lora_shrink="block", lora_block_n=bn, lora_block_k=bk)  # fewer, wider steps
                for bn, bk in ((256, 128), (256, 256), (256, 512), (128, 512))]  # 512: a shorter shrink chain
     if base.block_m > 16:  # 16-row block-delta programs over the plan's larger blocks
@@ -122,8 +111,7 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("1ad_r16", 
     for cfg in trials:
         t = run(cfg)
         scored.append((t, cfg))
-        log.append(dict(M=M, what=f"lora_{cfg.lora_shrink}_{cfg.lora_split_k}_{cfg.lora_n_split}_{cfg.lora_block_n}"
-                        f"_x{cfg.lora_expand_lanes}"
+        log.append(dict(M=M, what=f"lora_{cfg.lora_shrink}_{cfg.lora_split_k}_{cfg.lora_block_n}"
                         f"_m{cfg.lora_block_m}_s{cfg.lora_stack_n}",
                         config=json.dumps(cfg.to_dict()), ms=t))
     t_best, best = min(scored, key=lambda p: p[0])
@@ -151,10 +139,9 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("1ad_r16", 
         print(f"  M={M:5d} 1ad+8ad route {t_plain * 1e3:7.1f}  with the block switch {t_sw * 1e3:7.1f}", flush=True)
         if t_sw < t_plain:
             best = sw
-    tag = ("{0.lora_shrink}/{0.lora_split_k}/{0.lora_n_split}/{0.lora_route_order:.1}/{0.lora_gate_up_at:.3}"
-           "/p{0.lora_route_programs}w{0.lora_route_warps}t{0.lora_route_tile}st{0.lora_route_stages}/n{0.lora_block_n}k{0.lora_block_k}"
-           "m{0.lora_block_m}p{0.lora_block_programs}/s{0.lora_block_max_slots}"
-           "/x{0.lora_expand_lanes}l{0.lora_shrink_lanes}/c{0.lora_block_b_chunks:d}").format
+    tag = ("{0.lora_shrink}/{0.lora_split_k}/{0.lora_route_order:.1}/{0.lora_gate_up_at:.3}"
+           "/w{0.lora_route_warps}/n{0.lora_block_n}k{0.lora_block_k}"
+           "m{0.lora_block_m}p{0.lora_block_programs}/s{0.lora_block_max_slots}/c{0.lora_block_b_chunks:d}").format
     print(f"  M={M:5d} {'+'.join(score)} " + "  ".join(f"{tag(c)} {t * 1e3:7.1f}" for t, c in scored)
           + f"  -> {tag(best)}", flush=True)
     return tune_wide(layer, M, best, log, side)
@@ -168,7 +155,7 @@ def tune_wide(layer, M, base: FusedMoEConfig, log, side=None) -> FusedMoEConfig:
     loras = [make_lora(layer, M, v) for v in ("8ad_r64", "8ad_r8_pool64")]
     scored = []
     # the block mode's N split, when the narrow pick set one, carries over to wide pools too
-    for mode in WIDE_SHRINK_MODES:
+    for mode in LORA_SHRINK_MODES:
         cfg = dataclasses.replace(base, lora_shrink_wide=mode)
         t = sum(timed(layer, x, wts, ids, lora, cfg, side) for lora in loras)
         scored.append((t, cfg))

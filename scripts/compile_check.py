@@ -40,7 +40,7 @@ from moe_bench_common import MS, SHAPES, make_inputs, make_layer, make_lora  # n
 from tune_fused_moe import REFINEMENTS, lora_trials  # noqa: E402
 
 from moelora.kernels.fused_moe import fused_moe  # noqa: E402
-from moelora.kernels.moe_config import WIDE_SHRINK_MODES, tuned_fused_moe_config  # noqa: E402
+from moelora.kernels.moe_config import LORA_SHRINK_MODES, tuned_fused_moe_config  # noqa: E402
 
 SM90_SHARED = 232448  # bytes of shared memory one H100 / H200 program may use
 GPU_NAME = "NVIDIA H200"
@@ -140,7 +140,7 @@ def configs_for(shape: dict, M: int, picks_only: bool = False):
     cfgs = [base] + lora_trials(base)
     for modes, change in REFINEMENTS:
         cfgs += [dataclasses.replace(base, lora_shrink=m, **change) for m in modes]
-    cfgs += [dataclasses.replace(base, lora_shrink_wide=m) for m in WIDE_SHRINK_MODES]
+    cfgs += [dataclasses.replace(base, lora_shrink_wide=m) for m in LORA_SHRINK_MODES]
     return [dataclasses.replace(c, use_tma=False) for c in cfgs]  # TMA descriptors need a real GPU
 
 

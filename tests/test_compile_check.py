@@ -107,18 +107,18 @@ def test_lora_b_tiles_are_vector_loads(tmp_path, monkeypatch):
             x, wts, ids = make_inputs(layer, M)
             base = tuned_fused_moe_config(shape["E"], shape["H"], shape["I"], M, shape["K"], torch.bfloat16,
                                           "NVIDIA H200")
-            for mode in ("inline", "block", "route", "stacked", "separate", "spread"):
+            for mode in ("block", "route", "stacked", "separate", "spread"):
                 cfg = dataclasses.replace(base, use_tma=False, lora_shrink=mode)
                 for lora in (None, make_lora(layer, M, "8ad_r16"), make_lora(layer, M, "8ad_r64")):
                     fused_moe(x, layer.w_gu, layer.w_d, wts, ids, lora=lora, out=torch.empty_like(x), config=cfg)
         xd, w = torch.randn(T, n_in, dtype=torch.bfloat16), torch.randn(n_out, n_in, dtype=torch.bfloat16)
-        for mode in ("split", "fused", "planned"):
+        for mode in ("split", "planned"):
             lora_linear(xd, w, None, dense, config=default_lora_linear_config(T, mode))
         _mla_lora_launches(16)
     assert comp.failures == []
     names = {key[0] for key in comp.kernels}
     assert {"lora_block_delta_kernel", "lora_route_delta_kernel", "lora_stacked_shrink_kernel", "act_spread_kernel",
-            "planned_delta_kernel", "_lora_expand_add_kernel", "_lora_delta_add_fused_kernel", "_absorb_lora_kernel",
+            "planned_delta_kernel", "_lora_expand_add_kernel", "_absorb_lora_kernel",
             "_expand_lora_kernel"} <= names, names
     down_base = {_element_loads(k) for (name, c), k in comp.kernels.items()
                  if name == "down_kernel" and not dict(c)["HAS_LORA"] and not dict(c)["STACKED"]}

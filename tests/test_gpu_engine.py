@@ -256,16 +256,15 @@ def test_two_streams_match_one(model_and_adapters):
 
 
 def test_lora_side_stream_is_bit_exact(model_and_adapters):
-    """The LoRA side stream runs the same kernels: graph decode with and without it, and with it at
-    the highest stream priority, gives the same tokens and logprobs, bit for bit."""
+    """The LoRA side stream runs the same kernels: graph decode with and without it gives the same tokens
+    and logprobs, bit for bit."""
     model, adapters = model_and_adapters
     prompts, names = workload(n=16, seed=6)
     on = generate(gpu_engine(model, adapters, overlap_lora=True), prompts, names, 48)
     off = generate(gpu_engine(model, adapters, overlap_lora=False), prompts, names, 48)
-    high = generate(gpu_engine(model, adapters, lora_stream_priority=-1), prompts, names, 48)
-    for a, b, c in zip(on, off, high, strict=True):
-        assert a.output_ids == b.output_ids == c.output_ids, a.request_id
-        assert a.logprobs == b.logprobs == c.logprobs, a.request_id
+    for a, b in zip(on, off, strict=True):
+        assert a.output_ids == b.output_ids, a.request_id
+        assert a.logprobs == b.logprobs, a.request_id
 
 
 def test_overlapped_scheduling_matches_synchronous(model_and_adapters):

@@ -23,13 +23,10 @@ from moelora.kernels.reference import ExpertLoRAArgs, SlotRows, fused_moe_ref  #
 TINY = GemmTile(32, 32, 4, 2)
 
 
-def tiny_config(shrink="inline", tma=False, bm=16):
-    """"separate_lanesN": the separate path with N shrink programs a block and split, one per slot
-    (lora_shrink_lanes), and an epilogue that expands N slots in one dot (lora_expand_lanes)."""
-    lanes = int(shrink.removeprefix("separate_lanes")) if shrink.startswith("separate_lanes") else 0
+def tiny_config(shrink="separate", tma=False, bm=16):
+    """Tiny tiles on one LoRA path (default: "separate", the path of `default_fused_moe_config`)."""
     # "spread": 16 activation columns a program, so the down shrink has several partials at I = 24..40
-    return FusedMoEConfig(bm, TINY, TINY, lora_shrink="separate" if lanes else shrink, lora_block_k=32, use_tma=tma,
-                          lora_expand_lanes=lanes, lora_shrink_lanes=max(1, lanes),
+    return FusedMoEConfig(bm, TINY, TINY, lora_shrink=shrink, lora_block_k=32, use_tma=tma,
                           lora_block_n=16 if shrink == "spread" else 64)
 
 
@@ -111,11 +108,9 @@ def test_one_token_and_zero_tokens():
     assert fused_moe(x, w_gu, w_d, wts, ids, config=tiny_config()).shape == (0, 32)
 
 
-# "inline" is only taken for pools of rank <= 16 (wider pools go the rank-chunked separate path)
-SHRINK_POOLS = [("inline", 16), ("separate", 24), ("route", 24), ("route", 16), ("route", 64), ("block", 16),
-                ("block", 24), ("block", 64), ("separate_lanes8", 16), ("separate_lanes2", 16), ("separate_lanes8", 24),
-                ("separate_lanes8", 64), ("stacked", 16), ("stacked", 24), ("stacked", 64), ("spread", 16),
-                ("spread", 24), ("spread", 64)]
+SHRINK_POOLS = [("separate", 16), ("separate", 24), ("separate", 64), ("route", 24), ("route", 16), ("route", 64),
+                ("block", 16), ("block", 24), ("block", 64), ("stacked", 16), ("stacked", 24), ("stacked", 64),
+                ("spread", 16), ("spread", 24), ("spread", 64)]
 
 
 @kernel_test
@@ -153,12 +148,12 @@ def test_gate_up_delta_at_activation(shrink, R, dtype, tol):
 
 
 @kernel_test
-@pytest.mark.parametrize("shrink,R", [("inline", 16), ("separate", 16), ("separate", 24), ("route", 16), ("route", 64),
-                                      ("block", 16), ("block", 64), ("separate_lanes8", 16), ("stacked", 24)])
+@pytest.mark.parametrize("shrink,R", [("separate", 16), ("separate", 24), ("route", 16), ("route", 64),
+                                      ("block", 16), ("block", 64), ("stacked", 24), ("spread", 16)])
 def test_plan_per_route(shrink, R):
     """plan_per_route: one route a block, no sort; one token (its K experts distinct: the decode case)
     and 9 tokens whose routes share experts (blocks of one expert repeat), rows on no slot and an
-    empty slot, against the reference; the separate path with lanes too."""
+    empty slot, against the reference."""
     cfg = replace(tiny_config(shrink), plan_per_route=True)
     one = make_case(1, 48, 40, 6, 3, ranks=(R, 5, 0), R=R, device=DEV, seed=31, slots=[1])
     run_checked(one, cfg, 1e-4)
@@ -201,23 +196,12 @@ def test_route_delta_in_plan_order(R):
 
 
 @kernel_test
-@pytest.mark.parametrize("R,stages", [(16, 2), (64, 3)])
-def test_route_delta_pipelined(R, stages):
-    """lora_route_stages: the delta's shrink and expand loops software-pipelined (several K and N steps,
-    ragged last ones: H = 300 and 2I = 576 over 256-wide steps at 4096 tiles; 64 at the wide pass)."""
-    case = make_case(5, 300, 288, 4, 2, ranks=(R, 5, 0), R=R, device=DEV, seed=17, slots=[0, -1, 1, 2, 0])
-    run_checked(case, replace(tiny_config("route"), lora_route_stages=stages), 1e-4)
-
-
-@kernel_test
-@pytest.mark.parametrize("programs,warps,tile", [(1, 4, 4096), (10_000, 8, 4096), (10_000, 4, 1024),
-                                                 (1, 8, 16384)])
-def test_route_delta_n_splits(programs, warps, tile):
-    """lora_route_programs: 1 leaves each route one program; many split its output columns (2I = 576
-    and H = 300 over 256-column steps: 3 and 2 splits, the last ragged; 64-column steps: 9 and 5),
-    each repeating the shrink; lora_route_tile 16384: one 1024-wide step covers a row."""
-    case = make_case(5, 300, 288, 4, 2, ranks=(16, 5, 0), R=16, device=DEV, seed=13, slots=[0, -1, 1, 2, 0])
-    cfg = replace(tiny_config("route"), lora_route_programs=programs, lora_route_warps=warps, lora_route_tile=tile)
+@pytest.mark.parametrize("warps,R", [(4, 16), (8, 16), (8, 64)])
+def test_route_delta_n_splits(warps, R):
+    """The route delta splits each route's output columns (2I = 576 and H = 300 over 256-column steps: 3 and 2
+    splits, the last ragged), each repeating the shrink; at 4 and 8 warps (both in the table)."""
+    case = make_case(5, 300, 288, 4, 2, ranks=(R, 5, 0), R=R, device=DEV, seed=13, slots=[0, -1, 1, 2, 0])
+    cfg = replace(tiny_config("route"), lora_route_warps=warps)
     run_checked(case, cfg, 1e-4)
     run_checked(case, replace(cfg, lora_route_order="plan"), 1e-4)
 
@@ -251,12 +235,12 @@ def test_all_routes_on_one_expert_with_empty_experts():
 
 
 @kernel_test
-@pytest.mark.parametrize("n_split,block_n", [(0, 64), (3, 64), (0, 128), (2, 128)])
-def test_block_delta_n_splits(n_split, block_n):
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_block_delta_n_splits(block_n):
     # 2I = 192 and H = 160 output columns, 64-wide tiles: 3 splits, the last one ragged (128-wide: 2)
     case = make_case(9, 160, 96, 4, 2, ranks=(16, 5, 0), R=16, device=DEV, seed=12,
                      slots=[0, -1, 1, 1, 0, 2, 0, 1, -1])
-    run_checked(case, replace(tiny_config("block"), lora_n_split=n_split, lora_block_n=block_n), 1e-4)
+    run_checked(case, replace(tiny_config("block"), lora_block_n=block_n), 1e-4)
 
 
 @kernel_test
@@ -280,10 +264,9 @@ def test_block_delta_b_by_columns(R):
 
 
 @kernel_test
-@pytest.mark.parametrize("block_m,lora_block_m,n_split",
-                         [(32, 16, 0), (32, 16, 2), (64, 16, 0), (32, 32, 0), (64, 0, 0)])
+@pytest.mark.parametrize("block_m,lora_block_m", [(32, 16), (64, 16), (32, 32), (64, 0)])
 @pytest.mark.parametrize("programs", [0, 3])
-def test_block_delta_sub_blocks(block_m, lora_block_m, n_split, programs):
+def test_block_delta_sub_blocks(block_m, lora_block_m, programs):
     # plan blocks of 32 / 64 rows taken as 16-row sub-blocks: a slot's rows on both sides of a sub-block
     # edge, sub-blocks of padding only, 5 slots (one empty) in a block; (32, 32) and (64, 0): one
     # sub-block, as plain.
@@ -291,8 +274,8 @@ def test_block_delta_sub_blocks(block_m, lora_block_m, n_split, programs):
     slots = [0, 1, 2, 3, -1, 3, 2, 1, 0, -1, 1, 2, 3, 0, 4, 4, 1, 0, 2, 2, -1, 3]
     case = make_case(22, 32, 24, 3, 2, ranks=(16, 5, 16, 8, 0), R=16, dtype=torch.float16, device=DEV, seed=14,
                      slots=slots)
-    cfg = replace(tiny_config("block", bm=block_m), lora_block_m=lora_block_m, lora_n_split=n_split,
-                  lora_block_programs=programs, lora_block_n=16)  # 16-wide steps: 2I = 48 / H = 32 can split
+    cfg = replace(tiny_config("block", bm=block_m), lora_block_m=lora_block_m, lora_block_programs=programs,
+                  lora_block_n=16)  # 16-wide steps: 2I = 48 / H = 32 can split
     run_checked(case, cfg, 1e-2)
 
 
@@ -311,7 +294,7 @@ def test_stacked_falls_back_on_wide_pools():
 
 
 @kernel_test
-@pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block", "stacked", "spread", "block_act"])
+@pytest.mark.parametrize("shrink", ["separate", "route", "block", "stacked", "spread", "block_act"])
 def test_gate_up_and_down_ranks_differ(shrink):
     """A slot with LoRA on down only, one on gate_up only, one on both (site ranks per projection):
     every path adds exactly the deltas the twin adds (e.g. "spread" computes the down shrink of rows
@@ -326,7 +309,7 @@ def test_gate_up_and_down_ranks_differ(shrink):
 
 
 @kernel_test
-@pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block", "stacked", "spread"])
+@pytest.mark.parametrize("shrink", ["separate", "route", "block", "stacked", "spread"])
 def test_width_of_the_batch_in_a_wide_pool(shrink):
     """`ExpertLoRAArgs.width` (the batch's largest rank, `LoRABatch.max_rank`): slots of rank <= 8 in
     a rank-64 pool tile at 16 columns and equal the twin, and the pool's width (None); every mode."""
@@ -432,14 +415,11 @@ def gpu_case(shape, T, seed, ranks=(64, 16, 8, 0, 64, 32, 16, 8), R=64):
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("T", [1, 33, 512])
-@pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block", "route_plan", "route_wide_grid",
-                                    "block_wide_tiles", "block_sub16", "block_persist", "separate_lanes",
-                                    "separate_lanes_r16", "stacked", "stacked_r16", "block_elements",
-                                    "route_stages", "stacked_w8", "separate_w8", "spread", "spread_r16", "spread_w8"])
+@pytest.mark.parametrize("shrink", ["separate", "separate_r16", "route", "block", "route_plan", "route_warps8",
+                                    "block_wide_tiles", "block_sub16", "block_persist", "stacked", "stacked_r16",
+                                    "block_elements", "stacked_w8", "separate_w8", "spread", "spread_r16", "spread_w8"])
 def test_gpu_qwen3_shape_bf16_lora(T, shrink):
-    # a rank-16 pool: inline's, and the lanes' where every slot has a lane (8 of 16 columns each)
-    pool = dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16) if shrink in ("inline", "separate_lanes_r16",
-                                                                          "stacked_r16", "spread_r16") else {}
+    pool = dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16) if shrink.endswith("_r16") else {}  # a rank-16 pool
     if shrink.endswith("_w8"):  # narrow adapters in a rank-64 pool, called with the batch's width (eager)
         pool = dict(ranks=(8, 8, 4, 0, 8, 2, 8, 8), R=64)
     case = gpu_case(QWEN3, T, seed=T, **pool)
@@ -449,24 +429,18 @@ def test_gpu_qwen3_shape_bf16_lora(T, shrink):
 
     cfg = tuned_fused_moe_config(128, 2048, 768, T, 8, torch.bfloat16, torch.cuda.get_device_name())
     order = "plan" if shrink == "route_plan" else "token"
-    grid = dict(lora_route_programs=1056, lora_route_warps=8, lora_route_tile=16384) if shrink == "route_wide_grid" \
-        else {}
+    grid = dict(lora_route_warps=8) if shrink == "route_warps8" else {}
     if shrink == "block_wide_tiles":
         grid = dict(lora_block_n=256)  # 256-deep shrink steps too may not fit shared memory at wide pools
     if shrink == "block_sub16":
         grid = dict(lora_block_m=16, lora_block_n=256)  # 16-row programs over the table's plan blocks
     if shrink == "block_persist":
         grid = dict(lora_block_m=16, lora_block_n=256, lora_block_programs=264)  # 264 programs loop over the items
-    if shrink in ("separate_lanes", "separate_lanes_r16"):
-        grid = dict(lora_expand_lanes=8, lora_shrink_lanes=8)  # a shrink program per slot; the epilogue's in one dot
     if shrink == "block_elements":
         grid = dict(lora_block_b_chunks=False)  # B tiles masked column by column
-    if shrink == "route_stages":
-        grid = dict(lora_route_stages=3)  # the delta's loops pipelined
-    for suffix in ("_plan", "_wide_grid", "_wide_tiles", "_sub16", "_persist", "_r16", "_lanes", "_elements",
-                   "_stages", "_w8"):
+    for suffix in ("_plan", "_warps8", "_wide_tiles", "_sub16", "_persist", "_r16", "_elements", "_w8"):
         shrink = shrink.removesuffix(suffix)
-    cfg = replace(cfg, lora_shrink=shrink, lora_shrink_wide="" if shrink == "inline" else shrink, use_tma=False,
+    cfg = replace(cfg, lora_shrink=shrink, lora_shrink_wide=shrink, use_tma=False,
                   lora_route_order=order, **grid)
     torch.cuda.set_sync_debug_mode("error")  # contract 5: no host sync in the forward
     try:

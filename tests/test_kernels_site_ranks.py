@@ -65,7 +65,7 @@ def assert_base_rows(got: torch.Tensor, base: torch.Tensor) -> None:
 
 
 LINEAR_CONFIGS = {"default": None, "split": LoRALinearConfig("split", 16, 32, 16, 16, split_k=2),
-                  "fused": LoRALinearConfig("fused", 16, 32, 32)}
+                  "planned": LoRALinearConfig("planned", 16, 16, 16, plan_cols=16)}
 
 
 def linear_case(dtype: torch.dtype, g: torch.Generator) -> Linear:
@@ -132,7 +132,7 @@ def moe_case(dtype: torch.dtype, g: torch.Generator):
 
 @kernel_test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("shrink", ["inline", "separate", "spread", "layer"])
+@pytest.mark.parametrize("shrink", ["block", "separate", "spread", "layer"])
 def test_experts_skip_slot_of_site_rank_zero(dtype, shrink):
     g = torch.Generator().manual_seed(1)
     ex, x, weights, ids = moe_case(dtype, g)

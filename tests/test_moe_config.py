@@ -19,17 +19,28 @@ from moelora.kernels.moe_config import (
 def test_wide_pools_take_their_own_mode():
     assert FusedMoEConfig(lora_shrink="route").shrink_mode(16) == "route"
     assert FusedMoEConfig(lora_shrink="route").shrink_mode(64) == "route"
-    # "inline" computes every column of the pool: only rank-16 pools keep it
-    assert FusedMoEConfig(lora_shrink="inline").shrink_mode(16) == "inline"
-    assert FusedMoEConfig(lora_shrink="inline").shrink_mode(32) == "separate"
     wide = FusedMoEConfig(lora_shrink="separate", lora_shrink_wide="block")
     assert (wide.shrink_mode(16), wide.shrink_mode(32), wide.shrink_mode(64)) == ("separate", "block", "block")
 
 
-@pytest.mark.parametrize("bad", ["inline", "gather"])
+@pytest.mark.parametrize("bad", ["inline", "gather"])  # "inline": tried and removed (docs/performance.md)
 def test_wide_mode_is_validated(bad):
     with pytest.raises(ValueError, match="lora_shrink_wide"):
         FusedMoEConfig(lora_shrink_wide=bad)
+    with pytest.raises(ValueError, match="lora_shrink"):
+        FusedMoEConfig(lora_shrink=bad)
+
+
+@pytest.mark.parametrize("key,where", [("lora_expand_lanes", None), ("group_m", None), ("lora_route_stages", None),
+                                       ("num_warps_x", "gate_up")])
+def test_a_table_entry_with_an_unknown_key_is_refused_by_name(key, where):
+    """A removed knob (or a typo) in a table entry is a ConfigError naming it, not a silent default."""
+    from moelora.errors import ConfigError
+
+    d = FusedMoEConfig(lora_shrink="block").to_dict()
+    (d[where] if where else d)[key] = 1
+    with pytest.raises(ConfigError, match=key):
+        FusedMoEConfig.from_dict(d)
 
 
 def test_every_tuned_entry_parses_and_round_trips():

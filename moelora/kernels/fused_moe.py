@@ -10,9 +10,9 @@ R max rank, P plan rows (max_padded).
 Launches (no host sync, fixed sizes: CUDA-graph safe; one stream unless `side_stream` is given):
   plan -> [shrink x A_gu] -> gate_up GEMM + LoRA + SiLU*up -> h [P, I]
        -> [shrink h A_d] -> down GEMM + LoRA, x routing weight -> y [T*K, H] -> sum over K -> out
-(bracketed launches only on the separate-shrink path: lora_shrink="separate", or any pool of max
-rank > 16 under "inline", and on "stacked", whose shrink writes xa [P, S * BLOCK_R] in x's dtype, each
-row in its slot's columns, and whose GEMMs expand it as more K steps); under "route" (per
+(bracketed launches only on the separate-shrink path, lora_shrink="separate", and on "stacked",
+whose shrink writes xa [P, S * BLOCK_R] in x's dtype, each row in its slot's columns, and whose GEMMs
+expand it as more K steps); under "route" (per
 route) and "block" (per plan block and slot) they compute each route's whole delta instead, [T*K,
 2I] and [T*K, H] in x's dtype (fp32 for route on pools of max rank > 16): the gate_up epilogue adds the first
 (or, with lora_gate_up_at="activation", act_delta_kernel after a gate_up GEMM that writes gate and
@@ -60,6 +60,9 @@ _BLOCK_LANES = 8  # "block" LoRA: programs per plan block, one distinct slot eac
 STACK_MAX_COLS = 512  # "stacked" up to this many slot columns (8 slots of rank 64; 32 of 16): 25 MB of xa at M=4096
 _STACK_BK = 64  # "stacked" shrink: depth of a K step ([128, 64] x [64, 128] tiles, 3 stages: 96 KB of shared memory)
 _SWITCH_MAX_TOKENS = 1024  # lora_block_max_slots: beyond this many tokens the switch's slot count is not tried
+GROUP_M = 8  # grouped tile order of both GEMMs: every tuned entry kept 8 (docs/performance.md, tried and removed)
+_ROUTE_PROGRAMS = 264  # "route": programs a delta launch aims for, two per H200 SM (never re-tuned away)
+_ROUTE_STEP = 4096 // _LORA_RC  # "route": [RC, 256] A / B loads, 4096 elements each (never re-tuned away)
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -141,11 +144,10 @@ def _shrink(src, xa, plan, lora, which, gather, k_dim, block_r, cfg):
     a, ranks = getattr(lora, f"{which}_a"), getattr(lora, f"{which}_ranks")
     split = cfg.lora_split_k
     k_split = triton.cdiv(triton.cdiv(k_dim, split), cfg.lora_block_k) * cfg.lora_block_k
-    lanes = min(cfg.lora_shrink_lanes, a.shape[0])
-    lora_shrink_kernel[(plan.max_blocks, split, lanes)](
+    lora_shrink_kernel[(plan.max_blocks, split)](
         src, xa, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots,
         ranks, a, plan.num_routes, plan.top_k, k_dim, k_split, xa.shape[1], src.stride(0),
-        a.stride(0), a.stride(1), a.stride(2), lanes, GATHER_TOKENS=gather, BM=plan.block_m, BLOCK_R=block_r,
+        a.stride(0), a.stride(1), a.stride(2), GATHER_TOKENS=gather, BM=plan.block_m, BLOCK_R=block_r,
         LORA_BK=cfg.lora_block_k, LORA_RC=_LORA_RC, num_warps=4, num_stages=2)
 
 
@@ -177,17 +179,16 @@ def _route_delta(src, delta, plan, topk_ids, lora, which, block_r, cfg: FusedMoE
     by_row = which == "down" or cfg.lora_route_order == "plan"
     n_out, k_dim = b.shape[2], a.shape[3]
     rows = plan.sorted_route_ids.shape[0] if by_row else plan.num_routes
-    step = cfg.lora_route_tile // _LORA_RC  # [RC, step] tiles: lora_route_tile elements per load
-    # enough programs to cover the SMs (lora_route_programs) even at a few routes, each streaming whole B rows
-    n_split = max(1, min(triton.cdiv(n_out, step), triton.cdiv(cfg.lora_route_programs, plan.num_routes)))
+    step = _ROUTE_STEP
+    # enough programs to cover the SMs even at a few routes, each streaming whole B rows
+    n_split = max(1, min(triton.cdiv(n_out, step), triton.cdiv(_ROUTE_PROGRAMS, plan.num_routes)))
     per_split = triton.cdiv(triton.cdiv(n_out, n_split), step) * step
     lora_route_delta_kernel[(rows, triton.cdiv(n_out, per_split))](
         src, delta, topk_ids, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots,
         ranks, a, b, plan.num_routes, plan.top_k, k_dim, n_out, per_split, src.stride(0), delta.stride(0),
         a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2), BY_PLAN_ROW=by_row,
         SRC_BY_TOKEN=which == "gate_up", BM=plan.block_m, RC=_LORA_RC, BK=step, BN=step,
-        WIDE_RC=max(_LORA_RC, block_r), WIDE_MIN=2 * _LORA_RC, STAGES=cfg.lora_route_stages,
-        num_warps=cfg.lora_route_warps,
+        WIDE_RC=max(_LORA_RC, block_r), WIDE_MIN=2 * _LORA_RC, num_warps=cfg.lora_route_warps,
         **_switch_args(plan, lora, cfg, switch))
 
 
@@ -198,7 +199,7 @@ def _block_delta(src, delta, plan, lora, which, block_r, cfg, switch: int = 0):
     lanes = min(_BLOCK_LANES, a.shape[0])
     bn = cfg.lora_block_n
     # default: split N only when blocks x lanes alone leave SMs idle (each split repeats the block's shrink)
-    n_split = cfg.lora_n_split or triton.cdiv(_BLOCK_TARGET_PROGRAMS, plan.num_routes)
+    n_split = triton.cdiv(_BLOCK_TARGET_PROGRAMS, plan.num_routes)
     n_split = max(1, min(triton.cdiv(n_out, bn), n_split))
     per_split = triton.cdiv(triton.cdiv(n_out, n_split), bn) * bn
     sub = max(1, plan.block_m // (cfg.lora_block_m or plan.block_m))  # programs per plan block
@@ -224,12 +225,6 @@ def _delta_on(side, mode, src, delta, plan, topk_ids, lora, which, block_r, cfg)
             _route_delta(src, delta, plan, topk_ids, lora, which, block_r, cfg)
         else:
             _block_delta(src, delta, plan, lora, which, block_r, cfg)
-
-
-def _expand_lanes(cfg: FusedMoEConfig, block_r: int) -> int:
-    """Slots the separate path's epilogue expands in one dot (`lora_expand_lanes`), at most 128 // block_r
-    (a [lanes * block_r, BN] B tile)."""
-    return min(cfg.lora_expand_lanes, max(1, 128 // block_r))
 
 
 def lora_mode(lora: ExpertLoRAArgs | None, config: FusedMoEConfig, block_r: int) -> str | None:
@@ -326,10 +321,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     mode, xa, delta_gu, delta_d = _lora_buffers(lora, config, block_r, x, P, T * K, inter)
     common = dict(sorted_ids_ptr=plan.sorted_route_ids, eob_ptr=plan.expert_of_block,
                   num_padded_ptr=plan.num_padded, n_routes=T * K, top_k=K, H=H, inter=inter,
-                  num_blocks=plan.max_blocks, BM=BM, GROUP_M=config.group_m,
-                  INLINE_SHRINK=mode == "inline",
-                  EXPAND_LANES=_expand_lanes(config, block_r) if mode == "separate" else 0,
-                  STACKED=mode == "stacked", stride_xa=xa.stride(0),
+                  num_blocks=plan.max_blocks, BM=BM, GROUP_M=GROUP_M, STACKED=mode == "stacked", stride_xa=xa.stride(0),
                   n_slots=lora.gate_up_a.shape[0] if lora is not None else 0,
                   S_P2=triton.next_power_of_2(lora.gate_up_a.shape[0]) if mode == "stacked" else 1,
                   BLOCK_R=block_r, LORA_BK=config.lora_block_k, LORA_RC=_LORA_RC, USE_TMA=config.use_tma)
@@ -359,7 +351,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         x, w_gu, gu_out, stride_xt=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
         stride_hp=gu_out.stride(0), BN=gu.block_n, BK=gu.block_k, num_warps=gu.num_warps, delta_ptr=delta_gu,
         stride_dr=delta_gu.stride(0), num_stages=gu.num_stages, LORA_DELTA=route_deltas and not late_gu,
-        RAW_OUT=late_gu or spread, xa_ptr=xa, XA_SPLIT=config.lora_split_k, HAS_LORA=mode in ("inline", "separate"),
+        RAW_OUT=late_gu or spread, xa_ptr=xa, XA_SPLIT=config.lora_split_k, HAS_LORA=mode == "separate",
         SPREAD=spread, spread_k=gu_k, h_act_ptr=h, stride_act=h.stride(0), **common,
         **_lora_kernel_args(lora, x, "gate_up"))
     if late_gu:
@@ -389,7 +381,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     down_kernel[(plan.max_blocks * triton.cdiv(H, dn.block_n),)](
         h_in, h, w_dn, y, topk_w, stride_hp=h.stride(0), stride_we=w_down.stride(0),
         stride_wn=w_down.stride(1), stride_yr=y.stride(0), BN=dn.block_n, BK=dn.block_k, num_warps=dn.num_warps,
-        num_stages=dn.num_stages, xa_ptr=xa_d, XA_SPLIT=d_parts, HAS_LORA=mode in ("inline", "separate", "spread"),
+        num_stages=dn.num_stages, xa_ptr=xa_d, XA_SPLIT=d_parts, HAS_LORA=mode in ("separate", "spread"),
         **common, **_lora_kernel_args(lora, x, "down"))
     if route_deltas:
         join(side_stream, x.device)  # delta_d is complete

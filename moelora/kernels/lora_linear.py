@@ -10,7 +10,7 @@ Shape legend: T tokens, N_in / N_out in / out features, S adapter slots, R max r
         [off_g, off_g + N_g)), slot_ranks [G, S] int32 (contiguous)           -> y [T, N_out]
 
 The base projection is one cuBLAS GEMM into the output buffer this launcher allocates (or the
-caller's `out=`); the LoRA delta is then added into that buffer by one of two paths (or a third
+caller's `out=`); the LoRA delta is then added into that buffer by "split" or "planned" ("splitk"
 replaces both the GEMM and the delta):
 
 - "split" (default): a shrink kernel computes xa = x[t] @ A_slot(t)[:rank]^T once per row into an
@@ -34,9 +34,6 @@ replaces both the GEMM and the delta):
   kernel that adds each slot's delta over the grouped rows (`moelora.kernels.planned_lora`): a
   program serves one slot, with no lanes and no partials buffer. Asked for without a grouping, it
   builds one itself.
-- "fused": the older single kernel: program (m, n) shrinks its rows over the full N_in for each
-  distinct slot and expands into its tile, so the shrink repeats N_out / BN times. One launch
-  fewer; kept as an off switch and for comparison.
 
 Segments (G > 1) keep one shrink and one expand launch: shrink program (m, p G + g, lane) is the
 unsegmented one on segment g's A rows [gR, gR + R) and ranks [g], writing xa [P, T, G, BLOCK_R]
@@ -63,9 +60,6 @@ from moelora.kernels.lora_tiles import (
     dense_shrink_program,
     expand_tile,
     lane_rows,
-    lora_b_tile,
-    lora_b_tile_cols,
-    lora_shrink_rows,
 )
 from moelora.kernels.planned_lora import planned_cols, planned_delta, row_plan
 from moelora.kernels.reference import DenseLoRAArgs
@@ -73,7 +67,7 @@ from moelora.kernels.side_stream import forked, join
 from moelora.kernels.splitk_linear import ShrinkLaunch, splitk_partials, splitk_reduce
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MODES = ("split", "fused", "splitk", "planned")
+_MODES = ("split", "splitk", "planned")
 # "splitk" replaces cuBLAS for rows up to this many (decode), in fp16/bf16; beyond, or in fp32, "split"
 _SPLITK_MAX_ROWS = 64
 # Shrink programs to aim for with one slot per row block (split over N_in when T alone gives fewer):
@@ -126,20 +120,17 @@ def wants_row_plan(num_tokens: int) -> bool:
 
 @dataclass(frozen=True)
 class LoRALinearConfig:
-    """Block sizes of the LoRA delta. `mode`: "split" (shrink + expand kernels) or "fused" (one
-    kernel). block_m / block_n: the output tile (expand, or fused); block_k: depth step of the
-    shrink; shrink_block_m: rows per shrink program; split_k: N_in chunks of the shrink (0: from
-    the shapes); slot_lanes: programs per row block that each take one distinct slot (the last one
-    takes the rest). num_warps / num_stages: the expand (or fused) kernel (num_warps: also the
-    splitk reduce); the shrink runs 4 warps and shrink_num_stages. "splitk" (decode, T <= 64,
-    fp16/bf16): a split-K Triton GEMM in gemm_split_k chunks of N_in (gemm_block_n x gemm_block_k
-    tiles) instead of cuBLAS, whose launch also runs the split path's shrink programs, and one
-    reduce that adds bias and the expand (block_m x block_n tiles); see
+    """Block sizes of the LoRA delta. `mode`: "split" (shrink + expand kernels), "splitk" or "planned".
+    block_m / block_n: the output tile (expand); block_k: depth step of the shrink; shrink_block_m: rows
+    per shrink program; split_k: N_in chunks of the shrink (0: from the shapes); slot_lanes: programs per
+    row block that each take one distinct slot (the last one takes the rest). num_warps / num_stages: the
+    expand kernel (num_warps: also the splitk reduce); the shrink runs 4 warps and shrink_num_stages.
+    "splitk" (decode, T <= 64, fp16/bf16): a split-K Triton GEMM in gemm_split_k chunks of N_in
+    (gemm_block_n x gemm_block_k tiles) instead of cuBLAS, whose launch also runs the split path's shrink
+    programs, and one reduce that adds bias and the expand (block_m x block_n tiles); see
     `moelora.kernels.splitk_linear`. "planned": block_m rows of one slot a program (the row plan's
-    block), block_n x block_k tiles, plan_cols output columns a program (0: from the shapes);
-    plan_shrink "fused" (each program shrinks its rows over the full N_in) or "split" (the split
-    path's shrink, split_k / shrink_block_m / slot_lanes, on the side stream when given; the planned
-    programs only expand).
+    block), block_n x block_k tiles, plan_cols output columns a program (0: from the shapes); each
+    program shrinks its rows over the full N_in.
     All block sizes are powers of two >= 16 (tl.dot)."""
 
     mode: str = "split"
@@ -156,11 +147,9 @@ class LoRALinearConfig:
     gemm_block_k: int = 128
     gemm_split_k: int = 4
     plan_cols: int = 0
-    plan_shrink: str = "fused"
 
     def __post_init__(self):
         need_one_of("LoRALinearConfig", "mode", self.mode, _MODES)
-        need_one_of("LoRALinearConfig", "plan_shrink", self.plan_shrink, ("fused", "split"))
         need_pow2("LoRALinearConfig", block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
                   shrink_block_m=self.shrink_block_m, gemm_block_n=self.gemm_block_n, gemm_block_k=self.gemm_block_k)
         need_at_least("LoRALinearConfig", 1, gemm_split_k=self.gemm_split_k, slot_lanes=self.slot_lanes)
@@ -170,7 +159,7 @@ class LoRALinearConfig:
 def default_lora_linear_config(num_tokens: int, mode: str | None = None, n_in: int = 0, n_out: int = 0,
                                has_lora: bool = True, row_plan: bool = False) -> LoRALinearConfig:
     """Decode: short row blocks, many programs; prefill: taller expand tiles, so B is re-read by
-    fewer row blocks. Fused: wide N tiles at prefill, so its in-program shrink repeats less.
+    fewer row blocks.
     `mode` None: "splitk" where it measured faster than cuBLAS + split (`_prefers_splitk`), else, when
     the caller grouped the rows by slot (`row_plan`: `DenseLoRAArgs.row_plan` given), "planned" where
     that did (`_prefers_planned`), else "split"."""
@@ -182,10 +171,6 @@ def default_lora_linear_config(num_tokens: int, mode: str | None = None, n_in: i
     if mode == "planned":
         # H200 sweep (benchmarks/lora_linear.py --sweep-mode planned), q/k/v and o, T 64..256, 1 and 8 adapters
         return LoRALinearConfig("planned", PLAN_BLOCK_M, 128, 256, plan_cols=512, num_stages=4)
-    if mode == "fused":
-        if num_tokens <= 32:
-            return LoRALinearConfig("fused", 16, 64, 256, num_warps=4)
-        return LoRALinearConfig("fused", 64, 256, 64, num_warps=8)
     if num_tokens <= 32:
         # 8 shrink splits, not the 16 the shapes give (H200 sweep, 8 adapters r16, T=8: merged q/k/v
         # 18.41 -> 17.94 µs, o 20.33 -> 19.51 µs): half the partials for the expand to sum
@@ -233,53 +218,6 @@ def _lora_expand_add_kernel(
     acc = expand_tile(xa_ptr, y_ptr, b_ptr, slot, s, ranks, offs_t, offs_n, mine, lane, n_lanes, N_out, stride_xap,
                       stride_bs, stride_bn, BM, BN, BLOCK_R, SPLIT, S_P2, G, G_P2, SEG_BOUNDS)
     tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _lora_delta_add_fused_kernel(
-    x_ptr, y_ptr, a_ptr, b_ptr, slots_ptr, ranks_ptr, T, N_in, N_out, n_slots, R_SEG,
-    stride_xt, stride_yt, stride_as, stride_ar, stride_bs, stride_bn,
-    BM: tl.constexpr, BN: tl.constexpr, RC: tl.constexpr, BK: tl.constexpr, G: tl.constexpr,
-    SEG_BOUNDS: tl.constexpr,
-):
-    offs_t = tl.program_id(0) * BM + tl.arange(0, BM)
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    slot = tl.load(slots_ptr + offs_t, mask=offs_t < T, other=-1)
-    rows_on = slot >= 0
-    s = tl.max(slot, axis=0)
-    if s < 0:
-        return
-    acc = tl.zeros((BM, BN), tl.float32)
-    while s >= 0:
-        sel = slot == s
-        a_s = a_ptr + s.to(tl.int64) * stride_as
-        b_s = b_ptr + s.to(tl.int64) * stride_bs
-        if G == 1:
-            rank = tl.load(ranks_ptr + s)
-            for r0 in range(0, rank, RC):  # only the slot's own rank columns, RC at a time
-                xa = lora_shrink_rows(x_ptr, offs_t, stride_xt, sel, a_s + r0 * stride_ar, stride_ar, rank - r0, 0,
-                                      N_in, BM, RC, BK).to(x_ptr.dtype.element_ty)
-                bt = lora_b_tile(b_s, offs_n, N_out, stride_bn, rank, r0, RC)
-                acc = tl.dot(xa, bt.to(xa.dtype), acc)
-        else:
-            n0 = tl.program_id(1) * BN
-            for g in tl.static_range(G):  # the segments this tile overlaps, each up to its own rank
-                lo = SEG_BOUNDS[g]
-                hi = SEG_BOUNDS[g + 1]
-                if (n0 < hi) & (n0 + BN > lo):
-                    rank = tl.load(ranks_ptr + g * n_slots + s)
-                    a_g = a_s + g * R_SEG * stride_ar
-                    for r0 in range(0, rank, RC):
-                        xa = lora_shrink_rows(x_ptr, offs_t, stride_xt, sel, a_g + r0 * stride_ar, stride_ar,
-                                              rank - r0, 0, N_in, BM, RC, BK).to(x_ptr.dtype.element_ty)
-                        bt = lora_b_tile_cols(b_s, offs_n, lo, hi, stride_bn, rank, r0, RC)
-                        acc = tl.dot(xa, bt.to(xa.dtype), acc)
-        slot = tl.where(sel, -1, slot)
-        s = tl.max(slot, axis=0)
-    y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
-    mask = rows_on[:, None] & (offs_n[None, :] < N_out)
-    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _check(x, weight, bias, lora):
@@ -384,25 +322,15 @@ def _expand(out, lora, T, n_out, cfg, sh: ShrinkLaunch):
         num_stages=cfg.num_stages)
 
 
-def _add_delta_fused(x, out, lora, T, n_in, n_out, cfg):
-    seg = _Segments(lora)
-    grid = (triton.cdiv(T, cfg.block_m), triton.cdiv(n_out, cfg.block_n))
-    _lora_delta_add_fused_kernel[grid](
-        x, out, lora.a, lora.b, lora.token_slots, lora.slot_ranks, T, n_in, n_out, lora.a.shape[0], seg.r_seg,
-        x.stride(0), out.stride(0), lora.a.stride(0), lora.a.stride(1), lora.b.stride(0), lora.b.stride(1),
-        BM=cfg.block_m, BN=cfg.block_n, RC=16, BK=cfg.block_k, G=seg.G, SEG_BOUNDS=seg.bounds,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-
-def _add_delta_planned(x, out, lora, T, n_out, cfg, shrunk: ShrinkLaunch | None = None):
-    """The "planned" delta into `out`; `shrunk`: the split path's shrink, already run (plan_shrink "split")."""
+def _add_delta_planned(x, out, lora, T, n_out, cfg):
+    """The "planned" delta into `out`."""
     S = lora.a.shape[0]
     plan = lora.row_plan
     if plan is None or plan.block_m != cfg.block_m:
         plan = row_plan(lora.token_slots, S, cfg.block_m)
     seg = _Segments(lora)
     cols = cfg.plan_cols or planned_cols(T, n_out, S, cfg.block_m, cfg.block_n, _PLANNED_TARGET_PROGRAMS)
-    planned_delta(x if shrunk is None else shrunk.xa, out, lora.a, lora.b, lora.slot_ranks, plan,
+    planned_delta(x, out, lora.a, lora.b, lora.slot_ranks, plan,
                   seg.bounds or (0, n_out), seg.r_seg, seg.block_r, cols, cfg.block_n, cfg.block_k, cfg.num_warps,
                   cfg.num_stages)
 
@@ -443,8 +371,8 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         _splitk_linear(x, weight, bias, lora if has_lora else None, out, T, n_in, cfg)
         return out
     shrunk = None
-    # the split path's shrink: split (and splitk past its rows), and planned with plan_shrink "split"
-    own_shrink = cfg.mode in ("split", "splitk") or (cfg.mode == "planned" and cfg.plan_shrink == "split")
+    # the split path's shrink: split (and splitk past its rows)
+    own_shrink = cfg.mode != "planned"
     if has_lora and own_shrink and side_stream is not None:
         # Fork (contract 2): the side stream reads x, A, the slots and ranks and writes only xa; the
         # GEMM here reads x and W and writes only `out`. Nothing read across the fork is written before
@@ -456,18 +384,12 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         torch.addmm(bias, x, weight.t(), out=out)
     if not has_lora:
         return out
-    if cfg.mode == "fused":
-        _add_delta_fused(x, out, lora, T, n_in, n_out, cfg)
-        return out
-    if cfg.mode == "planned" and cfg.plan_shrink == "fused":
+    if cfg.mode == "planned":
         _add_delta_planned(x, out, lora, T, n_out, cfg)
         return out
     if shrunk is None:
         shrunk = _shrink(x, lora, T, n_in, cfg)
     else:
         join(side_stream, x.device)  # xa is complete
-    if cfg.mode == "planned":
-        _add_delta_planned(x, out, lora, T, n_out, cfg, shrunk)
-        return out
     _expand(out, lora, T, n_out, cfg, shrunk)
     return out

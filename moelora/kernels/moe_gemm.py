@@ -10,14 +10,8 @@ R max rank (BLOCK_R = max(16, next_pow2(R))), P = plan rows (max_padded), BM = p
 Program (pid_m, pid_n) owns rows [pid_m*BM, +BM) of the plan (one expert) and BN output columns.
 LoRA is computed in the base GEMM's own layout (contract 3); rows of one block may be on
 different slots (or none: slot -1 never enters any LoRA work).
-  inline (decode): the two largest distinct slots of the block are fused into the base K-loop:
-    each step also multiplies the x tile it already holds by A[s, e] (rank-masked loads, so a
-    rank-8 adapter in a rank-64 pool moves rank-8 bytes); the epilogue adds (xa) B[s, e]^T for
-    each before the activation / routing weight. Further slots (rare at decode) get a second
-    pass in the epilogue.
   separate (prefill): lora_shrink_kernel (moe_lora) computes xa first, and the GEMM epilogue
-    only expands, slot by slot; with EXPAND_LANES (FusedMoEConfig.lora_expand_lanes) the block's
-    largest slots in one dot: xa rows in their slot's lane of columns, the slots' B tiles stacked.
+    only expands, slot by slot.
   stacked (prefill, STACKED): lora_stacked_shrink_kernel (moe_lora) writes each row's xa in its slot's
     lane of S * BLOCK_R columns (zeros in the others); the epilogue adds xa_stacked @ B_stacked[e] as K
     steps of one lane each, slot 0 up to the block's largest: a plain loop with no reduction or branch
@@ -74,23 +68,6 @@ def slot_base(ptr, s, e, stride_s, stride_e):
 
 
 @triton.jit
-def _rank_of(ranks_ptr, s):
-    return tl.where(s >= 0, tl.load(ranks_ptr + tl.maximum(s, 0)), 0)
-
-
-@triton.jit
-def _lora_head(slots_ptr, ranks_ptr, tok, valid):
-    """Row slots, the two largest distinct slots s0, s1 with their ranks (rank 0 when absent),
-    and the rows left for the epilogue loop (slot, or -1 once s0/s1 took them)."""
-    slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
-    s0 = tl.max(slot, axis=0)
-    rest = tl.where(slot == s0, -1, slot)
-    s1 = tl.max(rest, axis=0)
-    rest = tl.where(rest == s1, -1, rest)
-    return slot, rest, s0, _rank_of(ranks_ptr, s0), s1, _rank_of(ranks_ptr, s1)
-
-
-@triton.jit
 def _delta_rows(slots_ptr, ranks_ptr, tok, valid):
     """Rows whose route has a LoRA delta: a slot, of rank > 0 at this site (as the delta kernel skips)."""
     slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
@@ -110,53 +87,6 @@ def _xa_chunk(xa_ptr, xa_off, sel, split_stride, r0, SPLIT: tl.constexpr, RC: tl
 
 
 @triton.jit
-def _lane_columns(slot, ranks_ptr, LANES: tl.constexpr, BLOCK_R: tl.constexpr):
-    """The block's LANES largest distinct slots side by side as LANES * BLOCK_R expand columns:
-    (each row's lane, -1 for no slot; the slot and rank of each column, [LANES * BLOCK_R], -1 / 0 past
-    the block's slots; the rows' slots with the laned ones set to -1: what the slot loop still owes)."""
-    lanes = tl.arange(0, LANES)
-    s_vec = tl.full([LANES], -1, tl.int32)
-    row_lane = slot * 0 - 1
-    rest = slot
-    for lane in tl.static_range(LANES):
-        s = tl.max(rest, axis=0)
-        s_vec = tl.where(lanes == lane, s, s_vec)
-        row_lane = tl.where((rest == s) & (s >= 0), lane, row_lane)
-        rest = tl.where(rest == s, -1, rest)
-    r_vec = tl.load(ranks_ptr + tl.maximum(s_vec, 0), mask=s_vec >= 0, other=0)
-    c_lane = tl.arange(0, LANES * BLOCK_R) // BLOCK_R
-    hit = lanes[None, :] == c_lane[:, None]
-    s_col = tl.sum(tl.where(hit, s_vec[None, :], 0), axis=1)
-    r_col = tl.sum(tl.where(hit, r_vec[None, :], 0), axis=1)
-    return row_lane, s_col, r_col, rest
-
-
-@triton.jit
-def _xa_lanes(xa_ptr, xa_off, row_lane, r_col, split_stride, SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
-              LANES: tl.constexpr):
-    """[BM, LANES * BLOCK_R] fp32: each row's xa (row offsets xa_off, its SPLIT partials summed) in its
-    lane's columns, up to that slot's rank; zero elsewhere (rows on no laned slot read nothing)."""
-    offs_c = tl.arange(0, LANES * BLOCK_R)
-    c_r = offs_c % BLOCK_R
-    sel = (row_lane[:, None] == (offs_c // BLOCK_R)[None, :]) & (c_r < r_col)[None, :]
-    xa = tl.zeros((xa_off.shape[0], LANES * BLOCK_R), tl.float32)
-    for sp in tl.static_range(SPLIT):
-        xa += tl.load(xa_ptr + sp * split_stride + xa_off[:, None] + c_r[None, :], mask=sel, other=0.0)
-    return xa
-
-
-@triton.jit
-def _b_lanes(b_ptr, e, s_col, r_col, offs_n, n_limit, stride_bs, stride_be, stride_bn, BLOCK_R: tl.constexpr,
-             LANES: tl.constexpr):
-    """[LANES * BLOCK_R, BN]: the laned slots' B^T tiles of expert e stacked (lane l: rows
-    [l BLOCK_R, l BLOCK_R + rank)), rank- and column-masked: a column past a slot's rank moves no bytes."""
-    c_r = tl.arange(0, LANES * BLOCK_R) % BLOCK_R
-    base = b_ptr + tl.maximum(s_col, 0).to(tl.int64) * stride_bs + e * stride_be
-    return tl.load(base[:, None] + offs_n[None, :] * stride_bn + c_r[:, None],
-                   mask=(c_r < r_col)[:, None] & (offs_n[None, :] < n_limit), other=0.0)
-
-
-@triton.jit
 def _add_expand(acc_g, acc_u, xs, b_se, offs_n, n_limit, stride_bn, rank, col0, R: tl.constexpr, TWO: tl.constexpr):
     """acc_g += xs @ B^T over B rows offs_n (masked to n_limit and the rank), rank columns from col0, and with TWO
     (gate_up) acc_u += the same over the up half, B rows n_limit + offs_n. xs [BM, R] in the dot's dtype; B tiles:
@@ -169,52 +99,13 @@ def _add_expand(acc_g, acc_u, xs, b_se, offs_n, n_limit, stride_bn, rank, col0, 
 
 
 @triton.jit
-def _inline_epilogue(acc_g, acc_u, xa0, xa1, slot, rest, s0, r0, s1, r1, src_ptr, src_rows, stride_src, k_dim, e,
-                     ranks_ptr, a_ptr, b_ptr, offs_n, n_limit, stride_as, stride_ae, stride_ar, stride_bs, stride_be,
-                     stride_bn, BM: tl.constexpr, BLOCK_R: tl.constexpr, LORA_BK: tl.constexpr, TWO: tl.constexpr):
-    """"inline": the expand of the two slots shrunk in the K loop (xa0, xa1), then every further slot of the
-    block in a second pass over its src rows (from L2): shrink and expand. `_add_expand`'s acc_g / acc_u / TWO."""
-    dt = src_ptr.dtype.element_ty
-    if r0 > 0:
-        xs = tl.where((slot == s0)[:, None], xa0, 0.0).to(dt)
-        acc_g, acc_u = _add_expand(acc_g, acc_u, xs, slot_base(b_ptr, s0, e, stride_bs, stride_be), offs_n, n_limit,
-                                   stride_bn, r0, 0, BLOCK_R, TWO)
-    if r1 > 0:
-        xs = tl.where((slot == s1)[:, None], xa1, 0.0).to(dt)
-        acc_g, acc_u = _add_expand(acc_g, acc_u, xs, slot_base(b_ptr, s1, e, stride_bs, stride_be), offs_n, n_limit,
-                                   stride_bn, r1, 0, BLOCK_R, TWO)
-    s = tl.max(rest, axis=0)
-    while s >= 0:  # slots beyond the two fused ones
-        sel = rest == s
-        rank = tl.load(ranks_ptr + s)
-        if rank > 0:
-            xs = lora_shrink_rows(src_ptr, src_rows, stride_src, sel, slot_base(a_ptr, s, e, stride_as, stride_ae),
-                                  stride_ar, rank, 0, k_dim, BM, BLOCK_R, LORA_BK).to(dt)
-            acc_g, acc_u = _add_expand(acc_g, acc_u, xs, slot_base(b_ptr, s, e, stride_bs, stride_be), offs_n,
-                                       n_limit, stride_bn, rank, 0, BLOCK_R, TWO)
-        rest = tl.where(sel, -1, rest)
-        s = tl.max(rest, axis=0)
-    return acc_g, acc_u
-
-
-@triton.jit
 def _separate_epilogue(acc_g, acc_u, src_ptr, slot, e, offs_m, ranks_ptr, b_ptr, xa_ptr, offs_n, n_limit, stride_bs,
                        stride_be, stride_bn, num_blocks, BM: tl.constexpr, BLOCK_R: tl.constexpr,
-                       XA_SPLIT: tl.constexpr, LORA_RC: tl.constexpr, EXPAND_LANES: tl.constexpr, TWO: tl.constexpr):
-    """"separate" (xa precomputed): expand only, LORA_RC rank columns at a time up to each slot's rank; with
-    EXPAND_LANES the block's largest slots first in one dot, the loop takes the rest. The dot in src's dtype;
-    acc_g / acc_u / TWO as `_add_expand`."""
+                       XA_SPLIT: tl.constexpr, LORA_RC: tl.constexpr, TWO: tl.constexpr):
+    """"separate" (xa precomputed): expand only, slot by slot, LORA_RC rank columns at a time up to each slot's
+    rank. The dot in src's dtype; acc_g / acc_u / TWO as `_add_expand`."""
     dt = src_ptr.dtype.element_ty
     xa_off = offs_m.to(tl.int64) * BLOCK_R
-    if EXPAND_LANES > 0:
-        row_lane, s_col, r_col, slot = _lane_columns(slot, ranks_ptr, EXPAND_LANES, BLOCK_R)
-        xl = _xa_lanes(xa_ptr, xa_off, row_lane, r_col, num_blocks * BM * BLOCK_R, XA_SPLIT, BLOCK_R,
-                       EXPAND_LANES).to(dt)
-        acc_g = tl.dot(xl, _b_lanes(b_ptr, e, s_col, r_col, offs_n, n_limit, stride_bs, stride_be, stride_bn, BLOCK_R,
-                                    EXPAND_LANES).to(dt), acc_g)
-        if TWO:
-            acc_u = tl.dot(xl, _b_lanes(b_ptr + n_limit * stride_bn, e, s_col, r_col, offs_n, n_limit, stride_bs,
-                                        stride_be, stride_bn, BLOCK_R, EXPAND_LANES).to(dt), acc_u)
     s = tl.max(slot, axis=0)
     while s >= 0:
         sel = slot == s
@@ -273,9 +164,9 @@ def gate_up_kernel(
     stride_xt, stride_we, stride_wn, stride_hp, stride_dr,
     stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_xa, n_slots,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    HAS_LORA: tl.constexpr, INLINE_SHRINK: tl.constexpr, XA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
+    HAS_LORA: tl.constexpr, XA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
     LORA_BK: tl.constexpr, LORA_RC: tl.constexpr, USE_TMA: tl.constexpr, LORA_DELTA: tl.constexpr,
-    RAW_OUT: tl.constexpr, EXPAND_LANES: tl.constexpr = 0, STACKED: tl.constexpr = False, S_P2: tl.constexpr = 1,
+    RAW_OUT: tl.constexpr, STACKED: tl.constexpr = False, S_P2: tl.constexpr = 1,
     SPREAD: tl.constexpr = False, spread_k=0, h_act_ptr=None, stride_act=0,
 ):
     """h[plan row] = silu(gate) * up of x[token] @ W_gu[e]^T (+ LoRA); RAW_OUT: h is [P, 2I] and gets
@@ -292,15 +183,10 @@ def gate_up_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     x_rows = x_ptr + tok[:, None].to(tl.int64) * stride_xt
-    dt = x_ptr.dtype.element_ty
     acc_g = tl.zeros((BM, BN), tl.float32)
     acc_u = tl.zeros((BM, BN), tl.float32)
-    xa0 = tl.zeros((BM, BLOCK_R), tl.float32)
-    xa1 = tl.zeros((BM, BLOCK_R), tl.float32)
     if HAS_LORA:
-        slot, rest, s0, r0, s1, r1 = _lora_head(slots_ptr, ranks_ptr, tok, valid)
-        a0 = slot_base(a_ptr, s0, e, stride_as, stride_ae)
-        a1 = slot_base(a_ptr, s1, e, stride_as, stride_ae)
+        slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
     if USE_TMA:
         row_g = (e * 2 * inter + pid_n * BN).to(tl.int32)
     else:
@@ -317,9 +203,6 @@ def gate_up_kernel(
             wu = tl.load(wg_ptrs + inter * stride_wn + k0, mask=n_ok & k_ok[:, None], other=0.0)
             acc_g = tl.dot(xt, wg, acc_g)
             acc_u = tl.dot(xt, wu, acc_u)
-        if INLINE_SHRINK:
-            xa0 = tl.dot(xt, lora_a_tile(a0, k0, offs_k, H, stride_ar, r0, BLOCK_R).to(dt), xa0)
-            xa1 = tl.dot(xt, lora_a_tile(a1, k0, offs_k, H, stride_ar, r1, BLOCK_R).to(dt), xa1)
     if SPREAD:
         k_start = pid_n * spread_k
         if k_start < H:
@@ -327,15 +210,9 @@ def gate_up_kernel(
                            a_ptr, e, xa_ptr, offs_m, pid_n, k_start, tl.minimum(k_start + spread_k, H),
                            num_blocks * BM * BLOCK_R, stride_as, stride_ae, stride_ar, BM, BLOCK_R, LORA_BK)
     if HAS_LORA:
-        if INLINE_SHRINK:
-            acc_g, acc_u = _inline_epilogue(acc_g, acc_u, xa0, xa1, slot, rest, s0, r0, s1, r1, x_ptr, tok,
-                                            stride_xt, H, e, ranks_ptr, a_ptr, b_ptr, offs_n, inter, stride_as,
-                                            stride_ae, stride_ar, stride_bs, stride_be, stride_bn, BM, BLOCK_R,
-                                            LORA_BK, True)
-        else:
-            acc_g, acc_u = _separate_epilogue(acc_g, acc_u, x_ptr, slot, e, offs_m, ranks_ptr, b_ptr, xa_ptr, offs_n,
-                                              inter, stride_bs, stride_be, stride_bn, num_blocks, BM, BLOCK_R,
-                                              XA_SPLIT, LORA_RC, EXPAND_LANES, True)
+        acc_g, acc_u = _separate_epilogue(acc_g, acc_u, x_ptr, slot, e, offs_m, ranks_ptr, b_ptr, xa_ptr, offs_n,
+                                          inter, stride_bs, stride_be, stride_bn, num_blocks, BM, BLOCK_R,
+                                          XA_SPLIT, LORA_RC, True)
     if STACKED:  # "stacked": xa_stacked @ B_stacked[e] as more K steps, one slot's lane of BLOCK_R columns each
         acc_g, acc_u = _stacked_epilogue(acc_g, acc_u, slots_ptr, ranks_ptr, tok, valid, offs_m, e, xa_ptr, stride_xa,
                                          b_ptr, offs_n, inter, stride_bs, stride_be, stride_bn, n_slots, BLOCK_R, S_P2,
@@ -412,7 +289,7 @@ def act_spread_kernel(gu_ptr, h_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr, sl
     g = tl.load(gu_rows, mask=mask & live, other=0.0).to(tl.float32)
     u = tl.load(gu_rows + inter, mask=mask & live, other=0.0).to(tl.float32)
     g, u = _separate_epilogue(g, u, gu_ptr, slot, e, offs_m, gu_ranks_ptr, gu_b_ptr, xa_gu_ptr, offs_n, inter,
-                              stride_gbs, stride_gbe, stride_gbn, num_blocks, BM, BLOCK_R, GU_SPLIT, LORA_RC, 0, True)
+                              stride_gbs, stride_gbe, stride_gbn, num_blocks, BM, BLOCK_R, GU_SPLIT, LORA_RC, True)
     h_rows = h_ptr + offs_m[:, None].to(tl.int64) * stride_h + offs_n[None, :]
     hv = (g / (1.0 + tl.exp(-g)) * u).to(h_ptr.dtype.element_ty)
     tl.store(h_rows, hv, mask=mask & live)
@@ -440,8 +317,8 @@ def down_kernel(
     stride_hp, stride_we, stride_wn, stride_yr,
     stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_xa, n_slots,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    HAS_LORA: tl.constexpr, INLINE_SHRINK: tl.constexpr, XA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
-    LORA_BK: tl.constexpr, LORA_RC: tl.constexpr, USE_TMA: tl.constexpr, EXPAND_LANES: tl.constexpr = 0,
+    HAS_LORA: tl.constexpr, XA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
+    LORA_BK: tl.constexpr, LORA_RC: tl.constexpr, USE_TMA: tl.constexpr,
     STACKED: tl.constexpr = False, S_P2: tl.constexpr = 1,
 ):
     pid_m, pid_n = _tile_ids(num_blocks, tl.cdiv(H, BN), GROUP_M)
@@ -451,14 +328,9 @@ def down_kernel(
     offs_m, route, valid, tok = plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
-    dt = h_ptr.dtype.element_ty
     acc = tl.zeros((BM, BN), tl.float32)
-    xa0 = tl.zeros((BM, BLOCK_R), tl.float32)
-    xa1 = tl.zeros((BM, BLOCK_R), tl.float32)
     if HAS_LORA:
-        slot, rest, s0, r0, s1, r1 = _lora_head(slots_ptr, ranks_ptr, tok, valid)
-        a0 = slot_base(a_ptr, s0, e, stride_as, stride_ae)
-        a1 = slot_base(a_ptr, s1, e, stride_as, stride_ae)
+        slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
     if USE_TMA:
         row_w = (e * H + pid_n * BN).to(tl.int32)
     else:
@@ -473,18 +345,9 @@ def down_kernel(
             ht = tl.load(h_rows + (k0 + offs_k)[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
             wt = tl.load(w_ptrs + k0, mask=(offs_n[None, :] < H) & k_ok[:, None], other=0.0)
             acc = tl.dot(ht, wt, acc)
-        if INLINE_SHRINK:
-            xa0 = tl.dot(ht, lora_a_tile(a0, k0, offs_k, inter, stride_ar, r0, BLOCK_R).to(dt), xa0)
-            xa1 = tl.dot(ht, lora_a_tile(a1, k0, offs_k, inter, stride_ar, r1, BLOCK_R).to(dt), xa1)
     if HAS_LORA:
-        if INLINE_SHRINK:
-            acc, _ = _inline_epilogue(acc, acc, xa0, xa1, slot, rest, s0, r0, s1, r1, h_ptr, offs_m, stride_hp,
-                                      inter, e, ranks_ptr, a_ptr, b_ptr, offs_n, H, stride_as, stride_ae, stride_ar,
-                                      stride_bs, stride_be, stride_bn, BM, BLOCK_R, LORA_BK, False)
-        else:
-            acc, _ = _separate_epilogue(acc, acc, h_ptr, slot, e, offs_m, ranks_ptr, b_ptr, xa_ptr, offs_n, H,
-                                        stride_bs, stride_be, stride_bn, num_blocks, BM, BLOCK_R, XA_SPLIT, LORA_RC,
-                                        EXPAND_LANES, False)
+        acc, _ = _separate_epilogue(acc, acc, h_ptr, slot, e, offs_m, ranks_ptr, b_ptr, xa_ptr, offs_n, H,
+                                    stride_bs, stride_be, stride_bn, num_blocks, BM, BLOCK_R, XA_SPLIT, LORA_RC, False)
     if STACKED:  # "stacked", as in gate_up_kernel
         acc, _ = _stacked_epilogue(acc, acc, slots_ptr, ranks_ptr, tok, valid, offs_m, e, xa_ptr, stride_xa, b_ptr,
                                    offs_n, H, stride_bs, stride_be, stride_bn, n_slots, BLOCK_R, S_P2, False)

@@ -65,17 +65,14 @@ from moelora.kernels.moe_gemm import plan_rows, slot_base
 @triton.jit
 def lora_shrink_kernel(
     src_ptr, xa_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr, slots_ptr, ranks_ptr, a_ptr,
-    n_routes, top_k, k_dim, k_split, P, stride_src, stride_as, stride_ae, stride_ar, n_lanes,
+    n_routes, top_k, k_dim, k_split, P, stride_src, stride_as, stride_ae, stride_ar,
     GATHER_TOKENS: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr, LORA_BK: tl.constexpr,
     LORA_RC: tl.constexpr,
 ):
     """xa[sp, rows, :rank] = src rows (x[token] or h[plan row]) @ A[s, e, :rank, k-split sp]^T for
-    the slots s of the block; grid (blocks, SPLIT, n_lanes) keeps each program's serial slot loop
-    short: lane l takes the block's l-th largest distinct slot, the last lane every slot left (one
-    lane: all of them in turn)."""
+    the slots s of the block, in turn; grid (blocks, SPLIT)."""
     pid_m = tl.program_id(0)
     sp = tl.program_id(1)
-    lane = tl.program_id(2)
     if pid_m * BM >= tl.load(num_padded_ptr):
         return
     e = tl.load(eob_ptr + pid_m).to(tl.int64)
@@ -83,8 +80,8 @@ def lora_shrink_kernel(
     rows = tok if GATHER_TOKENS else offs_m
     k_start = sp * k_split
     k_end = tl.minimum(k_dim, k_start + k_split)
-    slot, s = drop_largest_slots(tl.load(slots_ptr + tok, mask=valid, other=-1), lane)
-    last = lane == n_lanes - 1
+    slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
+    s = tl.max(slot, axis=0)
     while s >= 0:
         sel = slot == s
         rank = tl.load(ranks_ptr + s)
@@ -95,8 +92,7 @@ def lora_shrink_kernel(
             tl.store(xa_ptr + (sp * P + offs_m[:, None]).to(tl.int64) * BLOCK_R + (r0 + tl.arange(0, LORA_RC))[None, :],
                      part, mask=sel[:, None])
         slot = tl.where(sel, -1, slot)
-        s = tl.where(last, tl.max(slot, axis=0), -1)  # a lane below the last takes one slot
-
+        s = tl.max(slot, axis=0)
 
 
 @triton.jit
@@ -162,13 +158,12 @@ def lora_route_delta_kernel(
     stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, max_slots,
     BY_PLAN_ROW: tl.constexpr, BM: tl.constexpr, RC: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
     WIDE_RC: tl.constexpr, WIDE_MIN: tl.constexpr, SRC_BY_TOKEN: tl.constexpr,
-    SWITCH: tl.constexpr = 0, T_P2: tl.constexpr = 1, S_P2: tl.constexpr = 1, STAGES: tl.constexpr = 1,
+    SWITCH: tl.constexpr = 0, T_P2: tl.constexpr = 1, S_P2: tl.constexpr = 1,
 ):
     """delta[route, n] for the n of split program_id(1); see the module docstring. BY_PLAN_ROW: program
     pid takes plan row pid (routes of one expert, hence of few (slot, expert) pairs, run side by side
     and share their A/B through L2), reading src row pid (h, down) or, SRC_BY_TOKEN, its token's row
-    (x, gate_up); else program pid takes route pid, reading its token's row. SWITCH: `slots_skip`. STAGES:
-    `_delta_pass`'s loops software-pipelined that deep (1: not)."""
+    (x, gate_up); else program pid takes route pid, reading its token's row. SWITCH: `slots_skip`."""
     if SWITCH != 0:
         if slots_skip(slots_ptr, n_routes // top_k, max_slots, SWITCH, T_P2, S_P2):
             return
@@ -202,22 +197,22 @@ def lora_route_delta_kernel(
     if WIDE_RC > RC:  # a pool wider than RC: slots of rank > WIDE_MIN take one wide pass (x and the
         if rank > WIDE_MIN:  # delta row touched once), the others RC columns at a time (cost ~ rank)
             _delta_pass(src, a_base, b_base, d_row, 0, rank, k_dim, n_start, n_end, stride_ar, stride_bn,
-                        WIDE_RC, 4096 // WIDE_RC, 4096 // WIDE_RC, STAGES)
+                        WIDE_RC, 4096 // WIDE_RC, 4096 // WIDE_RC)
             return
     for r0 in range(0, rank, RC):
-        _delta_pass(src, a_base, b_base, d_row, r0, rank, k_dim, n_start, n_end, stride_ar, stride_bn, RC, BK, BN,
-                    STAGES)
+        _delta_pass(src, a_base, b_base, d_row, r0, rank, k_dim, n_start, n_end, stride_ar, stride_bn, RC, BK, BN)
 
 
 @triton.jit
 def _delta_pass(src, a_base, b_base, d_row, r0, rank, k_dim, n_start, n_end, stride_ar, stride_bn,
-                RC: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr):
+                RC: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
     """Rank columns [r0, r0 + RC) of one route's delta: xa = src . A[r0:r0+RC]^T (rounded to src's
     dtype), then d_row[n] (+)= B[n, r0:r0+RC] . xa for n in [n_start, n_end); adds to d_row when r0 > 0."""
     offs_r = r0 + tl.arange(0, RC)
     r_ok = offs_r < rank
     xa = tl.zeros((RC,), tl.float32)
-    for k0 in tl.range(0, k_dim, BK, num_stages=STAGES):  # a GEMV chain: loads in flight only if pipelined
+    # num_stages=1: not software-pipelined (deeper pipelining was tried and removed: docs/performance.md)
+    for k0 in tl.range(0, k_dim, BK, num_stages=1):
         offs_k = k0 + tl.arange(0, BK)
         k_ok = offs_k < k_dim
         xv = tl.load(src + offs_k, mask=k_ok, other=0.0).to(tl.float32)
@@ -225,7 +220,7 @@ def _delta_pass(src, a_base, b_base, d_row, r0, rank, k_dim, n_start, n_end, str
                     other=0.0)
         xa += tl.sum(a.to(tl.float32) * xv[None, :], axis=1)
     xa = xa.to(src.dtype.element_ty).to(tl.float32)
-    for n0 in tl.range(n_start, n_end, BN, num_stages=STAGES):
+    for n0 in tl.range(n_start, n_end, BN, num_stages=1):
         offs_n = n0 + tl.arange(0, BN)
         n_ok = offs_n < n_end
         bt = lora_b_tile(b_base, offs_n, n_end, stride_bn, rank, r0, RC)  # [RC, BN]

@@ -17,12 +17,6 @@ lanes: a program serves one slot, so its loads are one A (rank rows) and one B s
 (row, column) belongs to one program: no atomics, deterministic. The shrink is repeated by each
 column split of a block, from L2 (x rows and A are a few tens of KB).
 
-`plan_shrink` "split" (the same kernel with SPLIT > 0): the shrink is the split
-path's (N_in in chunks, fp32 partials per row, on the LoRA side stream next to cuBLAS when there is
-one), and the planned program only sums its rows' partials and expands: the full-depth shrink leaves
-the critical path. H200: never the fastest with 8 adapters; with one, the fastest only from 512 rows
-(q/k/v T=1024 56.6 -> 50.6 us): the default stays "fused" (docs/benchmarks.md).
-
 Why: the split path's expand at decode batches of 64-256 rows spread over 8 adapters runs its
 [BM, BN] tiles once per slot lane (8x the programs, each with a full-size accumulator); H200,
 merged q/k/v 2048->5120 at T=256, 8 adapters r16: 42.2 us per call vs cuBLAS 10.8 (benchmarks.md).
@@ -63,13 +57,11 @@ def planned_delta_kernel(
     src_ptr, y_ptr, a_ptr, b_ptr, ranks_ptr, sorted_ptr, bslot_ptr, num_padded_ptr,
     T, N_in, n_slots, n_per_split, R_SEG, stride_src, stride_yt, stride_as, stride_ar, stride_bs, stride_bn,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_R: tl.constexpr, G: tl.constexpr,
-    SEG_BOUNDS: tl.constexpr, SPLIT: tl.constexpr = 0,
+    SEG_BOUNDS: tl.constexpr,
 ):
     """y[rows of plan block program_id(0), columns of split program_id(1)] += their LoRA delta;
-    see the module docstring. SEG_BOUNDS: G + 1 column bounds (G = 1: (0, N_out)); ranks [G, S].
-    SPLIT 0: src is x [T, N_in] (row stride stride_src), shrunk here over the full N_in; SPLIT > 0
-    (`plan_shrink` "split"): src is the split path's xa [SPLIT, T, G * BLOCK_R] (fp32 partials over
-    N_in chunks, each row's own slot; partial stride stride_src), summed here (A is not read)."""
+    see the module docstring. SEG_BOUNDS: G + 1 column bounds (G = 1: (0, N_out)); ranks [G, S]. src is
+    x [T, N_in] (row stride stride_src), shrunk here over the full N_in."""
     pid_b = tl.program_id(0)
     if pid_b * BM >= tl.load(num_padded_ptr):
         return
@@ -88,16 +80,9 @@ def planned_delta_kernel(
         if c0 < c1:
             rank = tl.load(ranks_ptr + g * n_slots + s)
             if rank > 0:
-                if SPLIT == 0:
-                    a_g = a_ptr + s.to(tl.int64) * stride_as + (g * R_SEG) * stride_ar
-                    xa = lora_shrink_rows(src_ptr, rows, stride_src, valid, a_g, stride_ar, rank, 0, N_in, BM,
-                                          BLOCK_R, BK)
-                else:
-                    xa_rows = (src_ptr + rows[:, None].to(tl.int64) * (G * BLOCK_R) + g * BLOCK_R
-                               + tl.arange(0, BLOCK_R)[None, :])
-                    xa = tl.zeros((BM, BLOCK_R), tl.float32)
-                    for p in tl.static_range(SPLIT):
-                        xa += tl.load(xa_rows + p * stride_src, mask=valid[:, None], other=0.0)
+                a_g = a_ptr + s.to(tl.int64) * stride_as + (g * R_SEG) * stride_ar
+                xa = lora_shrink_rows(src_ptr, rows, stride_src, valid, a_g, stride_ar, rank, 0, N_in, BM,
+                                      BLOCK_R, BK)
                 _add_expanded(xa.to(y_ptr.dtype.element_ty), b_s, y_rows, valid, c0, c1, stride_bn, rank, BN,
                               BLOCK_R)
 
@@ -106,17 +91,15 @@ def planned_delta(src: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torc
                   plan: MoERoutingPlan, bounds: tuple[int, ...], r_seg: int, block_r: int, cols_per_program: int,
                   block_n: int, block_k: int, num_warps: int, num_stages: int) -> None:
     """out[t] += its LoRA delta for the rows of `plan` (slot s of their block). src: x [T, N_in]
-    (shrunk here) or the split path's xa [P, T, G block_r] fp32 partials (`plan_shrink` "split": A
-    is not read). a [S, G r_seg, N_in], b [S, N_out, r_seg], slot_ranks [G, S]
+    (shrunk here). a [S, G r_seg, N_in], b [S, N_out, r_seg], slot_ranks [G, S]
     (or [S] with G = 1) contiguous, bounds the G + 1 column bounds of the segments;
     cols_per_program: columns a program covers (a multiple of block_n)."""
-    partials = src.dim() == 3
     grid = (plan.max_blocks, triton.cdiv(bounds[-1], cols_per_program))
     planned_delta_kernel[grid](
         src, out, a, b, slot_ranks, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded,
         out.shape[0], a.shape[2], a.shape[0], cols_per_program, r_seg, src.stride(0), out.stride(0), a.stride(0),
         a.stride(1), b.stride(0), b.stride(1), BM=plan.block_m, BN=block_n, BK=block_k, BLOCK_R=block_r,
-        G=len(bounds) - 1, SEG_BOUNDS=tuple(bounds), SPLIT=src.shape[0] if partials else 0, num_warps=num_warps,
+        G=len(bounds) - 1, SEG_BOUNDS=tuple(bounds), num_warps=num_warps,
         num_stages=num_stages)
 
 
