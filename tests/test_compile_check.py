@@ -84,7 +84,7 @@ def test_lora_b_tiles_are_vector_loads(tmp_path, monkeypatch):
     is a 2-byte load. The LoRA kernels that read no gathered scalars (gate_up GEMM, the delta kernels, the
     dense delta kernels) then have no element load at all; each down GEMM as many as its no-LoRA twin (the
     routing weights). Column-masked by choice, so not compiled here: the merged-projection expand
-    (`expand_segments`, registers) and the block delta with lora_block_b_chunks off."""
+    (`expand_segments`, registers) and the block delta with BlockConfig.b_chunks off."""
     import dataclasses
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -93,6 +93,7 @@ def test_lora_b_tiles_are_vector_loads(tmp_path, monkeypatch):
     from moelora.kernels.fused_moe import fused_moe
     from moelora.kernels.lora_linear import default_lora_linear_config, lora_linear
     from moelora.kernels.moe_config import tuned_fused_moe_config
+    from moelora.kernels.moe_lora import PATHS
     from moelora.kernels.reference import DenseLoRAArgs
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
@@ -107,8 +108,8 @@ def test_lora_b_tiles_are_vector_loads(tmp_path, monkeypatch):
             x, wts, ids = make_inputs(layer, M)
             base = tuned_fused_moe_config(shape["E"], shape["H"], shape["I"], M, shape["K"], torch.bfloat16,
                                           "NVIDIA H200")
-            for mode in ("block", "route", "stacked", "separate", "spread"):
-                cfg = dataclasses.replace(base, use_tma=False, lora_shrink=mode)
+            for mode in PATHS:
+                cfg = dataclasses.replace(base, use_tma=False).on_path(mode)
                 for lora in (None, make_lora(layer, M, "8ad_r16"), make_lora(layer, M, "8ad_r64")):
                     fused_moe(x, layer.w_gu, layer.w_d, wts, ids, lora=lora, out=torch.empty_like(x), config=cfg)
         xd, w = torch.randn(T, n_in, dtype=torch.bfloat16), torch.randn(n_out, n_in, dtype=torch.bfloat16)

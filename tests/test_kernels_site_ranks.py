@@ -141,7 +141,7 @@ def test_experts_skip_slot_of_site_rank_zero(dtype, shrink):
     fill_garbage(bufs, 1, g)
     batch = LoRABatch.build(SLOTS, GLOBAL_RANKS, DEV)
     tile = GemmTile(32, 32, 4, 2)
-    cfg = FusedMoEConfig(16, tile, tile, lora_shrink=shrink, lora_block_k=32) if shrink != "layer" else None
+    cfg = FusedMoEConfig(16, tile, tile).on_path(shrink, block_k=32) if shrink != "layer" else None
 
     def run(lora):
         if cfg is None:

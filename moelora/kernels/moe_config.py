@@ -3,9 +3,12 @@
 Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k.
 
 Tables live in `configs/fused_moe_<gpu>.json` (written by benchmarks/tune_fused_moe.py):
-  {"device": "...", "configs": {"E=128,H=2048,I=768,dtype=bfloat16": {"<M>": {config fields}}}}
+  {"device": "...", "configs": {"E=128,H=2048,I=768,dtype=bfloat16": {"<M>": entry}}}
+  entry = {"tiles": {"block_m", "gate_up", "down", "use_tma", "plan_per_route"},
+           "lora": {"path": name, <that path's config fields>, "wide": {"path": ..., ...} (optional)}}
 A launch picks the smallest tuned M >= T (else the largest); shapes with no table entry fall
-back to `default_fused_moe_config`. Nothing is autotuned at serving time.
+back to `default_fused_moe_config`. Nothing is autotuned at serving time. A key the dataclasses do not
+have (a removed knob, a typo) is a ConfigError naming it.
 """
 
 from __future__ import annotations
@@ -13,18 +16,28 @@ from __future__ import annotations
 import functools
 import json
 import re
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 
 import torch
 
 from moelora.errors import ConfigError
-from moelora.kernels.checks import need_at_least, need_one_of, need_pow2
+from moelora.kernels.checks import need_pow2
 
 CONFIG_DIR = Path(__file__).parent / "configs"
-LORA_SHRINK_MODES = ("separate", "route", "block", "stacked", "spread")
-GATE_UP_DELTA_AT = ("epilogue", "activation")
-ROUTE_ORDERS = ("token", "plan")
+_TILE_KEYS = ("block_m", "gate_up", "down", "use_tma", "plan_per_route")
+
+
+def lora_paths() -> dict:
+    """The registry of routed-LoRA paths (`moelora.kernels.moe_lora.PATHS`), imported when a config needs
+    it: the engine reads this module without Triton."""
+    from moelora.kernels.moe_lora import PATHS
+
+    return PATHS
+
+
+def _separate(**kw):
+    return lora_paths()["separate"].config(**kw)
 
 
 @dataclass(frozen=True)
@@ -42,85 +55,94 @@ class FusedMoEConfig:
     """One table entry. block_m: the routing plan's block (rows per program, shared by both GEMMs);
     gate_up / down: their tiles; use_tma: Hopper tensor descriptors for the weight (and down-GEMM
     activation) tiles, the off switch of that path (contract 6); plan_per_route: no routing-plan
-    launch, a plan block per route (`moe_plan.per_route_plan`, one-token batches).
-
-    The routed-LoRA path (`fused_moe` module docstring): lora_shrink for pools of BLOCK_R <= 16,
-    lora_shrink_wide ("": lora_shrink's) for wider ones. Each path reads its own knobs:
-      separate: lora_split_k (shrink partials), lora_block_k (shrink depth step).
-      route:    lora_route_warps, lora_route_order ("plan": the gate_up delta's programs in plan order),
-                lora_gate_up_at, lora_block_max_slots (a batch on at most that many distinct slots
-                takes the block delta, chosen on the device) and, for that switch, block's knobs.
-      block:    lora_block_n / lora_block_k (expand / shrink steps), lora_block_m (0: block_m; the rows
-                of each delta program), lora_block_programs (0: a program per item; else that many
-                looping), lora_block_b_chunks (B tiles in whole 16-column rank chunks; off: masked
-                column by column, fewer registers), lora_gate_up_at ("activation": the gate_up delta
-                added after the GEMM by act_delta_kernel, so it can run on the side stream).
-      stacked:  lora_stack_n (columns of each stacked-shrink program).
-      spread:   lora_block_k (rounding of each GEMM program's shrink share), lora_block_n (columns of
-                each act_spread_kernel program).
-    Measurements behind each pick: docs/performance.md."""
+    launch, a plan block per route (`moe_plan.per_route_plan`, one-token batches). lora: the routed-LoRA
+    path and its own knobs (a `moelora.kernels.moe_lora` config: SeparateConfig, RouteConfig, ...) for
+    pools of BLOCK_R <= 16; lora_wide: the same for wider pools (None: lora). Measurements behind each
+    table pick: docs/performance.md."""
 
     block_m: int = 16
     gate_up: GemmTile = field(default_factory=GemmTile)
     down: GemmTile = field(default_factory=GemmTile)
-    lora_shrink: str = "separate"
-    lora_shrink_wide: str = ""
-    lora_block_k: int = 128
-    lora_split_k: int = 8
-    lora_gate_up_at: str = "epilogue"
-    lora_route_order: str = "token"
-    lora_route_warps: int = 4
-    lora_block_n: int = 64
-    lora_block_m: int = 0
-    lora_block_programs: int = 0
-    lora_block_max_slots: int = 0
-    lora_stack_n: int = 128
-    lora_block_b_chunks: bool = True
     use_tma: bool = False
     plan_per_route: bool = False
+    lora: object = field(default_factory=_separate)
+    lora_wide: object | None = None
 
     def __post_init__(self):
         need_pow2("FusedMoEConfig", block_m=self.block_m, gate_up_block_n=self.gate_up.block_n,
                   gate_up_block_k=self.gate_up.block_k, down_block_n=self.down.block_n,
-                  down_block_k=self.down.block_k, lora_block_k=self.lora_block_k, lora_block_n=self.lora_block_n,
-                  lora_stack_n=self.lora_stack_n)
-        need_at_least("FusedMoEConfig", 1, lora_split_k=self.lora_split_k)
-        need_at_least("FusedMoEConfig", 0, lora_block_max_slots=self.lora_block_max_slots,
-                      lora_block_programs=self.lora_block_programs)
-        need_one_of("FusedMoEConfig", "lora_block_m", self.lora_block_m, (0, 16, 32, 64, 128))
-        need_one_of("FusedMoEConfig", "lora_route_warps", self.lora_route_warps, (1, 2, 4, 8, 16))
-        need_one_of("FusedMoEConfig", "lora_route_order", self.lora_route_order, ROUTE_ORDERS)
-        need_one_of("FusedMoEConfig", "lora_gate_up_at", self.lora_gate_up_at, GATE_UP_DELTA_AT)
-        need_one_of("FusedMoEConfig", "lora_shrink", self.lora_shrink, LORA_SHRINK_MODES)
-        need_one_of("FusedMoEConfig", "lora_shrink_wide", self.lora_shrink_wide, ("", *LORA_SHRINK_MODES))
+                  down_block_k=self.down.block_k)
+        paths = lora_paths()
+        for name, cfg in (("lora", self.lora), ("lora_wide", self.lora_wide)):
+            path = paths.get(getattr(cfg, "path", None))
+            if cfg is not None and (path is None or type(cfg) is not path.config):
+                raise ValueError(f"FusedMoEConfig.{name} must be the config of a path in {sorted(paths)}, "
+                                 f"got {cfg!r}")
 
-    def shrink_mode(self, block_r: int) -> str:
-        """The LoRA path for a pool of BLOCK_R = block_r rank columns."""
-        return self.lora_shrink_wide if block_r > 16 and self.lora_shrink_wide else self.lora_shrink
+    def lora_for(self, block_r: int):
+        """The LoRA path config for a pool of BLOCK_R = block_r rank columns."""
+        return self.lora_wide if block_r > 16 and self.lora_wide is not None else self.lora
+
+    def with_lora(self, cfg) -> FusedMoEConfig:
+        """This config with the LoRA path `cfg` at every pool width."""
+        return replace(self, lora=cfg, lora_wide=None)
+
+    def on_path(self, name: str, **knobs) -> FusedMoEConfig:
+        """This config with LoRA path `name` at every width: this entry's own config of that path (narrow
+        first) when it has one, else the path's defaults; `knobs` replace fields of it."""
+        own = [c for c in (self.lora, self.lora_wide) if c is not None and c.path == name]
+        cfg = own[0] if own else lora_paths()[name].config()
+        return self.with_lora(replace(cfg, **knobs))
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        lora = _lora_dict(self.lora)
+        if self.lora_wide is not None:
+            lora["wide"] = _lora_dict(self.lora_wide)
+        return {"tiles": {k: asdict(v) if is_dataclass(v) else v for k in _TILE_KEYS for v in [getattr(self, k)]},
+                "lora": lora}
 
     @staticmethod
     def from_dict(d: dict) -> FusedMoEConfig:
-        """The config of one table entry; a key that is no field (a removed knob: docs/performance.md,
-        "tried and removed") raises ConfigError naming it."""
-        unknown = sorted(set(d) - {f.name for f in fields(FusedMoEConfig)})
-        if unknown:
-            raise ConfigError(f"fused-MoE table entry has unknown keys {unknown} (fields: "
-                              f"{[f.name for f in fields(FusedMoEConfig)]})")
-        d = dict(d)
-        for k in ("gate_up", "down"):
-            if k in d:
-                d[k] = _tile(d[k])
-        return FusedMoEConfig(**d)
+        """The config of one table entry (`to_dict`'s form); an unknown or missing key raises ConfigError."""
+        _need_keys(d, {"tiles", "lora"}, {"tiles", "lora"}, "fused-MoE table entry")
+        _need_keys(d["tiles"], set(_TILE_KEYS), {"block_m", "gate_up", "down"}, "fused-MoE table entry's tiles")
+        tiles = {k: _strict(GemmTile, v, f"tiles.{k}") if k in ("gate_up", "down") else v
+                 for k, v in d["tiles"].items()}
+        lora = dict(d["lora"])
+        wide = lora.pop("wide", None)
+        return FusedMoEConfig(**tiles, lora=_lora_from(lora, "lora"),
+                              lora_wide=None if wide is None else _lora_from(wide, "lora.wide"))
 
 
-def _tile(d: dict) -> GemmTile:
-    unknown = sorted(set(d) - {f.name for f in fields(GemmTile)})
-    if unknown:
-        raise ConfigError(f"fused-MoE table tile has unknown keys {unknown}")
-    return GemmTile(**d)
+def _lora_dict(cfg) -> dict:
+    return {"path": cfg.path, **asdict(cfg)}
+
+
+def _lora_from(d: dict, where: str):
+    paths = lora_paths()
+    if not isinstance(d, dict) or d.get("path") not in paths:
+        raise ConfigError(f"fused-MoE table entry's {where} must name a path of {sorted(paths)}, got {d!r}")
+    return _strict(paths[d["path"]].config, {k: v for k, v in d.items() if k != "path"}, where)
+
+
+def _need_keys(d, known: set, required: set, where: str) -> None:
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where} must be an object, got {d!r}")
+    unknown, missing = sorted(set(d) - known), sorted(required - set(d))
+    if unknown or missing:
+        raise ConfigError(f"{where}: unknown keys {unknown}, missing keys {missing} (known: {sorted(known)})")
+
+
+def _strict(cls, d, where: str):
+    """cls(**d), its nested dataclass fields built the same way; a key cls lacks raises ConfigError."""
+    names = {f.name: f for f in fields(cls)}
+    _need_keys(d, set(names), set(), f"fused-MoE table entry's {where}")
+    kw = {}
+    for k, v in d.items():
+        f = names[k]
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        kw[k] = _strict(type(default), v, f"{where}.{k}") if is_dataclass(default) else v
+    return cls(**kw)
 
 
 def default_lora_split_k(num_tokens: int, top_k: int) -> int:
@@ -135,14 +157,15 @@ def default_fused_moe_config(num_experts: int, hidden: int, inter: int, num_toke
     """Heuristic for shapes with no tuned entry, by routes per expert."""
     per_expert = num_tokens * top_k / max(1, num_experts)
     split = default_lora_split_k(num_tokens, top_k)
+    lora = _separate(split_k=split)
     if per_expert <= 16:
         tile = GemmTile(64, 128, 4, 4)
-        return FusedMoEConfig(16, tile, tile, lora_shrink="separate", lora_split_k=split)
+        return FusedMoEConfig(16, tile, tile, lora=lora)
     if per_expert <= 64:
         tile = GemmTile(64, 128, 4, 3)
-        return FusedMoEConfig(32, tile, tile, lora_shrink="separate", lora_split_k=split)
+        return FusedMoEConfig(32, tile, tile, lora=lora)
     tile = GemmTile(128, 64, 8, 3)
-    return FusedMoEConfig(64, tile, tile, lora_shrink="separate", lora_split_k=split)
+    return FusedMoEConfig(64, tile, tile, lora=lora)
 
 
 def device_tag(device_name: str) -> str:

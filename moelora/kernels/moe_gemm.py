@@ -1,39 +1,20 @@
-"""Triton kernels of the routed-expert GEMMs over a `MoERoutingPlan`, with the routed LoRA delta.
+"""Triton kernels of the routed-expert GEMMs over a `MoERoutingPlan`, with the routed LoRA's epilogues.
 
 Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, S adapter slots,
-R max rank (BLOCK_R = max(16, next_pow2(R))), P = plan rows (max_padded), BM = plan block_m.
+R max rank (BLOCK_R the LoRA tile rank), P = plan rows (max_padded), BM = plan block_m.
   x [T, H]            w_gate_up [E, 2I, H]   -> h [P, I]   (plan row order; padding rows unwritten)
   h [P, I]            w_down    [E, H, I]    -> y [T*K, H] (route order, routing weight applied)
   lora gate_up A [S, E, R, H], B [S, E, 2I, R]; down A [S, E, R, I], B [S, E, H, R]
-  xa [SPLIT, P, BLOCK_R] fp32: split-K partial LoRA shrinks (x A^T) per plan row ("separate").
 
 Program (pid_m, pid_n) owns rows [pid_m*BM, +BM) of the plan (one expert) and BN output columns.
-LoRA is computed in the base GEMM's own layout (contract 3); rows of one block may be on
-different slots (or none: slot -1 never enters any LoRA work).
-  separate (prefill): lora_shrink_kernel (moe_lora) computes xa first, and the GEMM epilogue
-    only expands, slot by slot.
-  stacked (prefill, STACKED): lora_stacked_shrink_kernel (moe_lora) writes each row's xa in its slot's
-    lane of S * BLOCK_R columns (zeros in the others); the epilogue adds xa_stacked @ B_stacked[e] as K
-    steps of one lane each, slot 0 up to the block's largest: a plain loop with no reduction or branch
-    (Triton pipelines its loads), where a slot absent from the block, or B columns past a slot's rank,
-    load nothing.
-  route / block (decode, LORA_DELTA): lora_route_delta_kernel / lora_block_delta_kernel (moe_lora)
-    compute each route's whole delta; the gate_up epilogue adds delta[route] to the tile before the
-    activation (HAS_LORA is off: no slot loop). The down delta is not added by down_kernel but by
-    combine_kernel (w_k * delta[route] next to y's row): the down delta kernel then depends on h
-    only, so it can run concurrently with the down GEMM on a second stream. With the gate_up delta
-    at "activation" (FusedMoEConfig.lora_gate_up_at), gate_up_kernel writes gate and up unactivated
-    (RAW_OUT, [P, 2I]) and act_delta_kernel adds the delta and applies SiLU * up: the gate_up delta
-    kernel then depends on x only and can run concurrently with the gate_up GEMM.
-  spread (one token, SPREAD): no LoRA launch of its own. gate_up_kernel's programs of output tile n also
-    shrink x over columns [n k, (n + 1) k) into partials xa_gu [parts, P, BLOCK_R] and write gate and up
-    raw for the rows with a gate_up delta; act_spread_kernel sums the partials, expands, applies SiLU * up
-    and shrinks its own h columns into xa_d partials; down_kernel's epilogue expands those as "separate".
-    Each shrink column is read once, and only the distinct slots of a block loop: with one route a block
-    (M = 1) nothing repeats. With several slots a block the loops sit in the tails of every GEMM program
-    and lose to "block" (docs/benchmarks.md).
-USE_TMA: weight tiles (and h in the down GEMM, whose rows are contiguous in plan order) come
-through Hopper tensor descriptors; LoRA and everything else is unchanged.
+LoRA is computed in the base GEMM's own layout (contract 3); rows of one block may be on different
+slots (or none: slot -1 never enters any LoRA work). The LoRA paths (`moelora.kernels.moe_lora`)
+switch their epilogues on by flag: HAS_LORA ("separate", and "spread"'s down GEMM: expand a
+precomputed xa), STACKED ("stacked": more K steps), LORA_DELTA ("route" / "block": add each route's
+delta), RAW_OUT (write gate and up unactivated for a kernel after the GEMM), SPREAD ("spread": each
+gate_up program also shrinks a share of x). The combine adds the route / block down delta (HAS_DELTA).
+USE_TMA: weight tiles (and h in the down GEMM, whose rows are contiguous in plan order) come through
+Hopper tensor descriptors; LoRA and everything else is unchanged.
 """
 
 from __future__ import annotations
@@ -41,7 +22,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moelora.kernels.lora_tiles import lora_a_tile, lora_b_tile, lora_shrink_rows, rank_of, stacked_slot_ranks
+from moelora.kernels.moe_lora.separate import separate_epilogue
+from moelora.kernels.moe_lora.spread import spread_shrink
+from moelora.kernels.moe_lora.stacked import stacked_epilogue
+from moelora.kernels.moe_rows import delta_rows, plan_rows
 
 
 @triton.jit
@@ -52,108 +36,6 @@ def _tile_ids(num_blocks, num_n, GROUP_M: tl.constexpr):
     first_m = (pid // width) * GROUP_M
     size = tl.minimum(num_blocks - first_m, GROUP_M)
     return first_m + (pid % width) % size, (pid % width) // size
-
-
-@triton.jit
-def plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BM: tl.constexpr):
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    route = tl.load(sorted_ids_ptr + offs_m)
-    valid = route < n_routes
-    return offs_m, route, valid, route // top_k
-
-
-@triton.jit
-def slot_base(ptr, s, e, stride_s, stride_e):
-    return ptr + tl.maximum(s, 0).to(tl.int64) * stride_s + e * stride_e
-
-
-@triton.jit
-def _delta_rows(slots_ptr, ranks_ptr, tok, valid):
-    """Rows whose route has a LoRA delta: a slot, of rank > 0 at this site (as the delta kernel skips)."""
-    slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
-    rank = tl.load(ranks_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0)
-    return rank > 0
-
-
-@triton.jit
-def _xa_chunk(xa_ptr, xa_off, sel, split_stride, r0, SPLIT: tl.constexpr, RC: tl.constexpr):
-    """Rank columns [r0, r0+RC) of the block's xa (row offsets xa_off: plan row * BLOCK_R), summed over the
-    SPLIT partials; rows not in sel read nothing (and give 0)."""
-    offs_r = r0 + tl.arange(0, RC)
-    xa = tl.zeros((xa_off.shape[0], RC), tl.float32)
-    for sp in tl.static_range(SPLIT):
-        xa += tl.load(xa_ptr + sp * split_stride + xa_off[:, None] + offs_r[None, :], mask=sel[:, None], other=0.0)
-    return xa
-
-
-@triton.jit
-def _add_expand(acc_g, acc_u, xs, b_se, offs_n, n_limit, stride_bn, rank, col0, R: tl.constexpr, TWO: tl.constexpr):
-    """acc_g += xs @ B^T over B rows offs_n (masked to n_limit and the rank), rank columns from col0, and with TWO
-    (gate_up) acc_u += the same over the up half, B rows n_limit + offs_n. xs [BM, R] in the dot's dtype; B tiles:
-    `lora_b_tile`."""
-    acc_g = tl.dot(xs, lora_b_tile(b_se, offs_n, n_limit, stride_bn, rank, col0, R).to(xs.dtype), acc_g)
-    if TWO:
-        acc_u = tl.dot(xs, lora_b_tile(b_se + n_limit * stride_bn, offs_n, n_limit, stride_bn, rank, col0,
-                                       R).to(xs.dtype), acc_u)
-    return acc_g, acc_u
-
-
-@triton.jit
-def _separate_epilogue(acc_g, acc_u, src_ptr, slot, e, offs_m, ranks_ptr, b_ptr, xa_ptr, offs_n, n_limit, stride_bs,
-                       stride_be, stride_bn, num_blocks, BM: tl.constexpr, BLOCK_R: tl.constexpr,
-                       XA_SPLIT: tl.constexpr, LORA_RC: tl.constexpr, TWO: tl.constexpr):
-    """"separate" (xa precomputed): expand only, slot by slot, LORA_RC rank columns at a time up to each slot's
-    rank. The dot in src's dtype; acc_g / acc_u / TWO as `_add_expand`."""
-    dt = src_ptr.dtype.element_ty
-    xa_off = offs_m.to(tl.int64) * BLOCK_R
-    s = tl.max(slot, axis=0)
-    while s >= 0:
-        sel = slot == s
-        rank = tl.load(ranks_ptr + s)
-        b_se = slot_base(b_ptr, s, e, stride_bs, stride_be)
-        for r0 in range(0, rank, LORA_RC):
-            xs = _xa_chunk(xa_ptr, xa_off, sel, num_blocks * BM * BLOCK_R, r0, XA_SPLIT, LORA_RC).to(dt)
-            acc_g, acc_u = _add_expand(acc_g, acc_u, xs, b_se, offs_n, n_limit, stride_bn, rank, r0, LORA_RC, TWO)
-        slot = tl.where(sel, -1, slot)
-        s = tl.max(slot, axis=0)
-    return acc_g, acc_u
-
-
-@triton.jit
-def _stacked_epilogue(acc_g, acc_u, slots_ptr, ranks_ptr, tok, valid, offs_m, e, xa_ptr, stride_xa, b_ptr, offs_n,
-                      n_limit, stride_bs, stride_be, stride_bn, n_slots, BLOCK_R: tl.constexpr, S_P2: tl.constexpr,
-                      TWO: tl.constexpr):
-    """"stacked": xa_stacked @ B_stacked[e] as more K steps, slot 0 up to the block's largest, one slot's lane
-    of BLOCK_R columns a step (a slot absent from the block has rank 0 here and loads no B).
-    acc_g / acc_u / TWO as `_add_expand`."""
-    slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
-    slot_ranks = stacked_slot_ranks(slot, ranks_ptr, n_slots, S_P2)
-    xa_rows = xa_ptr + offs_m[:, None].to(tl.int64) * stride_xa + tl.arange(0, BLOCK_R)[None, :]
-    for s in range(0, tl.max(slot, axis=0) + 1):  # no lane past the block's largest slot
-        acc_g, acc_u = _add_expand(acc_g, acc_u, tl.load(xa_rows + s * BLOCK_R),
-                                   slot_base(b_ptr, s, e, stride_bs, stride_be), offs_n, n_limit, stride_bn,
-                                   rank_of(slot_ranks, s, S_P2), 0, BLOCK_R, TWO)
-    return acc_g, acc_u
-
-
-@triton.jit
-def _spread_shrink(src_ptr, src_rows, stride_src, slot, valid, ranks_ptr, a_ptr, e, xa_ptr, offs_m, part, k_start,
-                   k_end, part_stride, stride_as, stride_ae, stride_ar, BM: tl.constexpr, BLOCK_R: tl.constexpr,
-                   LORA_BK: tl.constexpr):
-    """"spread": xa[part, plan rows] = src[rows, k_start:k_end] @ A[slot(row), e][:rank, k_start:k_end]^T (fp32),
-    one dot per distinct slot of the block (rank-masked A loads); rows on no slot get zeros."""
-    xa = tl.zeros((BM, BLOCK_R), tl.float32)
-    s = tl.max(slot, axis=0)
-    while s >= 0:
-        sel = slot == s
-        rank = tl.load(ranks_ptr + s)
-        if rank > 0:
-            xa += lora_shrink_rows(src_ptr, src_rows, stride_src, sel, slot_base(a_ptr, s, e, stride_as, stride_ae),
-                                   stride_ar, rank, k_start, k_end, BM, BLOCK_R, LORA_BK)
-        slot = tl.where(sel, -1, slot)
-        s = tl.max(slot, axis=0)
-    tl.store(xa_ptr + part * part_stride + offs_m[:, None].to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[None, :], xa,
-             mask=valid[:, None])
 
 
 @triton.jit
@@ -206,26 +88,26 @@ def gate_up_kernel(
     if SPREAD:
         k_start = pid_n * spread_k
         if k_start < H:
-            _spread_shrink(x_ptr, tok, stride_xt, tl.load(slots_ptr + tok, mask=valid, other=-1), valid, ranks_ptr,
+            spread_shrink(x_ptr, tok, stride_xt, tl.load(slots_ptr + tok, mask=valid, other=-1), valid, ranks_ptr,
                            a_ptr, e, xa_ptr, offs_m, pid_n, k_start, tl.minimum(k_start + spread_k, H),
                            num_blocks * BM * BLOCK_R, stride_as, stride_ae, stride_ar, BM, BLOCK_R, LORA_BK)
     if HAS_LORA:
-        acc_g, acc_u = _separate_epilogue(acc_g, acc_u, x_ptr, slot, e, offs_m, ranks_ptr, b_ptr, xa_ptr, offs_n,
+        acc_g, acc_u = separate_epilogue(acc_g, acc_u, x_ptr, slot, e, offs_m, ranks_ptr, b_ptr, xa_ptr, offs_n,
                                           inter, stride_bs, stride_be, stride_bn, num_blocks, BM, BLOCK_R,
                                           XA_SPLIT, LORA_RC, True)
     if STACKED:  # "stacked": xa_stacked @ B_stacked[e] as more K steps, one slot's lane of BLOCK_R columns each
-        acc_g, acc_u = _stacked_epilogue(acc_g, acc_u, slots_ptr, ranks_ptr, tok, valid, offs_m, e, xa_ptr, stride_xa,
+        acc_g, acc_u = stacked_epilogue(acc_g, acc_u, slots_ptr, ranks_ptr, tok, valid, offs_m, e, xa_ptr, stride_xa,
                                          b_ptr, offs_n, inter, stride_bs, stride_be, stride_bn, n_slots, BLOCK_R, S_P2,
                                          True)
     if LORA_DELTA:  # "route": the delta of each route was computed before this kernel
         d_rows = delta_ptr + route[:, None].to(tl.int64) * stride_dr + offs_n[None, :]
-        live = _delta_rows(slots_ptr, ranks_ptr, tok, valid)[:, None] & (offs_n[None, :] < inter)
+        live = delta_rows(slots_ptr, ranks_ptr, tok, valid)[:, None] & (offs_n[None, :] < inter)
         acc_g += tl.load(d_rows, mask=live, other=0.0).to(tl.float32)
         acc_u += tl.load(d_rows + inter, mask=live, other=0.0).to(tl.float32)
     h_rows = h_ptr + offs_m[:, None].to(tl.int64) * stride_hp + offs_n[None, :]
     h_mask = valid[:, None] & (offs_n[None, :] < inter)
     if SPREAD:
-        live = _delta_rows(slots_ptr, ranks_ptr, tok, valid)[:, None]
+        live = delta_rows(slots_ptr, ranks_ptr, tok, valid)[:, None]
         tl.store(h_rows, acc_g.to(h_ptr.dtype.element_ty), mask=h_mask & live)
         tl.store(h_rows + inter, acc_u.to(h_ptr.dtype.element_ty), mask=h_mask & live)
         hv = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -237,76 +119,6 @@ def gate_up_kernel(
     else:
         hv = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         tl.store(h_rows, hv.to(h_ptr.dtype.element_ty), mask=h_mask)
-
-
-@triton.jit
-def act_delta_kernel(gu_ptr, delta_ptr, h_ptr, sorted_ids_ptr, num_padded_ptr, slots_ptr, ranks_ptr, n_routes, top_k,
-                     inter, stride_gu, stride_d, stride_h, BM: tl.constexpr, BN: tl.constexpr):
-    """h[p] = silu(gate + delta_g) * (up + delta_u) for the plan rows p of block program_id(0), columns
-    of program_id(1): gate / up from the unactivated gate_up GEMM (gu [P, 2I]), delta [T*K, 2I] the
-    route's gate_up LoRA delta, added for rows whose slot has a gate_up rank > 0 (the others' delta
-    rows are never written). Padding rows are left unwritten, as the fused epilogue leaves them."""
-    pid_m = tl.program_id(0)
-    if pid_m * BM >= tl.load(num_padded_ptr):
-        return
-    offs_m, route, valid, tok = plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BM)
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    mask = valid[:, None] & (offs_n[None, :] < inter)
-    live = _delta_rows(slots_ptr, ranks_ptr, tok, valid)[:, None] & mask
-    gu_rows = gu_ptr + offs_m[:, None].to(tl.int64) * stride_gu + offs_n[None, :]
-    d_rows = delta_ptr + route[:, None].to(tl.int64) * stride_d + offs_n[None, :]
-    g = tl.load(gu_rows, mask=mask, other=0.0).to(tl.float32) + tl.load(d_rows, mask=live, other=0.0).to(tl.float32)
-    u = (tl.load(gu_rows + inter, mask=mask, other=0.0).to(tl.float32)
-         + tl.load(d_rows + inter, mask=live, other=0.0).to(tl.float32))
-    hv = g / (1.0 + tl.exp(-g)) * u
-    tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_h + offs_n[None, :], hv.to(h_ptr.dtype.element_ty),
-             mask=mask)
-
-
-@triton.jit
-def act_spread_kernel(gu_ptr, h_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr, slots_ptr, gu_ranks_ptr, gu_b_ptr,
-                      xa_gu_ptr, d_ranks_ptr, d_a_ptr, xa_d_ptr, n_routes, top_k, inter, num_blocks, stride_gu,
-                      stride_h, stride_gbs, stride_gbe, stride_gbn, stride_das, stride_dae, stride_dar,
-                      BM: tl.constexpr, BN: tl.constexpr, BLOCK_R: tl.constexpr, GU_SPLIT: tl.constexpr,
-                      LORA_RC: tl.constexpr):
-    """"spread": h[p] = silu(gate + delta_g) * (up + delta_u) for the plan rows p of block program_id(0)
-    with a gate_up delta (the others' h the gate_up GEMM wrote), columns [n BN, (n + 1) BN) of n =
-    program_id(1), the delta expanded here from the gate_up shrink's GU_SPLIT partials (xa_gu, written by
-    gate_up_kernel's SPREAD programs); then this tile's share of the down shrink, h[p, columns] @
-    A_d[slot, e][:rank, columns]^T for every row, into xa_d[n] (fp32), for down_kernel's epilogue to sum
-    and expand. Padding rows are left unwritten."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BM >= tl.load(num_padded_ptr):
-        return
-    e = tl.load(eob_ptr + pid_m).to(tl.int64)
-    offs_m, route, valid, tok = plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    mask = valid[:, None] & (offs_n[None, :] < inter)
-    slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
-    live = _delta_rows(slots_ptr, gu_ranks_ptr, tok, valid)[:, None]
-    gu_rows = gu_ptr + offs_m[:, None].to(tl.int64) * stride_gu + offs_n[None, :]
-    g = tl.load(gu_rows, mask=mask & live, other=0.0).to(tl.float32)
-    u = tl.load(gu_rows + inter, mask=mask & live, other=0.0).to(tl.float32)
-    g, u = _separate_epilogue(g, u, gu_ptr, slot, e, offs_m, gu_ranks_ptr, gu_b_ptr, xa_gu_ptr, offs_n, inter,
-                              stride_gbs, stride_gbe, stride_gbn, num_blocks, BM, BLOCK_R, GU_SPLIT, LORA_RC, True)
-    h_rows = h_ptr + offs_m[:, None].to(tl.int64) * stride_h + offs_n[None, :]
-    hv = (g / (1.0 + tl.exp(-g)) * u).to(h_ptr.dtype.element_ty)
-    tl.store(h_rows, hv, mask=mask & live)
-    hv = tl.where(live, hv, tl.load(h_rows, mask=mask & ~live, other=0.0))
-    xa = tl.zeros((BM, BLOCK_R), tl.float32)
-    s = tl.max(slot, axis=0)
-    while s >= 0:  # the down shrink's share: the h tile just rounded, as the down GEMM reads it
-        sel = slot == s
-        rank = tl.load(d_ranks_ptr + s)
-        if rank > 0:
-            at = lora_a_tile(slot_base(d_a_ptr, s, e, stride_das, stride_dae), pid_n * BN, tl.arange(0, BN), inter,
-                             stride_dar, rank, BLOCK_R)
-            xa = tl.dot(tl.where(sel[:, None], hv, 0.0).to(hv.dtype), at.to(hv.dtype), xa)
-        slot = tl.where(sel, -1, slot)
-        s = tl.max(slot, axis=0)
-    tl.store(xa_d_ptr + pid_n * (num_blocks * BM * BLOCK_R) + offs_m[:, None].to(tl.int64) * BLOCK_R
-             + tl.arange(0, BLOCK_R)[None, :], xa, mask=valid[:, None])
 
 
 @triton.jit
@@ -346,10 +158,10 @@ def down_kernel(
             wt = tl.load(w_ptrs + k0, mask=(offs_n[None, :] < H) & k_ok[:, None], other=0.0)
             acc = tl.dot(ht, wt, acc)
     if HAS_LORA:
-        acc, _ = _separate_epilogue(acc, acc, h_ptr, slot, e, offs_m, ranks_ptr, b_ptr, xa_ptr, offs_n, H,
+        acc, _ = separate_epilogue(acc, acc, h_ptr, slot, e, offs_m, ranks_ptr, b_ptr, xa_ptr, offs_n, H,
                                     stride_bs, stride_be, stride_bn, num_blocks, BM, BLOCK_R, XA_SPLIT, LORA_RC, False)
     if STACKED:  # "stacked", as in gate_up_kernel
-        acc, _ = _stacked_epilogue(acc, acc, slots_ptr, ranks_ptr, tok, valid, offs_m, e, xa_ptr, stride_xa, b_ptr,
+        acc, _ = stacked_epilogue(acc, acc, slots_ptr, ranks_ptr, tok, valid, offs_m, e, xa_ptr, stride_xa, b_ptr,
                                    offs_n, H, stride_bs, stride_be, stride_bn, n_slots, BLOCK_R, S_P2, False)
     wt_route = tl.load(topk_w_ptr + route, mask=valid, other=0.0).to(tl.float32)
     acc = acc * wt_route[:, None]
@@ -369,7 +181,7 @@ def combine_kernel(y_ptr, out_ptr, topk_w_ptr, delta_ptr, slots_ptr, ranks_ptr, 
     mask = t_ok[:, None] & (offs_h[None, :] < H)
     acc = tl.zeros((BT, BH), tl.float32)
     if HAS_DELTA:
-        live = _delta_rows(slots_ptr, ranks_ptr, offs_t, t_ok)[:, None] & mask
+        live = delta_rows(slots_ptr, ranks_ptr, offs_t, t_ok)[:, None] & mask
     for k in tl.static_range(TOP_K):
         rows = (offs_t * TOP_K + k).to(tl.int64)
         acc += tl.load(y_ptr + rows[:, None] * stride_yr + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
