@@ -90,6 +90,7 @@ def test_lora_b_tiles_are_vector_loads(tmp_path, monkeypatch):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     from moe_bench_common import SHAPES, make_inputs, make_layer, make_lora
 
+    from moelora.kernels.dense_lora import MODES as DENSE_MODES
     from moelora.kernels.fused_moe import fused_moe
     from moelora.kernels.lora_linear import default_lora_linear_config, lora_linear
     from moelora.kernels.moe_config import tuned_fused_moe_config
@@ -113,7 +114,7 @@ def test_lora_b_tiles_are_vector_loads(tmp_path, monkeypatch):
                 for lora in (None, make_lora(layer, M, "8ad_r16"), make_lora(layer, M, "8ad_r64")):
                     fused_moe(x, layer.w_gu, layer.w_d, wts, ids, lora=lora, out=torch.empty_like(x), config=cfg)
         xd, w = torch.randn(T, n_in, dtype=torch.bfloat16), torch.randn(n_out, n_in, dtype=torch.bfloat16)
-        for mode in ("split", "planned"):
+        for mode in DENSE_MODES:
             lora_linear(xd, w, None, dense, config=default_lora_linear_config(T, mode))
         _mla_lora_launches(16)
     assert comp.failures == []

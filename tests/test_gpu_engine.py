@@ -218,12 +218,13 @@ def test_dense_splitk_decode_graph_matches_eager(model_and_adapters, monkeypatch
     """The dense splitk path (split-K GEMM with the LoRA shrink in its launch, expand in its reduce) on
     every decode projection: the default keeps it for >= 1024-wide shapes, which the tiny models lack,
     so the rule is widened here. Graph decode (padding rows on no slot) equals eager decode."""
+    import moelora.kernels.dense_lora.splitk as splitk
     import moelora.kernels.lora_linear as dense
 
     monkeypatch.setattr(dense, "_prefers_splitk", lambda rows, n_in, n_out, has_lora: has_lora and rows <= 64)
     calls = []
-    real = dense._splitk_linear
-    monkeypatch.setattr(dense, "_splitk_linear", lambda *a: calls.append(a[4].shape[0]) or real(*a))
+    real = splitk.splitk_linear
+    monkeypatch.setattr(splitk, "splitk_linear", lambda *a: calls.append(a[4].shape[0]) or real(*a))
     model, adapters = model_and_adapters
     prompts, names = workload(n=24, seed=7)
     reqs = generate(gpu_engine(model, adapters), prompts, names, 64)

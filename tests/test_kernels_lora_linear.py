@@ -15,8 +15,13 @@ triton = pytest.importorskip("triton")
 
 from kernel_env import CUDA, DEV, INTERP, gpu_only, graph_replayed, kernel_test  # noqa: E402,F401
 
-from moelora.kernels.lora_linear import LoRALinearConfig, default_lora_linear_config, lora_linear  # noqa: E402
-from moelora.kernels.planned_lora import row_plan  # noqa: E402
+from moelora.kernels.dense_lora import MODES as DENSE_MODES  # noqa: E402
+from moelora.kernels.lora_linear import (  # noqa: E402
+    LoRALinearConfig,
+    default_lora_linear_config,
+    lora_linear,
+    row_plan,
+)
 from moelora.kernels.reference import DenseLoRAArgs, SlotRows, lora_linear_ref  # noqa: E402
 
 # Tiny blocks so that tiny shapes still span several row blocks, N tiles and N_in chunks.
@@ -33,7 +38,8 @@ def named_config(T: int, name: str) -> LoRALinearConfig:
     return default_lora_linear_config(T, name)
 
 
-MODES = tuple(TINY)
+MODES = tuple(DENSE_MODES)
+assert set(TINY) == set(MODES), "every registered dense mode needs its tiny config here"
 
 
 def make_case(T, n_in, n_out, ranks, R, *, bias=True, dtype=torch.float32, device="cpu", seed=0, slots=None):

@@ -1,27 +1,14 @@
-"""Dense multi-LoRA delta over a slot-sorted row plan ("planned" mode of `lora_linear`).
+"""Dense LoRA mode "planned": cuBLAS for the base, then the delta over the rows grouped by slot.
 
 Shape legend: T tokens, N_in / N_out features, S adapter slots, R pool rank per segment
 (BLOCK_R = pow2 >= max(16, R)), G output segments, BM rows per plan block, P plan rows (max_padded).
 
-The rows are grouped by adapter slot with the routing plan of the routed experts
-(`moe_plan.build_routing_plan` on token_slots as [T, 1] "expert" ids over S "experts"): each slot's
-rows listed in ascending order and padded to BM with the sentinel T, so a plan block holds the rows
-of exactly one slot; rows on no slot (-1) are in no block. `row_plan` builds it; the engine's runners
-build it once per step (`LoRABatch.with_row_plan`) and every dense site reads it.
-
-`planned_delta_kernel`: program (plan block b, column split j) adds to y[rows of b, columns of j]
-the delta of its slot s: for each segment g its columns overlap, xa = x[rows] @ A_g,s[:rank_g]^T
-over the full N_in (fp32, rounded to x's dtype: the twin's precision), then y[rows, n] += xa @
-B_s[n, :rank_g]^T tile by tile (read, add in fp32, store). One launch, no partials buffer, no slot
-lanes: a program serves one slot, so its loads are one A (rank rows) and one B stripe. Every
-(row, column) belongs to one program: no atomics, deterministic. The shrink is repeated by each
-column split of a block, from L2 (x rows and A are a few tens of KB).
-
-Why: the split path's expand at decode batches of 64-256 rows spread over 8 adapters runs its
-[BM, BN] tiles once per slot lane (8x the programs, each with a full-size accumulator); H200,
-merged q/k/v 2048->5120 at T=256, 8 adapters r16: 42.2 us per call vs cuBLAS 10.8 (benchmarks.md).
-Grid: (plan max_blocks, splits) from shapes only, so it is CUDA-graph safe; programs past the
-plan's padded count exit after one load.
+The rows are grouped by slot with the routing plan of the routed experts (`row_plan`: token_slots as [T, 1]
+"expert" ids over S "experts"), so a plan block holds rows of one slot; the engine's runners build it once a
+step (`LoRABatch.with_row_plan`). `planned_delta_kernel`: program (plan block, column split) adds its slot's
+delta to its rows and columns: xa = x[rows] @ A[:rank]^T over the full N_in (rounded to x's dtype, as the
+twin), then y += xa @ B^T tile by tile. One launch, no partials, no slot lanes (the split path's expand at
+64-256 rows on 8 adapters runs 8x its tiles); deterministic; grid from shapes only (graph-safe).
 """
 
 from __future__ import annotations
@@ -30,8 +17,35 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.dense_lora.base import Segments, base_gemm
 from moelora.kernels.lora_tiles import lora_b_tile_cols, lora_shrink_rows
 from moelora.kernels.moe_plan import MoERoutingPlan, build_routing_plan
+
+# programs to aim for (plan blocks x column splits) when plan_cols is 0: two per SM of an H200
+PLANNED_TARGET_PROGRAMS = 264
+
+
+class Planned:
+    name = "planned"
+
+    @staticmethod
+    def run(x, weight, bias, lora, out, cfg, side_stream=None) -> None:
+        base_gemm(x, weight, bias, out)
+        if lora is not None:
+            add_delta(x, out, lora, cfg)
+
+
+def add_delta(x, out, lora, cfg) -> None:
+    """out += the LoRA delta of its rows, over `lora.row_plan` (built here when the caller gave none, or one
+    of other blocks)."""
+    (T, n_out), S = out.shape, lora.a.shape[0]
+    plan = lora.row_plan
+    if plan is None or plan.block_m != cfg.block_m:
+        plan = row_plan(lora.token_slots, S, cfg.block_m)
+    seg = Segments(lora)
+    cols = cfg.plan_cols or planned_cols(T, n_out, S, cfg.block_m, cfg.block_n, PLANNED_TARGET_PROGRAMS)
+    planned_delta(x, out, lora.a, lora.b, lora.slot_ranks, plan, seg.bounds or (0, n_out), seg.r_seg, seg.block_r,
+                  cols, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
 
 
 def row_plan(token_slots: torch.Tensor, n_slots: int, block_m: int) -> MoERoutingPlan:
