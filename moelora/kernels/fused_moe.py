@@ -1,19 +1,13 @@
 """Fused routed-expert MoE with per-token multi-LoRA: the base pipeline over the kernels of moe_gemm.
 
-Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, S adapter slots,
-R max rank, P plan rows (max_padded).
-  x [T, H], w_gate_up [E, 2I, H] (gate rows then up rows), w_down [E, H, I],
-  topk_weights [T, K] (float), topk_ids [T, K] (int32/int64) -> out [T, H] (x's dtype)
-  lora: ExpertLoRAArgs (gate_up_a [S, E, R, H], gate_up_b [S, E, 2I, R], down_a [S, E, R, I],
-        down_b [S, E, H, R], token_slots [T] int32 (-1: none), gate_up_ranks / down_ranks [S] int32)
-
-Launches (no host sync, fixed sizes: CUDA-graph safe; one stream unless `side_stream` is given):
-  plan -> gate_up GEMM + SiLU*up -> h [P, I] -> down GEMM, x routing weight -> y [T*K, H] -> sum over K -> out
-The routed LoRA is one path of `moelora.kernels.moe_lora` (the config's `lora`, or `lora_wide` for pools of
-rank > 16), which adds its launches before and between these and switches the GEMMs' epilogues on
-(`moe_lora.base`). The top-k combine sums y's K rows in a fixed order, so results are deterministic (with
-or without the side stream). x and the weights are never written (contract 2). Rows on slot -1 do no LoRA
-work; a slot of rank r reads only r rows of A / columns of B.
+Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, S adapter slots, R max rank,
+P plan rows (max_padded).
+  x [T, H], w_gate_up [E, 2I, H] (gate rows then up rows), w_down [E, H, I], topk_weights [T, K] (float),
+  topk_ids [T, K] (int32/int64), lora: ExpertLoRAArgs                                  -> out [T, H]
+Launches: plan -> gate_up GEMM + SiLU*up -> h [P, I] -> down GEMM x routing weight -> y [T*K, H] -> combine,
+no host sync, fixed sizes (CUDA-graph safe), the K rows summed in a fixed order (deterministic). The routed
+LoRA is one path of `moelora.kernels.moe_lora` (`FusedMoEConfig.lora`, `lora_wide` for pools of rank > 16)
+that adds its launches through `base.MoELoRAPath`'s hooks. Inputs are never written (contract 2).
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """Dense linear with per-token multi-LoRA: y = x W^T + b + x A_s^T B_s^T (s = slot of the row).
 
-Shape legend: T tokens, N_in / N_out in / out features, S adapter slots, R max rank
-(BLOCK_R = pow2 >= max(16, R)), P shrink splits over N_in.
-  x [T, N_in], weight [N_out, N_in], bias [N_out] | None
-  lora: DenseLoRAArgs (a [S, R, N_in], b [S, N_out, R] with scaling folded in,
-        token_slots [T] int32 (-1: no adapter), slot_ranks [S] int32)       -> y [T, N_out]
-  with output segments (G linears merged into one, e.g. q/k/v; `DenseLoRAArgs.segments` = sizes N_g):
-        a [S, G*R, N_in] (segment g: rows [gR, gR + R)), b [S, N_out, R] (segment g: rows
-        [off_g, off_g + N_g)), slot_ranks [G, S] int32 (contiguous)           -> y [T, N_out]
-
-The delta is added by one of the modes in `moelora.kernels.dense_lora` (`LoRALinearConfig.mode`):
-- "split" (`dense_lora/split.py`): cuBLAS, then a shrink kernel and an expand kernel (the shrink on the
-  LoRA side stream next to cuBLAS when one is given).
-- "splitk" (`dense_lora/splitk.py`; decode rows, fp16/bf16, the default with LoRA at T <= 16, o-like shapes
-  to 64: `_prefers_splitk`): no cuBLAS; a split-K Triton GEMM whose launch also runs the shrink's programs,
-  then one reduce that adds bias and the expand: LoRA adds no launch.
-- "planned" (`dense_lora/planned.py`; decode batches past splitk's rows where the caller grouped the rows
-  by slot, `DenseLoRAArgs.row_plan`): cuBLAS, then one kernel that adds each slot's delta over its rows.
-Row blocks with no adapter exit after one load; rows with slot -1 are neither read nor written
-by the LoRA kernels. Grids depend on shapes only and nothing syncs with the host (graph-safe).
+Shape legend: T tokens, N_in / N_out features, S adapter slots, R max rank, G output segments.
+  x [T, N_in], weight [N_out, N_in], bias [N_out] | None, lora: DenseLoRAArgs (a [S, G*R, N_in],
+  b [S, N_out, R] with scaling folded in, token_slots [T] int32 (-1: none), slot_ranks [S] or [G, S])
+                                                                                       -> y [T, N_out]
+This file holds the config, the default picks and the checks; the modes ("split", "splitk", "planned")
+are in `moelora.kernels.dense_lora`, one per file. Rows on slot -1 are neither read nor written by the
+LoRA kernels; grids depend on shapes only and nothing syncs with the host (graph-safe).
 """
 
 from __future__ import annotations

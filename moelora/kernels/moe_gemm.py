@@ -1,20 +1,13 @@
 """Triton kernels of the routed-expert GEMMs over a `MoERoutingPlan`, with the routed LoRA's epilogues.
 
 Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, S adapter slots,
-R max rank (BLOCK_R the LoRA tile rank), P = plan rows (max_padded), BM = plan block_m.
-  x [T, H]            w_gate_up [E, 2I, H]   -> h [P, I]   (plan row order; padding rows unwritten)
-  h [P, I]            w_down    [E, H, I]    -> y [T*K, H] (route order, routing weight applied)
-  lora gate_up A [S, E, R, H], B [S, E, 2I, R]; down A [S, E, R, I], B [S, E, H, R]
-
-Program (pid_m, pid_n) owns rows [pid_m*BM, +BM) of the plan (one expert) and BN output columns.
-LoRA is computed in the base GEMM's own layout (contract 3); rows of one block may be on different
-slots (or none: slot -1 never enters any LoRA work). The LoRA paths (`moelora.kernels.moe_lora`)
-switch their epilogues on by flag: HAS_LORA ("separate", and "spread"'s down GEMM: expand a
-precomputed xa), STACKED ("stacked": more K steps), LORA_DELTA ("route" / "block": add each route's
-delta), RAW_OUT (write gate and up unactivated for a kernel after the GEMM), SPREAD ("spread": each
-gate_up program also shrinks a share of x). The combine adds the route / block down delta (HAS_DELTA).
-USE_TMA: weight tiles (and h in the down GEMM, whose rows are contiguous in plan order) come through
-Hopper tensor descriptors; LoRA and everything else is unchanged.
+BLOCK_R the LoRA tile rank, P plan rows (max_padded), BM plan block_m.
+  x [T, H], w_gate_up [E, 2I, H] -> h [P, I] (plan row order); h, w_down [E, H, I] -> y [T*K, H] (route order)
+Program (pid_m, pid_n) owns plan block pid_m (one expert) and BN output columns: LoRA is computed in the
+base GEMM's own layout (contract 3). The LoRA paths (`moe_lora`) switch epilogues on by flag: HAS_LORA
+(expand a precomputed xa), STACKED (more K steps), LORA_DELTA (add each route's delta), RAW_OUT (gate and
+up unactivated, for a kernel after the GEMM), SPREAD (each gate_up program also shrinks a share of x);
+the combine adds a down delta (HAS_DELTA). USE_TMA: Hopper tensor descriptors for weight (and h) tiles.
 """
 
 from __future__ import annotations
