@@ -4,6 +4,8 @@ experts not at all)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from oracle import tiny_hf_model
@@ -80,3 +82,17 @@ def test_serve_parallel_flags_reach_the_engine_config():
     default = serve_engine_config(build_parser().parse_args(["serve"]))
     assert (default.tensor_parallel_size, default.expert_parallel) == (1, False)
     assert serve_engine_config(build_parser().parse_args(["serve", "-tp", "2"])).tensor_parallel_size == 2
+
+
+@pytest.mark.parametrize("kw,named", [(dict(cfg=dict(quantization="fp8")), "FP8 weights"),
+                                      (dict(load_format="dummy"), "load_format='dummy'")])
+def test_several_ranks_refuse_what_they_cannot_load_yet(kw, named):
+    """FP8 storage and dummy weights are not wired through the rank-local loader: a ConfigError naming them,
+    before any worker is spawned."""
+    from moelora import demo
+    from moelora.engine.loader import build_engine
+    from moelora.errors import ConfigError
+
+    cfg = EngineConfig(device="cpu", tensor_parallel_size=2, **kw.get("cfg", {}))
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        build_engine(demo.model_dir(), cfg, load_format=kw.get("load_format", "auto"))
