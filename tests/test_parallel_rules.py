@@ -84,15 +84,19 @@ def test_serve_parallel_flags_reach_the_engine_config():
     assert serve_engine_config(build_parser().parse_args(["serve", "-tp", "2"])).tensor_parallel_size == 2
 
 
-@pytest.mark.parametrize("kw,named", [(dict(cfg=dict(quantization="fp8")), "FP8 weights"),
-                                      (dict(load_format="dummy"), "load_format='dummy'")])
-def test_several_ranks_refuse_what_they_cannot_load_yet(kw, named):
-    """FP8 storage and dummy weights are not wired through the rank-local loader: a ConfigError naming them,
+def test_several_ranks_refuse_an_fp8_block_split_before_spawning(monkeypatch):
+    """What several ranks still refuse: FP8 block scales split inside a 128 block (the demo model's 4 x 32
+    query rows are 64 per rank at TP=2), a ConfigError naming the tensor, the dimension and the block size,
     before any worker is spawned."""
+    import moelora.parallel.engine as pe
     from moelora import demo
     from moelora.engine.loader import build_engine
     from moelora.errors import ConfigError
 
-    cfg = EngineConfig(device="cpu", tensor_parallel_size=2, **kw.get("cfg", {}))
-    with pytest.raises(ConfigError, match=re.escape(named)):
-        build_engine(demo.model_dir(), cfg, load_format=kw.get("load_format", "auto"))
+    def no_spawn(*args, **kw):
+        raise AssertionError("a worker was spawned")
+    monkeypatch.setattr(pe, "Driver", no_spawn)
+    cfg = EngineConfig(device="cpu", tensor_parallel_size=2, quantization="fp8")
+    with pytest.raises(ConfigError, match=re.escape("self_attn.q_proj.weight (num_attention_heads x head dim) at "
+                                                    "rows 0..64") + ".*weight_block_size 128"):
+        build_engine(demo.model_dir(), cfg)

@@ -114,16 +114,11 @@ def build_engine(model_dir: str | Path, cfg: EngineConfig | None = None, progres
     model_cfg = ModelConfig.from_hf(model_dir)
     cfg = (cfg or EngineConfig()).resolve(model_cfg)
     fp8 = cfg.fp8_config(model_cfg)  # FP8 storage of the projections (`moelora.quant`), or None
-    if cfg.parallel_config.distributed:  # one process per rank (moelora.parallel)
+    tok = Tokenizer(tok_dir, template) if (tok_dir / "tokenizer.json").is_file() else None
+    if cfg.parallel_config.distributed:  # one process per rank (moelora.parallel); the tokenizer is rank 0's
         from moelora.parallel.engine import build_parallel_engine
 
-        unsupported = [name for name, on in (("FP8 weights", fp8 is not None), ("load_format='dummy'",
-                       load_format == "dummy"), ("tokenizer", tokenizer is not None),
-                       ("chat_template", chat_template is not None)) if on]
-        if unsupported:
-            raise ConfigError(f"tensor_parallel_size={cfg.tensor_parallel_size} does not support "
-                              f"{', '.join(unsupported)} yet")
-        return build_parallel_engine(model_dir, cfg, adapters)
+        return build_parallel_engine(model_dir, cfg, adapters, load_format, seed, tok)
     if cfg.torch_device.type == "cuda":
         # an engine dropped earlier in this process (its graphs and caches hold reference cycles) is only
         # freed by the cycle collector: collect it first, or its weights and KV pool still take the memory
@@ -143,7 +138,6 @@ def build_engine(model_dir: str | Path, cfg: EngineConfig | None = None, progres
     if cfg.torch_device.type == "cuda":
         torch.cuda.empty_cache()
     cfg = cfg.with_kv_blocks(_kv_blocks(cfg, model_cfg, model))
-    tok = Tokenizer(tok_dir, template) if (tok_dir / "tokenizer.json").is_file() else None
 
     def load(name: str, path: Path):
         return load_adapter(path, model_cfg, name=name, max_rank=cfg.max_lora_rank)

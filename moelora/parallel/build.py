@@ -11,27 +11,68 @@ from moelora.config import ModelConfig
 from moelora.engine.config import EngineConfig
 from moelora.models.lora_targets import restrict_lora_sites
 from moelora.models.registry import model_class
+from moelora.models.weights import init_dummy_weights
+from moelora.parallel.rules import ShardPlan
+from moelora.parallel.scales import rank_cuts
 from moelora.parallel.shard import Shard
 from moelora.parallel.weights import load_sharded_checkpoint
+from moelora.quant.checkpoint import SCALE, FP8Loading, is_scale
+from moelora.quant.storage import check_ignored
 
 
-def build_rank_model(model_dir: str | Path, cfg: EngineConfig, shard: Shard):
-    """This rank's shard of the model in `model_dir`, its weights read slice by slice."""
+def full_shapes(model_cfg: ModelConfig, cfg: EngineConfig) -> dict[str, tuple[int, ...]]:
+    """The unsharded shapes of every weight destination (FP8 scales included), allocating nothing."""
+    with torch.device("meta"):
+        full = model_class(model_cfg)(model_cfg, dtype=cfg.torch_dtype, quant=cfg.fp8_config(model_cfg))
+    return {name: tuple(t.shape) for name, t in full.weight_params().items()}
+
+
+def check_fp8_split(model_cfg: ModelConfig, cfg: EngineConfig, plan: ShardPlan) -> None:
+    """ConfigError when FP8 block scales would be split inside a block on any rank (before any process
+    starts; `scales.scale_cut` raises it)."""
+    fp8 = cfg.fp8_config(model_cfg)
+    if fp8 is None:
+        return
+    shapes = full_shapes(model_cfg, cfg)
+    for rank in range(plan.size):
+        rank_cuts(shapes, shapes, ShardPlan(rank, plan.size, plan.expert_parallel), model_cfg, fp8)
+
+
+def build_rank_model(model_dir: str | Path, cfg: EngineConfig, shard: Shard, load_format: str = "auto",
+                     seed: int = 0):
+    """This rank's shard of the model in `model_dir`: its weights read slice by slice (FP8 with their
+    scales' slices), or drawn from `seed` (load_format "dummy", `init_rank_dummy_weights`)."""
     model_cfg = ModelConfig.from_hf(Path(model_dir))
     shard.plan.check(model_cfg)
-    cls = model_class(model_cfg)
+    fp8 = cfg.fp8_config(model_cfg)
     with torch.device(cfg.torch_device):
-        model = cls(model_cfg, max_loras=cfg.max_loras, max_rank=cfg.max_lora_rank, backend=cfg.kernel_backend,
-                    dtype=cfg.torch_dtype, shard=shard)
-    with torch.device("meta"):  # the unsharded shapes, allocating nothing
-        full = cls(model_cfg, dtype=cfg.torch_dtype)
-    full_shapes = {name: tuple(t.shape) for name, t in full.weight_params().items()}
-    load_sharded_checkpoint(model_dir, model.weight_params(), full_shapes, shard.plan, model_cfg)
+        model = model_class(model_cfg)(model_cfg, max_loras=cfg.max_loras, max_rank=cfg.max_lora_rank,
+                                       backend=cfg.kernel_backend, dtype=cfg.torch_dtype, shard=shard, quant=fp8)
+    if fp8 is not None:
+        check_ignored(model, fp8)
+    if load_format == "dummy":
+        init_rank_dummy_weights(model.weight_params(), shard.plan, model_cfg, seed)
+    else:
+        load_sharded_checkpoint(model_dir, model.weight_params(), full_shapes(model_cfg, cfg), shard.plan,
+                                model_cfg, fp8 and FP8Loading(fp8))
     model.eval()
     restrict_lora_sites(model, cfg.lora_target_modules)
     if cfg.torch_device.type == "cuda":
         torch.cuda.empty_cache()
     return model
+
+
+def init_rank_dummy_weights(params: dict[str, torch.Tensor], plan: ShardPlan, model_cfg: ModelConfig,
+                            seed: int) -> None:
+    """`load_format="dummy"` on several ranks: every rank draws its own shard of each split tensor (streams
+    `seed` + rank * len(params) + i), so the sharded model is NOT the one-rank dummy model cut into pieces
+    (its values differ; fine for a benchmark, which only needs the shapes and finite outputs). Replicated
+    tensors (routers, norms, MLA's latent projections) draw the same stream on every rank (`seed` + i), as
+    the ranks must agree on them (one routing decision per token)."""
+    for i, (name, dest) in enumerate(params.items()):
+        split = plan.cut(name, model_cfg) is not None or (is_scale(name) and plan.cut(name[: -len(SCALE)],
+                                                                                     model_cfg) is not None)
+        init_dummy_weights({name: dest}, seed + i + (plan.rank * len(params) if split else 0))
 
 
 def plan_kv_blocks(cfg: EngineConfig, model, shard: Shard) -> EngineConfig:

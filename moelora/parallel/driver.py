@@ -30,7 +30,9 @@ _FAULT_GRACE_S = 0.5  # after a fault the group is dead: a worker stuck in a col
 
 
 class Driver:
-    def __init__(self, model_dir: str | Path, cfg: EngineConfig, pcfg: ParallelConfig):
+    def __init__(self, model_dir: str | Path, cfg: EngineConfig, pcfg: ParallelConfig,
+                 load: tuple[str, int] = ("auto", 0)):
+        """`load`: (load_format, seed), every rank's (`build.build_rank_model`)."""
         from moelora.parallel.worker import worker_main
 
         self.pcfg, self.closed = pcfg, False
@@ -43,7 +45,7 @@ class Driver:
         for rank in range(1, size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=worker_main, name=f"moelora-rank{rank}", daemon=True,
-                               args=(rank, _HOST, store.port, str(model_dir), cfg, pcfg, child))
+                               args=(rank, _HOST, store.port, str(model_dir), cfg, pcfg, child, load))
             proc.start()
             child.close()
             self.conns.append(parent)

@@ -106,25 +106,28 @@ class ParallelEngine(LLMEngine):
         self.driver.close()
 
 
-def build_parallel_engine(model_dir: Path, cfg: EngineConfig, adapters: Mapping[str, str | Path] | None
+def build_parallel_engine(model_dir: Path, cfg: EngineConfig, adapters: Mapping[str, str | Path] | None,
+                          load_format: str = "auto", seed: int = 0, tokenizer: Tokenizer | None = None
                           ) -> ParallelEngine:
-    """Spawn the workers, build rank 0's shard while they build theirs, then the engine (`cfg` resolved)."""
+    """Spawn the workers, build rank 0's shard while they build theirs, then the engine (`cfg` resolved).
+    `load_format` / `seed` reach every rank; `tokenizer` (with its chat template) is rank 0's alone."""
     from moelora.lora.loader import load_adapter
     from moelora.parallel.adapters import shard_adapter
-    from moelora.parallel.build import build_rank_model, plan_kv_blocks
+    from moelora.parallel.build import build_rank_model, check_fp8_split, plan_kv_blocks
 
     model_cfg = ModelConfig.from_hf(model_dir)
     pcfg = cfg.parallel_config
-    ShardPlan(0, pcfg.world_size, pcfg.expert_parallel).check(model_cfg)  # before any process starts
-    driver = Driver(model_dir, cfg, pcfg)
+    plan = ShardPlan(0, pcfg.world_size, pcfg.expert_parallel)
+    plan.check(model_cfg)  # before any process starts
+    check_fp8_split(model_cfg, cfg, plan)
+    driver = Driver(model_dir, cfg, pcfg, (load_format, seed))
     try:
-        model = build_rank_model(model_dir, cfg, driver.shard)
+        model = build_rank_model(model_dir, cfg, driver.shard, load_format, seed)
         cfg = plan_kv_blocks(cfg, model, driver.shard)
         driver.wait_ready()
     except BaseException:
         driver.close()
         raise
-    tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
 
     def load(name: str, path: Path):
         adapter = load_adapter(Path(path), model_cfg, name=name, max_rank=cfg.max_lora_rank)

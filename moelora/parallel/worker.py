@@ -38,14 +38,14 @@ def _error(exc: BaseException) -> tuple[str, str, str]:
 
 
 class _Worker:
-    def __init__(self, model_dir: str, cfg: EngineConfig, shard: Shard):
+    def __init__(self, model_dir: str, cfg: EngineConfig, shard: Shard, load: tuple[str, int]):
         from moelora.engine.kv_cache import PagedKVCache
         from moelora.engine.runner import ModelRunner
         from moelora.models.lora_targets import lora_site_owners
         from moelora.parallel.build import build_rank_model, plan_kv_blocks
 
         self.model_dir, self.shard = model_dir, shard
-        self.model = build_rank_model(model_dir, cfg, shard)
+        self.model = build_rank_model(model_dir, cfg, shard, *load)
         self.cfg = cfg = plan_kv_blocks(cfg, self.model, shard)
         self.cache = PagedKVCache(self.model.kv_cache_shapes(), cfg.num_kv_blocks, cfg.block_size,
                                   cfg.torch_device, cfg.torch_dtype)
@@ -109,8 +109,8 @@ class _Worker:
 
 
 def worker_main(rank: int, host: str, port: int, model_dir: str, cfg: EngineConfig, pcfg: ParallelConfig,
-                conn) -> None:
-    """Entry point of a spawned worker process."""
+                conn, load: tuple[str, int] = ("auto", 0)) -> None:
+    """Entry point of a spawned worker process; `load`: (load_format, seed) of `build_rank_model`."""
     from moelora.parallel.groups import device_group, open_store
 
     conn.send(("alive",))
@@ -124,7 +124,7 @@ def worker_main(rank: int, host: str, port: int, model_dir: str, cfg: EngineConf
     try:
         store = open_store(host, port, rank, pcfg.world_size, pcfg.step_timeout_s)
         group = device_group(store, rank, pcfg.world_size, cfg.torch_device, pcfg.step_timeout_s)
-        worker = _Worker(model_dir, cfg, Shard(ShardPlan(rank, pcfg.world_size, pcfg.expert_parallel), group))
+        worker = _Worker(model_dir, cfg, Shard(ShardPlan(rank, pcfg.world_size, pcfg.expert_parallel), group), load)
         conn.send(("ready",))
     except BaseException as exc:
         conn.send(("error", type(exc).__name__, f"{exc}\n{traceback.format_exc()}"))
