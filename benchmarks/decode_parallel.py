@@ -5,8 +5,10 @@ bf16 checkpoint of the model's shape, cut to `--layers` layers (default 8: ~10 G
 8 random rank-`--rank` adapters (attention and routed-expert LoRA, PEFT per-expert keys) into a temporary
 directory, then times decode (`moelora.bench.time_decode`: back-to-back steps, one sync at the end) on an
 engine of 1 rank (the reference) and of N ranks (both under CUDA graphs; overlapped scheduling is off with N),
-with no LoRA, 1 adapter and 8 adapters. Prints the step time, tokens/s and the ratio N ranks / 1 rank, and
-writes the rows to the CSV.
+with no LoRA, 1 adapter and 8 adapters. `--quantization fp8`: both engines quantize the checkpoint while loading
+(each rank its slices; the Qwen3-30B shape's 768 expert rows split on 128 blocks at N = 2, or any N with
+--enable-expert-parallel). Prints the step time, tokens/s and the ratio N ranks / 1 rank, and writes the rows
+to the CSV.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def write_random_adapter(cfg: ModelConfig, rank: int, seed: int, out: Path) -> P
 
 
 def run_parallel(spec: dict, name: str, tp: int, expert_parallel: bool, layers: int, concs: list[int], steps: int,
-                 rank: int, repeats: int) -> list[dict]:
+                 rank: int, repeats: int, quantization: str | None = None) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="moelora-tp-bench-") as tmp:
         cfg = write_random_checkpoint(spec, layers, Path(tmp) / "model")
@@ -95,7 +97,8 @@ def run_parallel(spec: dict, name: str, tp: int, expert_parallel: bool, layers: 
                           (f"{tp} ranks{' EP' if expert_parallel else ''}",
                            dict(tensor_parallel_size=tp, expert_parallel=expert_parallel))):
             llm = LLM(Path(tmp) / "model", adapters, dtype="bfloat16", max_loras=8, max_lora_rank=2 * rank,
-                      max_num_seqs=max(concs), max_model_len=512, num_kv_blocks=max(concs) * 16 + 64, **kw)
+                      max_num_seqs=max(concs), max_model_len=512, num_kv_blocks=max(concs) * 16 + 64,
+                      quantization=quantization, **kw)
             try:
                 for conc in concs:
                     for config, names in (("no LoRA", [None]), ("1 adapter", ["a0"]), ("8 adapters", list(adapters))):

@@ -135,8 +135,8 @@ def test_a_split_off_the_fp8_blocks_is_a_config_error(tmp_path):
 
 
 def test_dummy_fp8_weights_on_two_ranks_generate_tokens(tmp_path):
-    """load_format="dummy" with FP8 storage at TP=2: each rank draws its shard; the tokenizer override is
-    rank 0's."""
+    """load_format="dummy" with FP8 storage at TP=2: each rank draws its shard; the tokenizer and chat template
+    overrides are rank 0's."""
     from moelora import demo
     from moelora.engine.config import EngineConfig
     from moelora.engine.loader import build_engine
@@ -144,12 +144,28 @@ def test_dummy_fp8_weights_on_two_ranks_generate_tokens(tmp_path):
     path = _fp32_checkpoint(tmp_path)
     (path / "model.safetensors").unlink()  # dummy reads only config.json
     engine = build_engine(path, EngineConfig(**ENGINE, quantization="fp8", **TP2), load_format="dummy",
-                          tokenizer=demo.model_dir())
+                          tokenizer=demo.model_dir(), chat_template="{{ messages[0]['content'] }}!")
     try:
-        assert engine.tokenizer is not None
+        assert engine.tokenizer.chat_template == "{{ messages[0]['content'] }}!"
         llm = LLM.__new__(LLM)
         llm.engine, llm.config, llm.tokenizer = engine, engine.model_config, engine.tokenizer
         out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
         assert len(out[0].token_ids) == 4
     finally:
         engine.close()
+
+
+def test_rank_dummy_weights_agree_on_replicated_tensors_and_differ_on_shards(tmp_path):
+    """Two ranks' dummy draws: routers and norms equal (one routing decision a token), split tensors differ."""
+    from moelora.config import ModelConfig
+    from moelora.engine.config import EngineConfig
+    from moelora.parallel.build import build_rank_model
+    from moelora.parallel.rules import ShardPlan
+    from moelora.parallel.shard import Shard
+
+    path = _fp32_checkpoint(tmp_path)
+    cfg = EngineConfig(**ENGINE, tensor_parallel_size=2).resolve(ModelConfig.from_hf(path))
+    ranks = [build_rank_model(path, cfg, Shard(ShardPlan(r, 2)), "dummy", seed=3).weight_params() for r in (0, 1)]
+    router, q = "model.layers.0.mlp.gate.weight", "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(ranks[0][router], ranks[1][router]) and ranks[0][router].abs().max() > 0
+    assert not torch.equal(ranks[0][q], ranks[1][q])
