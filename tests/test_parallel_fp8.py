@@ -15,6 +15,7 @@ import torch
 from fp8_oracle import write_fp8_checkpoint
 from oracle import tiny_hf_model
 from oracle_lora import per_expert_lora, write_packed, write_per_expert
+from test_parallel_gpu import _generate
 
 from moelora import LLM, SamplingParams
 from moelora.errors import ConfigError
@@ -169,3 +170,50 @@ def test_rank_dummy_weights_agree_on_replicated_tensors_and_differ_on_shards(tmp
     router, q = "model.layers.0.mlp.gate.weight", "model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(ranks[0][router], ranks[1][router]) and ranks[0][router].abs().max() > 0
     assert not torch.equal(ranks[0][q], ranks[1][q])
+
+
+
+GPU_ENGINE = dict(max_lora_rank=8, max_loras=3, num_kv_blocks=256, max_model_len=128, max_num_seqs=16)
+needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                    reason="needs 2 GPUs")
+
+
+def _gpu_run(model_dir, adapters, vocab, **kw):
+    llm = LLM(model_dir, adapters, device="cuda", **GPU_ENGINE, **kw)
+    try:
+        g = torch.Generator().manual_seed(1)
+        seqs = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in (5, 9, 3, 12, 7, 4)]
+        names = ["a", None, "b", "c", "a", "b"]
+        outs = _generate(llm.engine, seqs, names, max_tokens=12)  # (token ids, sampled logprobs) per sequence
+        return (llm.logits(seqs, names) if kw.get("dtype") == "float32" else None, [t for t, _ in outs],
+                [lp for _, lps in outs for lp in lps], llm.engine.graphs is not None)
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("parallel", [TP2, EP2], ids=["tp2", "ep2"])
+def test_fp8_on_two_gpus_equals_one(built, parallel):
+    """NCCL: the FP8 block checkpoint at TP=2 / EP=2 equals one GPU (fp32, torch backend, eager: 1e-4 as on the
+    CPU, tokens identical)."""
+    model_dir, adapters, vocab = built("qwen3_moe", "block")
+    kw = dict(dtype="float32", kernel_backend="torch", enforce_eager=True)
+    ref, ref_tokens, _, _ = _gpu_run(model_dir, adapters, vocab, **kw)
+    got, got_tokens, _, _ = _gpu_run(model_dir, adapters, vocab, **kw, **parallel)
+    worst = max((a - b).abs().max().item() for a, b in zip(got, ref, strict=True))
+    assert worst <= 1e-4, f"FP8 {parallel} logits differ from one GPU by {worst}"
+    assert got_tokens == ref_tokens
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_fp8_tp2_decode_graphs_equal_tp2_eager(built):
+    """bf16 activations, Triton, FP8 weights at TP=2: decode graphs (NCCL inside) give the eager tokens."""
+    model_dir, adapters, vocab = built("qwen3_moe", "block")
+    _, graphed, graphed_lp, has_graphs = _gpu_run(model_dir, adapters, vocab, dtype="bfloat16", **TP2)
+    _, eager, eager_lp, _ = _gpu_run(model_dir, adapters, vocab, dtype="bfloat16", enforce_eager=True, **TP2)
+    assert has_graphs and graphed == eager
+    worst = max(abs(a - b) for a, b in zip(graphed_lp, eager_lp, strict=True))
+    assert worst <= 0.05, f"FP8 TP=2 graphs vs eager: max |logprob diff| {worst}"
+
