@@ -173,6 +173,33 @@ def test_rank_dummy_weights_agree_on_replicated_tensors_and_differ_on_shards(tmp
 
 
 
+
+def test_a_rank_reads_only_its_slices_of_fp8_weights_and_scales(built, monkeypatch):
+    """Rank 1 of TP=2 on the FP8 block checkpoint: every 256 x 256 weight (experts, dense MLP) is split, so none is
+    read whole, nor any of their 2 x 2 block scales."""
+    import moelora.parallel.weights as pw
+    from moelora.config import ModelConfig
+    from moelora.engine.config import EngineConfig
+    from moelora.parallel.build import build_rank_model
+    from moelora.parallel.rules import ShardPlan
+    from moelora.parallel.shard import Shard
+
+    model_dir, _, _ = built("qwen3_moe", "block")
+    reads, real = [], pw._read
+
+    def recording(src, cut, ndim):
+        out = real(src, cut, ndim)
+        reads.append((tuple(src.get_shape()), tuple(out.shape), out.dtype))
+        return out
+    monkeypatch.setattr(pw, "_read", recording)
+    cfg = EngineConfig(**ENGINE).resolve(ModelConfig.from_hf(model_dir))
+    build_rank_model(model_dir, cfg, Shard(ShardPlan(1, 2)))
+    weights = [r for r in reads if r[0] == (256, 256)]
+    scales = [r for r in reads if r[0] == (2, 2)]
+    assert weights and all(r[2] == torch.float8_e4m3fn and r[1] in ((128, 256), (256, 128)) for r in weights)
+    assert scales and all(r[1] in ((1, 2), (2, 1)) for r in scales)
+
+
 GPU_ENGINE = dict(max_lora_rank=8, max_loras=3, num_kv_blocks=256, max_model_len=128, max_num_seqs=16)
 needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                     reason="needs 2 GPUs")
