@@ -74,11 +74,10 @@ class _Worker:
         return self.runner.lora_idle
 
     def load(self, name: str, path: str) -> None:
-        from moelora.lora.loader import load_adapter
-        from moelora.parallel.adapters import shard_adapter
+        from moelora.parallel.adapters import load_adapter_shard
 
-        adapter = load_adapter(Path(path), self.model.config, name=name, max_rank=self.cfg.max_lora_rank)
-        self.adapters[name] = shard_adapter(adapter, self.shard.plan, self.model.config)
+        self.adapters[name] = load_adapter_shard(Path(path), self.model.config, name=name,
+                                                 max_rank=self.cfg.max_lora_rank, plan=self.shard.plan)
 
     def handle(self, msg: tuple):
         kind = msg[0]
