@@ -1,6 +1,6 @@
 """The worker processes (ranks 1..N-1): build the rank's model, then run what rank 0 sends, nothing else.
 
-Rank 0 talks to each worker over a pipe (`multiprocessing` spawn context): each message is one pickled
+Rank 0 talks to each worker over a pipe (`multiprocessing` forkserver context): each message is one pickled
 tuple, written once per worker (docs/parallel.md: why a pipe and not a broadcast on the group):
 - ("step", packed HostStep (`wire.py`), all_logits, graph): upload the step's host lists and run the same
   forward, eagerly or as a decode-graph replay (its collectives meet rank 0's); the logits are rank 0's to
