@@ -1,7 +1,8 @@
 """Tensor / expert parallelism on the CPU (gloo): a sharded engine equals the one-process engine (contract 9).
 
 Each case builds a tiny model of a family (transformers, saved as a checkpoint), three adapters with LoRA on
-attention, the dense / shared-expert MLPs, the router and the routed experts, and compares the fp32 logits of
+attention, the dense / shared-expert MLPs, the router and the routed experts, one in each PEFT expert layout
+(per-expert keys, `target_parameters`, packed 3D: each rank reads its slices of each), and compares the fp32 logits of
 one batch mixing the three adapters and base rows, and greedy generation, between `LLM(...)` on one process
 and `LLM(..., tensor_parallel_size=N[, expert_parallel=True])` (spawned gloo workers).
 """
@@ -15,7 +16,7 @@ import time
 import pytest
 import torch
 from oracle import tiny_hf_model
-from oracle_lora import per_expert_lora, write_packed, write_per_expert
+from oracle_lora import build_peft_adapter, per_expert_lora, write_packed, write_per_expert
 
 from moelora import LLM, SamplingParams
 from moelora.errors import ConfigError, WorkerError
@@ -36,7 +37,7 @@ def built(tmp_path_factory):
             hf.save_pretrained(str(root / "model"))
             adapters = {
                 "a": write_per_expert(per_expert_lora(hf, seed=1, r=4, lora_alpha=8), root / "a"),
-                "b": write_per_expert(per_expert_lora(hf, seed=2, r=3, lora_alpha=5, router=False), root / "b"),
+                "b": build_peft_adapter(hf, root / "b", seed=2, r=3, lora_alpha=5),  # target_parameters experts
                 "c": write_packed(per_expert_lora(hf, seed=3, r=2, lora_alpha=4, use_rslora=True), root / "c"),
             }
             cache[family] = (root / "model", adapters, hf.config.vocab_size)
