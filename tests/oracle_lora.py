@@ -349,3 +349,26 @@ def oracle_logits(model, input_ids: torch.Tensor, *, adapter_dir=None, raw: RawL
         target = model if raw is None else merged_model(model, raw)
     with torch.no_grad():
         return target(input_ids).logits
+
+
+def old_peft_orientation(path, model, out, peft_version):
+    """Rewrite a (b) adapter in PEFT < 0.19's orientation: A [E*r, out], B [in, E*r], delta_e = A_e^T B_e^T.
+    """
+    from safetensors.torch import load_file
+
+    sd = load_file(str(path / "adapter_model.safetensors"))
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    e = moelora_config(model).num_experts
+    wrappers = ("experts.lora_A.weight", "experts.base_layer.lora_A.weight")
+    for key in [k for k in sd if k.endswith(wrappers)]:
+        a, b = sd[key], sd[key.replace("lora_A", "lora_B")]
+        r = a.shape[0] // e
+        a_e, b_e = a.reshape(e, r, -1), b.reshape(b.shape[0], r, e).permute(2, 0, 1)  # [E,r,in], [E,out,r]
+        old_a = b_e.transpose(1, 2).reshape(e * r, -1)  # A_e = b_e^T
+        old_b = a_e.permute(2, 1, 0).reshape(a.shape[1], r * e)  # B[:, j*E + e] = a_e[j]
+        # PEFT 0.18's get_delta_weight, "o r e, e r i -> e i o", must give the same [E, out, in] delta
+        old = torch.einsum("ore,eri->eio", old_b.reshape(-1, r, e), old_a.reshape(e, r, -1))
+        torch.testing.assert_close(old, b_e @ a_e)
+        sd[key], sd[key.replace("lora_A", "lora_B")] = old_a.contiguous(), old_b.contiguous()
+    cfg["peft_version"] = peft_version
+    return write_adapter(out, sd, cfg)

@@ -213,36 +213,15 @@ def test_layers_pattern(models, tmp_path):
         load(ol.write_per_expert(raw, tmp_path / "bad"), model)
 
 
-def _old_orientation(path, model, out, peft_version):
-    """Rewrite a (b) adapter in PEFT < 0.19's orientation: A [E*r, out], B [in, E*r], delta_e = A_e^T B_e^T.
-    """
-    sd = load_file(str(path / "adapter_model.safetensors"))
-    cfg = json.loads((path / "adapter_config.json").read_text())
-    e = ol.moelora_config(model).num_experts
-    wrappers = ("experts.lora_A.weight", "experts.base_layer.lora_A.weight")
-    for key in [k for k in sd if k.endswith(wrappers)]:
-        a, b = sd[key], sd[key.replace("lora_A", "lora_B")]
-        r = a.shape[0] // e
-        a_e, b_e = a.reshape(e, r, -1), b.reshape(b.shape[0], r, e).permute(2, 0, 1)  # [E,r,in], [E,out,r]
-        old_a = b_e.transpose(1, 2).reshape(e * r, -1)  # A_e = b_e^T
-        old_b = a_e.permute(2, 1, 0).reshape(a.shape[1], r * e)  # B[:, j*E + e] = a_e[j]
-        # PEFT 0.18's get_delta_weight, "o r e, e r i -> e i o", must give the same [E, out, in] delta
-        old = torch.einsum("ore,eri->eio", old_b.reshape(-1, r, e), old_a.reshape(e, r, -1))
-        torch.testing.assert_close(old, b_e @ a_e)
-        sd[key], sd[key.replace("lora_A", "lora_B")] = old_a.contiguous(), old_b.contiguous()
-    cfg["peft_version"] = peft_version
-    return ol.write_adapter(out, sd, cfg)
-
-
 @pytest.mark.parametrize("square", [False, True])
 def test_old_peft_expert_orientation(square, models, tmp_path):
     """Orientation comes from the shapes; with H == 2I (gate_up square) only peft_version can tell."""
     model = models("olmoe", intermediate_size=24) if square else models("olmoe")
     path = ol.build_peft_adapter(model, tmp_path / "new")
     deltas = ol.peft_deltas(model, path)
-    assert_deltas(load(_old_orientation(path, model, tmp_path / "old", "0.18.1"), model), deltas)
+    assert_deltas(load(ol.old_peft_orientation(path, model, tmp_path / "old", "0.18.1"), model), deltas)
     if square:  # the same file claimed by a new PEFT reads differently: the version is what decided
-        wrong = load(_old_orientation(path, model, tmp_path / "lie", "0.21.0"), model)
+        wrong = load(ol.old_peft_orientation(path, model, tmp_path / "lie", "0.21.0"), model)
         gate_up = "model.layers.0.mlp.experts.gate_up"
         assert (delta(wrong.sites[gate_up]) - deltas[gate_up]).abs().max() > 1e-2
 

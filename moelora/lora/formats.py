@@ -339,14 +339,16 @@ def _packed_factors(m: _Module, proj: str, hp: LoRAHyperParams, c: ModelConfig):
     return m.a.float().contiguous(), m.b.float() * hp.scaling_of(m.name)
 
 
-def _stack_experts(by_expert: dict[int, tuple[_Module, torch.Tensor, torch.Tensor]], c: ModelConfig):
-    """Per-expert 2D factors -> a [E, r, in], b [E, out, r]; lower ranks are zero-padded."""
+def _stack_experts(by_expert: dict[int, tuple[_Module, torch.Tensor, torch.Tensor]], c: ModelConfig,
+                   rank: int | None = None):
+    """Per-expert 2D factors -> a [E, r, in], b [E, out, r]; lower ranks are zero-padded (to `rank`, else the
+    largest here)."""
     missing = [e for e in range(c.num_experts) if e not in by_expert]
     if missing:
         name = by_expert[min(by_expert)][0].name
         raise AdapterError(f"{name}: LoRA for expert(s) {missing} is missing; a projection targeted in one "
                            f"expert must be present in all {c.num_experts} experts")
-    r = max(a.shape[0] for _, a, _ in by_expert.values())
+    r = rank or max(a.shape[0] for _, a, _ in by_expert.values())
     _, a0, b0 = by_expert[0]
     a = a0.new_zeros((c.num_experts, r, a0.shape[1]))
     b = b0.new_zeros((c.num_experts, b0.shape[0], r))

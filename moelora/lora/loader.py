@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 
 from moelora.config import ModelConfig
 from moelora.errors import AdapterError
-from moelora.lora.adapter import LoRAAdapter
+from moelora.lora.adapter import LoRAAdapter, LoRAWeights
 from moelora.lora.formats import LoRAHyperParams, canonicalize
 
 CONFIG_FILE = "adapter_config.json"
@@ -27,35 +28,31 @@ _VARIANT_FLAGS = ("use_dora", "use_qalora", "use_bdlora", "lora_bias")
 _VARIANT_CONFIGS = ("layer_replication", "alora_invocation_tokens", "arrow_config", "velora_config",
                     "kasa_config", "monteclora_config")
 _VOCAB_MODULES = ("embed_tokens", "lm_head")
+# (adapter dir, hyperparams, model config) -> canonical sites, with every check `read_sites` makes
+SiteReader = Callable[[Path, LoRAHyperParams, ModelConfig], dict[str, LoRAWeights]]
 
 
-def load_adapter(path: str | Path, config: ModelConfig, *, name: str, max_rank: int) -> LoRAAdapter:
+def load_adapter(path: str | Path, config: ModelConfig, *, name: str, max_rank: int,
+                 read: SiteReader | None = None) -> LoRAAdapter:
     """Load the PEFT LoRA adapter in directory `path` for a model of `config`.
 
     Every site's rank (for the stacked expert ``gate_up`` site: rank of gate + rank of up) must be at
     most `max_rank`. Raises `AdapterError` naming the reason for anything moelora cannot serve.
+    `read` replaces `read_sites` (reading the whole file): a tensor-parallel rank reads only its slices.
     """
     root = Path(path)
     if not root.is_dir():
         raise AdapterError(f"adapter {name!r}: {root} is not a directory")
     try:
-        return _load(root, config, name, max_rank)
+        return _load(root, config, name, max_rank, read or read_sites)
     except AdapterError as e:  # every refusal names the adapter (and where it was read from)
         raise AdapterError(f"adapter {name!r} ({root}): {e}") from None
 
 
-def _load(root: Path, config: ModelConfig, name: str, max_rank: int) -> LoRAAdapter:
+def _load(root: Path, config: ModelConfig, name: str, max_rank: int, read: SiteReader) -> LoRAAdapter:
     hp = hyperparams(read_config(root))
     _refuse_added_tokens(root, config)
-    tensors = read_weights(root)
-    vocab_keys = [k for k in tensors if any(m in k for m in _VOCAB_MODULES)]
-    if vocab_keys:
-        raise AdapterError(f"adapter touches the vocabulary ({vocab_keys[0]}): LoRA on or resizing of "
-                           f"embed_tokens / lm_head (added tokens) is not supported")
-    for key, t in tensors.items():
-        if not torch.isfinite(t).all():
-            raise AdapterError(f"adapter tensor {key} contains NaN or Inf")
-    sites = canonicalize(tensors, hp, config)
+    sites = read(root, hp, config)
     for site, w in sorted(sites.items()):
         if w.rank > max_rank:
             raise AdapterError(f"site {site} has rank {w.rank}, above max_rank={max_rank}"
@@ -76,13 +73,40 @@ def read_config(root: Path) -> dict[str, Any]:
     return raw
 
 
-def read_weights(root: Path) -> dict[str, torch.Tensor]:
+def read_sites(root: Path, hp: LoRAHyperParams, config: ModelConfig) -> dict[str, LoRAWeights]:
+    """The whole adapter file, checked and canonicalized."""
+    tensors = read_weights(root)
+    refuse_vocab_keys(tensors)
+    for key, t in tensors.items():
+        refuse_non_finite(key, t)
+    return canonicalize(tensors, hp, config)
+
+
+def refuse_vocab_keys(keys: Mapping[str, Any]) -> None:
+    vocab_keys = [k for k in keys if any(m in k for m in _VOCAB_MODULES)]
+    if vocab_keys:
+        raise AdapterError(f"adapter touches the vocabulary ({vocab_keys[0]}): LoRA on or resizing of "
+                           f"embed_tokens / lm_head (added tokens) is not supported")
+
+
+def refuse_non_finite(key: str, t: torch.Tensor) -> None:
+    if not torch.isfinite(t).all():
+        raise AdapterError(f"adapter tensor {key} contains NaN or Inf")
+
+
+def weights_file(root: Path) -> Path:
+    """The adapter's safetensors file (AdapterError when there is none)."""
     file = root / WEIGHTS_FILE
     if not file.is_file():
         if (root / "adapter_model.bin").is_file():
             raise AdapterError(f"{root} holds adapter_model.bin (a pickle); convert it to "
                                f"{WEIGHTS_FILE} (e.g. PeftModel.save_pretrained(safe_serialization=True))")
         raise AdapterError(f"no {WEIGHTS_FILE} in {root}")
+    return file
+
+
+def read_weights(root: Path) -> dict[str, torch.Tensor]:
+    file = weights_file(root)
     from safetensors.torch import load_file
 
     try:

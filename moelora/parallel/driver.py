@@ -29,6 +29,16 @@ _HOST = "127.0.0.1"
 _FAULT_GRACE_S = 0.5  # after a fault the group is dead: a worker stuck in a collective only needs stopping
 
 
+def _context():
+    """The forkserver start method, its server importing torch and the model code once per process: each worker
+    forks from it (CUDA-safe: the server never touches a device) instead of importing them again as a spawned
+    worker does (4 ranks on 2 CPU cores: start-up 10.1 s -> 3.5 s for the first engine, 2.2 s after; shutdown
+    2.6 -> 0.07 s)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["moelora.parallel.worker", "moelora.parallel.build", "moelora.models.registry"])
+    return ctx
+
+
 class Driver:
     def __init__(self, model_dir: str | Path, cfg: EngineConfig, pcfg: ParallelConfig,
                  load: tuple[str, int] = ("auto", 0)):
@@ -40,7 +50,7 @@ class Driver:
         self.sent_idle: frozenset | None = None  # the idle set the workers hold
         size, timeout = pcfg.world_size, pcfg.step_timeout_s
         store = open_store(_HOST, 0, 0, size, timeout)  # port 0: the OS picks a free one
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.conns, self.procs = [], []
         for rank in range(1, size):
             parent, child = ctx.Pipe()

@@ -111,8 +111,7 @@ def build_parallel_engine(model_dir: Path, cfg: EngineConfig, adapters: Mapping[
                           ) -> ParallelEngine:
     """Spawn the workers, build rank 0's shard while they build theirs, then the engine (`cfg` resolved).
     `load_format` / `seed` reach every rank; `tokenizer` (with its chat template) is rank 0's alone."""
-    from moelora.lora.loader import load_adapter
-    from moelora.parallel.adapters import shard_adapter
+    from moelora.parallel.adapters import load_adapter_shard
     from moelora.parallel.build import build_rank_model, check_fp8_split, plan_kv_blocks
 
     model_cfg = ModelConfig.from_hf(model_dir)
@@ -130,8 +129,8 @@ def build_parallel_engine(model_dir: Path, cfg: EngineConfig, adapters: Mapping[
         raise
 
     def load(name: str, path: Path):
-        adapter = load_adapter(Path(path), model_cfg, name=name, max_rank=cfg.max_lora_rank)
-        return shard_adapter(adapter, driver.shard.plan, model_cfg)
+        return load_adapter_shard(Path(path), model_cfg, name=name, max_rank=cfg.max_lora_rank,
+                                  plan=driver.shard.plan)
 
     try:
         return ParallelEngine(model, tokenizer, cfg, load, adapters, driver)

@@ -1,6 +1,6 @@
 """The worker processes (ranks 1..N-1): build the rank's model, then run what rank 0 sends, nothing else.
 
-Rank 0 talks to each worker over a pipe (`multiprocessing` spawn context): each message is one pickled
+Rank 0 talks to each worker over a pipe (`multiprocessing` forkserver context): each message is one pickled
 tuple, written once per worker (docs/parallel.md: why a pipe and not a broadcast on the group):
 - ("step", packed HostStep (`wire.py`), all_logits, graph): upload the step's host lists and run the same
   forward, eagerly or as a decode-graph replay (its collectives meet rank 0's); the logits are rank 0's to
@@ -74,11 +74,10 @@ class _Worker:
         return self.runner.lora_idle
 
     def load(self, name: str, path: str) -> None:
-        from moelora.lora.loader import load_adapter
-        from moelora.parallel.adapters import shard_adapter
+        from moelora.parallel.adapters import load_adapter_shard
 
-        adapter = load_adapter(Path(path), self.model.config, name=name, max_rank=self.cfg.max_lora_rank)
-        self.adapters[name] = shard_adapter(adapter, self.shard.plan, self.model.config)
+        self.adapters[name] = load_adapter_shard(Path(path), self.model.config, name=name,
+                                                 max_rank=self.cfg.max_lora_rank, plan=self.shard.plan)
 
     def handle(self, msg: tuple):
         kind = msg[0]
