@@ -31,6 +31,9 @@ class Shard:
         return self.plan.size
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `partial`, written over `partial` and returned. Contract 2: callers pass
+        only a tensor they produced for this (a layer's fresh output, read by nothing else before the sum),
+        never one of their inputs; the callers are DecoderLayer, VocabParallelEmbedding, ShardedRMSNorm."""
         if self.group is None:
             return partial
         self.group.allreduce([partial]).wait()
