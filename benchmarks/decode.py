@@ -303,7 +303,7 @@ def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank:
 
 # EngineConfig keys the engine applies to the model's modules (or, lora_target_modules, to its LoRA
 # buffers): the A and B engines share one model, so B's value would silently become A's too.
-MODULE_LEVEL_KEYS = frozenset({"overlap_lora", "lora_stream_priority", "overlap_shared_experts",
+MODULE_LEVEL_KEYS = frozenset({"overlap_lora", "overlap_shared_experts",
                                "mla_absorbed_decode", "merge_qkv", "kernel_backend", "lora_target_modules",
                                "max_loras", "max_lora_rank", "dtype", "fused_moe_table"})
 
@@ -337,8 +337,6 @@ def main() -> None:
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="EngineConfig.async_scheduling (default: the engine's, on with CUDA)")
     ap.add_argument("--no-overlap-lora", action="store_true", help="EngineConfig.overlap_lora=False")
-    ap.add_argument("--lora-stream-priority", type=int, default=0, help="EngineConfig.lora_stream_priority "
-                    "(-1: the LoRA side stream's kernels get freed SMs first)")
     ap.add_argument("--lora-target-modules", default=None,
                     help="comma-separated EngineConfig.lora_target_modules (e.g. self_attn,experts: no router LoRA)")
     ap.add_argument("--ab-table", default=None, help="A/B in the same turns: a fused-MoE table file (as "
@@ -371,7 +369,6 @@ def main() -> None:
                           ab=parse_ab(args.ab), ab_table=args.ab_table, pool_rank=args.pool_rank,
                           quant=FP8Config.from_engine(args.quantization) if args.quantization else None, engine_kw=
                           dict(async_scheduling=args.async_scheduling, overlap_lora=not args.no_overlap_lora,
-                               lora_stream_priority=args.lora_stream_priority,
                                lora_target_modules=tuple(args.lora_target_modules.split(","))
                                if args.lora_target_modules else None))
     write_rows(args.out, rows)

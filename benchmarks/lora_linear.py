@@ -16,7 +16,7 @@ to their rank), the ratio to no LoRA, and per T the sum over q/k/v/o x 48 layers
 and with qkv measured, the same step with qkv in place of q, k and v.
 
 usage: python benchmarks/lora_linear.py [OUT.csv] [--ts 1,8,64,256,1024] [--shapes q,k,v,qkv,o]
-       [--variants off,1ad_r16,8ad_r16,8ad_r64,8ad_r8_pool64] [--modes split,fused,splitk] [--layers 0 (auto)]
+       [--variants off,1ad_r16,8ad_r16,8ad_r64,8ad_r8_pool64] [--modes split,splitk,planned] [--layers 0 (auto)]
        [--sweep 8ad_r16,...]   (also time these variants over a grid of split-path configs; prints the best)
        [--sweep-mode splitk]   (the grid is the split-K GEMM's tiles instead; --sweep off,8ad_r16)
        [--no-side-stream]   (by default the shrink gets a side stream, as the engine's overlap_lora gives it)
@@ -40,8 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_bench_common import copy_gbps, write_rows  # noqa: E402
 
-from moelora.kernels.lora_linear import LoRALinearConfig, default_lora_linear_config, lora_linear  # noqa: E402
-from moelora.kernels.planned_lora import row_plan  # noqa: E402
+from moelora.kernels.lora_linear import (  # noqa: E402
+    LoRALinearConfig,
+    default_lora_linear_config,
+    lora_linear,
+    row_plan,
+)
 from moelora.kernels.reference import DenseLoRAArgs  # noqa: E402
 
 SHAPES = {"q": (2048, 4096), "k": (2048, 512), "v": (2048, 512), "qkv": (2048, 5120), "o": (4096, 2048),
@@ -103,22 +107,16 @@ def graph_ms(calls) -> float:
 
 
 def mode_config(T: int, mode: str) -> LoRALinearConfig:
-    """A --modes name's default config; "planned_split": planned with the split path's shrink (on the
-    side stream, next to cuBLAS) and the planned expand."""
-    if mode == "planned_split":
-        return replace(default_lora_linear_config(T, "planned"), plan_shrink="split")
+    """A --modes name's default config."""
     return default_lora_linear_config(T, mode)
 
 
 def cfg_name(cfg: LoRALinearConfig | None) -> str:
     if cfg is None:
         return "-"
-    if cfg.mode == "fused":
-        return f"fused/bm{cfg.block_m}/bn{cfg.block_n}/bk{cfg.block_k}/w{cfg.num_warps}"
     if cfg.mode == "planned":
-        shrink = "" if cfg.plan_shrink == "fused" else f"/shrink-split{cfg.split_k}"
         return (f"planned/bm{cfg.block_m}/bn{cfg.block_n}/bk{cfg.block_k}/cols{cfg.plan_cols}/w{cfg.num_warps}"
-                f"/st{cfg.num_stages}{shrink}")
+                f"/st{cfg.num_stages}")
     if cfg.mode == "splitk":
         return (f"splitk/gbn{cfg.gemm_block_n}/gbk{cfg.gemm_block_k}/gsk{cfg.gemm_split_k}/bm{cfg.block_m}"
                 f"/bn{cfg.block_n}/sk{cfg.split_k}")
@@ -140,8 +138,6 @@ def sweep_configs(T: int, mode: str) -> list[LoRALinearConfig]:
         base = default_lora_linear_config(T, "planned")
         return ([replace(base, block_n=bn, block_k=bk, plan_cols=pc, num_stages=st)
                  for bn in (64, 128) for bk in (128, 256, 512) for pc in (0, 512) for st in (2, 3, 4)]
-                + [replace(base, plan_shrink="split", block_k=bk, split_k=sk, plan_cols=pc)
-                   for bk in (128, 256) for sk in (0, 2, 4, 8) for pc in (0, 512)]
                 + [replace(base, block_m=32, block_k=bk, num_warps=w) for bk in (256, 512) for w in (4, 8)])
     base = default_lora_linear_config(T, "split")
     cfgs = [replace(base, block_m=bm, block_n=bn, num_warps=w, split_k=sk)
@@ -236,7 +232,7 @@ def main(argv=None):
     ap.add_argument("--ts", default=",".join(map(str, TS)))
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--modes", default="split,fused")
+    ap.add_argument("--modes", default="split,planned")
     ap.add_argument("--layers", type=int, default=0, help="calls per graph (0: enough to keep W out of L2)")
     ap.add_argument("--sweep", default="", help="variants (e.g. 8ad_r16) to also time over split-path configs")
     ap.add_argument("--sweep-mode", default="split", choices=("split", "splitk", "planned"),

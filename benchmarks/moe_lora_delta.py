@@ -30,28 +30,20 @@ from moe_bench_common import (  # noqa: E402
     write_rows,
 )
 
-from moelora.kernels import fused_moe as fm  # noqa: E402
 from moelora.kernels.moe_config import tuned_fused_moe_config  # noqa: E402
+from moelora.kernels.moe_lora import PATHS, MoECall  # noqa: E402
 from moelora.kernels.moe_plan import build_routing_plan  # noqa: E402
 
-# name -> FusedMoEConfig changes over the table's entry for M
-CONFIGS = {
-    "route/plan": dict(lora_shrink="route", lora_route_order="plan"),
-    "route/token": dict(lora_shrink="route", lora_route_order="token"),
-    "block n64 k128": dict(lora_shrink="block", lora_block_n=64, lora_block_k=128),
-    "block n256 k128": dict(lora_shrink="block", lora_block_n=256, lora_block_k=128),
-    "block n256 k256": dict(lora_shrink="block", lora_block_n=256, lora_block_k=256),
-    "block n256 k512": dict(lora_shrink="block", lora_block_n=256, lora_block_k=512),
-    "block n128 k512": dict(lora_shrink="block", lora_block_n=128, lora_block_k=512),
-    # 16-row programs over larger plan blocks (lora_block_m)
-    "block n256 k128 m16": dict(lora_shrink="block", lora_block_n=256, lora_block_k=128, lora_block_m=16),
-    "block n128 k128 m16": dict(lora_shrink="block", lora_block_n=128, lora_block_k=128, lora_block_m=16),
-    "block n256 k256 m16": dict(lora_shrink="block", lora_block_n=256, lora_block_k=256, lora_block_m=16),
-    # a fixed number of programs looping over the items (lora_block_programs): 1, 2, 4 per SM
-    **{f"block n256 k256 m16 p{p}": dict(lora_shrink="block", lora_block_n=256, lora_block_k=256, lora_block_m=16,
-                                        lora_block_programs=p) for p in (132, 264, 528)},
-}
 
+def delta_configs() -> dict:
+    """name -> the path config of every "route" and "block" trial and refinement the tuner times."""
+    out = {}
+    for name in ("route", "block"):
+        path = PATHS[name]
+        for cfg in path.trials(64) + [dataclasses.replace(path.config(), **c) for c in path.refinements]:
+            cfg = dataclasses.replace(cfg, block_max_slots=0) if name == "route" else cfg
+            out[name + "/" + ",".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items())] = cfg
+    return out
 
 def delta_bytes(ids, slots, rank, plan, which, H, inter) -> tuple[int, int]:
     """(distinct (adapter, expert) pairs' A + B bytes, (plan block, adapter) pairs' bytes), bf16,
@@ -74,8 +66,13 @@ def delta_bytes(ids, slots, rank, plan, which, H, inter) -> tuple[int, int]:
 
 def delta_us(cfg, src, delta, plan, ids, lora, which) -> float:
     """Graph-replay µs of `which`'s delta launch (its kernels only: no base GEMM), rank-16 pools."""
-    return 1e3 * graph_time_ms(lambda: fm._delta_on(None, cfg.lora_shrink, src, delta, plan, ids, lora, which, 16,
-                                                    cfg), rep=25)
+    call = MoECall(src, plan, ids, lora, 16, plan_inter(lora), 64, None)
+    path = PATHS[cfg.path](call, cfg)
+    return 1e3 * graph_time_ms(lambda: path.delta(src, delta, which), rep=25)
+
+
+def plan_inter(lora) -> int:
+    return lora.down_a.shape[3]
 
 
 def main(argv=None):
@@ -84,7 +81,7 @@ def main(argv=None):
     ap.add_argument("--shape", default="qwen3_30b_a3b")
     ap.add_argument("--ms", default="64,256")
     ap.add_argument("--variants", default="1ad_r16,8ad_r16")
-    ap.add_argument("--configs", default="", help="comma-separated names of CONFIGS (default: all)")
+    ap.add_argument("--configs", default="", help="';'-separated names of delta_configs() (default: all)")
     ap.add_argument("--rank0", action="store_true", help="also time each launch with every slot's rank 0: "
                     "the same programs, each leaving after its prologue (what launches, lanes and waves cost)")
     ap.add_argument("--orders", default="interleaved", help="row orders of the tokens' slots: interleaved "
@@ -93,7 +90,8 @@ def main(argv=None):
     shape = SHAPES[args.shape]
     H, inter, E, K = shape["H"], shape["I"], shape["E"], shape["K"]
     bw = copy_gbps()
-    names = [c for c in args.configs.split(",") if c] or list(CONFIGS)
+    configs = delta_configs()
+    names = [c for c in args.configs.split(";") if c] or list(configs)
     print(f"# {torch.cuda.get_device_name()}: copy {bw:.0f} GB/s; {args.shape} {shape}", flush=True)
     layer = make_layer(shape, pool_ranks=(16,))
     rows = []
@@ -112,7 +110,7 @@ def main(argv=None):
                 delta = torch.empty(M * K, n_out, dtype=torch.bfloat16, device="cuda")
                 pair_b, block_b = delta_bytes(ids, lora.token_slots, rank, plan, which, H, inter)
                 for name in names:
-                    cfg = dataclasses.replace(base, lora_block_max_slots=0, **CONFIGS[name])
+                    cfg = configs[name]
                     us = delta_us(cfg, src, delta, plan, ids, lora, which)
                     empty_us = delta_us(cfg, src, delta, plan, ids, idle, which) if args.rank0 else float("nan")
                     bound_us = pair_b / (bw * 1e3)

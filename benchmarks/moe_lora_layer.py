@@ -2,10 +2,11 @@
 
 Shape legend: M tokens, H hidden, I expert intermediate, E experts, K top-k, R rank.
 Usage: python benchmarks/moe_lora_layer.py [CSV path] [--shapes a,b] [--ms 1,8] [--variants off,8ad_r16]
-       [--shrink table,route,block]   (LoRA variants once per shrink mode; "table": the tuned config's own)
+       [--shrink table,route,block]   (LoRA variants once per routed-LoRA path, at every pool width: the table
+       entry's own config of that path, else the path's defaults; "table": the tuned config as it is)
        [--gate-up-at table,epilogue,activation] [--no-side-stream] [--chain 8 (default; 0: off)]
-       [--sets "lora_block_n=64;lora_block_n=256,lora_block_k=64"]   (LoRA variants once per ';'-separated
-       set of FusedMoEConfig overrides, ints or strings, on top of the shrink mode's config)
+       [--sets "block_n=64;block_n=256,block_k=64"]   (LoRA variants once per ';'-separated set of the
+       path's config fields, ints or strings, set on each of the config's LoRA paths that has them)
 The LoRA deltas get a side stream, as the engine gives them (EngineConfig.overlap_lora), unless
 --no-side-stream. --chain N: also the time per layer of one graph replaying N layers of distinct
 weights in turn (as a decode step replays its layers; their weights exceed L2, so no flush is needed):
@@ -23,7 +24,7 @@ import argparse
 import csv
 import os
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -46,6 +47,19 @@ from moe_bench_common import (  # noqa: E402
 from moelora.kernels.moe_config import tuned_fused_moe_config  # noqa: E402
 
 EAGER_VARIANTS = ("off", "8ad_r16")
+
+
+def with_knobs(cfg, knobs: dict):
+    """cfg with `knobs` set on each of its LoRA path configs (narrow, wide) that has those fields."""
+    names = {f.name for lora in (cfg.lora, cfg.lora_wide) if lora is not None for f in fields(lora)}
+    if set(knobs) - names:
+        raise SystemExit(f"{sorted(set(knobs) - names)}: no field of {cfg.lora} or {cfg.lora_wide}")
+
+    def on(lora):
+        own = {k: v for k, v in knobs.items() if lora is not None and k in {f.name for f in fields(lora)}}
+        return replace(lora, **own) if own else lora
+
+    return replace(cfg, lora=on(cfg.lora), lora_wide=on(cfg.lora_wide))
 
 
 def main(argv=None):
@@ -87,15 +101,14 @@ def main(argv=None):
                 lora = make_lora(layer, M, var)
                 cfg = tuned_fused_moe_config(shape["E"], shape["H"], shape["I"], M, shape["K"], torch.bfloat16, gpu)
                 if mode != "table":
-                    cfg = replace(cfg, lora_shrink=mode,
-                                  lora_shrink_wide="" if mode == "inline" else mode)  # this mode at every width
+                    cfg = cfg.on_path(mode)  # this path at every width
                     label = f"{label}/{mode}"
                 if at != "table":
-                    cfg = replace(cfg, lora_gate_up_at=at)
+                    cfg = with_knobs(cfg, dict(gate_up_at=at))
                     label = f"{label}@{at[:3]}"
                 if sets:
                     kv = dict(item.split("=") for item in sets.split(","))
-                    cfg = replace(cfg, **{k: int(v) if v.lstrip("-").isdigit() else v for k, v in kv.items()})
+                    cfg = with_knobs(cfg, {k: int(v) if v.lstrip("-").isdigit() else v for k, v in kv.items()})
                     label = f"{label}[{sets}]"
                 fn = moe_call(layer, x, wts, ids, lora, cfg, side)
                 t = graph_time_ms(fn)

@@ -2,7 +2,7 @@
 
 Shape legend: M tokens; shapes and LoRA variants as in moe_lora_layer.py.
 Usage: python benchmarks/moe_profile.py [shape:M:variant[:shrink mode] ...]  (default: a few decode/prefill
-       points; the mode replaces the tuned config's lora_shrink, at every pool width)
+       points; the mode: the routed-LoRA path instead of the tuned config's, at every pool width)
 Prints, per point, each kernel's mean device time in microseconds: where the layer's time goes.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -35,7 +34,7 @@ def main(points):
         cfg = tuned_fused_moe_config(shape["E"], shape["H"], shape["I"], int(m), shape["K"], torch.bfloat16,
                                      torch.cuda.get_device_name())
         if mode:
-            cfg = replace(cfg, lora_shrink=mode[0], lora_shrink_wide=mode[0])
+            cfg = cfg.on_path(mode[0])
         fn = moe_call(layer, x, wts, ids, make_lora(layer, int(m), var), cfg)
         for _ in range(3):
             fn()

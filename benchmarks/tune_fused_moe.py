@@ -5,18 +5,14 @@ moelora/kernels/configs/fused_moe_<gpu>.json (and a copy plus all timings under 
 Shape legend: M tokens, H hidden, I expert intermediate, E experts, K top-k.
 Per (shape, M): time the LoRA-off layer (CUDA-graph replay, L2 flushed, median) over a short
 candidate list of tiles chosen by routes per expert, keep the fastest; then try TMA on it, and where
-M * K <= E the plan with a block per route and no sort (plan_per_route); then
-pick lora_shrink (inline / separate, also with 8 shrink and 2 / 4 / 8 expand lanes / route / block)
-and lora_split_k by the
-summed time of one adapter and of 8 adapters, rank 16 (--score; a graph serves both kinds of batch,
-and the best path differs between them: H200, Qwen3 M=256, scored on 8 alone the route path won, on
-both the block path, which then decoded faster with 1 adapter AND with 8) (a route pick then tries
-4x the delta's programs, 8 warps and 4x wider loads, lora_route_stages 2 / 3, lora_route_order
-"plan", a route or block pick lora_gate_up_at "activation", a block pick lora_block_programs 132 /
-264 / 528 and lora_block_b_chunks off, and a route pick the block switch for batches on <= 2 slots,
-scored on 1 + 8 adapters), and lora_shrink_wide (separate /
-route / block) on 8 adapters of rank 64 plus 8 of rank 8 in the rank-64 pool. LoRA timings use a
-side stream, as the engine's overlap_lora does (--no-side-stream: not). Usage:
+M * K <= E the plan with a block per route and no sort (plan_per_route); then pick the routed-LoRA path
+(`lora`) by the summed time of one adapter and of 8 adapters, rank 16 (--score; a graph serves both kinds
+of batch, and the best path differs between them: H200, Qwen3 M=256, scored on 8 alone the route path won,
+on both the block path, which then decoded faster with 1 adapter AND with 8): every registered path's
+`trials` (moelora.kernels.moe_lora), then each of the pick's `refinements`, kept if faster; then
+`lora_wide` (each path at its best narrow config) on 8 adapters of rank 64 plus 8 of rank 8 in the
+rank-64 pool. LoRA timings use a side stream, as the engine's overlap_lora does (--no-side-stream: not).
+Usage:
   python benchmarks/tune_fused_moe.py [--shapes a,b] [--model /path/to/hf-model ...] [--ms 1,8]
                                       [--lora-only] [--no-side-stream] [--score 1ad_r16,8ad_r16 | 8ad_r16]
 The table is keyed by GPU name and (E, H, I, bf16), so `--model` tunes a deployment's own model.
@@ -38,14 +34,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from moe_bench_common import MS, SHAPES, graph_time_ms, make_inputs, make_layer, make_lora, moe_call  # noqa: E402
 
 from moelora.config import ModelConfig  # noqa: E402
-from moelora.kernels.moe_config import (  # noqa: E402
-    CONFIG_DIR,
-    WIDE_SHRINK_MODES,
-    FusedMoEConfig,
-    GemmTile,
-    device_tag,
-    shape_key,
-)
+from moelora.kernels.moe_config import CONFIG_DIR, FusedMoEConfig, GemmTile, device_tag, shape_key  # noqa: E402
+from moelora.kernels.moe_lora import PATHS  # noqa: E402
 
 DECODE_TILES = [(64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 4, 3), (32, 256, 4, 3), (16, 256, 4, 4)]
 MID_TILES = [(64, 128, 4, 3), (128, 64, 4, 4)]
@@ -75,107 +65,64 @@ def timed(layer, x, wts, ids, lora, cfg, side=None) -> float:
         return float("inf")
 
 
-REFINEMENTS = [(("route",), dict(lora_route_programs=p, lora_route_warps=w, lora_route_tile=t))
-               for p, w, t in ((1056, 4, 4096), (264, 8, 4096), (264, 8, 16384), (1056, 8, 16384))]
-REFINEMENTS += [(("route",), dict(lora_route_stages=s)) for s in (2, 3)]  # the delta's loops pipelined
-REFINEMENTS += [(("route",), dict(lora_route_order="plan")),
-                (("route", "block"), dict(lora_gate_up_at="activation"))]
-# a block pick: a fixed number of delta programs (1, 2, 4 per H200 SM) next to the GEMM's
-REFINEMENTS += [(("block",), dict(lora_block_programs=p)) for p in (132, 264, 528)]
-# a block pick: its B tiles column-masked (element loads, fewer registers: more programs an SM)
-REFINEMENTS += [(("block",), dict(lora_block_b_chunks=False))]
-
-
 def lora_trials(base: FusedMoEConfig) -> list[FusedMoEConfig]:
-    """The LoRA paths tune_lora times on base's tiles (scripts/compile_check.py compiles each)."""
-    trials = [dataclasses.replace(base, lora_shrink="separate", lora_split_k=k) for k in (1, 4, 8)]
-    # separate with no per-slot chain: a shrink program per slot of a block, the epilogue's slots in one dot
-    trials += [dataclasses.replace(base, lora_shrink="separate", lora_split_k=k, lora_expand_lanes=8,
-                                   lora_shrink_lanes=8) for k in (1, 4, 8)]
-    # ... fewer expand lanes (a narrower [lanes * R, BN] B tile: fewer registers, more loop slots)
-    trials += [dataclasses.replace(base, lora_shrink="separate", lora_split_k=k, lora_expand_lanes=lanes,
-                                   lora_shrink_lanes=8) for lanes in (2, 4) for k in (1, 4)]
-    trials.append(dataclasses.replace(base, lora_shrink="inline"))
-    trials.append(dataclasses.replace(base, lora_shrink="route"))
-    trials += [dataclasses.replace(base, lora_shrink="block", lora_n_split=n) for n in (0, 4, 8)]
-    trials += [dataclasses.replace(base, lora_shrink="block", lora_block_n=bn, lora_block_k=bk)  # fewer, wider steps
-               for bn, bk in ((256, 128), (256, 256), (256, 512), (128, 512))]  # 512: a shorter shrink chain
-    if base.block_m > 16:  # 16-row block-delta programs over the plan's larger blocks
-        trials += [dataclasses.replace(base, lora_shrink="block", lora_block_n=bn, lora_block_k=bk, lora_block_m=16)
-                   for bn, bk in ((256, 128), (128, 128), (256, 256))]
-    # every slot's lane of xa side by side: stacked shrink programs of n columns, expanded as more K steps
-    trials += [dataclasses.replace(base, lora_shrink="stacked", lora_stack_n=n) for n in (64, 128)]
-    return trials
+    """The LoRA paths tune_lora times on base's tiles: every registered path's `trials`
+    (scripts/compile_check.py compiles each)."""
+    return [base.with_lora(t) for path in PATHS.values() for t in path.trials(base.block_m)]
+
+
+def refinements(base: FusedMoEConfig) -> list[FusedMoEConfig]:
+    """Each `refinements` change of base's LoRA path, applied to base."""
+    return [base.with_lora(dataclasses.replace(base.lora, **change)) for change in PATHS[base.lora.path].refinements]
 
 
 def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("1ad_r16", "8ad_r16")) -> FusedMoEConfig:
-    """Keep base's tiles; pick lora_shrink / lora_split_k by the summed time of the `score` variants
-    (default one adapter and 8, rank 16)."""
+    """Keep base's tiles; pick the LoRA path and its knobs by the summed time of the `score` variants
+    (default one adapter and 8, rank 16): every path's trials, then the pick's refinements, each kept if
+    faster."""
     x, wts, ids = make_inputs(layer, M)
     loras = [make_lora(layer, M, v) for v in score]
 
     def run(cfg):
         return sum(timed(layer, x, wts, ids, lora, cfg, side) for lora in loras)
 
-    trials = lora_trials(base)
     scored = []
-    for cfg in trials:
-        t = run(cfg)
-        scored.append((t, cfg))
-        log.append(dict(M=M, what=f"lora_{cfg.lora_shrink}_{cfg.lora_split_k}_{cfg.lora_n_split}_{cfg.lora_block_n}"
-                        f"_x{cfg.lora_expand_lanes}"
-                        f"_m{cfg.lora_block_m}_s{cfg.lora_stack_n}",
-                        config=json.dumps(cfg.to_dict()), ms=t))
+    for cfg in lora_trials(base):
+        scored.append((run(cfg), cfg))
+        log.append(dict(M=M, what=f"lora_{_tag(cfg.lora)}", config=json.dumps(cfg.to_dict()), ms=scored[-1][0]))
     t_best, best = min(scored, key=lambda p: p[0])
-    # refinements of a route / block pick, each kept if faster: the route delta's programs and warps, the
-    # gate_up delta's programs in plan order (route), then the gate_up delta after the GEMM, next to it
-    # on the side stream
-    refinements = REFINEMENTS
-    for modes, change in refinements:
-        if best.lora_shrink not in modes:
-            continue
-        cfg = dataclasses.replace(best, **change)
+    for cfg in refinements(best):
         t = run(cfg)
         scored.append((t, cfg))
-        log.append(dict(M=M, what=f"lora_{cfg.lora_shrink}_" + "_".join(map(str, change.values())),
-                        config=json.dumps(cfg.to_dict()), ms=t))
+        log.append(dict(M=M, what=f"lora_{_tag(cfg.lora)}", config=json.dumps(cfg.to_dict()), ms=t))
         if t < t_best:
             t_best, best = t, cfg
-    if best.lora_shrink == "route" and M <= 1024:
-        # the block delta for batches on at most 2 slots: scored on 1 and 8 adapters together, since it
-        # helps the first and costs the second a launch that stands aside
-        pair = [make_lora(layer, M, v) for v in ("1ad_r16", "8ad_r16")]
-        sw = dataclasses.replace(best, lora_block_max_slots=2)
-        t_plain, t_sw = (sum(timed(layer, x, wts, ids, lo, c, side) for lo in pair) for c in (best, sw))
-        log.append(dict(M=M, what="lora_route_switch2", config=json.dumps(sw.to_dict()), ms=t_sw))
-        print(f"  M={M:5d} 1ad+8ad route {t_plain * 1e3:7.1f}  with the block switch {t_sw * 1e3:7.1f}", flush=True)
-        if t_sw < t_plain:
-            best = sw
-    tag = ("{0.lora_shrink}/{0.lora_split_k}/{0.lora_n_split}/{0.lora_route_order:.1}/{0.lora_gate_up_at:.3}"
-           "/p{0.lora_route_programs}w{0.lora_route_warps}t{0.lora_route_tile}st{0.lora_route_stages}/n{0.lora_block_n}k{0.lora_block_k}"
-           "m{0.lora_block_m}p{0.lora_block_programs}/s{0.lora_block_max_slots}"
-           "/x{0.lora_expand_lanes}l{0.lora_shrink_lanes}/c{0.lora_block_b_chunks:d}").format
-    print(f"  M={M:5d} {'+'.join(score)} " + "  ".join(f"{tag(c)} {t * 1e3:7.1f}" for t, c in scored)
-          + f"  -> {tag(best)}", flush=True)
-    return tune_wide(layer, M, best, log, side)
+    print(f"  M={M:5d} {'+'.join(score)} " + "  ".join(f"{_tag(c.lora)} {t * 1e3:7.1f}" for t, c in scored)
+          + f"  -> {_tag(best.lora)}", flush=True)
+    return tune_wide(layer, M, best, scored, log, side)
 
 
-def tune_wide(layer, M, base: FusedMoEConfig, log, side=None) -> FusedMoEConfig:
-    """Keep base; pick lora_shrink_wide (the path of pools of max rank > 16) on the summed time of 8
-    adapters of rank 64 and of 8 of rank 8 in that pool (a narrow adapter in a wide pool must cost
-    what its rank costs)."""
+def _tag(cfg) -> str:
+    return cfg.path + "/" + "/".join(f"{k}{v}" for k, v in dataclasses.asdict(cfg).items())
+
+
+def tune_wide(layer, M, base: FusedMoEConfig, scored, log, side=None) -> FusedMoEConfig:
+    """Keep base; pick lora_wide (the path of pools of max rank > 16): each path at its best config of the
+    narrow round (`scored`), on the summed time of 8 adapters of rank 64 and of 8 of rank 8 in that pool (a
+    narrow adapter in a wide pool must cost what its rank costs)."""
     x, wts, ids = make_inputs(layer, M)
     loras = [make_lora(layer, M, v) for v in ("8ad_r64", "8ad_r8_pool64")]
-    scored = []
-    # the block mode's N split, when the narrow pick set one, carries over to wide pools too
-    for mode in WIDE_SHRINK_MODES:
-        cfg = dataclasses.replace(base, lora_shrink_wide=mode)
-        t = sum(timed(layer, x, wts, ids, lora, cfg, side) for lora in loras)
-        scored.append((t, cfg))
-        log.append(dict(M=M, what=f"wide_{mode}", config=json.dumps(cfg.to_dict()), ms=t))
-    t_best, best = min(scored, key=lambda p: p[0])
-    print(f"  M={M:5d} 8ad_r64+8ad_r8_pool64 " + "  ".join(f"{c.lora_shrink_wide} {t * 1e3:7.1f}" for t, c in scored)
-          + f"  -> {best.lora_shrink_wide}", flush=True)
+    best_of = {}
+    for _t, cfg in sorted(scored, key=lambda p: p[0], reverse=True):  # the fastest of each path last
+        best_of[cfg.lora.path] = cfg.lora
+    wide = []
+    for path, lora in best_of.items():
+        cfg = dataclasses.replace(base, lora_wide=None if lora == base.lora else lora)
+        wide.append((sum(timed(layer, x, wts, ids, lo, cfg, side) for lo in loras), cfg))
+        log.append(dict(M=M, what=f"wide_{path}", config=json.dumps(cfg.to_dict()), ms=wide[-1][0]))
+    t_best, best = min(wide, key=lambda p: p[0])
+    print(f"  M={M:5d} 8ad_r64+8ad_r8_pool64 " + "  ".join(f"{c.lora_for(64).path} {t * 1e3:7.1f}" for t, c in wide)
+          + f"  -> {best.lora_for(64).path}", flush=True)
     return best
 
 

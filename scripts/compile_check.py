@@ -4,8 +4,9 @@ The interpreter tests (TRITON_INTERPRET=1) run the kernels' Python, so they miss
 sees: a loop-carried variable whose shape changes, a constexpr misuse, a tile that needs more shared
 memory than the chip has, register spills. This script swaps Triton's driver for one that names an
 sm_90 target and turns each launch into a compile (Triton's warmup), then calls fused_moe on CPU
-tensors over the tuner's LoRA trials on each table entry (benchmarks/tune_fused_moe.py's lora_trials
-and refinements, the wide modes), so a kernel that cannot build fails here before it costs device time.
+tensors over every registered routed-LoRA path's trials and refinements (moelora.kernels.moe_lora.PATHS,
+what benchmarks/tune_fused_moe.py times) on each table entry's tiles, so a kernel that cannot build fails
+here before it costs device time.
 
 Usage: python scripts/compile_check.py [--shapes qwen3_30b_a3b,...] [--ms 1,128,4096] [--resources] [--picks]
   --picks: only the table's own entries (the launches serving makes; a unit test compiles these).
@@ -37,10 +38,10 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from moe_bench_common import MS, SHAPES, make_inputs, make_layer, make_lora  # noqa: E402
-from tune_fused_moe import REFINEMENTS, lora_trials  # noqa: E402
 
 from moelora.kernels.fused_moe import fused_moe  # noqa: E402
-from moelora.kernels.moe_config import WIDE_SHRINK_MODES, tuned_fused_moe_config  # noqa: E402
+from moelora.kernels.moe_config import tuned_fused_moe_config  # noqa: E402
+from moelora.kernels.moe_lora import PATHS  # noqa: E402
 
 SM90_SHARED = 232448  # bytes of shared memory one H100 / H200 program may use
 GPU_NAME = "NVIDIA H200"
@@ -132,15 +133,13 @@ def _resources(kernel) -> str:
 
 
 def configs_for(shape: dict, M: int, picks_only: bool = False):
-    """(base from the table, every LoRA trial the tuner times on its tiles, refinements, wide modes);
-    picks_only: the table's entry alone."""
+    """(base from the table, then on its tiles every registered path's trials and each of its refinements
+    on the path's default config, at every pool width); picks_only: the table's entry alone."""
     base = tuned_fused_moe_config(shape["E"], shape["H"], shape["I"], M, shape["K"], torch.bfloat16, GPU_NAME)
-    if picks_only:
-        return [dataclasses.replace(base, use_tma=False)]
-    cfgs = [base] + lora_trials(base)
-    for modes, change in REFINEMENTS:
-        cfgs += [dataclasses.replace(base, lora_shrink=m, **change) for m in modes]
-    cfgs += [dataclasses.replace(base, lora_shrink_wide=m) for m in WIDE_SHRINK_MODES]
+    cfgs = [base]
+    for path in () if picks_only else PATHS.values():
+        cfgs += [base.with_lora(t) for t in path.trials(base.block_m)]
+        cfgs += [base.with_lora(dataclasses.replace(path.config(), **change)) for change in path.refinements]
     return [dataclasses.replace(c, use_tma=False) for c in cfgs]  # TMA descriptors need a real GPU
 
 

@@ -7,9 +7,9 @@
 #   DECODE=1 benchmarks/decode.py (DECODE_ARGS, e.g. "--model all --conc 1,8,64,256"); then once more per
 #            ';'-separated flag set of DECODE_VARIANTS, e.g. "--async-scheduling;--no-overlap-lora";
 #            DECODE_ROUNDS=N runs that sequence N times (logs decode[_vI]_rK.log): settings decode.py cannot
-#            A/B in one process (module-level ones, e.g. --lora-stream-priority -1) alternate, so drift
+#            A/B in one process (module-level ones, e.g. --no-overlap-lora) alternate, so drift
 #            between runs shows up instead of passing for a difference
-#   DENSE=0  benchmarks/lora_linear.py (DENSE_ARGS, e.g. "--ts 64,256 --shapes qkv,o --modes split,planned,planned_split
+#   DENSE=0  benchmarks/lora_linear.py (DENSE_ARGS, e.g. "--ts 64,256 --shapes qkv,o --modes split,planned
 #            --variants off,1ad_r16,8ad_r16"): the dense LoRA linear's paths per call
 #   DELTA=0  benchmarks/moe_lora_delta.py (DELTA_ARGS, e.g. "--ms 64,256 --shape dsv2_lite"): the routed-expert
 #            LoRA delta kernels alone against their bytes bound

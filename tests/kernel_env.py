@@ -31,12 +31,13 @@ def record_planned_sites(monkeypatch) -> list[bool]:
     """Force every dense LoRA site of >= 17 rows onto the "planned" delta (the default keeps it for
     >= 1024-wide shapes, which tiny models lack) and record, per call, whether it was handed the
     runner's row grouping (True) or had none (False)."""
+    import moelora.kernels.dense_lora.planned as planned
     import moelora.kernels.lora_linear as dense
 
     monkeypatch.setattr(dense, "_prefers_splitk", lambda rows, n_in, n_out, has_lora: False)
     monkeypatch.setattr(dense, "_prefers_planned", lambda rows, n_in, n_out: dense.wants_row_plan(rows))
     calls = []
-    real = dense._add_delta_planned
-    monkeypatch.setattr(dense, "_add_delta_planned",
+    real = planned.add_delta
+    monkeypatch.setattr(planned, "add_delta",
                         lambda x, out, lora, *a: calls.append(lora.row_plan is not None) or real(x, out, lora, *a))
     return calls

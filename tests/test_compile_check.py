@@ -84,15 +84,17 @@ def test_lora_b_tiles_are_vector_loads(tmp_path, monkeypatch):
     is a 2-byte load. The LoRA kernels that read no gathered scalars (gate_up GEMM, the delta kernels, the
     dense delta kernels) then have no element load at all; each down GEMM as many as its no-LoRA twin (the
     routing weights). Column-masked by choice, so not compiled here: the merged-projection expand
-    (`expand_segments`, registers) and the block delta with lora_block_b_chunks off."""
+    (`expand_segments`, registers) and the block delta with BlockConfig.b_chunks off."""
     import dataclasses
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     from moe_bench_common import SHAPES, make_inputs, make_layer, make_lora
 
+    from moelora.kernels.dense_lora import MODES as DENSE_MODES
     from moelora.kernels.fused_moe import fused_moe
     from moelora.kernels.lora_linear import default_lora_linear_config, lora_linear
     from moelora.kernels.moe_config import tuned_fused_moe_config
+    from moelora.kernels.moe_lora import PATHS
     from moelora.kernels.reference import DenseLoRAArgs
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
@@ -107,18 +109,18 @@ def test_lora_b_tiles_are_vector_loads(tmp_path, monkeypatch):
             x, wts, ids = make_inputs(layer, M)
             base = tuned_fused_moe_config(shape["E"], shape["H"], shape["I"], M, shape["K"], torch.bfloat16,
                                           "NVIDIA H200")
-            for mode in ("inline", "block", "route", "stacked", "separate", "spread"):
-                cfg = dataclasses.replace(base, use_tma=False, lora_shrink=mode)
+            for mode in PATHS:
+                cfg = dataclasses.replace(base, use_tma=False).on_path(mode)
                 for lora in (None, make_lora(layer, M, "8ad_r16"), make_lora(layer, M, "8ad_r64")):
                     fused_moe(x, layer.w_gu, layer.w_d, wts, ids, lora=lora, out=torch.empty_like(x), config=cfg)
         xd, w = torch.randn(T, n_in, dtype=torch.bfloat16), torch.randn(n_out, n_in, dtype=torch.bfloat16)
-        for mode in ("split", "fused", "planned"):
+        for mode in DENSE_MODES:
             lora_linear(xd, w, None, dense, config=default_lora_linear_config(T, mode))
         _mla_lora_launches(16)
     assert comp.failures == []
     names = {key[0] for key in comp.kernels}
     assert {"lora_block_delta_kernel", "lora_route_delta_kernel", "lora_stacked_shrink_kernel", "act_spread_kernel",
-            "planned_delta_kernel", "_lora_expand_add_kernel", "_lora_delta_add_fused_kernel", "_absorb_lora_kernel",
+            "planned_delta_kernel", "_lora_expand_add_kernel", "_absorb_lora_kernel",
             "_expand_lora_kernel"} <= names, names
     down_base = {_element_loads(k) for (name, c), k in comp.kernels.items()
                  if name == "down_kernel" and not dict(c)["HAS_LORA"] and not dict(c)["STACKED"]}

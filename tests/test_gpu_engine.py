@@ -218,12 +218,13 @@ def test_dense_splitk_decode_graph_matches_eager(model_and_adapters, monkeypatch
     """The dense splitk path (split-K GEMM with the LoRA shrink in its launch, expand in its reduce) on
     every decode projection: the default keeps it for >= 1024-wide shapes, which the tiny models lack,
     so the rule is widened here. Graph decode (padding rows on no slot) equals eager decode."""
+    import moelora.kernels.dense_lora.splitk as splitk
     import moelora.kernels.lora_linear as dense
 
     monkeypatch.setattr(dense, "_prefers_splitk", lambda rows, n_in, n_out, has_lora: has_lora and rows <= 64)
     calls = []
-    real = dense._splitk_linear
-    monkeypatch.setattr(dense, "_splitk_linear", lambda *a: calls.append(a[4].shape[0]) or real(*a))
+    real = splitk.splitk_linear
+    monkeypatch.setattr(splitk, "splitk_linear", lambda *a: calls.append(a[4].shape[0]) or real(*a))
     model, adapters = model_and_adapters
     prompts, names = workload(n=24, seed=7)
     reqs = generate(gpu_engine(model, adapters), prompts, names, 64)
@@ -256,16 +257,15 @@ def test_two_streams_match_one(model_and_adapters):
 
 
 def test_lora_side_stream_is_bit_exact(model_and_adapters):
-    """The LoRA side stream runs the same kernels: graph decode with and without it, and with it at
-    the highest stream priority, gives the same tokens and logprobs, bit for bit."""
+    """The LoRA side stream runs the same kernels: graph decode with and without it gives the same tokens
+    and logprobs, bit for bit."""
     model, adapters = model_and_adapters
     prompts, names = workload(n=16, seed=6)
     on = generate(gpu_engine(model, adapters, overlap_lora=True), prompts, names, 48)
     off = generate(gpu_engine(model, adapters, overlap_lora=False), prompts, names, 48)
-    high = generate(gpu_engine(model, adapters, lora_stream_priority=-1), prompts, names, 48)
-    for a, b, c in zip(on, off, high, strict=True):
-        assert a.output_ids == b.output_ids == c.output_ids, a.request_id
-        assert a.logprobs == b.logprobs == c.logprobs, a.request_id
+    for a, b in zip(on, off, strict=True):
+        assert a.output_ids == b.output_ids, a.request_id
+        assert a.logprobs == b.logprobs, a.request_id
 
 
 def test_overlapped_scheduling_matches_synchronous(model_and_adapters):

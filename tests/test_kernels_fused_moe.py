@@ -17,20 +17,29 @@ from kernel_env import CUDA, DEV, INTERP, gpu_only, graph_replayed, kernel_test 
 
 from moelora.kernels.fused_moe import fused_moe  # noqa: E402
 from moelora.kernels.moe_config import FusedMoEConfig, GemmTile  # noqa: E402
+from moelora.kernels.moe_lora import PATHS, BlockConfig, RouteConfig, SeparateConfig  # noqa: E402
 from moelora.kernels.moe_plan import build_routing_plan  # noqa: E402
 from moelora.kernels.reference import ExpertLoRAArgs, SlotRows, fused_moe_ref  # noqa: E402
 
 TINY = GemmTile(32, 32, 4, 2)
 
 
-def tiny_config(shrink="inline", tma=False, bm=16):
-    """"separate_lanesN": the separate path with N shrink programs a block and split, one per slot
-    (lora_shrink_lanes), and an epilogue that expands N slots in one dot (lora_expand_lanes)."""
-    lanes = int(shrink.removeprefix("separate_lanes")) if shrink.startswith("separate_lanes") else 0
-    # "spread": 16 activation columns a program, so the down shrink has several partials at I = 24..40
-    return FusedMoEConfig(bm, TINY, TINY, lora_shrink="separate" if lanes else shrink, lora_block_k=32, use_tma=tma,
-                          lora_expand_lanes=lanes, lora_shrink_lanes=max(1, lanes),
-                          lora_block_n=16 if shrink == "spread" else 64)
+def tiny_lora(path: str):
+    """A registered path's default config with 32-deep shrink steps (tiny shapes span several), and for
+    "spread" 16 activation columns a program (so the down shrink has several partials at I = 24..40)."""
+    cfg = PATHS[path].config()
+    small = {"block_k": 32, "overflow": SeparateConfig(block_k=32), "block_n": 16 if path == "spread" else None}
+    return replace(cfg, **{k: v for k, v in small.items() if v is not None and hasattr(cfg, k)})
+
+
+def tiny_config(shrink="separate", tma=False, bm=16):
+    """Tiny tiles on one LoRA path (default: "separate", the path of `default_fused_moe_config`)."""
+    return FusedMoEConfig(bm, TINY, TINY, use_tma=tma, lora=tiny_lora(shrink))
+
+
+def knobs(cfg: FusedMoEConfig, **kw) -> FusedMoEConfig:
+    """cfg with fields of its LoRA path's config replaced."""
+    return cfg.with_lora(replace(cfg.lora, **kw))
 
 
 def make_case(T, H, inter, E, K, *, ranks=(), R=0, dtype=torch.float32, device="cpu", seed=0,
@@ -99,23 +108,34 @@ def test_base_experts_awkward_sizes(dtype, tol):
     run_checked(make_case(7, 40, 24, 5, 2, dtype=dtype, device=DEV, seed=1), tiny_config(), tol)
 
 
+# The shared equivalence suite: every registered routed-LoRA path (moelora.kernels.moe_lora.PATHS) against the
+# torch twin, fp32 and fp16, on 0 / 1 / 7 tokens, mixed adapters with rows on no adapter and an empty slot,
+# ranks below the pool's (16, 24, 64), many slots a block, all routes on one expert with empty experts,
+# per-projection ranks, the batch's width, the per-route plan, and each path's tuner refinements.
+SHRINK_POOLS = [(path, R) for path in PATHS for R in (16, 24, 64)]
+
+
 @kernel_test
-def test_one_token_and_zero_tokens():
+@pytest.mark.parametrize("shrink", list(PATHS))
+def test_one_token_and_zero_tokens(shrink):
     run_checked(make_case(1, 48, 40, 6, 3, ranks=(24, 8), R=24, device=DEV, seed=2, slots=[1]),
-                tiny_config(), 1e-4)
+                tiny_config(shrink), 1e-4)
     run_checked(make_case(7, 48, 40, 6, 3, ranks=(24, 8, 3), R=24, device=DEV, seed=8, slots=[1, 0, -1, 2, 2, 1, 0]),
-                tiny_config("route"), 1e-4)
-    run_checked(make_case(7, 48, 40, 6, 3, ranks=(24, 8, 3), R=24, device=DEV, seed=8, slots=[1, 0, -1, 2, 2, 1, 0]),
-                tiny_config("block"), 1e-4)
-    x, w_gu, w_d, wts, ids, _ = make_case(0, 32, 16, 4, 2, device=DEV)
-    assert fused_moe(x, w_gu, w_d, wts, ids, config=tiny_config()).shape == (0, 32)
+                tiny_config(shrink), 1e-4)
+    x, w_gu, w_d, wts, ids, lora = make_case(0, 32, 16, 4, 2, ranks=(16,), R=16, device=DEV)
+    assert fused_moe(x, w_gu, w_d, wts, ids, lora=lora, config=tiny_config(shrink)).shape == (0, 32)
 
 
-# "inline" is only taken for pools of rank <= 16 (wider pools go the rank-chunked separate path)
-SHRINK_POOLS = [("inline", 16), ("separate", 24), ("route", 24), ("route", 16), ("route", 64), ("block", 16),
-                ("block", 24), ("block", 64), ("separate_lanes8", 16), ("separate_lanes2", 16), ("separate_lanes8", 24),
-                ("separate_lanes8", 64), ("stacked", 16), ("stacked", 24), ("stacked", 64), ("spread", 16),
-                ("spread", 24), ("spread", 64)]
+@kernel_test
+@pytest.mark.parametrize("shrink,change", [(p, c) for p in PATHS for c in PATHS[p].refinements])
+def test_each_refinement_the_tuner_tries(shrink, change):
+    """Every change the tuner may keep on a path's pick (`refinements`) equals the twin, on a narrow and a
+    wide pool, with rows on no slot, an empty slot and several slots a block."""
+    cfg = knobs(tiny_config(shrink), **change)
+    for R, seed in ((16, 3), (64, 4)):
+        case = make_case(14, 32, 24, 3, 2, ranks=(R, 5, 16, 0), R=R, device=DEV, seed=seed,
+                         slots=[0, 1, 2, 3, -1, 3, 2, 1, 0, -1, 1, 2, 3, 0])
+        run_checked(case, cfg, 1e-4)
 
 
 @kernel_test
@@ -141,9 +161,9 @@ def test_many_slots_in_one_block(shrink, R):
 @pytest.mark.parametrize("shrink,R", [("route", 16), ("route", 64), ("block", 16), ("block", 24)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 1e-2)])
 def test_gate_up_delta_at_activation(shrink, R, dtype, tol):
-    """lora_gate_up_at="activation": unactivated gate/up from the GEMM, the delta and SiLU * up added by
+    """gate_up_at="activation": unactivated gate/up from the GEMM, the delta and SiLU * up added by
     act_delta_kernel; rows on no slot, on an empty slot (rank 0) and several slots per block."""
-    cfg = replace(tiny_config(shrink), lora_gate_up_at="activation")
+    cfg = knobs(tiny_config(shrink), gate_up_at="activation")
     case = make_case(9, 48, 40, 6, 2, ranks=(R, 5, 0), R=R, dtype=dtype, device=DEV, seed=3,
                      slots=[0, -1, 1, 1, 0, 2, -1, 1, 0])
     run_checked(case, cfg, tol)
@@ -153,19 +173,18 @@ def test_gate_up_delta_at_activation(shrink, R, dtype, tol):
 
 
 @kernel_test
-@pytest.mark.parametrize("shrink,R", [("inline", 16), ("separate", 16), ("separate", 24), ("route", 16), ("route", 64),
-                                      ("block", 16), ("block", 64), ("separate_lanes8", 16), ("stacked", 24)])
+@pytest.mark.parametrize("shrink,R", [(path, R) for path in PATHS for R in (16, 64)])
 def test_plan_per_route(shrink, R):
     """plan_per_route: one route a block, no sort; one token (its K experts distinct: the decode case)
     and 9 tokens whose routes share experts (blocks of one expert repeat), rows on no slot and an
-    empty slot, against the reference; the separate path with lanes too."""
+    empty slot, against the reference."""
     cfg = replace(tiny_config(shrink), plan_per_route=True)
     one = make_case(1, 48, 40, 6, 3, ranks=(R, 5, 0), R=R, device=DEV, seed=31, slots=[1])
     run_checked(one, cfg, 1e-4)
     nine = make_case(9, 48, 40, 6, 2, ranks=(R, 5, 0), R=R, device=DEV, seed=3, slots=[0, -1, 1, 1, 0, 2, -1, 1, 0])
     run_checked(nine, cfg, 1e-4)
     if shrink in ("route", "block"):
-        run_checked(nine, replace(cfg, lora_gate_up_at="activation"), 1e-4)
+        run_checked(nine, knobs(cfg, gate_up_at="activation"), 1e-4)
 
 
 def test_per_route_plan_layout():
@@ -191,47 +210,37 @@ def test_per_route_plan_layout():
 @kernel_test
 @pytest.mark.parametrize("R", [16, 64])
 def test_route_delta_in_plan_order(R):
-    """lora_route_order="plan": the gate_up route delta's programs walk the plan rows (padding rows
+    """order="plan": the gate_up route delta's programs walk the plan rows (padding rows
     and rows on no slot or an empty slot included), reading each route's token row of x."""
-    cfg = replace(tiny_config("route"), lora_route_order="plan")
+    cfg = knobs(tiny_config("route"), order="plan")
     case = make_case(14, 32, 24, 3, 2, ranks=(R, 5, 16, 0), R=R, device=DEV, seed=7,
                      slots=[0, 1, 2, 3, -1, 3, 2, 1, 0, -1, 1, 2, 3, 0])
     run_checked(case, cfg, 1e-4)
-    run_checked(case, replace(cfg, lora_gate_up_at="activation"), 1e-4)
+    run_checked(case, knobs(cfg, gate_up_at="activation"), 1e-4)
 
 
 @kernel_test
-@pytest.mark.parametrize("R,stages", [(16, 2), (64, 3)])
-def test_route_delta_pipelined(R, stages):
-    """lora_route_stages: the delta's shrink and expand loops software-pipelined (several K and N steps,
-    ragged last ones: H = 300 and 2I = 576 over 256-wide steps at 4096 tiles; 64 at the wide pass)."""
-    case = make_case(5, 300, 288, 4, 2, ranks=(R, 5, 0), R=R, device=DEV, seed=17, slots=[0, -1, 1, 2, 0])
-    run_checked(case, replace(tiny_config("route"), lora_route_stages=stages), 1e-4)
-
-
-@kernel_test
-@pytest.mark.parametrize("programs,warps,tile", [(1, 4, 4096), (10_000, 8, 4096), (10_000, 4, 1024),
-                                                 (1, 8, 16384)])
-def test_route_delta_n_splits(programs, warps, tile):
-    """lora_route_programs: 1 leaves each route one program; many split its output columns (2I = 576
-    and H = 300 over 256-column steps: 3 and 2 splits, the last ragged; 64-column steps: 9 and 5),
-    each repeating the shrink; lora_route_tile 16384: one 1024-wide step covers a row."""
-    case = make_case(5, 300, 288, 4, 2, ranks=(16, 5, 0), R=16, device=DEV, seed=13, slots=[0, -1, 1, 2, 0])
-    cfg = replace(tiny_config("route"), lora_route_programs=programs, lora_route_warps=warps, lora_route_tile=tile)
+@pytest.mark.parametrize("warps,R", [(4, 16), (8, 16), (8, 64)])
+def test_route_delta_n_splits(warps, R):
+    """The route delta splits each route's output columns (2I = 576 and H = 300 over 256-column steps: 3 and 2
+    splits, the last ragged), each repeating the shrink; at 4 and 8 warps (both in the table)."""
+    case = make_case(5, 300, 288, 4, 2, ranks=(R, 5, 0), R=R, device=DEV, seed=13, slots=[0, -1, 1, 2, 0])
+    cfg = knobs(tiny_config("route"), warps=warps)
     run_checked(case, cfg, 1e-4)
-    run_checked(case, replace(cfg, lora_route_order="plan"), 1e-4)
+    run_checked(case, knobs(cfg, order="plan"), 1e-4)
 
 
 @kernel_test
 @pytest.mark.parametrize("R", [16, 64])
 def test_route_block_switch_by_distinct_slots(R):
-    """lora_block_max_slots=2 on "route": a batch on at most 2 distinct slots gets the block delta, bit
-    for bit, one on more slots the route delta, bit for bit (in fp32 the two differ in the last bits,
-    so the test can tell which ran; in fp16 they round alike here). R=64: a wide pool (fp32 delta)."""
+    """block_max_slots=2 on "route": a batch on at most 2 distinct slots gets the block delta (at
+    `BlockConfig()`), bit for bit, one on more slots the route delta, bit for bit (in fp32 the two differ in
+    the last bits, so the test can tell which ran; in fp16 they round alike here). R=64: a wide pool (fp32
+    delta)."""
     dtype, tol = torch.float32, 1e-4
     route = tiny_config("route")
-    switch = replace(route, lora_block_max_slots=2)
-    block = replace(tiny_config("block"), lora_block_n=route.lora_block_n)
+    switch = knobs(route, block_max_slots=2)
+    block = route.with_lora(BlockConfig())
     kw = dict(ranks=(16, 5, 0, R), R=R, dtype=dtype, device=DEV)
     few = make_case(12, 48, 40, 3, 2, seed=21, slots=[3, -1, 1, 3, 3, 1, -1, 1, 3, 3, 1, 3], **kw)
     many = make_case(12, 48, 40, 3, 2, seed=22, slots=[0, -1, 1, 3, 2, 1, -1, 0, 3, 3, 1, 3], **kw)
@@ -243,20 +252,19 @@ def test_route_block_switch_by_distinct_slots(R):
 
 
 @kernel_test
-def test_all_routes_on_one_expert_with_empty_experts():
+@pytest.mark.parametrize("shrink", list(PATHS))
+def test_all_routes_on_one_expert_with_empty_experts(shrink):
     case = make_case(20, 32, 24, 6, 1, ranks=(16, 3), R=16, device=DEV, seed=4, one_expert=4)
-    run_checked(case, tiny_config("separate"), 1e-4)
-    run_checked(case, tiny_config("route"), 1e-4)
-    run_checked(case, tiny_config("block"), 1e-4)
+    run_checked(case, tiny_config(shrink), 1e-4)
 
 
 @kernel_test
-@pytest.mark.parametrize("n_split,block_n", [(0, 64), (3, 64), (0, 128), (2, 128)])
-def test_block_delta_n_splits(n_split, block_n):
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_block_delta_n_splits(block_n):
     # 2I = 192 and H = 160 output columns, 64-wide tiles: 3 splits, the last one ragged (128-wide: 2)
     case = make_case(9, 160, 96, 4, 2, ranks=(16, 5, 0), R=16, device=DEV, seed=12,
                      slots=[0, -1, 1, 1, 0, 2, 0, 1, -1])
-    run_checked(case, replace(tiny_config("block"), lora_n_split=n_split, lora_block_n=block_n), 1e-4)
+    run_checked(case, knobs(tiny_config("block"), block_n=block_n), 1e-4)
 
 
 @kernel_test
@@ -271,35 +279,35 @@ def test_block_delta_more_slots_in_a_block_than_lanes():
 @kernel_test
 @pytest.mark.parametrize("R", [16, 40])
 def test_block_delta_b_by_columns(R):
-    """lora_block_b_chunks=False (B tiles masked column by column) equals the twin too, in a pool of the
+    """b_chunks=False (B tiles masked column by column) equals the twin too, in a pool of the
     minimum width and in one whose rows are not whole 16-column chunks (NaN past every slot's rank)."""
     slots = [0, 1, 2, 3, -1, 3, 2, 1, 0, -1, 1, 2, 3, 0, 2]
     case = make_case(15, 32, 24, 3, 2, ranks=(R, 5, 16, 0), R=R, device=DEV, seed=21, slots=slots)
-    run_checked(case, replace(tiny_config("block"), lora_block_b_chunks=False, lora_block_n=16), 1e-4)
-    run_checked(case, replace(tiny_config("block"), lora_block_n=16), 1e-4)
+    run_checked(case, knobs(tiny_config("block"), b_chunks=False, block_n=16), 1e-4)
+    run_checked(case, knobs(tiny_config("block"), block_n=16), 1e-4)
 
 
 @kernel_test
-@pytest.mark.parametrize("block_m,lora_block_m,n_split",
-                         [(32, 16, 0), (32, 16, 2), (64, 16, 0), (32, 32, 0), (64, 0, 0)])
+@pytest.mark.parametrize("block_m,lora_block_m", [(32, 16), (64, 16), (32, 32), (64, 0)])
 @pytest.mark.parametrize("programs", [0, 3])
-def test_block_delta_sub_blocks(block_m, lora_block_m, n_split, programs):
+def test_block_delta_sub_blocks(block_m, lora_block_m, programs):
     # plan blocks of 32 / 64 rows taken as 16-row sub-blocks: a slot's rows on both sides of a sub-block
     # edge, sub-blocks of padding only, 5 slots (one empty) in a block; (32, 32) and (64, 0): one
     # sub-block, as plain.
-    # programs=3: three programs loop over every (sub-block, lane, split) item (lora_block_programs)
+    # programs=3: three programs loop over every (sub-block, lane, split) item (BlockConfig.programs)
     slots = [0, 1, 2, 3, -1, 3, 2, 1, 0, -1, 1, 2, 3, 0, 4, 4, 1, 0, 2, 2, -1, 3]
     case = make_case(22, 32, 24, 3, 2, ranks=(16, 5, 16, 8, 0), R=16, dtype=torch.float16, device=DEV, seed=14,
                      slots=slots)
-    cfg = replace(tiny_config("block", bm=block_m), lora_block_m=lora_block_m, lora_n_split=n_split,
-                  lora_block_programs=programs, lora_block_n=16)  # 16-wide steps: 2I = 48 / H = 32 can split
+    # 16-wide steps: 2I = 48 / H = 32 can split
+    cfg = knobs(tiny_config("block", bm=block_m), block_m=lora_block_m, programs=programs, block_n=16)
     run_checked(case, cfg, 1e-2)
 
 
 def test_stacked_falls_back_on_wide_pools():
     """A pool of more than STACK_MAX_COLS slot columns takes "separate" under a "stacked" config (xa and the
     expand steps grow with the pool); narrower pools and other modes are as configured."""
-    from moelora.kernels.fused_moe import STACK_MAX_COLS, lora_mode
+    from moelora.kernels.fused_moe import lora_mode
+    from moelora.kernels.moe_lora.stacked import STACK_MAX_COLS
 
     cfg = tiny_config("stacked")
     for slots, block_r, want in ((STACK_MAX_COLS // 64, 64, "stacked"), (STACK_MAX_COLS // 64 + 1, 64, "separate"),
@@ -311,7 +319,7 @@ def test_stacked_falls_back_on_wide_pools():
 
 
 @kernel_test
-@pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block", "stacked", "spread", "block_act"])
+@pytest.mark.parametrize("shrink", [*PATHS, "block_act"])
 def test_gate_up_and_down_ranks_differ(shrink):
     """A slot with LoRA on down only, one on gate_up only, one on both (site ranks per projection):
     every path adds exactly the deltas the twin adds (e.g. "spread" computes the down shrink of rows
@@ -321,12 +329,12 @@ def test_gate_up_and_down_ranks_differ(shrink):
     dev = case[0].device
     lora = replace(case[5], gate_up_ranks=torch.tensor([16, 0, 7], dtype=torch.int32, device=dev),
                    down_ranks=torch.tensor([0, 5, 9], dtype=torch.int32, device=dev))
-    cfg = replace(tiny_config("block"), lora_gate_up_at="activation") if shrink == "block_act" else tiny_config(shrink)
+    cfg = knobs(tiny_config("block"), gate_up_at="activation") if shrink == "block_act" else tiny_config(shrink)
     run_checked((*case[:5], lora), cfg, 1e-4)
 
 
 @kernel_test
-@pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block", "stacked", "spread"])
+@pytest.mark.parametrize("shrink", list(PATHS))
 def test_width_of_the_batch_in_a_wide_pool(shrink):
     """`ExpertLoRAArgs.width` (the batch's largest rank, `LoRABatch.max_rank`): slots of rank <= 8 in
     a rank-64 pool tile at 16 columns and equal the twin, and the pool's width (None); every mode."""
@@ -341,7 +349,8 @@ def test_width_narrows_tiles_and_stacked_columns():
     """The width sets BLOCK_R (a power of two >= 16, at most the pool's), so a wide pool of narrow
     adapters keeps "stacked" (its columns are slots x BLOCK_R) instead of falling back to "separate"."""
     from moelora.kernels.checks import lora_tile_rank
-    from moelora.kernels.fused_moe import STACK_MAX_COLS, lora_mode
+    from moelora.kernels.fused_moe import lora_mode
+    from moelora.kernels.moe_lora.stacked import STACK_MAX_COLS
 
     assert [lora_tile_rank(64, w) for w in (None, 0, 1, 8, 16, 17, 40, 64, 100)] == [64, 16, 16, 16, 16, 32, 64, 64, 64]
     assert lora_tile_rank(24, None) == 32 and lora_tile_rank(8, None) == 16
@@ -373,7 +382,7 @@ def test_stacked_column_steps(stack_n, R):
     ranks = (R, 3, 8, 0, 16, 5, 12, R, 1, 7, 16, 4)
     slots = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, -1, 11, 0, 7, 9, 9, 2, -1]
     case = make_case(20, 32, 24, 3, 2, ranks=ranks, R=R, device=DEV, seed=15, slots=slots)
-    cfg = replace(tiny_config("stacked", bm=32), lora_stack_n=stack_n)
+    cfg = knobs(tiny_config("stacked", bm=32), stack_n=stack_n)
     run_checked(case, cfg, 1e-4)
     low = make_case(20, 32, 24, 3, 2, ranks=ranks, R=R, device=DEV, seed=16, slots=[0, 1, 2, -1] * 5)
     run_checked(low, cfg, 1e-4)
@@ -432,14 +441,11 @@ def gpu_case(shape, T, seed, ranks=(64, 16, 8, 0, 64, 32, 16, 8), R=64):
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("T", [1, 33, 512])
-@pytest.mark.parametrize("shrink", ["inline", "separate", "route", "block", "route_plan", "route_wide_grid",
-                                    "block_wide_tiles", "block_sub16", "block_persist", "separate_lanes",
-                                    "separate_lanes_r16", "stacked", "stacked_r16", "block_elements",
-                                    "route_stages", "stacked_w8", "separate_w8", "spread", "spread_r16", "spread_w8"])
+@pytest.mark.parametrize("shrink", ["separate", "separate_r16", "route", "block", "route_plan", "route_warps8",
+                                    "block_wide_tiles", "block_sub16", "block_persist", "stacked", "stacked_r16",
+                                    "block_elements", "stacked_w8", "separate_w8", "spread", "spread_r16", "spread_w8"])
 def test_gpu_qwen3_shape_bf16_lora(T, shrink):
-    # a rank-16 pool: inline's, and the lanes' where every slot has a lane (8 of 16 columns each)
-    pool = dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16) if shrink in ("inline", "separate_lanes_r16",
-                                                                          "stacked_r16", "spread_r16") else {}
+    pool = dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16) if shrink.endswith("_r16") else {}  # a rank-16 pool
     if shrink.endswith("_w8"):  # narrow adapters in a rank-64 pool, called with the batch's width (eager)
         pool = dict(ranks=(8, 8, 4, 0, 8, 2, 8, 8), R=64)
     case = gpu_case(QWEN3, T, seed=T, **pool)
@@ -448,26 +454,14 @@ def test_gpu_qwen3_shape_bf16_lora(T, shrink):
     from moelora.kernels.moe_config import tuned_fused_moe_config
 
     cfg = tuned_fused_moe_config(128, 2048, 768, T, 8, torch.bfloat16, torch.cuda.get_device_name())
-    order = "plan" if shrink == "route_plan" else "token"
-    grid = dict(lora_route_programs=1056, lora_route_warps=8, lora_route_tile=16384) if shrink == "route_wide_grid" \
-        else {}
-    if shrink == "block_wide_tiles":
-        grid = dict(lora_block_n=256)  # 256-deep shrink steps too may not fit shared memory at wide pools
-    if shrink == "block_sub16":
-        grid = dict(lora_block_m=16, lora_block_n=256)  # 16-row programs over the table's plan blocks
-    if shrink == "block_persist":
-        grid = dict(lora_block_m=16, lora_block_n=256, lora_block_programs=264)  # 264 programs loop over the items
-    if shrink in ("separate_lanes", "separate_lanes_r16"):
-        grid = dict(lora_expand_lanes=8, lora_shrink_lanes=8)  # a shrink program per slot; the epilogue's in one dot
-    if shrink == "block_elements":
-        grid = dict(lora_block_b_chunks=False)  # B tiles masked column by column
-    if shrink == "route_stages":
-        grid = dict(lora_route_stages=3)  # the delta's loops pipelined
-    for suffix in ("_plan", "_wide_grid", "_wide_tiles", "_sub16", "_persist", "_r16", "_lanes", "_elements",
-                   "_stages", "_w8"):
+    grid = {"route_plan": dict(order="plan"), "route_warps8": dict(warps=8),
+            "block_wide_tiles": dict(block_n=256),  # 256-deep shrink steps too may not fit shared memory at wide pools
+            "block_sub16": dict(block_m=16, block_n=256),  # 16-row programs over the table's plan blocks
+            "block_persist": dict(block_m=16, block_n=256, programs=264),  # 264 programs loop over the items
+            "block_elements": dict(b_chunks=False)}.get(shrink, {})  # B tiles masked column by column
+    for suffix in ("_plan", "_warps8", "_wide_tiles", "_sub16", "_persist", "_r16", "_elements", "_w8"):
         shrink = shrink.removesuffix(suffix)
-    cfg = replace(cfg, lora_shrink=shrink, lora_shrink_wide="" if shrink == "inline" else shrink, use_tma=False,
-                  lora_route_order=order, **grid)
+    cfg = replace(cfg.on_path(shrink, **grid), use_tma=False)
     torch.cuda.set_sync_debug_mode("error")  # contract 5: no host sync in the forward
     try:
         out = fused_moe(*case[:5], lora=case[5], out=torch.full_like(case[0], float("nan")), config=cfg)
@@ -489,7 +483,7 @@ def test_gpu_plan_per_route_bf16(T, shrink):
     case = gpu_case(QWEN3, T, seed=40 + T, **({} if shrink != "off" else dict(ranks=())))
     cfg = tuned_fused_moe_config(128, 2048, 768, T, 8, torch.bfloat16, torch.cuda.get_device_name())
     if shrink != "off":
-        cfg = replace(cfg, lora_shrink=shrink, lora_shrink_wide=shrink)
+        cfg = cfg.on_path(shrink)
     cfg = replace(cfg, plan_per_route=True, use_tma=False)
     want = reference(*case, dtype=torch.float32)
     rows = {}  # the per-route plan's rows, kept across calls as the routed-experts layer keeps them
@@ -503,7 +497,7 @@ def test_gpu_plan_per_route_bf16(T, shrink):
 @gpu_only
 @pytest.mark.parametrize("n_slots", [1, 8])
 def test_gpu_route_block_switch_bf16(n_slots):
-    """lora_block_max_slots=2 at a real shape and 256 tokens: on 1 slot the block delta's result, on 8
+    """block_max_slots=2 on "route" at a real shape and 256 tokens: on 1 slot the block delta's result, on 8
     the route delta's, bit for bit, each within the fp32 reference's tolerance; inside a CUDA graph too."""
     from moelora.kernels.moe_config import tuned_fused_moe_config
 
@@ -514,10 +508,9 @@ def test_gpu_route_block_switch_bf16(n_slots):
     case = make_case(T, QWEN3["H"], QWEN3["I"], QWEN3["E"], QWEN3["K"], ranks=ranks, R=16, dtype=torch.bfloat16,
                      device="cuda", seed=5, slots=slots)
     base = replace(tuned_fused_moe_config(128, 2048, 768, T, 8, torch.bfloat16, torch.cuda.get_device_name()),
-                   use_tma=False, lora_shrink_wide="")
-    switch = replace(base, lora_shrink="route", lora_block_max_slots=2)
-    want = fused_moe(*case[:5], lora=case[5], config=replace(switch, lora_shrink="block" if n_slots == 1 else "route",
-                                                             lora_block_max_slots=0))
+                   use_tma=False)
+    switch = base.with_lora(RouteConfig(block_max_slots=2))
+    want = fused_moe(*case[:5], lora=case[5], config=base.with_lora(BlockConfig() if n_slots == 1 else RouteConfig()))
     assert rel_err(want, reference(*case, dtype=torch.float32)) <= 1e-2
     assert torch.equal(fused_moe(*case[:5], lora=case[5], config=switch), want)
     out = graph_replayed(lambda o: fused_moe(*case[:5], lora=case[5], out=o, config=switch), torch.empty_like(want))
@@ -584,7 +577,7 @@ def test_gpu_side_stream_down_delta_is_bit_exact(shrink, T, gate_up_at):
     from moelora.kernels.moe_config import tuned_fused_moe_config
 
     cfg = tuned_fused_moe_config(128, 2048, 768, T, 8, torch.bfloat16, torch.cuda.get_device_name())
-    cfg = replace(cfg, lora_shrink=shrink, lora_shrink_wide=shrink, lora_gate_up_at=gate_up_at)
+    cfg = cfg.on_path(shrink, gate_up_at=gate_up_at)
     side = torch.cuda.Stream()
     warm = gpu_case(QWEN3, T, seed=70)
     case = gpu_case(QWEN3, T, seed=71)

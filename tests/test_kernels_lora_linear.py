@@ -1,4 +1,4 @@
-"""lora_linear (cuBLAS base + Triton LoRA delta, split and fused paths) vs lora_linear_ref (torch twin).
+"""lora_linear (cuBLAS base + Triton LoRA delta: split, splitk and planned paths) vs lora_linear_ref (torch twin).
 
 Interpreter tests (tiny, fp16/fp32) run when TRITON_INTERPRET=1 or on CUDA; `gpu` tests run real
 shapes in bf16 against an fp32 reference (relative error <= 1e-2), under CUDA graphs too.
@@ -15,31 +15,31 @@ triton = pytest.importorskip("triton")
 
 from kernel_env import CUDA, DEV, INTERP, gpu_only, graph_replayed, kernel_test  # noqa: E402,F401
 
-from moelora.kernels.lora_linear import LoRALinearConfig, default_lora_linear_config, lora_linear  # noqa: E402
-from moelora.kernels.planned_lora import row_plan  # noqa: E402
+from moelora.kernels.dense_lora import MODES as DENSE_MODES  # noqa: E402
+from moelora.kernels.lora_linear import (  # noqa: E402
+    LoRALinearConfig,
+    default_lora_linear_config,
+    lora_linear,
+    row_plan,
+)
 from moelora.kernels.reference import DenseLoRAArgs, SlotRows, lora_linear_ref  # noqa: E402
 
 # Tiny blocks so that tiny shapes still span several row blocks, N tiles and N_in chunks.
 TINY = {"split": LoRALinearConfig("split", 16, 32, 16, 16, split_k=3),
-        "fused": LoRALinearConfig("fused", 16, 32, 32),
         # fp16/bf16 only (fp32 calls take "split"): split-K GEMM, expand in its reduce
         "splitk": LoRALinearConfig("splitk", 16, 32, 16, 16, split_k=3, gemm_block_n=16, gemm_block_k=16,
                                    gemm_split_k=3),
         # rows grouped by slot: 16-row plan blocks, 16-column programs (tiles straddle no segment bound)
-        "planned": LoRALinearConfig("planned", 16, 16, 16, plan_cols=16),
-        # the split path's shrink (3 N_in chunks), then the planned expand
-        "planned_split": LoRALinearConfig("planned", 16, 16, 16, 16, split_k=3, plan_cols=16, plan_shrink="split")}
+        "planned": LoRALinearConfig("planned", 16, 16, 16, plan_cols=16)}
 
 
 def named_config(T: int, name: str) -> LoRALinearConfig:
-    """A TINY key's real-size default: its mode's default config ("planned_split": planned's, with the
-    split path's shrink)."""
-    if name == "planned_split":
-        return replace(default_lora_linear_config(T, "planned"), plan_shrink="split")
+    """A TINY key's real-size default: its mode's default config."""
     return default_lora_linear_config(T, name)
 
 
-MODES = tuple(TINY)
+MODES = tuple(DENSE_MODES)
+assert set(TINY) == set(MODES), "every registered dense mode needs its tiny config here"
 
 
 def make_case(T, n_in, n_out, ranks, R, *, bias=True, dtype=torch.float32, device="cpu", seed=0, slots=None):
@@ -348,7 +348,7 @@ def test_gpu_cuda_graph_replay(mode, T):
 
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.parametrize("mode", ["split", "planned", "planned_split"])  # "planned": forks nothing
+@pytest.mark.parametrize("mode", ["split", "planned"])  # "planned": forks nothing
 @pytest.mark.parametrize("T", [8, 256])
 def test_gpu_side_stream_shrink_is_bit_exact(T, mode):
     """The shrink on a side stream (concurrent with cuBLAS) equals the one-stream result bit for bit,

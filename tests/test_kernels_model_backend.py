@@ -174,19 +174,18 @@ def test_spread_moe_lora_in_the_model_equals_torch_backend(tmp_path, monkeypatch
     adapters = {"a": random_adapter(model, seed=42, rank=4), "b": random_adapter(model, seed=43, rank=3, frac=0.5)}
     c = hf.config
     tile = {"block_n": 16, "block_k": 16, "num_warps": 4, "num_stages": 2}
-    entry = dict(block_m=16, gate_up=tile, down=tile, lora_shrink="spread", lora_shrink_wide="spread",
-                 lora_block_k=16, lora_block_n=16)
+    entry = {"tiles": dict(block_m=16, gate_up=tile, down=tile), "lora": dict(path="spread", block_k=16, block_n=16)}
     key = shape_key(c.num_experts, c.hidden_size, c.moe_intermediate_size, torch.float32)
     table = tmp_path / "spread.json"
     table.write_text(json.dumps({"device": "test", "configs": {key: {"4096": entry}}}))
     modes = []
-    real_mode = fused_moe_module.lora_mode
-    monkeypatch.setattr(fused_moe_module, "lora_mode", lambda *a: modes.append(real_mode(*a)) or modes[-1])
+    real_path = fused_moe_module.lora_path
+    monkeypatch.setattr(fused_moe_module, "lora_path", lambda *a: modes.append(real_path(*a)) or modes[-1])
     g = torch.Generator().manual_seed(44)
     seqs = [torch.randint(0, c.vocab_size, (n,), generator=g).tolist() for n in (7, 3, 10)]
     names = ["a", None, "b"]
     want = engine(model, adapters, max_loras=2, device=DEV, kernel_backend="torch").prompt_logits(seqs, names)
     got = engine(model, adapters, max_loras=2, device=DEV, kernel_backend="triton",
                  fused_moe_table=str(table)).prompt_logits(seqs, names)
-    assert modes and set(modes) == {"spread"}, modes
+    assert modes and {m[0].name for m in modes} == {"spread"}, modes
     assert_close(got, want)

@@ -65,7 +65,7 @@ def assert_base_rows(got: torch.Tensor, base: torch.Tensor) -> None:
 
 
 LINEAR_CONFIGS = {"default": None, "split": LoRALinearConfig("split", 16, 32, 16, 16, split_k=2),
-                  "fused": LoRALinearConfig("fused", 16, 32, 32)}
+                  "planned": LoRALinearConfig("planned", 16, 16, 16, plan_cols=16)}
 
 
 def linear_case(dtype: torch.dtype, g: torch.Generator) -> Linear:
@@ -132,7 +132,7 @@ def moe_case(dtype: torch.dtype, g: torch.Generator):
 
 @kernel_test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("shrink", ["inline", "separate", "spread", "layer"])
+@pytest.mark.parametrize("shrink", ["block", "separate", "spread", "layer"])
 def test_experts_skip_slot_of_site_rank_zero(dtype, shrink):
     g = torch.Generator().manual_seed(1)
     ex, x, weights, ids = moe_case(dtype, g)
@@ -141,7 +141,7 @@ def test_experts_skip_slot_of_site_rank_zero(dtype, shrink):
     fill_garbage(bufs, 1, g)
     batch = LoRABatch.build(SLOTS, GLOBAL_RANKS, DEV)
     tile = GemmTile(32, 32, 4, 2)
-    cfg = FusedMoEConfig(16, tile, tile, lora_shrink=shrink, lora_block_k=32) if shrink != "layer" else None
+    cfg = FusedMoEConfig(16, tile, tile).on_path(shrink, block_k=32) if shrink != "layer" else None
 
     def run(lora):
         if cfg is None:

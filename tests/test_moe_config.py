@@ -7,53 +7,91 @@ import json
 import pytest
 import torch
 
-from moelora.kernels.moe_config import (
+pytest.importorskip("triton")  # the LoRA paths' configs live with their kernels
+
+from moelora.errors import ConfigError  # noqa: E402
+from moelora.kernels.moe_config import (  # noqa: E402
     CONFIG_DIR,
     FusedMoEConfig,
     check_table_file,
     default_fused_moe_config,
     tuned_fused_moe_config,
 )
+from moelora.kernels.moe_lora import PATHS, BlockConfig, RouteConfig, SeparateConfig, StackedConfig  # noqa: E402
 
 
-def test_wide_pools_take_their_own_mode():
-    assert FusedMoEConfig(lora_shrink="route").shrink_mode(16) == "route"
-    assert FusedMoEConfig(lora_shrink="route").shrink_mode(64) == "route"
-    # "inline" computes every column of the pool: only rank-16 pools keep it
-    assert FusedMoEConfig(lora_shrink="inline").shrink_mode(16) == "inline"
-    assert FusedMoEConfig(lora_shrink="inline").shrink_mode(32) == "separate"
-    wide = FusedMoEConfig(lora_shrink="separate", lora_shrink_wide="block")
-    assert (wide.shrink_mode(16), wide.shrink_mode(32), wide.shrink_mode(64)) == ("separate", "block", "block")
+def test_wide_pools_take_their_own_path():
+    route = FusedMoEConfig(lora=RouteConfig())
+    assert route.lora_for(16) is route.lora and route.lora_for(64) is route.lora
+    wide = FusedMoEConfig(lora=SeparateConfig(), lora_wide=BlockConfig())
+    assert [wide.lora_for(r).path for r in (16, 32, 64)] == ["separate", "block", "block"]
 
 
-@pytest.mark.parametrize("bad", ["inline", "gather"])
-def test_wide_mode_is_validated(bad):
-    with pytest.raises(ValueError, match="lora_shrink_wide"):
-        FusedMoEConfig(lora_shrink_wide=bad)
+@pytest.mark.parametrize("bad", ["inline", "gather"])  # "inline": tried and removed (docs/performance.md)
+def test_a_path_outside_the_registry_is_refused(bad):
+    entry = FusedMoEConfig().to_dict()
+    entry["lora"]["path"] = bad
+    with pytest.raises(ConfigError, match="must name a path"):
+        FusedMoEConfig.from_dict(entry)
+    with pytest.raises(ValueError, match="lora_wide"):
+        FusedMoEConfig(lora_wide={"path": "block"})
+
+
+@pytest.mark.parametrize("where,key", [(("lora",), "lora_expand_lanes"), (("tiles",), "group_m"),
+                                       (("lora",), "stages"), (("tiles", "gate_up"), "num_warps_x"),
+                                       ((), "lora_shrink"), (("lora", "wide"), "order_x"),
+                                       (("lora", "wide", "overflow"), "lanes")])
+def test_a_table_entry_with_an_unknown_key_is_refused_by_name(where, key):
+    """A removed knob (or a typo) anywhere in a table entry is a ConfigError naming it, not a silent default."""
+    d = FusedMoEConfig(lora=BlockConfig(), lora_wide=StackedConfig()).to_dict()
+    node = d
+    for k in where:
+        node = node[k]
+    node[key] = 1
+    with pytest.raises(ConfigError, match=key):
+        FusedMoEConfig.from_dict(d)
+
+
+def test_a_table_entry_missing_its_tiles_or_lora_is_refused():
+    d = FusedMoEConfig().to_dict()
+    for part in ("tiles", "lora"):
+        with pytest.raises(ConfigError, match=part):
+            FusedMoEConfig.from_dict({k: v for k, v in d.items() if k != part})
 
 
 def test_every_tuned_entry_parses_and_round_trips():
+    picked = set()
     for path in CONFIG_DIR.glob("fused_moe_*.json"):
         for shape, per_m in json.loads(path.read_text())["configs"].items():
             for m, d in per_m.items():
-                cfg = FusedMoEConfig.from_dict(d)  # validates block sizes and modes
+                cfg = FusedMoEConfig.from_dict(d)  # validates block sizes and paths
                 assert FusedMoEConfig.from_dict(cfg.to_dict()) == cfg, (path.name, shape, m)
+                assert FusedMoEConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+                picked |= {c.path for c in (cfg.lora, cfg.lora_wide) if c is not None}
+    assert picked == set(PATHS), "every registered path is picked by some entry (the pruning rule)"
 
 
 def test_h200_table_lookup_picks_the_smallest_tuned_m_at_or_above():
-    # Qwen3-30B-A3B routed experts; 300 tokens use the M=512 entry, whose wide pools go "block"
+    # Qwen3-30B-A3B routed experts; 300 tokens use the M=512 entry
     cfg = tuned_fused_moe_config(128, 2048, 768, 300, 8, torch.bfloat16, "NVIDIA H200")
     want = json.loads((CONFIG_DIR / "fused_moe_nvidia_h200.json").read_text())["configs"][
         "E=128,H=2048,I=768,dtype=bfloat16"]["512"]
-    assert cfg == FusedMoEConfig.from_dict(want)
+    assert cfg == FusedMoEConfig.from_dict(want) and cfg.lora.path == "stacked"
     # an unknown GPU falls back to the heuristic default
     assert tuned_fused_moe_config(128, 2048, 768, 300, 8, torch.bfloat16, "Some GPU") != cfg
+
+
+def test_on_path_keeps_the_entrys_own_knobs_of_that_path():
+    cfg = FusedMoEConfig(lora=BlockConfig(block_n=256), lora_wide=RouteConfig(order="plan"))
+    assert cfg.on_path("route") == cfg.with_lora(RouteConfig(order="plan"))
+    assert cfg.on_path("block", b_chunks=False).lora == BlockConfig(block_n=256, b_chunks=False)
+    assert cfg.on_path("separate").lora == SeparateConfig() and cfg.on_path("separate").lora_wide is None
 
 
 def test_a_table_file_replaces_the_packages(tmp_path):
     # a deployment's own table (e.g. a tuner's output) for one call; the package's otherwise
     key = "E=128,H=2048,I=768,dtype=bfloat16"
-    mine = FusedMoEConfig(32, lora_shrink="block", lora_block_m=16, lora_block_n=128)
+    mine = FusedMoEConfig(32, lora=BlockConfig(block_m=16, block_n=128))
     path = tmp_path / "table.json"
     path.write_text(json.dumps({"device": "NVIDIA H200", "configs": {key: {"64": mine.to_dict()}}}))
     table = check_table_file(path)

@@ -66,12 +66,6 @@ class EngineConfig:
     # LoRA work on a second stream, concurrent with the base GEMM reading the same input (CUDA, Triton):
     # the dense LoRA shrink next to cuBLAS, the routed experts' down delta next to the down GEMM.
     overlap_lora: bool = True
-    # CUDA priority of that stream (torch's convention: lower is higher, -1 the H200's highest; 0 the
-    # default). A base GEMM fills every SM, so the LoRA kernels beside it may only get SMs as its
-    # programs drain (H200 trace at 256 requests: the routed down delta ran after the down GEMM); a
-    # higher priority hands them freed SMs first. H200 decode, -1 alternated with 0 (64 and 256 requests):
-    # no difference beyond the spread between runs, so the default stays 0.
-    lora_stream_priority: int = 0
     mla_absorbed_decode: bool = True  # off switch for MLA's absorbed decode (off: expanded path, no graphs)
     merge_qkv: bool = True  # off switch for the merged q/k/v projection (one GEMM, one LoRA pair)
     # Write adapter slots on a side stream (CUDA) while other requests run; requests of a loading

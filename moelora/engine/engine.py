@@ -78,7 +78,7 @@ class LLMEngine:
         self._registered_rank = 0  # the largest rank of any adapter registered so far (the graphs' LoRA width)
         # LoRA sites no registered adapter has weights at (all of them until one is added): skipped
         self.runner.lora_idle = frozenset(self._site_owners.values()) if cfg.skip_idle_lora_sites else frozenset()
-        lora_stream = (torch.cuda.Stream(self.device, priority=cfg.lora_stream_priority)
+        lora_stream = (torch.cuda.Stream(self.device)
                        if cfg.overlap_lora and self.device.type == "cuda" else None)
         for module in model.modules():  # the engine owns the model: its config picks the fast paths
             if getattr(module, "has_lora", False) and hasattr(module, "lora_stream"):

@@ -69,6 +69,18 @@ def lora_b_tile(b_ptr, offs_n, n_limit, stride_bn, rank, col0, BLOCK_R: tl.const
 
 
 @triton.jit
+def add_expand(acc_g, acc_u, xs, b_se, offs_n, n_limit, stride_bn, rank, col0, R: tl.constexpr, TWO: tl.constexpr):
+    """acc_g += xs @ B^T over B rows offs_n (masked to n_limit and the rank), rank columns from col0, and with TWO
+    (gate_up) acc_u += the same over the up half, B rows n_limit + offs_n. xs [BM, R] in the dot's dtype; B tiles:
+    `lora_b_tile`."""
+    acc_g = tl.dot(xs, lora_b_tile(b_se, offs_n, n_limit, stride_bn, rank, col0, R).to(xs.dtype), acc_g)
+    if TWO:
+        acc_u = tl.dot(xs, lora_b_tile(b_se + n_limit * stride_bn, offs_n, n_limit, stride_bn, rank, col0,
+                                       R).to(xs.dtype), acc_u)
+    return acc_g, acc_u
+
+
+@triton.jit
 def lora_a_tile(a_ptr, k0, offs_k, k_dim, stride_ar, rank, BLOCK_R: tl.constexpr):
     """[BK, BLOCK_R] tile of A^T (A is [R, k_dim]) at depth k0, rank- and depth-masked."""
     offs_r = tl.arange(0, BLOCK_R)

@@ -3,9 +3,12 @@
 Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k.
 
 Tables live in `configs/fused_moe_<gpu>.json` (written by benchmarks/tune_fused_moe.py):
-  {"device": "...", "configs": {"E=128,H=2048,I=768,dtype=bfloat16": {"<M>": {config fields}}}}
+  {"device": "...", "configs": {"E=128,H=2048,I=768,dtype=bfloat16": {"<M>": entry}}}
+  entry = {"tiles": {"block_m", "gate_up", "down", "use_tma", "plan_per_route"},
+           "lora": {"path": name, <that path's config fields>, "wide": {"path": ..., ...} (optional)}}
 A launch picks the smallest tuned M >= T (else the largest); shapes with no table entry fall
-back to `default_fused_moe_config`. Nothing is autotuned at serving time.
+back to `default_fused_moe_config`. Nothing is autotuned at serving time. A key the dataclasses do not
+have (a removed knob, a typo) is a ConfigError naming it.
 """
 
 from __future__ import annotations
@@ -13,19 +16,28 @@ from __future__ import annotations
 import functools
 import json
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 
 import torch
 
-from moelora.kernels.checks import need_at_least, need_one_of, need_pow2
+from moelora.errors import ConfigError
+from moelora.kernels.checks import need_pow2
 
 CONFIG_DIR = Path(__file__).parent / "configs"
-LORA_SHRINK_MODES = ("inline", "separate", "route", "block", "stacked", "spread")
-# "inline" is rank-proportional only up to rank 16
-WIDE_SHRINK_MODES = ("separate", "route", "block", "stacked", "spread")
-GATE_UP_DELTA_AT = ("epilogue", "activation")
-ROUTE_ORDERS = ("token", "plan")
+_TILE_KEYS = ("block_m", "gate_up", "down", "use_tma", "plan_per_route")
+
+
+def lora_paths() -> dict:
+    """The registry of routed-LoRA paths (`moelora.kernels.moe_lora.PATHS`), imported when a config needs
+    it: the engine reads this module without Triton."""
+    from moelora.kernels.moe_lora import PATHS
+
+    return PATHS
+
+
+def _separate(**kw):
+    return lora_paths()["separate"].config(**kw)
 
 
 @dataclass(frozen=True)
@@ -40,147 +52,97 @@ class GemmTile:
 
 @dataclass(frozen=True)
 class FusedMoEConfig:
-    """block_m is the plan's block (rows per program, shared by both GEMMs).
-
-    lora_shrink "inline": each GEMM program computes rows @ A^T itself, fused into its K-loop (no
-    extra launch; best at decode, where blocks hold few rows and few slots). "separate": one
-    shrink kernel per GEMM (grid blocks x lora_split_k) writes xa [split, P, R] once per block,
-    and the GEMM epilogue only expands (best for large M, where the inline shrink would repeat
-    once per output tile; also the only path for pools of max rank > 16, where it loops over the
-    slot's own rank in 16-column chunks). "route": one kernel per GEMM computes each route's whole
-    delta (shrink and expand GEMVs, x's dtype) before it, and the epilogue adds delta[route] (no
-    loop over a block's slots; decode, where blocks hold few rows on many slots). "block": the
-    same delta computed per (plan block, slot), the slots of a block in parallel programs, so a
-    (slot, expert) pair's A/B is read once per block, not once per route; lora_n_split cuts each
-    (block, slot) program's output columns into that many programs (0: only when the blocks leave
-    SMs idle; each split repeats the block's shrink); lora_block_n: the columns of each of its
-    expand steps (and lora_block_k the depth of each shrink step); lora_block_m (0: block_m): the
-    rows of each of its programs, a plan block taken as block_m / lora_block_m sub-blocks (16 of a
-    32-row block: half the masked rows staged per shrink step and twice the programs, A/B read once
-    per sub-block); lora_block_programs (0: one program per (sub-block, lane, split)): that many
-    programs, each looping over those items. Alone that delta is slower (H200, Qwen3 M=256, 8
-    adapters r16, gate_up: 63.1 -> 96.1 us at 528), but beside the base GEMM on the side stream the
-    layer is faster (M=128, 264 programs: 380.8 -> 368.1 us; M=256, 528: 424.1 -> 414.2; M=512 and 64
-    slower); why is not measured (a guess: fewer delta programs queued ahead of the GEMM's).
-    lora_shrink_wide: the
-    mode for pools of max rank > 16 ("": lora_shrink's, "inline" going "separate"; H200, Qwen3
-    M=512, 8 adapters r64: separate 3.98x no-LoRA, route 3.05x, block 2.33x). lora_gate_up_at (route
-    and block): "epilogue" adds the gate_up delta in the gate_up GEMM's epilogue, so its kernel runs
-    before that GEMM; "activation" has the GEMM write gate and up unactivated ([P, 2I]) and a small
-    kernel add the delta and apply SiLU * up, so the delta kernel can run on a second stream
-    concurrently with the GEMM (one launch more on the main stream, one less in its way).
-    lora_route_order ("route"): the gate_up delta's programs in route order ("token": a token's K
-    routes side by side) or in plan order ("plan": an expert's routes side by side, so routes of one
-    (adapter, expert) pair read its A/B from L2; the down delta always runs in plan order).
-    lora_route_programs / lora_route_warps / lora_route_tile ("route"): the programs a delta launch
-    aims for (each route's output columns are split until routes x splits reach it; a split repeats
-    its route's shrink, from L2), the warps of each, and the elements of each [16, tile / 16] A or B
-    load of a narrow pool's pass (264 / 4 / 4096: two programs per SM of an H200, 8 shrink steps
-    over H = 2048; more programs or wider loads put more of a latency-bound GEMV chain in flight);
-    lora_route_stages (1: off): the delta's shrink and expand loops software-pipelined that many stages
-    deep (their loads through cp.async, several steps in flight; not measured yet).
-    lora_block_max_slots ("route", up to 1024 tokens; 0: off): a batch whose tokens name at most
-    this many distinct slots takes the "block" delta instead (the route delta reads a pair's A/B
-    once per route, block once per plan block, so with few adapters and many routes per pair block
-    reads far less). Both kernels are launched and each counts the slots on the device, so one
-    graph serves either batch. lora_expand_lanes ("separate"; 0: a loop over the block's slots): the
-    epilogue expands up to this many distinct slots of a block in one dot, their xa side by side in
-    lanes of BLOCK_R columns and their B tiles stacked (at most 128 // BLOCK_R lanes; any further slot
-    takes the loop), instead of one dependent dot chain per slot. lora_shrink_lanes ("separate"; 1: one
-    program per block and split loops over the block's slots): that many programs per block and split,
-    each on one distinct slot of the block (the last: every slot left). (H200: neither is picked by the
-    tuner; with 8 lanes the epilogue spills registers.) use_tma: Hopper
-    tensor descriptors for the weight (and down-GEMM activation) tiles; the off switch of that
-    path (contract 6). plan_per_route: no routing-plan launch; each plan block holds one route
-    (`moe_plan.per_route_plan`): a block per route reads its expert's weights, so only for batches
-    whose routes rarely share an expert (one token). "stacked" (prefill): a shrink kernel writes each plan
-    row's xa into its slot's lane of S * BLOCK_R columns and zeros in the others (xa_stacked [P, S *
-    BLOCK_R]), and each GEMM adds xa_stacked @ B_stacked[e] (every slot's B of the block's expert; B of a
-    slot absent from the block, or past a slot's rank, loads nothing) as more steps of its K loop, one
-    lane a step, with no reduction or branch between steps (the separate path's slot loop has both);
-    lora_stack_n: the stacked columns of each shrink program (a program per plan block and
-    lora_stack_n columns; one with no row on its columns' slots only writes zeros). A pool of more than
-    fused_moe.STACK_MAX_COLS slot columns (S * BLOCK_R) takes "separate" instead (`fused_moe.lora_mode`).
-    "spread" (one token): the shrinks ride in the programs of the kernel before the expand: the gate_up
-    GEMM's program of output tile n shrinks x columns [n k, (n + 1) k) (k = ceil(H / tiles) rounded up to
-    lora_block_k), an activation kernel of lora_block_n columns a program expands the gate_up delta,
-    applies SiLU * up and shrinks its h columns for the down GEMM's epilogue to expand (`moe_gemm`). No
-    LoRA launch, no side stream, every (slot, expert) pair's A and B read once. H200, chain of 8 layers,
-    µs a layer (table "separate" / "inline" -> spread, lora_block_n 128, lora_block_k 256): Qwen3 M=1
-    8 adapters r16 40.7 -> 38.8, r64 51.8 -> 43.4; DSV2 M=1 50.4 -> 43.7, r64 60.9 -> 50.6. From M=8 on it
-    loses (Qwen3 8 adapters M=8 144.0 -> 149.9, M=32 288.0 -> 390.2): a block's slots loop one after the
-    other in the tail of every GEMM program (the down GEMM's 32 column tiles each repeat the expand's chain).
-    lora_block_b_chunks ("block"): the delta's B tiles loaded in whole 16-column chunks of the slot's rank
-    (vector loads, then a select zeroes the columns past the rank) or, False, masked column by column
-    (2-byte element loads, no select): for sm_90 (Triton 3.9's ptxas) the chunked kernel takes up to ~1.8x
-    the registers (95 -> 174 at lora_block_n / lora_block_k 256), 5 -> 2 programs an SM; on the H200 the
-    chunks won at every M=64..256 pick anyway (docs/benchmarks.md)."""
+    """One table entry. block_m: the routing plan's block (rows per program, shared by both GEMMs);
+    gate_up / down: their tiles; use_tma: Hopper tensor descriptors for the weight (and down-GEMM
+    activation) tiles, the off switch of that path (contract 6); plan_per_route: no routing-plan
+    launch, a plan block per route (`moe_plan.per_route_plan`, one-token batches). lora: the routed-LoRA
+    path and its own knobs (a `moelora.kernels.moe_lora` config: SeparateConfig, RouteConfig, ...) for
+    pools of BLOCK_R <= 16; lora_wide: the same for wider pools (None: lora). Measurements behind each
+    table pick: docs/performance.md."""
 
     block_m: int = 16
     gate_up: GemmTile = field(default_factory=GemmTile)
     down: GemmTile = field(default_factory=GemmTile)
-    group_m: int = 8
-    lora_shrink: str = "separate"
-    lora_shrink_wide: str = ""
-    lora_block_k: int = 128
-    lora_split_k: int = 8
-    lora_n_split: int = 0
-    lora_gate_up_at: str = "epilogue"
-    lora_route_order: str = "token"
-    lora_route_programs: int = 264
-    lora_route_warps: int = 4
-    lora_route_tile: int = 4096
-    lora_route_stages: int = 1
-    lora_block_n: int = 64
-    lora_block_m: int = 0
-    lora_block_programs: int = 0
-    lora_block_max_slots: int = 0
-    lora_expand_lanes: int = 0
-    lora_shrink_lanes: int = 1
-    lora_stack_n: int = 128
-    lora_block_b_chunks: bool = True
     use_tma: bool = False
     plan_per_route: bool = False
+    lora: object = field(default_factory=_separate)
+    lora_wide: object | None = None
 
     def __post_init__(self):
         need_pow2("FusedMoEConfig", block_m=self.block_m, gate_up_block_n=self.gate_up.block_n,
                   gate_up_block_k=self.gate_up.block_k, down_block_n=self.down.block_n,
-                  down_block_k=self.down.block_k, lora_block_k=self.lora_block_k, lora_block_n=self.lora_block_n,
-                  lora_route_tile=self.lora_route_tile, lora_stack_n=self.lora_stack_n)
-        need_at_least("FusedMoEConfig", 256, lora_route_tile=self.lora_route_tile)  # 16 rank columns x 16
-        need_at_least("FusedMoEConfig", 1, lora_split_k=self.lora_split_k, lora_route_programs=self.lora_route_programs)
-        need_at_least("FusedMoEConfig", 0, lora_n_split=self.lora_n_split,
-                      lora_block_max_slots=self.lora_block_max_slots, lora_block_programs=self.lora_block_programs)
-        need_one_of("FusedMoEConfig", "lora_block_m", self.lora_block_m, (0, 16, 32, 64, 128))
-        need_one_of("FusedMoEConfig", "lora_expand_lanes", self.lora_expand_lanes, (0, 1, 2, 4, 8))
-        need_at_least("FusedMoEConfig", 1, lora_shrink_lanes=self.lora_shrink_lanes)
-        need_one_of("FusedMoEConfig", "lora_route_warps", self.lora_route_warps, (1, 2, 4, 8, 16))
-        need_one_of("FusedMoEConfig", "lora_route_stages", self.lora_route_stages, (1, 2, 3, 4))
-        need_one_of("FusedMoEConfig", "lora_route_order", self.lora_route_order, ROUTE_ORDERS)
-        need_one_of("FusedMoEConfig", "lora_gate_up_at", self.lora_gate_up_at, GATE_UP_DELTA_AT)
-        need_one_of("FusedMoEConfig", "lora_shrink", self.lora_shrink, LORA_SHRINK_MODES)
-        need_one_of("FusedMoEConfig", "lora_shrink_wide", self.lora_shrink_wide, ("", *WIDE_SHRINK_MODES))
+                  down_block_k=self.down.block_k)
+        paths = lora_paths()
+        for name, cfg in (("lora", self.lora), ("lora_wide", self.lora_wide)):
+            path = paths.get(getattr(cfg, "path", None))
+            if cfg is not None and (path is None or type(cfg) is not path.config):
+                raise ValueError(f"FusedMoEConfig.{name} must be the config of a path in {sorted(paths)}, "
+                                 f"got {cfg!r}")
 
-    def shrink_mode(self, block_r: int) -> str:
-        """The LoRA path for a pool of BLOCK_R = block_r rank columns. "inline" computes all BLOCK_R
-        columns whatever the slot's rank (rank-proportional only for a rank-16 pool), so wider
-        pools take lora_shrink_wide, or "separate" when that is unset."""
-        if block_r <= 16:
-            return self.lora_shrink
-        if self.lora_shrink_wide:
-            return self.lora_shrink_wide
-        return "separate" if self.lora_shrink == "inline" else self.lora_shrink
+    def lora_for(self, block_r: int):
+        """The LoRA path config for a pool of BLOCK_R = block_r rank columns."""
+        return self.lora_wide if block_r > 16 and self.lora_wide is not None else self.lora
+
+    def with_lora(self, cfg) -> FusedMoEConfig:
+        """This config with the LoRA path `cfg` at every pool width."""
+        return replace(self, lora=cfg, lora_wide=None)
+
+    def on_path(self, name: str, **knobs) -> FusedMoEConfig:
+        """This config with LoRA path `name` at every width: this entry's own config of that path (narrow
+        first) when it has one, else the path's defaults; `knobs` replace fields of it."""
+        own = [c for c in (self.lora, self.lora_wide) if c is not None and c.path == name]
+        cfg = own[0] if own else lora_paths()[name].config()
+        return self.with_lora(replace(cfg, **knobs))
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        lora = _lora_dict(self.lora)
+        if self.lora_wide is not None:
+            lora["wide"] = _lora_dict(self.lora_wide)
+        return {"tiles": {k: asdict(v) if is_dataclass(v) else v for k in _TILE_KEYS for v in [getattr(self, k)]},
+                "lora": lora}
 
     @staticmethod
     def from_dict(d: dict) -> FusedMoEConfig:
-        d = dict(d)
-        for k in ("gate_up", "down"):
-            if k in d:
-                d[k] = GemmTile(**d[k])
-        return FusedMoEConfig(**d)
+        """The config of one table entry (`to_dict`'s form); an unknown or missing key raises ConfigError."""
+        _need_keys(d, {"tiles", "lora"}, {"tiles", "lora"}, "fused-MoE table entry")
+        _need_keys(d["tiles"], set(_TILE_KEYS), {"block_m", "gate_up", "down"}, "fused-MoE table entry's tiles")
+        tiles = {k: _strict(GemmTile, v, f"tiles.{k}") if k in ("gate_up", "down") else v
+                 for k, v in d["tiles"].items()}
+        lora = dict(d["lora"])
+        wide = lora.pop("wide", None)
+        return FusedMoEConfig(**tiles, lora=_lora_from(lora, "lora"),
+                              lora_wide=None if wide is None else _lora_from(wide, "lora.wide"))
+
+
+def _lora_dict(cfg) -> dict:
+    return {"path": cfg.path, **asdict(cfg)}
+
+
+def _lora_from(d: dict, where: str):
+    paths = lora_paths()
+    if not isinstance(d, dict) or d.get("path") not in paths:
+        raise ConfigError(f"fused-MoE table entry's {where} must name a path of {sorted(paths)}, got {d!r}")
+    return _strict(paths[d["path"]].config, {k: v for k, v in d.items() if k != "path"}, where)
+
+
+def _need_keys(d, known: set, required: set, where: str) -> None:
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where} must be an object, got {d!r}")
+    unknown, missing = sorted(set(d) - known), sorted(required - set(d))
+    if unknown or missing:
+        raise ConfigError(f"{where}: unknown keys {unknown}, missing keys {missing} (known: {sorted(known)})")
+
+
+def _strict(cls, d, where: str):
+    """cls(**d), its nested dataclass fields built the same way; a key cls lacks raises ConfigError."""
+    names = {f.name: f for f in fields(cls)}
+    _need_keys(d, set(names), set(), f"fused-MoE table entry's {where}")
+    kw = {}
+    for k, v in d.items():
+        f = names[k]
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        kw[k] = _strict(type(default), v, f"{where}.{k}") if is_dataclass(default) else v
+    return cls(**kw)
 
 
 def default_lora_split_k(num_tokens: int, top_k: int) -> int:
@@ -195,14 +157,15 @@ def default_fused_moe_config(num_experts: int, hidden: int, inter: int, num_toke
     """Heuristic for shapes with no tuned entry, by routes per expert."""
     per_expert = num_tokens * top_k / max(1, num_experts)
     split = default_lora_split_k(num_tokens, top_k)
+    lora = _separate(split_k=split)
     if per_expert <= 16:
         tile = GemmTile(64, 128, 4, 4)
-        return FusedMoEConfig(16, tile, tile, lora_shrink="separate", lora_split_k=split)
+        return FusedMoEConfig(16, tile, tile, lora=lora)
     if per_expert <= 64:
         tile = GemmTile(64, 128, 4, 3)
-        return FusedMoEConfig(32, tile, tile, lora_shrink="separate", lora_split_k=split)
+        return FusedMoEConfig(32, tile, tile, lora=lora)
     tile = GemmTile(128, 64, 8, 3)
-    return FusedMoEConfig(64, tile, tile, lora_shrink="separate", lora_split_k=split)
+    return FusedMoEConfig(64, tile, tile, lora=lora)
 
 
 def device_tag(device_name: str) -> str:

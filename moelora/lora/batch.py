@@ -57,12 +57,11 @@ class LoRABatch:
     max_rank: int | None = None  # the rows' slots' largest adapter rank (host); None: the pool's width
 
     def with_row_plan(self, num_slots: int) -> LoRABatch:
-        """This batch plus its rows grouped by slot (`moelora.kernels.planned_lora.row_plan`) when a
+        """This batch plus its rows grouped by slot (`moelora.kernels.lora_linear.row_plan`) when a
         dense site may take "planned" at this many rows, else this batch. One launch on the device,
         never a host sync; the graph runner calls it inside the captured forward, so every replay
         rebuilds the grouping (never a stale copy)."""
-        from moelora.kernels.lora_linear import PLAN_BLOCK_M, wants_row_plan  # Triton: only on its path
-        from moelora.kernels.planned_lora import row_plan
+        from moelora.kernels.lora_linear import PLAN_BLOCK_M, row_plan, wants_row_plan  # Triton: only on its path
 
         if not wants_row_plan(self.num_tokens):
             return self

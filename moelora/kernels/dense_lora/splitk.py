@@ -1,5 +1,4 @@
-"""Split-K decode GEMM whose reduction adds the bias and the dense LoRA expand ("splitk" mode of
-`moelora.kernels.lora_linear`).
+"""Dense LoRA mode "splitk": a split-K decode GEMM whose reduction adds the bias and the LoRA expand.
 
 Shape legend: T tokens (decode: <= 64), N_in / N_out features, P split-K chunks, S adapter slots.
   partials: x [T, N_in] @ W [N_out, N_in]^T over chunk p of N_in -> ws [P, T, N_out] fp32
@@ -20,13 +19,38 @@ Partials are summed in a fixed order: deterministic, no atomics. Grids depend on
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.dense_lora.split import ShrinkLaunch, Split, shrink_setup
 from moelora.kernels.lora_tiles import dense_shrink_program, expand_tile, lane_rows
+
+# replaces cuBLAS for rows up to this many (decode), in fp16/bf16; beyond, or in fp32, "split"
+SPLITK_MAX_ROWS = 64
+
+
+class SplitK:
+    name = "splitk"
+
+    @staticmethod
+    def run(x, weight, bias, lora, out, cfg, side_stream=None) -> None:
+        if x.shape[0] <= SPLITK_MAX_ROWS and x.dtype != torch.float32 and weight.stride(1) == 1:
+            splitk_linear(x, weight, bias, lora, out, cfg)
+        else:
+            Split.run(x, weight, bias, lora, out, cfg, side_stream)
+
+
+def splitk_linear(x, weight, bias, lora, out, cfg) -> None:
+    """One launch of split-K partials and, with LoRA, the shrink's programs next to them (so no side stream
+    and no join), then one reduce that adds bias and the expand."""
+    if lora is None:
+        splitk_reduce(splitk_partials(x, weight, cfg.gemm_split_k, cfg.gemm_block_n, cfg.gemm_block_k), out, bias,
+                      None, None, cfg.block_m, cfg.block_n, cfg.slot_lanes, cfg.num_warps)
+        return
+    sh = shrink_setup(x, lora, x.shape[0], x.shape[1], cfg)
+    ws = splitk_partials(x, weight, cfg.gemm_split_k, cfg.gemm_block_n, cfg.gemm_block_k, shrink=sh)
+    splitk_reduce(ws, out, bias, lora, sh, cfg.block_m, cfg.block_n, cfg.slot_lanes, cfg.num_warps)
 
 
 @triton.jit
@@ -108,30 +132,6 @@ def splitk_reduce_kernel(
                                stride_xap, stride_bs, stride_bn, BM, BN, BLOCK_R, XA_SPLIT, S_P2, G, G_P2, SEG_BOUNDS)
     tl.store(y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=mask)
-
-
-class ShrinkLaunch(NamedTuple):
-    """The dense LoRA shrink's launch and what the expand needs of it (`lora_linear` builds it; the
-    split path launches it on its own, "splitk" folds it into the partials' launch): xa [P, T, G BLOCK_R]
-    to fill, A / slots / ranks as `DenseLoRAArgs` holds them, the N_in chunk of each of P splits,
-    lanes, the shrink's tiles, and the output segments (G, pool rank R_SEG a segment, BLOCK_R,
-    pow2(G), column bounds or None)."""
-
-    xa: torch.Tensor
-    a: torch.Tensor
-    slots: torch.Tensor
-    ranks: torch.Tensor
-    n_split: int
-    chunk: int
-    lanes: int
-    block_m: int
-    block_k: int
-    s_p2: int
-    r_seg: int
-    G: int
-    block_r: int
-    g_p2: int
-    bounds: tuple[int, ...] | None
 
 
 def splitk_partials(x: torch.Tensor, weight: torch.Tensor, split_k: int, block_n: int, block_k: int,

@@ -1,0 +1,166 @@
+"""Dense LoRA mode "split": cuBLAS for the base, then a shrink kernel and an expand kernel.
+
+Shape legend: T tokens, N_in / N_out features, S adapter slots, R pool rank per segment, G output segments
+(BLOCK_R = pow2 >= max(16, R)), P shrink splits over N_in.
+
+The shrink computes xa = x[t] @ A_slot(t)[:rank]^T once per row into an fp32 buffer xa [P, T, G BLOCK_R],
+then the expand adds xa[t] @ B_slot(t)[:, :rank]^T to each [BM, BN] output tile (summing the P partials).
+Shrink program (m, p G + g, lane) takes BM rows, the p-th chunk of N_in (so small T still fills the GPU),
+segment g and the lane-th distinct slot among its rows; expand program (m, n, lane) likewise. A row has
+one slot, so lanes touch disjoint rows: no atomics, deterministic. With up to `slot_lanes` distinct slots
+per row block every program handles one slot, so its chain of dependent loads is short; the last lane
+takes any further slots in turn. A is read once per (row block, slot, N_in chunk) and B once per (row
+block, slot, N tile), each only up to the slot's own rank. With a `side_stream` the shrink runs there,
+concurrently with the base GEMM (both only read x), and the expand after the join. Segments (G > 1) keep
+one shrink and one expand launch (`lora_tiles.expand_segments`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from moelora.kernels.dense_lora.base import Segments, base_gemm
+from moelora.kernels.lora_tiles import dense_shrink_program, expand_tile, lane_rows
+from moelora.kernels.side_stream import forked, join
+
+# Shrink programs to aim for with one slot per row block (split over N_in when T alone gives fewer):
+# about one per SM on an H200 (132); more slots multiply them through the slot lanes.
+SHRINK_TARGET_PROGRAMS = 128
+
+
+class Split:
+    name = "split"
+
+    @staticmethod
+    def run(x, weight, bias, lora, out, cfg, side_stream=None) -> None:
+        T, n_in = x.shape
+        shrunk = None
+        if lora is not None and side_stream is not None:
+            # Fork (contract 2): the side stream reads x, A, the slots and ranks and writes only xa; the
+            # GEMM here reads x and W and writes only `out`. Nothing read across the fork is written before
+            # the join, and xa (allocated here before the fork) is read by the expand after it.
+            shrunk = shrink(x, lora, T, n_in, cfg, side_stream)
+        base_gemm(x, weight, bias, out)
+        if lora is None:
+            return
+        if shrunk is None:
+            shrunk = shrink(x, lora, T, n_in, cfg)
+        else:
+            join(side_stream, x.device)  # xa is complete
+        expand(out, lora, T, out.shape[1], cfg, shrunk)
+
+
+class ShrinkLaunch(NamedTuple):
+    """The dense LoRA shrink's launch and what the expand needs of it (`lora_linear` builds it; the
+    split path launches it on its own, "splitk" folds it into the partials' launch): xa [P, T, G BLOCK_R]
+    to fill, A / slots / ranks as `DenseLoRAArgs` holds them, the N_in chunk of each of P splits,
+    lanes, the shrink's tiles, and the output segments (G, pool rank R_SEG a segment, BLOCK_R,
+    pow2(G), column bounds or None)."""
+
+    xa: torch.Tensor
+    a: torch.Tensor
+    slots: torch.Tensor
+    ranks: torch.Tensor
+    n_split: int
+    chunk: int
+    lanes: int
+    block_m: int
+    block_k: int
+    s_p2: int
+    r_seg: int
+    G: int
+    block_r: int
+    g_p2: int
+    bounds: tuple[int, ...] | None
+
+
+def shrink_split(T: int, n_in: int, block_r: int, cfg) -> tuple[int, int]:
+    """(P chunks, chunk length): N_in cut into BK multiples so that row blocks x P ~ the target.
+    The expand keeps P partial [BM, BLOCK_R] fp32 tiles in flight: P is capped so that they stay
+    within ~32 registers a thread (sm_90 builds spilled beyond that at BM 64, R 64)."""
+    n_kb = max(1, triton.cdiv(n_in, cfg.block_k))
+    want = cfg.split_k
+    if not want:
+        budget = max(1, 32 * 32 * cfg.num_warps // (cfg.block_m * block_r))
+        want = min(budget, triton.cdiv(SHRINK_TARGET_PROGRAMS, triton.cdiv(T, cfg.shrink_block_m)))
+    chunk = triton.cdiv(n_kb, max(1, min(want, n_kb))) * cfg.block_k
+    return max(1, triton.cdiv(n_in, chunk)), chunk
+
+
+def shrink_setup(x, lora, T, n_in, cfg) -> ShrinkLaunch:
+    """The shrink's launch, its xa [P, T, G * BLOCK_R] fp32 partials allocated here on the current
+    stream."""
+    seg = Segments(lora)
+    n_split, chunk = shrink_split(T, n_in, seg.block_r, cfg)
+    xa = torch.empty(n_split, T, seg.G * seg.block_r, dtype=torch.float32, device=x.device)
+    S = lora.a.shape[0]
+    return ShrinkLaunch(xa, lora.a, lora.token_slots, lora.slot_ranks, n_split, chunk,
+                        min(S, cfg.shrink_block_m, cfg.slot_lanes), cfg.shrink_block_m, cfg.block_k,
+                        triton.next_power_of_2(S), seg.r_seg, seg.G, seg.block_r, seg.g_p2, seg.bounds)
+
+
+def shrink(x, lora, T, n_in, cfg, side_stream=None) -> ShrinkLaunch:
+    """Launch the split path's shrink (on `side_stream` when given, after the work queued so far on
+    the current stream). Its xa is allocated on the current stream before any fork; the caller keeps
+    it until the expand, which runs after the join."""
+    sh = shrink_setup(x, lora, T, n_in, cfg)
+    with forked(side_stream, x.device):
+        _lora_shrink_kernel[(triton.cdiv(T, sh.block_m), sh.n_split * sh.G, sh.lanes)](
+            x, sh.xa, lora.a, lora.token_slots, lora.slot_ranks, T, n_in, lora.a.shape[0], sh.chunk, sh.lanes,
+            sh.r_seg, x.stride(0), sh.xa.stride(0), lora.a.stride(0), lora.a.stride(1), BM=sh.block_m,
+            BLOCK_R=sh.block_r, BK=sh.block_k, S_P2=sh.s_p2, G=sh.G, num_warps=4, num_stages=cfg.shrink_num_stages)
+    return sh
+
+
+def expand(out, lora, T, n_out, cfg, sh: ShrinkLaunch):
+    S = lora.a.shape[0]
+    lanes = min(S, cfg.block_m, cfg.slot_lanes)
+    _lora_expand_add_kernel[(triton.cdiv(T, cfg.block_m), triton.cdiv(n_out, cfg.block_n), lanes)](
+        sh.xa, out, lora.b, lora.token_slots, lora.slot_ranks, T, n_out, S, lanes, sh.xa.stride(0), out.stride(0),
+        lora.b.stride(0), lora.b.stride(1), BM=cfg.block_m, BN=cfg.block_n, BLOCK_R=sh.block_r, SPLIT=sh.n_split,
+        S_P2=sh.s_p2, G=sh.G, G_P2=sh.g_p2, SEG_BOUNDS=sh.bounds, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, T, N_in, n_slots, k_chunk, n_lanes, R_SEG,
+    stride_xt, stride_xap, stride_as, stride_ar,
+    BM: tl.constexpr, BLOCK_R: tl.constexpr, BK: tl.constexpr, S_P2: tl.constexpr, G: tl.constexpr,
+):
+    """xa[p, t, g] = x[t, chunk p] @ A_g,slot(t)[:rank_g, chunk p]^T: program (m, p G + g, lane) is
+    `dense_shrink_program` (the splitk mode runs the same programs inside its partials' launch)."""
+    dense_shrink_program(x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, tl.program_id(0), tl.program_id(1),
+                         tl.program_id(2), T, N_in, n_slots, k_chunk, n_lanes, R_SEG, stride_xt, stride_xap,
+                         stride_as, stride_ar, BM, BLOCK_R, BK, S_P2, G)
+
+
+@triton.jit
+def _lora_expand_add_kernel(
+    xa_ptr, y_ptr, b_ptr, slots_ptr, ranks_ptr, T, N_out, n_slots, n_lanes,
+    stride_xap, stride_yt, stride_bs, stride_bn,
+    BM: tl.constexpr, BN: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, S_P2: tl.constexpr,
+    G: tl.constexpr, G_P2: tl.constexpr, SEG_BOUNDS: tl.constexpr,
+):
+    """y[t, n tile] += (sum_p xa[p, t]) @ B_slot(t)[n tile, :rank]^T for the rows with a slot (with G
+    segments: each column's segment's xa columns, B rows and rank; see `expand_segments`).
+    Program (m, n, lane) takes the lane-th distinct slot of its rows (the last lane: all the rest);
+    a row has one slot, so lanes write disjoint rows."""
+    offs_t = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    lane = tl.program_id(2)
+    slot, s, mine, ranks = lane_rows(slots_ptr, ranks_ptr, offs_t, T, n_slots, lane, n_lanes, S_P2, G, G_P2)
+    if s < 0:
+        return
+    # Everything whose address is known is loaded before the slot loop: y, and the P partials
+    # (unrolled, all in flight at once), so the chain is slots -> {y, xa, B} -> store.
+    y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
+    mask = mine[:, None] & (offs_n[None, :] < N_out)
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    acc = expand_tile(xa_ptr, y_ptr, b_ptr, slot, s, ranks, offs_t, offs_n, mine, lane, n_lanes, N_out, stride_xap,
+                      stride_bs, stride_bn, BM, BN, BLOCK_R, SPLIT, S_P2, G, G_P2, SEG_BOUNDS)
+    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)

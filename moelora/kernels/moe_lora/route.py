@@ -1,0 +1,179 @@
+"""Routed-expert LoRA path "route": each route's whole delta, shrink and expand as two GEMVs in one program.
+
+Shape legend: T tokens, K top-k, H hidden, I expert intermediate, S adapter slots, E experts, R max rank
+(BLOCK_R the tile rank), P plan rows (max_padded), RC = 16 rank columns.
+
+`lora_route_delta_kernel`: delta[route] = ((src row @ A[s, e, :rank]^T) in x's dtype) @ B[s, e, :, :rank]^T ->
+[T*K, N] (`deltas`), RC rank columns at a time (a rank-8 slot in a rank-64 pool costs rank 8), except that a
+slot of rank > 32 takes one pass the pool's width wide (x and its delta row touched once). gate_up: one
+program per (route, N split), src x[route // K], in route order, or (`RouteConfig.order` "plan") per (plan
+row, N split), so an expert's routes share their pairs' A/B in L2; down: one per (plan row, N split), src
+h[row]. Every program streams its own A/B rows with no dependence on its block's other rows (decode: a
+block holds a few routes on as many slots). `RouteConfig.block_max_slots`: a batch whose tokens name at
+most that many distinct slots takes the "block" delta instead (both launched, each counts the slots on the
+device, so one graph serves either batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import triton
+import triton.language as tl
+
+from moelora.kernels.checks import need_at_least, need_one_of
+from moelora.kernels.lora_tiles import lora_b_tile
+from moelora.kernels.moe_lora.base import LORA_RC, site
+from moelora.kernels.moe_lora.block import BlockConfig, block_delta
+from moelora.kernels.moe_lora.deltas import GATE_UP_DELTA_AT, DeltaPath, slots_skip
+
+ROUTE_PROGRAMS = 264  # programs a delta launch aims for: two per H200 SM (docs/performance.md)
+ROUTE_STEP = 4096 // LORA_RC  # [RC, 256] A / B loads, 4096 elements each (docs/performance.md)
+SWITCH_MAX_TOKENS = 1024  # block_max_slots: beyond this many tokens the switch is not tried
+
+
+@dataclass(frozen=True)
+class RouteConfig:
+    """warps: of each delta program; order: the gate_up delta's programs by "token" (a token's K routes side
+    by side) or "plan" (an expert's routes side by side); gate_up_at: as `BlockConfig`'s; block_max_slots
+    (0: off): batches on at most that many distinct slots take the block delta (at `BlockConfig()`)."""
+
+    path: ClassVar[str] = "route"
+    warps: int = 4
+    order: str = "token"
+    gate_up_at: str = "epilogue"
+    block_max_slots: int = 0
+
+    def __post_init__(self):
+        need_one_of("RouteConfig", "warps", self.warps, (1, 2, 4, 8, 16))
+        need_one_of("RouteConfig", "order", self.order, ("token", "plan"))
+        need_one_of("RouteConfig", "gate_up_at", self.gate_up_at, GATE_UP_DELTA_AT)
+        need_at_least("RouteConfig", 0, block_max_slots=self.block_max_slots)
+
+
+class Route(DeltaPath):
+    name = "route"
+    config = RouteConfig
+    wide_fp32 = True  # wide slots in rank chunks summed in the buffer (a block switch shares it)
+    # 8 warps; an expert's routes side by side; the gate_up delta beside its GEMM; the block delta for
+    # batches on <= 2 slots (scored on 1 + 8 adapters: it helps the first, costs the second a launch)
+    refinements = (dict(warps=8), dict(order="plan"), dict(gate_up_at="activation"), dict(block_max_slots=2))
+
+    @classmethod
+    def trials(cls, block_m: int) -> list:
+        return [RouteConfig()]
+
+    def delta(self, src, delta, which) -> None:
+        call, cfg, plan = self.call, self.cfg, self.call.plan
+        if cfg.block_max_slots and plan.num_routes // plan.top_k <= SWITCH_MAX_TOKENS:
+            # both launched; on the device exactly one runs, by the batch's distinct slots (few: block)
+            block_delta(call, BlockConfig(), src, delta, which, switch=self._switch(1))
+            route_delta(call, cfg, src, delta, which, switch=self._switch(2))
+        else:
+            route_delta(call, cfg, src, delta, which)
+
+    def _switch(self, side: int) -> dict:
+        """Launch arguments of one side of the route / block switch (`deltas.slots_skip`)."""
+        plan = self.call.plan
+        return dict(max_slots=self.cfg.block_max_slots, SWITCH=side,
+                    T_P2=triton.next_power_of_2(plan.num_routes // plan.top_k),
+                    S_P2=triton.next_power_of_2(self.call.n_slots))
+
+
+def route_delta(call, cfg: RouteConfig, src, delta, which: str, switch: dict | None = None) -> None:
+    """delta [T*K, N] of every route with LoRA (gate_up: N = 2I from x; down: N = H from h [P, I])."""
+    plan, lora = call.plan, call.lora
+    a, b, ranks = site(lora, which)
+    by_row = which == "down" or cfg.order == "plan"
+    n_out, k_dim = b.shape[2], a.shape[3]
+    rows = plan.sorted_route_ids.shape[0] if by_row else plan.num_routes
+    # enough programs to cover the SMs even at a few routes, each streaming whole B rows
+    n_split = max(1, min(triton.cdiv(n_out, ROUTE_STEP), triton.cdiv(ROUTE_PROGRAMS, plan.num_routes)))
+    per_split = triton.cdiv(triton.cdiv(n_out, n_split), ROUTE_STEP) * ROUTE_STEP
+    lora_route_delta_kernel[(rows, triton.cdiv(n_out, per_split))](
+        src, delta, call.topk_ids, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots,
+        ranks, a, b, plan.num_routes, plan.top_k, k_dim, n_out, per_split, src.stride(0), delta.stride(0),
+        a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2), BY_PLAN_ROW=by_row,
+        SRC_BY_TOKEN=which == "gate_up", BM=plan.block_m, RC=LORA_RC, BK=ROUTE_STEP, BN=ROUTE_STEP,
+        WIDE_RC=max(LORA_RC, call.block_r), WIDE_MIN=2 * LORA_RC, num_warps=cfg.warps,
+        **(switch or dict(max_slots=0)))
+
+
+@triton.jit
+def lora_route_delta_kernel(
+    src_ptr, delta_ptr, ids_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr, slots_ptr, ranks_ptr, a_ptr, b_ptr,
+    n_routes, top_k, k_dim, n_out, n_per_split, stride_src, stride_d,
+    stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, max_slots,
+    BY_PLAN_ROW: tl.constexpr, BM: tl.constexpr, RC: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+    WIDE_RC: tl.constexpr, WIDE_MIN: tl.constexpr, SRC_BY_TOKEN: tl.constexpr,
+    SWITCH: tl.constexpr = 0, T_P2: tl.constexpr = 1, S_P2: tl.constexpr = 1,
+):
+    """delta[route, n] for the n of split program_id(1); see the module docstring. BY_PLAN_ROW: program
+    pid takes plan row pid (routes of one expert, hence of few (slot, expert) pairs, run side by side
+    and share their A/B through L2), reading src row pid (h, down) or, SRC_BY_TOKEN, its token's row
+    (x, gate_up); else program pid takes route pid, reading its token's row. SWITCH: `slots_skip`."""
+    if SWITCH != 0:
+        if slots_skip(slots_ptr, n_routes // top_k, max_slots, SWITCH, T_P2, S_P2):
+            return
+    pid = tl.program_id(0)
+    if BY_PLAN_ROW:
+        if pid >= tl.load(num_padded_ptr):
+            return
+        route = tl.load(sorted_ids_ptr + pid)
+        if route >= n_routes:
+            return
+        e = tl.load(eob_ptr + pid // BM).to(tl.int64)
+        if SRC_BY_TOKEN:
+            src = src_ptr + (route // top_k).to(tl.int64) * stride_src
+        else:
+            src = src_ptr + pid.to(tl.int64) * stride_src
+    else:  # gate_up: route pid reads its token's row of x
+        route = pid
+        e = tl.load(ids_ptr + pid).to(tl.int64)
+        src = src_ptr + (pid // top_k).to(tl.int64) * stride_src
+    s = tl.load(slots_ptr + route // top_k)
+    if s < 0:
+        return
+    rank = tl.load(ranks_ptr + s)
+    if rank == 0:
+        return
+    a_base = a_ptr + s.to(tl.int64) * stride_as + e * stride_ae
+    b_base = b_ptr + s.to(tl.int64) * stride_bs + e * stride_be
+    n_start = tl.program_id(1) * n_per_split
+    n_end = tl.minimum(n_out, n_start + n_per_split)
+    d_row = delta_ptr + route.to(tl.int64) * stride_d
+    if WIDE_RC > RC:  # a pool wider than RC: slots of rank > WIDE_MIN take one wide pass (x and the
+        if rank > WIDE_MIN:  # delta row touched once), the others RC columns at a time (cost ~ rank)
+            _delta_pass(src, a_base, b_base, d_row, 0, rank, k_dim, n_start, n_end, stride_ar, stride_bn,
+                        WIDE_RC, 4096 // WIDE_RC, 4096 // WIDE_RC)
+            return
+    for r0 in range(0, rank, RC):
+        _delta_pass(src, a_base, b_base, d_row, r0, rank, k_dim, n_start, n_end, stride_ar, stride_bn, RC, BK, BN)
+
+
+@triton.jit
+def _delta_pass(src, a_base, b_base, d_row, r0, rank, k_dim, n_start, n_end, stride_ar, stride_bn,
+                RC: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+    """Rank columns [r0, r0 + RC) of one route's delta: xa = src . A[r0:r0+RC]^T (rounded to src's
+    dtype), then d_row[n] (+)= B[n, r0:r0+RC] . xa for n in [n_start, n_end); adds to d_row when r0 > 0."""
+    offs_r = r0 + tl.arange(0, RC)
+    r_ok = offs_r < rank
+    xa = tl.zeros((RC,), tl.float32)
+    # num_stages=1: not software-pipelined (deeper pipelining was tried and removed: docs/performance.md)
+    for k0 in tl.range(0, k_dim, BK, num_stages=1):
+        offs_k = k0 + tl.arange(0, BK)
+        k_ok = offs_k < k_dim
+        xv = tl.load(src + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        a = tl.load(a_base + offs_r[:, None] * stride_ar + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        xa += tl.sum(a.to(tl.float32) * xv[None, :], axis=1)
+    xa = xa.to(src.dtype.element_ty).to(tl.float32)
+    for n0 in tl.range(n_start, n_end, BN, num_stages=1):
+        offs_n = n0 + tl.arange(0, BN)
+        n_ok = offs_n < n_end
+        bt = lora_b_tile(b_base, offs_n, n_end, stride_bn, rank, r0, RC)  # [RC, BN]
+        d = tl.sum(bt.to(tl.float32) * xa[:, None], axis=0)
+        if r0 > 0:  # this program stored the earlier chunks' sum here
+            d += tl.load(d_row + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(d_row + offs_n, d.to(d_row.dtype.element_ty), mask=n_ok)
