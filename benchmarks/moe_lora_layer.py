@@ -50,13 +50,19 @@ EAGER_VARIANTS = ("off", "8ad_r16")
 
 
 def with_knobs(cfg, knobs: dict):
-    """cfg with `knobs` set on each of its LoRA path configs (narrow, wide) that has those fields."""
+    """cfg with `knobs` set on each of its LoRA path configs (narrow, wide) that has those fields, and
+    on the entry itself for its own plain fields (`plan_per_route`, `block_m` is the LoRA path's)."""
     names = {f.name for lora in (cfg.lora, cfg.lora_wide) if lora is not None for f in fields(lora)}
+    top = {k: bool(v) if isinstance(getattr(cfg, k), bool) else v for k, v in knobs.items()
+           if k not in names and k in {f.name for f in fields(cfg)} and k not in ("lora", "lora_wide")}
+    knobs = {k: v for k, v in knobs.items() if k not in top}
     if set(knobs) - names:
-        raise SystemExit(f"{sorted(set(knobs) - names)}: no field of {cfg.lora} or {cfg.lora_wide}")
+        raise SystemExit(f"{sorted(set(knobs) - names)}: no field of {cfg} or its LoRA paths")
+    cfg = replace(cfg, **top)
 
     def on(lora):
-        own = {k: v for k, v in knobs.items() if lora is not None and k in {f.name for f in fields(lora)}}
+        own = {k: bool(v) if isinstance(getattr(lora, k), bool) else v for k, v in knobs.items()
+               if lora is not None and k in {f.name for f in fields(lora)}}
         return replace(lora, **own) if own else lora
 
     return replace(cfg, lora=on(cfg.lora), lora_wide=on(cfg.lora_wide))
