@@ -181,6 +181,42 @@ def test_graphs_recaptured_as_lora_sites_turn_on(model_and_adapters):
     assert logprob_diff(reqs, ref) <= 0.05
 
 
+def test_capture_survives_a_collected_cycle_holding_old_graphs():
+    """A dropped engine in a reference cycle is freed whenever the cyclic collector runs, its CUDA graphs
+    with it; destroying a graph while a stream captures is not permitted and invalidates the capture
+    (seen on the H200: CUDAGraph::reset "operation not permitted when stream is capturing", then
+    cudaErrorStreamCaptureInvalidated at capture_end, mid-suite). The capture collects first and holds the
+    collector off. The hook below runs a collection inside every capture the collector is allowed into,
+    as an automatic one may at any allocation; the threshold keeps automatic ones from running earlier."""
+    import gc
+    import weakref
+
+    model = tiny_model("qwen2_moe")
+    adapters = tiny_adapters(model, "qwen2_moe")
+    old = gpu_engine(model, adapters)
+    old.cycle = old  # only the cyclic collector frees it
+    gone = weakref.ref(old.graphs)
+    del old
+
+    def collect_inside_captures(module, args):
+        if torch.cuda.is_current_stream_capturing() and gc.isenabled():
+            gc.collect()
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(10**9)
+    hook = model.register_forward_pre_hook(collect_inside_captures)
+    try:
+        assert gone() is not None
+        eng = gpu_engine(model, adapters)
+    finally:
+        hook.remove()
+        gc.set_threshold(*thresholds)
+    assert gone() is None  # the old engine was collected (before the capture)
+    prompts, names = workload(n=8, seed=13)
+    reqs = generate(eng, prompts, names, 16)
+    assert forced_logprob_diff(gpu_engine(model, adapters, enforce_eager=True), reqs) <= 0.05
+
+
 def test_graphs_at_the_registered_adapters_width():
     """`lora_width_by_batch`: in a rank-64 pool, adapters of rank <= 16 get decode graphs at 16 rank
     columns; a rank-40 adapter registered afterwards has them re-captured at 64 before its first replay.

@@ -25,6 +25,7 @@ Needs the Triton backend: the torch twins loop on the host and cannot be capture
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -133,14 +134,23 @@ class CudaGraphRunner:
                 for B in self.buckets:
                     self._forward(B, with_lora)
         torch.cuda.current_stream().wait_stream(side)
-        for graphs, with_lora in sets:  # one pool: a replay at a time, and each step reads its logits first
-            for B in reversed(self.buckets):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    logits = self._forward(B, with_lora)
-                if self.pool is None:
-                    self.pool = graph.pool()
-                graphs[B] = (graph, logits)
+        # No garbage collection inside a capture: a collected cycle holding another engine's graphs destroys
+        # them (cudaGraphExecDestroy), which is not permitted while a stream captures and invalidates it.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            for graphs, with_lora in sets:  # one pool: a replay at a time, and each step reads its logits first
+                for B in reversed(self.buckets):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        logits = self._forward(B, with_lora)
+                    if self.pool is None:
+                        self.pool = graph.pool()
+                    graphs[B] = (graph, logits)
+        finally:
+            if collecting:
+                gc.enable()
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - t0
 
