@@ -147,3 +147,25 @@ def test_fused_moe_table_reaches_the_routed_experts(setup, tmp_path):
         engine(model, adapters, fused_moe_table=str(tmp_path / "missing.json"))
     engine(model, adapters)
     assert {m.moe_table for m in experts} == {None}
+
+
+def test_a_dropped_engine_and_model_are_freed_without_the_cycle_collector():
+    """No reference cycle holds an engine or its model (the adapter pool's loader, merged q/k/v's
+    segments): dropped, they are freed at once, so a process that builds engines one after another
+    (tests, benchmarks) gets the memory back without waiting for the collector; on CUDA a collection that
+    freed a dropped engine's graphs inside another engine's capture would invalidate it."""
+    import gc
+    import weakref
+
+    from moelora.demo.show import load_demo_llm
+
+    gc.collect()
+    gc.disable()
+    try:
+        llm = load_demo_llm("cpu", max_num_seqs=4)
+        llm.generate(["hello"], SamplingParams(max_tokens=2))
+        eng, model = weakref.ref(llm.engine), weakref.ref(llm.engine.model)
+        del llm
+        assert eng() is None and model() is None
+    finally:
+        gc.enable()

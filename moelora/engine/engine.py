@@ -9,6 +9,7 @@ the prefix cache, free finished requests' blocks.
 from __future__ import annotations
 
 import time
+import weakref
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -126,6 +127,8 @@ class LLMEngine:
         lora_target_modules) instead of failing at its first slot write, and turns the adapter's
         sites on. Decode graphs follow at their next run, or at `capture_graphs()`."""
         sites = set(self.model.lora_sites())
+        targets = self.cfg.lora_target_modules or ()
+        engine = weakref.ref(self)  # the pool holds this loader: no cycle, so a dropped engine frees at once
 
         def load(name: str, path):
             adapter = load_adapter(name, path)
@@ -133,9 +136,8 @@ class LLMEngine:
             if outside:
                 raise AdapterError(f"adapter {name!r} has LoRA on {', '.join(site_kinds(outside))}, which this "
                                    f"engine has no LoRA site for (lora_target_modules: "
-                                   f"{', '.join(site_kinds(self.cfg.lora_target_modules or ()))}); start it with "
-                                   "those modules targeted")
-            self._turn_on(adapter)
+                                   f"{', '.join(site_kinds(targets))}); start it with those modules targeted")
+            engine()._turn_on(adapter)
             return adapter
         return load
 

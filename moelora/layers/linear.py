@@ -29,6 +29,7 @@ LoRA slots and paths are the same as in bf16.
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import torch
 from torch import nn
@@ -194,13 +195,18 @@ class LinearSegment(LinearSite):
 
     def __init__(self, merged: MergedLinear, index: int):
         super().__init__()
-        object.__setattr__(self, "merged", merged)  # a plain reference: the owner registers both modules
+        # a weak reference: the owner registers both modules, and no cycle keeps a dropped model's weights
+        object.__setattr__(self, "_merged", weakref.ref(merged))
         self.index = index
         self.in_features, self.out_features = merged.in_features, merged.out_sizes[index]
         self.has_lora, self.backend = merged.has_lora, merged.backend
         self._rows = slice(merged.bounds[index], merged.bounds[index + 1])
         self.quant, self.scale_segments = merged.quant, (self.out_features,)
         self._scale_rows = None if self.quant is None else scale_rows(self.quant, merged.out_sizes, index)
+
+    @property
+    def merged(self) -> MergedLinear:
+        return self._merged()
 
     @property
     def lora_owner(self) -> nn.Module:
