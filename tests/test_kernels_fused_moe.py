@@ -6,7 +6,7 @@ shapes in bf16 against an fp32 reference (relative error <= 1e-2).
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -438,30 +438,34 @@ def gpu_case(shape, T, seed, ranks=(64, 16, 8, 0, 64, 32, 16, 8), R=64):
                      dtype=torch.bfloat16, device="cuda", seed=seed, slots=slots)
 
 
+def registry_variants() -> list:
+    """(path, change) for every registered path: its table / default config, each of its `refinements`,
+    and each config its `trials` give the tuner at 64-row plan blocks (as field changes): no list of our own."""
+    out = []
+    for name, path in PATHS.items():
+        changes = [{}, *path.refinements]
+        changes += [{f.name: getattr(t, f.name) for f in fields(t)} for t in path.trials(64)]
+        out += [(name, c) for i, c in enumerate(changes) if c not in changes[:i]]
+    return out
+
+
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("T", [1, 33, 512])
-@pytest.mark.parametrize("shrink", ["separate", "separate_r16", "route", "block", "route_plan", "route_warps8",
-                                    "block_wide_tiles", "block_sub16", "block_persist", "stacked", "stacked_r16",
-                                    "block_elements", "stacked_w8", "separate_w8", "spread", "spread_r16", "spread_w8"])
-def test_gpu_qwen3_shape_bf16_lora(T, shrink):
-    pool = dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16) if shrink.endswith("_r16") else {}  # a rank-16 pool
-    if shrink.endswith("_w8"):  # narrow adapters in a rank-64 pool, called with the batch's width (eager)
-        pool = dict(ranks=(8, 8, 4, 0, 8, 2, 8, 8), R=64)
-    case = gpu_case(QWEN3, T, seed=T, **pool)
-    if shrink.endswith("_w8"):
+@pytest.mark.parametrize("pool", ["r64", "r16", "w8"])
+@pytest.mark.parametrize("path,change", registry_variants(), ids=lambda v: v if isinstance(v, str) else
+                         ",".join(f"{k}={x}" for k, x in v.items()) or "table")
+def test_gpu_qwen3_shape_bf16_lora(T, pool, path, change):
+    """Every registered path and variant at the Qwen3-30B-A3B shape, in a rank-64 pool of mixed ranks, a
+    rank-16 pool, and narrow adapters in a rank-64 pool called at the batch's width (eager), against fp32."""
+    ranks = {"r16": dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16), "w8": dict(ranks=(8, 8, 4, 0, 8, 2, 8, 8), R=64)}
+    case = gpu_case(QWEN3, T, seed=T, **ranks.get(pool, {}))
+    if pool == "w8":
         case = (*case[:5], replace(case[5], width=8))
     from moelora.kernels.moe_config import tuned_fused_moe_config
 
     cfg = tuned_fused_moe_config(128, 2048, 768, T, 8, torch.bfloat16, torch.cuda.get_device_name())
-    grid = {"route_plan": dict(order="plan"), "route_warps8": dict(warps=8),
-            "block_wide_tiles": dict(block_n=256),  # 256-deep shrink steps too may not fit shared memory at wide pools
-            "block_sub16": dict(block_m=16, block_n=256),  # 16-row programs over the table's plan blocks
-            "block_persist": dict(block_m=16, block_n=256, programs=264),  # 264 programs loop over the items
-            "block_elements": dict(b_chunks=False)}.get(shrink, {})  # B tiles masked column by column
-    for suffix in ("_plan", "_warps8", "_wide_tiles", "_sub16", "_persist", "_r16", "_elements", "_w8"):
-        shrink = shrink.removesuffix(suffix)
-    cfg = replace(cfg.on_path(shrink, **grid), use_tma=False)
+    cfg = replace(cfg.on_path(path, **change), use_tma=False)
     torch.cuda.set_sync_debug_mode("error")  # contract 5: no host sync in the forward
     try:
         out = fused_moe(*case[:5], lora=case[5], out=torch.full_like(case[0], float("nan")), config=cfg)
@@ -473,7 +477,7 @@ def test_gpu_qwen3_shape_bf16_lora(T, shrink):
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("T", [1, 8])
-@pytest.mark.parametrize("shrink", ["off", "separate", "block", "spread"])
+@pytest.mark.parametrize("shrink", ["off", *PATHS])
 def test_gpu_plan_per_route_bf16(T, shrink):
     """plan_per_route at the Qwen3 shape (one token: K distinct experts; 8 tokens: some shared), against
     the fp32 reference: T=1 eager (which caches its plan rows), then in a CUDA graph; T=8 only in a

@@ -19,6 +19,7 @@ from kernel_env import DEV, kernel_test  # noqa: E402
 from moelora.kernels.fused_moe import fused_moe  # noqa: E402
 from moelora.kernels.lora_linear import LoRALinearConfig, lora_linear  # noqa: E402
 from moelora.kernels.moe_config import FusedMoEConfig, GemmTile  # noqa: E402
+from moelora.kernels.moe_lora import PATHS  # noqa: E402
 from moelora.kernels.reference import fused_moe_ref, lora_linear_ref  # noqa: E402
 from moelora.layers.linear import Linear  # noqa: E402
 from moelora.layers.moe import Experts  # noqa: E402
@@ -132,7 +133,7 @@ def moe_case(dtype: torch.dtype, g: torch.Generator):
 
 @kernel_test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("shrink", ["block", "separate", "spread", "layer"])
+@pytest.mark.parametrize("shrink", [*PATHS, "layer"])
 def test_experts_skip_slot_of_site_rank_zero(dtype, shrink):
     g = torch.Generator().manual_seed(1)
     ex, x, weights, ids = moe_case(dtype, g)
@@ -141,7 +142,11 @@ def test_experts_skip_slot_of_site_rank_zero(dtype, shrink):
     fill_garbage(bufs, 1, g)
     batch = LoRABatch.build(SLOTS, GLOBAL_RANKS, DEV)
     tile = GemmTile(32, 32, 4, 2)
-    cfg = FusedMoEConfig(16, tile, tile).on_path(shrink, block_k=32) if shrink != "layer" else None
+    cfg = None  # "layer": the layer's own path (default config); a path: 32-deep steps where it has them
+    if shrink != "layer":
+        cfg = FusedMoEConfig(16, tile, tile).on_path(shrink)
+        if hasattr(cfg.lora, "block_k"):
+            cfg = cfg.with_lora(replace(cfg.lora, block_k=32))
 
     def run(lora):
         if cfg is None:
