@@ -84,7 +84,7 @@ def test_lora_b_tiles_are_vector_loads(tmp_path, monkeypatch):
     is a 2-byte load. The LoRA kernels that read no gathered scalars (gate_up GEMM, the delta kernels, the
     dense delta kernels) then have no element load at all; each down GEMM as many as its no-LoRA twin (the
     routing weights). Column-masked by choice, so not compiled here: the merged-projection expand
-    (`expand_segments`, registers) and the block delta with BlockConfig.b_chunks off."""
+    (`expand_segments`, registers)."""
     import dataclasses
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))

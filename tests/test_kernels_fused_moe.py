@@ -17,7 +17,7 @@ from kernel_env import CUDA, DEV, INTERP, gpu_only, graph_replayed, kernel_test 
 
 from moelora.kernels.fused_moe import fused_moe  # noqa: E402
 from moelora.kernels.moe_config import FusedMoEConfig, GemmTile  # noqa: E402
-from moelora.kernels.moe_lora import PATHS, BlockConfig, RouteConfig, SeparateConfig  # noqa: E402
+from moelora.kernels.moe_lora import PATHS, SeparateConfig  # noqa: E402
 from moelora.kernels.moe_plan import build_routing_plan  # noqa: E402
 from moelora.kernels.reference import ExpertLoRAArgs, SlotRows, fused_moe_ref  # noqa: E402
 
@@ -231,27 +231,6 @@ def test_route_delta_n_splits(warps, R):
 
 
 @kernel_test
-@pytest.mark.parametrize("R", [16, 64])
-def test_route_block_switch_by_distinct_slots(R):
-    """block_max_slots=2 on "route": a batch on at most 2 distinct slots gets the block delta (at
-    `BlockConfig()`), bit for bit, one on more slots the route delta, bit for bit (in fp32 the two differ in
-    the last bits, so the test can tell which ran; in fp16 they round alike here). R=64: a wide pool (fp32
-    delta)."""
-    dtype, tol = torch.float32, 1e-4
-    route = tiny_config("route")
-    switch = knobs(route, block_max_slots=2)
-    block = route.with_lora(BlockConfig())
-    kw = dict(ranks=(16, 5, 0, R), R=R, dtype=dtype, device=DEV)
-    few = make_case(12, 48, 40, 3, 2, seed=21, slots=[3, -1, 1, 3, 3, 1, -1, 1, 3, 3, 1, 3], **kw)
-    many = make_case(12, 48, 40, 3, 2, seed=22, slots=[0, -1, 1, 3, 2, 1, -1, 0, 3, 3, 1, 3], **kw)
-    for case, want in ((few, block), (many, route)):
-        other = route if want is block else block
-        got = run_checked(case, switch, tol)
-        assert torch.equal(got, run_checked(case, want, tol))
-        assert not torch.equal(got, run_checked(case, other, tol))
-
-
-@kernel_test
 @pytest.mark.parametrize("shrink", list(PATHS))
 def test_all_routes_on_one_expert_with_empty_experts(shrink):
     case = make_case(20, 32, 24, 6, 1, ranks=(16, 3), R=16, device=DEV, seed=4, one_expert=4)
@@ -278,12 +257,11 @@ def test_block_delta_more_slots_in_a_block_than_lanes():
 
 @kernel_test
 @pytest.mark.parametrize("R", [16, 40])
-def test_block_delta_b_by_columns(R):
-    """b_chunks=False (B tiles masked column by column) equals the twin too, in a pool of the
-    minimum width and in one whose rows are not whole 16-column chunks (NaN past every slot's rank)."""
+def test_block_delta_b_in_rank_chunks(R):
+    """The block delta's B tiles in whole 16-column rank chunks equal the twin in a pool of the minimum
+    width and in one whose rows are not whole chunks (NaN past every slot's rank)."""
     slots = [0, 1, 2, 3, -1, 3, 2, 1, 0, -1, 1, 2, 3, 0, 2]
     case = make_case(15, 32, 24, 3, 2, ranks=(R, 5, 16, 0), R=R, device=DEV, seed=21, slots=slots)
-    run_checked(case, knobs(tiny_config("block"), b_chunks=False, block_n=16), 1e-4)
     run_checked(case, knobs(tiny_config("block"), block_n=16), 1e-4)
 
 
@@ -495,30 +473,6 @@ def test_gpu_plan_per_route_bf16(T, shrink):
     if T == 1:
         assert rel_err(call(torch.full_like(case[0], float("nan"))), want) <= 1e-2
     assert rel_err(graph_replayed(call, torch.empty_like(case[0])), want) <= 1e-2
-
-
-@pytest.mark.gpu
-@gpu_only
-@pytest.mark.parametrize("n_slots", [1, 8])
-def test_gpu_route_block_switch_bf16(n_slots):
-    """block_max_slots=2 on "route" at a real shape and 256 tokens: on 1 slot the block delta's result, on 8
-    the route delta's, bit for bit, each within the fp32 reference's tolerance; inside a CUDA graph too."""
-    from moelora.kernels.moe_config import tuned_fused_moe_config
-
-    T, ranks = 256, (16, 8, 16, 4, 12, 16, 8, 16)
-    g = torch.Generator().manual_seed(5)
-    slots = torch.randint(0, n_slots, (T,), generator=g, dtype=torch.int32)
-    slots[::7] = -1
-    case = make_case(T, QWEN3["H"], QWEN3["I"], QWEN3["E"], QWEN3["K"], ranks=ranks, R=16, dtype=torch.bfloat16,
-                     device="cuda", seed=5, slots=slots)
-    base = replace(tuned_fused_moe_config(128, 2048, 768, T, 8, torch.bfloat16, torch.cuda.get_device_name()),
-                   use_tma=False)
-    switch = base.with_lora(RouteConfig(block_max_slots=2))
-    want = fused_moe(*case[:5], lora=case[5], config=base.with_lora(BlockConfig() if n_slots == 1 else RouteConfig()))
-    assert rel_err(want, reference(*case, dtype=torch.float32)) <= 1e-2
-    assert torch.equal(fused_moe(*case[:5], lora=case[5], config=switch), want)
-    out = graph_replayed(lambda o: fused_moe(*case[:5], lora=case[5], out=o, config=switch), torch.empty_like(want))
-    assert torch.equal(out, want)
 
 
 @pytest.mark.gpu

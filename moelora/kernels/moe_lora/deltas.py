@@ -106,21 +106,3 @@ def act_delta_kernel(gu_ptr, delta_ptr, h_ptr, sorted_ids_ptr, num_padded_ptr, s
     hv = g / (1.0 + tl.exp(-g)) * u
     tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_h + offs_n[None, :], hv.to(h_ptr.dtype.element_ty),
              mask=mask)
-
-
-@triton.jit
-def slots_skip(slots_ptr, n_tokens, max_slots, SWITCH: tl.constexpr, T_P2: tl.constexpr, S_P2: tl.constexpr):
-    """Whether this side of a switched pair stands aside: SWITCH 1 (the "block" side) when the T
-    tokens name more than max_slots distinct slots, 2 (the "route" side) when at most that many.
-    Every program counts them itself from the T slots (T <= T_P2: a few KB from L2), so the pair
-    needs no host sync and no other launch, and exactly one of the two runs. Callers test SWITCH
-    first, so an unswitched kernel compiles none of this."""
-    offs = tl.arange(0, T_P2)
-    slot = tl.load(slots_ptr + offs, mask=offs < n_tokens, other=-1)
-    present = tl.max((slot[:, None] == tl.arange(0, S_P2)[None, :]).to(tl.int32), axis=0)
-    n_distinct = tl.sum(present, axis=0)
-    if SWITCH == 1:
-        skip = n_distinct > max_slots
-    else:
-        skip = n_distinct <= max_slots
-    return skip
