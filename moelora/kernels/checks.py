@@ -1,10 +1,7 @@
-"""Launcher argument checks shared by the kernels (the small fused ones use them all; the block-size
-checks `need_pow2`, `need_at_least` and `need_one_of` serve every launch config).
+"""Launcher argument checks shared by the kernels.
 
-A launcher validates what it documents and raises ValueError naming the argument, the shape or
-dtype it wanted and the one it got; it then allocates its output or takes the caller's `out=`,
-which must have the output's shape and dtype, a unit last stride, and share no storage with an
-input (contract 2).
+A launcher raises ValueError naming the argument, what it wanted and what it got; an `out=` must have the
+output's shape and dtype, a unit last stride, and share no storage with an input (contract 2).
 """
 
 from __future__ import annotations
@@ -35,12 +32,8 @@ def need_one_of(owner: str, name: str, value, allowed: tuple) -> None:
 
 
 def lora_tile_rank(pool_rank: int, width: int | None) -> int:
-    """BLOCK_R of a LoRA launch: the pool's rank, or `width` when smaller (a bound, known on the host,
-    on the ranks of the slots the call's rows name: `LoRABatch.max_rank`), rounded up to a power of two
-    >= 16 (tl.dot). Loads stay masked to each slot's own rank; the width only narrows the tiles, the
-    buffers and the stacked columns, so a batch of rank-8 adapters in a rank-64 pool runs rank-8 tiles.
-    A width below a slot's real rank would drop that slot's columns past it: it must come from the
-    pool's ranks, never be guessed, and a CUDA graph captured with it holds only while it does."""
+    """BLOCK_R of a LoRA launch: the pool's rank, or the smaller `width` (`LoRABatch.max_rank`, a host bound on the
+    rows' slot ranks), as a power of two >= 16. A width below a slot's rank drops its columns: never guess it."""
     need(width is None or width >= 0, f"LoRA width must be None or >= 0, got {width}")
     r = pool_rank if width is None else min(pool_rank, width)
     return max(16, 1 << max(0, r - 1).bit_length())

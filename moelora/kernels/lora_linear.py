@@ -4,9 +4,7 @@ Shape legend: T tokens, N_in / N_out features, S adapter slots, R max rank, G ou
   x [T, N_in], weight [N_out, N_in], bias [N_out] | None, lora: DenseLoRAArgs (a [S, G*R, N_in],
   b [S, N_out, R] with scaling folded in, token_slots [T] int32 (-1: none), slot_ranks [S] or [G, S])
                                                                                        -> y [T, N_out]
-This file holds the config, the default picks and the checks; the modes ("split", "splitk", "planned")
-are in `moelora.kernels.dense_lora`, one per file. Rows on slot -1 are neither read nor written by the
-LoRA kernels; grids depend on shapes only and nothing syncs with the host (graph-safe).
+The config, default picks and checks; the modes are `moelora.kernels.dense_lora`, one per file.
 """
 
 from __future__ import annotations
@@ -28,8 +26,7 @@ PLAN_BLOCK_M = 16
 
 
 def _prefers_splitk(num_tokens: int, n_in: int, n_out: int, has_lora: bool) -> bool:
-    """LoRA rows, T <= 16 on shapes >= 1024 wide; T <= 64 on o-like shapes (N_in >= 2 N_out, N_in >= 1024,
-    N_out >= 128): where splitk beat cuBLAS + split on the H200 (docs/performance.md, dense modes)."""
+    """Where splitk beat cuBLAS + split on the H200 (docs/performance.md, dense modes)."""
     if not (has_lora and 0 < num_tokens <= 64 and n_in >= 1024):
         return False
     o_like = n_in >= 2 * n_out and n_out >= 128
@@ -37,35 +34,22 @@ def _prefers_splitk(num_tokens: int, n_in: int, n_out: int, has_lora: bool) -> b
 
 
 def _prefers_planned(num_tokens: int, n_in: int, n_out: int) -> bool:
-    """Past splitk's rows up to 1024, from 17 rows on shapes wider than deep and from 129 on the others, on
-    shapes >= 1024 wide: where planned beat split on the H200 (a program's full-depth shrink is a latency
-    chain; docs/performance.md, dense modes)."""
+    """Where planned beat split on the H200 (docs/performance.md, dense modes)."""
     if not (n_in >= 1024 and n_out >= 1024 and wants_row_plan(num_tokens)):
         return False
     return n_in <= n_out or num_tokens > 128
 
 
 def wants_row_plan(num_tokens: int) -> bool:
-    """Whether a step of this many rows may take "planned" at some site (so the engine builds the
-    rows' grouping by slot once for all of them, with `PLAN_BLOCK_M` rows a block): past the 16
-    rows splitk keeps, up to _PLANNED_MAX_ROWS."""
+    """Whether a step of this many rows may take "planned" somewhere (so the runner groups its rows by slot)."""
     return 16 < num_tokens <= _PLANNED_MAX_ROWS
 
 
 @dataclass(frozen=True)
 class LoRALinearConfig:
-    """Block sizes of the LoRA delta. `mode`: "split" (shrink + expand kernels), "splitk" or "planned".
-    block_m / block_n: the output tile (expand); block_k: depth step of the shrink; shrink_block_m: rows
-    per shrink program; split_k: N_in chunks of the shrink (0: from the shapes); slot_lanes: programs per
-    row block that each take one distinct slot (the last one takes the rest). num_warps / num_stages: the
-    expand kernel (num_warps: also the splitk reduce); the shrink runs 4 warps and shrink_num_stages.
-    "splitk" (decode, T <= 64, fp16/bf16): a split-K Triton GEMM in gemm_split_k chunks of N_in
-    (gemm_block_n x gemm_block_k tiles) instead of cuBLAS, whose launch also runs the split path's shrink
-    programs, and one reduce that adds bias and the expand (block_m x block_n tiles); see
-    `moelora.kernels.splitk_linear`. "planned": block_m rows of one slot a program (the row plan's
-    block), block_n x block_k tiles, plan_cols output columns a program (0: from the shapes); each
-    program shrinks its rows over the full N_in.
-    All block sizes are powers of two >= 16 (tl.dot)."""
+    """`mode` ("split", "splitk", "planned") and its tiles: block_m x block_n the expand's output tile, block_k the
+    shrink's depth step, split_k its N_in chunks (0: from the shapes), slot_lanes programs a row block taking one
+    distinct slot each; gemm_*: splitk's base GEMM; plan_cols: planned's columns a program (0: from the shapes)."""
 
     mode: str = "split"
     block_m: int = 16
@@ -92,25 +76,18 @@ class LoRALinearConfig:
 
 def default_lora_linear_config(num_tokens: int, mode: str | None = None, n_in: int = 0, n_out: int = 0,
                                has_lora: bool = True, row_plan: bool = False) -> LoRALinearConfig:
-    """Decode: short row blocks, many programs; prefill: taller expand tiles, so B is re-read by
-    fewer row blocks.
-    `mode` None: "splitk" where it measured faster than cuBLAS + split (`_prefers_splitk`), else, when
-    the caller grouped the rows by slot (`row_plan`: `DenseLoRAArgs.row_plan` given), "planned" where
-    that did (`_prefers_planned`), else "split"."""
+    """The measured picks (docs/performance.md); `mode` None: splitk, else planned when `row_plan`, else split."""
     if mode is None:
         mode = ("splitk" if _prefers_splitk(num_tokens, n_in, n_out, has_lora)
                 else "planned" if has_lora and row_plan and _prefers_planned(num_tokens, n_in, n_out) else "split")
     if mode == "splitk":
         return LoRALinearConfig("splitk", 16, 64, 128, 16, split_k=8)
     if mode == "planned":
-        # H200 sweep (benchmarks/lora_linear.py --sweep-mode planned), q/k/v and o, T 64..256, 1 and 8 adapters
         return LoRALinearConfig("planned", PLAN_BLOCK_M, 128, 256, plan_cols=512, num_stages=4)
     if num_tokens <= 32:
-        # 8 shrink splits, not the 16 the shapes give (H200 sweep, 8 adapters r16, T=8: merged q/k/v
-        # 18.41 -> 17.94 µs, o 20.33 -> 19.51 µs): half the partials for the expand to sum
+        # 8 shrink splits, not the shapes' 16: half the partials to sum (docs/performance.md, dense tiles)
         return LoRALinearConfig("split", 16, 64, 128, 16, split_k=8)
-    # 4 warps, not 8 (H200 sweep, merged q/k/v 2048->5120, 8 adapters r16: T=64 29.3 -> 20.2 µs,
-    # T=256 74.7 -> 41.7 µs; o 4096->2048 T=256 32.2 -> 27.6 µs)
+    # 4 warps, not 8 (docs/performance.md, dense tiles)
     return LoRALinearConfig("split", 64, 128, 128, 16)
 
 
@@ -160,10 +137,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 lora: DenseLoRAArgs | None, *, out: torch.Tensor | None = None,
                 config: LoRALinearConfig | None = None,
                 side_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
-    """`lora_linear_ref` on the GPU: returns y [T, N_out] (new, or the caller's `out=`).
-    `side_stream` (split mode): a second CUDA stream on which the LoRA shrink runs concurrently
-    with the base GEMM (forked and joined inside this call; the same kernels, so the same result
-    bit for bit)."""
+    """`lora_linear_ref` on the GPU -> y [T, N_out] (new, or `out=`); `side_stream`: split mode's shrink runs there."""
     T, n_in, n_out = _check(x, weight, bias, lora)
     if out is None:
         out = torch.empty(T, n_out, dtype=x.dtype, device=x.device)

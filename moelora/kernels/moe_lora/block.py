@@ -3,14 +3,9 @@
 Shape legend: T tokens, K top-k, H hidden, I expert intermediate, S adapter slots, E experts, R max rank
 (BLOCK_R the tile rank), P plan rows (max_padded), BM plan block_m.
 
-`lora_block_delta_kernel`: program (block, lane, N split) takes the lane-th distinct slot of its block (the
-last lane every slot left), shrinks that slot's rows with one tl.dot over k (xa rounded to src's dtype),
-then expands them tile by tile into delta [T*K, N] (`deltas`). A and B of a (slot, expert) pair are read once
-per block and split instead of once per route ("route"), with the slots of a block in parallel programs. One
-pass per pair at the pool's width, masked to the slot's rank, or (a slot of rank <= 16 in a wider pool) at 16
-columns. SUB > 1 (`BlockConfig.block_m`): each plan block taken as SUB sub-blocks of BM / SUB rows. PERSIST
-(`BlockConfig.programs`): a fixed number of programs loop over the (sub-block, lane, split) items.
-Decode from M=8 to 256 on the H200 (the table's picks; docs/performance.md).
+`lora_block_delta_kernel`, program (block, lane, N split): one slot's rows of the block shrunk with one
+tl.dot, then expanded into delta [T*K, N] (`deltas`): a (slot, expert) pair's A and B are read once per
+block, not once per route. Decode from M=8 to 256 on the H200 (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -33,10 +28,9 @@ BLOCK_LANES = 8  # programs per plan block, one distinct slot each (the last: th
 
 @dataclass(frozen=True)
 class BlockConfig:
-    """block_n / block_k: each expand / shrink step; block_m (0: the plan's): rows of each delta program;
-    programs (0: one a (sub-block, lane, split) item): that many programs looping over the items;
-    gate_up_at: "epilogue" (the gate_up GEMM adds the delta) or "activation" (a small kernel
-    adds it after the GEMM, so the delta runs on the side stream next to it)."""
+    """block_n / block_k: expand / shrink step; block_m (0: the plan's): rows a program; programs (0: one an item):
+    that many looping programs; gate_up_at: "epilogue" or "activation" (added by a kernel after the GEMM, so the
+    delta runs beside it on the side stream)."""
 
     path: ClassVar[str] = "block"
     block_n: int = 64
@@ -98,14 +92,8 @@ def lora_block_delta_kernel(
     BY_PLAN_ROW: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
     SUB: tl.constexpr = 1, PERSIST: tl.constexpr = False,
 ):
-    """delta[route, n] for the rows of sub-block program_id(0) (BM / SUB rows of plan block
-    program_id(0) // SUB) on the lane-th distinct slot, n in split program_id(2); see the module
-    docstring.
-    PERSIST: a 1-D grid of fewer programs, each looping over the (sub-block, lane, split) items of the live
-    sub-blocks (sub-block fastest). In a pool wider than
-    NARROW_R, a slot of rank <= NARROW_R takes NARROW_R-column tiles (`_block_pair_delta`), not the
-    pool's (H200, Qwen3, 8 adapters of rank 8 in a rank-64 pool, M=128: 563 -> 486 us a layer; two
-    launches, one per rank class, made it 421 but rank 64 itself 587 -> 671)."""
+    """delta[route, n] for sub-block program_id(0) on its lane's slot, split program_id(2); PERSIST: fewer programs
+    looping over the items; a slot of rank <= NARROW_R in a wider pool takes NARROW_R-column tiles."""
     BMS: tl.constexpr = BM // SUB
     live = tl.cdiv(tl.load(num_padded_ptr), BMS)  # sub-blocks holding plan rows
     if PERSIST:
@@ -129,9 +117,7 @@ NARROW_R = tl.constexpr(16)  # the block delta's rank tile for slots of rank <= 
 @triton.jit
 def _block_pair_delta(src_ptr, rows, stride_src, sel, a_se, b_se, stride_ar, stride_bn, rank, k_dim, d_rows, n_start,
                       n_end, BMS: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
-    """The delta of the rows in sel for one (slot, expert) pair, in R rank columns (>= its rank): xa =
-    rows @ A[:rank]^T rounded to src's dtype, then d_rows[:, n] = xa @ B[n, :rank]^T over [n_start, n_end),
-    BN columns at a time."""
+    """One (slot, expert) pair's delta for the rows in sel: xa = rows @ A[:rank]^T (src's dtype), then xa @ B^T."""
     xa = lora_shrink_rows(src_ptr, rows, stride_src, sel, a_se, stride_ar, rank, 0, k_dim, BMS, R, BK)
     xa = xa.to(src_ptr.dtype.element_ty)
     for n0 in range(n_start, n_end, BN):

@@ -2,13 +2,9 @@
 that adds it.
 
 Shape legend: T tokens, K top-k, H hidden, I expert intermediate, S adapter slots, P plan rows.
-
-The path's delta kernel writes delta_gu [T*K, 2I] and delta_d [T*K, H] (x's dtype; fp32 for "route" on pools
-wider than one 16-column chunk, whose chunks accumulate in place). The gate_up GEMM's epilogue adds delta_gu
-(or, with gate_up_at="activation", the GEMM writes gate and up raw and `act_delta_kernel` adds it and applies
-SiLU * up, so the gate_up delta may run on the side stream next to the GEMM); the top-k combine adds
-delta_d times the routing weight, so the down delta runs on the side stream next to the down GEMM (both
-read h only).
+  delta_gu [T*K, 2I], delta_d [T*K, H] (x's dtype; fp32 for "route" on pools wider than 16 columns)
+The gate_up epilogue (or `act_delta_kernel`) adds delta_gu; the top-k combine adds delta_d times the routing
+weight, so the down delta runs beside the down GEMM on the side stream (both read h only).
 """
 
 from __future__ import annotations
@@ -87,10 +83,8 @@ class DeltaPath(MoELoRAPath):
 @triton.jit
 def act_delta_kernel(gu_ptr, delta_ptr, h_ptr, sorted_ids_ptr, num_padded_ptr, slots_ptr, ranks_ptr, n_routes, top_k,
                      inter, stride_gu, stride_d, stride_h, BM: tl.constexpr, BN: tl.constexpr):
-    """h[p] = silu(gate + delta_g) * (up + delta_u) for the plan rows p of block program_id(0), columns
-    of program_id(1): gate / up from the unactivated gate_up GEMM (gu [P, 2I]), delta [T*K, 2I] the
-    route's gate_up LoRA delta, added for rows whose slot has a gate_up rank > 0 (the others' delta
-    rows are never written). Padding rows are left unwritten, as the fused epilogue leaves them."""
+    """h[p] = silu(gate + delta_g) * (up + delta_u) for block program_id(0)'s plan rows, columns of program_id(1);
+    rows on no gate_up rank get no delta; padding rows are left unwritten."""
     pid_m = tl.program_id(0)
     if pid_m * BM >= tl.load(num_padded_ptr):
         return

@@ -3,13 +3,9 @@
 Shape legend: T tokens, K top-k, H hidden, I expert intermediate, S adapter slots, E experts, R max rank
 (BLOCK_R the tile rank), P plan rows (max_padded), RC = 16 rank columns.
 
-`lora_route_delta_kernel`: delta[route] = ((src row @ A[s, e, :rank]^T) in x's dtype) @ B[s, e, :, :rank]^T ->
-[T*K, N] (`deltas`), RC rank columns at a time (a rank-8 slot in a rank-64 pool costs rank 8), except that a
-slot of rank > 32 takes one pass the pool's width wide (x and its delta row touched once). gate_up: one
-program per (route, N split), src x[route // K], in route order, or (`RouteConfig.order` "plan") per (plan
-row, N split), so an expert's routes share their pairs' A/B in L2; down: one per (plan row, N split), src
-h[row]. Every program streams its own A/B rows with no dependence on its block's other rows (decode: a
-block holds a few routes on as many slots).
+`lora_route_delta_kernel`: delta[route] = (src row @ A^T) @ B^T, RC rank columns a pass (one pass at the pool's
+width for slots of rank > 32), one program per route (or plan row) and N split: no dependence on the block's
+other rows, which at decode sit on as many slots.
 """
 
 from __future__ import annotations
@@ -31,8 +27,8 @@ ROUTE_STEP = 4096 // LORA_RC  # [RC, 256] A / B loads, 4096 elements each (docs/
 
 @dataclass(frozen=True)
 class RouteConfig:
-    """warps: of each delta program; order: the gate_up delta's programs by "token" (a token's K routes side
-    by side) or "plan" (an expert's routes side by side); gate_up_at: as `BlockConfig`'s."""
+    """warps: of each program; order: gate_up programs by "token" or "plan" (an expert's routes side by side);
+    gate_up_at: as `BlockConfig`'s."""
 
     path: ClassVar[str] = "route"
     warps: int = 4
@@ -86,10 +82,8 @@ def lora_route_delta_kernel(
     BY_PLAN_ROW: tl.constexpr, BM: tl.constexpr, RC: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
     WIDE_RC: tl.constexpr, WIDE_MIN: tl.constexpr, SRC_BY_TOKEN: tl.constexpr,
 ):
-    """delta[route, n] for the n of split program_id(1); see the module docstring. BY_PLAN_ROW: program
-    pid takes plan row pid (routes of one expert, hence of few (slot, expert) pairs, run side by side
-    and share their A/B through L2), reading src row pid (h, down) or, SRC_BY_TOKEN, its token's row
-    (x, gate_up); else program pid takes route pid, reading its token's row."""
+    """delta[route, n] for split program_id(1); BY_PLAN_ROW: program pid takes plan row pid (an expert's routes
+    share their A/B in L2), else route pid."""
     pid = tl.program_id(0)
     if BY_PLAN_ROW:
         if pid >= tl.load(num_padded_ptr):
@@ -129,8 +123,7 @@ def lora_route_delta_kernel(
 @triton.jit
 def _delta_pass(src, a_base, b_base, d_row, r0, rank, k_dim, n_start, n_end, stride_ar, stride_bn,
                 RC: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
-    """Rank columns [r0, r0 + RC) of one route's delta: xa = src . A[r0:r0+RC]^T (rounded to src's
-    dtype), then d_row[n] (+)= B[n, r0:r0+RC] . xa for n in [n_start, n_end); adds to d_row when r0 > 0."""
+    """Rank columns [r0, r0 + RC) of one route's delta: xa = src . A^T (src's dtype), d_row (+)= B . xa."""
     offs_r = r0 + tl.arange(0, RC)
     r_ok = offs_r < rank
     xa = tl.zeros((RC,), tl.float32)
