@@ -15,6 +15,7 @@ triton = pytest.importorskip("triton")
 
 from kernel_env import CUDA, DEV, INTERP, gpu_only, graph_replayed, kernel_test  # noqa: E402,F401
 
+from moelora.kernels.args import DenseLoRAArgs, SlotRows  # noqa: E402
 from moelora.kernels.dense_lora import MODES as DENSE_MODES  # noqa: E402
 from moelora.kernels.lora_linear import (  # noqa: E402
     LoRALinearConfig,
@@ -22,7 +23,7 @@ from moelora.kernels.lora_linear import (  # noqa: E402
     lora_linear,
     row_plan,
 )
-from moelora.kernels.reference import DenseLoRAArgs, SlotRows, lora_linear_ref  # noqa: E402
+from moelora.kernels.reference import lora_linear_ref  # noqa: E402
 
 # Tiny blocks so that tiny shapes still span several row blocks, N tiles and N_in chunks.
 TINY = {"split": LoRALinearConfig("split", 16, 32, 16, 16, split_k=3),

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from moelora.kernels.args import DenseLoRAArgs
 from moelora.kernels.checks import need_at_least, need_one_of, need_pow2
 from moelora.kernels.dense_lora import MODES, row_plan
-from moelora.kernels.reference import DenseLoRAArgs
 
 __all__ = ["PLAN_BLOCK_M", "LoRALinearConfig", "default_lora_linear_config", "lora_linear", "row_plan",
            "wants_row_plan"]

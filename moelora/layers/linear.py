@@ -33,7 +33,8 @@ import itertools
 import torch
 from torch import nn
 
-from moelora.kernels.reference import DenseLoRAArgs, lora_linear_ref
+from moelora.kernels.args import DenseLoRAArgs
+from moelora.kernels.reference import lora_linear_ref
 from moelora.lora.adapter import LoRAWeights
 from moelora.lora.batch import LoRABatch
 from moelora.quant.config import FP8Config

@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moelora.kernels.reference import ExpertLoRAArgs, fused_moe_ref
+from moelora.kernels.args import ExpertLoRAArgs
+from moelora.kernels.reference import fused_moe_ref
 from moelora.layers.linear import Linear
 from moelora.layers.mlp import DenseMLP
 from moelora.layers.router import Router, RoutingSpec, route

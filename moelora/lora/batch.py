@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from moelora.kernels.reference import MoERoutingPlan, SlotRows
+from moelora.kernels.args import MoERoutingPlan, SlotRows
 from moelora.upload import upload
 
 NO_SLOT = -1
