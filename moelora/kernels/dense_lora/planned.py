@@ -5,7 +5,7 @@ Shape legend: T tokens, N_in / N_out features, S adapter slots, R pool rank per 
 
 The rows are grouped by slot with the routing plan of the routed experts (`row_plan`: token_slots as [T, 1]
 "expert" ids over S "experts"), so a plan block holds rows of one slot; the engine's runners build it once a
-step (`LoRABatch.with_row_plan`). `planned_delta_kernel`: program (plan block, column split) adds its slot's
+step (`lora.batch.plan_step`). `planned_delta_kernel`: program (plan block, column split) adds its slot's
 delta to its rows and columns: xa = x[rows] @ A[:rank]^T over the full N_in (rounded to x's dtype, as the
 twin), then y += xa @ B^T tile by tile. One launch, no partials, no slot lanes (the split path's expand at
 64-256 rows on 8 adapters runs 8x its tiles); deterministic; grid from shapes only (graph-safe).
