@@ -86,7 +86,7 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.options.triton:  # per-head norm (if any) and rotary of q and k: one launch
+        if self.options.kernel_backend == "triton":  # per-head norm (if any) and rotary of q and k: one launch
             from moelora.kernels.attention import paged_attention
             from moelora.kernels.rotary import qk_norm_rope
 

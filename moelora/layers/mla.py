@@ -106,7 +106,7 @@ class MLAttention(nn.Module):
                          lora: LoRABatch | None) -> torch.Tensor:
         """Decode step (one query per sequence) in the absorbed form -> new [T, N, Dv]."""
         q_nope, q_rope = q[..., :self.nope], q[..., self.nope:]
-        if self.options.triton:  # the LoRA terms: one launch a side (`kernels.mla_lora`)
+        if self.options.kernel_backend == "triton":  # the LoRA terms: one launch a side (`kernels.mla_lora`)
             from moelora.kernels.mla_attention import mla_decode_attention
             from moelora.kernels.mla_lora import mla_absorb_lora_, mla_expand_lora_
 

@@ -24,7 +24,7 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         gate, up = self.gate_proj(x, lora), self.up_proj(x, lora)
-        if self.options.triton:
+        if self.options.kernel_backend == "triton":
             from moelora.kernels.silu_mul import silu_mul
 
             h = silu_mul(gate, up)

@@ -97,7 +97,7 @@ class Experts(nn.Module):
                 lora: LoRABatch | None) -> torch.Tensor:
         args = self.lora_args(lora)
         w_gate_up, w_down = self.dense_weights(x.dtype)
-        if self.options.triton:
+        if self.options.kernel_backend == "triton":
             from moelora.kernels.fused_moe import fused_moe
 
             return fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, lora=args,

@@ -36,10 +36,6 @@ class LayerOptions:
         if self.kernel_backend not in BACKENDS:
             raise ConfigError(f"kernel_backend must be one of {', '.join(BACKENDS)}, got {self.kernel_backend!r}")
 
-    @property
-    def triton(self) -> bool:
-        return self.kernel_backend == "triton"
-
 
 DEFAULT_OPTIONS = LayerOptions()
 
