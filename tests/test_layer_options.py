@@ -60,8 +60,11 @@ def test_twin_shares_every_tensor_and_the_lora_sites(model):
     hf = tiny_hf_model("qwen2_moe", seed=3)
     narrow = build(hf, max_loras=2, max_rank=8)
     restrict_lora_sites(narrow, ("q_proj", "experts"))
-    for source in (model, narrow):
-        twin = source.with_options(LayerOptions(merge_qkv=False))
+    ds = tiny_hf_model("deepseek_v3", seed=5)
+    cfg = ModelConfig.from_dict(dict(ds.config.to_dict(), architectures=[type(ds).__name__]))
+    mla = model_class(cfg)(cfg, max_loras=1, max_rank=4)
+    for source in (model, narrow, mla):
+        twin = source.with_options(LayerOptions(merge_qkv=False, mla_absorbed_decode=False))
         assert twin is not source and not twin.options.merge_qkv and source.options.merge_qkv
         mine = dict(source.named_parameters()) | dict(source.named_buffers())
         theirs = dict(twin.named_parameters()) | dict(twin.named_buffers())

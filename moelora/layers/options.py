@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from moelora.errors import ConfigError
@@ -52,4 +53,8 @@ def adopt_tensors(twin: nn.Module, source: nn.Module) -> nn.Module:
         its._buffers.update(mine._buffers)
         if hasattr(mine, "has_lora"):
             its.has_lora = mine.has_lora
+        stale = [k for k, v in vars(its).items()
+                 if isinstance(v, torch.Tensor) and v.is_meta and not getattr(mine, k).is_meta]
+        if stale:  # a tensor outside the parameters and buffers would stay the twin's own (on the meta device)
+            raise ValueError(f"{type(its).__name__} holds tensors outside its parameters and buffers: {stale}")
     return twin.train(source.training)
