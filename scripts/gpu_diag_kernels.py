@@ -23,12 +23,12 @@ def triton_on(model, kinds):
     with torch.device("meta"):
         mixed = adopt_tensors(type(model)(model.config, **model.build_args), model)
     triton = model.with_options(LayerOptions(kernel_backend="triton"))
-    for name, mod in list(mixed.named_modules()):
-        if name and isinstance(mod, kinds):
-            swapped = triton.get_submodule(name)
-            for child, sub in mod.named_children():
-                setattr(swapped, child, sub)
-            mixed.set_submodule(name, swapped)
+    swaps = {name: triton.get_submodule(name) for name, mod in mixed.named_modules() if name and isinstance(mod, kinds)}
+    for name, swapped in swaps.items():  # each child: its own swap, or the torch twin's
+        for child, _ in list(swapped.named_children()):
+            setattr(swapped, child, swaps.get(f"{name}.{child}", mixed.get_submodule(f"{name}.{child}")))
+    for name, swapped in swaps.items():
+        mixed.set_submodule(name, swapped)
     return mixed
 
 
