@@ -15,11 +15,12 @@ triton = pytest.importorskip("triton")
 
 from kernel_env import CUDA, DEV, INTERP, gpu_only, graph_replayed, kernel_test  # noqa: E402,F401
 
+from moelora.kernels.args import ExpertLoRAArgs, SlotRows  # noqa: E402
 from moelora.kernels.fused_moe import fused_moe  # noqa: E402
 from moelora.kernels.moe_config import FusedMoEConfig, GemmTile  # noqa: E402
 from moelora.kernels.moe_lora import PATHS, SeparateConfig  # noqa: E402
 from moelora.kernels.moe_plan import build_routing_plan  # noqa: E402
-from moelora.kernels.reference import ExpertLoRAArgs, SlotRows, fused_moe_ref  # noqa: E402
+from moelora.kernels.reference import fused_moe_ref  # noqa: E402
 
 TINY = GemmTile(32, 32, 4, 2)
 

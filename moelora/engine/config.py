@@ -15,6 +15,7 @@ import torch
 from moelora.config import ModelConfig
 from moelora.errors import ConfigError
 from moelora.kernels.moe_config import check_table_file
+from moelora.layers.options import DEFAULT_OPTIONS, LayerOptions
 from moelora.quant.config import FP8Config
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -112,6 +113,15 @@ class EngineConfig:
     @property
     def use_cuda_graphs(self) -> bool:
         return self.torch_device.type == "cuda" and self.kernel_backend == "triton" and not self.enforce_eager
+
+    def layer_options(self, base: LayerOptions = DEFAULT_OPTIONS) -> LayerOptions:
+        """The options this (resolved) config builds its models' layers with: its kernel backend, fused-MoE
+        table, shared-expert overlap (CUDA only: ignored on the CPU), MLA absorbed decode and merged q/k/v,
+        over `base` for what it does not set (the dense LoRA policy)."""
+        overlap = self.overlap_shared_experts and self.torch_device.type == "cuda"
+        return dataclasses.replace(base, kernel_backend=self.kernel_backend, fused_moe_table=self.fused_moe_table,
+                                   overlap_shared_experts=overlap, mla_absorbed_decode=self.mla_absorbed_decode,
+                                   merge_qkv=self.merge_qkv)
 
     def fp8_config(self, model: ModelConfig) -> FP8Config | None:
         """The model's FP8 scheme under this engine config (resolved: checked by `resolve`)."""

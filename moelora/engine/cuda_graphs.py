@@ -35,7 +35,7 @@ from moelora.engine.config import EngineConfig
 from moelora.engine.runner import StepInputs
 from moelora.kernels.checks import lora_tile_rank
 from moelora.layers.attention import AttnMetadata, SeqSlice
-from moelora.lora.batch import NO_SLOT, LoRABatch
+from moelora.lora.batch import NO_SLOT, LoRABatch, LoRANeeds, plan_step
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +59,12 @@ def graph_reserve(cfg: EngineConfig, vocab: int, activations: int, profile_token
 
 
 class CudaGraphRunner:
-    def __init__(self, model, cache, max_num_seqs: int, max_model_len: int, dummy_block: int,
-                 row_plan_slots: int = 0, base_graphs: bool = False, lora_sites: frozenset = frozenset()):
-        """`row_plan_slots`: as `ModelRunner`'s (the captured forward groups the rows by slot).
-        `base_graphs`: also capture graphs without LoRA for steps with no adapter rows; `lora_sites`:
-        every LoRA site of the model (when all are idle the LoRA graphs serve those steps)."""
-        self.model, self.cache, self.row_plan_slots = model, cache, row_plan_slots
+    def __init__(self, model, cache, max_num_seqs: int, max_model_len: int, dummy_block: int, needs: LoRANeeds,
+                 base_graphs: bool = False, lora_sites: frozenset = frozenset()):
+        """`needs`: the eager runner's (`runner.lora_needs`; the captured forward builds its batch by the
+        same `plan_step`). `base_graphs`: also capture graphs without LoRA for steps with no adapter rows;
+        `lora_sites`: every LoRA site of the model (when all are idle the LoRA graphs serve those steps)."""
+        self.model, self.cache, self.needs = model, cache, needs
         self.buckets = sorted(set(default_buckets(max_num_seqs)))
         self.max_model_len = max_model_len
         self.dummy_slot = dummy_block * cache.block_size
@@ -91,9 +91,8 @@ class CudaGraphRunner:
         meta = AttnMetadata(self.slot_mapping[:B], self.block_tables[:B], self.seq_lens[:B],
                             self.query_start[:B + 1], tuple(SeqSlice(i, 1, 1, i) for i in range(B)),
                             max_seq_len=self.max_model_len, max_query_len=1)
-        lora = LoRABatch(self.token_slots[:B], (), self.lora_idle, max_rank=self.lora_width) if with_lora else None
-        if lora is not None and self.row_plan_slots:  # inside the capture: every replay groups its own rows
-            lora = lora.with_row_plan(self.row_plan_slots)
+        # inside the capture: every replay groups its own rows
+        lora = plan_step(self.token_slots[:B], None, self.lora_width, self.needs, self.lora_idle) if with_lora else None
         hidden = self.model(self.input_ids[:B], self.positions[:B], meta, self.cache.layers, lora)
         return self.model.logits(hidden).float()
 

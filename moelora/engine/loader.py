@@ -126,7 +126,7 @@ def build_engine(model_dir: str | Path, cfg: EngineConfig | None = None, progres
         torch.cuda.empty_cache()
     with torch.device(cfg.torch_device):
         model = model_class(model_cfg)(model_cfg, max_loras=cfg.max_loras, max_rank=cfg.max_lora_rank,
-                                       backend=cfg.kernel_backend, dtype=cfg.torch_dtype, quant=fp8)
+                                       options=cfg.layer_options(), dtype=cfg.torch_dtype, quant=fp8)
     if fp8 is not None:
         check_ignored(model, fp8)
     if load_format == "dummy":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from moelora.kernels.args import ExpertLoRAArgs
 from moelora.kernels.checks import lora_tile_rank
 from moelora.kernels.moe_config import FusedMoEConfig, lora_paths, tuned_fused_moe_config
 from moelora.kernels.moe_gemm import combine_kernel, down_kernel, gate_up_kernel
@@ -24,7 +25,6 @@ from moelora.kernels.moe_plan import (
     build_routing_plan,
     per_route_plan,
 )
-from moelora.kernels.reference import ExpertLoRAArgs
 
 ACCEPTED_LAYOUTS = (EXPERT_SORTED_PADDED, ROUTE_PER_BLOCK)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -13,36 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
+from moelora.kernels.args import DenseLoRAArgs
 from moelora.kernels.checks import need_at_least, need_one_of, need_pow2
 from moelora.kernels.dense_lora import MODES, row_plan
-from moelora.kernels.reference import DenseLoRAArgs
+from moelora.kernels.dense_policy import DENSE_LORA_POLICY, PLAN_BLOCK_M, DenseLoRAPolicy
 
-__all__ = ["PLAN_BLOCK_M", "LoRALinearConfig", "default_lora_linear_config", "lora_linear", "row_plan",
-           "wants_row_plan"]
+__all__ = ["PLAN_BLOCK_M", "LoRALinearConfig", "default_lora_linear_config", "lora_linear", "row_plan"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_PLANNED_MAX_ROWS = 1024  # the largest row count "planned" is the default for
-PLAN_BLOCK_M = 16
-
-
-def _prefers_splitk(num_tokens: int, n_in: int, n_out: int, has_lora: bool) -> bool:
-    """Where splitk beat cuBLAS + split on the H200 (docs/performance.md, dense modes)."""
-    if not (has_lora and 0 < num_tokens <= 64 and n_in >= 1024):
-        return False
-    o_like = n_in >= 2 * n_out and n_out >= 128
-    return o_like or (num_tokens <= 16 and n_out >= 1024)
-
-
-def _prefers_planned(num_tokens: int, n_in: int, n_out: int) -> bool:
-    """Where planned beat split on the H200 (docs/performance.md, dense modes)."""
-    if not (n_in >= 1024 and n_out >= 1024 and wants_row_plan(num_tokens)):
-        return False
-    return n_in <= n_out or num_tokens > 128
-
-
-def wants_row_plan(num_tokens: int) -> bool:
-    """Whether a step of this many rows may take "planned" somewhere (so the runner groups its rows by slot)."""
-    return 16 < num_tokens <= _PLANNED_MAX_ROWS
 
 
 @dataclass(frozen=True)
@@ -75,11 +53,12 @@ class LoRALinearConfig:
 
 
 def default_lora_linear_config(num_tokens: int, mode: str | None = None, n_in: int = 0, n_out: int = 0,
-                               has_lora: bool = True, row_plan: bool = False) -> LoRALinearConfig:
-    """The measured picks (docs/performance.md); `mode` None: splitk, else planned when `row_plan`, else split."""
+                               has_lora: bool = True, row_plan: bool = False,
+                               policy: DenseLoRAPolicy = DENSE_LORA_POLICY) -> LoRALinearConfig:
+    """The measured picks (docs/performance.md); `mode` None: `policy.mode` picks it (`row_plan`: the caller
+    grouped the rows by slot, `DenseLoRAArgs.row_plan` given)."""
     if mode is None:
-        mode = ("splitk" if _prefers_splitk(num_tokens, n_in, n_out, has_lora)
-                else "planned" if has_lora and row_plan and _prefers_planned(num_tokens, n_in, n_out) else "split")
+        mode = policy.mode(num_tokens, n_in, n_out, has_lora, row_plan)
     if mode == "splitk":
         return LoRALinearConfig("splitk", 16, 64, 128, 16, split_k=8)
     if mode == "planned":
@@ -136,8 +115,10 @@ def _check_lora(lora, T, n_in, n_out):
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 lora: DenseLoRAArgs | None, *, out: torch.Tensor | None = None,
                 config: LoRALinearConfig | None = None,
-                side_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
-    """`lora_linear_ref` on the GPU -> y [T, N_out] (new, or `out=`); `side_stream`: split mode's shrink runs there."""
+                side_stream: torch.cuda.Stream | None = None,
+                policy: DenseLoRAPolicy = DENSE_LORA_POLICY) -> torch.Tensor:
+    """`lora_linear_ref` on the GPU -> y [T, N_out] (new, or `out=`); `side_stream`: split mode's shrink runs there;
+    `policy`: picks the mode when `config` is None."""
     T, n_in, n_out = _check(x, weight, bias, lora)
     if out is None:
         out = torch.empty(T, n_out, dtype=x.dtype, device=x.device)
@@ -149,6 +130,6 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError("out must not alias an input (contract 2)")
     has_lora = lora is not None and lora.a.shape[0] > 0
     cfg = config or default_lora_linear_config(T, n_in=n_in, n_out=n_out, has_lora=has_lora,
-                                               row_plan=has_lora and lora.row_plan is not None)
+                                               row_plan=has_lora and lora.row_plan is not None, policy=policy)
     MODES[cfg.mode].run(x, weight, bias, lora if has_lora else None, out, cfg, side_stream)
     return out

@@ -14,12 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.reference import (
-    EXPERT_SORTED_PADDED,
-    MoERoutingPlan,
-    build_routing_plan_ref,
-    plan_capacity,
-)
+from moelora.kernels.args import EXPERT_SORTED_PADDED, MoERoutingPlan
+from moelora.kernels.reference import build_routing_plan_ref, plan_capacity
 
 __all__ = ["EXPERT_SORTED_PADDED", "ROUTE_PER_BLOCK", "MoERoutingPlan", "build_routing_plan",
            "build_routing_plan_ref", "per_route_plan", "plan_capacity"]

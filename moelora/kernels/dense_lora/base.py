@@ -13,8 +13,8 @@ import itertools
 import torch
 import triton
 
+from moelora.kernels.args import DenseLoRAArgs
 from moelora.kernels.checks import lora_tile_rank
-from moelora.kernels.reference import DenseLoRAArgs
 
 
 class Segments:
