@@ -79,7 +79,7 @@ class EngineConfig:
     # device. None: on with CUDA, off on the CPU (nothing to overlap there). A request's token reaches
     # the caller one step after it was sampled, and a row computed for a request that stopped in step
     # n is dropped. H200, Qwen3-30B shape, 48 layers: steps 4-10 % shorter at 1-256 requests, with and
-    # without LoRA (docs/benchmarks.md).
+    # without LoRA (docs/performance.md).
     async_scheduling: bool | None = None
     # A tuned fused-MoE config table (a JSON file as benchmarks/tune_fused_moe.py writes, e.g. for this
     # deployment's model and GPU) read instead of the package's table for the GPU; a shape it lacks

@@ -1,10 +1,11 @@
-"""CUDA-graph decode: one captured graph per batch-size bucket, whatever adapters are active.
+"""CUDA-graph decode: a LoRA graph per batch-size bucket (and a base graph beside it, below), re-captured
+when LoRA sites turn on or a wider adapter arrives, not when the set of active adapters changes.
 
 Shape legend: B bucket size, MB max blocks per sequence, S adapter slots, V vocab.
 Every input of a decode step lives in a static buffer of fixed address; a replay copies the
 step's values in (contract 4) and pads the bucket with rows on no adapter that read and write a
-reserved dummy KV block. The LoRA path is always captured (rows on no adapter cost nothing in the
-kernels), so one graph per bucket serves any number and ranks of active adapters.
+reserved dummy KV block. In a LoRA graph the LoRA kernels of the sites not idle are captured (rows on
+no adapter cost nothing in them), so one graph per bucket serves any mix of the registered adapters.
 
 Idle LoRA sites (`LoRABatch.idle`: no registered adapter has weights there) are captured without their LoRA.
 The engine's idle set only shrinks (a site turns on when an adapter with LoRA there is registered);
@@ -21,6 +22,8 @@ memory pool, replayed by steps whose rows name no adapter (`StepInputs.lora` Non
 then runs the plain path too). Captured beside the LoRA graphs, unless every LoRA site is idle (then the
 LoRA graphs launch no LoRA either and serve those steps).
 Needs the Triton backend: the torch twins loop on the host and cannot be captured.
+No garbage collection runs inside a capture: a collected cycle that freed another engine's graphs there
+would invalidate it (destroying a graph is not permitted while a stream captures).
 """
 
 from __future__ import annotations
