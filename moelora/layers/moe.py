@@ -94,17 +94,19 @@ class Experts(nn.Module):
         return gate_up, down
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                lora: LoRABatch | None) -> torch.Tensor:
+                lora: LoRABatch | None, expert_map: torch.Tensor | None = None) -> torch.Tensor:
+        """expert_map: expert parallelism's global -> local expert ids (`layers.parallel_experts`)."""
         args = self.lora_args(lora)
         w_gate_up, w_down = self.dense_weights(x.dtype)
         if self.backend == "triton":
             from moelora.kernels.fused_moe import fused_moe
 
             return fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, lora=args,
-                             side_stream=self.lora_stream, table=self.moe_table, route_rows=self.route_rows)
+                             side_stream=self.lora_stream, table=self.moe_table, route_rows=self.route_rows,
+                             expert_map=expert_map)
         act_quant = activation_quantizer(self.quant)  # the W8A8 twin; None: the bf16 call as it always was
-        return fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids, lora=args,
-                             **({} if act_quant is None else {"act_quant": act_quant}))
+        extra = {k: v for k, v in (("act_quant", act_quant), ("expert_map", expert_map)) if v is not None}
+        return fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids, lora=args, **extra)
 
 
 class SparseMoE(nn.Module):
