@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -189,3 +192,86 @@ def test_hung_worker_raises_worker_error_after_the_step_timeout(built):
     finally:
         llm.engine.close()
     assert not any(p.is_alive() for p in procs)
+
+
+# ------------------------------------------------------------------ several hosts, simulated on this one ---
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _headless_node(port: int, log) -> subprocess.Popen:
+    """Node 1 of 2: `moelora serve --headless` in its own process, as on a second host."""
+    return subprocess.Popen([sys.executable, "-m", "moelora.cli", "serve", "--headless", "--nnodes", "2",
+                             "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+def _descendants(pid: int) -> list[int]:
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().split(")")[-1].split()[1])
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        kids = [p for p, pp in parents.items() if pp == parent]
+        out += kids
+        todo += kids
+    return out
+
+
+def test_two_nodes_equal_one_process(built, reference, tmp_path):
+    """Node 0 (this process: the scheduler and rank 0) and node 1 (a headless node process holding rank 1),
+    joined over TCP (store and control channel) as on two hosts; EP over the nodes equals one process, and
+    the node exits cleanly when the engine closes."""
+    model_dir, adapters, vocab = built("qwen3_moe")
+    port = _free_port()
+    with open(tmp_path / "node1.log", "w") as log:
+        node = _headless_node(port, log)
+        try:
+            logits, tokens = _run(model_dir, adapters, vocab, **EP2, nnodes=2, master_port=port,
+                                  parallel_step_timeout_s=60)
+            assert node.wait(30) == 0, (tmp_path / "node1.log").read_text()
+        finally:
+            node.kill()
+            node.wait()
+    ref_logits, ref_tokens = reference("qwen3_moe")
+    for ref, got in zip(ref_logits, logits, strict=True):
+        assert (got - ref).abs().max().item() <= 1e-4
+    assert tokens == ref_tokens
+
+
+def test_killed_remote_worker_raises_worker_error_and_leaves_no_process(built, tmp_path):
+    model_dir, adapters, vocab = built("qwen3_moe")
+    port = _free_port()
+    with open(tmp_path / "node1.log", "w") as log:
+        node = _headless_node(port, log)
+        try:
+            llm = LLM(model_dir, adapters, **ENGINE, **TP2, nnodes=2, master_port=port, parallel_step_timeout_s=20)
+            children = _descendants(node.pid)
+            remote = llm.engine.driver.procs[0].pid  # rank 1, reported by its node
+            assert remote in children and _alive(remote)
+            seqs, names = _batch(vocab)
+            llm.logits(seqs[:2], names[:2])
+            os.kill(remote, signal.SIGKILL)
+            start = time.monotonic()
+            with pytest.raises(WorkerError, match="rank 1"):
+                llm.generate(seqs[:2], SamplingParams(max_tokens=3), names[:2])
+            assert time.monotonic() - start < 20
+            llm.engine.close()
+            assert node.wait(30) == 1  # the node saw its rank die and stopped
+            deadline = time.monotonic() + 10  # multiprocessing's resource tracker exits once the node is gone
+            while any(_alive(p) for p in children) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not any(_alive(p) for p in children)
+        finally:
+            node.kill()
+            node.wait()
