@@ -114,6 +114,15 @@ def test_plan_gpu_real_sizes_no_sync(T, K, E, bm):
     ref = build_routing_plan_ref(ids, E, bm)
     for f in ("sorted_route_ids", "expert_of_block", "num_padded"):
         assert torch.equal(getattr(plan, f), getattr(ref, f)), f
+    emap = _rank_map(E, E // 2, E // 2, "cuda")  # EP, the second of two ranks: the map's gather syncs nothing either
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        plan = build_routing_plan(ids, E // 2, bm, expert_map=emap)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = build_routing_plan_ref(ids, E // 2, bm, expert_map=emap)
+    for f in ("sorted_route_ids", "expert_of_block", "num_padded", "local_ids"):
+        assert torch.equal(getattr(plan, f), getattr(ref, f)), f
 
 
 def _rank_map(E, first, count, device="cpu"):
