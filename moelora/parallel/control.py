@@ -28,6 +28,7 @@ from moelora.parallel.config import ParallelConfig
 
 JOB_KEY = "moelora/job"
 KEY_ENV = "MOELORA_CLUSTER_KEY"
+KEEPALIVE_S = 60
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,7 @@ class ControlListener:
                     continue
                 with socket.socket(fileno=os.dup(fd)) as view:
                     _read_timeout(view, 0)  # from now on a read waits as long as the driver's poll says
+                    _keepalive(view)
                 rank = hello[1]
                 if hello[0] != "hello" or rank not in ranks or rank in joined:
                     conn.close()
@@ -147,6 +149,18 @@ def _read_timeout(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
 
 
+def _keepalive(sock: socket.socket) -> None:
+    """TCP keepalive probes after KEEPALIVE_S idle: a host that vanishes without closing its connections (power,
+    network) is noticed by the other end's blocked read within ~2 x KEEPALIVE_S, not the system's 2 hours."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_S), ("TCP_KEEPINTVL", KEEPALIVE_S // 6), ("TCP_KEEPCNT", 6)):
+        if hasattr(socket, name):  # Linux; elsewhere the system's defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
 def connect(address: tuple[str, int], key: bytes) -> Connection:
     """A rank's end on another node: connect to rank 0's listener and pass the handshake."""
-    return Client(address, authkey=key)
+    conn = Client(address, authkey=key)
+    with socket.socket(fileno=os.dup(conn.fileno())) as view:
+        _keepalive(view)
+    return conn
