@@ -233,6 +233,15 @@ def _descendants(pid: int) -> list[int]:
 
 
 @pytest.mark.parametrize("parallel", [EP2, pytest.param(TP4, marks=pytest.mark.slow)], ids=["ep2", "tp4"])
+def _all_gone(pids: list[int], within_s: float = 10) -> bool:
+    """Whether every process of `pids` is gone within `within_s` (a node's children are joined before it exits, but
+    multiprocessing's resource tracker leaves a moment after its node)."""
+    deadline = time.monotonic() + within_s
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(_alive(p) for p in pids)
+
+
 def test_two_nodes_equal_one_process(built, reference, tmp_path, parallel):
     """Node 0 (this process: the scheduler and rank 0; at TP=4 also a forked local rank 1, on a pipe) and node 1
     (a headless node process holding the other ranks, on TCP), joined as on two hosts; the engine equals one
@@ -273,10 +282,36 @@ def test_killed_remote_worker_raises_worker_error_and_leaves_no_process(built, t
             assert time.monotonic() - start < 20
             llm.engine.close()
             assert node.wait(30) == 1  # the node saw its rank die and stopped
-            deadline = time.monotonic() + 10  # multiprocessing's resource tracker exits once the node is gone
-            while any(_alive(p) for p in children) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert not any(_alive(p) for p in children)
+            assert _all_gone(children)
+        finally:
+            node.kill()
+            node.wait()
+
+
+@pytest.mark.slow
+def test_hung_remote_worker_raises_worker_error_after_the_step_timeout(built, tmp_path):
+    """A remote rank that stops answering (SIGSTOP) fails the step within the timeout; once it runs again it finds
+    its connection closed and exits, and so does its node."""
+    model_dir, adapters, vocab = built("qwen3_moe")
+    port = _free_port()
+    with open(tmp_path / "node1.log", "w") as log:
+        node = _headless_node(port, log)
+        try:
+            llm = LLM(model_dir, adapters, **ENGINE, **TP2, nnodes=2, master_port=port, parallel_step_timeout_s=4)
+            children = _descendants(node.pid)
+            remote = llm.engine.driver.procs[0].pid
+            seqs, names = _batch(vocab)
+            os.kill(remote, signal.SIGSTOP)
+            start = time.monotonic()
+            try:
+                with pytest.raises(WorkerError):
+                    llm.logits(seqs[:2], names[:2])
+                assert time.monotonic() - start < 4 * 3
+            finally:
+                llm.engine.close()
+                os.kill(remote, signal.SIGCONT)
+            node.wait(30)
+            assert _all_gone(children)
         finally:
             node.kill()
             node.wait()

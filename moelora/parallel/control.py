@@ -29,6 +29,9 @@ from moelora.parallel.config import ParallelConfig
 JOB_KEY = "moelora/job"
 KEY_ENV = "MOELORA_CLUSTER_KEY"
 KEEPALIVE_S = 60
+# How long rank 0 waits for the other nodes' ranks, and a node for rank 0's job: nodes are started by hand or by
+# a scheduler, in any order, and a rank imports torch before it connects (not the step timeout's business)
+JOIN_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -113,8 +116,8 @@ class ControlListener:
                     raw, _ = self.sock.accept()
                 except TimeoutError:
                     missing = sorted(set(ranks) - set(joined))
-                    raise WorkerError(f"ranks {missing} (other nodes) did not join at {self.address[0]} within the "
-                                      "parallel step timeout: is `moelora serve --headless` running there?") from None
+                    raise WorkerError(f"ranks {missing} (other nodes) did not join at {self.address[0]} in time: "
+                                      "is `moelora serve --headless` running there?") from None
                 raw.setblocking(True)
                 _read_timeout(raw, max(0.01, deadline - time.monotonic()))  # a silent stranger cannot hold us
                 fd = raw.detach()

@@ -23,7 +23,7 @@ from pathlib import Path
 from moelora.engine.config import EngineConfig
 from moelora.errors import AdapterError, ConfigError, WorkerError
 from moelora.parallel.config import ParallelConfig
-from moelora.parallel.control import JOB_KEY, ControlListener, Job, cluster_key
+from moelora.parallel.control import JOB_KEY, JOIN_TIMEOUT_S, ControlListener, Job, cluster_key
 from moelora.parallel.groups import device_group, open_store
 from moelora.parallel.rules import ShardPlan
 from moelora.parallel.shard import Shard
@@ -87,7 +87,7 @@ class Driver:
         store.set(JOB_KEY, pickle.dumps(job))
         try:
             joined = listener.accept(range(self.pcfg.ranks_per_node, self.pcfg.world_size), key or job.key,
-                                     time.monotonic() + self.pcfg.step_timeout_s)
+                                     time.monotonic() + JOIN_TIMEOUT_S)
         except WorkerError as exc:
             self._fail(f"{exc}")
         for rank in sorted(joined):

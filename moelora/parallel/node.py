@@ -20,9 +20,7 @@ from datetime import timedelta
 from multiprocessing.connection import wait
 
 from moelora.errors import ConfigError, WorkerError
-from moelora.parallel.control import Job, cluster_key, connect, read_job
-
-JOIN_TIMEOUT_S = 600.0  # how long a node waits for rank 0's store and job (it may start first)
+from moelora.parallel.control import JOIN_TIMEOUT_S, Job, cluster_key, connect, read_job
 
 
 def run_node(master_addr: str, master_port: int, nnodes: int, node_rank: int,
