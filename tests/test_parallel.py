@@ -232,7 +232,6 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("parallel", [EP2, pytest.param(TP4, marks=pytest.mark.slow)], ids=["ep2", "tp4"])
 def _all_gone(pids: list[int], within_s: float = 10) -> bool:
     """Whether every process of `pids` is gone within `within_s` (a node's children are joined before it exits, but
     multiprocessing's resource tracker leaves a moment after its node)."""
@@ -242,6 +241,7 @@ def _all_gone(pids: list[int], within_s: float = 10) -> bool:
     return not any(_alive(p) for p in pids)
 
 
+@pytest.mark.parametrize("parallel", [EP2, pytest.param(TP4, marks=pytest.mark.slow)], ids=["ep2", "tp4"])
 def test_two_nodes_equal_one_process(built, reference, tmp_path, parallel):
     """Node 0 (this process: the scheduler and rank 0; at TP=4 also a forked local rank 1, on a pipe) and node 1
     (a headless node process holding the other ranks, on TCP), joined as on two hosts; the engine equals one
