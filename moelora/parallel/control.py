@@ -32,6 +32,7 @@ KEEPALIVE_S = 60
 # How long rank 0 waits for the other nodes' ranks, and a node for rank 0's job: nodes are started by hand or by
 # a scheduler, in any order, and a rank imports torch before it connects (not the step timeout's business)
 JOIN_TIMEOUT_S = 600.0
+HANDSHAKE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,8 @@ class ControlListener:
                     raise WorkerError(f"ranks {missing} (other nodes) did not join at {self.address[0]} in time: "
                                       "is `moelora serve --headless` running there?") from None
                 raw.setblocking(True)
-                _read_timeout(raw, max(0.01, deadline - time.monotonic()))  # a silent stranger cannot hold us
+                # a silent stranger holds the join at most HANDSHAKE_S (a rank answers at once)
+                _read_timeout(raw, max(0.01, min(HANDSHAKE_S, deadline - time.monotonic())))
                 fd = raw.detach()
                 conn = Connection(fd)
                 try:  # the order of multiprocessing's Listener.accept; a stranger fails it and is dropped
