@@ -6,6 +6,7 @@ With no MODEL argument the bundled demo model is used, with its adapters registe
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -158,7 +159,9 @@ def serve_engine_config(args) -> EngineConfig:
                         overlap_lora=not args.no_overlap_lora,
                         lora_target_modules=tuple(args.lora_target_modules) if args.lora_target_modules else None,
                         enable_prefix_caching=args.enable_prefix_caching, fused_moe_table=args.fused_moe_table,
-                        warmup=not args.skip_warmup, quantization=args.quantization, **_parallel(args))
+                        warmup=not args.skip_warmup, quantization=args.quantization, nnodes=args.nnodes,
+                        master_addr=args.master_addr, master_port=args.master_port if args.nnodes > 1 else 0,
+                        **_parallel(args))
 
 
 def serve_options(args) -> dict:
@@ -186,6 +189,10 @@ def serve_adapters(args) -> tuple[str, dict[str, str]]:
 
 
 def cmd_serve(args) -> int:
+    if args.headless:  # a node other than rank 0's: its ranks only (moelora.parallel.node)
+        from moelora.parallel.node import run_node
+
+        return run_node(args.master_addr, args.master_port, args.nnodes, args.node_rank)
     import torch
 
     from moelora.server.launch import build_server, run_server
@@ -246,7 +253,26 @@ def _serve_parser(sub) -> None:
                        help="answer 503 (Retry-After) while this many requests wait to be scheduled")
     serve.add_argument("--uvicorn-log-level", default="info")
     _serve_vllm_flags(serve)
+    _serve_node_flags(serve)
     serve.set_defaults(func=cmd_serve, parser=serve)
+
+
+def _serve_node_flags(serve: argparse.ArgumentParser) -> None:
+    """Several hosts (vLLM's multiprocessing multi-node flags; torchrun's environment variables as defaults)."""
+    env = os.environ
+    serve.add_argument("--nnodes", type=types.positive, default=env.get("NNODES", "1"),
+                       help="nodes the --tensor-parallel-size ranks are spread over, evenly (default: $NNODES, else 1)")
+    serve.add_argument("--node-rank", type=types.non_negative, default=env.get("NODE_RANK", "0"),
+                       help="this node: 0 runs the server and rank 0, the others --headless (default: $NODE_RANK)")
+    serve.add_argument("--master-addr", default=env.get("MASTER_ADDR", "127.0.0.1"),
+                       help="node 0's address every node can reach: the rendezvous (default: $MASTER_ADDR, else "
+                            "127.0.0.1)")
+    serve.add_argument("--master-port", type=types.port, default=env.get("MASTER_PORT", "29501"),
+                       help="the rendezvous port on --master-addr when --nnodes > 1 (default: $MASTER_PORT, "
+                            "else 29501)")
+    serve.add_argument("--headless", action="store_true",
+                       help="a node other than 0: run this node's ranks for node 0's engine, no server; the model "
+                            "and engine flags are node 0's")
 
 
 def _serve_vllm_flags(serve: argparse.ArgumentParser) -> None:
@@ -316,7 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.command != "demo":  # every check that needs no model, before one is loaded
+        if args.command == "serve":
+            types.check_node_args(args.parser, args)
+        if args.command != "demo" and not getattr(args, "headless", False):  # checks before a model is loaded
             _, adapters = serve_adapters(args) if args.command == "serve" else _model_and_adapters(args)
             types.check_args(args.parser, args, adapters)
         return args.func(args)

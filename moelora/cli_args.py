@@ -124,6 +124,19 @@ def check_args(parser: argparse.ArgumentParser, args, adapters: dict[str, str]) 
         parser.error(problems[0])
 
 
+def check_node_args(parser: argparse.ArgumentParser, args) -> None:
+    """`serve`'s several-host flags (vLLM's rule: a node other than 0 runs --headless)."""
+    if args.node_rank >= args.nnodes:
+        parser.error(f"--node-rank {args.node_rank} is not one of the --nnodes {args.nnodes} nodes "
+                     f"(0..{args.nnodes - 1})")
+    if args.node_rank > 0 and not args.headless:
+        parser.error(f"--node-rank {args.node_rank}: a node other than 0 runs --headless (node 0 runs the server)")
+    if args.headless and args.node_rank == 0:
+        parser.error("--headless is for nodes 1..N-1; node 0 runs the server (drop --headless)")
+    if args.nnodes > 1 and not args.headless and args.tensor_parallel_size % args.nnodes:
+        parser.error(f"--nnodes {args.nnodes} must divide --tensor-parallel-size {args.tensor_parallel_size}")
+
+
 def _serve_problems(args) -> list[str | None]:
     from moelora.engine.tokenizer import resolve_chat_template
     from moelora.errors import ConfigError

@@ -404,6 +404,50 @@ def test_shared_plan_and_validation():
             fused_moe(x, w_gu, w_d, wts, ids, config=tiny_config(tma=True))
 
 
+def _poisoned_empty(monkeypatch):
+    """torch.empty that fills floats with NaN and ints with a huge id, so an unwritten row that is read shows."""
+    real = torch.empty
+
+    def empty(*shape, **kw):
+        t = real(*shape, **kw)
+        return t.fill_(float("nan") if t.is_floating_point() else 1 << 30) if t.numel() else t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+@kernel_test
+@pytest.mark.parametrize("shrink", list(PATHS))
+@pytest.mark.parametrize("per_route", [False, True])
+def test_expert_map_splits_the_experts(shrink, per_route, monkeypatch):
+    """Expert parallelism: each of two ranks runs its 3 of 6 experts (weights and LoRA) on the global ids
+    with its expert map; its plan holds only its routes, the others' rows (never written: every buffer is
+    poisoned) add nothing. Each rank equals the torch twin with the map, and the two ranks sum to the
+    one-rank reference in fp64. per_route: a per-route config falls back to the sorted plan under a map."""
+    T, E, K = 9, 6, 3
+    x, w_gu, w_d, wts, ids, lora = make_case(T, 48, 40, E, K, ranks=(16, 5, 0), R=16, device=DEV, seed=12,
+                                             slots=[0, -1, 1, 1, 0, 2, -1, 1, 0])
+    cfg = replace(tiny_config(shrink), plan_per_route=per_route)
+    want = reference(x, w_gu, w_d, wts, ids, lora)
+    total = torch.zeros_like(want)
+    _poisoned_empty(monkeypatch)
+    for first in (0, 3):
+        part = slice(first, first + 3)
+        emap = torch.tensor([e - first if first <= e < first + 3 else -1 for e in range(E)], dtype=torch.int32,
+                            device=DEV)
+        mine = ExpertLoRAArgs(*(t[:, part].contiguous() for t in (lora.gate_up_a, lora.gate_up_b, lora.down_a,
+                                                                   lora.down_b)), *dataclasses_rest(lora))
+        got = fused_moe(x, w_gu[part].contiguous(), w_d[part].contiguous(), wts, ids, lora=mine, config=cfg,
+                        expert_map=emap)
+        twin = fused_moe_ref(x, w_gu[part], w_d[part], wts, ids, lora=mine, expert_map=emap)
+        assert rel_err(got, twin.to(torch.float64)) <= 1e-4
+        total += got.to(torch.float64)
+    assert rel_err(total, want) <= 1e-4
+
+
+def dataclasses_rest(lora: ExpertLoRAArgs) -> tuple:
+    return lora.token_slots, lora.gate_up_ranks, lora.down_ranks, lora.active
+
+
 # ---------------------------------------------------------------- GPU, real shapes, bf16 ---------
 
 QWEN3 = dict(H=2048, I=768, E=128, K=8)

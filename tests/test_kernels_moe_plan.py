@@ -114,3 +114,52 @@ def test_plan_gpu_real_sizes_no_sync(T, K, E, bm):
     ref = build_routing_plan_ref(ids, E, bm)
     for f in ("sorted_route_ids", "expert_of_block", "num_padded"):
         assert torch.equal(getattr(plan, f), getattr(ref, f)), f
+    emap = _rank_map(E, E // 2, E // 2, "cuda")  # EP, the second of two ranks: the map's gather syncs nothing either
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        plan = build_routing_plan(ids, E // 2, bm, expert_map=emap)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = build_routing_plan_ref(ids, E // 2, bm, expert_map=emap)
+    for f in ("sorted_route_ids", "expert_of_block", "num_padded", "local_ids"):
+        assert torch.equal(getattr(plan, f), getattr(ref, f)), f
+
+
+def _rank_map(E, first, count, device="cpu"):
+    """[E] int32: global expert id -> its id among [first, first + count), -1 elsewhere."""
+    ids = torch.arange(E, dtype=torch.int32)
+    return torch.where((ids >= first) & (ids < first + count), ids - first, -1).to(torch.int32).to(device)
+
+
+# an expert map (expert parallelism): the per-expert launch (n <= 4096) and the chunked one; ranks of 2 and 4
+@kernel_test
+@pytest.mark.parametrize("T,K,E,parts,bm", [(1, 8, 16, 2, 16), (9, 4, 12, 4, 16), (37, 4, 6, 2, 32),
+                                            (1100, 4, 8, 2, 32), (700, 6, 64, 4, 64)])
+def test_plan_with_expert_map_holds_only_local_routes(T, K, E, parts, bm):
+    """Each rank's plan holds exactly the routes to its own experts, each in a block of its local id,
+    padded per local expert only (rows counted from the ids, not from the plan builder); the Triton plan
+    equals its torch twin bit for bit, and the local ids (-1: another rank's route) ride in the plan."""
+    ids = _topk_ids(T, K, E, gen=torch.Generator().manual_seed(T + E), device=DEV)
+    flat, n, count = ids.reshape(-1).cpu().long(), T * K, E // parts
+    for first in range(0, E, count):
+        emap = _rank_map(E, first, count, DEV)
+        plan = build_routing_plan(ids, count, bm, expert_map=emap)
+        ref = build_routing_plan_ref(ids, count, bm, expert_map=emap)
+        for f in ("sorted_route_ids", "expert_of_block", "num_padded", "local_ids"):
+            assert torch.equal(getattr(plan, f).cpu(), getattr(ref, f).cpu()), f
+        mine = (flat >= first) & (flat < first + count)
+        assert torch.equal(plan.local_ids.cpu().reshape(-1).long(), torch.where(mine, flat - first, -1))
+        sid = plan.sorted_route_ids.cpu().long()
+        assert torch.equal(torch.sort(sid[sid < n]).values, mine.nonzero().squeeze(1))  # local routes, once each
+        per_expert = torch.bincount(flat[mine] - first, minlength=count)
+        assert int(plan.num_padded.cpu()[0]) == int(((per_expert + bm - 1) // bm * bm).sum())
+        eob = plan.expert_of_block.cpu().long()
+        for b in range(int(plan.num_padded.cpu()[0]) // bm):
+            rows = sid[b * bm:(b + 1) * bm]
+            assert bool((flat[rows[rows < n]] - first == eob[b]).all())
+
+
+def test_expert_map_is_checked():
+    ids = _topk_ids(3, 2, 4)
+    with pytest.raises(ValueError, match="expert_map"):
+        build_routing_plan_ref(ids, 2, 16, expert_map=_rank_map(4, 0, 2).long())

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -69,16 +72,20 @@ def _run(model_dir, adapters, vocab, **parallel):
 
 
 # DeepSeek-V2's tiny model has 3 heads (an unsplittable case below); 4 here
-OVERRIDES = {"deepseek_v2": dict(num_attention_heads=4, num_key_value_heads=4)}
+# 8 experts (the tiny models' 6 do not partition over 4 ranks: EP at TP=4); Qwen2-MoE keeps its unsplittable 5
+OVERRIDES = {"deepseek_v2": dict(num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_group=4),
+             "glm4_moe": dict(n_routed_experts=8), "olmoe": dict(num_experts=8), "qwen3_moe": dict(num_experts=8)}
 TP2, EP2 = dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, expert_parallel=True)
 TP4 = dict(tensor_parallel_size=4)
+TP4_EP = dict(tensor_parallel_size=4, expert_parallel=True)
 # overlapped scheduling (the CUDA default): the ids of unread tokens reach the workers by a device broadcast
 CORE = [("qwen3_moe", TP2), ("qwen3_moe", dict(EP2, async_scheduling=True)), ("qwen2_moe", TP2), ("mixtral", EP2),
         ("olmoe", TP2), ("deepseek_v2", TP2), ("deepseek_v3", EP2), ("glm4_moe", TP2)]
 # every family at TP=2, TP=4 and EP (over 2 ranks, attention TP=2); Qwen2-MoE's 5 experts cannot be partitioned
 # (test_unsplittable_shapes_raise_config_error). The one-process reference runs once per family (`reference`).
 SLOW = [("qwen3_moe", TP4), ("mixtral", TP2), ("olmoe", EP2), ("deepseek_v3", TP2), ("deepseek_v3", TP4),
-        ("glm4_moe", EP2), ("deepseek_v2", EP2), ("mixtral", dict(tensor_parallel_size=4, expert_parallel=True)),
+        ("glm4_moe", EP2), ("deepseek_v2", EP2), ("mixtral", TP4_EP), ("deepseek_v3", TP4_EP), ("glm4_moe", TP4_EP),
+        ("olmoe", TP4_EP), ("qwen3_moe", TP4_EP), ("deepseek_v2", TP4_EP),
         ("qwen2_moe", TP4), ("mixtral", TP4), ("olmoe", TP4), ("deepseek_v2", TP4), ("glm4_moe", TP4)]
 CASES = CORE + [pytest.param(f, p, marks=pytest.mark.slow) for f, p in SLOW]
 
@@ -189,3 +196,122 @@ def test_hung_worker_raises_worker_error_after_the_step_timeout(built):
     finally:
         llm.engine.close()
     assert not any(p.is_alive() for p in procs)
+
+
+# ------------------------------------------------------------------ several hosts, simulated on this one ---
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _headless_node(port: int, log) -> subprocess.Popen:
+    """Node 1 of 2: `moelora serve --headless` in its own process, as on a second host."""
+    return subprocess.Popen([sys.executable, "-m", "moelora.cli", "serve", "--headless", "--nnodes", "2",
+                             "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+def _descendants(pid: int) -> list[int]:
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().split(")")[-1].split()[1])
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        kids = [p for p, pp in parents.items() if pp == parent]
+        out += kids
+        todo += kids
+    return out
+
+
+def _all_gone(pids: list[int], within_s: float = 10) -> bool:
+    """Whether every process of `pids` is gone within `within_s` (a node's children are joined before it exits, but
+    multiprocessing's resource tracker leaves a moment after its node)."""
+    deadline = time.monotonic() + within_s
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(_alive(p) for p in pids)
+
+
+@pytest.mark.parametrize("parallel", [EP2, pytest.param(TP4, marks=pytest.mark.slow)], ids=["ep2", "tp4"])
+def test_two_nodes_equal_one_process(built, reference, tmp_path, parallel):
+    """Node 0 (this process: the scheduler and rank 0; at TP=4 also a forked local rank 1, on a pipe) and node 1
+    (a headless node process holding the other ranks, on TCP), joined as on two hosts; the engine equals one
+    process, and the node exits cleanly when the engine closes."""
+    model_dir, adapters, vocab = built("qwen3_moe")
+    port = _free_port()
+    with open(tmp_path / "node1.log", "w") as log:
+        node = _headless_node(port, log)
+        try:
+            logits, tokens = _run(model_dir, adapters, vocab, **parallel, nnodes=2, master_port=port,
+                                  parallel_step_timeout_s=60)
+            assert node.wait(30) == 0, (tmp_path / "node1.log").read_text()
+        finally:
+            node.kill()
+            node.wait()
+    ref_logits, ref_tokens = reference("qwen3_moe")
+    for ref, got in zip(ref_logits, logits, strict=True):
+        assert (got - ref).abs().max().item() <= 1e-4
+    assert tokens == ref_tokens
+
+
+def test_killed_remote_worker_raises_worker_error_and_leaves_no_process(built, tmp_path):
+    model_dir, adapters, vocab = built("qwen3_moe")
+    port = _free_port()
+    with open(tmp_path / "node1.log", "w") as log:
+        node = _headless_node(port, log)
+        try:
+            llm = LLM(model_dir, adapters, **ENGINE, **TP2, nnodes=2, master_port=port, parallel_step_timeout_s=20)
+            children = _descendants(node.pid)
+            remote = llm.engine.driver.procs[0].pid  # rank 1, reported by its node
+            assert remote in children and _alive(remote)
+            seqs, names = _batch(vocab)
+            llm.logits(seqs[:2], names[:2])
+            os.kill(remote, signal.SIGKILL)
+            start = time.monotonic()
+            with pytest.raises(WorkerError, match="rank 1"):
+                llm.generate(seqs[:2], SamplingParams(max_tokens=3), names[:2])
+            assert time.monotonic() - start < 20
+            llm.engine.close()
+            assert node.wait(30) == 1  # the node saw its rank die and stopped
+            assert _all_gone(children)
+        finally:
+            node.kill()
+            node.wait()
+
+
+@pytest.mark.slow
+def test_hung_remote_worker_raises_worker_error_after_the_step_timeout(built, tmp_path):
+    """A remote rank that stops answering (SIGSTOP) fails the step within the timeout; once it runs again it finds
+    its connection closed and exits, and so does its node."""
+    model_dir, adapters, vocab = built("qwen3_moe")
+    port = _free_port()
+    with open(tmp_path / "node1.log", "w") as log:
+        node = _headless_node(port, log)
+        try:
+            llm = LLM(model_dir, adapters, **ENGINE, **TP2, nnodes=2, master_port=port, parallel_step_timeout_s=4)
+            children = _descendants(node.pid)
+            remote = llm.engine.driver.procs[0].pid
+            seqs, names = _batch(vocab)
+            os.kill(remote, signal.SIGSTOP)
+            start = time.monotonic()
+            try:
+                with pytest.raises(WorkerError):
+                    llm.logits(seqs[:2], names[:2])
+                assert time.monotonic() - start < 4 * 3
+            finally:
+                llm.engine.close()
+                os.kill(remote, signal.SIGCONT)
+            node.wait(30)
+            assert _all_gone(children)
+        finally:
+            node.kill()
+            node.wait()

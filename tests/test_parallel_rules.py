@@ -84,6 +84,56 @@ def test_serve_parallel_flags_reach_the_engine_config():
     assert serve_engine_config(build_parser().parse_args(["serve", "-tp", "2"])).tensor_parallel_size == 2
 
 
+def test_serve_node_flags(monkeypatch, capsys):
+    """Several hosts: vLLM's --nnodes / --node-rank / --master-addr / --master-port / --headless, torchrun's
+    environment variables as their defaults; one node keeps a free port (no fixed one two servers would share)."""
+    from moelora.cli import build_parser, main, serve_engine_config
+
+    def parse(argv):  # a new parser each time: the defaults are read from the environment when it is built
+        return build_parser().parse_args(argv)
+
+    cfg = serve_engine_config(parse(["serve", "-tp", "4", "--nnodes", "2", "--master-addr", "10.0.0.1",
+                                     "--master-port", "29600"]))
+    assert (cfg.nnodes, cfg.master_addr, cfg.master_port) == (2, "10.0.0.1", 29600)
+    assert cfg.parallel_config.ranks_per_node == 2
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.2")
+    monkeypatch.setenv("MASTER_PORT", "29700")
+    monkeypatch.setenv("NNODES", "2")
+    args = parse(["serve", "-tp", "2"])
+    assert (args.nnodes, args.master_addr, args.master_port, args.node_rank) == (2, "10.0.0.2", 29700, 0)
+    monkeypatch.setenv("NNODES", "1")
+    assert serve_engine_config(parse(["serve", "-tp", "2"])).master_port == 0
+    for argv, needle in ((["--node-rank", "1", "--nnodes", "2"], "--headless"), (["--headless"], "nodes 1..N-1"),
+                         (["--nnodes", "2", "--node-rank", "2", "--headless"], "not one of"),
+                         (["--nnodes", "2", "-tp", "3"], "must divide")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["serve", *argv])
+        assert exit_.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_parallel_config_refuses_uneven_nodes_and_no_port():
+    from moelora.errors import ConfigError
+    from moelora.parallel.config import ParallelConfig
+
+    with pytest.raises(ConfigError, match="divide"):
+        ParallelConfig(4, nnodes=3, master_port=29500)
+    with pytest.raises(ConfigError, match="fixed TCP port"):
+        ParallelConfig(4, nnodes=2)
+
+
+def test_headless_node_without_rank_0_raises_worker_error():
+    import socket
+
+    from moelora.errors import WorkerError
+    from moelora.parallel.node import run_node
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(WorkerError, match=f"no rank 0 at 127.0.0.1:{port}"):
+        run_node("127.0.0.1", port, 2, 1, join_timeout_s=1)
+
+
 def test_several_ranks_refuse_an_fp8_block_split_before_spawning(monkeypatch):
     """What several ranks still refuse: FP8 block scales split inside a 128 block (the demo model's 4 x 32
     query rows are 64 per rank at TP=2), a ConfigError naming the tensor, the dimension and the block size,

@@ -105,6 +105,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     expert_parallel: bool = False
     parallel_step_timeout_s: float = 300.0
+    # Several hosts (`ParallelConfig`): nodes, and where rank 0 hosts the rendezvous the other nodes join.
+    nnodes: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
 
     @property
     def has_lora_slots(self) -> bool:
@@ -132,7 +136,8 @@ class EngineConfig:
     def parallel_config(self):
         from moelora.parallel.config import ParallelConfig
 
-        return ParallelConfig(self.tensor_parallel_size, self.expert_parallel, self.parallel_step_timeout_s)
+        return ParallelConfig(self.tensor_parallel_size, self.expert_parallel, self.parallel_step_timeout_s,
+                              self.nnodes, self.master_addr, self.master_port)
 
     @property
     def torch_device(self) -> torch.device:
@@ -207,9 +212,10 @@ class EngineConfig:
     def _check_parallel(self, device: torch.device) -> None:
         parallel = self.parallel_config  # validates the sizes
         first = device.index or 0
-        if parallel.distributed and device.type == "cuda" and torch.cuda.device_count() < first + parallel.world_size:
-            raise ConfigError(f"tensor_parallel_size={parallel.world_size} on {device} needs GPUs {first}.."
-                              f"{first + parallel.world_size - 1}; {torch.cuda.device_count()} are visible")
+        local = parallel.ranks_per_node  # this node's ranks
+        if parallel.distributed and device.type == "cuda" and torch.cuda.device_count() < first + local:
+            raise ConfigError(f"tensor_parallel_size={parallel.world_size} over {parallel.nnodes} node(s) on {device} "
+                              f"needs GPUs {first}..{first + local - 1}; {torch.cuda.device_count()} are visible")
 
     def with_kv_blocks(self, num_blocks: int) -> EngineConfig:
         blocks_per_seq = -(-self.max_model_len // self.block_size)

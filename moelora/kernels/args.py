@@ -86,6 +86,10 @@ class MoERoutingPlan:
     top_k: int
     num_experts: int
     layout: str = EXPERT_SORTED_PADDED
+    # Under an expert map (expert parallelism: this rank holds some of the experts): [T, K] int32, each
+    # route's local expert or -1 for another rank's route, which is in no block (its GEMM rows never exist);
+    # num_experts and expert_of_block are then local. None: every route is in the plan, as topk_ids says.
+    local_ids: torch.Tensor | None = None
 
     @property
     def num_routes(self) -> int:

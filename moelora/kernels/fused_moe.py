@@ -128,12 +128,14 @@ def lora_mode(lora: ExpertLoRAArgs | None, config: FusedMoEConfig, block_r: int)
     return None if chosen is None else chosen[0].name
 
 
-def _plan(plan, topk_ids, E, T, K, config: FusedMoEConfig, route_rows) -> MoERoutingPlan:
-    if plan is None and config.plan_per_route:
+def _plan(plan, topk_ids, E, T, K, config: FusedMoEConfig, route_rows, expert_map) -> MoERoutingPlan:
+    # under an expert map the sorted plan: a per-route block of another rank's route would still run its GEMM
+    if plan is None and config.plan_per_route and expert_map is None:
         plan = per_route_plan(topk_ids, E, config.block_m, route_rows)
     elif plan is None:
-        plan = build_routing_plan(topk_ids, E, config.block_m)
+        plan = build_routing_plan(topk_ids, E, config.block_m, expert_map=expert_map)
     _check_plan(plan, T, K, E, config.block_m)
+    _need((plan.local_ids is None) == (expert_map is None), "a plan for an expert map needs expert_map, and back")
     return plan
 
 
@@ -141,10 +143,11 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
               topk_ids: torch.Tensor, *, lora: ExpertLoRAArgs | None = None, out: torch.Tensor | None = None,
               config: FusedMoEConfig | None = None, plan: MoERoutingPlan | None = None,
               side_stream: torch.cuda.Stream | None = None, table: str | None = None,
-              route_rows: dict | None = None) -> torch.Tensor:
+              route_rows: dict | None = None, expert_map: torch.Tensor | None = None) -> torch.Tensor:
     """`fused_moe_ref` on the GPU -> out [T, H] (new, or `out=`). `plan`: a shared plan of this T, K, E and block_m;
     `side_stream`: for the route / block deltas; `table`: the tuned table `config` None is taken from;
-    `route_rows`: the caller's cache of `per_route_plan`'s rows."""
+    `route_rows`: the caller's cache of `per_route_plan`'s rows; `expert_map` [E_global] int32 (expert
+    parallelism): the plan keeps only this rank's routes, so another rank's cost no GEMM row and add nothing."""
     T, H, E, inter, K = _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids)
     block_r = _check_lora(lora, T, H, E, inter) if lora is not None else 16
     if config is None:
@@ -156,8 +159,9 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         return out
     _need(all(out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
               for t in (x, w_gate_up, w_down)), "out must not alias an input (contract 2)")
-    plan = _plan(plan, topk_ids, E, T, K, config, route_rows)
-    call = MoECall(x, plan, topk_ids, lora, block_r, inter, config.gate_up.block_n, side_stream)
+    plan = _plan(plan, topk_ids, E, T, K, config, route_rows, expert_map)
+    ids = topk_ids if plan.local_ids is None else plan.local_ids  # local ids, -1: another rank's route
+    call = MoECall(x, plan, ids, lora, block_r, inter, config.gate_up.block_n, side_stream)
     chosen = lora_path(lora, config, block_r)
     path = MoELoRAPath(call) if chosen is None else chosen[0](call, chosen[1])
     gu, dn = config.gate_up, config.down
@@ -183,6 +187,6 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     path.before_combine()
     bt, bh = (1 if T < 64 else 4), min(1024, triton.next_power_of_2(H))
     combine_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](
-        y, out, topk_w, T=T, H=H, stride_yr=y.stride(0), stride_ot=out.stride(0), TOP_K=K, BT=bt, BH=bh,
-        num_warps=4, **path.combine_args())
+        y, out, topk_w, ids, T=T, H=H, stride_yr=y.stride(0), stride_ot=out.stride(0), TOP_K=K, BT=bt, BH=bh,
+        HAS_MAP=plan.local_ids is not None, num_warps=4, **path.combine_args())
     return out

@@ -157,9 +157,11 @@ def down_kernel(
 
 
 @triton.jit
-def combine_kernel(y_ptr, out_ptr, topk_w_ptr, delta_ptr, slots_ptr, ranks_ptr, T, H, stride_yr, stride_ot,
-                   stride_dr, TOP_K: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, HAS_DELTA: tl.constexpr):
-    """out[t] = sum_k y[t*K + k] in fp32, fixed k order; HAS_DELTA: + each route's down delta x its weight."""
+def combine_kernel(y_ptr, out_ptr, topk_w_ptr, ids_ptr, delta_ptr, slots_ptr, ranks_ptr, T, H, stride_yr, stride_ot,
+                   stride_dr, TOP_K: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, HAS_DELTA: tl.constexpr,
+                   HAS_MAP: tl.constexpr):
+    """out[t] = sum_k y[t*K + k] in fp32, fixed k order; HAS_DELTA: + each route's down delta x its weight;
+    HAS_MAP: ids [T*K] are local expert ids, a route at -1 (another rank's: no y row) is skipped."""
     offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     t_ok = offs_t < T
@@ -169,10 +171,13 @@ def combine_kernel(y_ptr, out_ptr, topk_w_ptr, delta_ptr, slots_ptr, ranks_ptr, 
         live = delta_rows(slots_ptr, ranks_ptr, offs_t, t_ok)[:, None] & mask
     for k in tl.static_range(TOP_K):
         rows = (offs_t * TOP_K + k).to(tl.int64)
-        acc += tl.load(y_ptr + rows[:, None] * stride_yr + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
+        here = mask
+        if HAS_MAP:
+            here = mask & (tl.load(ids_ptr + rows, mask=t_ok, other=-1) >= 0)[:, None]
+        acc += tl.load(y_ptr + rows[:, None] * stride_yr + offs_h[None, :], mask=here, other=0.0).to(tl.float32)
         if HAS_DELTA:
             w = tl.load(topk_w_ptr + rows, mask=t_ok, other=0.0).to(tl.float32)
-            d = tl.load(delta_ptr + rows[:, None] * stride_dr + offs_h[None, :], mask=live, other=0.0)
+            d = tl.load(delta_ptr + rows[:, None] * stride_dr + offs_h[None, :], mask=live & here, other=0.0)
             acc += w[:, None] * d.to(tl.float32)
     tl.store(out_ptr + offs_t[:, None].to(tl.int64) * stride_ot + offs_h[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -15,10 +15,10 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.args import EXPERT_SORTED_PADDED, MoERoutingPlan
-from moelora.kernels.reference import build_routing_plan_ref, plan_capacity
+from moelora.kernels.reference import build_routing_plan_ref, local_expert_ids, plan_capacity
 
 __all__ = ["EXPERT_SORTED_PADDED", "ROUTE_PER_BLOCK", "MoERoutingPlan", "build_routing_plan",
-           "build_routing_plan_ref", "per_route_plan", "plan_capacity"]
+           "build_routing_plan_ref", "local_expert_ids", "per_route_plan", "plan_capacity"]
 
 LAYOUTS = (EXPERT_SORTED_PADDED,)
 # per_route_plan's layout: block b holds route b alone (row b * BM), its expert topk_ids[b]; not sorted
@@ -63,6 +63,8 @@ def _plan_expert_kernel(ids_ptr, sorted_ptr, eob_ptr, num_padded_ptr, n_routes, 
     offs = tl.arange(0, BLOCK_N)
     valid = offs < n_routes
     ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+    valid = valid & (ids >= 0)  # -1: another rank's expert (an expert map), in no block
+    ids = tl.where(valid, ids, 0)
     counts = tl.histogram(ids, BLOCK_E, mask=valid)
     cols = tl.arange(0, BLOCK_E)
     padded = (counts + BM - 1) // BM * BM
@@ -93,6 +95,8 @@ def _plan_count_kernel(ids_ptr, counts_ptr, n_routes, C: tl.constexpr, BLOCK_E: 
     offs = c * C + tl.arange(0, C)
     valid = offs < n_routes
     e = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+    valid = valid & (e >= 0)
+    e = tl.where(valid, e, 0)
     tl.store(counts_ptr + c * BLOCK_E + tl.arange(0, BLOCK_E), tl.histogram(e, BLOCK_E, mask=valid))
 
 
@@ -124,6 +128,7 @@ def _plan_scatter_kernel(ids_ptr, base_ptr, sorted_ptr, n_routes, C: tl.constexp
     offs = c * C + j
     valid = offs < n_routes
     e = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+    valid = valid & (e >= 0)  # another rank's route (-1) is placed nowhere; it never equals a local id
     earlier = (e[:, None] == e[None, :]) & (j[None, :] < j[:, None])  # padding ids sit after every route
     rank = tl.sum(earlier.to(tl.int32), axis=1)
     base = tl.load(base_ptr + c * BLOCK_E + e, mask=valid, other=0)
@@ -131,8 +136,10 @@ def _plan_scatter_kernel(ids_ptr, base_ptr, sorted_ptr, n_routes, C: tl.constexp
 
 
 def build_routing_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
-                       layout: str = EXPERT_SORTED_PADDED) -> MoERoutingPlan:
-    """Expert-sorted, block_m-padded plan of topk_ids [T, K]; ValueError for a bad layout, block_m or ids."""
+                       layout: str = EXPERT_SORTED_PADDED, expert_map: torch.Tensor | None = None) -> MoERoutingPlan:
+    """Expert-sorted, block_m-padded plan of topk_ids [T, K]; ValueError for a bad layout, block_m or ids.
+    `expert_map` [E_global] int32 (expert parallelism): topk_ids mapped first to this rank's local ids or -1
+    (`local_expert_ids`); the plan holds only the routes to local experts and keeps the mapped ids as `local_ids`."""
     if layout not in LAYOUTS:
         raise ValueError(f"routing-plan layout {layout!r} is not one of {LAYOUTS}")
     if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
@@ -142,6 +149,7 @@ def build_routing_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int, *
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
     T, K = topk_ids.shape
+    local = None if expert_map is None else local_expert_ids(topk_ids, expert_map)
     n = T * K
     max_padded, max_blocks = plan_capacity(n, num_experts, block_m)
     dev = topk_ids.device
@@ -149,11 +157,12 @@ def build_routing_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int, *
     eob = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     plan = MoERoutingPlan(sorted_route_ids=sorted_ids, expert_of_block=eob, num_padded=num_padded,
-                          block_m=block_m, num_tokens=T, top_k=K, num_experts=num_experts, layout=layout)
+                          block_m=block_m, num_tokens=T, top_k=K, num_experts=num_experts, layout=layout,
+                          local_ids=local)
     if n == 0:
         num_padded.zero_()
         return plan
-    ids = topk_ids.contiguous().view(-1)
+    ids = (topk_ids if local is None else local).contiguous().view(-1)
     block_e = max(16, triton.next_power_of_2(num_experts))
     block_b = max(16, min(128, 4096 // block_m, triton.next_power_of_2(max_blocks)))
     if n <= _PER_EXPERT_MAX_ROUTES:

@@ -55,7 +55,8 @@ def _expert_delta(h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rank: int) 
 
 def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  lora: ExpertLoRAArgs | None = None, act_quant: Callable | None = None) -> torch.Tensor:
+                  lora: ExpertLoRAArgs | None = None, act_quant: Callable | None = None,
+                  expert_map: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts with optional per-token LoRA. x [T, H], w_gate_up [E, 2I, H],
     w_down [E, H, I], topk_weights [T, K] (applied after the down projection, in fp32),
     topk_ids [T, K] -> out [T, H] (a new tensor; x is never written).
@@ -65,7 +66,9 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
       y  = h W_d[e]^T + (h A_d[s,e]^T) B_d[s,e]^T;         out_t += w_tk * y
     Loops over experts on the host with index lists: correct everywhere, syncs on CUDA (the
     Triton path is the graph-safe one). `act_quant` (the FP8 W8A8 twin, `moelora.quant`): rounds the
-    base GEMMs' inputs x_t and h; the LoRA terms read them as they are.
+    base GEMMs' inputs x_t and h; the LoRA terms read them as they are. `expert_map` (expert parallelism,
+    `local_expert_ids`): topk_ids are global, the weights and LoRA this rank's experts; a route to another
+    rank's expert adds nothing and costs nothing.
     """
     base_in = (lambda t: t) if act_quant is None else act_quant
     T, H = x.shape
@@ -78,8 +81,10 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         for sr in lora.active:
             slot_of_row[sr.rows] = sr.slot
         gu_ranks, d_ranks = lora.gate_up_ranks.tolist(), lora.down_ranks.tolist()
-    flat_ids = topk_ids.reshape(-1)
+    flat_ids = (topk_ids if expert_map is None else local_expert_ids(topk_ids, expert_map)).reshape(-1)
     for e in torch.unique(flat_ids).tolist():
+        if e < 0:  # another rank's expert
+            continue
         route = (flat_ids == e).nonzero().squeeze(1)
         tok = route // topk_ids.shape[1]
         xe = x.index_select(0, tok)
@@ -112,30 +117,44 @@ def plan_capacity(num_routes: int, num_experts: int, block_m: int) -> tuple[int,
     return max_blocks * block_m, max_blocks
 
 
-def build_routing_plan_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoERoutingPlan:
-    """Torch twin of `moe_plan.build_routing_plan` (bit-identical plan, no host sync)."""
+def local_expert_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> torch.Tensor:
+    """topk_ids [T, K] (global expert ids) through expert_map [E_global] int32 (local id, or -1 for an
+    expert another rank holds) -> [T, K] int32 local ids. One gather on the ids' device, no host sync."""
+    if expert_map.dim() != 1 or expert_map.dtype != torch.int32 or expert_map.device != topk_ids.device:
+        raise ValueError(f"expert_map must be [E] int32 on {topk_ids.device}, got {tuple(expert_map.shape)} "
+                         f"{expert_map.dtype} on {expert_map.device}")
+    return expert_map.index_select(0, topk_ids.reshape(-1)).view(topk_ids.shape)
+
+
+def build_routing_plan_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                           expert_map: torch.Tensor | None = None) -> MoERoutingPlan:
+    """Torch twin of `moe_plan.build_routing_plan` (bit-identical plan, no host sync). With `expert_map`
+    (`local_expert_ids`), num_experts is the local count and only the routes to local experts are placed."""
     T, K = topk_ids.shape
+    local = None if expert_map is None else local_expert_ids(topk_ids, expert_map)
     n, dev = T * K, topk_ids.device
     max_padded, max_blocks = plan_capacity(n, num_experts, block_m)
-    flat = topk_ids.reshape(-1).long()
-    counts = torch.zeros(num_experts, dtype=torch.long, device=dev)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
+    flat = (topk_ids if local is None else local).reshape(-1).long()
+    # a route with no local expert (-1) sorts after every expert, into a scratch tail past max_padded
+    key = torch.where(flat >= 0, flat, torch.full_like(flat, num_experts))
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
     pend = torch.cumsum(padded, 0)
-    poff = pend - padded
-    order = torch.argsort(flat, stable=True)
-    sorted_e = flat.index_select(0, order)
+    poff = torch.cat((pend - padded, torch.full((1,), max_padded, dtype=torch.long, device=dev)))
+    order = torch.argsort(key, stable=True)
+    sorted_e = key.index_select(0, order)
     first = torch.cumsum(counts, 0) - counts
     dest = poff.index_select(0, sorted_e) + torch.arange(n, device=dev) - first.index_select(0, sorted_e)
-    sorted_ids = torch.full((max_padded,), n, dtype=torch.int32, device=dev)
+    sorted_ids = torch.full((max_padded + n,), n, dtype=torch.int32, device=dev)
     sorted_ids.index_copy_(0, dest, order.to(torch.int32))
     total = pend[-1:] if num_experts > 0 else torch.zeros(1, dtype=torch.long, device=dev)
     starts = torch.arange(max_blocks, device=dev) * block_m
     eob = torch.searchsorted(pend, starts, right=True)
     eob = torch.where(starts < total, eob, torch.full_like(eob, -1))
-    return MoERoutingPlan(sorted_route_ids=sorted_ids, expert_of_block=eob.to(torch.int32),
+    return MoERoutingPlan(sorted_route_ids=sorted_ids[:max_padded], expert_of_block=eob.to(torch.int32),
                           num_padded=total.to(torch.int32), block_m=block_m, num_tokens=T, top_k=K,
-                          num_experts=num_experts)
+                          num_experts=num_experts, local_ids=local)
 
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -94,7 +94,8 @@ class Experts(nn.Module):
         return gate_up, down
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                lora: LoRABatch | None) -> torch.Tensor:
+                lora: LoRABatch | None, expert_map: torch.Tensor | None = None) -> torch.Tensor:
+        """expert_map: expert parallelism's global -> local expert ids (`layers.parallel_experts`)."""
         args = self.lora_args(lora)
         w_gate_up, w_down = self.dense_weights(x.dtype)
         if self.options.kernel_backend == "triton":
@@ -102,10 +103,10 @@ class Experts(nn.Module):
 
             return fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, lora=args,
                              side_stream=None if lora is None else lora.side_stream,
-                             table=self.options.fused_moe_table, route_rows=self.route_rows)
+                             table=self.options.fused_moe_table, route_rows=self.route_rows, expert_map=expert_map)
         act_quant = activation_quantizer(self.quant)  # the W8A8 twin; None: the bf16 call as it always was
-        return fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids, lora=args,
-                             **({} if act_quant is None else {"act_quant": act_quant}))
+        extra = {k: v for k, v in (("act_quant", act_quant), ("expert_map", expert_map)) if v is not None}
+        return fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids, lora=args, **extra)
 
 
 class SparseMoE(nn.Module):

@@ -1,12 +1,12 @@
 """Expert-parallel routed experts: this rank holds experts [first, first + E_r) whole, with their LoRA.
 
 Shape legend: T tokens, H hidden, I expert intermediate, E experts, E_r local experts, K top-k.
-The router runs whole on every rank (same input, same weights: the same routes). `forward` keeps the
-routes to local experts and gives every other route weight 0 on local expert 0, so the result is this
-rank's share of the routed sum (exactly 0 from the others' routes); the MoE block's one all-reduce adds
-the ranks' shares. The dropped routes still cost local expert 0 their GEMM rows: a routing plan that skips
-them (an expert map in `kernels.moe_plan`) is the next step, and all-to-all dispatch the one after, for
-several hosts (docs/parallel.md).
+The router runs whole on every rank (same input, same weights: the same routes). `forward` hands the
+global routes to the experts with `expert_map` [E] int32 (global id -> local id, -1 for another rank's
+expert): the routing plan keeps only the routes to local experts (`kernels.moe_plan.build_routing_plan`;
+the torch twin skips the others alike), so another rank's routes cost this rank no GEMM row and add exactly
+0; the MoE block's one all-reduce adds the ranks' shares. All-to-all dispatch (each token's hidden vector
+sent only to the ranks of its experts) is the next step, for several hosts (docs/parallel.md).
 """
 
 from __future__ import annotations
@@ -18,14 +18,13 @@ from moelora.lora.batch import LoRABatch
 
 
 class ExpertParallelExperts(Experts):
-    def __init__(self, first: int, num_local: int, hidden: int, inter: int, **kw):
+    def __init__(self, first: int, num_local: int, hidden: int, inter: int, *, num_experts: int, **kw):
         super().__init__(num_local, hidden, inter, **kw)
         self.first, self.num_local = first, num_local
+        ids = torch.arange(num_experts, dtype=torch.int32) - first
+        mine = (ids >= 0) & (ids < num_local)
+        self.register_buffer("expert_map", torch.where(mine, ids, torch.full_like(ids, -1)), persistent=False)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 lora: LoRABatch | None) -> torch.Tensor:
-        local = topk_ids - self.first
-        mine = (local >= 0) & (local < self.num_local)
-        ids = torch.where(mine, local, torch.zeros_like(local))
-        weights = torch.where(mine, topk_weights, torch.zeros_like(topk_weights))
-        return super().forward(x, weights, ids, lora)
+        return super().forward(x, topk_weights, topk_ids, lora, expert_map=self.expert_map)

@@ -52,7 +52,8 @@ def sparse_moe(cfg: ModelConfig, shard=None, **kw) -> SparseMoE:
         from moelora.layers.parallel_experts import ExpertParallelExperts
 
         first, count = shard.plan.experts(cfg)
-        experts = ExpertParallelExperts(first, count, cfg.hidden_size, cfg.moe_intermediate_size, **kw)
+        experts = ExpertParallelExperts(first, count, cfg.hidden_size, cfg.moe_intermediate_size,
+                                        num_experts=cfg.num_experts, **kw)
     routing = RoutingSpec(cfg.topk_method, cfg.top_k, cfg.norm_topk_prob, cfg.n_group, cfg.topk_group,
                           cfg.routed_scaling_factor)
     return SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.top_k, cfg.norm_topk_prob,

@@ -1,5 +1,5 @@
-"""Rank 0's side of the group: spawn the workers, send them each step and adapter change, notice faults,
-stop them.
+"""Rank 0's side of the group: spawn the workers on this node (and with several nodes, accept the other nodes'
+ranks: `control.py`), send them each step and adapter change, notice faults, stop them.
 
 Faults: before every message the driver checks that each worker is alive; a collective a dead or hung
 worker never joins fails (gloo: the peer's connection closes) or times out after
@@ -11,21 +11,24 @@ interpreter exits) stops, then terminates, then kills each worker, and joins it:
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
+import pickle
+import secrets
 import time
 import weakref
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 from moelora.engine.config import EngineConfig
-from moelora.errors import AdapterError, WorkerError
+from moelora.errors import AdapterError, ConfigError, WorkerError
 from moelora.parallel.config import ParallelConfig
+from moelora.parallel.control import JOB_KEY, JOIN_TIMEOUT_S, ControlListener, Job, cluster_key
 from moelora.parallel.groups import device_group, open_store
 from moelora.parallel.rules import ShardPlan
 from moelora.parallel.shard import Shard
 from moelora.parallel.wire import encode
 
-_HOST = "127.0.0.1"
 _FAULT_GRACE_S = 0.5  # after a fault the group is dead: a worker stuck in a collective only needs stopping
 
 
@@ -49,18 +52,25 @@ class Driver:
         self.site_owners: dict = {}  # adapter site key -> LoRA owner module on rank 0 (set by the engine)
         self.sent_idle: frozenset | None = None  # the idle set the workers hold
         size, timeout = pcfg.world_size, pcfg.step_timeout_s
-        store = open_store(_HOST, 0, 0, size, timeout)  # port 0: the OS picks a free one
+        host = pcfg.master_addr
+        try:  # port 0 (one node): the OS picks a free one
+            store = open_store(host, pcfg.master_port, 0, size, timeout)
+        except Exception as exc:  # several nodes: their fixed port, taken or not on this host
+            raise ConfigError(f"cannot host the rendezvous at master_addr={host} master_port={pcfg.master_port}: "
+                              f"{exc}") from exc
         ctx = _context()
         self.conns, self.procs = [], []
-        for rank in range(1, size):
+        self._finalizer = weakref.finalize(self, _stop, self.conns, self.procs)
+        for rank in range(1, pcfg.ranks_per_node):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=worker_main, name=f"moelora-rank{rank}", daemon=True,
-                               args=(rank, _HOST, store.port, str(model_dir), cfg, pcfg, child, load))
+                               args=(rank, host, store.port, str(model_dir), cfg, pcfg, child, load))
             proc.start()
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
-        self._finalizer = weakref.finalize(self, _stop, self.conns, self.procs)
+        if pcfg.nnodes > 1:
+            self._join_nodes(store, Job(str(model_dir), cfg, pcfg, load, ("", 0), None))
         self._await_alive()  # a worker that dies before the rendezvous fails now, not at the group's timeout
         try:
             group = device_group(store, 0, size, cfg.torch_device, timeout)
@@ -68,6 +78,21 @@ class Driver:
             self._fail(f"the process group did not form: {exc}")
         self._store = store  # the workers' rendezvous: alive as long as the group
         self.shard = Shard(ShardPlan(0, size, pcfg.expert_parallel), group)
+
+    def _join_nodes(self, store, job: Job) -> None:
+        """The other nodes' ranks, connected to a control listener whose address the job in the store gives."""
+        listener = ControlListener(self.pcfg.master_addr)
+        key = cluster_key()
+        job = dataclasses.replace(job, control=listener.address, key=None if key else secrets.token_bytes(32))
+        store.set(JOB_KEY, pickle.dumps(job))
+        try:
+            joined = listener.accept(range(self.pcfg.ranks_per_node, self.pcfg.world_size), key or job.key,
+                                     time.monotonic() + JOIN_TIMEOUT_S)
+        except WorkerError as exc:
+            self._fail(f"{exc}")
+        for rank in sorted(joined):
+            self.conns.append(joined[rank][0])
+            self.procs.append(joined[rank][1])
 
     def _await_alive(self, poll_s: float = 0.05) -> None:
         for rank, (conn, proc) in enumerate(zip(self.conns, self.procs, strict=True), start=1):
@@ -159,18 +184,28 @@ class Driver:
                 self._fail(f"rank {rank} (pid {proc.pid}) is dead, exit code {proc.exitcode}")
 
     def fault(self, exc: BaseException) -> WorkerError:
-        """The WorkerError for a failed collective (a worker's own report when it sent one); closes."""
-        why = f"{exc}"
-        for rank, conn in enumerate(self.conns, start=1):
+        """The WorkerError for a failed collective (a worker's own report when it sent one, or which rank is
+        dead, watched for `_FAULT_GRACE_S`: its pipe or socket may close a moment after its peers see it);
+        closes."""
+        why, deadline = f"{exc}", time.monotonic() + _FAULT_GRACE_S
+        while why == f"{exc}" and time.monotonic() < deadline:
+            why = self._culprit(exc) or why
+            time.sleep(0.01)
+        self.close(grace_s=_FAULT_GRACE_S)
+        return WorkerError(f"a tensor-parallel step failed: {why}")
+
+    def _culprit(self, exc: BaseException) -> str | None:
+        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs, strict=True), start=1):
             try:
                 if conn.poll(0):
                     reply = conn.recv()
                     if reply[0] == "error":
-                        why = f"rank {rank}: {reply[1]}: {reply[2]}"
+                        return f"rank {rank}: {reply[1]}: {reply[2]}"
             except (EOFError, OSError):
-                why = f"rank {rank} died ({exc})"
-        self.close(grace_s=_FAULT_GRACE_S)
-        return WorkerError(f"a tensor-parallel step failed: {why}")
+                return f"rank {rank} died ({exc})"
+            if not proc.is_alive():
+                return f"rank {rank} died ({exc})"
+        return None
 
     def _fail(self, why: str):
         self.close(grace_s=_FAULT_GRACE_S)
@@ -192,12 +227,17 @@ def _stop(conns, procs, grace_s: float = 5.0) -> None:
         except (BrokenPipeError, OSError):
             pass
     for proc in procs:
-        proc.join(grace_s)
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(grace_s)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+        end_process(proc, grace_s, grace_s)
     for conn in conns:
         conn.close()
+
+
+def end_process(proc, wait_s: float, grace_s: float = 5.0) -> None:
+    """Give `proc` `wait_s` to exit on its own and `grace_s` after SIGTERM, then SIGKILL; joined, so gone."""
+    proc.join(wait_s)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(grace_s)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()

@@ -107,14 +107,15 @@ class _Worker:
 
 
 def worker_main(rank: int, host: str, port: int, model_dir: str, cfg: EngineConfig, pcfg: ParallelConfig,
-                conn, load: tuple[str, int] = ("auto", 0)) -> None:
-    """Entry point of a spawned worker process; `load`: (load_format, seed) of `build_rank_model`."""
+                conn, load: tuple[str, int] = ("auto", 0), local_rank: int | None = None) -> None:
+    """Entry point of a worker process; `load`: (load_format, seed) of `build_rank_model`; `conn`: a pipe from
+    rank 0, or a TCP connection on another node (`control.py`), whose `local_rank` picks its GPU."""
     from moelora.parallel.groups import device_group, open_store
 
     conn.send(("alive",))
     device = torch.device(cfg.device)
-    if device.type == "cuda":  # rank r on the r-th GPU after rank 0's
-        index = (device.index or 0) + rank
+    if device.type == "cuda":  # rank r on the r-th GPU after rank 0's (its node's r-th on another node)
+        index = (device.index or 0) + (rank if local_rank is None else local_rank)
         torch.cuda.set_device(index)
         cfg = dataclasses.replace(cfg, device=f"cuda:{index}")
     else:

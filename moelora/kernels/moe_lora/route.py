@@ -99,6 +99,8 @@ def lora_route_delta_kernel(
     else:  # gate_up: route pid reads its token's row of x
         route = pid
         e = tl.load(ids_ptr + pid).to(tl.int64)
+        if e < 0:  # another rank's route (an expert map): in no plan block, no delta
+            return
         src = src_ptr + (pid // top_k).to(tl.int64) * stride_src
     s = tl.load(slots_ptr + route // top_k)
     if s < 0:
