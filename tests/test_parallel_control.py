@@ -72,3 +72,43 @@ def test_remote_rank_is_alive_until_its_socket_closes():
     assert not rank.is_alive()
     rank.join(1)
     rank.terminate()
+
+
+def test_the_kv_plan_waits_for_a_slow_rank_longer_than_the_step_timeout(monkeypatch):
+    """Ranks build at their own pace: the start-up all-reduce of the KV plan waits for a rank 2 s late although
+    the group's (the step's) timeout is 0.5 s, and takes the smallest rank's block count. Two gloo ranks in
+    threads; each rank's own count stands in for its memory plan."""
+    import socket
+    from types import SimpleNamespace
+
+    import torch
+
+    from moelora.engine import loader
+    from moelora.engine.config import EngineConfig
+    from moelora.parallel.build import plan_kv_blocks
+    from moelora.parallel.groups import device_group, open_store
+    from moelora.parallel.rules import ShardPlan
+    from moelora.parallel.shard import Shard
+
+    monkeypatch.setattr(loader, "_kv_blocks", lambda cfg, model_cfg, model: 100 + model.rank)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = EngineConfig(device="cpu", max_model_len=64, block_size=16, parallel_step_timeout_s=0.5)
+    got: dict = {}
+
+    def rank(r: int) -> None:
+        store = open_store("127.0.0.1", port, r, 2, 30)
+        group = device_group(store, r, 2, torch.device("cpu"), 0.5)
+        time.sleep(2.0 * r)
+        try:
+            got[r] = plan_kv_blocks(cfg, SimpleNamespace(config=None, rank=r), Shard(ShardPlan(r, 2), group))
+        except RuntimeError as exc:
+            got[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert [getattr(got.get(r), "num_kv_blocks", got.get(r)) for r in (0, 1)] == [100, 100]

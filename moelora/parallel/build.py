@@ -3,6 +3,7 @@ including the memory plan's profiling forward on CUDA, run in the same order).""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -12,6 +13,7 @@ from moelora.engine.config import EngineConfig
 from moelora.models.lora_targets import restrict_lora_sites
 from moelora.models.registry import model_class
 from moelora.models.weights import init_dummy_weights
+from moelora.parallel.control import JOIN_TIMEOUT_S
 from moelora.parallel.rules import ShardPlan
 from moelora.parallel.scales import rank_cuts
 from moelora.parallel.shard import Shard
@@ -85,6 +87,9 @@ def plan_kv_blocks(cfg: EngineConfig, model, shard: Shard) -> EngineConfig:
 
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
+        # a start-up collective: ranks load and build at their own pace, so it waits as long as a join does,
+        # not the step timeout (a dead rank is seen by the driver's liveness checks, not by this wait)
+        opts.timeout = timedelta(seconds=max(JOIN_TIMEOUT_S, cfg.parallel_step_timeout_s))
         shard.group.allreduce([blocks], opts).wait()
     return cfg.with_kv_blocks(int(blocks.item()))
 

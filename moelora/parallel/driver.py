@@ -96,12 +96,12 @@ class Driver:
 
     def _await_alive(self, poll_s: float = 0.05) -> None:
         for rank, (conn, proc) in enumerate(zip(self.conns, self.procs, strict=True), start=1):
-            deadline = time.monotonic() + self.pcfg.step_timeout_s
+            deadline = time.monotonic() + self.startup_s
             while not conn.poll(poll_s):
                 if not proc.is_alive():
                     self._fail(f"rank {rank} exited at start-up (exit code {proc.exitcode})")
                 if time.monotonic() > deadline:
-                    self._fail(f"rank {rank} did not start within {self.pcfg.step_timeout_s} s")
+                    self._fail(f"rank {rank} did not start within {self.startup_s} s")
             try:
                 conn.recv()
             except (EOFError, OSError):  # the pipe closed: the process is exiting
@@ -110,7 +110,13 @@ class Driver:
 
     def wait_ready(self) -> None:
         """Every worker built its shard (call after rank 0 built its own: their collectives interleave)."""
-        self.replies("start-up")
+        self.replies("start-up", self.startup_s)
+
+    @property
+    def startup_s(self) -> float:
+        """How long start-up waits for a rank (loading its shard takes as long as it takes, and ranks load at
+        their own pace): a join's bound, or the step timeout if longer. A rank that dies is seen at once."""
+        return max(JOIN_TIMEOUT_S, self.pcfg.step_timeout_s)
 
     # messages -----------------------------------------------------------------------------------
     def send(self, msg: tuple) -> None:
@@ -141,11 +147,12 @@ class Driver:
     def idle_keys(self, idle: frozenset) -> list[str]:
         return [key for key, owner in self.site_owners.items() if owner in idle]
 
-    def replies(self, what: str) -> list[tuple]:
+    def replies(self, what: str, timeout_s: float | None = None) -> list[tuple]:
         out = []
+        timeout_s = self.pcfg.step_timeout_s if timeout_s is None else timeout_s
         for rank, (conn, proc) in enumerate(zip(self.conns, self.procs, strict=True), start=1):
-            if not conn.poll(self.pcfg.step_timeout_s):
-                self._fail(f"rank {rank} did not answer ({what}) within {self.pcfg.step_timeout_s} s"
+            if not conn.poll(timeout_s):
+                self._fail(f"rank {rank} did not answer ({what}) within {timeout_s} s"
                            f"{'' if proc.is_alive() else ' and is dead'}")
             try:
                 reply = conn.recv()
