@@ -9,6 +9,7 @@ and `LLM(..., tensor_parallel_size=N[, expert_parallel=True])` (spawned gloo wor
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -186,16 +187,24 @@ def test_hung_worker_raises_worker_error_after_the_step_timeout(built):
     model_dir, adapters, vocab = built("qwen3_moe")
     llm = LLM(model_dir, adapters, **ENGINE, **TP2, parallel_step_timeout_s=4)
     procs = llm.engine.driver.procs
+    _stopped_rank_fails_the_step(llm, procs[0].pid, vocab, 4)
+    assert not any(p.is_alive() for p in procs)
+
+
+def _stopped_rank_fails_the_step(llm, pid: int, vocab: int, step_timeout_s: float, resume: bool = False) -> None:
+    """Rank `pid` stopped (SIGSTOP: alive, never answers): the next step raises WorkerError within three step
+    timeouts; the engine is closed after (and the rank let run again, with `resume`)."""
     seqs, names = _batch(vocab)
-    os.kill(procs[0].pid, signal.SIGSTOP)  # alive, never answers
+    os.kill(pid, signal.SIGSTOP)
     start = time.monotonic()
     try:
         with pytest.raises(WorkerError):
             llm.logits(seqs[:2], names[:2])
-        assert time.monotonic() - start < 4 * 3
+        assert time.monotonic() - start < step_timeout_s * 3
     finally:
         llm.engine.close()
-    assert not any(p.is_alive() for p in procs)
+        if resume:
+            os.kill(pid, signal.SIGCONT)
 
 
 # ------------------------------------------------------------------ several hosts, simulated on this one ---
@@ -212,6 +221,23 @@ def _headless_node(port: int, log) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "moelora.cli", "serve", "--headless", "--nnodes", "2",
                              "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)],
                             stdout=log, stderr=subprocess.STDOUT)
+
+
+@contextlib.contextmanager
+def _two_node_llm(built, tmp_path, step_timeout_s: float):
+    """A TP=2 engine over two "hosts": rank 0 here, rank 1 in a headless node process; yields (llm, node, the
+    node's descendants, vocab). The node is killed on the way out whatever happened."""
+    model_dir, adapters, vocab = built("qwen3_moe")
+    port = _free_port()
+    with open(tmp_path / "node1.log", "w") as log:
+        node = _headless_node(port, log)
+        try:
+            llm = LLM(model_dir, adapters, **ENGINE, **TP2, nnodes=2, master_port=port,
+                      parallel_step_timeout_s=step_timeout_s)
+            yield llm, node, _descendants(node.pid), vocab
+        finally:
+            node.kill()
+            node.wait()
 
 
 def _descendants(pid: int) -> list[int]:
@@ -264,54 +290,26 @@ def test_two_nodes_equal_one_process(built, reference, tmp_path, parallel):
 
 
 def test_killed_remote_worker_raises_worker_error_and_leaves_no_process(built, tmp_path):
-    model_dir, adapters, vocab = built("qwen3_moe")
-    port = _free_port()
-    with open(tmp_path / "node1.log", "w") as log:
-        node = _headless_node(port, log)
-        try:
-            llm = LLM(model_dir, adapters, **ENGINE, **TP2, nnodes=2, master_port=port, parallel_step_timeout_s=20)
-            children = _descendants(node.pid)
-            remote = llm.engine.driver.procs[0].pid  # rank 1, reported by its node
-            assert remote in children and _alive(remote)
-            seqs, names = _batch(vocab)
-            llm.logits(seqs[:2], names[:2])
-            os.kill(remote, signal.SIGKILL)
-            start = time.monotonic()
-            with pytest.raises(WorkerError, match="rank 1"):
-                llm.generate(seqs[:2], SamplingParams(max_tokens=3), names[:2])
-            assert time.monotonic() - start < 20
-            llm.engine.close()
-            assert node.wait(30) == 1  # the node saw its rank die and stopped
-            assert _all_gone(children)
-        finally:
-            node.kill()
-            node.wait()
+    with _two_node_llm(built, tmp_path, 20) as (llm, node, children, vocab):
+        remote = llm.engine.driver.procs[0].pid  # rank 1, reported by its node
+        assert remote in children and _alive(remote)
+        seqs, names = _batch(vocab)
+        llm.logits(seqs[:2], names[:2])
+        os.kill(remote, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match="rank 1"):
+            llm.generate(seqs[:2], SamplingParams(max_tokens=3), names[:2])
+        assert time.monotonic() - start < 20
+        llm.engine.close()
+        assert node.wait(30) == 1  # the node saw its rank die and stopped
+        assert _all_gone(children)
 
 
 @pytest.mark.slow
 def test_hung_remote_worker_raises_worker_error_after_the_step_timeout(built, tmp_path):
     """A remote rank that stops answering (SIGSTOP) fails the step within the timeout; once it runs again it finds
     its connection closed and exits, and so does its node."""
-    model_dir, adapters, vocab = built("qwen3_moe")
-    port = _free_port()
-    with open(tmp_path / "node1.log", "w") as log:
-        node = _headless_node(port, log)
-        try:
-            llm = LLM(model_dir, adapters, **ENGINE, **TP2, nnodes=2, master_port=port, parallel_step_timeout_s=4)
-            children = _descendants(node.pid)
-            remote = llm.engine.driver.procs[0].pid
-            seqs, names = _batch(vocab)
-            os.kill(remote, signal.SIGSTOP)
-            start = time.monotonic()
-            try:
-                with pytest.raises(WorkerError):
-                    llm.logits(seqs[:2], names[:2])
-                assert time.monotonic() - start < 4 * 3
-            finally:
-                llm.engine.close()
-                os.kill(remote, signal.SIGCONT)
-            node.wait(30)
-            assert _all_gone(children)
-        finally:
-            node.kill()
-            node.wait()
+    with _two_node_llm(built, tmp_path, 4) as (llm, node, children, vocab):
+        _stopped_rank_fails_the_step(llm, llm.engine.driver.procs[0].pid, vocab, 4, resume=True)
+        node.wait(30)
+        assert _all_gone(children)
