@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -92,7 +93,9 @@ def build_engines(name: str, layers: int | None, runs: dict[int, int], chunk: in
 def measure(engines, runs: dict[int, int], repeats: int, vocab: int) -> dict[tuple[str, int], tuple[float, int]]:
     """(workload, prompt length) -> (median seconds, steps) of a run; warm-up runs first, then turns."""
     out: dict[tuple[str, int], list[tuple[float, int]]] = {}
+    t0 = time.perf_counter()
     for p, n in runs.items():
+        print(f"# {time.perf_counter() - t0:.0f} s: {n} prompts of {p}", flush=True)  # progress, not in the table
         for k, (_, eng, names) in enumerate(engines):  # warm-up: compiles, first-use buffers
             time_prefill(eng, random_prompts(n, p, vocab, seed=-1 - p * 10 - k), names)
         for rnd in range(repeats):
@@ -145,14 +148,18 @@ def main() -> None:
     if args.profile:
         runs[args.profile_len] = max(runs.get(args.profile_len, 1), args.profile_tokens // args.profile_len)
     lines, log = tee()
+    t0 = time.perf_counter()
     peak = matmul_tflops()
     cfg, engines = build_engines(args.model, args.layers or None, runs, args.chunk,
                                  async_scheduling=not args.no_async_scheduling)
+    print(f"# model and engines built in {time.perf_counter() - t0:.0f} s", flush=True)
     log(f"GPU {torch.cuda.get_device_name()}, bf16 matmul peak {peak:.0f} TFLOP/s; {args.model} shape, "
         f"{cfg.num_layers} layers, bf16; chunk {args.chunk} tokens, prefix caching off, {args.repeats} rounds")
     timed = {p: n for p, n in runs.items() if p in prompts}
     times = measure(engines, timed, args.repeats, min(1000, cfg.vocab_size))
     write_rows(args.out, report(cfg, args.model, timed, times, peak, log))
+    text = args.profile_out or args.out.rsplit(".", 1)[0] + ("_profile.txt" if args.profile else ".txt")
+    write_text(text, lines)  # now, and again after the profile: a run stopped during the profile keeps the table
     if args.profile:
         from prefill_profile import profile_workloads
 
@@ -160,8 +167,11 @@ def main() -> None:
             Path(args.trace).mkdir(parents=True, exist_ok=True)  # the profiler's trace writer does not create it
         profile_workloads(engines, args.profile_len, max(1, args.profile_tokens // args.profile_len),
                           min(1000, cfg.vocab_size), log, args.trace)
-    with open(args.profile_out or args.out.rsplit(".", 1)[0] + ("_profile.txt" if args.profile else ".txt"),
-              "w") as f:
+        write_text(text, lines)
+
+
+def write_text(path: str, lines: list[str]) -> None:
+    with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
 
