@@ -79,7 +79,7 @@ def build_engines(name: str, layers: int | None, runs: dict[int, int], chunk: in
     no-LoRA twin's engine, each with room for the largest run's KV blocks and no decode graphs."""
     longest = max(runs)
     max_len = longest + 16
-    cfg, model, adapters = model_with_adapters(name, layers, 8, RANK, max_positions=max_len)
+    cfg, model, adapters = model_with_adapters(name, layers, 8, RANK, max_positions=max_len, distinct=False)
     blocks = max(n * -(-(p + 1) // 16) for p, n in runs.items()) + 64
     kw = dict(max_model_len=max_len, num_kv_blocks=blocks, enable_prefix_caching=False, enforce_eager=True,
               max_num_batched_tokens=chunk, **engine_kw)
