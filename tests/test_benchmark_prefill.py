@@ -80,21 +80,22 @@ def test_a_run_times_every_workload_and_profiles_them(tmp_path, monkeypatch, cap
     real_build = prefill.build_engines
     monkeypatch.setattr(prefill, "build_engines", lambda *a, **kw: built.append(real_build(*a, **kw)) or built[-1])
     out = tmp_path / "prefill.csv"
-    monkeypatch.setattr(sys, "argv", ["prefill.py", str(out), "--prompts", "20,40", "--tokens", "80", "--chunk", "32",
-                                      "--repeats", "1", "--profile", "--profile-len", "24",
+    monkeypatch.setattr(sys, "argv", ["prefill.py", str(out), "--prompts", "20,40", "--tokens", "80",
+                                      "--chunk", "32,64", "--repeats", "1", "--profile", "--profile-len", "24",
                                       "--profile-tokens", "72"])
     prefill.main()
     rows = list(csv.DictReader(out.open()))
-    assert [(int(r["prompt_len"]), int(r["requests"]), r["config"]) for r in rows] == [
-        (p, 80 // p, w) for p in (20, 40) for w in prefill.WORKLOADS]
-    for r in rows:  # 80 prompt tokens at most 32 a step: at least 3 steps
-        assert float(r["tokens_per_s"]) > 0 and int(r["steps"]) >= 3
+    assert [(int(r["chunk"]), int(r["prompt_len"]), int(r["requests"]), r["config"]) for r in rows] == [
+        (c, p, 80 // p, w) for c in (32, 64) for p in (20, 40) for w in prefill.WORKLOADS]
+    for r in rows:  # 80 prompt tokens at most `chunk` a step, and a last step that only reads back
+        assert float(r["tokens_per_s"]) > 0 and int(r["steps"]) >= -(-80 // int(r["chunk"])) + 1
         assert float(r["tflops"]) == pytest.approx(float(r["tokens_per_s"]) * float(r["gflop_per_token"]) / 1e3)
     text = (tmp_path / "prefill_profile.txt").read_text()
     for label in prefill.WORKLOADS:
-        assert f"profile: {label}, 3 prompts of 24 tokens" in text
-    assert text.count("host ms a step") == 3 and text.count("cProfile of the") == 3
-    _, engines = built[0]
-    for _, eng, _ in engines:
-        assert not eng.requests and eng.cache.allocator.num_free == eng.cache.allocator.num_blocks
-        assert not eng.cfg.enable_prefix_caching and eng.cfg.max_num_batched_tokens == 32
+        assert f"profile: {label}, 3 prompts of 24 tokens" in text and f"profile: {label}: kernels" in text
+    assert text.count("host ms a call") == 3 and text.count("cProfile of 3 forwards") == 3
+    _, by_chunk = built[0]
+    for chunk, engines in by_chunk.items():
+        for _, eng, _ in engines:
+            assert not eng.requests and eng.cache.allocator.num_free == eng.cache.allocator.num_blocks
+            assert not eng.cfg.enable_prefix_caching and eng.cfg.max_num_batched_tokens == chunk
