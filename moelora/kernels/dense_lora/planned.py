@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.checks import cdiv
 from moelora.kernels.dense_lora.base import Segments, base_gemm
 from moelora.kernels.lora_tiles import lora_b_tile_cols, lora_shrink_rows
 from moelora.kernels.moe_plan import MoERoutingPlan, build_routing_plan
@@ -108,7 +109,7 @@ def planned_delta(src: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torc
     (shrunk here). a [S, G r_seg, N_in], b [S, N_out, r_seg], slot_ranks [G, S]
     (or [S] with G = 1) contiguous, bounds the G + 1 column bounds of the segments;
     cols_per_program: columns a program covers (a multiple of block_n)."""
-    grid = (plan.max_blocks, triton.cdiv(bounds[-1], cols_per_program))
+    grid = (plan.max_blocks, cdiv(bounds[-1], cols_per_program))
     planned_delta_kernel[grid](
         src, out, a, b, slot_ranks, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded,
         out.shape[0], a.shape[2], a.shape[0], cols_per_program, r_seg, src.stride(0), out.stride(0), a.stride(0),
@@ -120,6 +121,6 @@ def planned_delta(src: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torc
 def planned_cols(T: int, n_out: int, n_slots: int, block_m: int, block_n: int, target_programs: int) -> int:
     """Columns per program so that the plan's likely blocks (T / BM plus a partial one per slot)
     times the column splits reach about `target_programs`; a multiple of block_n."""
-    blocks = triton.cdiv(T, block_m) + min(n_slots, T) // 2
-    splits = max(1, min(triton.cdiv(n_out, block_n), triton.cdiv(target_programs, max(1, blocks))))
-    return triton.cdiv(triton.cdiv(n_out, splits), block_n) * block_n
+    blocks = cdiv(T, block_m) + min(n_slots, T) // 2
+    splits = max(1, min(cdiv(n_out, block_n), cdiv(target_programs, max(1, blocks))))
+    return cdiv(cdiv(n_out, splits), block_n) * block_n
