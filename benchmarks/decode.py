@@ -35,7 +35,6 @@ usage: python benchmarks/decode.py OUT.csv [--model qwen3_30b|dsv2_lite|all] [--
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from collections.abc import Callable
 
@@ -50,6 +49,7 @@ from moelora.config import ModelConfig  # noqa: E402
 from moelora.engine.config import EngineConfig  # noqa: E402
 from moelora.engine.engine import LLMEngine  # noqa: E402
 from moelora.kernels.moe_config import check_table_file  # noqa: E402
+from moelora.layers.options import LayerOptions  # noqa: E402
 from moelora.lora.adapter import LoRAAdapter, LoRAWeights  # noqa: E402
 from moelora.models.decoder import MoECausalLM  # noqa: E402
 from moelora.models.registry import model_class  # noqa: E402
@@ -68,11 +68,12 @@ DSV2_LITE = dict(family="deepseek_v2", vocab_size=102400, hidden_size=2048, num_
                  routed_scaling_factor=1.0, n_shared_experts=2, first_k_dense_replace=1, rope_interleave=True,
                  max_position_embeddings=4096, dtype="bfloat16")
 MODELS = {"qwen3_30b": QWEN3_30B, "dsv2_lite": DSV2_LITE}
+TRITON = LayerOptions(kernel_backend="triton")
 
 
 def random_model(cfg: ModelConfig, max_loras: int, rank: int, quant: FP8Config | None = None) -> MoECausalLM:
     with torch.device("cuda"):
-        model = model_class(cfg)(cfg, max_loras=max_loras, max_rank=rank, backend="triton", dtype=torch.bfloat16,
+        model = model_class(cfg)(cfg, max_loras=max_loras, max_rank=rank, options=TRITON, dtype=torch.bfloat16,
                                  quant=quant)
     with torch.no_grad():
         for mod, weight, scale, segments in fp8_weight_sites(model):  # random bf16, quantized a matrix at a time
@@ -207,8 +208,11 @@ def engine_config(cfg: ModelConfig, max_loras: int, rank: int, max_seqs: int, de
 
 def engine(model, cfg: ModelConfig, max_loras: int, rank: int, max_seqs: int, adapters: dict,
            **engine_kw) -> LLMEngine:
+    """An engine over `model`, or over its twin built with the config's layer options (the same tensors:
+    engines of several configs share the weights, `MoECausalLM.with_options`)."""
     ecfg = engine_config(cfg, max_loras, rank, max_seqs, **engine_kw)
-    eng = LLMEngine(model, None, ecfg, lambda name, path: adapters[name])
+    eng = LLMEngine(model.with_options(ecfg.layer_options(model.options)), None, ecfg,
+                    lambda name, path: adapters[name])
     for name in adapters:
         eng.pool.add(name, name)
     return eng
@@ -218,7 +222,8 @@ def no_lora_twin(model: MoECausalLM, cfg: ModelConfig, quant: FP8Config | None =
     """The same model without LoRA sites, over the same weight tensors (no second copy): the no-LoRA
     baseline, alive next to the LoRA engine so the two are measured in turns."""
     with torch.device("meta"):
-        twin = model_class(cfg)(cfg, max_loras=0, max_rank=0, backend="triton", dtype=torch.bfloat16, quant=quant)
+        twin = model_class(cfg)(cfg, max_loras=0, max_rank=0, options=model.options, dtype=torch.bfloat16,
+                                quant=quant)
     src = dict(model.named_modules())
     for name, mod in twin.named_modules():
         for table, other in ((mod._parameters, src[name]._parameters), (mod._buffers, src[name]._buffers)):
@@ -231,29 +236,14 @@ def no_lora_twin(model: MoECausalLM, cfg: ModelConfig, quant: FP8Config | None =
     return twin.eval()
 
 
-@contextlib.contextmanager
-def moe_table_on(models, table: str | None):
-    """Inside the block, the models' routed experts read the fused-MoE table file `table` (None: the
-    package's); their setting before it is restored after."""
-    mods = [m for model in models for m in model.modules() if hasattr(m, "moe_table")]
-    before = [m.moe_table for m in mods]
-    for m in mods:
-        m.moe_table = table
-    try:
-        yield
-    finally:
-        for m, t in zip(mods, before, strict=True):
-            m.moe_table = t
-
-
 def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank: int, bw: float,
               engine_kw: dict, repeats: int = 1, ab: dict | None = None, ab_table: str | None = None,
               pool_rank: int | None = None, quant: FP8Config | None = None) -> list[dict]:
     """`ab`: engine settings of a second engine pair ("B", e.g. {"async_scheduling": True}) over the same
     weights, measured in the same turns as the first, so a few-percent effect is not lost to drift.
     `ab_table`: a fused-MoE table file the B pair is built, captured and run with (its
-    EngineConfig.fused_moe_table, which the engine sets on the shared model's routed experts: each
-    turn sets it there again, `moe_table_on`). `pool_rank`: the slots' max rank (max_lora_rank), default
+    EngineConfig.fused_moe_table: its engines run twins of the models built with it, over the same
+    weights). `pool_rank`: the slots' max rank (max_lora_rank), default
     the adapters' `rank`."""
     pool_rank = pool_rank or rank  # was passed on as None without --pool-rank: a TypeError in resolve()
     cfg, model, adapters = model_with_adapters(name, layers, 8, rank, pool_rank, quant)
@@ -261,32 +251,24 @@ def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank:
     twin = no_lora_twin(model, cfg, quant)
     has_b = bool(ab) or ab_table is not None
     b_table = check_table_file(ab_table) if ab_table else None
-    shared = [model, twin]
-
-    def table(variant):  # the variant's MoE launch configs on the shared modules, from capture to the last step
-        return moe_table_on(shared, b_table if variant == "B" else None)
-
     runs = []
     b_kw = {**engine_kw, **(ab or {}), "fused_moe_table": b_table}
     for variant, kw in (("", engine_kw), *((("B", b_kw),) if has_b else ())):
-        with table(variant):
-            lora_eng = engine(model, cfg, 8, pool_rank, max(concs), adapters, **kw)
-            base_kw = {k: v for k, v in kw.items() if k != "lora_target_modules"}  # it has no LoRA sites to name
-            base_eng = engine(twin, cfg, 0, 0, max(concs), {}, **base_kw)
+        lora_eng = engine(model, cfg, 8, pool_rank, max(concs), adapters, **kw)
+        base_kw = {k: v for k, v in kw.items() if k != "lora_target_modules"}  # it has no LoRA sites to name
+        base_eng = engine(twin, cfg, 0, 0, max(concs), {}, **base_kw)
         runs += [(variant, "no LoRA", base_eng, [None]), (variant, "1 adapter", lora_eng, ["a0"]),
                  (variant, "8 adapters", lora_eng, list(adapters))]
     samples: dict[tuple[str, str, int], list[float]] = {}
     for conc in concs:  # the configurations in turns, `repeats` rounds: drift hits all of them alike
         for _ in range(repeats):
             for variant, label, eng, names in runs:
-                with table(variant):
-                    samples.setdefault((variant, label, conc), []).append(measure(eng, conc, names, steps))
+                samples.setdefault((variant, label, conc), []).append(measure(eng, conc, names, steps))
     results = {key: sorted(v)[len(v) // 2] for key, v in samples.items()}
     for variant, label, eng, _ in runs:
         if eng.graphs is not None and label != "1 adapter":  # the LoRA engine is listed twice
             print(f"# {variant or 'A'} {label if label == 'no LoRA' else 'LoRA engine'}: decode graphs captured "
                   f"{eng.graphs.captures}x, the last in {eng.graphs.capture_s:.2f} s")
-    shared.clear()
     del runs, lora_eng, base_eng, twin, model
     torch.cuda.empty_cache()
     rows = []

@@ -47,9 +47,12 @@ PHASES = (("scheduler", "schedule"), ("pool", "acquire"), ("runner", "prepare"),
 def build(device: str, conc: int, lora: bool, async_scheduling: bool) -> LLMEngine:
     dtype = "float32" if device == "cpu" else "bfloat16"  # CUDA: the Triton backend's usual dtype
     cfg = ModelConfig(**{**TINY, "dtype": dtype}).resolve()
+    ecfg = EngineConfig(device=device, dtype=dtype, max_loras=8 if lora else 0, max_lora_rank=16 if lora else 0,
+                        max_num_seqs=conc, max_model_len=1024, num_kv_blocks=conc * 40, block_size=16,
+                        async_scheduling=async_scheduling).resolve(cfg)
     with torch.device(device):
         model = model_class(cfg)(cfg, max_loras=8 if lora else 0, max_rank=16 if lora else 0,
-                                 dtype=getattr(torch, dtype))
+                                 options=ecfg.layer_options(), dtype=getattr(torch, dtype))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -57,9 +60,6 @@ def build(device: str, conc: int, lora: bool, async_scheduling: bool) -> LLMEngi
             else:
                 p.normal_(0, 0.02)
     adapters = {f"a{i}": random_adapter(model, f"a{i}", 16, i) for i in range(8)} if lora else {}
-    ecfg = EngineConfig(device=device, dtype=dtype, max_loras=8 if lora else 0, max_lora_rank=16 if lora else 0,
-                        max_num_seqs=conc, max_model_len=1024, num_kv_blocks=conc * 40, block_size=16,
-                        async_scheduling=async_scheduling).resolve(cfg)
     eng = LLMEngine(model, None, ecfg, lambda name, path: adapters[name])
     for name in adapters:
         eng.pool.add(name, name)

@@ -40,13 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_bench_common import copy_gbps, write_rows  # noqa: E402
 
+from moelora.kernels.args import DenseLoRAArgs  # noqa: E402
 from moelora.kernels.lora_linear import (  # noqa: E402
     LoRALinearConfig,
     default_lora_linear_config,
     lora_linear,
     row_plan,
 )
-from moelora.kernels.reference import DenseLoRAArgs  # noqa: E402
 
 SHAPES = {"q": (2048, 4096), "k": (2048, 512), "v": (2048, 512), "qkv": (2048, 5120), "o": (4096, 2048),
           "router": (2048, 128)}  # Qwen3-30B-A3B; the router (mlp.gate) keeps LoRA slots unless targeted away

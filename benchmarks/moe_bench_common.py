@@ -13,8 +13,8 @@ import dataclasses
 import torch
 import triton
 
+from moelora.kernels.args import ExpertLoRAArgs
 from moelora.kernels.fused_moe import fused_moe
-from moelora.kernels.reference import ExpertLoRAArgs
 
 SHAPES = {
     "qwen3_30b_a3b": dict(E=128, K=8, H=2048, I=768),

@@ -41,7 +41,6 @@ def delta_configs() -> dict:
     for name in ("route", "block"):
         path = PATHS[name]
         for cfg in path.trials(64) + [dataclasses.replace(path.config(), **c) for c in path.refinements]:
-            cfg = dataclasses.replace(cfg, block_max_slots=0) if name == "route" else cfg
             out[name + "/" + ",".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items())] = cfg
     return out
 

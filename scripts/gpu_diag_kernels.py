@@ -1,5 +1,6 @@
 """Which Triton kernel carries the half-precision error? Prefill logits of the random tiny Qwen2-MoE
-with the Triton backend on one module kind at a time, each against an fp32 torch reference."""
+with the Triton backend on one module kind at a time, each against an fp32 torch reference. A module of
+that kind is taken from the model's Triton twin (its own code path on the kernels, its children torch)."""
 
 import sys
 
@@ -13,6 +14,23 @@ from test_gpu_engine import SIZES, gpu_engine, workload  # noqa: E402
 from moelora.layers.attention import Attention  # noqa: E402
 from moelora.layers.linear import Linear  # noqa: E402
 from moelora.layers.moe import Experts  # noqa: E402
+from moelora.layers.options import LayerOptions, adopt_tensors  # noqa: E402
+
+
+def triton_on(model, kinds):
+    """A torch-backend twin of `model` (the same tensors) whose modules of `kinds` are its Triton twin's, each
+    around the torch twin's children: the Triton path of those modules alone."""
+    with torch.device("meta"):
+        mixed = adopt_tensors(type(model)(model.config, **model.build_args), model)
+    triton = model.with_options(LayerOptions(kernel_backend="triton"))
+    swaps = {name: triton.get_submodule(name) for name, mod in mixed.named_modules() if name and isinstance(mod, kinds)}
+    for name, swapped in swaps.items():  # each child: its own swap, or the torch twin's
+        for child, _ in list(swapped.named_children()):
+            setattr(swapped, child, swaps.get(f"{name}.{child}", mixed.get_submodule(f"{name}.{child}")))
+    for name, swapped in swaps.items():
+        mixed.set_submodule(name, swapped)
+    return mixed
+
 
 hf = tiny_hf_model("qwen2_moe", seed=3, **SIZES)
 prompts, names = workload(n=8)
@@ -22,10 +40,8 @@ ref = gpu_engine(ref_model, adapters, dtype="float32", kernel_backend="torch").p
 for dtype in ("float16", "bfloat16"):
     model = build(hf, max_loras=4, max_rank=16).to("cuda", getattr(torch, dtype))
     for kinds in ((), (Attention,), (Linear,), (Experts,), (Attention, Linear, Experts)):
-        eng = gpu_engine(model, adapters, dtype=dtype, kernel_backend="torch")
-        for m in model.modules():
-            if isinstance(m, kinds):
-                m.backend = "triton"
+        eng = gpu_engine(triton_on(model, kinds), adapters, dtype=dtype, kernel_backend="torch",
+                         overlap_shared_experts=False)  # the mixed model's own options: no twin of it
         for lora in (True, False):
             nm = names if lora else [None] * len(names)
             out = eng.prompt_logits(prompts, nm)

@@ -1,9 +1,12 @@
 """Where kernel tests run: on CUDA at real sizes, or on the CPU under TRITON_INTERPRET=1 at tiny sizes."""
 
+import dataclasses
 import os
 
 import pytest
 import torch
+
+from moelora.kernels.dense_policy import DenseLoRAPolicy
 
 CUDA = torch.cuda.is_available()
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -27,17 +30,33 @@ def graph_replayed(call, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def record_planned_sites(monkeypatch) -> list[bool]:
-    """Force every dense LoRA site of >= 17 rows onto the "planned" delta (the default keeps it for
-    >= 1024-wide shapes, which tiny models lack) and record, per call, whether it was handed the
-    runner's row grouping (True) or had none (False)."""
-    import moelora.kernels.dense_lora.planned as planned
-    import moelora.kernels.lora_linear as dense
+class PlannedPast16(DenseLoRAPolicy):
+    """Every dense LoRA site of >= 17 rows on the "planned" delta when handed the rows' grouping, never on
+    splitk (the shipped policy keeps planned for >= 1024-wide shapes, which tiny models lack)."""
 
-    monkeypatch.setattr(dense, "_prefers_splitk", lambda rows, n_in, n_out, has_lora: False)
-    monkeypatch.setattr(dense, "_prefers_planned", lambda rows, n_in, n_out: dense.wants_row_plan(rows))
+    def prefers_splitk(self, num_tokens: int, n_in: int, n_out: int, has_lora: bool) -> bool:
+        return False
+
+    def prefers_planned(self, num_tokens: int, n_in: int, n_out: int) -> bool:
+        return self.wants_row_plan(num_tokens)
+
+
+def planned_everywhere(model):
+    """`model`'s twin (the same tensors) whose dense LoRA sites follow `PlannedPast16`."""
+    return model.with_options(dataclasses.replace(model.options, dense_lora_policy=PlannedPast16()))
+
+
+def record_planned_sites(monkeypatch) -> list[bool]:
+    """Record, per "planned" delta, whether it was handed the runner's row grouping (True) or had none, or one
+    of other blocks, and built its own (False)."""
+    import moelora.kernels.dense_lora.planned as planned
+
     calls = []
     real = planned.add_delta
-    monkeypatch.setattr(planned, "add_delta",
-                        lambda x, out, lora, *a: calls.append(lora.row_plan is not None) or real(x, out, lora, *a))
+
+    def recorded(x, out, lora, cfg):
+        calls.append(lora.row_plan is not None and lora.row_plan.block_m == cfg.block_m)
+        return real(x, out, lora, cfg)
+
+    monkeypatch.setattr(planned, "add_delta", recorded)
     return calls

@@ -84,18 +84,18 @@ def test_lora_b_tiles_are_vector_loads(tmp_path, monkeypatch):
     is a 2-byte load. The LoRA kernels that read no gathered scalars (gate_up GEMM, the delta kernels, the
     dense delta kernels) then have no element load at all; each down GEMM as many as its no-LoRA twin (the
     routing weights). Column-masked by choice, so not compiled here: the merged-projection expand
-    (`expand_segments`, registers) and the block delta with BlockConfig.b_chunks off."""
+    (`expand_segments`, registers)."""
     import dataclasses
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     from moe_bench_common import SHAPES, make_inputs, make_layer, make_lora
 
+    from moelora.kernels.args import DenseLoRAArgs
     from moelora.kernels.dense_lora import MODES as DENSE_MODES
     from moelora.kernels.fused_moe import fused_moe
     from moelora.kernels.lora_linear import default_lora_linear_config, lora_linear
     from moelora.kernels.moe_config import tuned_fused_moe_config
     from moelora.kernels.moe_lora import PATHS
-    from moelora.kernels.reference import DenseLoRAArgs
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     shape = SHAPES["qwen3_30b_a3b"]

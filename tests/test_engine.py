@@ -10,6 +10,7 @@ from test_forward import build, engine, random_adapter
 
 from moelora.engine.request import SamplingParams
 from moelora.errors import ConfigError, RequestError
+from moelora.layers.moe import Experts
 
 
 @pytest.fixture(scope="module")
@@ -134,16 +135,38 @@ def test_reused_adapter_name_never_reuses_old_kv(setup):
 
 
 def test_fused_moe_table_reaches_the_routed_experts(setup, tmp_path):
-    """EngineConfig.fused_moe_table: the engine points every routed-experts module of its model at the
-    file (checked when the config resolves); a missing file is a ConfigError."""
+    """EngineConfig.fused_moe_table: the engine's model is built with it (its layer options, given to every
+    layer's constructor), so every routed-experts module reads the file (checked when the config
+    resolves); the caller's model keeps its own options; a missing file is a ConfigError."""
     model, adapters = setup
     path = tmp_path / "table.json"
     path.write_text('{"device": "NVIDIA H200", "configs": {}}')
-    experts = [m for m in model.modules() if hasattr(m, "moe_table")]
-    assert experts
-    engine(model, adapters, fused_moe_table=str(path))
-    assert {m.moe_table for m in experts} == {str(path.resolve())}
+    eng = engine(model, adapters, fused_moe_table=str(path))
+    experts = [m for m in eng.model.modules() if isinstance(m, Experts)]
+    assert experts and {m.options.fused_moe_table for m in experts} == {str(path.resolve())}
+    assert {m.options.fused_moe_table for m in model.modules() if isinstance(m, Experts)} == {None}
     with pytest.raises(ConfigError, match="fused_moe_table: no fused-MoE table file"):
         engine(model, adapters, fused_moe_table=str(tmp_path / "missing.json"))
-    engine(model, adapters)
-    assert {m.moe_table for m in experts} == {None}
+    assert engine(model, adapters).model is model
+
+
+def test_a_dropped_engine_and_model_are_freed_without_the_cycle_collector():
+    """No reference cycle holds an engine or its model (the adapter pool's loader, merged q/k/v's
+    segments): dropped, they are freed at once, so a process that builds engines one after another
+    (tests, benchmarks) gets the memory back without waiting for the collector; on CUDA a collection that
+    freed a dropped engine's graphs inside another engine's capture would invalidate it."""
+    import gc
+    import weakref
+
+    from moelora.demo.show import load_demo_llm
+
+    gc.collect()
+    gc.disable()
+    try:
+        llm = load_demo_llm("cpu", max_num_seqs=4)
+        llm.generate(["hello"], SamplingParams(max_tokens=2))
+        eng, model = weakref.ref(llm.engine), weakref.ref(llm.engine.model)
+        del llm
+        assert eng() is None and model() is None
+    finally:
+        gc.enable()

@@ -16,20 +16,23 @@ from moelora.lora.adapter import LoRAAdapter, LoRAWeights
 from moelora.models.decoder import MoECausalLM
 
 
-def build(hf, max_loras=0, max_rank=0, dtype=torch.float32):
+def build(hf, max_loras=0, max_rank=0, dtype=torch.float32, **kw):
+    """The moelora twin of `hf` (its weights); `kw`: more constructor arguments (`options`)."""
     cfg = ModelConfig.from_dict(hf.config.to_dict())
-    model = MoECausalLM(cfg, max_loras=max_loras, max_rank=max_rank, dtype=dtype)
+    model = MoECausalLM(cfg, max_loras=max_loras, max_rank=max_rank, dtype=dtype, **kw)
     model.load_state_dict(hf.state_dict(), strict=True)
     return model.eval()
 
 
 def engine(model, adapters: dict[str, LoRAAdapter] | None = None, max_loras: int = 4, **kw) -> LLMEngine:
-    """A CPU engine over `model` whose pool serves the given in-memory adapters by name."""
+    """A CPU engine over `model` whose pool serves the given in-memory adapters by name; a config whose
+    layer options differ from the model's gets the model's twin built with them (`with_options`: the same
+    weights and LoRA slots), as `eng.model`."""
     adapters = adapters or {}
     kw = dict(dict(device="cpu", dtype="float32", max_loras=max_loras, max_lora_rank=8, block_size=4,
                    num_kv_blocks=256, max_model_len=128), **kw)
     cfg = EngineConfig(**kw).resolve(model.config)
-    eng = LLMEngine(model, None, cfg, lambda name, path: adapters[name])
+    eng = LLMEngine(model.with_options(cfg.layer_options(model.options)), None, cfg, lambda name, path: adapters[name])
     for name in adapters:
         eng.pool.add(name, name)
     return eng

@@ -7,13 +7,14 @@ routed experts), with LoRA on every site of the DeepSeek model (every MLA projec
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from kernel_env import record_planned_sites
+from kernel_env import planned_everywhere, record_planned_sites
 from oracle import tiny_hf_model
 from test_forward import build, random_adapter
 
@@ -21,6 +22,7 @@ from moelora.config import ModelConfig
 from moelora.engine.config import EngineConfig
 from moelora.engine.engine import LLMEngine
 from moelora.engine.request import SamplingParams
+from moelora.kernels.dense_policy import DenseLoRAPolicy
 from moelora.lora.adapter import LoRAAdapter
 from moelora.models.registry import model_class
 
@@ -76,7 +78,7 @@ def gpu_engine(model, adapters, registered=None, **kw) -> LLMEngine:
     base = dict(device="cuda", dtype="bfloat16", kernel_backend="triton", max_loras=4, max_lora_rank=16,
                 block_size=16, num_kv_blocks=2048, max_model_len=1024, max_num_seqs=32)
     cfg = EngineConfig(**{**base, **kw}).resolve(model.config)
-    eng = LLMEngine(model, None, cfg, lambda name, path: adapters[name])
+    eng = LLMEngine(model.with_options(cfg.layer_options(model.options)), None, cfg, lambda name, path: adapters[name])
     for name in adapters if registered is None else registered:
         eng.pool.add(name, name)
     return eng
@@ -181,6 +183,42 @@ def test_graphs_recaptured_as_lora_sites_turn_on(model_and_adapters):
     assert logprob_diff(reqs, ref) <= 0.05
 
 
+def test_capture_survives_a_collected_cycle_holding_old_graphs():
+    """A dropped engine in a reference cycle is freed whenever the cyclic collector runs, its CUDA graphs
+    with it; destroying a graph while a stream captures is not permitted and invalidates the capture
+    (seen on the H200: CUDAGraph::reset "operation not permitted when stream is capturing", then
+    cudaErrorStreamCaptureInvalidated at capture_end, mid-suite). The capture collects first and holds the
+    collector off. The hook below runs a collection inside every capture the collector is allowed into,
+    as an automatic one may at any allocation; the threshold keeps automatic ones from running earlier."""
+    import gc
+    import weakref
+
+    model = tiny_model("qwen2_moe")
+    adapters = tiny_adapters(model, "qwen2_moe")
+    old = gpu_engine(model, adapters)
+    old.cycle = old  # only the cyclic collector frees it
+    gone = weakref.ref(old.graphs)
+    del old
+
+    def collect_inside_captures(module, args):
+        if torch.cuda.is_current_stream_capturing() and gc.isenabled():
+            gc.collect()
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(10**9)
+    hook = model.register_forward_pre_hook(collect_inside_captures)
+    try:
+        assert gone() is not None
+        eng = gpu_engine(model, adapters)
+    finally:
+        hook.remove()
+        gc.set_threshold(*thresholds)
+    assert gone() is None  # the old engine was collected (before the capture)
+    prompts, names = workload(n=8, seed=13)
+    reqs = generate(eng, prompts, names, 16)
+    assert forced_logprob_diff(gpu_engine(model, adapters, enforce_eager=True), reqs) <= 0.05
+
+
 def test_graphs_at_the_registered_adapters_width():
     """`lora_width_by_batch`: in a rank-64 pool, adapters of rank <= 16 get decode graphs at 16 rank
     columns; a rank-40 adapter registered afterwards has them re-captured at 64 before its first replay.
@@ -214,18 +252,25 @@ def test_graphs_at_the_registered_adapters_width():
     assert logprob_diff(reqs, eager) <= 0.05
 
 
+class SplitKTo64(DenseLoRAPolicy):
+    """splitk on every LoRA call of up to 64 rows, whatever the shape."""
+
+    def prefers_splitk(self, num_tokens: int, n_in: int, n_out: int, has_lora: bool) -> bool:
+        return has_lora and num_tokens <= 64
+
+
 def test_dense_splitk_decode_graph_matches_eager(model_and_adapters, monkeypatch):
     """The dense splitk path (split-K GEMM with the LoRA shrink in its launch, expand in its reduce) on
     every decode projection: the default keeps it for >= 1024-wide shapes, which the tiny models lack,
-    so the rule is widened here. Graph decode (padding rows on no slot) equals eager decode."""
+    so the rule is widened here (an injected policy). Graph decode (padding rows on no slot) equals eager
+    decode."""
     import moelora.kernels.dense_lora.splitk as splitk
-    import moelora.kernels.lora_linear as dense
 
-    monkeypatch.setattr(dense, "_prefers_splitk", lambda rows, n_in, n_out, has_lora: has_lora and rows <= 64)
     calls = []
     real = splitk.splitk_linear
     monkeypatch.setattr(splitk, "splitk_linear", lambda *a: calls.append(a[4].shape[0]) or real(*a))
     model, adapters = model_and_adapters
+    model = model.with_options(dataclasses.replace(model.options, dense_lora_policy=SplitKTo64()))
     prompts, names = workload(n=24, seed=7)
     reqs = generate(gpu_engine(model, adapters), prompts, names, 64)
     assert calls, "splitk never ran"
@@ -241,6 +286,7 @@ def test_dense_planned_decode_graph_matches_eager(model_and_adapters, monkeypatc
     tests' and the CPU model test's.)"""
     shared = record_planned_sites(monkeypatch)
     model, adapters = model_and_adapters
+    model = planned_everywhere(model)
     prompts, names = workload(n=28, seed=8)
     reqs = generate(gpu_engine(model, adapters), prompts, names, 64)
     assert shared and all(shared), "planned never ran, or built its own grouping"

@@ -6,7 +6,7 @@ shapes in bf16 against an fp32 reference (relative error <= 1e-2).
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -15,11 +15,12 @@ triton = pytest.importorskip("triton")
 
 from kernel_env import CUDA, DEV, INTERP, gpu_only, graph_replayed, kernel_test  # noqa: E402,F401
 
+from moelora.kernels.args import ExpertLoRAArgs, SlotRows  # noqa: E402
 from moelora.kernels.fused_moe import fused_moe  # noqa: E402
 from moelora.kernels.moe_config import FusedMoEConfig, GemmTile  # noqa: E402
-from moelora.kernels.moe_lora import PATHS, BlockConfig, RouteConfig, SeparateConfig  # noqa: E402
+from moelora.kernels.moe_lora import PATHS, SeparateConfig  # noqa: E402
 from moelora.kernels.moe_plan import build_routing_plan  # noqa: E402
-from moelora.kernels.reference import ExpertLoRAArgs, SlotRows, fused_moe_ref  # noqa: E402
+from moelora.kernels.reference import fused_moe_ref  # noqa: E402
 
 TINY = GemmTile(32, 32, 4, 2)
 
@@ -231,27 +232,6 @@ def test_route_delta_n_splits(warps, R):
 
 
 @kernel_test
-@pytest.mark.parametrize("R", [16, 64])
-def test_route_block_switch_by_distinct_slots(R):
-    """block_max_slots=2 on "route": a batch on at most 2 distinct slots gets the block delta (at
-    `BlockConfig()`), bit for bit, one on more slots the route delta, bit for bit (in fp32 the two differ in
-    the last bits, so the test can tell which ran; in fp16 they round alike here). R=64: a wide pool (fp32
-    delta)."""
-    dtype, tol = torch.float32, 1e-4
-    route = tiny_config("route")
-    switch = knobs(route, block_max_slots=2)
-    block = route.with_lora(BlockConfig())
-    kw = dict(ranks=(16, 5, 0, R), R=R, dtype=dtype, device=DEV)
-    few = make_case(12, 48, 40, 3, 2, seed=21, slots=[3, -1, 1, 3, 3, 1, -1, 1, 3, 3, 1, 3], **kw)
-    many = make_case(12, 48, 40, 3, 2, seed=22, slots=[0, -1, 1, 3, 2, 1, -1, 0, 3, 3, 1, 3], **kw)
-    for case, want in ((few, block), (many, route)):
-        other = route if want is block else block
-        got = run_checked(case, switch, tol)
-        assert torch.equal(got, run_checked(case, want, tol))
-        assert not torch.equal(got, run_checked(case, other, tol))
-
-
-@kernel_test
 @pytest.mark.parametrize("shrink", list(PATHS))
 def test_all_routes_on_one_expert_with_empty_experts(shrink):
     case = make_case(20, 32, 24, 6, 1, ranks=(16, 3), R=16, device=DEV, seed=4, one_expert=4)
@@ -278,12 +258,11 @@ def test_block_delta_more_slots_in_a_block_than_lanes():
 
 @kernel_test
 @pytest.mark.parametrize("R", [16, 40])
-def test_block_delta_b_by_columns(R):
-    """b_chunks=False (B tiles masked column by column) equals the twin too, in a pool of the
-    minimum width and in one whose rows are not whole 16-column chunks (NaN past every slot's rank)."""
+def test_block_delta_b_in_rank_chunks(R):
+    """The block delta's B tiles in whole 16-column rank chunks equal the twin in a pool of the minimum
+    width and in one whose rows are not whole chunks (NaN past every slot's rank)."""
     slots = [0, 1, 2, 3, -1, 3, 2, 1, 0, -1, 1, 2, 3, 0, 2]
     case = make_case(15, 32, 24, 3, 2, ranks=(R, 5, 16, 0), R=R, device=DEV, seed=21, slots=slots)
-    run_checked(case, knobs(tiny_config("block"), b_chunks=False, block_n=16), 1e-4)
     run_checked(case, knobs(tiny_config("block"), block_n=16), 1e-4)
 
 
@@ -438,30 +417,34 @@ def gpu_case(shape, T, seed, ranks=(64, 16, 8, 0, 64, 32, 16, 8), R=64):
                      dtype=torch.bfloat16, device="cuda", seed=seed, slots=slots)
 
 
+def registry_variants() -> list:
+    """(path, change) for every registered path: its table / default config, each of its `refinements`,
+    and each config its `trials` give the tuner at 64-row plan blocks (as field changes): no list of our own."""
+    out = []
+    for name, path in PATHS.items():
+        changes = [{}, *path.refinements]
+        changes += [{f.name: getattr(t, f.name) for f in fields(t)} for t in path.trials(64)]
+        out += [(name, c) for i, c in enumerate(changes) if c not in changes[:i]]
+    return out
+
+
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("T", [1, 33, 512])
-@pytest.mark.parametrize("shrink", ["separate", "separate_r16", "route", "block", "route_plan", "route_warps8",
-                                    "block_wide_tiles", "block_sub16", "block_persist", "stacked", "stacked_r16",
-                                    "block_elements", "stacked_w8", "separate_w8", "spread", "spread_r16", "spread_w8"])
-def test_gpu_qwen3_shape_bf16_lora(T, shrink):
-    pool = dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16) if shrink.endswith("_r16") else {}  # a rank-16 pool
-    if shrink.endswith("_w8"):  # narrow adapters in a rank-64 pool, called with the batch's width (eager)
-        pool = dict(ranks=(8, 8, 4, 0, 8, 2, 8, 8), R=64)
-    case = gpu_case(QWEN3, T, seed=T, **pool)
-    if shrink.endswith("_w8"):
+@pytest.mark.parametrize("pool", ["r64", "r16", "w8"])
+@pytest.mark.parametrize("path,change", registry_variants(), ids=lambda v: v if isinstance(v, str) else
+                         ",".join(f"{k}={x}" for k, x in v.items()) or "table")
+def test_gpu_qwen3_shape_bf16_lora(T, pool, path, change):
+    """Every registered path and variant at the Qwen3-30B-A3B shape, in a rank-64 pool of mixed ranks, a
+    rank-16 pool, and narrow adapters in a rank-64 pool called at the batch's width (eager), against fp32."""
+    ranks = {"r16": dict(ranks=(16, 8, 16, 0, 4, 16, 12, 8), R=16), "w8": dict(ranks=(8, 8, 4, 0, 8, 2, 8, 8), R=64)}
+    case = gpu_case(QWEN3, T, seed=T, **ranks.get(pool, {}))
+    if pool == "w8":
         case = (*case[:5], replace(case[5], width=8))
     from moelora.kernels.moe_config import tuned_fused_moe_config
 
     cfg = tuned_fused_moe_config(128, 2048, 768, T, 8, torch.bfloat16, torch.cuda.get_device_name())
-    grid = {"route_plan": dict(order="plan"), "route_warps8": dict(warps=8),
-            "block_wide_tiles": dict(block_n=256),  # 256-deep shrink steps too may not fit shared memory at wide pools
-            "block_sub16": dict(block_m=16, block_n=256),  # 16-row programs over the table's plan blocks
-            "block_persist": dict(block_m=16, block_n=256, programs=264),  # 264 programs loop over the items
-            "block_elements": dict(b_chunks=False)}.get(shrink, {})  # B tiles masked column by column
-    for suffix in ("_plan", "_warps8", "_wide_tiles", "_sub16", "_persist", "_r16", "_elements", "_w8"):
-        shrink = shrink.removesuffix(suffix)
-    cfg = replace(cfg.on_path(shrink, **grid), use_tma=False)
+    cfg = replace(cfg.on_path(path, **change), use_tma=False)
     torch.cuda.set_sync_debug_mode("error")  # contract 5: no host sync in the forward
     try:
         out = fused_moe(*case[:5], lora=case[5], out=torch.full_like(case[0], float("nan")), config=cfg)
@@ -473,7 +456,7 @@ def test_gpu_qwen3_shape_bf16_lora(T, shrink):
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("T", [1, 8])
-@pytest.mark.parametrize("shrink", ["off", "separate", "block", "spread"])
+@pytest.mark.parametrize("shrink", ["off", *PATHS])
 def test_gpu_plan_per_route_bf16(T, shrink):
     """plan_per_route at the Qwen3 shape (one token: K distinct experts; 8 tokens: some shared), against
     the fp32 reference: T=1 eager (which caches its plan rows), then in a CUDA graph; T=8 only in a
@@ -491,30 +474,6 @@ def test_gpu_plan_per_route_bf16(T, shrink):
     if T == 1:
         assert rel_err(call(torch.full_like(case[0], float("nan"))), want) <= 1e-2
     assert rel_err(graph_replayed(call, torch.empty_like(case[0])), want) <= 1e-2
-
-
-@pytest.mark.gpu
-@gpu_only
-@pytest.mark.parametrize("n_slots", [1, 8])
-def test_gpu_route_block_switch_bf16(n_slots):
-    """block_max_slots=2 on "route" at a real shape and 256 tokens: on 1 slot the block delta's result, on 8
-    the route delta's, bit for bit, each within the fp32 reference's tolerance; inside a CUDA graph too."""
-    from moelora.kernels.moe_config import tuned_fused_moe_config
-
-    T, ranks = 256, (16, 8, 16, 4, 12, 16, 8, 16)
-    g = torch.Generator().manual_seed(5)
-    slots = torch.randint(0, n_slots, (T,), generator=g, dtype=torch.int32)
-    slots[::7] = -1
-    case = make_case(T, QWEN3["H"], QWEN3["I"], QWEN3["E"], QWEN3["K"], ranks=ranks, R=16, dtype=torch.bfloat16,
-                     device="cuda", seed=5, slots=slots)
-    base = replace(tuned_fused_moe_config(128, 2048, 768, T, 8, torch.bfloat16, torch.cuda.get_device_name()),
-                   use_tma=False)
-    switch = base.with_lora(RouteConfig(block_max_slots=2))
-    want = fused_moe(*case[:5], lora=case[5], config=base.with_lora(BlockConfig() if n_slots == 1 else RouteConfig()))
-    assert rel_err(want, reference(*case, dtype=torch.float32)) <= 1e-2
-    assert torch.equal(fused_moe(*case[:5], lora=case[5], config=switch), want)
-    out = graph_replayed(lambda o: fused_moe(*case[:5], lora=case[5], out=o, config=switch), torch.empty_like(want))
-    assert torch.equal(out, want)
 
 
 @pytest.mark.gpu

@@ -15,14 +15,16 @@ triton = pytest.importorskip("triton")
 
 from kernel_env import CUDA, DEV, INTERP, gpu_only, graph_replayed, kernel_test  # noqa: E402,F401
 
+from moelora.kernels.args import DenseLoRAArgs, SlotRows  # noqa: E402
 from moelora.kernels.dense_lora import MODES as DENSE_MODES  # noqa: E402
+from moelora.kernels.dense_policy import DenseLoRAPolicy  # noqa: E402
 from moelora.kernels.lora_linear import (  # noqa: E402
     LoRALinearConfig,
     default_lora_linear_config,
     lora_linear,
     row_plan,
 )
-from moelora.kernels.reference import DenseLoRAArgs, SlotRows, lora_linear_ref  # noqa: E402
+from moelora.kernels.reference import lora_linear_ref  # noqa: E402
 
 # Tiny blocks so that tiny shapes still span several row blocks, N tiles and N_in chunks.
 TINY = {"split": LoRALinearConfig("split", 16, 32, 16, 16, split_k=3),
@@ -204,6 +206,25 @@ def test_default_mode_by_shape():
     assert default_lora_linear_config(8, n_in=2048, n_out=1536).mode == "splitk"  # wide, T <= 16
     assert default_lora_linear_config(32, n_in=2048, n_out=1536).mode == "split"  # neither o-like nor T <= 16
     assert default_lora_linear_config(8).mode == "split"
+
+
+class _SplitKEverywhere(DenseLoRAPolicy):
+    def prefers_splitk(self, num_tokens: int, n_in: int, n_out: int, has_lora: bool) -> bool:
+        return has_lora
+
+
+@kernel_test
+def test_injected_policy_picks_the_mode():
+    """A caller's policy (`lora_linear(..., policy=)`, the layers' `LayerOptions.dense_lora_policy`) decides
+    the mode of a call without a config: splitk, bit for bit, at a tiny shape the shipped policy leaves on
+    split; without LoRA its pick stays the base GEMM."""
+    policy = _SplitKEverywhere()
+    assert default_lora_linear_config(6, n_in=64, n_out=48).mode == "split"
+    assert default_lora_linear_config(6, n_in=64, n_out=48, policy=policy).mode == "splitk"
+    assert default_lora_linear_config(6, n_in=64, n_out=48, has_lora=False, policy=policy).mode == "split"
+    case = make_case(6, 64, 48, (16, 4), 16, dtype=torch.float16, device=DEV, seed=7, slots=[0, -1, 1, 1, 0, -1])
+    splitk = check(case, 1e-2, default_lora_linear_config(6, "splitk"), delta_tol=2e-2)
+    assert torch.equal(lora_linear(*case, policy=policy), splitk)
 
 
 @kernel_test

@@ -22,8 +22,9 @@ from kernel_env import DEV, gpu_only, kernel_test  # noqa: E402
 from test_kernels_lora_linear import TINY as LINEAR_TINY  # noqa: E402
 from test_kernels_lora_linear import named_config  # noqa: E402
 
+from moelora.kernels.args import DenseLoRAArgs, SlotRows  # noqa: E402
 from moelora.kernels.lora_linear import LoRALinearConfig, default_lora_linear_config, lora_linear  # noqa: E402
-from moelora.kernels.reference import DenseLoRAArgs, SlotRows, lora_linear_ref  # noqa: E402
+from moelora.kernels.reference import lora_linear_ref  # noqa: E402
 
 # fp32 relative tolerance: exact-ish under the interpreter; on CUDA Triton's fp32 dots run in TF32.
 F32_TOL = 1e-5 if DEV == "cpu" else 2e-3

@@ -110,15 +110,18 @@ def test_zero_tokens():
 
 @kernel_test
 def test_layer_decode_with_kernel_equals_expanded():
-    """MLAttention's absorbed decode with the Triton core (backend "triton" on the layer only) equals the
-    expanded torch path, LoRA on kv_b_proj in slots of different ranks included."""
-    from test_mla_decode import decode_step, mla_layer, run
+    """MLAttention's absorbed decode with the Triton core (a twin of the layer built with kernel_backend
+    "triton", around the torch layer's projections) equals the expanded torch path, LoRA on kv_b_proj in
+    slots of different ranks included."""
+    from test_mla_decode import decode_step, mla_layer, run, twin
 
     layer = mla_layer(seed=4).to(DEV)
     step = decode_step(layer, [0, 3, 4, 7, 12, 5], [0, -1, 1, 2, -1, 0], seed=6, device=DEV)
     want, cache_want = run(layer, step, absorbed=False)
-    layer.backend = "triton"
-    got, cache_got = run(layer, step, absorbed=True)
+    core = twin(layer, kernel_backend="triton")
+    for name, child in layer.named_children():  # its projections and norms stay torch: the Triton core alone
+        setattr(core, name, child)
+    got, cache_got = run(core, step, absorbed=True)
     assert torch.equal(cache_got, cache_want) and (got - want).abs().max() <= 1e-4
 
 

@@ -12,7 +12,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernel_env import DEV, kernel_test, record_planned_sites  # noqa: E402
+from kernel_env import DEV, kernel_test, planned_everywhere, record_planned_sites  # noqa: E402
 from oracle import tiny_hf_model  # noqa: E402
 from test_forward import build, engine, random_adapter  # noqa: E402
 
@@ -143,11 +143,11 @@ def test_unmerged_qkv_equals_torch_backend_with_two_more_launches_a_layer(monkey
 @kernel_test
 def test_rows_grouped_by_slot_equal_torch_backend(monkeypatch):
     """`EngineConfig.group_lora_rows`: the runner groups the step's rows by slot once and every dense
-    site takes the "planned" delta (widened to the tiny model's shapes): the same logits as the torch
-    backend, with rows of two adapters and of none."""
+    site takes the "planned" delta (widened to the tiny model's shapes by an injected policy): the same
+    logits as the torch backend, with rows of two adapters and of none."""
     planned = record_planned_sites(monkeypatch)
     hf = tiny_hf_model("qwen2_moe", seed=24)
-    model = build(hf, max_loras=2, max_rank=4).to(DEV)
+    model = planned_everywhere(build(hf, max_loras=2, max_rank=4).to(DEV))
     adapters = {"a": random_adapter(model, seed=25, rank=4), "b": random_adapter(model, seed=26, rank=3, frac=0.5)}
     g = torch.Generator().manual_seed(28)
     seqs = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (9, 4, 12)]

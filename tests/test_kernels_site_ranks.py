@@ -19,11 +19,15 @@ from kernel_env import DEV, kernel_test  # noqa: E402
 from moelora.kernels.fused_moe import fused_moe  # noqa: E402
 from moelora.kernels.lora_linear import LoRALinearConfig, lora_linear  # noqa: E402
 from moelora.kernels.moe_config import FusedMoEConfig, GemmTile  # noqa: E402
+from moelora.kernels.moe_lora import PATHS  # noqa: E402
 from moelora.kernels.reference import fused_moe_ref, lora_linear_ref  # noqa: E402
 from moelora.layers.linear import Linear  # noqa: E402
 from moelora.layers.moe import Experts  # noqa: E402
+from moelora.layers.options import LayerOptions  # noqa: E402
 from moelora.lora.adapter import LoRAWeights  # noqa: E402
 from moelora.lora.batch import LoRABatch  # noqa: E402
+
+TRITON = LayerOptions(kernel_backend="triton")
 
 S, R = 3, 8
 # The plan's adapter-level ranks: slot 1's adapter has rank-8 LoRA on other sites, none on the tested one.
@@ -70,7 +74,7 @@ LINEAR_CONFIGS = {"default": None, "split": LoRALinearConfig("split", 16, 32, 16
 
 def linear_case(dtype: torch.dtype, g: torch.Generator) -> Linear:
     n_in, n_out = 24, 40
-    lin = Linear(n_in, n_out, bias=True, max_loras=S, max_rank=R, backend="triton", dtype=dtype)
+    lin = Linear(n_in, n_out, bias=True, max_loras=S, max_rank=R, options=TRITON, dtype=dtype)
     with torch.no_grad():
         lin.weight.copy_(rn(g, n_out, n_in, scale=n_in ** -0.5))
         lin.bias.copy_(rn(g, n_out))
@@ -114,7 +118,7 @@ def test_linear_skips_slot_of_site_rank_zero(dtype, mode):
 def moe_case(dtype: torch.dtype, g: torch.Generator):
     """Experts with slot 0 on both projections (ranks 4 and 3), slot 1 on neither, slot 2 on gate_up only."""
     E, H, inter, K = 4, 32, 24, 2
-    ex = Experts(E, H, inter, max_loras=S, max_rank=R, backend="triton", dtype=dtype)
+    ex = Experts(E, H, inter, max_loras=S, max_rank=R, options=TRITON, dtype=dtype)
     with torch.no_grad():
         ex.gate_up_proj.copy_(rn(g, E, 2 * inter, H, scale=H ** -0.5))
         ex.down_proj.copy_(rn(g, E, H, inter, scale=inter ** -0.5))
@@ -132,7 +136,7 @@ def moe_case(dtype: torch.dtype, g: torch.Generator):
 
 @kernel_test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("shrink", ["block", "separate", "spread", "layer"])
+@pytest.mark.parametrize("shrink", [*PATHS, "layer"])
 def test_experts_skip_slot_of_site_rank_zero(dtype, shrink):
     g = torch.Generator().manual_seed(1)
     ex, x, weights, ids = moe_case(dtype, g)
@@ -141,7 +145,11 @@ def test_experts_skip_slot_of_site_rank_zero(dtype, shrink):
     fill_garbage(bufs, 1, g)
     batch = LoRABatch.build(SLOTS, GLOBAL_RANKS, DEV)
     tile = GemmTile(32, 32, 4, 2)
-    cfg = FusedMoEConfig(16, tile, tile).on_path(shrink, block_k=32) if shrink != "layer" else None
+    cfg = None  # "layer": the layer's own path (default config); a path: 32-deep steps where it has them
+    if shrink != "layer":
+        cfg = FusedMoEConfig(16, tile, tile).on_path(shrink)
+        if hasattr(cfg.lora, "block_k"):
+            cfg = cfg.with_lora(replace(cfg.lora, block_k=32))
 
     def run(lora):
         if cfg is None:

@@ -172,7 +172,7 @@ def test_unmerged_switch_equals_merged(hf):
     seqs, names = [[5, 6, 7, 8], [9, 10], [11, 12, 13]], ["a", None, "a"]
     merged = engine(model, adapters, max_loras=SLOTS).prompt_logits(seqs, names)
     split_eng = engine(model, adapters, max_loras=SLOTS, merge_qkv=False)
-    assert not attn(model).merge_qkv
+    assert not attn(split_eng.model).options.merge_qkv and attn(model).options.merge_qkv
     split = split_eng.prompt_logits(seqs, names)
     for m, s in zip(merged, split, strict=True):
         assert (m - s).abs().max() < 1e-5

@@ -7,6 +7,8 @@ a slot rewritten in place between steps (what a captured graph must see)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from oracle import tiny_hf_model
@@ -17,6 +19,7 @@ from test_forward import engine, random_adapter
 from moelora.engine.request import SamplingParams
 from moelora.layers.attention import AttnMetadata, SeqSlice
 from moelora.layers.mla import MLAttention
+from moelora.layers.options import DEFAULT_OPTIONS, LayerOptions, adopt_tensors
 from moelora.layers.rotary import RotaryEmbedding
 from moelora.lora.adapter import LoRAWeights
 from moelora.lora.batch import LoRABatch
@@ -27,11 +30,21 @@ SIZES = dict(hidden=48, num_heads=5, q_lora_rank=24, kv_lora_rank=20, qk_nope_he
 SLOTS, RANK = 4, 8
 
 
-def mla_layer(seed: int, **overrides) -> MLAttention:
+def new_mla(options: LayerOptions = DEFAULT_OPTIONS, **overrides) -> MLAttention:
     sizes = dict(SIZES, **overrides)
     scale = (sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"]) ** -0.5
-    layer = MLAttention(**sizes, bias=True, interleave=True, softmax_scale=scale, max_loras=SLOTS, max_rank=RANK,
-                        dtype=torch.float32)
+    return MLAttention(**sizes, bias=True, interleave=True, softmax_scale=scale, max_loras=SLOTS, max_rank=RANK,
+                       dtype=torch.float32, options=options)
+
+
+def twin(layer: MLAttention, **options) -> MLAttention:
+    """`layer` (one of `new_mla`'s, default sizes) built again with other layer options, holding its tensors."""
+    with torch.device("meta"):
+        return adopt_tensors(new_mla(dataclasses.replace(layer.options, **options)), layer)
+
+
+def mla_layer(seed: int, **overrides) -> MLAttention:
+    layer = new_mla(**overrides)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in layer.named_parameters():
@@ -88,8 +101,11 @@ def decode_step(layer: MLAttention, cached: list[int], slots: list[int], bs: int
 
 
 def run(layer: MLAttention, step, absorbed: bool, lora=True):
+    """`layer`'s output and cache after `step`, in the absorbed form or expanded (by a twin of `layer` built
+    with the off switch, `LayerOptions.mla_absorbed_decode`)."""
     x, cos, sin, meta, cache, batch = step
-    layer.absorb_decode = absorbed
+    if layer.options.mla_absorbed_decode != absorbed:
+        layer = twin(layer, mla_absorbed_decode=absorbed)
     cache = cache.clone()
     with torch.no_grad():
         out = layer(x, cos, sin, meta, (cache,), batch if lora else None)
@@ -124,12 +140,14 @@ def test_no_kv_b_lora_and_no_lora_batch():
         want, _ = run(layer, step, absorbed=False, lora=lora)
         got, _ = run(layer, step, absorbed=True, lora=lora)
         assert (got - want).abs().max() <= 1e-4
-    bare = MLAttention(**SIZES, bias=False, interleave=False, softmax_scale=0.3, dtype=torch.float32)
+    bare = {absorb: MLAttention(**SIZES, bias=False, interleave=False, softmax_scale=0.3, dtype=torch.float32,
+                                options=LayerOptions(mla_absorbed_decode=absorb)) for absorb in (True, False)}
     with torch.no_grad():
-        for p in bare.parameters():
+        for p in bare[True].parameters():
             p.normal_(0, 0.2)
-    step = decode_step(bare, [6, 2], [-1, -1], seed=4)
-    assert (run(bare, step, True)[0] - run(bare, step, False)[0]).abs().max() <= 1e-4
+    adopt_tensors(bare[False], bare[True])
+    step = decode_step(bare[True], [6, 2], [-1, -1], seed=4)
+    assert (run(bare[True], step, True)[0] - run(bare[False], step, False)[0]).abs().max() <= 1e-4
 
 
 def test_slot_rewritten_in_place_is_seen():
@@ -167,7 +185,8 @@ def test_engine_decode_absorbed_equals_expanded(monkeypatch):
 
     def generate(absorb: bool):
         eng = engine(model, adapters, block_size=4, mla_absorbed_decode=absorb)  # the engine's off switch
-        assert all(m.absorb_decode == absorb for m in model.modules() if isinstance(m, MLAttention))
+        mla = [m for m in eng.model.modules() if isinstance(m, MLAttention)]
+        assert mla and all(m.options.mla_absorbed_decode == absorb for m in mla)
         logits, run_step = [], eng.runner.run
         eng.runner.run = lambda inputs, all_logits=False: logits.append(run_step(inputs, all_logits)) or logits[-1]
         reqs = [eng.add_request(p, params, a) for p, a in zip(ps, names, strict=True)]
@@ -183,6 +202,3 @@ def test_engine_decode_absorbed_equals_expanded(monkeypatch):
     assert tokens == ref_tokens
     assert len(logits) == len(ref_logits)
     assert max((a - b).abs().max().item() for a, b in zip(logits, ref_logits, strict=True)) <= 1e-4
-    for m in model.modules():
-        if isinstance(m, MLAttention):
-            m.absorb_decode = True

@@ -84,7 +84,7 @@ def test_h200_table_lookup_picks_the_smallest_tuned_m_at_or_above():
 def test_on_path_keeps_the_entrys_own_knobs_of_that_path():
     cfg = FusedMoEConfig(lora=BlockConfig(block_n=256), lora_wide=RouteConfig(order="plan"))
     assert cfg.on_path("route") == cfg.with_lora(RouteConfig(order="plan"))
-    assert cfg.on_path("block", b_chunks=False).lora == BlockConfig(block_n=256, b_chunks=False)
+    assert cfg.on_path("block", programs=264).lora == BlockConfig(block_n=256, programs=264)
     assert cfg.on_path("separate").lora == SeparateConfig() and cfg.on_path("separate").lora_wide is None
 
 

@@ -11,9 +11,10 @@ import torch
 from oracle import tiny_hf_model
 from test_forward import build, engine, merged_hf
 
+from moelora.kernels.dense_policy import DenseLoRAPolicy
 from moelora.layers.linear import Linear
 from moelora.lora.adapter import LoRAAdapter, LoRAWeights
-from moelora.lora.batch import LoRABatch
+from moelora.lora.batch import LoRABatch, LoRANeeds, plan_step
 from moelora.models.decoder import MoECausalLM
 
 SLOTS, RANK = 3, 8
@@ -130,13 +131,32 @@ def test_batch_width_is_its_slots_largest_rank(hf):
     assert LoRABatch.build([-1, -1], [8, 64, 4], "cpu").max_rank == 0
     assert LoRABatch.build([1, 1], [8, 64, 4], "cpu", width=False).max_rank is None  # lora_width_by_batch off
     batch = LoRABatch.build([1, -1, 1], [0, 5, 0], "cpu")
-    assert batch.with_row_plan(SLOTS).max_rank == 5
+    assert plan_step(batch.token_slots, batch.active, batch.max_rank, LoRANeeds(group_slots=SLOTS)).max_rank == 5
     model = build(hf, max_loras=SLOTS, max_rank=RANK)
     layer = model.model.layers[0]
     assert layer.self_attn.o_proj.lora_args(batch).width == 5
     assert layer.mlp.experts.lora_args(batch).width == 5
     unknown = LoRABatch(batch.token_slots, batch.active)
     assert unknown.max_rank is None and layer.mlp.experts.lora_args(unknown).width is None
+
+
+class NeverGrouped(DenseLoRAPolicy):
+    def wants_row_plan(self, num_tokens: int) -> bool:
+        return False
+
+
+def test_plan_step_gives_each_batch_what_the_runner_needs():
+    """`plan_step`, the one builder of the eager and the graph runners' batches: the idle sites, the width
+    (None when switched off), the side stream, and the rows grouped by slot only where the needs ask for it
+    and the dense policy wants it at this many rows."""
+    slots = torch.tensor([1, -1, 1] * 7, dtype=torch.int32)
+    idle = frozenset({"a site"})
+    batch = plan_step(slots[:3], None, 5, LoRANeeds(rows=False, group_slots=SLOTS), idle)
+    assert batch.idle is idle and batch.max_rank == 5 and batch.active is None
+    assert batch.row_plan is None and batch.side_stream is None  # 3 rows: the shipped policy groups none
+    assert plan_step(slots, None, 5, LoRANeeds(width=False), idle).max_rank is None
+    assert plan_step(slots, None, 5, LoRANeeds(group_slots=SLOTS, policy=NeverGrouped())).row_plan is None
+    assert plan_step(slots, None, 5, LoRANeeds(group_slots=0)).row_plan is None  # group_lora_rows off
 
 
 def test_engine_steps_carry_their_width_unless_switched_off(hf):

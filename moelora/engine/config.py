@@ -15,6 +15,7 @@ import torch
 from moelora.config import ModelConfig
 from moelora.errors import ConfigError
 from moelora.kernels.moe_config import check_table_file
+from moelora.layers.options import DEFAULT_OPTIONS, LayerOptions
 from moelora.quant.config import FP8Config
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -78,7 +79,7 @@ class EngineConfig:
     # device. None: on with CUDA, off on the CPU (nothing to overlap there). A request's token reaches
     # the caller one step after it was sampled, and a row computed for a request that stopped in step
     # n is dropped. H200, Qwen3-30B shape, 48 layers: steps 4-10 % shorter at 1-256 requests, with and
-    # without LoRA (docs/benchmarks.md).
+    # without LoRA (docs/performance.md).
     async_scheduling: bool | None = None
     # A tuned fused-MoE config table (a JSON file as benchmarks/tune_fused_moe.py writes, e.g. for this
     # deployment's model and GPU) read instead of the package's table for the GPU; a shape it lacks
@@ -112,6 +113,15 @@ class EngineConfig:
     @property
     def use_cuda_graphs(self) -> bool:
         return self.torch_device.type == "cuda" and self.kernel_backend == "triton" and not self.enforce_eager
+
+    def layer_options(self, base: LayerOptions = DEFAULT_OPTIONS) -> LayerOptions:
+        """The options this (resolved) config builds its models' layers with: its kernel backend, fused-MoE
+        table, shared-expert overlap (CUDA only: ignored on the CPU), MLA absorbed decode and merged q/k/v,
+        over `base` for what it does not set (the dense LoRA policy)."""
+        overlap = self.overlap_shared_experts and self.torch_device.type == "cuda"
+        return dataclasses.replace(base, kernel_backend=self.kernel_backend, fused_moe_table=self.fused_moe_table,
+                                   overlap_shared_experts=overlap, mla_absorbed_decode=self.mla_absorbed_decode,
+                                   merge_qkv=self.merge_qkv)
 
     def fp8_config(self, model: ModelConfig) -> FP8Config | None:
         """The model's FP8 scheme under this engine config (resolved: checked by `resolve`)."""

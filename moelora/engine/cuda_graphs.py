@@ -1,10 +1,11 @@
-"""CUDA-graph decode: one captured graph per batch-size bucket, whatever adapters are active.
+"""CUDA-graph decode: a LoRA graph per batch-size bucket (and a base graph beside it, below), re-captured
+when LoRA sites turn on or a wider adapter arrives, not when the set of active adapters changes.
 
 Shape legend: B bucket size, MB max blocks per sequence, S adapter slots, V vocab.
 Every input of a decode step lives in a static buffer of fixed address; a replay copies the
 step's values in (contract 4) and pads the bucket with rows on no adapter that read and write a
-reserved dummy KV block. The LoRA path is always captured (rows on no adapter cost nothing in the
-kernels), so one graph per bucket serves any number and ranks of active adapters.
+reserved dummy KV block. In a LoRA graph the LoRA kernels of the sites not idle are captured (rows on
+no adapter cost nothing in them), so one graph per bucket serves any mix of the registered adapters.
 
 Idle LoRA sites (`LoRABatch.idle`: no registered adapter has weights there) are captured without their LoRA.
 The engine's idle set only shrinks (a site turns on when an adapter with LoRA there is registered);
@@ -21,10 +22,13 @@ memory pool, replayed by steps whose rows name no adapter (`StepInputs.lora` Non
 then runs the plain path too). Captured beside the LoRA graphs, unless every LoRA site is idle (then the
 LoRA graphs launch no LoRA either and serve those steps).
 Needs the Triton backend: the torch twins loop on the host and cannot be captured.
+No garbage collection runs inside a capture: a collected cycle that freed another engine's graphs there
+would invalidate it (destroying a graph is not permitted while a stream captures).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -34,7 +38,7 @@ from moelora.engine.config import EngineConfig
 from moelora.engine.runner import StepInputs
 from moelora.kernels.checks import lora_tile_rank
 from moelora.layers.attention import AttnMetadata, SeqSlice
-from moelora.lora.batch import NO_SLOT, LoRABatch
+from moelora.lora.batch import NO_SLOT, LoRABatch, LoRANeeds, plan_step
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +62,12 @@ def graph_reserve(cfg: EngineConfig, vocab: int, activations: int, profile_token
 
 
 class CudaGraphRunner:
-    def __init__(self, model, cache, max_num_seqs: int, max_model_len: int, dummy_block: int,
-                 row_plan_slots: int = 0, base_graphs: bool = False, lora_sites: frozenset = frozenset()):
-        """`row_plan_slots`: as `ModelRunner`'s (the captured forward groups the rows by slot).
-        `base_graphs`: also capture graphs without LoRA for steps with no adapter rows; `lora_sites`:
-        every LoRA site of the model (when all are idle the LoRA graphs serve those steps)."""
-        self.model, self.cache, self.row_plan_slots = model, cache, row_plan_slots
+    def __init__(self, model, cache, max_num_seqs: int, max_model_len: int, dummy_block: int, needs: LoRANeeds,
+                 base_graphs: bool = False, lora_sites: frozenset = frozenset()):
+        """`needs`: the eager runner's (`runner.lora_needs`; the captured forward builds its batch by the
+        same `plan_step`). `base_graphs`: also capture graphs without LoRA for steps with no adapter rows;
+        `lora_sites`: every LoRA site of the model (when all are idle the LoRA graphs serve those steps)."""
+        self.model, self.cache, self.needs = model, cache, needs
         self.buckets = sorted(set(default_buckets(max_num_seqs)))
         self.max_model_len = max_model_len
         self.dummy_slot = dummy_block * cache.block_size
@@ -90,9 +94,8 @@ class CudaGraphRunner:
         meta = AttnMetadata(self.slot_mapping[:B], self.block_tables[:B], self.seq_lens[:B],
                             self.query_start[:B + 1], tuple(SeqSlice(i, 1, 1, i) for i in range(B)),
                             max_seq_len=self.max_model_len, max_query_len=1)
-        lora = LoRABatch(self.token_slots[:B], (), self.lora_idle, max_rank=self.lora_width) if with_lora else None
-        if lora is not None and self.row_plan_slots:  # inside the capture: every replay groups its own rows
-            lora = lora.with_row_plan(self.row_plan_slots)
+        # inside the capture: every replay groups its own rows
+        lora = plan_step(self.token_slots[:B], None, self.lora_width, self.needs, self.lora_idle) if with_lora else None
         hidden = self.model(self.input_ids[:B], self.positions[:B], meta, self.cache.layers, lora)
         return self.model.logits(hidden).float()
 
@@ -133,14 +136,23 @@ class CudaGraphRunner:
                 for B in self.buckets:
                     self._forward(B, with_lora)
         torch.cuda.current_stream().wait_stream(side)
-        for graphs, with_lora in sets:  # one pool: a replay at a time, and each step reads its logits first
-            for B in reversed(self.buckets):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    logits = self._forward(B, with_lora)
-                if self.pool is None:
-                    self.pool = graph.pool()
-                graphs[B] = (graph, logits)
+        # No garbage collection inside a capture: a collected cycle holding another engine's graphs destroys
+        # them (cudaGraphExecDestroy), which is not permitted while a stream captures and invalidates it.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            for graphs, with_lora in sets:  # one pool: a replay at a time, and each step reads its logits first
+                for B in reversed(self.buckets):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        logits = self._forward(B, with_lora)
+                    if self.pool is None:
+                        self.pool = graph.pool()
+                    graphs[B] = (graph, logits)
+        finally:
+            if collecting:
+                gc.enable()
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - t0
 

@@ -9,6 +9,7 @@ the prefix cache, free finished requests' blocks.
 from __future__ import annotations
 
 import time
+import weakref
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from moelora.engine.detokenize import StopStrings, first_stop
 from moelora.engine.kv_cache import PagedKVCache
 from moelora.engine.readback import ReadBack
 from moelora.engine.request import Request, SamplingParams, Status
-from moelora.engine.runner import ModelRunner
+from moelora.engine.runner import ModelRunner, lora_needs
 from moelora.engine.sampler import (
     PenaltyState,
     adjust_logits,
@@ -33,10 +34,8 @@ from moelora.engine.sampler import (
 )
 from moelora.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from moelora.engine.tokenizer import Tokenizer
-from moelora.errors import AdapterError, RequestError
-from moelora.layers.attention import Attention
+from moelora.errors import AdapterError, ConfigError, RequestError
 from moelora.layers.mla import MLAttention
-from moelora.layers.moe import SparseMoE
 from moelora.lora.adapter import LoRAAdapter
 from moelora.lora.pool import AdapterPool
 from moelora.models.lora_targets import lora_site_owners, restrict_lora_sites, site_kinds
@@ -56,11 +55,24 @@ class _Launched:
     host: ReadBack | None
 
 
+def check_layer_options(model, cfg: EngineConfig) -> None:
+    """ConfigError unless `model` was built with the layer options `cfg` gives it (options reach a layer
+    through its constructor: an engine cannot change them), naming the ones that differ."""
+    want = cfg.layer_options(model.options)
+    if model.options != want:
+        diff = [f"{f}={getattr(model.options, f)!r} (the config's: {getattr(want, f)!r})"
+                for f in want.__dataclass_fields__ if getattr(model.options, f) != getattr(want, f)]
+        raise ConfigError(f"the model was built with other layer options than this engine's config asks for: "
+                          f"{', '.join(diff)}; build it with options=cfg.layer_options(), or pass "
+                          "model.with_options(cfg.layer_options(model.options))")
+
+
 class LLMEngine:
     def __init__(self, model, tokenizer: Tokenizer | None, cfg: EngineConfig, load_adapter,
                  adapters: Mapping[str, str | Path] | None = None):
         """`load_adapter(name, path)` -> LoRAAdapter; `adapters` (name -> path) are registered before the
         decode graphs are captured (so they are captured with those adapters' LoRA sites on)."""
+        check_layer_options(model, cfg)
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.model_config = model.config
         self.device = cfg.torch_device
@@ -72,27 +84,11 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_loras,
                                                    cfg.enable_prefix_caching), self.cache.allocator,
                                    adapter_ready=self.pool.ensure if cfg.async_adapter_loading else None)
-        row_plan_slots = model.max_loras if cfg.group_lora_rows and cfg.kernel_backend == "triton" else 0
-        self.runner = self._make_runner(model, lora_rows=cfg.kernel_backend == "torch",
-                                        row_plan_slots=row_plan_slots, lora_width=cfg.lora_width_by_batch)
+        needs = lora_needs(cfg, model)  # what every step's LoRABatch carries, eager or in a graph
+        self.runner = self._make_runner(model, needs=needs)
         self._registered_rank = 0  # the largest rank of any adapter registered so far (the graphs' LoRA width)
         # LoRA sites no registered adapter has weights at (all of them until one is added): skipped
         self.runner.lora_idle = frozenset(self._site_owners.values()) if cfg.skip_idle_lora_sites else frozenset()
-        lora_stream = (torch.cuda.Stream(self.device)
-                       if cfg.overlap_lora and self.device.type == "cuda" else None)
-        for module in model.modules():  # the engine owns the model: its config picks the fast paths
-            if getattr(module, "has_lora", False) and hasattr(module, "lora_stream"):
-                module.lora_stream = lora_stream
-            if hasattr(module, "moe_table"):
-                module.moe_table = cfg.fused_moe_table
-            if isinstance(module, SparseMoE):
-                module.overlap_shared = cfg.overlap_shared_experts
-            if isinstance(module, MLAttention):
-                module.absorb_decode = cfg.mla_absorbed_decode
-            if isinstance(module, Attention):
-                module.merge_qkv = cfg.merge_qkv
-            if hasattr(module, "backend"):
-                module.backend = cfg.kernel_backend
         for name, path in (adapters or {}).items():
             self.pool.add(name, path)
         self.graphs = None
@@ -101,7 +97,7 @@ class LLMEngine:
         if cfg.use_cuda_graphs and graph_safe and getattr(model, "supports_cuda_graphs", False):
             pad = self.cache.allocator.reserve()  # padding rows of a graph bucket write here: in no request's use
             self.graphs = self._make_graphs(model, self.cache, cfg.max_num_seqs, cfg.max_model_len, pad,
-                                            row_plan_slots, cfg.base_decode_graphs,
+                                            needs, cfg.base_decode_graphs,
                                             frozenset(self._site_owners.values()))
             self.graphs.capture(self.lora_idle, self._graph_width)
         self.requests: dict[str, Request] = {}
@@ -126,6 +122,8 @@ class LLMEngine:
         lora_target_modules) instead of failing at its first slot write, and turns the adapter's
         sites on. Decode graphs follow at their next run, or at `capture_graphs()`."""
         sites = set(self.model.lora_sites())
+        targets = self.cfg.lora_target_modules or ()
+        engine = weakref.ref(self)  # the pool holds this loader: no cycle, so a dropped engine frees at once
 
         def load(name: str, path):
             adapter = load_adapter(name, path)
@@ -133,9 +131,8 @@ class LLMEngine:
             if outside:
                 raise AdapterError(f"adapter {name!r} has LoRA on {', '.join(site_kinds(outside))}, which this "
                                    f"engine has no LoRA site for (lora_target_modules: "
-                                   f"{', '.join(site_kinds(self.cfg.lora_target_modules or ()))}); start it with "
-                                   "those modules targeted")
-            self._turn_on(adapter)
+                                   f"{', '.join(site_kinds(targets))}); start it with those modules targeted")
+            engine()._turn_on(adapter)
             return adapter
         return load
 

@@ -120,13 +120,13 @@ def build_engine(model_dir: str | Path, cfg: EngineConfig | None = None, progres
 
         return build_parallel_engine(model_dir, cfg, adapters, load_format, seed, tok)
     if cfg.torch_device.type == "cuda":
-        # an engine dropped earlier in this process (its graphs and caches hold reference cycles) is only
-        # freed by the cycle collector: collect it first, or its weights and KV pool still take the memory
+        # engines and models hold no reference cycles (test_engine: freed at once when dropped), but a
+        # caller's own cycle may still hold a dropped one: collect before measuring free memory
         gc.collect()
         torch.cuda.empty_cache()
     with torch.device(cfg.torch_device):
         model = model_class(model_cfg)(model_cfg, max_loras=cfg.max_loras, max_rank=cfg.max_lora_rank,
-                                       backend=cfg.kernel_backend, dtype=cfg.torch_dtype, quant=fp8)
+                                       options=cfg.layer_options(), dtype=cfg.torch_dtype, quant=fp8)
     if fp8 is not None:
         check_ignored(model, fp8)
     if load_format == "dummy":

@@ -3,7 +3,7 @@
 `tensor.tolist()` on a CUDA tensor is a synchronous copy on the current stream: it returns only
 once everything queued before it has run. Overlapped scheduling queues step n+1 before it reads
 step n back, so such a read waits for step n+1 too, and the host then schedules step n+2 while the
-device idles (measured on the H200: `benchmarks/step_overlap.py`, docs/benchmarks.md). `ReadBack`
+device idles (measured on the H200: `benchmarks/step_overlap.py`, docs/history/2026-12-01.md). `ReadBack`
 queues the copy right behind the step's own sampling, into page-locked memory, and records an
 event there: `get()` waits for that event alone.
 """

@@ -3,7 +3,8 @@
 Shape legend: T tokens in the step, B sequences, MB max blocks per sequence, V vocab.
 `prepare(step, slot_of)` builds input ids, positions, the paged `AttnMetadata` and the
 `LoRABatch` once per step: `pack` makes the step's host lists (`HostStep`, plain ints: what rank 0 sends
-tensor-parallel workers), `unpack` uploads them; `run(...)` executes the model and returns the logits of the rows
+tensor-parallel workers), `unpack` uploads them (the `LoRABatch` by `lora.batch.plan_step`, as the decode
+graphs build theirs); `run(...)` executes the model and returns the logits of the rows
 that sample (the last computed token of each request that reaches its end this step).
 """
 
@@ -13,11 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
+from moelora.engine.config import EngineConfig
 from moelora.engine.kv_cache import PagedKVCache
 from moelora.engine.request import PENDING
 from moelora.engine.scheduler import ScheduledStep
 from moelora.layers.attention import AttnMetadata, SeqSlice
-from moelora.lora.batch import NO_SLOT, LoRABatch
+from moelora.lora.batch import NO_SLOT, LoRABatch, LoRANeeds, plan_step, upload_slots
 from moelora.upload import upload
 
 
@@ -46,17 +48,22 @@ class StepInputs:
     host: HostStep | None = None  # what it was built from (tensor parallelism sends it to the workers)
 
 
+def lora_needs(cfg: EngineConfig, model) -> LoRANeeds:
+    """What `model`'s LoRA paths need in every step's batch under `cfg` (resolved), for both runners: the
+    torch twins' per-slot rows, the width, the rows grouped by slot over the model's slots (Triton, as its
+    dense policy wants them), and a LoRA side stream (a new CUDA stream: this runner's, `overlap_lora`)."""
+    device = cfg.torch_device
+    triton = cfg.kernel_backend == "triton"
+    return LoRANeeds(rows=not triton, width=cfg.lora_width_by_batch,
+                     group_slots=model.max_loras if cfg.group_lora_rows and triton else 0,
+                     policy=model.options.dense_lora_policy,
+                     side_stream=torch.cuda.Stream(device) if cfg.overlap_lora and device.type == "cuda" else None)
+
+
 class ModelRunner:
-    def __init__(self, model, cache: PagedKVCache, device: torch.device, lora_rows: bool = True,
-                 row_plan_slots: int = 0, lora_width: bool = True):
-        """`lora_rows`: build `LoRABatch.active` (the torch backend's per-slot rows; the Triton
-        kernels read only the token slots). `row_plan_slots` > 0 (`EngineConfig.group_lora_rows`, the
-        model's slot count): every LoRA batch gets its rows grouped by slot (`LoRABatch.with_row_plan`).
-        `lora_width` (`EngineConfig.lora_width_by_batch`): batches carry their adapters' largest rank
-        (`LoRABatch.max_rank`), so the kernels tile at it; off: None, the pool's."""
-        self.model, self.cache, self.device, self.lora_rows = model, cache, device, lora_rows
-        self.row_plan_slots = row_plan_slots
-        self.lora_width = lora_width
+    def __init__(self, model, cache: PagedKVCache, device: torch.device, needs: LoRANeeds | None = None):
+        """`needs`: what every step's `LoRABatch` carries (`lora_needs`; None: the twins' rows and the width)."""
+        self.model, self.cache, self.device, self.needs = model, cache, device, needs or LoRANeeds()
         self.lora_idle: frozenset = frozenset()  # the engine's idle LoRA sites, carried by every LoRABatch
 
     def _upload(self, *lists: list[int]) -> list[torch.Tensor]:
@@ -125,10 +132,10 @@ class ModelRunner:
             slot_mapping=slot_map_t, block_tables=tables_t.view(len(seqs), max_blocks).to(torch.int32),
             seq_lens=seq_lens_t.to(torch.int32), query_start=starts_t.to(torch.int32), seqs=tuple(seqs),
             max_seq_len=max(seq_lens), max_query_len=host.max_query_len)
-        lora = LoRABatch.build(slots, host.slot_ranks, self.device, self.lora_rows, self.lora_idle, self.lora_width) \
-            if any(s != NO_SLOT for s in slots) else None
-        if lora is not None and self.row_plan_slots:
-            lora = lora.with_row_plan(self.row_plan_slots)
+        lora = None
+        if any(s != NO_SLOT for s in slots):
+            lora = plan_step(*upload_slots(slots, host.slot_ranks, self.device, self.needs.rows), self.needs,
+                             self.lora_idle)
         return StepInputs(ids_t, pos_t, meta, lora, rows_t, host.sample_index, host)
 
     @torch.inference_mode()

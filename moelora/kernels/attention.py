@@ -8,18 +8,9 @@ Shape legend: T tokens in the step (all sequences concatenated), N query heads, 
   meta.slot_mapping [T] int64 (block * BS + offset; < 0: not stored), meta.block_tables [B, MB]
   int32, meta.seq_lens [B] int32 (cached + new), meta.query_start [B + 1] int32   -> out [T, N, D]
 
-Three kernels: a store writes k/v at `slot_mapping`; then either the prefill/extend kernel
-(program = (query tile of BLOCK_M rows of one sequence, sequence, query head); flash-attention
-over the sequence's blocks, keys gathered token by token through the block table, so any BS
-works; tiles wholly below the causal diagonal skip the mask) or, when meta.max_query_len == 1,
-split-KV decode (program = (sequence, kv head, split); the G query heads of a kv head share one
-K/V read as the rows of one dot; each split covers ceil(ceil(L / S) / BLOCK_N) * BLOCK_N keys and
-a split past L stores an empty partial) followed by a reduce over the S partials. S depends on B
-and N_kv only, so the decode grid is fixed per batch size (CUDA-graph safe); no host sync.
-Scores and softmax run in fp32, in the log2 domain (exp2 with scale * log2 e).
-D is a constexpr: with a runtime D the `offs_d < D` mask blocked 16-byte loads of the gathered
-K/V rows (ptxas -v, sm_90, bf16, D 128, 64x64 tiles: 255 registers + 1.7 KB spills, scalar loads;
-constexpr D: 207 registers, no spills, v4 loads).
+A store, then flash-attention prefill/extend (program: query tile, sequence, head) or split-KV decode
+(program: sequence, kv head, split; the G query heads share one K/V read) and its reduce. The decode grid
+depends on B and N_kv only (CUDA-graph safe). D is a constexpr: a runtime D's mask blocked vector loads.
 """
 
 from __future__ import annotations
@@ -160,8 +151,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, seq_lens_ptr, qstart
 
 @triton.jit
 def split_range(seq_lens_ptr, b, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[start, end) of split-KV decode's key range `split` of sequence b: BLOCK_N-aligned chunks;
-    end <= start for a split past the context (an empty loop)."""
+    """[start, end) of decode split `split` of sequence b (BLOCK_N-aligned; empty past the context)."""
     seq_len = tl.load(seq_lens_ptr + b)
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
@@ -171,8 +161,7 @@ def split_range(seq_lens_ptr, b, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.co
 @triton.jit
 def store_split(out_ptr, m_ptr, l_ptr, acc_ptr, t64, heads, h_mask, offs, o_mask, m_i, l_i, acc, b, split, N,
                 stride_ot, stride_oh, NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """A split-KV decode program's result for its heads: the normalized output when there is one
-    split, else (m, l, acc) partials for `decode_reduce_kernel`."""
+    """A decode program's result: the normalized output with one split, else (m, l, acc) partials for the reduce."""
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + offs[None, :],
@@ -280,11 +269,8 @@ def _check(q, k, v, k_cache, v_cache, meta):
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta, scale: float, *, config: AttentionConfig | None = None,
                     num_splits: int | None = None) -> torch.Tensor:
-    """Write k/v into the caches at meta.slot_mapping, then causal paged attention -> new [T, N, D].
-
-    Decode (meta.max_query_len == 1) uses `num_splits` KV splits (default `default_num_splits(B,
-    N_kv)`); pass the same value at capture and replay to keep a CUDA graph's grid.
-    """
+    """Store k/v at meta.slot_mapping, then causal paged attention -> new [T, N, D]; pass the same `num_splits`
+    at capture and replay."""
     T, N, D, B, BS, n_kv = _check(q, k, v, k_cache, v_cache, meta)
     splits = default_num_splits(B, n_kv) if num_splits is None else num_splits
     if splits < 1:

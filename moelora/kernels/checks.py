@@ -1,10 +1,7 @@
-"""Launcher argument checks shared by the kernels (the small fused ones use them all; the block-size
-checks `need_pow2`, `need_at_least` and `need_one_of` serve every launch config).
+"""Launcher argument checks shared by the kernels.
 
-A launcher validates what it documents and raises ValueError naming the argument, the shape or
-dtype it wanted and the one it got; it then allocates its output or takes the caller's `out=`,
-which must have the output's shape and dtype, a unit last stride, and share no storage with an
-input (contract 2).
+A launcher raises ValueError naming the argument, what it wanted and what it got; an `out=` must have the
+output's shape and dtype, a unit last stride, and share no storage with an input (contract 2).
 """
 
 from __future__ import annotations
@@ -15,9 +12,9 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def cdiv(a: int, b: int) -> int:
-    """`triton.cdiv` for host ints. Triton's is a constexpr function: called from the host it unwraps its
-    arguments through the JIT's machinery, ~3 µs a call; a prefill forward makes thousands
-    (docs/benchmarks.md: prefill is bound by the host's launch work)."""
+    """`triton.cdiv` for host ints: Triton's is a constexpr function, and called from the host it unwraps its
+    arguments through the JIT's machinery, ~3 µs a call; a prefill forward made thousands, and prefill is
+    bound by its launches' host work (docs/history/2026-12-02.md)."""
     return (a + b - 1) // b
 
 
@@ -27,9 +24,8 @@ def next_pow2(n: int) -> int:
 
 
 def need(cond: bool, msg) -> None:
-    """Raise ValueError(msg) unless cond; msg a string or a callable making it. The checks below format their
-    messages only on failure: they run on every launch (a config is built for each dense projection), and a
-    prefill forward is bound by its launches' host work (docs/benchmarks.md, issue 32)."""
+    """Raise ValueError(msg) unless cond; msg a string or a callable making it. The checks here format their
+    messages only on failure: they run on every launch (a config is built for each dense projection)."""
     if not cond:
         raise ValueError(msg() if callable(msg) else msg)
 
@@ -53,12 +49,8 @@ def need_one_of(owner: str, name: str, value, allowed: tuple) -> None:
 
 
 def lora_tile_rank(pool_rank: int, width: int | None) -> int:
-    """BLOCK_R of a LoRA launch: the pool's rank, or `width` when smaller (a bound, known on the host,
-    on the ranks of the slots the call's rows name: `LoRABatch.max_rank`), rounded up to a power of two
-    >= 16 (tl.dot). Loads stay masked to each slot's own rank; the width only narrows the tiles, the
-    buffers and the stacked columns, so a batch of rank-8 adapters in a rank-64 pool runs rank-8 tiles.
-    A width below a slot's real rank would drop that slot's columns past it: it must come from the
-    pool's ranks, never be guessed, and a CUDA graph captured with it holds only while it does."""
+    """BLOCK_R of a LoRA launch: the pool's rank, or the smaller `width` (`LoRABatch.max_rank`, a host bound on the
+    rows' slot ranks), as a power of two >= 16. A width below a slot's rank drops its columns: never guess it."""
     if width is not None and width < 0:
         raise ValueError(f"LoRA width must be None or >= 0, got {width}")
     r = pool_rank if width is None else min(pool_rank, width)
@@ -67,8 +59,7 @@ def lora_tile_rank(pool_rank: int, width: int | None) -> int:
 
 def check_rows(name: str, t: torch.Tensor, shape: tuple[int, ...] | None = None,
                dtype: torch.dtype | None = None) -> None:
-    """A float activation of `shape` (any row stride) with unit stride in its last dim. (The messages are
-    formatted only on failure: these run on every launch, and a prefill forward is bound by its launches.)"""
+    """A float activation of `shape` (any row stride) with unit stride in its last dim."""
     if not (t.dtype in FLOAT_DTYPES if dtype is None else t.dtype == dtype):
         raise ValueError(f"{name} must be {dtype or 'fp16/bf16/fp32'}, got {t.dtype}")
     if shape is not None and tuple(t.shape) != tuple(shape):

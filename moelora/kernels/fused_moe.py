@@ -4,16 +4,15 @@ Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, S a
 P plan rows (max_padded).
   x [T, H], w_gate_up [E, 2I, H] (gate rows then up rows), w_down [E, H, I], topk_weights [T, K] (float),
   topk_ids [T, K] (int32/int64), lora: ExpertLoRAArgs                                  -> out [T, H]
-Launches: plan -> gate_up GEMM + SiLU*up -> h [P, I] -> down GEMM x routing weight -> y [T*K, H] -> combine,
-no host sync, fixed sizes (CUDA-graph safe), the K rows summed in a fixed order (deterministic). The routed
-LoRA is one path of `moelora.kernels.moe_lora` (`FusedMoEConfig.lora`, `lora_wide` for pools of rank > 16)
-that adds its launches through `base.MoELoRAPath`'s hooks. Inputs are never written (contract 2).
+plan -> gate_up + SiLU*up -> down x routing weight -> combine: fixed sizes, no host sync, deterministic;
+the routed LoRA is a `moe_lora` path's hooks. Inputs are never written (contract 2).
 """
 
 from __future__ import annotations
 
 import torch
 
+from moelora.kernels.args import ExpertLoRAArgs
 from moelora.kernels.checks import cdiv, lora_tile_rank, next_pow2
 from moelora.kernels.moe_config import FusedMoEConfig, lora_paths, tuned_fused_moe_config
 from moelora.kernels.moe_gemm import combine_kernel, down_kernel, gate_up_kernel
@@ -25,7 +24,6 @@ from moelora.kernels.moe_plan import (
     build_routing_plan,
     per_route_plan,
 )
-from moelora.kernels.reference import ExpertLoRAArgs
 
 ACCEPTED_LAYOUTS = (EXPERT_SORTED_PADDED, ROUTE_PER_BLOCK)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -125,8 +123,7 @@ def _check_out(out, x, T, H):
 
 
 def lora_path(lora: ExpertLoRAArgs | None, config: FusedMoEConfig, block_r: int) -> tuple[type, object] | None:
-    """(path class, its config) of a call with `lora` on a pool of block_r tile columns: the config's path for
-    that width (`FusedMoEConfig.lora_for`), as the path resolves it for the pool (`MoELoRAPath.resolve`)."""
+    """(path class, config) of a call with `lora` on a pool of block_r tile columns (`MoELoRAPath.resolve`)."""
     if lora is None:
         return None
     cfg = config.lora_for(block_r)
@@ -153,13 +150,9 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
               config: FusedMoEConfig | None = None, plan: MoERoutingPlan | None = None,
               side_stream: torch.cuda.Stream | None = None, table: str | None = None,
               route_rows: dict | None = None) -> torch.Tensor:
-    """Routed experts (+ routed LoRA) of `fused_moe_ref`, on the GPU. Returns `out` ([T, H], x's dtype;
-    a new tensor unless the caller passes its own `out=`). `plan` may be passed to share one routing
-    plan with other consumers; it must match this call's T, K, E and the config's block_m.
-    `side_stream`: a second CUDA stream for the route / block deltas (forked and joined inside this call;
-    the same kernels, so the same result bit for bit). `table`: the tuned-config table file `config` is
-    taken from when None (`moe_config.check_table_file`; default: the package's). `route_rows`: the caller's
-    cache of `per_route_plan`'s constant rows (config.plan_per_route), kept across its calls."""
+    """`fused_moe_ref` on the GPU -> out [T, H] (new, or `out=`). `plan`: a shared plan of this T, K, E and block_m;
+    `side_stream`: for the route / block deltas; `table`: the tuned table `config` None is taken from;
+    `route_rows`: the caller's cache of `per_route_plan`'s rows."""
     T, H, E, inter, K = _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids)
     block_r = _check_lora(lora, T, H, E, inter) if lora is not None else 16
     if config is None:

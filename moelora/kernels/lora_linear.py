@@ -4,9 +4,7 @@ Shape legend: T tokens, N_in / N_out features, S adapter slots, R max rank, G ou
   x [T, N_in], weight [N_out, N_in], bias [N_out] | None, lora: DenseLoRAArgs (a [S, G*R, N_in],
   b [S, N_out, R] with scaling folded in, token_slots [T] int32 (-1: none), slot_ranks [S] or [G, S])
                                                                                        -> y [T, N_out]
-This file holds the config, the default picks and the checks; the modes ("split", "splitk", "planned")
-are in `moelora.kernels.dense_lora`, one per file. Rows on slot -1 are neither read nor written by the
-LoRA kernels; grids depend on shapes only and nothing syncs with the host (graph-safe).
+The config, default picks and checks; the modes are `moelora.kernels.dense_lora`, one per file.
 """
 
 from __future__ import annotations
@@ -15,57 +13,21 @@ from dataclasses import dataclass
 
 import torch
 
+from moelora.kernels.args import DenseLoRAArgs
 from moelora.kernels.checks import need_at_least, need_one_of, need_pow2
 from moelora.kernels.dense_lora import MODES, row_plan
-from moelora.kernels.reference import DenseLoRAArgs
+from moelora.kernels.dense_policy import DENSE_LORA_POLICY, PLAN_BLOCK_M, DenseLoRAPolicy
 
-__all__ = ["PLAN_BLOCK_M", "LoRALinearConfig", "default_lora_linear_config", "lora_linear", "row_plan",
-           "wants_row_plan"]
+__all__ = ["PLAN_BLOCK_M", "LoRALinearConfig", "default_lora_linear_config", "lora_linear", "row_plan"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_PLANNED_MAX_ROWS = 1024  # the largest row count "planned" is the default for
-PLAN_BLOCK_M = 16
-
-
-def _prefers_splitk(num_tokens: int, n_in: int, n_out: int, has_lora: bool) -> bool:
-    """LoRA rows, T <= 16 on shapes >= 1024 wide; T <= 64 on o-like shapes (N_in >= 2 N_out, N_in >= 1024,
-    N_out >= 128): where splitk beat cuBLAS + split on the H200 (docs/performance.md, dense modes)."""
-    if not (has_lora and 0 < num_tokens <= 64 and n_in >= 1024):
-        return False
-    o_like = n_in >= 2 * n_out and n_out >= 128
-    return o_like or (num_tokens <= 16 and n_out >= 1024)
-
-
-def _prefers_planned(num_tokens: int, n_in: int, n_out: int) -> bool:
-    """Past splitk's rows up to 1024, from 17 rows on shapes wider than deep and from 129 on the others, on
-    shapes >= 1024 wide: where planned beat split on the H200 (a program's full-depth shrink is a latency
-    chain; docs/performance.md, dense modes)."""
-    if not (n_in >= 1024 and n_out >= 1024 and wants_row_plan(num_tokens)):
-        return False
-    return n_in <= n_out or num_tokens > 128
-
-
-def wants_row_plan(num_tokens: int) -> bool:
-    """Whether a step of this many rows may take "planned" at some site (so the engine builds the
-    rows' grouping by slot once for all of them, with `PLAN_BLOCK_M` rows a block): past the 16
-    rows splitk keeps, up to _PLANNED_MAX_ROWS."""
-    return 16 < num_tokens <= _PLANNED_MAX_ROWS
 
 
 @dataclass(frozen=True)
 class LoRALinearConfig:
-    """Block sizes of the LoRA delta. `mode`: "split" (shrink + expand kernels), "splitk" or "planned".
-    block_m / block_n: the output tile (expand); block_k: depth step of the shrink; shrink_block_m: rows
-    per shrink program; split_k: N_in chunks of the shrink (0: from the shapes); slot_lanes: programs per
-    row block that each take one distinct slot (the last one takes the rest). num_warps / num_stages: the
-    expand kernel (num_warps: also the splitk reduce); the shrink runs 4 warps and shrink_num_stages.
-    "splitk" (decode, T <= 64, fp16/bf16): a split-K Triton GEMM in gemm_split_k chunks of N_in
-    (gemm_block_n x gemm_block_k tiles) instead of cuBLAS, whose launch also runs the split path's shrink
-    programs, and one reduce that adds bias and the expand (block_m x block_n tiles); see
-    `moelora.kernels.splitk_linear`. "planned": block_m rows of one slot a program (the row plan's
-    block), block_n x block_k tiles, plan_cols output columns a program (0: from the shapes); each
-    program shrinks its rows over the full N_in.
-    All block sizes are powers of two >= 16 (tl.dot)."""
+    """`mode` ("split", "splitk", "planned") and its tiles: block_m x block_n the expand's output tile, block_k the
+    shrink's depth step, split_k its N_in chunks (0: from the shapes), slot_lanes programs a row block taking one
+    distinct slot each; gemm_*: splitk's base GEMM; plan_cols: planned's columns a program (0: from the shapes)."""
 
     mode: str = "split"
     block_m: int = 16
@@ -91,26 +53,20 @@ class LoRALinearConfig:
 
 
 def default_lora_linear_config(num_tokens: int, mode: str | None = None, n_in: int = 0, n_out: int = 0,
-                               has_lora: bool = True, row_plan: bool = False) -> LoRALinearConfig:
-    """Decode: short row blocks, many programs; prefill: taller expand tiles, so B is re-read by
-    fewer row blocks.
-    `mode` None: "splitk" where it measured faster than cuBLAS + split (`_prefers_splitk`), else, when
-    the caller grouped the rows by slot (`row_plan`: `DenseLoRAArgs.row_plan` given), "planned" where
-    that did (`_prefers_planned`), else "split"."""
+                               has_lora: bool = True, row_plan: bool = False,
+                               policy: DenseLoRAPolicy = DENSE_LORA_POLICY) -> LoRALinearConfig:
+    """The measured picks (docs/performance.md); `mode` None: `policy.mode` picks it (`row_plan`: the caller
+    grouped the rows by slot, `DenseLoRAArgs.row_plan` given)."""
     if mode is None:
-        mode = ("splitk" if _prefers_splitk(num_tokens, n_in, n_out, has_lora)
-                else "planned" if has_lora and row_plan and _prefers_planned(num_tokens, n_in, n_out) else "split")
+        mode = policy.mode(num_tokens, n_in, n_out, has_lora, row_plan)
     if mode == "splitk":
         return LoRALinearConfig("splitk", 16, 64, 128, 16, split_k=8)
     if mode == "planned":
-        # H200 sweep (benchmarks/lora_linear.py --sweep-mode planned), q/k/v and o, T 64..256, 1 and 8 adapters
         return LoRALinearConfig("planned", PLAN_BLOCK_M, 128, 256, plan_cols=512, num_stages=4)
     if num_tokens <= 32:
-        # 8 shrink splits, not the 16 the shapes give (H200 sweep, 8 adapters r16, T=8: merged q/k/v
-        # 18.41 -> 17.94 µs, o 20.33 -> 19.51 µs): half the partials for the expand to sum
+        # 8 shrink splits, not the shapes' 16: half the partials to sum (docs/performance.md, dense tiles)
         return LoRALinearConfig("split", 16, 64, 128, 16, split_k=8)
-    # 4 warps, not 8 (H200 sweep, merged q/k/v 2048->5120, 8 adapters r16: T=64 29.3 -> 20.2 µs,
-    # T=256 74.7 -> 41.7 µs; o 4096->2048 T=256 32.2 -> 27.6 µs)
+    # 4 warps, not 8 (docs/performance.md, dense tiles)
     return LoRALinearConfig("split", 64, 128, 128, 16)
 
 
@@ -159,11 +115,10 @@ def _check_lora(lora, T, n_in, n_out):
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 lora: DenseLoRAArgs | None, *, out: torch.Tensor | None = None,
                 config: LoRALinearConfig | None = None,
-                side_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
-    """`lora_linear_ref` on the GPU: returns y [T, N_out] (new, or the caller's `out=`).
-    `side_stream` (split mode): a second CUDA stream on which the LoRA shrink runs concurrently
-    with the base GEMM (forked and joined inside this call; the same kernels, so the same result
-    bit for bit)."""
+                side_stream: torch.cuda.Stream | None = None,
+                policy: DenseLoRAPolicy = DENSE_LORA_POLICY) -> torch.Tensor:
+    """`lora_linear_ref` on the GPU -> y [T, N_out] (new, or `out=`); `side_stream`: split mode's shrink runs there;
+    `policy`: picks the mode when `config` is None."""
     T, n_in, n_out = _check(x, weight, bias, lora)
     if out is None:
         out = torch.empty(T, n_out, dtype=x.dtype, device=x.device)
@@ -175,6 +130,6 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError("out must not alias an input (contract 2)")
     has_lora = lora is not None and lora.a.shape[0] > 0
     cfg = config or default_lora_linear_config(T, n_in=n_in, n_out=n_out, has_lora=has_lora,
-                                               row_plan=has_lora and lora.row_plan is not None)
+                                               row_plan=has_lora and lora.row_plan is not None, policy=policy)
     MODES[cfg.mode].run(x, weight, bias, lora if has_lora else None, out, cfg, side_stream)
     return out

@@ -1,9 +1,8 @@
 """Triton building blocks shared by the LoRA kernels (routed experts and dense linears).
 
-Shape legend: BM rows, BN output columns, R rank (BLOCK_R = pow2 >= 16 >= R), k_dim the input
-features. A [R, k_dim] and B [N, R] are one (slot, expert) or one slot's matrices, unit last
-stride. Loads are masked to the slot's rank: an adapter of rank r moves r rows of A / columns
-of B (rounded up to 16 for B: `rank_chunks`) whatever the pool's R.
+Shape legend: BM rows, BN output columns, R rank (BLOCK_R = pow2 >= 16 >= R), k_dim the input features.
+A [R, k_dim] and B [N, R] are one (slot, expert) or one slot's matrices, unit last stride. Loads are masked to
+the slot's rank, so an adapter of rank r moves r rows of A / columns of B whatever the pool's R.
 """
 
 from __future__ import annotations
@@ -15,8 +14,7 @@ import triton.language as tl
 @triton.jit
 def lora_shrink_rows(src_ptr, rows, stride_src, sel, a_ptr, stride_ar, rank, k_start, k_end,
                      BM: tl.constexpr, BLOCK_R: tl.constexpr, LORA_BK: tl.constexpr):
-    """[BM, BLOCK_R] fp32: src[rows, k_start:k_end] @ A[:, k_start:k_end]^T for the rows in `sel`
-    (zero elsewhere), rank-masked."""
+    """[BM, BLOCK_R] fp32: src[rows, k_start:k_end] @ A[:, k_start:k_end]^T for the rows in `sel`, rank-masked."""
     offs_r = tl.arange(0, BLOCK_R)
     xa = tl.zeros((BM, BLOCK_R), tl.float32)
     for k0 in range(k_start, k_end, LORA_BK):
@@ -32,12 +30,8 @@ def lora_shrink_rows(src_ptr, rows, stride_src, sel, a_ptr, stride_ar, rank, k_s
 
 @triton.jit
 def rank_chunks(rank, r_limit):
-    """The B columns a tile loads for a slot of `rank`: its rank rounded up to whole 16-column chunks
-    (a multiple of 16 the compiler can see), at most r_limit (the columns B's rows hold from the tile's
-    first one). A mask of `offs_r < rank` alone varies inside every 16 contiguous columns, so each B
-    element became its own 2-byte load (ld.global.b16 in the PTX); chunk-aligned, the loads are vectors
-    (and a pipelined loop's are cp.async). The columns read past the rank (at most 15, in one 32-byte
-    sector of the row the rank's own columns already touch) are zeroed by `_ranked`."""
+    """B columns a tile loads for a slot of `rank`: whole 16-column chunks (at most r_limit), so the loads are vectors,
+    not the 2-byte element loads a per-column rank mask compiles to; `_ranked` zeroes the columns past the rank."""
     return tl.minimum(tl.cdiv(rank, 16) * 16, r_limit)
 
 
@@ -48,9 +42,7 @@ def _ranked(bt, offs_r, rank):
 
 @triton.jit
 def _b_tile(b_ptr, offs_n, cols, stride_bn, rank, col0, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr):
-    """[BLOCK_R, BN] tile of B^T for the output rows in `cols`, rank columns [col0, col0 + BLOCK_R) of B (b_ptr:
-    its column 0; B's rows hold stride_bn columns, the launchers' check): whole rank chunks then the select
-    (CHUNKS), or masked column by column (element loads, no select: fewer registers)."""
+    """[BLOCK_R, BN] tile of B^T, rank columns from col0: whole rank chunks and the select (CHUNKS), or masks."""
     offs_r = tl.arange(0, BLOCK_R)
     ptrs = b_ptr + col0 + offs_n[None, :] * stride_bn + offs_r[:, None]
     left = rank - col0  # the slot's columns from col0 on
@@ -70,9 +62,7 @@ def lora_b_tile(b_ptr, offs_n, n_limit, stride_bn, rank, col0, BLOCK_R: tl.const
 
 @triton.jit
 def add_expand(acc_g, acc_u, xs, b_se, offs_n, n_limit, stride_bn, rank, col0, R: tl.constexpr, TWO: tl.constexpr):
-    """acc_g += xs @ B^T over B rows offs_n (masked to n_limit and the rank), rank columns from col0, and with TWO
-    (gate_up) acc_u += the same over the up half, B rows n_limit + offs_n. xs [BM, R] in the dot's dtype; B tiles:
-    `lora_b_tile`."""
+    """acc_g (+ acc_u with TWO: the up half, B rows n_limit + offs_n) += xs [BM, R] @ B^T over B rows offs_n."""
     acc_g = tl.dot(xs, lora_b_tile(b_se, offs_n, n_limit, stride_bn, rank, col0, R).to(xs.dtype), acc_g)
     if TWO:
         acc_u = tl.dot(xs, lora_b_tile(b_se + n_limit * stride_bn, offs_n, n_limit, stride_bn, rank, col0,
@@ -91,16 +81,14 @@ def lora_a_tile(a_ptr, k0, offs_k, k_dim, stride_ar, rank, BLOCK_R: tl.constexpr
 @triton.jit
 def lora_b_tile_cols(b_ptr, offs_n, n_lo, n_hi, stride_bn, rank, col0, BLOCK_R: tl.constexpr,
                      CHUNKS: tl.constexpr = True):
-    """[BLOCK_R, BN] tile of B^T (B is [N, R]) for output rows in [n_lo, n_hi) only: one segment of
-    a merged projection's B, from rank column col0, rank- and segment-masked (`_b_tile`)."""
+    """[BLOCK_R, BN] tile of B^T for output rows in [n_lo, n_hi) only: one segment of a merged projection's B."""
     return _b_tile(b_ptr, offs_n, (offs_n >= n_lo) & (offs_n < n_hi), stride_bn, rank, col0, BLOCK_R, CHUNKS)
 
 
 # the "stacked" routed-expert LoRA: column c of S * BLOCK_R stands for rank row c % BLOCK_R of slot c // BLOCK_R
 @triton.jit
 def stacked_slot_ranks(slot, ranks_ptr, n_slots, S_P2: tl.constexpr):
-    """[S_P2]: each slot's rank if some row of `slot` is on it, else 0 (loaded once per program, so the
-    stacked steps' masks need no memory access)."""
+    """[S_P2]: each slot's rank if some row of `slot` is on it, else 0 (so the stacked masks need no load)."""
     offs_s = tl.arange(0, S_P2)
     present = tl.max((slot[:, None] == offs_s[None, :]).to(tl.int32), axis=0) > 0
     return tl.load(ranks_ptr + offs_s, mask=present & (offs_s < n_slots), other=0)
@@ -108,8 +96,7 @@ def stacked_slot_ranks(slot, ranks_ptr, n_slots, S_P2: tl.constexpr):
 
 @triton.jit
 def stacked_columns(slot_ranks, c0, BLOCK_R: tl.constexpr, CW: tl.constexpr, S_P2: tl.constexpr):
-    """Stacked columns [c0, c0 + CW): (columns, their slots, their rank rows, live: below the rank of a
-    slot of the block, from `stacked_slot_ranks`). A column that is not live moves no bytes."""
+    """Stacked columns [c0, c0 + CW): (columns, their slots, their rank rows, live); a dead column moves no bytes."""
     cols = c0 + tl.arange(0, CW)
     s_col = cols // BLOCK_R
     r_col = cols % BLOCK_R
@@ -120,8 +107,7 @@ def stacked_columns(slot_ranks, c0, BLOCK_R: tl.constexpr, CW: tl.constexpr, S_P
 
 @triton.jit
 def drop_largest_slots(slot, lane):
-    """(slot vector with its `lane` largest distinct slots set to -1, the largest one left or -1):
-    how a slot lane finds the slot it handles."""
+    """(slot vector with its `lane` largest distinct slots set to -1, the largest one left or -1)."""
     s = tl.max(slot, axis=0)
     for _ in range(lane):
         slot = tl.where(slot == s, -1, slot)
@@ -131,8 +117,7 @@ def drop_largest_slots(slot, lane):
 
 @triton.jit
 def load_slot_ranks(ranks_ptr, n_slots, S_P2: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr):
-    """Every slot's rank: [S_P2] from ranks [S] (G == 1), or [G_P2, S_P2] from ranks [G, S] (contiguous);
-    zero past S and G."""
+    """Every slot's rank: [S_P2] from ranks [S] (G == 1), or [G_P2, S_P2] from ranks [G, S]; zero past S and G."""
     offs_s = tl.arange(0, S_P2)
     if G == 1:
         ranks = tl.load(ranks_ptr + offs_s, mask=offs_s < n_slots, other=0)
@@ -150,14 +135,12 @@ def segment_rank(ranks, s, g, S_P2: tl.constexpr, G_P2: tl.constexpr):
     return tl.sum(tl.sum(tl.where(hit, ranks, 0), axis=1), axis=0)
 
 
-# dense multi-LoRA (moelora.kernels.lora_linear and splitk_linear): slot lanes and the expand of a tile
+# dense multi-LoRA (`dense_lora` split and splitk): slot lanes and the expand of a tile
 @triton.jit
 def lane_rows(slots_ptr, ranks_ptr, offs_t, T, n_slots, lane, n_lanes, S_P2: tl.constexpr, G: tl.constexpr,
                G_P2: tl.constexpr):
-    """The rows a lane owns: (slot vector with the `lane` largest distinct slots dropped, first slot
-    to handle or -1, mask of the rows this lane handles, all slot ranks [S_P2], or [G_P2, S_P2] for
-    G segments). A lane below the last handles one slot; the last handles every slot left. The ranks
-    are loaded with the slots, so a slot's rank costs no extra round trip."""
+    """The rows a lane owns: (slots left, first slot or -1, the lane's row mask, slot ranks); the last lane takes every
+    slot left. The ranks are loaded with the slots: no extra round trip."""
     slot = tl.load(slots_ptr + offs_t, mask=offs_t < T, other=-1)
     ranks = load_slot_ranks(ranks_ptr, n_slots, S_P2, G, G_P2)
     slot, s = drop_largest_slots(slot, lane)
@@ -175,13 +158,8 @@ def dense_shrink_program(x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, pid_m, pid_
                          n_lanes, R_SEG, stride_xt, stride_xap, stride_as, stride_ar,
                          BM: tl.constexpr, BLOCK_R: tl.constexpr, BK: tl.constexpr, S_P2: tl.constexpr,
                          G: tl.constexpr):
-    """One program (m, p G + g, lane) of the dense shrink: xa[p, t, g] = x[t, chunk p] @
-    A_g,slot(t)[:rank_g, chunk p]^T (fp32) for the rows of row block m with a slot, A_g the merged A's
-    rows [g R_SEG, g R_SEG + R_SEG), into xa columns [g BLOCK_R, (g + 1) BLOCK_R) (G = 1: A and ranks
-    [S] as they are). It takes the lane-th distinct slot of its rows (the last lane: all the rest);
-    a slot of rank 0 at g reads nothing, a lane with no slot does nothing.
-    One program per segment, not one over all G*R rows: its A tile [BK, BLOCK_R] is what G = 1 has
-    (a [128, 256] tile for q/k/v at r64 compiled for sm_90 to 6.6 KB of spills a thread)."""
+    """Program (m, p G + g, lane) of the dense shrink: xa[p, t, g] = x[t, chunk p] @ A_g,slot(t)[:rank_g, chunk p]^T.
+    One program per segment g, not one over all G*R rows: a [128, 256] A tile (q/k/v at r64) spilled on sm_90."""
     offs_t = pid_m * BM + tl.arange(0, BM)
     p = pid_pg // G
     g = pid_pg % G
@@ -211,9 +189,7 @@ def expand_tile(xa_ptr, y_ptr, b_ptr, slot, s, ranks, offs_t, offs_n, mine, lane
                 stride_bs, stride_bn, BM: tl.constexpr, BN: tl.constexpr, BLOCK_R: tl.constexpr,
                 SPLIT: tl.constexpr, S_P2: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
                 SEG_BOUNDS: tl.constexpr):
-    """[BM, BN] fp32 dense LoRA delta of an output tile for the rows in `mine`, from the shrink's P
-    partials xa [P, T, G * BLOCK_R]: slot s first, then (last lane only) every smaller slot left in
-    `slot`; xa is rounded to y's dtype first (the twin's precision). G > 1: `expand_segments`."""
+    """[BM, BN] fp32 delta of an output tile for the rows in `mine`, from the P partials xa [P, T, G * BLOCK_R]."""
     if G == 1:
         offs_r = tl.arange(0, BLOCK_R)
         xa = tl.zeros((BM, BLOCK_R), tl.float32)
@@ -240,10 +216,7 @@ def expand_segments(xa_ptr, y_ptr, b_ptr, slot0, s0, ranks, offs_t, offs_n, mine
                      stride_bs, stride_bn, BM: tl.constexpr, BN: tl.constexpr, BLOCK_R: tl.constexpr,
                      SPLIT: tl.constexpr, S_P2: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
                      SEG_BOUNDS: tl.constexpr):
-    """[BM, BN] fp32 delta of an output tile of a merged projection: for each segment g whose columns
-    [SEG_BOUNDS[g], SEG_BOUNDS[g + 1]) the tile overlaps (one when BN divides the boundaries), xa's
-    segment-g columns (the P partials summed) times that segment's B rows, up to the slot's rank
-    there; a segment of rank 0 for the slot is skipped."""
+    """[BM, BN] fp32 delta of an output tile of a merged projection, segment by segment (rank-0 segments skipped)."""
     n0 = tl.program_id(1) * BN
     offs_r = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BM, BN), tl.float32)
@@ -262,9 +235,7 @@ def expand_segments(xa_ptr, y_ptr, b_ptr, slot0, s0, ranks, offs_t, offs_n, mine
                 sel = slot == s
                 rank = segment_rank(ranks, s, g, S_P2, G_P2)
                 if rank > 0:
-                    # element loads here: chunked, the kernel took 181 registers a thread, not 168 (sm_90), 2
-                    # programs an SM instead of 3; H200, split q/k/v 2048->5120, 8 adapters r16: T=64 19.7 ->
-                    # 22.5 us, T=256 42.4 -> 46.1, T=1024 119.5 -> 129.6 (docs/benchmarks.md)
+                    # column masks here: chunked tiles cost this kernel occupancy (docs/performance.md, dense tiles)
                     bt = lora_b_tile_cols(b_ptr + s.to(tl.int64) * stride_bs, offs_n, lo, hi, stride_bn, rank, 0,
                                           BLOCK_R, CHUNKS=False)
                     acc = tl.dot(tl.where(sel[:, None], xa, 0.0).to(xa.dtype), bt.to(xa.dtype), acc)

@@ -7,21 +7,11 @@ HB heads per program.
   q_rope [T, N, Dr]   rotated query rope part                       (fp16/bf16/fp32, unit last stride)
   entries [T, C + Dr] the step's new cache entries: normalised latent, rotated single-head key
   cache [NB, BS, C + Dr]  caller-owned `out=` buffer (contiguous, q's dtype)
-  meta.slot_mapping [T] int64 (< 0: not stored), meta.block_tables [B, MB] int32, meta.seq_lens [B]
-  int32 (cached + new), meta.query_start [B + 1] int32; decode only (meta.max_query_len == 1)
-                                                                        -> o_lat [T, N, C] in q's dtype
+  meta as `attention.py`'s; decode only (meta.max_query_len == 1)   -> o_lat [T, N, C] in q's dtype
   o_lat[t, n] = sum_j softmax_j(scale * (q_abs[t, n] . latent_j + q_rope[t, n] . krot_j)) latent_j
-over the seq_len cached positions j of t's sequence (the new one included).
 
-A store kernel writes `entries` at slot_mapping first; then split-KV decode, as `attention.py`'s:
-program = (sequence, block of HB heads, split). All heads of a sequence attend to the same latent
-(MQA with one kv head of width C + Dr), so the HB heads are the rows of each tl.dot and one latent
-tile [BLOCK_N, C] serves both the scores (q_abs . latent^T + q_rope . krot^T) and the values
-(p . latent). Each split covers ceil(ceil(L / S) / BLOCK_N) * BLOCK_N positions; a split past L
-stores an empty partial; `attention.decode_reduce_kernel` merges the S partials. S depends on B
-and ceil(N / HB) only, so the grid is fixed per batch size (CUDA-graph safe); nothing syncs.
-Scores and softmax run in fp32 in the log2 domain. C and Dr are constexpr (padded to powers of two
->= 16 and masked, so any width works); the register budget bounds C <= 1024 and Dr <= 256.
+A store, then split-KV decode as `attention.py`'s, program (sequence, HB heads, split): all heads attend to
+one latent (MQA of width C + Dr), so one latent tile serves the scores and the values of HB heads.
 """
 
 from __future__ import annotations
@@ -54,10 +44,7 @@ class MLAConfig:
 
 def default_mla_config(num_heads: int, latent: int, dtype: torch.dtype = torch.bfloat16, batch: int = 1
                        ) -> MLAConfig:
-    """Starting points from one sweep (H200, bf16, C 512, Dr 64, CUDA-graph replay): 64 positions and 8 warps
-    won at every size; with N 128, 64 heads a program beat 16 from B 8 on (B 256, L 1024: 384 vs 725 us; the
-    latent is read twice instead of 8 times) and lost at B 1 (L 4096: 37 vs 29 us: fewer programs).
-    N 16, B 256, L 1024: 111 us, 2.7 TB/s of latent. fp32 is the test/reference path: small tiles."""
+    """Starting points from one H200 sweep (docs/performance.md, attention); fp32 (tests) takes small tiles."""
     if dtype == torch.float32:
         return MLAConfig(16, 16, num_warps=4)
     block_h = min(64, max(16, next_pow2(num_heads))) if batch >= 8 else 16
@@ -169,9 +156,8 @@ def _check(q_abs, q_rope, entries, cache, meta):
 def mla_decode_attention(q_abs: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor, cache: torch.Tensor,
                          meta, scale: float, *, config: MLAConfig | None = None,
                          num_splits: int | None = None) -> torch.Tensor:
-    """Write `entries` into `cache` at meta.slot_mapping, then decode MLA over the latent cache -> new
-    o_lat [T, N, C]. The config (default `default_mla_config(N, C, dtype, B)`) and `num_splits` (default
-    `default_num_splits(B, head blocks)`) depend on shapes only: the same at a CUDA graph's capture and replay."""
+    """Store `entries` at meta.slot_mapping, then decode MLA over the latent cache -> new o_lat [T, N, C]; config
+    and splits depend on shapes only (the same at a graph's capture and replay)."""
     T, N, C, Dr, B = _check(q_abs, q_rope, entries, cache, meta)
     cfg = config or default_mla_config(N, C, q_abs.dtype, B)
     head_blocks = cdiv(N, cfg.block_h)

@@ -6,13 +6,8 @@ pool's max rank (BLOCK_R = pow2 >= max(16, R)), HB heads a program.
   uk, + [Dn, Dn + Dv) the value half uv), ranks [S] int32 (this site's own), token_slots [T] int32 (-1: none)
   absorb: q_abs[t, n] += (q_nope[t, n] B_s,uk[n]) A_s        q_nope [T, N, Dn], q_abs [T, N, C]
   expand: out[t, n]   += (o_lat[t, n] A_s^T) B_s,uv[n]^T     o_lat [T, N, C],   out [T, N, Dv]
-with s the slot of token t, added in place into the caller's q_abs / out (the base products it just made,
-never an input of the step). Program (t, block of HB heads): the token's slot and rank first (a row on no
-slot, or on a slot of rank 0 at this site, touches nothing), then the [HB, R] intermediate in fp32,
-rounded to the activations' dtype once (as the torch path's batched matmul rounds it), then the second
-product added in fp32 and rounded once. A slot's loads are masked to its rank: a rank-8 adapter in a
-rank-64 pool reads 8 columns. One launch per side replaces the torch path's ~8 small ones (one-hot masks,
-every slot's product, the selection, reshapes of B); grids depend on T and N only (CUDA-graph safe).
+Added in place into the caller's fresh q_abs / out; program (t, HB heads), the [HB, R] intermediate rounded
+once as the torch path rounds it. One launch a side instead of the torch path's ~8 (graph-safe grids).
 """
 
 from __future__ import annotations
@@ -29,18 +24,14 @@ _BC = 64  # latent columns a step
 
 
 def _head_columns(block_r: int) -> int:
-    """Dn / Dv columns a step of the per-head products ([HB, DC, BLOCK_R] in registers): 32 at 16 rank
-    columns (the tile measured on the H200), else the widest step that compiles for sm_90 without spilling.
-    Local ptxas (Triton 3.9), registers / stack bytes of absorb and expand: DC 32 at BLOCK_R 32 took 255 /
-    1824 and 255 / 32, at 64 255 / 904 and 255 / 1280; DC 8 at 32: 87 / 0 and 80 / 0; DC 4 at 64: 105 / 0
-    and 89 / 0 (tests/test_compile_check.py keeps them spill-free)."""
+    """Dn / Dv columns a step: 32 at 16 rank columns (measured), else the widest that does not spill on sm_90
+    (docs/performance.md; tests/test_compile_check.py keeps them spill-free)."""
     return 32 if block_r <= 16 else max(1, 256 // block_r)
 
 
 @triton.jit
 def _program_rows(slots_ptr, ranks_ptr, N, HB: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Program (t, head block): (t, its slot s, that slot's rank here (0 on no slot), the heads, their mask,
-    the rank columns, their mask)."""
+    """Program (t, head block): (t, its slot, that slot's rank here (0: none), heads, their mask, rank cols, mask)."""
     t = tl.program_id(0)
     s = tl.load(slots_ptr + t)
     rank = tl.where(s >= 0, tl.load(ranks_ptr + tl.maximum(s, 0)), 0)
@@ -51,8 +42,7 @@ def _program_rows(slots_ptr, ranks_ptr, N, HB: tl.constexpr, BLOCK_R: tl.constex
 
 @triton.jit
 def _b_heads(b_s, rows, m, offs_r, rank, stride_bn):
-    """[HB, DC, BLOCK_R] of B_s: rows `rows` [HB, DC] (masked by m), rank columns in whole 16-column chunks
-    (vector loads; `lora_tiles.rank_chunks`, B's rows hold stride_bn columns) then those past the rank zeroed."""
+    """[HB, DC, BLOCK_R] of B_s in whole 16-column rank chunks (vector loads), columns past the rank zeroed."""
     bt = tl.load(b_s + rows[:, :, None].to(tl.int64) * stride_bn + offs_r[None, None, :],
                  mask=m[:, :, None] & (offs_r < rank_chunks(rank, stride_bn))[None, None, :], other=0.0)
     return tl.where((offs_r < rank)[None, None, :], bt, 0.0)
@@ -119,8 +109,7 @@ def _expand_lora_kernel(ol_ptr, out_ptr, a_ptr, b_ptr, slots_ptr, ranks_ptr, N, 
 
 def _check(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor,
            slots: torch.Tensor, nope: int, latent_in: bool) -> tuple[int, int, int, str]:
-    """(T, N, Dv, tl.dot precision) after checking the shapes: x [T, N, Dn] -> y [T, N, C] (absorb), or x
-    [T, N, C] -> y [T, N, Dv] (latent_in: expand)."""
+    """(T, N, Dv, dot precision) after checking x [T, N, Dn] -> y [T, N, C] (latent_in: [T, N, C] -> [T, N, Dv])."""
     T, N = x.shape[:2]
     S, R, C = a.shape
     if b.dim() != 3 or b.shape[0] != S or b.shape[2] != R or b.shape[1] % max(N, 1) or b.shape[1] // max(N, 1) <= nope:
@@ -139,8 +128,7 @@ def _check(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, r
 
 def mla_absorb_lora_(q_abs: torch.Tensor, q_nope: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                      ranks: torch.Tensor, token_slots: torch.Tensor, width: int | None = None) -> torch.Tensor:
-    """q_abs [T, N, C] += (q_nope [T, N, Dn] B_s,uk) A_s in place (see the module docstring); returns q_abs.
-    `width`: a host bound on the rows' slot ranks (`LoRABatch.max_rank`), narrowing the tiles."""
+    """q_abs [T, N, C] += (q_nope B_s,uk) A_s in place, returned; `width`: `LoRABatch.max_rank`."""
     nope = q_nope.shape[2]
     T, N, dv, precision = _check(q_nope, q_abs, a, b, ranks, token_slots, nope, latent_in=False)
     block_r = lora_tile_rank(a.shape[1], width)

@@ -1,14 +1,11 @@
 """Launch configs of the fused MoE kernels: a frozen dataclass, and tuned tables per GPU.
 
 Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k.
-
-Tables live in `configs/fused_moe_<gpu>.json` (written by benchmarks/tune_fused_moe.py):
-  {"device": "...", "configs": {"E=128,H=2048,I=768,dtype=bfloat16": {"<M>": entry}}}
+  configs/fused_moe_<gpu>.json: {"device", "configs": {"E=128,H=2048,I=768,dtype=bfloat16": {"<M>": entry}}}
   entry = {"tiles": {"block_m", "gate_up", "down", "use_tma", "plan_per_route"},
-           "lora": {"path": name, <that path's config fields>, "wide": {"path": ..., ...} (optional)}}
-A launch picks the smallest tuned M >= T (else the largest); shapes with no table entry fall
-back to `default_fused_moe_config`. Nothing is autotuned at serving time. A key the dataclasses do not
-have (a removed knob, a typo) is a ConfigError naming it.
+           "lora": {"path": name, <that path's fields>, "wide": {"path": ..., ...} (optional)}}
+A launch takes the smallest tuned M >= T (else the largest), else `default_fused_moe_config`; nothing is
+autotuned while serving. An unknown key (a removed knob, a typo) is a ConfigError naming it.
 """
 
 from __future__ import annotations
@@ -29,8 +26,7 @@ _TILE_KEYS = ("block_m", "gate_up", "down", "use_tma", "plan_per_route")
 
 
 def lora_paths() -> dict:
-    """The registry of routed-LoRA paths (`moelora.kernels.moe_lora.PATHS`), imported when a config needs
-    it: the engine reads this module without Triton."""
+    """`moelora.kernels.moe_lora.PATHS`, imported late: the engine reads this module without Triton."""
     from moelora.kernels.moe_lora import PATHS
 
     return PATHS
@@ -52,13 +48,9 @@ class GemmTile:
 
 @dataclass(frozen=True)
 class FusedMoEConfig:
-    """One table entry. block_m: the routing plan's block (rows per program, shared by both GEMMs);
-    gate_up / down: their tiles; use_tma: Hopper tensor descriptors for the weight (and down-GEMM
-    activation) tiles, the off switch of that path (contract 6); plan_per_route: no routing-plan
-    launch, a plan block per route (`moe_plan.per_route_plan`, one-token batches). lora: the routed-LoRA
-    path and its own knobs (a `moelora.kernels.moe_lora` config: SeparateConfig, RouteConfig, ...) for
-    pools of BLOCK_R <= 16; lora_wide: the same for wider pools (None: lora). Measurements behind each
-    table pick: docs/performance.md."""
+    """One table entry: block_m (the plan's block), the gate_up / down tiles, use_tma (contract-6 off switch),
+    plan_per_route (a plan block per route, no launch), lora (a `moe_lora` path config for BLOCK_R <= 16) and
+    lora_wide (wider pools; None: lora). The measurements behind each pick: docs/performance.md."""
 
     block_m: int = 16
     gate_up: GemmTile = field(default_factory=GemmTile)
@@ -88,8 +80,7 @@ class FusedMoEConfig:
         return replace(self, lora=cfg, lora_wide=None)
 
     def on_path(self, name: str, **knobs) -> FusedMoEConfig:
-        """This config with LoRA path `name` at every width: this entry's own config of that path (narrow
-        first) when it has one, else the path's defaults; `knobs` replace fields of it."""
+        """This config with path `name` at every width (this entry's config of it, else defaults), `knobs` applied."""
         own = [c for c in (self.lora, self.lora_wide) if c is not None and c.path == name]
         cfg = own[0] if own else lora_paths()[name].config()
         return self.with_lora(replace(cfg, **knobs))
@@ -146,8 +137,7 @@ def _strict(cls, d, where: str):
 
 
 def default_lora_split_k(num_tokens: int, top_k: int) -> int:
-    """Split of the separate LoRA shrink's reduction: many splits when there are few plan blocks
-    (decode), none when the blocks alone fill the GPU (each split re-reads its partials)."""
+    """Separate-shrink splits: many with few plan blocks (decode), none once the blocks fill the GPU."""
     routes = num_tokens * top_k
     return 8 if routes <= 1024 else 2 if routes <= 8192 else 1
 
@@ -186,8 +176,7 @@ def _load_table(path: str) -> dict:
 
 
 def check_table_file(path: str | Path) -> str:
-    """The absolute path of a fused-MoE table file (one as benchmarks/tune_fused_moe.py writes), or
-    FileNotFoundError."""
+    """The absolute path of a fused-MoE table file, or FileNotFoundError."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"no fused-MoE table file at {p}")
@@ -196,8 +185,7 @@ def check_table_file(path: str | Path) -> str:
 
 def tuned_fused_moe_config(num_experts: int, hidden: int, inter: int, num_tokens: int, top_k: int,
                            dtype: torch.dtype, device_name: str, table: str | None = None) -> FusedMoEConfig:
-    """The tuned config for this shape from `table` (a table file, `check_table_file`), else from the
-    package's table for `device_name`; the heuristic default for a shape the table lacks."""
+    """This shape's config from `table` (else the package's table for `device_name`; else the heuristic)."""
     return _tuned_config(num_experts, hidden, inter, num_tokens, top_k, dtype, table or _package_table(device_name))
 
 

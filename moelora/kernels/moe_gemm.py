@@ -3,11 +3,8 @@
 Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, S adapter slots,
 BLOCK_R the LoRA tile rank, P plan rows (max_padded), BM plan block_m.
   x [T, H], w_gate_up [E, 2I, H] -> h [P, I] (plan row order); h, w_down [E, H, I] -> y [T*K, H] (route order)
-Program (pid_m, pid_n) owns plan block pid_m (one expert) and BN output columns: LoRA is computed in the
-base GEMM's own layout (contract 3). The LoRA paths (`moe_lora`) switch epilogues on by flag: HAS_LORA
-(expand a precomputed xa), STACKED (more K steps), LORA_DELTA (add each route's delta), RAW_OUT (gate and
-up unactivated, for a kernel after the GEMM), SPREAD (each gate_up program also shrinks a share of x);
-the combine adds a down delta (HAS_DELTA). USE_TMA: Hopper tensor descriptors for weight (and h) tiles.
+Program (pid_m, pid_n): plan block pid_m (one expert) x BN columns; LoRA runs in this layout (contract 3),
+its epilogues switched on by the paths' flags (HAS_LORA, STACKED, LORA_DELTA, RAW_OUT, SPREAD, HAS_DELTA).
 """
 
 from __future__ import annotations
@@ -44,12 +41,9 @@ def gate_up_kernel(
     RAW_OUT: tl.constexpr, STACKED: tl.constexpr = False, S_P2: tl.constexpr = 1,
     SPREAD: tl.constexpr = False, spread_k=0, h_act_ptr=None, stride_act=0,
 ):
-    """h[plan row] = silu(gate) * up of x[token] @ W_gu[e]^T (+ LoRA); RAW_OUT: h is [P, 2I] and gets
-    gate and up as they are (columns [0, I) and [I, 2I)), for `act_delta_kernel` / `act_spread_kernel` to
-    finish. SPREAD: program (block, n tile) also computes the gate_up shrink over x columns [n spread_k,
-    (n + 1) spread_k) into xa[n] ([parts, P, BLOCK_R] fp32), for `act_spread_kernel` to sum and expand; only
-    rows with a gate_up delta are written raw, the others get silu(gate) * up in h_act [P, I] (stride_act)
-    here, as without LoRA (bit for bit)."""
+    """h[plan row] = silu(gate) * up of x[token] @ W_gu[e]^T (+ LoRA); RAW_OUT: gate and up unactivated into h
+    [P, 2I] for a kernel after it; SPREAD: also the gate_up shrink of this tile's x columns into xa[n], rows
+    with no gate_up delta activated here into h_act (bit for bit the no-LoRA value)."""
     pid_m, pid_n = _tile_ids(num_blocks, tl.cdiv(inter, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_padded_ptr):
         return
@@ -165,9 +159,7 @@ def down_kernel(
 @triton.jit
 def combine_kernel(y_ptr, out_ptr, topk_w_ptr, delta_ptr, slots_ptr, ranks_ptr, T, H, stride_yr, stride_ot,
                    stride_dr, TOP_K: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, HAS_DELTA: tl.constexpr):
-    """out[t] = sum_k y[t*K + k] in fp32, in fixed k order (deterministic, no atomics). HAS_DELTA
-    (route / block LoRA): each route's down delta, times its routing weight, is added next to its y
-    row, for the rows whose slot has a down rank > 0 (the others' delta rows are never written)."""
+    """out[t] = sum_k y[t*K + k] in fp32, fixed k order; HAS_DELTA: + each route's down delta x its weight."""
     offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     t_ok = offs_t < T

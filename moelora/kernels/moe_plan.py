@@ -3,13 +3,9 @@
 Shape legend: T tokens, K top-k, E experts, BM = block_m rows per GEMM block,
 P = max_padded = max_blocks * BM (from T, K, E, BM only: `plan_capacity`), C routes per chunk.
 
-`build_routing_plan(topk_ids [T, K], E, BM)` -> `MoERoutingPlan`. A counting sort with no host
-sync and fixed output sizes, so it can be captured in a CUDA graph. Small batches (decode) use
-one launch of one program per expert; large ones three launches (count per chunk / scan /
-scatter) so the chunks run in parallel. Counts are `tl.histogram`s (~log2(E) warp ballots per id;
-a one-hot costs E lanes per id). Every output position is written by exactly one program (routes,
-per-expert padding and the tail are disjoint), so no phase needs a barrier. Within an expert,
-routes keep ascending route id: the plan is bit-identical to `reference.build_routing_plan_ref`.
+A counting sort with fixed output sizes and no host sync (CUDA-graph safe): one launch of E programs for
+small batches, count / scan / scatter launches above; each output position has one writer (no barrier), and
+within an expert routes keep ascending id, bit-identical to `reference.build_routing_plan_ref`.
 """
 
 from __future__ import annotations
@@ -18,13 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.args import EXPERT_SORTED_PADDED, MoERoutingPlan
 from moelora.kernels.checks import cdiv, next_pow2
-from moelora.kernels.reference import (
-    EXPERT_SORTED_PADDED,
-    MoERoutingPlan,
-    build_routing_plan_ref,
-    plan_capacity,
-)
+from moelora.kernels.reference import build_routing_plan_ref, plan_capacity
 
 __all__ = ["EXPERT_SORTED_PADDED", "ROUTE_PER_BLOCK", "MoERoutingPlan", "build_routing_plan",
            "build_routing_plan_ref", "per_route_plan", "plan_capacity"]
@@ -32,16 +24,14 @@ __all__ = ["EXPERT_SORTED_PADDED", "ROUTE_PER_BLOCK", "MoERoutingPlan", "build_r
 LAYOUTS = (EXPERT_SORTED_PADDED,)
 # per_route_plan's layout: block b holds route b alone (row b * BM), its expert topk_ids[b]; not sorted
 ROUTE_PER_BLOCK = "route_per_block"
-# Up to this many routes, one launch of E programs (each re-counting all ids) beats three launches;
-# the old single-program plan cost 31 us per layer at 512 routes on the H200 (48-layer decode profile).
+# Up to this many routes, one launch of E programs (each re-counting all ids) beats three launches
 _PER_EXPERT_MAX_ROUTES = 4096
 
 
 @triton.jit
 def _layout(counts, sorted_ptr, eob_ptr, num_padded_ptr, n_routes, E, max_blocks,
             BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
-    """From per-expert counts: padding sentinels, tail sentinels, expert_of_block, num_padded.
-    Returns the padded start offset of every expert."""
+    """From per-expert counts: padding and tail sentinels, expert_of_block, num_padded; returns each expert's start."""
     cols = tl.arange(0, BLOCK_E)
     padded = (counts + BM - 1) // BM * BM
     pend = tl.cumsum(padded, axis=0)
@@ -68,11 +58,8 @@ def _layout(counts, sorted_ptr, eob_ptr, num_padded_ptr, n_routes, E, max_blocks
 @triton.jit
 def _plan_expert_kernel(ids_ptr, sorted_ptr, eob_ptr, num_padded_ptr, n_routes, E, max_blocks,
                         BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Program e: loads all n ids as one vector and histograms them (every program counts every expert,
-    cheap for small n: tl.histogram costs ~log2(E) warp ballots per id, where a one-hot cost E lanes per
-    id), then writes only its own expert's routes (ascending: a cumsum over `ids == e`), padding and
-    blocks, plus a strided share of the tail blocks past the padded total. No loop over chunks: the old
-    chunked one-hot count plus a second chunked scatter pass took 35.7 us at n=4096, E=128 on the H200."""
+    """Program e: histograms all n ids as one vector, then writes only expert e's routes, padding and blocks (and a
+    share of the tail); no chunk loop (the chunked one-hot it replaced was 7x slower: docs/performance.md)."""
     e = tl.program_id(0)
     offs = tl.arange(0, BLOCK_N)
     valid = offs < n_routes
@@ -114,9 +101,7 @@ def _plan_count_kernel(ids_ptr, counts_ptr, n_routes, C: tl.constexpr, BLOCK_E: 
 def _plan_scan_kernel(counts_ptr, base_ptr, sorted_ptr, eob_ptr, num_padded_ptr, n_chunks, n_routes, E,
                       max_blocks, BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
                       TILE_C: tl.constexpr):
-    """One program: per-expert totals, the layout, then each chunk's base (exclusive scan down the
-    chunks). The counts [n_chunks, BLOCK_E] are read TILE_C chunks at a time with a cumsum down the
-    tile: a loop of one [BLOCK_E] load per chunk, twice, was latency-bound (41-46 us at 256 chunks)."""
+    """One program: per-expert totals, the layout, each chunk's base (the counts read TILE_C chunks a load)."""
     cols = tl.arange(0, BLOCK_E)
     rows = tl.arange(0, TILE_C)
     counts = tl.zeros((BLOCK_E,), tl.int32)
@@ -134,8 +119,7 @@ def _plan_scan_kernel(counts_ptr, base_ptr, sorted_ptr, eob_ptr, num_padded_ptr,
 
 @triton.jit
 def _plan_scatter_kernel(ids_ptr, base_ptr, sorted_ptr, n_routes, C: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Program c: route i of the chunk goes to base[c, e_i] + the chunk's earlier routes on e_i (a [C, C]
-    compare, whatever E: the [C, BLOCK_E] one-hot it replaces also needed a cumsum down the chunk)."""
+    """Program c: route i goes to base[c, e_i] + the chunk's earlier routes on e_i (a [C, C] compare, whatever E)."""
     c = tl.program_id(0)
     j = tl.arange(0, C)
     offs = c * C + j
@@ -149,10 +133,7 @@ def _plan_scatter_kernel(ids_ptr, base_ptr, sorted_ptr, n_routes, C: tl.constexp
 
 def build_routing_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
                        layout: str = EXPERT_SORTED_PADDED) -> MoERoutingPlan:
-    """Expert-sorted, block_m-padded plan for topk_ids [T, K] (int32/int64, values in [0, E)).
-
-    Raises ValueError for a layout no consumer accepts, a block_m that is not a power of two
-    >= 16, or mis-shaped ids. Launches on topk_ids' device; never syncs with the host."""
+    """Expert-sorted, block_m-padded plan of topk_ids [T, K]; ValueError for a bad layout, block_m or ids."""
     if layout not in LAYOUTS:
         raise ValueError(f"routing-plan layout {layout!r} is not one of {LAYOUTS}")
     if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
@@ -200,13 +181,9 @@ def build_routing_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int, *
 
 def per_route_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int,
                    cache: dict | None = None) -> MoERoutingPlan:
-    """A plan with no sort (FusedMoEConfig.plan_per_route): block r holds route r alone (row r * BM; the
-    block's other rows the sentinel T*K) and its expert is topk_ids' r-th entry. Nothing of it depends
-    on the ids but expert_of_block, which is topk_ids itself (a view when int32), so a decode step builds
-    it with no launch: worth it when routes rarely share an expert (one token: its K experts are
-    distinct), since each block reads its expert's weights. `cache`: the caller's dict (the routed-experts
-    layer keeps one) where the row tensors are kept per (T, K, BM, device), filled only outside CUDA-graph
-    capture (made inside one, they would hold nothing until its replay); None: made on every call."""
+    """A plan with no sort and no launch (FusedMoEConfig.plan_per_route): block r holds route r alone, its expert
+    topk_ids[r]; for one-token batches, whose K experts are distinct. `cache`: the caller's dict of the constant
+    rows per (T, K, BM, device), filled only outside graph capture; None: made on every call."""
     if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids must be [T, K] int32/int64, got {tuple(topk_ids.shape)} {topk_ids.dtype}")
     T, K = topk_ids.shape

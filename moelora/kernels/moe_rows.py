@@ -1,7 +1,4 @@
-"""Triton helpers shared by the routed-expert kernels (base GEMMs and every routed-LoRA path).
-
-Shape legend: P plan rows (max_padded), BM plan block_m, T*K routes, S adapter slots, E experts.
-"""
+"""Triton helpers shared by the routed-expert kernels. Shape legend: P plan rows, BM block_m, T*K routes, S slots, E."""
 
 from __future__ import annotations
 

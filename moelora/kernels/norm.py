@@ -3,16 +3,8 @@
 Shape legend: T rows (tokens), D normalised dim (hidden, or a head / latent width).
   rms_norm(x [T, D], weight [D], eps)             -> y [T, D]          (x's dtype)
   add_rms_norm(x [T, D], delta [T, D], weight, eps) -> (h = x + delta, y = rms_norm(h))
-
-Numerics are `rms_norm_ref` / `add_rms_norm_ref` (which are RMSNorm's torch path): h is rounded to
-the activation dtype, as torch's add in that dtype does; the mean of squares and the scale are
-fp32, computed from the rounded h; the normalised row is rounded to the dtype, multiplied by the
-weight in fp32 and rounded again (`(weight * normed.to(dtype)).to(dtype)`). The only difference
-from torch is the summation order and rsqrt's last bit.
-
-One program normalises one row in registers (BLOCK_D = pow2 >= D): a decode step has few rows and
-each row is read once and written once (twice for add_rms_norm). x, delta and the outputs may have
-any row stride (a column slice of a wider buffer is fine) but unit stride along D.
+Numerics are `rms_norm_ref` / `add_rms_norm_ref` (RMSNorm's torch path, rounding where it rounds); one
+program a row in registers, any row stride, unit stride along D.
 """
 
 from __future__ import annotations
@@ -61,8 +53,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm of each row of x [T, D] (fp16/bf16/fp32) with an fp32 (or any float) weight [D].
-    Returns `out` (x's dtype; a new tensor unless the caller passes its own)."""
+    """RMSNorm of each row of x [T, D] -> `out` (x's dtype; new unless the caller passes its own)."""
     T, D = _check(x, weight)
     out = output(out, (T, D), x.dtype, x.device, (x, weight))
     _launch(x, None, weight, eps, None, out)
@@ -71,8 +62,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Te
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, y): h = x + delta rounded to the dtype (the next residual), y = rms_norm(h). x and delta
-    [T, D] share a dtype; both are only read. `out`: the caller's (h, y) buffers."""
+    """(h, y): h = x + delta rounded to the dtype (the next residual), y = rms_norm(h); `out`: the caller's (h, y)."""
     T, D = _check(x, weight)
     check_rows("delta", delta, (T, D), x.dtype)
     need(delta.device == x.device, f"delta must be on {x.device}")

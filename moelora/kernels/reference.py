@@ -14,58 +14,11 @@ per step, so they never sync on a tensor value.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-
-@dataclass(frozen=True)
-class SlotRows:
-    """Host-side view of one active adapter slot in this step: its rank and its token rows."""
-
-    slot: int
-    rank: int
-    rows: torch.Tensor  # [n] int64 token indices on the compute device
-
-
-@dataclass(frozen=True)
-class DenseLoRAArgs:
-    """LoRA on a linear layer: a [S, R, N_in], b [S, N_out, R] (scaling folded into b).
-
-    With output segments -- `segments` = (N_0, .., N_{G-1}) summing to N_out: G linears over the
-    same input merged into one, e.g. q/k/v -- a is [S, G*R, N_in] (segment g's A in rows
-    [gR, gR + R)), b is [S, N_out, R] (segment g's B in rows [off_g, off_g + N_g), off_g the sum of
-    the sizes before it) and slot_ranks is [G, S] (each segment's own rank per slot). Output
-    column n of segment g gets x @ A_g[:rank]^T @ B_g[n, :rank]^T. Empty `segments`: one segment,
-    slot_ranks [S]."""
-
-    a: torch.Tensor
-    b: torch.Tensor
-    token_slots: torch.Tensor  # [T] int32, -1 = no adapter
-    slot_ranks: torch.Tensor  # [S] int32, or [G, S] with segments
-    active: tuple[SlotRows, ...] | None  # None: for the Triton kernels only (the twins refuse it)
-    segments: tuple[int, ...] = ()
-    row_plan: MoERoutingPlan | None = None  # the rows grouped by slot (Triton "planned" mode; built if None)
-    width: int | None = None  # Triton: a host bound on the rows' slots' ranks (checks.lora_tile_rank); None: R
-
-
-@dataclass(frozen=True)
-class ExpertLoRAArgs:
-    """LoRA on routed experts, per (slot, expert):
-    gate_up_a [S, E, R, H], gate_up_b [S, E, 2I, R], down_a [S, E, R, I], down_b [S, E, H, R];
-    gate_up_ranks / down_ranks [S] int32: each projection's own rank in each slot (0: no LoRA
-    there), so an adapter covering only one projection costs the other nothing."""
-
-    gate_up_a: torch.Tensor
-    gate_up_b: torch.Tensor
-    down_a: torch.Tensor
-    down_b: torch.Tensor
-    token_slots: torch.Tensor
-    gate_up_ranks: torch.Tensor
-    down_ranks: torch.Tensor
-    active: tuple[SlotRows, ...] | None  # None: for the Triton kernels only (the twins refuse it)
-    width: int | None = None  # Triton: a host bound on the rows' slots' ranks (checks.lora_tile_rank); None: R
+from moelora.kernels.args import DenseLoRAArgs, ExpertLoRAArgs, MoERoutingPlan
 
 
 def _need_rows(lora: DenseLoRAArgs | ExpertLoRAArgs) -> None:
@@ -150,42 +103,6 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         w = topk_weights.reshape(-1).index_select(0, route).to(torch.float32)
         out.index_add_(0, tok, y.to(torch.float32) * w[:, None])
     return out.to(x.dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# Routing plan (contract 3). The type lives here, next to its torch twin, so the torch backend
-# needs no Triton; `moelora.kernels.moe_plan` re-exports it with the Triton builder.
-
-EXPERT_SORTED_PADDED = "expert_sorted_padded"
-
-
-@dataclass(frozen=True)
-class MoERoutingPlan:
-    """Expert-sorted, block-padded route order shared by every expert GEMM of one MoE call.
-
-    Route id r = t * K + k. `sorted_route_ids` [max_padded] int32 lists each expert's routes in
-    ascending route id, each expert's run padded with the sentinel T*K to a multiple of block_m,
-    experts in ascending id, then sentinels to the end. `expert_of_block` [max_blocks] int32 is
-    the expert of each block_m-row block, -1 past `num_padded` [1] int32 (device tensor). Sizes
-    depend on T, K, E and block_m only (see `plan_capacity`), so the plan is CUDA-graph safe.
-    """
-
-    sorted_route_ids: torch.Tensor
-    expert_of_block: torch.Tensor
-    num_padded: torch.Tensor
-    block_m: int
-    num_tokens: int
-    top_k: int
-    num_experts: int
-    layout: str = EXPERT_SORTED_PADDED
-
-    @property
-    def num_routes(self) -> int:
-        return self.num_tokens * self.top_k
-
-    @property
-    def max_blocks(self) -> int:
-        return self.expert_of_block.shape[0]
 
 
 def plan_capacity(num_routes: int, num_experts: int, block_m: int) -> tuple[int, int]:

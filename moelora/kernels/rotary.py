@@ -3,19 +3,8 @@
 Shape legend: T tokens, Nq / Nk query / key heads, D head_dim, Dr rotary dims (even, <= D).
   qk_norm_rope(q [T, Nq, D], k [T, Nk, D], cos [T, Dr] fp32, sin [T, Dr] fp32,
                q_weight [D] | None, k_weight [D] | None, eps) -> (q_out [T, Nq, D], k_out [T, Nk, D])
-
-Each head is RMS-normalised over D when its weight is given (Qwen3 / GLM per-head q/k norm; None
-for models without it, or whose norm spans all heads and ran before), then its first Dr dims turn
-by rotate-half: out[i] = x[i] cos[i] - x[i + Dr/2] sin[i] for i < Dr/2,
-out[i] = x[i] cos[i] + x[i - Dr/2] sin[i] for Dr/2 <= i < Dr; dims >= Dr pass through.
-Numerics are `qk_norm_rope_ref` (RMSNorm's torch path, then `apply_rotary`): the kernel rounds to
-the activation dtype wherever torch does -- the normalised head, its product with the weight,
-cos and sin (`cos.to(x.dtype)`), each of the two rotary products, and their sum -- so with fp16/bf16
-it agrees with the torch path up to the norm's rsqrt and summation order.
-
-Program (t, b) takes BLOCK_H heads of token t: blocks [0, cdiv(Nq, BLOCK_H)) are q's, the rest k's.
-A head's rotary partner dims are a second (cached) load of the same row. q / k may be strided views
-(the [T, N*D] projection output viewed as heads) with unit stride along D; outputs are new tensors.
+Each head RMS-normalised over D when its weight is given, then its first Dr dims rotated; numerics are
+`qk_norm_rope_ref`'s (rounded to the dtype wherever torch rounds). Program (t, b): BLOCK_H heads of token t.
 """
 
 from __future__ import annotations
@@ -100,8 +89,7 @@ def _check(q, k, cos, sin, q_weight, k_weight) -> tuple[int, int, int, int, int]
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, *,
                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q_out, k_out): optional per-head RMSNorm, then rotary, of q [T, Nq, D] and k [T, Nk, D]
-    (fp16/bf16/fp32, only read). `out`: the caller's (q_out, k_out) buffers."""
+    """(q_out, k_out): optional per-head RMSNorm, then rotary, of q and k (only read); `out`: the caller's buffers."""
     T, NQ, NK, D, DR = _check(q, k, cos, sin, q_weight, k_weight)
     qo_buf, ko_buf = out if out is not None else (None, None)
     inputs = (q, k, cos, sin, q_weight, k_weight)

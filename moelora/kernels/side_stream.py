@@ -1,9 +1,8 @@
 """Fork and join of the LoRA side stream (`EngineConfig.overlap_lora`) inside a launcher.
 
-The launcher allocates every buffer the forked kernels write on the current stream before `forked`,
-keeps it referenced until after `join`, and reads it only after `join`: then no allocator block is
-handed out again while the side stream still uses it (contract 2). `side` None: both are no-ops and
-the kernels run on the current stream, in the same order, with the same results.
+Every buffer the forked kernels write is allocated on the current stream before `forked`, kept until after
+`join` and read only after it, so no block is reused while the side stream uses it (contract 2). `side`
+None: both are no-ops, same kernels, same order, same results.
 """
 
 from __future__ import annotations

@@ -3,10 +3,7 @@
 Shape legend: T tokens, I intermediate.
   silu_mul(gate [T, I], up [T, I]) -> [T, I]
   silu_mul(gate_up [T, 2I])        -> [T, I]   (gate = the first I columns, up = the last I)
-
-Numerics are `silu_mul_ref` (= DenseMLP's torch path `F.silu(gate) * up`): silu in fp32 from the
-activation, rounded to the dtype, then the product in fp32, rounded again. Inputs may have any row
-stride (unit stride along I) and are only read; the output is a new tensor or the caller's `out=`.
+Numerics are `silu_mul_ref` (`F.silu(gate) * up`, rounded where torch rounds); inputs are only read.
 """
 
 from __future__ import annotations

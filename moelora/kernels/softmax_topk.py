@@ -3,23 +3,10 @@
 Shape legend: T tokens, E experts (<= 1024), K top-k (<= E).
   softmax_topk(logits [T, E] fp16/bf16/fp32, K, renormalize)
       -> (topk_weights [T, K] fp32, topk_ids [T, K] int32)
-
-Numerics are `softmax_topk_ref` (= `moelora.layers.router.softmax_topk`, ids as int32): softmax in
-fp32 over all E experts (exp(l - max) / sum), the K largest probabilities in descending order, and,
-when `renormalize`, each divided by the sum of the K. Selection runs on the fp32 probabilities, as
-torch.topk does. Ties (frequent with bf16 logits: E=128, K=8, T=1000 held ~160 rows with a tie in
-the top k): among equal probabilities the lowest expert id is taken first. So where a tie straddles
-the k-th place the kernel keeps the same experts as torch.topk on CUDA, whose radix select keeps the
-lowest ids (checked on an H200, torch 2.11: identical sets on 4096 rows at E/K = 60/4..256/16). The
-order of equal probabilities inside the top k follows no rule in torch (its sort of the k winners is
-not stable; its CPU topk differs again), so ids may be a permutation of torch's within a run of equal
-weights -- the same (id, weight) pairs, which is all the experts read. Probabilities within an ulp of
-each other may still be ordered differently, as torch's exp and sum differ in the last bit.
-The DeepSeek / GLM routers (sigmoid, grouped) stay on the torch path.
-
-One program takes BLOCK_T tokens x all E experts in registers and picks the K winners by K rounds
-of (max, lowest index holding it, knock it out): K <= 16 rounds over E <= 256 are a few hundred
-register ops, far below the launch cost this kernel removes.
+Numerics are `softmax_topk_ref` (fp32 softmax, the K largest, optional renormalise). Among equal
+probabilities the lowest expert id wins, as torch.topk's radix select on CUDA keeps (frequent with bf16
+logits); the order inside the top k may differ from torch's unstable sort: the same (id, weight) pairs.
+Program: BLOCK_T tokens x all E in registers, K rounds of (max, lowest index holding it, knock it out).
 """
 
 from __future__ import annotations
@@ -67,8 +54,7 @@ def _softmax_topk_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_l, stride_w, s
 
 def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, *,
                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights [T, K] fp32, topk_ids [T, K] int32) of the router logits [T, E] (only read).
-    `out`: the caller's (weights, ids) buffers."""
+    """(topk_weights [T, K] fp32, topk_ids [T, K] int32) of logits [T, E]; `out`: the caller's buffers."""
     need(logits.dim() == 2, lambda: f"logits must be [T, E], got {tuple(logits.shape)}")
     check_rows("logits", logits)
     T, E = logits.shape

@@ -2,7 +2,7 @@
 
 q/k/v are one `MergedLinear` (`qkv_proj`: weight [N*D + 2*N_kv*D, H], one GEMM and one LoRA shrink +
 expand); `q_proj`, `k_proj`, `v_proj` are its segments, each still a LoRA site and checkpoint name of
-its own (`self_attn.q_proj.weight`, adapter site `...self_attn.q_proj`). `merge_qkv = False` (the
+its own (`self_attn.q_proj.weight`, adapter site `...self_attn.q_proj`). `LayerOptions.merge_qkv` False (the
 engine's `EngineConfig.merge_qkv`) is the off switch: three projections, each with its own LoRA.
 
 Shape legend: T tokens in the step (all sequences concatenated), H hidden, N query heads,
@@ -24,6 +24,7 @@ from torch import nn
 
 from moelora.layers.linear import Linear, MergedLinear
 from moelora.layers.norm import RMSNorm
+from moelora.layers.options import DEFAULT_OPTIONS
 from moelora.layers.rotary import apply_rotary
 from moelora.lora.batch import LoRABatch
 
@@ -63,20 +64,20 @@ class Attention(nn.Module):
         kv = num_kv_heads * head_dim
         self.qkv_proj = MergedLinear(hidden, (num_heads * head_dim, kv, kv), bias=bias, **kw)
         self.q_proj, self.k_proj, self.v_proj = self.qkv_proj.segments
-        self.merge_qkv = True
         self.o_proj = Linear(num_heads * head_dim, hidden, **kw)
         self.qk_norm, self.eps = qk_norm, eps
-        self.backend = kw.get("backend", "torch")
+        self.options = kw.get("options", DEFAULT_OPTIONS)
+        backend = self.options.kernel_backend
         if qk_norm == "per_head":
-            self.q_norm, self.k_norm = RMSNorm(head_dim, eps, self.backend), RMSNorm(head_dim, eps, self.backend)
+            self.q_norm, self.k_norm = RMSNorm(head_dim, eps, backend), RMSNorm(head_dim, eps, backend)
         elif qk_norm == "whole":  # `make_norm(width)`: a norm over columns split across ranks (parallel_norm)
-            make_norm = make_norm or (lambda width: RMSNorm(width, eps, self.backend))
+            make_norm = make_norm or (lambda width: RMSNorm(width, eps, backend))
             self.q_norm, self.k_norm = make_norm(num_heads * head_dim), make_norm(num_kv_heads * head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
                 kv: tuple[torch.Tensor, torch.Tensor], lora: LoRABatch | None = None) -> torch.Tensor:
         T = x.shape[0]
-        if self.merge_qkv:  # q, k, v: column views of one [T, N*D + 2*N_kv*D] output
+        if self.options.merge_qkv:  # q, k, v: column views of one [T, N*D + 2*N_kv*D] output
             q, k, v = self.qkv_proj(x, lora).split(self.qkv_proj.out_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x, lora), self.k_proj(x, lora), self.v_proj(x, lora)
@@ -85,7 +86,7 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.backend == "triton":  # per-head norm (if any) and rotary of q and k: one launch
+        if self.options.kernel_backend == "triton":  # per-head norm (if any) and rotary of q and k: one launch
             from moelora.kernels.attention import paged_attention
             from moelora.kernels.rotary import qk_norm_rope
 

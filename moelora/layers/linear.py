@@ -29,11 +29,15 @@ LoRA slots and paths are the same as in bf16.
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import torch
 from torch import nn
 
-from moelora.kernels.reference import DenseLoRAArgs, lora_linear_ref
+from moelora.kernels.args import DenseLoRAArgs
+from moelora.kernels.dense_policy import DENSE_LORA_POLICY, DenseLoRAPolicy
+from moelora.kernels.reference import lora_linear_ref
+from moelora.layers.options import DEFAULT_OPTIONS, LayerOptions
 from moelora.lora.adapter import LoRAWeights
 from moelora.lora.batch import LoRABatch
 from moelora.quant.config import FP8Config
@@ -41,11 +45,12 @@ from moelora.quant.storage import activation_quantizer, dense_weight, fp8_parame
 
 
 def _project(backend: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-             args: DenseLoRAArgs | None, side_stream: torch.cuda.Stream | None, act_quant=None) -> torch.Tensor:
+             args: DenseLoRAArgs | None, side_stream: torch.cuda.Stream | None, act_quant=None,
+             policy: DenseLoRAPolicy = DENSE_LORA_POLICY) -> torch.Tensor:
     if backend == "triton":  # FP8: the dequantized weight (the FP8 kernels plug in here; act_quant is torch-only)
         from moelora.kernels.lora_linear import lora_linear
 
-        return lora_linear(x, weight, bias, args, side_stream=side_stream)
+        return lora_linear(x, weight, bias, args, side_stream=side_stream, policy=policy)
     return lora_linear_ref(x, weight, bias, args, act_quant)
 
 
@@ -63,18 +68,17 @@ class _FP8Weight:
         """(weight, scale, row segments) of this module's FP8 parameters (`quant.storage.fp8_weight_sites`)."""
         return [("weight", "weight_scale_inv", self.scale_segments)]
 
-    def _project(self, x: torch.Tensor, args: DenseLoRAArgs | None) -> torch.Tensor:
-        return _project(self.backend, x, self.dense_weight(x.dtype), self.bias, args, self.lora_stream,
-                        activation_quantizer(self.quant))
+    def _project(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        """x W^T + b + the LoRA delta of `lora` (its side stream, if any, runs the LoRA shrink)."""
+        return _project(self.options.kernel_backend, x, self.dense_weight(x.dtype), self.bias, self.lora_args(lora),
+                        None if lora is None else lora.side_stream, activation_quantizer(self.quant),
+                        self.options.dense_lora_policy)
 
 
 class LinearSite(_FP8Weight, nn.Module):
     """A dense LoRA site: y = x W^T + b + its LoRA delta. Subclasses provide `weight` [N_out, N_in],
-    `bias`, `lora_a` [S, R, N_in], `lora_b` [S, N_out, R], `lora_ranks` [S], `has_lora`, `backend`,
-    `in_features` and `out_features`. `lora_stream` (set by the engine, `EngineConfig.overlap_lora`):
-    a CUDA stream on which the Triton LoRA shrink runs concurrently with the base GEMM."""
-
-    lora_stream: torch.cuda.Stream | None = None
+    `bias`, `lora_a` [S, R, N_in], `lora_b` [S, N_out, R], `lora_ranks` [S], `has_lora`, `options`,
+    `in_features` and `out_features`."""
 
     def set_lora_slot(self, slot: int, weights: LoRAWeights | None) -> None:
         """Copy `weights` (a [r, N_in], b [N_out, r]) into `slot` and set its site rank to r, or
@@ -100,7 +104,7 @@ class LinearSite(_FP8Weight, nn.Module):
                              row_plan=lora.row_plan, width=lora.max_rank)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        return self._project(x, self.lora_args(lora))
+        return self._project(x, lora)
 
     def forward_one_slot(self, x: torch.Tensor, slot: torch.Tensor | None) -> torch.Tensor:
         """Rows that all belong to one adapter slot, given as a 0-d int device tensor (-1: none), so
@@ -117,11 +121,11 @@ class LinearSite(_FP8Weight, nn.Module):
 
 class Linear(LinearSite):
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
-                 max_loras: int = 0, max_rank: int = 0, backend: str = "torch",
+                 max_loras: int = 0, max_rank: int = 0, options: LayerOptions = DEFAULT_OPTIONS,
                  dtype: torch.dtype | None = None, quant: FP8Config | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.backend, self.quant, self.scale_segments = backend, quant, (out_features,)
+        self.options, self.quant, self.scale_segments = options, quant, (out_features,)
         if quant is None:
             self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         else:
@@ -139,19 +143,16 @@ class Linear(LinearSite):
 class MergedLinear(_FP8Weight, nn.Module):
     """G linears over one input, `out_sizes` (N_0, .., N_{G-1}): forward -> y [T, sum N_g], one GEMM
     and one LoRA shrink + expand. Its segments (`segments`) are the sites and checkpoint names; the
-    owner registers them as its own children under their names (see `Attention`). `lora_stream`:
-    as `LinearSite`'s."""
-
-    lora_stream: torch.cuda.Stream | None = None
+    owner registers them as its own children under their names (see `Attention`)."""
 
     def __init__(self, in_features: int, out_sizes: tuple[int, ...], *, bias: bool = False,
-                 max_loras: int = 0, max_rank: int = 0, backend: str = "torch",
+                 max_loras: int = 0, max_rank: int = 0, options: LayerOptions = DEFAULT_OPTIONS,
                  dtype: torch.dtype | None = None, quant: FP8Config | None = None):
         super().__init__()
         self.in_features, self.out_sizes = in_features, tuple(out_sizes)
         self.out_features = sum(self.out_sizes)
         self.bounds = tuple(itertools.accumulate(self.out_sizes, initial=0))
-        self.backend, self.max_rank = backend, max_rank
+        self.options, self.max_rank = options, max_rank
         self.quant, self.scale_segments = quant, self.out_sizes
         if quant is None:
             self.weight = nn.Parameter(torch.empty(self.out_features, in_features, dtype=dtype))
@@ -175,7 +176,7 @@ class MergedLinear(_FP8Weight, nn.Module):
                              self.out_sizes, lora.row_plan, width=lora.max_rank)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        return self._project(x, self.lora_args(lora))
+        return self._project(x, lora)
 
     # The segments save and load the weights under their own names.
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -194,13 +195,18 @@ class LinearSegment(LinearSite):
 
     def __init__(self, merged: MergedLinear, index: int):
         super().__init__()
-        object.__setattr__(self, "merged", merged)  # a plain reference: the owner registers both modules
+        # a weak reference: the owner registers both modules, and no cycle keeps a dropped model's weights
+        object.__setattr__(self, "_merged", weakref.ref(merged))
         self.index = index
         self.in_features, self.out_features = merged.in_features, merged.out_sizes[index]
-        self.has_lora, self.backend = merged.has_lora, merged.backend
+        self.has_lora, self.options = merged.has_lora, merged.options
         self._rows = slice(merged.bounds[index], merged.bounds[index + 1])
         self.quant, self.scale_segments = merged.quant, (self.out_features,)
         self._scale_rows = None if self.quant is None else scale_rows(self.quant, merged.out_sizes, index)
+
+    @property
+    def merged(self) -> MergedLinear:
+        return self._merged()
 
     @property
     def lora_owner(self) -> nn.Module:

@@ -14,7 +14,7 @@ latent and the rotated single-head key: C + Dr values (576 for DeepSeek-V3) inst
 N(Dn + Dr + Dv) of expanded K/V (40960). The step writes its entries at `slot_mapping` (an `out=`
 buffer the caller owns, contract 2) and attends in one of two forms:
 
-- expanded (prefill and extend, and decode when `absorb_decode` is off; eager only): per sequence,
+- expanded (prefill and extend, and decode when `LayerOptions.mla_absorbed_decode` is off; eager only): per sequence,
   gather its latents, expand them through `kv_b_proj` with that sequence's adapter
   (`Linear.forward_one_slot`: LoRA on kv_b_proj changes the K/V derived from the cached latent, so it
   is applied at read time; the latent itself already carries LoRA of kv_a_proj_with_mqa and of every
@@ -46,6 +46,7 @@ from moelora.errors import ConfigError
 from moelora.layers.attention import AttnMetadata
 from moelora.layers.linear import Linear
 from moelora.layers.norm import RMSNorm
+from moelora.layers.options import DEFAULT_OPTIONS
 from moelora.layers.rotary import apply_rotary, apply_rotary_interleaved
 from moelora.lora.batch import LoRABatch
 
@@ -62,19 +63,19 @@ class MLAttention(nn.Module):
         self.scale = softmax_scale
         self.rotate = apply_rotary_interleaved if interleave else apply_rotary
         q_out = num_heads * (qk_nope_head_dim + qk_rope_head_dim)
+        self.options = kw.get("options", DEFAULT_OPTIONS)  # absorbed decode off: the expanded torch path (eager)
+        backend = self.options.kernel_backend
         self.q_lora = q_lora_rank is not None
         if not self.q_lora:
             self.q_proj = Linear(hidden, q_out, **kw)
         else:
             self.q_a_proj = Linear(hidden, q_lora_rank, bias=bias, **kw)
-            self.q_a_layernorm = RMSNorm(q_lora_rank, _INNER_NORM_EPS)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, _INNER_NORM_EPS, backend)
             self.q_b_proj = Linear(q_lora_rank, q_out, **kw)
         self.kv_a_proj_with_mqa = Linear(hidden, kv_lora_rank + qk_rope_head_dim, bias=bias, **kw)
-        self.kv_a_layernorm = RMSNorm(kv_lora_rank, _INNER_NORM_EPS)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, _INNER_NORM_EPS, backend)
         self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), **kw)
         self.o_proj = Linear(num_heads * v_head_dim, hidden, bias=bias, **kw)
-        self.backend = kw.get("backend", "torch")  # the engine sets it on every module that has it
-        self.absorb_decode = True  # EngineConfig.mla_absorbed_decode; off: the expanded torch path (eager only)
 
     def _query(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         if not self.q_lora:
@@ -84,9 +85,9 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
                 kv: tuple[torch.Tensor], lora: LoRABatch | None = None) -> torch.Tensor:
         T, N, C = x.shape[0], self.num_heads, self.kv_lora_rank
-        absorbed = self.absorb_decode and meta.max_query_len == 1
+        absorbed = self.options.mla_absorbed_decode and meta.max_query_len == 1
         if not absorbed and x.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise ConfigError("MLA attention is graph-safe only for decode steps with absorb_decode on: "
+            raise ConfigError("MLA attention is graph-safe only for decode steps with mla_absorbed_decode on: "
                               "run this model with enforce_eager=True")
         q = self._query(x, lora).view(T, N, self.nope + self.rope)
         q = torch.cat((q[..., :self.nope], self.rotate(q[..., self.nope:], cos, sin)), dim=-1)
@@ -105,7 +106,7 @@ class MLAttention(nn.Module):
                          lora: LoRABatch | None) -> torch.Tensor:
         """Decode step (one query per sequence) in the absorbed form -> new [T, N, Dv]."""
         q_nope, q_rope = q[..., :self.nope], q[..., self.nope:]
-        if self.backend == "triton":  # the LoRA terms: one launch a side (`kernels.mla_lora`)
+        if self.options.kernel_backend == "triton":  # the LoRA terms: one launch a side (`kernels.mla_lora`)
             from moelora.kernels.mla_attention import mla_decode_attention
             from moelora.kernels.mla_lora import mla_absorb_lora_, mla_expand_lora_
 

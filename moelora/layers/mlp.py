@@ -20,11 +20,11 @@ class DenseMLP(nn.Module):
         self.gate_proj = Linear(hidden, intermediate, **linear_kw)
         self.up_proj = Linear(hidden, intermediate, **linear_kw)
         self.down_proj = Linear(intermediate, hidden, **linear_kw)
-        self.backend = linear_kw.get("backend", "torch")
+        self.options = self.down_proj.options
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         gate, up = self.gate_proj(x, lora), self.up_proj(x, lora)
-        if self.backend == "triton":
+        if self.options.kernel_backend == "triton":
             from moelora.kernels.silu_mul import silu_mul
 
             h = silu_mul(gate, up)

@@ -21,9 +21,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moelora.kernels.reference import ExpertLoRAArgs, fused_moe_ref
+from moelora.kernels.args import ExpertLoRAArgs
+from moelora.kernels.reference import fused_moe_ref
 from moelora.layers.linear import Linear
 from moelora.layers.mlp import DenseMLP
+from moelora.layers.options import DEFAULT_OPTIONS, LayerOptions
 from moelora.layers.router import Router, RoutingSpec, route
 from moelora.lora.adapter import LoRAWeights
 from moelora.lora.batch import LoRABatch
@@ -32,17 +34,15 @@ from moelora.quant.storage import activation_quantizer, dense_weight, fp8_parame
 
 
 class Experts(nn.Module):
-    """Routed experts. `lora_stream` (set by the engine, `EngineConfig.overlap_lora`): a CUDA stream
-    on which the Triton route / block down-projection LoRA delta runs concurrently with the down GEMM."""
-
-    lora_stream: torch.cuda.Stream | None = None
-    moe_table: str | None = None  # the fused-MoE tuned-config table file (EngineConfig.fused_moe_table)
+    """Routed experts (Triton: `fused_moe` with `options.fused_moe_table`). The LoRA batch's side stream, if
+    any, runs the route / block down-projection LoRA delta concurrently with the down GEMM."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, *, max_loras: int, max_rank: int,
-                 backend: str, dtype: torch.dtype | None = None, quant: FP8Config | None = None):
+                 options: LayerOptions = DEFAULT_OPTIONS, dtype: torch.dtype | None = None,
+                 quant: FP8Config | None = None):
         super().__init__()
         E, H, inner = num_experts, hidden, inter
-        self.backend, self.quant = backend, quant
+        self.options, self.quant = options, quant
         self.route_rows: dict = {}  # fused_moe's per-route plan rows, per batch shape (plan_per_route)
         if quant is None:
             self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inner, H, dtype=dtype))
@@ -97,19 +97,20 @@ class Experts(nn.Module):
                 lora: LoRABatch | None) -> torch.Tensor:
         args = self.lora_args(lora)
         w_gate_up, w_down = self.dense_weights(x.dtype)
-        if self.backend == "triton":
+        if self.options.kernel_backend == "triton":
             from moelora.kernels.fused_moe import fused_moe
 
             return fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, lora=args,
-                             side_stream=self.lora_stream, table=self.moe_table, route_rows=self.route_rows)
+                             side_stream=None if lora is None else lora.side_stream,
+                             table=self.options.fused_moe_table, route_rows=self.route_rows)
         act_quant = activation_quantizer(self.quant)  # the W8A8 twin; None: the bf16 call as it always was
         return fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids, lora=args,
                              **({} if act_quant is None else {"act_quant": act_quant}))
 
 
 class SparseMoE(nn.Module):
-    """`overlap_shared`: run the shared expert(s) on a second CUDA stream, concurrently with the
-    routed experts (set by the engine from its config; ignored on the CPU).
+    """`options.overlap_shared_experts`: run the shared expert(s) on a second CUDA stream, concurrently with
+    the routed experts (ignored on the CPU).
 
     `shared_inter`: Qwen2's sigmoid-gated `shared_expert`; `shared_experts_inter`: DeepSeek/GLM's
     ungated `shared_experts` (moe_intermediate_size * n_shared_experts). `routing` defaults to the
@@ -123,8 +124,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.routing = routing or RoutingSpec("softmax", top_k, renormalize)
         self.top_k, self.renormalize = top_k, renormalize
-        self.backend = kw.get("backend", "torch")  # the router's; experts, gate, shared MLPs carry their own
-        self.overlap_shared = False
+        self.options: LayerOptions = kw.get("options", DEFAULT_OPTIONS)  # the router's, and the overlap
         self._side_stream: torch.cuda.Stream | None = None
         plain = dict(kw, quant=None)  # routers and Qwen2's shared-expert gate stay high precision
         if self.routing.fp32_router:
@@ -145,13 +145,13 @@ class SparseMoE(nn.Module):
 
     def _routed(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         bias = getattr(self.gate, "e_score_correction_bias", None)
-        weights, ids = route(self.gate(x, lora), self.routing, bias, self.backend)
+        weights, ids = route(self.gate(x, lora), self.routing, bias, self.options.kernel_backend)
         return self.experts(x, weights, ids, lora)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         if not self.has_shared:
             return self._routed(x, lora)
-        if not (self.overlap_shared and x.is_cuda):
+        if not (self.options.overlap_shared_experts and x.is_cuda):
             return self._routed(x, lora) + self._shared(x, lora)
         # Fork. Side stream reads: x, the LoRABatch tensors, shared-expert(s) weights and LoRA slots;
         # writes: only `shared` (new tensors it allocates). Main stream reads the same inputs and

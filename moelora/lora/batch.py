@@ -16,10 +16,14 @@ every LoRA site owns its own `lora_ranks [S]` device buffer (written when a slot
 where the adapter does not cover the site), which is what its kernels read, so a site an adapter
 skips costs no LoRA work.
 
-`row_plan` (the engine's, `EngineConfig.group_lora_rows`, Triton backend): the step's rows grouped
-by slot, built by the runner that builds the batch (`with_row_plan`: one launch on the device, inside
-the captured graph for decode) when a dense site may take its "planned" mode at this many rows (a
-program per block of one slot's rows, where it measured faster); every dense LoRA site reads it.
+`row_plan` (`EngineConfig.group_lora_rows`, Triton backend): the step's rows grouped by slot, built by
+`plan_step` (one launch on the device, inside the captured graph for decode) when the dense LoRA policy
+may take its "planned" mode at this many rows (`LoRANeeds.policy.wants_row_plan`: a program per block of
+one slot's rows, where it measured faster); every dense LoRA site reads it.
+
+`side_stream` (`EngineConfig.overlap_lora`, CUDA): the runner's LoRA side stream, on which the Triton LoRA
+work that may overlap the base GEMM runs (the dense shrink, the routed experts' down delta); None: one
+stream. A runtime resource, so it travels with the step's batch, not in the layers' options.
 
 `idle` (the engine's, when `EngineConfig.skip_idle_lora_sites`): the LoRA modules at which no
 registered adapter has weights (every slot's rank 0 there, so their delta is exactly zero). A layer
@@ -38,14 +42,30 @@ slots their replays will name are not known at capture; a wider step re-captures
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from moelora.kernels.reference import MoERoutingPlan, SlotRows
+from moelora.kernels.args import MoERoutingPlan, SlotRows
+from moelora.kernels.dense_policy import DENSE_LORA_POLICY, PLAN_BLOCK_M, DenseLoRAPolicy
 from moelora.upload import upload
 
 NO_SLOT = -1
+
+
+@dataclass(frozen=True)
+class LoRANeeds:
+    """What a model's LoRA paths need in each step's `LoRABatch`, fixed for a runner (both runners of an
+    engine hold the same one): `rows`, the torch twins' per-slot rows (`active`); `width`, the rows'
+    adapters' largest rank (`EngineConfig.lora_width_by_batch`); `group_slots` > 0, the rows grouped by slot
+    over that many slots wherever `policy` may take "planned" (`EngineConfig.group_lora_rows`, Triton);
+    `side_stream`, the LoRA side stream (`EngineConfig.overlap_lora`, CUDA)."""
+
+    rows: bool = True
+    width: bool = True
+    group_slots: int = 0
+    policy: DenseLoRAPolicy = DENSE_LORA_POLICY
+    side_stream: torch.cuda.Stream | None = None
 
 
 @dataclass(frozen=True)
@@ -55,17 +75,7 @@ class LoRABatch:
     idle: frozenset = frozenset()  # LoRA modules no registered adapter has weights at
     row_plan: MoERoutingPlan | None = None  # the rows grouped by slot (a routing plan over the model's slots)
     max_rank: int | None = None  # the rows' slots' largest adapter rank (host); None: the pool's width
-
-    def with_row_plan(self, num_slots: int) -> LoRABatch:
-        """This batch plus its rows grouped by slot (`moelora.kernels.lora_linear.row_plan`) when a
-        dense site may take "planned" at this many rows, else this batch. One launch on the device,
-        never a host sync; the graph runner calls it inside the captured forward, so every replay
-        rebuilds the grouping (never a stale copy)."""
-        from moelora.kernels.lora_linear import PLAN_BLOCK_M, row_plan, wants_row_plan  # Triton: only on its path
-
-        if not wants_row_plan(self.num_tokens):
-            return self
-        return replace(self, row_plan=row_plan(self.token_slots, num_slots, PLAN_BLOCK_M))
+    side_stream: torch.cuda.Stream | None = None  # the runner's LoRA side stream (None: one stream)
 
     def skips(self, module) -> bool:
         """Whether `module` (the module owning a site's slot buffers) has no LoRA work in this batch."""
@@ -81,21 +91,43 @@ class LoRABatch:
         """Plan for tokens whose slots are `token_slots` (host ints) given per-slot ranks; `rows`
         False leaves `active` None (the Triton backend never reads it: one copy and loop less); `width`
         False leaves `max_rank` None (the pool's width: `EngineConfig.lora_width_by_batch` off)."""
-        named = set(token_slots) - {NO_SLOT}
-        bad = [s for s in named if not 0 <= s < len(slot_ranks)]
-        if bad:
-            raise ValueError(f"tokens name slot {bad[0]}, but there are {len(slot_ranks)} slots")
-        max_rank = max((int(slot_ranks[s]) for s in named), default=0) if width else None
-        token_slots_t = upload(list(token_slots), torch.int32, device)
-        if not rows:
-            return LoRABatch(token_slots=token_slots_t, active=None, idle=idle, max_rank=max_rank)
-        by_slot: dict[int, list[int]] = {}
-        for t, s in enumerate(token_slots):
-            if s != NO_SLOT:
-                by_slot.setdefault(s, []).append(t)
-        live = [(s, r) for s, r in sorted(by_slot.items()) if slot_ranks[s] > 0]
-        # every slot's row list in one host-to-device copy (one per slot cost ~10 us each on CUDA), then views
-        flat = upload([t for _, r in live for t in r], torch.long, device)
-        active = tuple(SlotRows(slot=s, rank=int(slot_ranks[s]), rows=part)
-                       for (s, _), part in zip(live, flat.split([len(r) for _, r in live]), strict=True))
-        return LoRABatch(token_slots=token_slots_t, active=active, idle=idle, max_rank=max_rank)
+        return plan_step(*upload_slots(token_slots, slot_ranks, device, rows), LoRANeeds(rows, width), idle)
+
+
+def upload_slots(token_slots: Sequence[int], slot_ranks: Sequence[int], device: torch.device | str,
+                 rows: bool = True) -> tuple[torch.Tensor, tuple[SlotRows, ...] | None, int]:
+    """An eager step's slots on the device (one copy), its per-slot rows (`active`; None when not `rows`)
+    and the largest adapter rank among the slots its rows name (0: none)."""
+    named = set(token_slots) - {NO_SLOT}
+    bad = [s for s in named if not 0 <= s < len(slot_ranks)]
+    if bad:
+        raise ValueError(f"tokens name slot {bad[0]}, but there are {len(slot_ranks)} slots")
+    max_rank = max((int(slot_ranks[s]) for s in named), default=0)
+    token_slots_t = upload(list(token_slots), torch.int32, device)
+    if not rows:
+        return token_slots_t, None, max_rank
+    by_slot: dict[int, list[int]] = {}
+    for t, s in enumerate(token_slots):
+        if s != NO_SLOT:
+            by_slot.setdefault(s, []).append(t)
+    live = [(s, r) for s, r in sorted(by_slot.items()) if slot_ranks[s] > 0]
+    # every slot's row list in one host-to-device copy (one per slot cost ~10 us each on CUDA), then views
+    flat = upload([t for _, r in live for t in r], torch.long, device)
+    active = tuple(SlotRows(slot=s, rank=int(slot_ranks[s]), rows=part)
+                   for (s, _), part in zip(live, flat.split([len(r) for _, r in live]), strict=True))
+    return token_slots_t, active, max_rank
+
+
+def plan_step(token_slots: torch.Tensor, active: tuple[SlotRows, ...] | None, max_rank: int | None,
+              needs: LoRANeeds, idle: frozenset = frozenset()) -> LoRABatch:
+    """A step's `LoRABatch`, the one builder of both runners: the eager runner's from `upload_slots`, the
+    graph runner's inside each captured forward from its static slot buffer (`active` None, `max_rank` its
+    capture width), so every replay regroups its own rows. It carries the `idle` sites, the width
+    (`max_rank`, None unless `needs.width`), the side stream, and the rows grouped by slot when `needs` asks
+    for them at this many rows (one launch on the device, never a host sync)."""
+    plan = None
+    if needs.group_slots and needs.policy.wants_row_plan(token_slots.shape[0]):
+        from moelora.kernels.dense_lora.planned import row_plan  # the Triton launch: only on that path
+
+        plan = row_plan(token_slots, needs.group_slots, PLAN_BLOCK_M)
+    return LoRABatch(token_slots, active, idle, plan, max_rank if needs.width else None, needs.side_stream)

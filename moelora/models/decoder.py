@@ -27,6 +27,7 @@ from moelora.layers.linear import LinearSite
 from moelora.layers.mlp import DenseMLP
 from moelora.layers.moe import Experts, SparseMoE
 from moelora.layers.norm import RMSNorm
+from moelora.layers.options import DEFAULT_OPTIONS, LayerOptions, adopt_tensors
 from moelora.layers.rotary import RotaryEmbedding
 from moelora.layers.router import RoutingSpec
 from moelora.lora.adapter import LoRAAdapter
@@ -68,7 +69,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, idx: int, make_attention=gqa_attention, shard=None, **kw):
         super().__init__()
-        backend = kw.get("backend", "torch")
+        backend = kw["options"].kernel_backend
         self.shard = shard  # tensor parallelism: attention and MLP outputs are partial sums
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.self_attn = make_attention(cfg, shard=shard, **kw)
@@ -101,20 +102,23 @@ class Backbone(nn.Module):
             start, _, rows = shard.plan.vocab(cfg)
             self.embed_tokens = VocabParallelEmbedding(start, rows, cfg.hidden_size, shard, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, make_attention, shard, **kw) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kw.get("backend", "torch"))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kw["options"].kernel_backend)
 
 
 class MoECausalLM(nn.Module):
     # Whether decode may be captured in CUDA graphs (every layer has a graph-safe path).
     supports_cuda_graphs = True
 
-    def __init__(self, cfg: ModelConfig, *, max_loras: int = 0, max_rank: int = 0, backend: str = "torch",
-                 dtype: torch.dtype | None = None, quant: FP8Config | None = None, shard=None):
+    def __init__(self, cfg: ModelConfig, *, max_loras: int = 0, max_rank: int = 0,
+                 options: LayerOptions = DEFAULT_OPTIONS, dtype: torch.dtype | None = None,
+                 quant: FP8Config | None = None, shard=None):
         super().__init__()
         self.config, self.shard = cfg, shard  # `shard`: this rank's `moelora.parallel.shard.Shard`, or None
         self.layer_config = cfg if shard is None else shard.plan.local_config(cfg)
+        self.options = options  # every layer's, given to its constructor (`layers.options`)
         # quant: FP8 storage of every projection (attention, MLPs, experts; `moelora.quant`), None: dtype
-        kw = dict(max_loras=max_loras, max_rank=max_rank, backend=backend, dtype=dtype, quant=quant)
+        kw = dict(max_loras=max_loras, max_rank=max_rank, options=options, dtype=dtype, quant=quant)
+        self.build_args = dict(kw, shard=shard)  # the constructor's arguments (`with_options` rebuilds with them)
         self.max_loras = max_loras  # adapter slots of every LoRA site (a row plan groups rows over them)
         self.model = Backbone(self.layer_config, self.make_attention, shard, **kw)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_yarn)
@@ -126,6 +130,16 @@ class MoECausalLM(nn.Module):
     def make_attention(cfg: ModelConfig, shard=None, **kw) -> nn.Module:
         """The attention module of one layer (a family with another attention overrides this)."""
         return gqa_attention(cfg, shard, **kw)
+
+    def with_options(self, options: LayerOptions) -> MoECausalLM:
+        """This model under other layer options: itself when they are its own, else a twin built through the
+        constructors with `options` (on the meta device) holding this model's tensors (`adopt_tensors`:
+        weights and LoRA slots, no copy) and LoRA sites. One model, several engine configs (tests, benchmarks)."""
+        if options == self.options:
+            return self
+        with torch.device("meta"):
+            twin = type(self)(self.config, **dict(self.build_args, options=options))
+        return adopt_tensors(twin, self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 kv_caches: list[tuple[torch.Tensor, ...]], lora: LoRABatch | None = None

@@ -47,7 +47,7 @@ def build_rank_model(model_dir: str | Path, cfg: EngineConfig, shard: Shard, loa
     fp8 = cfg.fp8_config(model_cfg)
     with torch.device(cfg.torch_device):
         model = model_class(model_cfg)(model_cfg, max_loras=cfg.max_loras, max_rank=cfg.max_lora_rank,
-                                       backend=cfg.kernel_backend, dtype=cfg.torch_dtype, shard=shard, quant=fp8)
+                                       options=cfg.layer_options(), dtype=cfg.torch_dtype, shard=shard, quant=fp8)
     if fp8 is not None:
         check_ignored(model, fp8)
     if load_format == "dummy":

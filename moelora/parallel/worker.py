@@ -40,7 +40,7 @@ def _error(exc: BaseException) -> tuple[str, str, str]:
 class _Worker:
     def __init__(self, model_dir: str, cfg: EngineConfig, shard: Shard, load: tuple[str, int]):
         from moelora.engine.kv_cache import PagedKVCache
-        from moelora.engine.runner import ModelRunner
+        from moelora.engine.runner import ModelRunner, lora_needs
         from moelora.models.lora_targets import lora_site_owners
         from moelora.parallel.build import build_rank_model, plan_kv_blocks
 
@@ -49,15 +49,14 @@ class _Worker:
         self.cfg = cfg = plan_kv_blocks(cfg, self.model, shard)
         self.cache = PagedKVCache(self.model.kv_cache_shapes(), cfg.num_kv_blocks, cfg.block_size,
                                   cfg.torch_device, cfg.torch_dtype)
-        row_plan_slots = self.model.max_loras if cfg.group_lora_rows and cfg.kernel_backend == "triton" else 0
-        self.runner = ModelRunner(self.model, self.cache, cfg.torch_device, lora_rows=cfg.kernel_backend == "torch",
-                                  row_plan_slots=row_plan_slots, lora_width=cfg.lora_width_by_batch)
+        needs = lora_needs(cfg, self.model)  # rank 0's, from the same config
+        self.runner = ModelRunner(self.model, self.cache, cfg.torch_device, needs)
         self.owners = lora_site_owners(self.model)
         self.runner.lora_idle = frozenset(self.owners.values()) if cfg.skip_idle_lora_sites else frozenset()
         self.adapters: dict = {}
-        self.graphs = self._graphs(cfg, row_plan_slots)
+        self.graphs = self._graphs(cfg, needs)
 
-    def _graphs(self, cfg: EngineConfig, row_plan_slots: int):
+    def _graphs(self, cfg: EngineConfig, needs):
         """Decode graphs when rank 0's engine has them (the same rule as `LLMEngine`), else None."""
         from moelora.engine.cuda_graphs import CudaGraphRunner
         from moelora.layers.mla import MLAttention
@@ -66,7 +65,7 @@ class _Worker:
         if not (cfg.use_cuda_graphs and graph_safe and getattr(self.model, "supports_cuda_graphs", False)):
             return None
         dummy = self.cache.allocator.allocate()  # the block rank 0's engine takes first, too
-        return CudaGraphRunner(self.model, self.cache, cfg.max_num_seqs, cfg.max_model_len, dummy, row_plan_slots,
+        return CudaGraphRunner(self.model, self.cache, cfg.max_num_seqs, cfg.max_model_len, dummy, needs,
                                cfg.base_decode_graphs, frozenset(self.owners.values()))
 
     def set_idle(self, keys: list[str]) -> frozenset:

@@ -1,7 +1,6 @@
-"""The dense LoRA modes of `lora_linear`, one per file, each a class behind `base`'s protocol.
+"""The dense LoRA modes of `lora_linear`, one per file, registered in `MODES` (`LoRALinearConfig.mode`).
 
-`LoRALinearConfig.mode` names one; the tests, scripts/compile_check.py and benchmarks/lora_linear.py
-iterate `MODES`. Which modes stay and why: docs/performance.md.
+Which modes stay and why: docs/performance.md.
 """
 
 from __future__ import annotations

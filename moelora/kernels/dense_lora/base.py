@@ -1,11 +1,9 @@
-"""The protocol of the dense LoRA modes of `lora_linear`, one per file in this package, and what they share.
+"""The protocol of the dense LoRA modes of `lora_linear`, and what they share.
 
 Shape legend: T tokens, N_in / N_out features, S adapter slots, R pool rank per segment, G output segments
 (BLOCK_R = pow2 >= max(16, R)).
-
-A mode is a class with a `name` and `run(x, weight, bias, lora, out, cfg, side_stream)`: it writes
-out = x W^T (+ bias) (+ the LoRA delta of `lora`, a `DenseLoRAArgs` with at least one slot, or None) for a
-checked call (`lora_linear` checks shapes, allocates `out` and picks the mode: `LoRALinearConfig.mode`).
+A mode has a `name` and `run(x, weight, bias, lora, out, cfg, side_stream)`, writing out = x W^T (+ bias)
+(+ the delta of `lora`) for a call `lora_linear` has checked.
 """
 
 from __future__ import annotations
@@ -14,13 +12,12 @@ import itertools
 
 import torch
 
+from moelora.kernels.args import DenseLoRAArgs
 from moelora.kernels.checks import lora_tile_rank, next_pow2
-from moelora.kernels.reference import DenseLoRAArgs
 
 
 class Segments:
-    """Launch constants of `lora`'s output segments: G, the pool rank R per segment, the output
-    column bounds (None when unsegmented) and BLOCK_R (xa columns per segment)."""
+    """Launch constants of `lora`'s output segments: G, pool rank R a segment, column bounds (or None), BLOCK_R."""
 
     def __init__(self, lora: DenseLoRAArgs):
         self.G = max(1, len(lora.segments))

@@ -2,13 +2,10 @@
 
 Shape legend: T tokens, N_in / N_out features, S adapter slots, R pool rank per segment
 (BLOCK_R = pow2 >= max(16, R)), G output segments, BM rows per plan block, P plan rows (max_padded).
-
-The rows are grouped by slot with the routing plan of the routed experts (`row_plan`: token_slots as [T, 1]
-"expert" ids over S "experts"), so a plan block holds rows of one slot; the engine's runners build it once a
-step (`LoRABatch.with_row_plan`). `planned_delta_kernel`: program (plan block, column split) adds its slot's
-delta to its rows and columns: xa = x[rows] @ A[:rank]^T over the full N_in (rounded to x's dtype, as the
-twin), then y += xa @ B^T tile by tile. One launch, no partials, no slot lanes (the split path's expand at
-64-256 rows on 8 adapters runs 8x its tiles); deterministic; grid from shapes only (graph-safe).
+  row_plan: the routing plan of token_slots as [T, 1] ids over S "experts" (`lora.batch.plan_step`)
+  planned_delta_kernel: program (block, column split): y[rows] += (x[rows] @ A_s^T) @ B_s^T
+Why: one program per block of one slot's rows costs the same for 1 or 8 adapters, where the split path's
+expand runs its tiles once per slot lane.
 """
 
 from __future__ import annotations
@@ -37,8 +34,7 @@ class Planned:
 
 
 def add_delta(x, out, lora, cfg) -> None:
-    """out += the LoRA delta of its rows, over `lora.row_plan` (built here when the caller gave none, or one
-    of other blocks)."""
+    """out += the LoRA delta of its rows, over `lora.row_plan` (built here when missing or of other blocks)."""
     (T, n_out), S = out.shape, lora.a.shape[0]
     plan = lora.row_plan
     if plan is None or plan.block_m != cfg.block_m:
@@ -56,8 +52,7 @@ def row_plan(token_slots: torch.Tensor, n_slots: int, block_m: int) -> MoERoutin
 
 @triton.jit
 def _add_expanded(xa, b_s, y_rows, valid, c0, c1, stride_bn, rank, BN: tl.constexpr, BLOCK_R: tl.constexpr):
-    """y[rows, n] += xa @ B_s[n, :rank]^T for n in [c0, c1), BN columns at a time (read, add in fp32,
-    store); xa [BM, BLOCK_R] in y's dtype, y_rows the rows' pointers [BM, 1], rows past `valid` untouched."""
+    """y[rows, c0:c1] += xa @ B_s^T, BN columns a step (fp32 add); rows past `valid` untouched."""
     for n0 in range(c0, c1, BN):
         offs_n = n0 + tl.arange(0, BN)
         bt = lora_b_tile_cols(b_s, offs_n, n0, c1, stride_bn, rank, 0, BLOCK_R)
@@ -74,9 +69,7 @@ def planned_delta_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_R: tl.constexpr, G: tl.constexpr,
     SEG_BOUNDS: tl.constexpr,
 ):
-    """y[rows of plan block program_id(0), columns of split program_id(1)] += their LoRA delta;
-    see the module docstring. SEG_BOUNDS: G + 1 column bounds (G = 1: (0, N_out)); ranks [G, S]. src is
-    x [T, N_in] (row stride stride_src), shrunk here over the full N_in."""
+    """y[rows of block program_id(0), columns of split program_id(1)] += their delta (x shrunk over the full N_in)."""
     pid_b = tl.program_id(0)
     if pid_b * BM >= tl.load(num_padded_ptr):
         return
@@ -105,10 +98,7 @@ def planned_delta_kernel(
 def planned_delta(src: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slot_ranks: torch.Tensor,
                   plan: MoERoutingPlan, bounds: tuple[int, ...], r_seg: int, block_r: int, cols_per_program: int,
                   block_n: int, block_k: int, num_warps: int, num_stages: int) -> None:
-    """out[t] += its LoRA delta for the rows of `plan` (slot s of their block). src: x [T, N_in]
-    (shrunk here). a [S, G r_seg, N_in], b [S, N_out, r_seg], slot_ranks [G, S]
-    (or [S] with G = 1) contiguous, bounds the G + 1 column bounds of the segments;
-    cols_per_program: columns a program covers (a multiple of block_n)."""
+    """out[t] += its LoRA delta for the rows of `plan`; a [S, G r_seg, N_in], b [S, N_out, r_seg], bounds G + 1."""
     grid = (plan.max_blocks, cdiv(bounds[-1], cols_per_program))
     planned_delta_kernel[grid](
         src, out, a, b, slot_ranks, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded,
@@ -119,8 +109,7 @@ def planned_delta(src: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torc
 
 
 def planned_cols(T: int, n_out: int, n_slots: int, block_m: int, block_n: int, target_programs: int) -> int:
-    """Columns per program so that the plan's likely blocks (T / BM plus a partial one per slot)
-    times the column splits reach about `target_programs`; a multiple of block_n."""
+    """Columns a program (a multiple of block_n) so that likely blocks x column splits ~ `target_programs`."""
     blocks = cdiv(T, block_m) + min(n_slots, T) // 2
     splits = max(1, min(cdiv(n_out, block_n), cdiv(target_programs, max(1, blocks))))
     return cdiv(cdiv(n_out, splits), block_n) * block_n

@@ -2,17 +2,10 @@
 
 Shape legend: T tokens, N_in / N_out features, S adapter slots, R pool rank per segment, G output segments
 (BLOCK_R = pow2 >= max(16, R)), P shrink splits over N_in.
-
-The shrink computes xa = x[t] @ A_slot(t)[:rank]^T once per row into an fp32 buffer xa [P, T, G BLOCK_R],
-then the expand adds xa[t] @ B_slot(t)[:, :rank]^T to each [BM, BN] output tile (summing the P partials).
-Shrink program (m, p G + g, lane) takes BM rows, the p-th chunk of N_in (so small T still fills the GPU),
-segment g and the lane-th distinct slot among its rows; expand program (m, n, lane) likewise. A row has
-one slot, so lanes touch disjoint rows: no atomics, deterministic. With up to `slot_lanes` distinct slots
-per row block every program handles one slot, so its chain of dependent loads is short; the last lane
-takes any further slots in turn. A is read once per (row block, slot, N_in chunk) and B once per (row
-block, slot, N tile), each only up to the slot's own rank. With a `side_stream` the shrink runs there,
-concurrently with the base GEMM (both only read x), and the expand after the join. Segments (G > 1) keep
-one shrink and one expand launch (`lora_tiles.expand_segments`).
+  shrink: xa [P, T, G BLOCK_R] fp32 = x[t, chunk p] @ A_slot(t)[:rank]^T    (on the side stream when given)
+  expand: y[t] += (sum_p xa[p, t]) @ B_slot(t)[:, :rank]^T
+Programs (m, ., lane) take the lane-th distinct slot of their rows (the last lane the rest): lanes touch
+disjoint rows, so no atomics, and each program's chain of dependent loads stays short.
 """
 
 from __future__ import annotations
@@ -56,11 +49,7 @@ class Split:
 
 
 class ShrinkLaunch(NamedTuple):
-    """The dense LoRA shrink's launch and what the expand needs of it (`lora_linear` builds it; the
-    split path launches it on its own, "splitk" folds it into the partials' launch): xa [P, T, G BLOCK_R]
-    to fill, A / slots / ranks as `DenseLoRAArgs` holds them, the N_in chunk of each of P splits,
-    lanes, the shrink's tiles, and the output segments (G, pool rank R_SEG a segment, BLOCK_R,
-    pow2(G), column bounds or None)."""
+    """The dense shrink's launch and what the expand needs of it (split launches it, splitk folds it in)."""
 
     xa: torch.Tensor
     a: torch.Tensor
@@ -80,9 +69,7 @@ class ShrinkLaunch(NamedTuple):
 
 
 def shrink_split(T: int, n_in: int, block_r: int, cfg) -> tuple[int, int]:
-    """(P chunks, chunk length): N_in cut into BK multiples so that row blocks x P ~ the target.
-    The expand keeps P partial [BM, BLOCK_R] fp32 tiles in flight: P is capped so that they stay
-    within ~32 registers a thread (sm_90 builds spilled beyond that at BM 64, R 64)."""
+    """(P chunks, chunk length) so that row blocks x P ~ the target, P capped to keep the expand from spilling."""
     n_kb = max(1, cdiv(n_in, cfg.block_k))
     want = cfg.split_k
     if not want:
@@ -93,8 +80,7 @@ def shrink_split(T: int, n_in: int, block_r: int, cfg) -> tuple[int, int]:
 
 
 def shrink_setup(x, lora, T, n_in, cfg) -> ShrinkLaunch:
-    """The shrink's launch, its xa [P, T, G * BLOCK_R] fp32 partials allocated here on the current
-    stream."""
+    """The shrink's launch, its xa [P, T, G * BLOCK_R] fp32 allocated here on the current stream."""
     seg = Segments(lora)
     n_split, chunk = shrink_split(T, n_in, seg.block_r, cfg)
     xa = torch.empty(n_split, T, seg.G * seg.block_r, dtype=torch.float32, device=x.device)
@@ -105,9 +91,7 @@ def shrink_setup(x, lora, T, n_in, cfg) -> ShrinkLaunch:
 
 
 def shrink(x, lora, T, n_in, cfg, side_stream=None) -> ShrinkLaunch:
-    """Launch the split path's shrink (on `side_stream` when given, after the work queued so far on
-    the current stream). Its xa is allocated on the current stream before any fork; the caller keeps
-    it until the expand, which runs after the join."""
+    """Launch the shrink (on `side_stream` when given); xa was allocated before the fork, read after the join."""
     sh = shrink_setup(x, lora, T, n_in, cfg)
     with forked(side_stream, x.device):
         _lora_shrink_kernel[(cdiv(T, sh.block_m), sh.n_split * sh.G, sh.lanes)](
@@ -133,8 +117,7 @@ def _lora_shrink_kernel(
     stride_xt, stride_xap, stride_as, stride_ar,
     BM: tl.constexpr, BLOCK_R: tl.constexpr, BK: tl.constexpr, S_P2: tl.constexpr, G: tl.constexpr,
 ):
-    """xa[p, t, g] = x[t, chunk p] @ A_g,slot(t)[:rank_g, chunk p]^T: program (m, p G + g, lane) is
-    `dense_shrink_program` (the splitk mode runs the same programs inside its partials' launch)."""
+    """xa[p, t, g] = x[t, chunk p] @ A_g,slot(t)[:rank_g, chunk p]^T (`dense_shrink_program`)."""
     dense_shrink_program(x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, tl.program_id(0), tl.program_id(1),
                          tl.program_id(2), T, N_in, n_slots, k_chunk, n_lanes, R_SEG, stride_xt, stride_xap,
                          stride_as, stride_ar, BM, BLOCK_R, BK, S_P2, G)
@@ -147,10 +130,7 @@ def _lora_expand_add_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, S_P2: tl.constexpr,
     G: tl.constexpr, G_P2: tl.constexpr, SEG_BOUNDS: tl.constexpr,
 ):
-    """y[t, n tile] += (sum_p xa[p, t]) @ B_slot(t)[n tile, :rank]^T for the rows with a slot (with G
-    segments: each column's segment's xa columns, B rows and rank; see `expand_segments`).
-    Program (m, n, lane) takes the lane-th distinct slot of its rows (the last lane: all the rest);
-    a row has one slot, so lanes write disjoint rows."""
+    """y[t, n tile] += (sum_p xa[p, t]) @ B_slot(t)[n tile, :rank]^T for the lane's rows (G > 1: `expand_segments`)."""
     offs_t = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     lane = tl.program_id(2)

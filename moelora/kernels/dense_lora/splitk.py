@@ -4,17 +4,8 @@ Shape legend: T tokens (decode: <= 64), N_in / N_out features, P split-K chunks,
   partials: x [T, N_in] @ W [N_out, N_in]^T over chunk p of N_in -> ws [P, T, N_out] fp32
             (+ LoRA: the dense shrink, xa [P', T, G BLOCK_R] fp32, in the same launch)
   reduce:   y [T, N_out] = sum_p ws[p] (+ bias) (+ xa @ B_slot(t)^T per row), rounded once
-
-Why: at decode a projection is a skinny GEMM bound by W's bytes. cuBLAS runs it in one or two
-launches (split-K + its own reduce), and the "split" LoRA path then adds its expand as a launch of
-its own that reads and writes y again. Here the expand rides in the reduce, which the split-K GEMM
-needs anyway, and the shrink's programs ride in the partials' launch (they only read x, as the
-partials do, and write xa, which the reduce reads after the launch), so LoRA adds no launch, no
-stream and no join: two launches with or without LoRA. Reduce program (m, n, lane): lane 0 writes
-the rows on no slot; lane l >= 1 the rows of the block's (l-1)-th distinct slot (the last lane:
-every slot left), as the split path's expand does, so every row is written once and rows on no
-slot read no LoRA bytes.
-Partials are summed in a fixed order: deterministic, no atomics. Grids depend on shapes only.
+Why: the expand rides in the reduce a split-K GEMM needs anyway and the shrink in the partials' launch, so
+LoRA adds no launch, stream or join at decode. Fixed summation order: deterministic.
 """
 
 from __future__ import annotations
@@ -43,8 +34,7 @@ class SplitK:
 
 
 def splitk_linear(x, weight, bias, lora, out, cfg) -> None:
-    """One launch of split-K partials and, with LoRA, the shrink's programs next to them (so no side stream
-    and no join), then one reduce that adds bias and the expand."""
+    """One launch of split-K partials (+ the shrink's programs), then one reduce that adds bias and the expand."""
     if lora is None:
         splitk_reduce(splitk_partials(x, weight, cfg.gemm_split_k, cfg.gemm_block_n, cfg.gemm_block_k), out, bias,
                       None, None, cfg.block_m, cfg.block_n, cfg.slot_lanes, cfg.num_warps)
@@ -62,11 +52,8 @@ def splitk_partial_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_LORA: tl.constexpr, S_BM: tl.constexpr,
     BLOCK_R: tl.constexpr, S_BK: tl.constexpr, S_P2: tl.constexpr, G: tl.constexpr,
 ):
-    """ws[p, t, n tile] = x[t, chunk p] @ W[n tile, chunk p]^T (fp32). One dimension of programs:
-    HAS_LORA, the first n_shrink are the dense shrink's programs (m, pg, lane), lane fastest
-    (`dense_shrink_program`: xa for the reduce's expand, in this launch rather than a launch or a
-    stream of its own); then (n tile, p, m block), n fastest, so neighbouring programs stream
-    neighbouring rows of W."""
+    """ws[p, t, n tile] = x[t, chunk p] @ W[n tile, chunk p]^T (fp32); with HAS_LORA the first n_shrink programs
+    are the dense shrink's; then (n tile, p, m block), n fastest."""
     pid = tl.program_id(0)
     if HAS_LORA:
         if pid < n_shrink:
@@ -137,8 +124,7 @@ def splitk_reduce_kernel(
 
 def splitk_partials(x: torch.Tensor, weight: torch.Tensor, split_k: int, block_n: int, block_k: int,
                     shrink: ShrinkLaunch | None = None) -> torch.Tensor:
-    """ws [P, T, N_out] fp32 (P <= split_k chunks of N_in, each a multiple of block_k); with `shrink`,
-    the same launch also fills shrink.xa."""
+    """ws [P, T, N_out] fp32; with `shrink`, the same launch also fills shrink.xa."""
     T, n_in = x.shape
     n_out = weight.shape[0]
     chunk = cdiv(cdiv(n_in, split_k), block_k) * block_k
@@ -165,8 +151,7 @@ def splitk_partials(x: torch.Tensor, weight: torch.Tensor, split_k: int, block_n
 
 def splitk_reduce(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, lora, shrink: ShrinkLaunch | None,
                   block_m: int, block_n: int, slot_lanes: int, num_warps: int = 4) -> None:
-    """out = sum of the partials (+ bias) (+ LoRA: `lora` DenseLoRAArgs, `shrink` the launch that
-    filled its xa)."""
+    """out = sum of the partials (+ bias) (+ the expand of `lora` from `shrink`'s xa)."""
     T, n_out = out.shape
     has_lora = lora is not None
     if has_lora:

@@ -1,8 +1,6 @@
-"""The routed-expert LoRA paths of `fused_moe`, one per file, each behind `base.MoELoRAPath`.
+"""The routed-expert LoRA paths of `fused_moe`, one per file behind `base.MoELoRAPath`, registered in `PATHS`.
 
-A path is named by its config's `path` (`FusedMoEConfig.lora`, the table's "lora": {"path": ...}). The
-tuner (benchmarks/tune_fused_moe.py), scripts/compile_check.py and the tests iterate `PATHS`; each path's
-`trials` are the configs the tuner times, `refinements` the changes it then tries on its pick.
+The tuner, scripts/compile_check.py and the tests iterate `PATHS` (`trials`, then `refinements` on a pick).
 Which paths stay and why: docs/performance.md.
 """
 

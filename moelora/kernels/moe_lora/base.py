@@ -2,19 +2,17 @@
 
 Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, S adapter slots,
 BLOCK_R the LoRA tile rank, P plan rows (max_padded).
-
-`fused_moe` runs one base pipeline: plan -> gate_up GEMM -> activation -> down GEMM -> top-k combine.
-A path adds its LoRA through five hooks, in this order, and three sets of kernel arguments:
-  __init__          its scratch buffers, allocated on the current stream before any fork (contract 2)
-  gate_up_out(h)    where the gate_up GEMM writes: h [P, I] (activated), or a raw [P, 2I] gate / up buffer
-  before_gate_up()  launches before the gate_up GEMM (a shrink, a delta, or a fork to the side stream)
-  gate_up_args()    the gate_up kernel's LoRA arguments and epilogue flags
+A path adds its LoRA to the base pipeline (plan -> gate_up -> activation -> down -> combine) through, in order:
+  __init__              scratch buffers, allocated on the current stream before any fork (contract 2)
+  gate_up_out(h)        where the gate_up GEMM writes: h [P, I] (activated), or a raw [P, 2I] gate / up buffer
+  before_gate_up()      launches before the gate_up GEMM (a shrink, a delta, or a fork to the side stream)
+  gate_up_args()        the gate_up kernel's LoRA arguments and epilogue flags
   after_gate_up(gu, h)  launches between the GEMMs that finish h (a join and an activation kernel)
-  before_down(h)    launches before the down GEMM
-  down_args()       the down kernel's LoRA arguments and epilogue flags
-  before_combine()  a join before the combine reads what the side stream wrote
-  combine_args()    the top-k combine's LoRA arguments
-The base class is the no-LoRA path: every flag off, dummies (x) for every pointer.
+  before_down(h)        launches before the down GEMM
+  down_args()           the down kernel's LoRA arguments and epilogue flags
+  before_combine()      a join before the combine reads what the side stream wrote
+  combine_args()        the top-k combine's LoRA arguments
+The base class is the no-LoRA path: every flag off, dummies for every pointer.
 """
 
 from __future__ import annotations
@@ -23,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moelora.kernels.args import ExpertLoRAArgs
 from moelora.kernels.moe_plan import MoERoutingPlan
-from moelora.kernels.reference import ExpertLoRAArgs
 
 LORA_RC = 16  # rank columns per step of a chunked shrink / expand: cost follows each slot's own rank
 
@@ -112,9 +110,7 @@ class MoELoRAPath:
 
 
 class ShrinkFirst(MoELoRAPath):
-    """A path whose shrink kernel runs before each GEMM (`_shrink`) and whose GEMM epilogues expand
-    (`_epilogue`: their flags); the down shrink runs after the gate_up GEMM on this stream, which has read
-    the gate_up xa."""
+    """A path whose shrink kernel runs before each GEMM and whose GEMM epilogues expand."""
 
     def _shrink(self, src: torch.Tensor, which: str, gather: bool) -> None:
         raise NotImplementedError

@@ -3,15 +3,9 @@
 Shape legend: T tokens, K top-k, H hidden, I expert intermediate, S adapter slots, E experts, R max rank
 (BLOCK_R the tile rank), P plan rows (max_padded), BM plan block_m.
 
-`lora_block_delta_kernel`: program (block, lane, N split) takes the lane-th distinct slot of its block (the
-last lane every slot left), shrinks that slot's rows with one tl.dot over k (xa rounded to src's dtype),
-then expands them tile by tile into delta [T*K, N] (`deltas`). A and B of a (slot, expert) pair are read once
-per block and split instead of once per route ("route"), with the slots of a block in parallel programs. One
-pass per pair at the pool's width, masked to the slot's rank, or (a slot of rank <= 16 in a wider pool) at 16
-columns. SUB > 1 (`BlockConfig.block_m`): each plan block taken as SUB sub-blocks of BM / SUB rows. PERSIST
-(`BlockConfig.programs`): a fixed number of programs loop over the (sub-block, lane, split) items. SWITCH:
-`deltas.slots_skip` (the "route" path's switch to this delta for batches on few slots).
-Decode from M=8 to 256 on the H200 (the table's picks; docs/performance.md).
+`lora_block_delta_kernel`, program (block, lane, N split): one slot's rows of the block shrunk with one
+tl.dot, then expanded into delta [T*K, N] (`deltas`): a (slot, expert) pair's A and B are read once per
+block, not once per route. Decode from M=8 to 256 on the H200 (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -25,7 +19,7 @@ import triton.language as tl
 from moelora.kernels.checks import cdiv, need_at_least, need_one_of, need_pow2
 from moelora.kernels.lora_tiles import drop_largest_slots, lora_b_tile, lora_shrink_rows
 from moelora.kernels.moe_lora.base import site
-from moelora.kernels.moe_lora.deltas import GATE_UP_DELTA_AT, DeltaPath, slots_skip
+from moelora.kernels.moe_lora.deltas import GATE_UP_DELTA_AT, DeltaPath
 from moelora.kernels.moe_rows import plan_rows, slot_base
 
 BLOCK_TARGET_PROGRAMS = 264  # programs to aim for (2 per SM on a 132-SM H200): the N split fills the rest
@@ -34,18 +28,15 @@ BLOCK_LANES = 8  # programs per plan block, one distinct slot each (the last: th
 
 @dataclass(frozen=True)
 class BlockConfig:
-    """block_n / block_k: each expand / shrink step; block_m (0: the plan's): rows of each delta program;
-    programs (0: one a (sub-block, lane, split) item): that many programs looping over the items; b_chunks:
-    B tiles in whole 16-column rank chunks (vector loads) or, False, masked column by column (fewer
-    registers); gate_up_at: "epilogue" (the gate_up GEMM adds the delta) or "activation" (a small kernel
-    adds it after the GEMM, so the delta runs on the side stream next to it)."""
+    """block_n / block_k: expand / shrink step; block_m (0: the plan's): rows a program; programs (0: one an item):
+    that many looping programs; gate_up_at: "epilogue" or "activation" (added by a kernel after the GEMM, so the
+    delta runs beside it on the side stream)."""
 
     path: ClassVar[str] = "block"
     block_n: int = 64
     block_k: int = 128
     block_m: int = 0
     programs: int = 0
-    b_chunks: bool = True
     gate_up_at: str = "epilogue"
 
     def __post_init__(self):
@@ -59,8 +50,7 @@ class Block(DeltaPath):
     name = "block"
     config = BlockConfig
     # the gate_up delta beside its GEMM; 1, 2, 4 programs an H200 SM looping over the items; B column-masked
-    refinements = (dict(gate_up_at="activation"), *(dict(programs=p) for p in (132, 264, 528)),
-                   dict(b_chunks=False))
+    refinements = (dict(gate_up_at="activation"), *(dict(programs=p) for p in (132, 264, 528)))
 
     @classmethod
     def trials(cls, block_m: int) -> list:
@@ -73,8 +63,8 @@ class Block(DeltaPath):
         block_delta(self.call, self.cfg, src, delta, which)
 
 
-def block_delta(call, cfg: BlockConfig, src, delta, which: str, switch: dict | None = None) -> None:
-    """delta [T*K, N] of every route with LoRA, per (plan block, slot); `switch`: `deltas.switch_args`."""
+def block_delta(call, cfg: BlockConfig, src, delta, which: str) -> None:
+    """delta [T*K, N] of every route with LoRA, per (plan block, slot)."""
     plan, lora = call.plan, call.lora
     a, b, ranks = site(lora, which)
     n_out, k_dim = b.shape[2], a.shape[3]
@@ -91,29 +81,19 @@ def block_delta(call, cfg: BlockConfig, src, delta, which: str, switch: dict | N
         ranks, a, b, plan.num_routes, plan.top_k, k_dim, n_out, per_split, lanes, src.stride(0),
         delta.stride(0), a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
         BY_PLAN_ROW=which == "down", BM=plan.block_m, BLOCK_R=call.block_r, BK=cfg.block_k, BN=bn, SUB=sub,
-        PERSIST=persist, B_CHUNKS=cfg.b_chunks, num_warps=4, **(switch or dict(max_slots=0)))
+        PERSIST=persist, num_warps=4)
 
 
 @triton.jit
 def lora_block_delta_kernel(
     src_ptr, delta_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr, slots_ptr, ranks_ptr, a_ptr, b_ptr,
     n_routes, top_k, k_dim, n_out, n_per_split, n_lanes, stride_src, stride_d,
-    stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, max_slots,
+    stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn,
     BY_PLAN_ROW: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-    SUB: tl.constexpr = 1, SWITCH: tl.constexpr = 0, T_P2: tl.constexpr = 1, S_P2: tl.constexpr = 1,
-    PERSIST: tl.constexpr = False, B_CHUNKS: tl.constexpr = True,
+    SUB: tl.constexpr = 1, PERSIST: tl.constexpr = False,
 ):
-    """delta[route, n] for the rows of sub-block program_id(0) (BM / SUB rows of plan block
-    program_id(0) // SUB) on the lane-th distinct slot, n in split program_id(2); see the module
-    docstring. SWITCH: `slots_skip`. B_CHUNKS: `lora_b_tile`'s CHUNKS (`BlockConfig.b_chunks`).
-    PERSIST: a 1-D grid of fewer programs, each looping over the (sub-block, lane, split) items of the live
-    sub-blocks (sub-block fastest). In a pool wider than
-    NARROW_R, a slot of rank <= NARROW_R takes NARROW_R-column tiles (`_block_pair_delta`), not the
-    pool's (H200, Qwen3, 8 adapters of rank 8 in a rank-64 pool, M=128: 563 -> 486 us a layer; two
-    launches, one per rank class, made it 421 but rank 64 itself 587 -> 671)."""
-    if SWITCH != 0:
-        if slots_skip(slots_ptr, n_routes // top_k, max_slots, SWITCH, T_P2, S_P2):
-            return
+    """delta[route, n] for sub-block program_id(0) on its lane's slot, split program_id(2); PERSIST: fewer programs
+    looping over the items; a slot of rank <= NARROW_R in a wider pool takes NARROW_R-column tiles."""
     BMS: tl.constexpr = BM // SUB
     live = tl.cdiv(tl.load(num_padded_ptr), BMS)  # sub-blocks holding plan rows
     if PERSIST:
@@ -123,12 +103,12 @@ def lora_block_delta_kernel(
                               n_routes, top_k, k_dim, n_out, n_per_split, n_lanes, stride_src, stride_d, stride_as,
                               stride_ae, stride_ar, stride_bs, stride_be, stride_bn, item % live,
                               (item // live) % n_lanes, item // (live * n_lanes), BY_PLAN_ROW, BMS, SUB, BLOCK_R,
-                              BK, BN, B_CHUNKS)
+                              BK, BN)
     elif tl.program_id(0) < live:
         _block_delta_item(src_ptr, delta_ptr, sorted_ids_ptr, eob_ptr, slots_ptr, ranks_ptr, a_ptr, b_ptr,
                           n_routes, top_k, k_dim, n_out, n_per_split, n_lanes, stride_src, stride_d, stride_as,
                           stride_ae, stride_ar, stride_bs, stride_be, stride_bn, tl.program_id(0), tl.program_id(1),
-                          tl.program_id(2), BY_PLAN_ROW, BMS, SUB, BLOCK_R, BK, BN, B_CHUNKS)
+                          tl.program_id(2), BY_PLAN_ROW, BMS, SUB, BLOCK_R, BK, BN)
 
 
 NARROW_R = tl.constexpr(16)  # the block delta's rank tile for slots of rank <= 16, whatever the pool's
@@ -136,16 +116,13 @@ NARROW_R = tl.constexpr(16)  # the block delta's rank tile for slots of rank <= 
 
 @triton.jit
 def _block_pair_delta(src_ptr, rows, stride_src, sel, a_se, b_se, stride_ar, stride_bn, rank, k_dim, d_rows, n_start,
-                      n_end, BMS: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-                      B_CHUNKS: tl.constexpr):
-    """The delta of the rows in sel for one (slot, expert) pair, in R rank columns (>= its rank): xa =
-    rows @ A[:rank]^T rounded to src's dtype, then d_rows[:, n] = xa @ B[n, :rank]^T over [n_start, n_end),
-    BN columns at a time."""
+                      n_end, BMS: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+    """One (slot, expert) pair's delta for the rows in sel: xa = rows @ A[:rank]^T (src's dtype), then xa @ B^T."""
     xa = lora_shrink_rows(src_ptr, rows, stride_src, sel, a_se, stride_ar, rank, 0, k_dim, BMS, R, BK)
     xa = xa.to(src_ptr.dtype.element_ty)
     for n0 in range(n_start, n_end, BN):
         offs_n = n0 + tl.arange(0, BN)
-        d = tl.dot(xa, lora_b_tile(b_se, offs_n, n_end, stride_bn, rank, 0, R, B_CHUNKS).to(xa.dtype))
+        d = tl.dot(xa, lora_b_tile(b_se, offs_n, n_end, stride_bn, rank, 0, R).to(xa.dtype))
         tl.store(d_rows + offs_n[None, :], d.to(d_rows.dtype.element_ty), mask=sel[:, None] & (offs_n[None, :] < n_end))
 
 
@@ -154,7 +131,7 @@ def _block_delta_item(src_ptr, delta_ptr, sorted_ids_ptr, eob_ptr, slots_ptr, ra
                       top_k, k_dim, n_out, n_per_split, n_lanes, stride_src, stride_d, stride_as, stride_ae,
                       stride_ar, stride_bs, stride_be, stride_bn, pid_m, lane, pid_n, BY_PLAN_ROW: tl.constexpr,
                       BMS: tl.constexpr, SUB: tl.constexpr, BLOCK_R: tl.constexpr, BK: tl.constexpr,
-                      BN: tl.constexpr, B_CHUNKS: tl.constexpr):
+                      BN: tl.constexpr):
     """One (sub-block, lane, split) item of `lora_block_delta_kernel`."""
     e = tl.load(eob_ptr + pid_m // SUB).to(tl.int64)
     offs_m, route, valid, tok = plan_rows(sorted_ids_ptr, pid_m, n_routes, top_k, BMS)
@@ -173,12 +150,12 @@ def _block_delta_item(src_ptr, delta_ptr, sorted_ids_ptr, eob_ptr, slots_ptr, ra
             if BLOCK_R > NARROW_R:
                 if rank <= NARROW_R:  # a narrow adapter in a wide pool: tiles of its width, not the pool's
                     _block_pair_delta(src_ptr, rows, stride_src, sel, a_se, b_se, stride_ar, stride_bn, rank, k_dim,
-                                      d_rows, n_start, n_end, BMS, NARROW_R, BK, BN, B_CHUNKS)
+                                      d_rows, n_start, n_end, BMS, NARROW_R, BK, BN)
                 else:
                     _block_pair_delta(src_ptr, rows, stride_src, sel, a_se, b_se, stride_ar, stride_bn, rank, k_dim,
-                                      d_rows, n_start, n_end, BMS, BLOCK_R, BK, BN, B_CHUNKS)
+                                      d_rows, n_start, n_end, BMS, BLOCK_R, BK, BN)
             else:
                 _block_pair_delta(src_ptr, rows, stride_src, sel, a_se, b_se, stride_ar, stride_bn, rank, k_dim,
-                                  d_rows, n_start, n_end, BMS, BLOCK_R, BK, BN, B_CHUNKS)
+                                  d_rows, n_start, n_end, BMS, BLOCK_R, BK, BN)
         slot = tl.where(sel, -1, slot)
         s = tl.where(last, tl.max(slot, axis=0), -1)  # a lane below the last takes one slot

@@ -2,13 +2,9 @@
 that adds it.
 
 Shape legend: T tokens, K top-k, H hidden, I expert intermediate, S adapter slots, P plan rows.
-
-The path's delta kernel writes delta_gu [T*K, 2I] and delta_d [T*K, H] (x's dtype; fp32 for "route" on pools
-wider than one 16-column chunk, whose chunks accumulate in place). The gate_up GEMM's epilogue adds delta_gu
-(or, with gate_up_at="activation", the GEMM writes gate and up raw and `act_delta_kernel` adds it and applies
-SiLU * up, so the gate_up delta may run on the side stream next to the GEMM); the top-k combine adds
-delta_d times the routing weight, so the down delta runs on the side stream next to the down GEMM (both
-read h only).
+  delta_gu [T*K, 2I], delta_d [T*K, H] (x's dtype; fp32 for "route" on pools wider than 16 columns)
+The gate_up epilogue (or `act_delta_kernel`) adds delta_gu; the top-k combine adds delta_d times the routing
+weight, so the down delta runs beside the down GEMM on the side stream (both read h only).
 """
 
 from __future__ import annotations
@@ -88,10 +84,8 @@ class DeltaPath(MoELoRAPath):
 @triton.jit
 def act_delta_kernel(gu_ptr, delta_ptr, h_ptr, sorted_ids_ptr, num_padded_ptr, slots_ptr, ranks_ptr, n_routes, top_k,
                      inter, stride_gu, stride_d, stride_h, BM: tl.constexpr, BN: tl.constexpr):
-    """h[p] = silu(gate + delta_g) * (up + delta_u) for the plan rows p of block program_id(0), columns
-    of program_id(1): gate / up from the unactivated gate_up GEMM (gu [P, 2I]), delta [T*K, 2I] the
-    route's gate_up LoRA delta, added for rows whose slot has a gate_up rank > 0 (the others' delta
-    rows are never written). Padding rows are left unwritten, as the fused epilogue leaves them."""
+    """h[p] = silu(gate + delta_g) * (up + delta_u) for block program_id(0)'s plan rows, columns of program_id(1);
+    rows on no gate_up rank get no delta; padding rows are left unwritten."""
     pid_m = tl.program_id(0)
     if pid_m * BM >= tl.load(num_padded_ptr):
         return
@@ -107,21 +101,3 @@ def act_delta_kernel(gu_ptr, delta_ptr, h_ptr, sorted_ids_ptr, num_padded_ptr, s
     hv = g / (1.0 + tl.exp(-g)) * u
     tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_h + offs_n[None, :], hv.to(h_ptr.dtype.element_ty),
              mask=mask)
-
-
-@triton.jit
-def slots_skip(slots_ptr, n_tokens, max_slots, SWITCH: tl.constexpr, T_P2: tl.constexpr, S_P2: tl.constexpr):
-    """Whether this side of a switched pair stands aside: SWITCH 1 (the "block" side) when the T
-    tokens name more than max_slots distinct slots, 2 (the "route" side) when at most that many.
-    Every program counts them itself from the T slots (T <= T_P2: a few KB from L2), so the pair
-    needs no host sync and no other launch, and exactly one of the two runs. Callers test SWITCH
-    first, so an unswitched kernel compiles none of this."""
-    offs = tl.arange(0, T_P2)
-    slot = tl.load(slots_ptr + offs, mask=offs < n_tokens, other=-1)
-    present = tl.max((slot[:, None] == tl.arange(0, S_P2)[None, :]).to(tl.int32), axis=0)
-    n_distinct = tl.sum(present, axis=0)
-    if SWITCH == 1:
-        skip = n_distinct > max_slots
-    else:
-        skip = n_distinct <= max_slots
-    return skip

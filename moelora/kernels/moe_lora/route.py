@@ -3,15 +3,9 @@
 Shape legend: T tokens, K top-k, H hidden, I expert intermediate, S adapter slots, E experts, R max rank
 (BLOCK_R the tile rank), P plan rows (max_padded), RC = 16 rank columns.
 
-`lora_route_delta_kernel`: delta[route] = ((src row @ A[s, e, :rank]^T) in x's dtype) @ B[s, e, :, :rank]^T ->
-[T*K, N] (`deltas`), RC rank columns at a time (a rank-8 slot in a rank-64 pool costs rank 8), except that a
-slot of rank > 32 takes one pass the pool's width wide (x and its delta row touched once). gate_up: one
-program per (route, N split), src x[route // K], in route order, or (`RouteConfig.order` "plan") per (plan
-row, N split), so an expert's routes share their pairs' A/B in L2; down: one per (plan row, N split), src
-h[row]. Every program streams its own A/B rows with no dependence on its block's other rows (decode: a
-block holds a few routes on as many slots). `RouteConfig.block_max_slots`: a batch whose tokens name at
-most that many distinct slots takes the "block" delta instead (both launched, each counts the slots on the
-device, so one graph serves either batch).
+`lora_route_delta_kernel`: delta[route] = (src row @ A^T) @ B^T, RC rank columns a pass (one pass at the pool's
+width for slots of rank > 32), one program per route (or plan row) and N split: no dependence on the block's
+other rows, which at decode sit on as many slots.
 """
 
 from __future__ import annotations
@@ -22,66 +16,47 @@ from typing import ClassVar
 import triton
 import triton.language as tl
 
-from moelora.kernels.checks import cdiv, need_at_least, need_one_of, next_pow2
+from moelora.kernels.checks import cdiv, need_one_of
 from moelora.kernels.lora_tiles import lora_b_tile
 from moelora.kernels.moe_lora.base import LORA_RC, site
-from moelora.kernels.moe_lora.block import BlockConfig, block_delta
-from moelora.kernels.moe_lora.deltas import GATE_UP_DELTA_AT, DeltaPath, slots_skip
+from moelora.kernels.moe_lora.deltas import GATE_UP_DELTA_AT, DeltaPath
 
 ROUTE_PROGRAMS = 264  # programs a delta launch aims for: two per H200 SM (docs/performance.md)
 ROUTE_STEP = 4096 // LORA_RC  # [RC, 256] A / B loads, 4096 elements each (docs/performance.md)
-SWITCH_MAX_TOKENS = 1024  # block_max_slots: beyond this many tokens the switch is not tried
 
 
 @dataclass(frozen=True)
 class RouteConfig:
-    """warps: of each delta program; order: the gate_up delta's programs by "token" (a token's K routes side
-    by side) or "plan" (an expert's routes side by side); gate_up_at: as `BlockConfig`'s; block_max_slots
-    (0: off): batches on at most that many distinct slots take the block delta (at `BlockConfig()`)."""
+    """warps: of each program; order: gate_up programs by "token" or "plan" (an expert's routes side by side);
+    gate_up_at: as `BlockConfig`'s."""
 
     path: ClassVar[str] = "route"
     warps: int = 4
     order: str = "token"
     gate_up_at: str = "epilogue"
-    block_max_slots: int = 0
 
     def __post_init__(self):
         need_one_of("RouteConfig", "warps", self.warps, (1, 2, 4, 8, 16))
         need_one_of("RouteConfig", "order", self.order, ("token", "plan"))
         need_one_of("RouteConfig", "gate_up_at", self.gate_up_at, GATE_UP_DELTA_AT)
-        need_at_least("RouteConfig", 0, block_max_slots=self.block_max_slots)
 
 
 class Route(DeltaPath):
     name = "route"
     config = RouteConfig
-    wide_fp32 = True  # wide slots in rank chunks summed in the buffer (a block switch shares it)
-    # 8 warps; an expert's routes side by side; the gate_up delta beside its GEMM; the block delta for
-    # batches on <= 2 slots (scored on 1 + 8 adapters: it helps the first, costs the second a launch)
-    refinements = (dict(warps=8), dict(order="plan"), dict(gate_up_at="activation"), dict(block_max_slots=2))
+    wide_fp32 = True  # wide slots in rank chunks summed in the buffer
+    # 8 warps; an expert's routes side by side; the gate_up delta beside its GEMM
+    refinements = (dict(warps=8), dict(order="plan"), dict(gate_up_at="activation"))
 
     @classmethod
     def trials(cls, block_m: int) -> list:
         return [RouteConfig()]
 
     def delta(self, src, delta, which) -> None:
-        call, cfg, plan = self.call, self.cfg, self.call.plan
-        if cfg.block_max_slots and plan.num_routes // plan.top_k <= SWITCH_MAX_TOKENS:
-            # both launched; on the device exactly one runs, by the batch's distinct slots (few: block)
-            block_delta(call, BlockConfig(), src, delta, which, switch=self._switch(1))
-            route_delta(call, cfg, src, delta, which, switch=self._switch(2))
-        else:
-            route_delta(call, cfg, src, delta, which)
-
-    def _switch(self, side: int) -> dict:
-        """Launch arguments of one side of the route / block switch (`deltas.slots_skip`)."""
-        plan = self.call.plan
-        return dict(max_slots=self.cfg.block_max_slots, SWITCH=side,
-                    T_P2=next_pow2(plan.num_routes // plan.top_k),
-                    S_P2=next_pow2(self.call.n_slots))
+        route_delta(self.call, self.cfg, src, delta, which)
 
 
-def route_delta(call, cfg: RouteConfig, src, delta, which: str, switch: dict | None = None) -> None:
+def route_delta(call, cfg: RouteConfig, src, delta, which: str) -> None:
     """delta [T*K, N] of every route with LoRA (gate_up: N = 2I from x; down: N = H from h [P, I])."""
     plan, lora = call.plan, call.lora
     a, b, ranks = site(lora, which)
@@ -96,26 +71,19 @@ def route_delta(call, cfg: RouteConfig, src, delta, which: str, switch: dict | N
         ranks, a, b, plan.num_routes, plan.top_k, k_dim, n_out, per_split, src.stride(0), delta.stride(0),
         a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2), BY_PLAN_ROW=by_row,
         SRC_BY_TOKEN=which == "gate_up", BM=plan.block_m, RC=LORA_RC, BK=ROUTE_STEP, BN=ROUTE_STEP,
-        WIDE_RC=max(LORA_RC, call.block_r), WIDE_MIN=2 * LORA_RC, num_warps=cfg.warps,
-        **(switch or dict(max_slots=0)))
+        WIDE_RC=max(LORA_RC, call.block_r), WIDE_MIN=2 * LORA_RC, num_warps=cfg.warps)
 
 
 @triton.jit
 def lora_route_delta_kernel(
     src_ptr, delta_ptr, ids_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr, slots_ptr, ranks_ptr, a_ptr, b_ptr,
     n_routes, top_k, k_dim, n_out, n_per_split, stride_src, stride_d,
-    stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, max_slots,
+    stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn,
     BY_PLAN_ROW: tl.constexpr, BM: tl.constexpr, RC: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
     WIDE_RC: tl.constexpr, WIDE_MIN: tl.constexpr, SRC_BY_TOKEN: tl.constexpr,
-    SWITCH: tl.constexpr = 0, T_P2: tl.constexpr = 1, S_P2: tl.constexpr = 1,
 ):
-    """delta[route, n] for the n of split program_id(1); see the module docstring. BY_PLAN_ROW: program
-    pid takes plan row pid (routes of one expert, hence of few (slot, expert) pairs, run side by side
-    and share their A/B through L2), reading src row pid (h, down) or, SRC_BY_TOKEN, its token's row
-    (x, gate_up); else program pid takes route pid, reading its token's row. SWITCH: `slots_skip`."""
-    if SWITCH != 0:
-        if slots_skip(slots_ptr, n_routes // top_k, max_slots, SWITCH, T_P2, S_P2):
-            return
+    """delta[route, n] for split program_id(1); BY_PLAN_ROW: program pid takes plan row pid (an expert's routes
+    share their A/B in L2), else route pid."""
     pid = tl.program_id(0)
     if BY_PLAN_ROW:
         if pid >= tl.load(num_padded_ptr):
@@ -155,8 +123,7 @@ def lora_route_delta_kernel(
 @triton.jit
 def _delta_pass(src, a_base, b_base, d_row, r0, rank, k_dim, n_start, n_end, stride_ar, stride_bn,
                 RC: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
-    """Rank columns [r0, r0 + RC) of one route's delta: xa = src . A[r0:r0+RC]^T (rounded to src's
-    dtype), then d_row[n] (+)= B[n, r0:r0+RC] . xa for n in [n_start, n_end); adds to d_row when r0 > 0."""
+    """Rank columns [r0, r0 + RC) of one route's delta: xa = src . A^T (src's dtype), d_row (+)= B . xa."""
     offs_r = r0 + tl.arange(0, RC)
     r_ok = offs_r < rank
     xa = tl.zeros((RC,), tl.float32)

@@ -2,12 +2,8 @@
 
 Shape legend: T tokens, H hidden, I expert intermediate, S adapter slots, E experts, R max rank (BLOCK_R
 the tile rank), P plan rows (max_padded), BM plan block_m, SPLIT shrink partials, RC = 16 rank columns.
-
-`lora_shrink_kernel` writes xa [SPLIT, P, BLOCK_R] fp32 partials of src rows @ A^T (src = x gathered by
-token, or h in plan rows); program (plan block, split); the block's slots in turn, each one tl.dot over
-its rows, RC rank columns at a time up to the slot's own rank. The GEMM epilogue (`separate_epilogue`)
-sums the partials and expands slot by slot. Best when blocks are full (prefill, the M=4096 entries of
-wide experts); the path of `default_fused_moe_config` and of "stacked" pools too wide to stack.
+  lora_shrink_kernel: src rows (x by token, or h by plan row) @ A^T -> xa [SPLIT, P, BLOCK_R] fp32
+The default config's path and the "stacked" overflow: A and B read once per (plan block, slot).
 """
 
 from __future__ import annotations
@@ -75,8 +71,7 @@ def lora_shrink_kernel(
     GATHER_TOKENS: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr, LORA_BK: tl.constexpr,
     LORA_RC: tl.constexpr,
 ):
-    """xa[sp, rows, :rank] = src rows (x[token] or h[plan row]) @ A[s, e, :rank, k-split sp]^T for
-    the slots s of the block, in turn; grid (blocks, SPLIT)."""
+    """xa[sp, rows, :rank] = src rows @ A[s, e, :rank, k-split sp]^T, slot by slot; grid (blocks, SPLIT)."""
     pid_m = tl.program_id(0)
     sp = tl.program_id(1)
     if pid_m * BM >= tl.load(num_padded_ptr):
@@ -103,8 +98,7 @@ def lora_shrink_kernel(
 
 @triton.jit
 def _xa_chunk(xa_ptr, xa_off, sel, split_stride, r0, SPLIT: tl.constexpr, RC: tl.constexpr):
-    """Rank columns [r0, r0+RC) of the block's xa (row offsets xa_off: plan row * BLOCK_R), summed over the
-    SPLIT partials; rows not in sel read nothing (and give 0)."""
+    """Rank columns [r0, r0+RC) of the block's xa summed over the SPLIT partials; rows not in sel give 0."""
     offs_r = r0 + tl.arange(0, RC)
     xa = tl.zeros((xa_off.shape[0], RC), tl.float32)
     for sp in tl.static_range(SPLIT):
@@ -116,8 +110,7 @@ def _xa_chunk(xa_ptr, xa_off, sel, split_stride, r0, SPLIT: tl.constexpr, RC: tl
 def separate_epilogue(acc_g, acc_u, src_ptr, slot, e, offs_m, ranks_ptr, b_ptr, xa_ptr, offs_n, n_limit, stride_bs,
                       stride_be, stride_bn, num_blocks, BM: tl.constexpr, BLOCK_R: tl.constexpr,
                       XA_SPLIT: tl.constexpr, LORA_RC: tl.constexpr, TWO: tl.constexpr):
-    """"separate" (xa precomputed): expand only, slot by slot, LORA_RC rank columns at a time up to each slot's
-    rank. The dot in src's dtype; acc_g / acc_u / TWO as `add_expand`."""
+    """"separate": expand xa slot by slot, LORA_RC rank columns a step; acc_g / acc_u / TWO as `add_expand`."""
     dt = src_ptr.dtype.element_ty
     xa_off = offs_m.to(tl.int64) * BLOCK_R
     s = tl.max(slot, axis=0)

@@ -2,14 +2,10 @@
 
 Shape legend: T tokens, H hidden, I expert intermediate, S adapter slots, E experts, R max rank (BLOCK_R the
 tile rank), P plan rows (max_padded), BM plan block_m.
-
-The gate_up GEMM's program of output tile n also shrinks x columns [n k, (n + 1) k) (`spread_shrink`; k =
-ceil(H / tiles) rounded up to `SpreadConfig.block_k`) into partials xa_gu [parts, P, BLOCK_R] and writes gate
-and up raw for the rows with a gate_up delta; `act_spread_kernel` (block_n columns a program) sums those
-partials, expands, applies SiLU * up and shrinks its own h columns into xa_d partials; the down GEMM's
-epilogue expands those as "separate" does. Every (slot, expert) pair's A and B read once, no side stream.
-One token a batch (the M=1 entries): with several slots a block the loops sit in the tails of every GEMM
-program and lose to "block" (docs/performance.md).
+  gate_up GEMM tile n: x columns [n k, (n + 1) k) @ A_gu^T -> xa_gu [parts, P, BLOCK_R] fp32, gate / up raw
+  act_spread_kernel: sum, expand, SiLU * up, its h columns @ A_d^T -> xa_d partials; down epilogue expands
+One token a batch (the M=1 entries): each pair read once, no side stream; with several slots a block the
+slot loops sit in every program's tail and lose to "block" (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -86,8 +82,7 @@ class Spread(MoELoRAPath):
 def spread_shrink(src_ptr, src_rows, stride_src, slot, valid, ranks_ptr, a_ptr, e, xa_ptr, offs_m, part, k_start,
                   k_end, part_stride, stride_as, stride_ae, stride_ar, BM: tl.constexpr, BLOCK_R: tl.constexpr,
                   LORA_BK: tl.constexpr):
-    """"spread": xa[part, plan rows] = src[rows, k_start:k_end] @ A[slot(row), e][:rank, k_start:k_end]^T (fp32),
-    one dot per distinct slot of the block (rank-masked A loads); rows on no slot get zeros."""
+    """"spread": xa[part, rows] = src[rows, k_start:k_end] @ A[slot, e][:rank, k_start:k_end]^T, a dot per slot."""
     xa = tl.zeros((BM, BLOCK_R), tl.float32)
     s = tl.max(slot, axis=0)
     while s >= 0:
@@ -108,12 +103,8 @@ def act_spread_kernel(gu_ptr, h_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr, sl
                       stride_h, stride_gbs, stride_gbe, stride_gbn, stride_das, stride_dae, stride_dar,
                       BM: tl.constexpr, BN: tl.constexpr, BLOCK_R: tl.constexpr, GU_SPLIT: tl.constexpr,
                       LORA_RC: tl.constexpr):
-    """"spread": h[p] = silu(gate + delta_g) * (up + delta_u) for the plan rows p of block program_id(0)
-    with a gate_up delta (the others' h the gate_up GEMM wrote), columns [n BN, (n + 1) BN) of n =
-    program_id(1), the delta expanded here from the gate_up shrink's GU_SPLIT partials (xa_gu, written by
-    gate_up_kernel's SPREAD programs); then this tile's share of the down shrink, h[p, columns] @
-    A_d[slot, e][:rank, columns]^T for every row, into xa_d[n] (fp32), for down_kernel's epilogue to sum
-    and expand. Padding rows are left unwritten."""
+    """"spread": h = silu(gate + delta_g) * (up + delta_u) for the rows with a gate_up delta (columns of
+    program_id(1)), the delta expanded from xa_gu; then this tile's share of the down shrink into xa_d[n]."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BM >= tl.load(num_padded_ptr):

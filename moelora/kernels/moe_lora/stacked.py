@@ -2,14 +2,10 @@
 
 Shape legend: T tokens, H hidden, I expert intermediate, S adapter slots, E experts, R max rank (BLOCK_R the
 tile rank), P plan rows (max_padded), BM plan block_m, CW stacked columns a shrink program.
-
-`lora_stacked_shrink_kernel` writes xa_stacked [P, S * BLOCK_R] in x's dtype: each plan row's xa in its slot's
-lane of BLOCK_R columns, zeros in the others; program (plan block, CW columns), one tl.dot a K step over all
-the block's slots of those columns. Each GEMM then adds xa_stacked @ B_stacked[e] (`stacked_epilogue`) as
-more steps of its K loop, one lane a step, slot 0 up to the block's largest, with no reduction or branch
-between steps (a slot absent from the block, or B columns past a slot's rank, load nothing). Prefill (the
-M >= 512 entries). A pool of more than STACK_MAX_COLS slot columns takes `StackedConfig.overflow` ("separate"):
-xa and the expand steps grow with the pool, not with the batch's adapters.
+  lora_stacked_shrink_kernel: xa_stacked [P, S * BLOCK_R] (x's dtype), a row's xa in its slot's lane
+  each GEMM: += xa_stacked @ B_stacked[e] as more K steps, one slot's lane a step
+Prefill (the M >= 512 entries): a dense shrink, and no branch between steps. Pools wider than STACK_MAX_COLS
+slot columns take `StackedConfig.overflow` ("separate").
 """
 
 from __future__ import annotations
@@ -33,8 +29,7 @@ STACK_BK = 64  # shrink depth step ([128, 64] x [64, 128] tiles, 3 stages: 96 KB
 
 @dataclass(frozen=True)
 class StackedConfig:
-    """stack_n: the stacked columns of each shrink program; overflow: the "separate" config of pools wider
-    than STACK_MAX_COLS slot columns."""
+    """stack_n: stacked columns a shrink program; overflow: the "separate" config of pools too wide to stack."""
 
     path: ClassVar[str] = "stacked"
     stack_n: int = 128
@@ -85,11 +80,8 @@ def lora_stacked_shrink_kernel(
     GATHER_TOKENS: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr, CW: tl.constexpr, BK: tl.constexpr,
     S_P2: tl.constexpr,
 ):
-    """xa_stacked[row, c] for the CW stacked columns c of program_id(1) and every row of plan block
-    program_id(0): src row @ A[c // BLOCK_R, e, c % BLOCK_R]^T where c is in the row's slot's lane, 0
-    elsewhere, in xa's dtype. One tl.dot a K step over all the block's slots of those columns (a dense
-    GEMM, not a loop over slots); A rows of slots absent from the block, or past a slot's rank, load
-    nothing, and a program with no row on its columns' slots only writes its zeros."""
+    """xa_stacked[row, c] for program_id(1)'s CW columns and plan block program_id(0): src row @ A[slot, e]^T in
+    the row's slot's lane, 0 elsewhere; one tl.dot a K step over all the block's slots."""
     pid_m = tl.program_id(0)
     if pid_m * BM >= tl.load(num_padded_ptr):
         return
@@ -120,9 +112,8 @@ def lora_stacked_shrink_kernel(
 def stacked_epilogue(acc_g, acc_u, slots_ptr, ranks_ptr, tok, valid, offs_m, e, xa_ptr, stride_xa, b_ptr, offs_n,
                      n_limit, stride_bs, stride_be, stride_bn, n_slots, BLOCK_R: tl.constexpr, S_P2: tl.constexpr,
                      TWO: tl.constexpr):
-    """"stacked": xa_stacked @ B_stacked[e] as more K steps, slot 0 up to the block's largest, one slot's lane
-    of BLOCK_R columns a step (a slot absent from the block has rank 0 here and loads no B).
-    acc_g / acc_u / TWO as `add_expand`."""
+    """"stacked": xa_stacked @ B_stacked[e] as more K steps, one lane of BLOCK_R columns a step (absent slots load
+    nothing); acc_g / acc_u / TWO as `add_expand`."""
     slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
     slot_ranks = stacked_slot_ranks(slot, ranks_ptr, n_slots, S_P2)
     xa_rows = xa_ptr + offs_m[:, None].to(tl.int64) * stride_xa + tl.arange(0, BLOCK_R)[None, :]

@@ -1,0 +1,96 @@
+"""The argument types of the LoRA and MoE launchers and of their torch twins (torch only, no Triton).
+
+Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, R max rank, S adapter slots,
+N_in / N_out a linear layer's in / out features, G output segments.
+
+LoRA arguments (`DenseLoRAArgs`, `ExpertLoRAArgs`) carry per-slot stacked weights with the scaling already
+folded into B, the per-token slot (-1: no adapter) and per-slot rank. A slot of rank r < R has zeros beyond
+column r of A/B; kernels read only the first r columns. The torch twins loop over `active` (`SlotRows`:
+slot, rows) that the step's `LoRABatch` built on the host once per step, so they never sync on a tensor
+value. `MoERoutingPlan` is the routing plan of contract 3 (built by `moe_plan` or its twin in `reference`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+EXPERT_SORTED_PADDED = "expert_sorted_padded"
+
+
+@dataclass(frozen=True)
+class SlotRows:
+    """Host-side view of one active adapter slot in this step: its rank and its token rows."""
+
+    slot: int
+    rank: int
+    rows: torch.Tensor  # [n] int64 token indices on the compute device
+
+
+@dataclass(frozen=True)
+class DenseLoRAArgs:
+    """LoRA on a linear layer: a [S, R, N_in], b [S, N_out, R] (scaling folded into b).
+
+    With output segments -- `segments` = (N_0, .., N_{G-1}) summing to N_out: G linears over the
+    same input merged into one, e.g. q/k/v -- a is [S, G*R, N_in] (segment g's A in rows
+    [gR, gR + R)), b is [S, N_out, R] (segment g's B in rows [off_g, off_g + N_g), off_g the sum of
+    the sizes before it) and slot_ranks is [G, S] (each segment's own rank per slot). Output
+    column n of segment g gets x @ A_g[:rank]^T @ B_g[n, :rank]^T. Empty `segments`: one segment,
+    slot_ranks [S]."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    token_slots: torch.Tensor  # [T] int32, -1 = no adapter
+    slot_ranks: torch.Tensor  # [S] int32, or [G, S] with segments
+    active: tuple[SlotRows, ...] | None  # None: for the Triton kernels only (the twins refuse it)
+    segments: tuple[int, ...] = ()
+    row_plan: MoERoutingPlan | None = None  # the rows grouped by slot (Triton "planned" mode; built if None)
+    width: int | None = None  # Triton: a host bound on the rows' slots' ranks (checks.lora_tile_rank); None: R
+
+
+@dataclass(frozen=True)
+class ExpertLoRAArgs:
+    """LoRA on routed experts, per (slot, expert):
+    gate_up_a [S, E, R, H], gate_up_b [S, E, 2I, R], down_a [S, E, R, I], down_b [S, E, H, R];
+    gate_up_ranks / down_ranks [S] int32: each projection's own rank in each slot (0: no LoRA
+    there), so an adapter covering only one projection costs the other nothing."""
+
+    gate_up_a: torch.Tensor
+    gate_up_b: torch.Tensor
+    down_a: torch.Tensor
+    down_b: torch.Tensor
+    token_slots: torch.Tensor
+    gate_up_ranks: torch.Tensor
+    down_ranks: torch.Tensor
+    active: tuple[SlotRows, ...] | None  # None: for the Triton kernels only (the twins refuse it)
+    width: int | None = None  # Triton: a host bound on the rows' slots' ranks (checks.lora_tile_rank); None: R
+
+
+@dataclass(frozen=True)
+class MoERoutingPlan:
+    """Expert-sorted, block-padded route order shared by every expert GEMM of one MoE call.
+
+    Route id r = t * K + k. `sorted_route_ids` [max_padded] int32 lists each expert's routes in
+    ascending route id, each expert's run padded with the sentinel T*K to a multiple of block_m,
+    experts in ascending id, then sentinels to the end. `expert_of_block` [max_blocks] int32 is
+    the expert of each block_m-row block, -1 past `num_padded` [1] int32 (device tensor). Sizes
+    depend on T, K, E and block_m only (see `plan_capacity`), so the plan is CUDA-graph safe.
+    """
+
+    sorted_route_ids: torch.Tensor
+    expert_of_block: torch.Tensor
+    num_padded: torch.Tensor
+    block_m: int
+    num_tokens: int
+    top_k: int
+    num_experts: int
+    layout: str = EXPERT_SORTED_PADDED
+
+    @property
+    def num_routes(self) -> int:
+        return self.num_tokens * self.top_k
+
+    @property
+    def max_blocks(self) -> int:
+        return self.expert_of_block.shape[0]

@@ -1,0 +1,54 @@
+"""Which dense LoRA mode a `lora_linear` call takes when its caller names none, and which steps get their
+rows grouped by slot for the "planned" mode: the shipped picks as one object that callers pass in.
+
+Shape legend: T rows of the call (tokens), N_in / N_out the linear's in / out features.
+Host logic only (no torch tensors, no Triton), so the runners can ask it on any backend. The layers hand it
+to `lora_linear` (`LayerOptions.dense_lora_policy`); the runners ask `wants_row_plan` when they build a step's
+`LoRABatch` (`lora.batch.plan_step`). A test that needs a pick at the tiny models' shapes injects a subclass.
+Why each threshold: docs/performance.md, dense modes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PLAN_BLOCK_M = 16  # rows of one slot per block of the row grouping ("planned" reads it block by block)
+PLANNED_MAX_ROWS = 1024  # the largest row count "planned" is the default for (not measured above)
+
+
+@dataclass(frozen=True)
+class DenseLoRAPolicy:
+    """The default picks, measured on the H200: "splitk" for few LoRA rows on wide shapes, "planned" for
+    17..1024 rows when the caller grouped them by slot, else "split"."""
+
+    def prefers_splitk(self, num_tokens: int, n_in: int, n_out: int, has_lora: bool) -> bool:
+        """LoRA rows, T <= 16 on shapes >= 1024 wide; T <= 64 on o-like shapes (N_in >= 2 N_out, N_in >= 1024,
+        N_out >= 128)."""
+        if not (has_lora and 0 < num_tokens <= 64 and n_in >= 1024):
+            return False
+        o_like = n_in >= 2 * n_out and n_out >= 128
+        return o_like or (num_tokens <= 16 and n_out >= 1024)
+
+    def prefers_planned(self, num_tokens: int, n_in: int, n_out: int) -> bool:
+        """Past splitk's rows up to PLANNED_MAX_ROWS, from 17 rows on shapes wider than deep and from 129 on
+        the others, on shapes >= 1024 wide (a program's full-depth shrink is a latency chain)."""
+        if not (n_in >= 1024 and n_out >= 1024 and self.wants_row_plan(num_tokens)):
+            return False
+        return n_in <= n_out or num_tokens > 128
+
+    def wants_row_plan(self, num_tokens: int) -> bool:
+        """Whether a step of this many rows may take "planned" at some site, so the runner groups its rows
+        by slot once for all of them (`PLAN_BLOCK_M` rows a block): past the 16 rows splitk keeps."""
+        return 16 < num_tokens <= PLANNED_MAX_ROWS
+
+    def mode(self, num_tokens: int, n_in: int, n_out: int, has_lora: bool, grouped: bool) -> str:
+        """The mode of a call of T rows on an [N_out, N_in] weight; `grouped`: the caller passed the rows'
+        grouping by slot (`DenseLoRAArgs.row_plan`)."""
+        if self.prefers_splitk(num_tokens, n_in, n_out, has_lora):
+            return "splitk"
+        if has_lora and grouped and self.prefers_planned(num_tokens, n_in, n_out):
+            return "planned"
+        return "split"
+
+
+DENSE_LORA_POLICY = DenseLoRAPolicy()
