@@ -109,13 +109,21 @@ def random_adapter(model: MoECausalLM, name: str, rank: int, seed: int) -> LoRAA
 
 
 def model_with_adapters(name: str, layers: int | None = None, n: int = 8, rank: int = 16, pool_rank: int | None = None,
-                        quant: FP8Config | None = None):
+                        quant: FP8Config | None = None, max_positions: int | None = None, distinct: bool = True):
     """MODELS[name]'s shape cut to `layers` layers (None: all of its own): (config, random model with n slots
-    of `pool_rank` (default `rank`), FP8 projections with `quant`, adapters a0..a{n-1} of `rank`)."""
+    of `pool_rank` (default `rank`), FP8 projections with `quant`, adapters a0..a{n-1} of `rank`).
+    `max_positions`: its max_position_embeddings, when above the spec's (long prompts). `distinct` False:
+    a1.. carry a0's tensors (each still written to a slot of its own, so the kernels read as many bytes;
+    8x less random generation on the host: ~0.6e9 values an adapter at 48 layers of Qwen3-30B-A3B)."""
     spec = MODELS[name]
-    cfg = ModelConfig(**{**spec, "num_layers": layers or spec["num_layers"]}).resolve()
+    positions = max(spec["max_position_embeddings"], max_positions or 0)
+    cfg = ModelConfig(**{**spec, "num_layers": layers or spec["num_layers"],
+                         "max_position_embeddings": positions}).resolve()
     model = random_model(cfg, n, pool_rank or rank, quant)
-    return cfg, model, {f"a{i}": random_adapter(model, f"a{i}", rank, i) for i in range(n)}
+    if distinct or n == 0:
+        return cfg, model, {f"a{i}": random_adapter(model, f"a{i}", rank, i) for i in range(n)}
+    first = random_adapter(model, "a0", rank, 0)
+    return cfg, model, {f"a{i}": LoRAAdapter(f"a{i}", "", first.sites) for i in range(n)}
 
 
 def add_model_args(ap: argparse.ArgumentParser, layers: int) -> None:
@@ -189,11 +197,12 @@ def measure(eng: LLMEngine, conc: int, names: list, steps: int, prompt_len: int 
 
 
 def engine_config(cfg: ModelConfig, max_loras: int, rank: int, max_seqs: int, device: str = "cuda",
-                  **engine_kw) -> EngineConfig:
-    """16 KV blocks (256 tokens) a sequence: room for a prompt and up to ~200 steps without preemption,
-    small enough that the no-LoRA and LoRA engines both fit next to the weights."""
+                  max_model_len: int = 512, num_kv_blocks: int | None = None, **engine_kw) -> EngineConfig:
+    """By default 16 KV blocks (256 tokens) a sequence: room for a prompt and up to ~200 steps without
+    preemption, small enough that the no-LoRA and LoRA engines both fit next to the weights."""
+    blocks = max_seqs * 16 + 64 if num_kv_blocks is None else num_kv_blocks
     return EngineConfig(device=device, dtype="bfloat16", kernel_backend="triton", max_loras=max_loras,
-                        max_lora_rank=rank, max_num_seqs=max_seqs, max_model_len=512, num_kv_blocks=max_seqs * 16 + 64,
+                        max_lora_rank=rank, max_num_seqs=max_seqs, max_model_len=max_model_len, num_kv_blocks=blocks,
                         block_size=16, **engine_kw).resolve(cfg)
 
 

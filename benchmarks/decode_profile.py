@@ -63,8 +63,28 @@ def _matches(name: str, key: str) -> bool:
     return key in name
 
 
-def category(name: str) -> str:
-    return next((cat for cat, keys in CATEGORIES if any(_matches(name, k) for k in keys)), "other torch kernels")
+def category(name: str, table=CATEGORIES) -> str:
+    """The first category of `table` ((category, keys) pairs) one of whose keys matches kernel `name`."""
+    return next((cat for cat, keys in table if any(_matches(name, k) for k in keys)), "other torch kernels")
+
+
+def kernel_times(prof) -> dict[str, list]:
+    """Kernel name -> [launches, summed device µs] of a finished torch.profiler run."""
+    per_name = defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[ev.name][0] += 1
+            per_name[ev.name][1] += ev.device_time_total
+    return per_name
+
+
+def by_category(per_name: dict[str, list], table=CATEGORIES) -> dict[str, list]:
+    """`kernel_times` summed per `category` of `table`: category -> [launches, µs]."""
+    per_cat = defaultdict(lambda: [0, 0.0])
+    for name, (count, us) in per_name.items():
+        per_cat[category(name, table)][0] += count
+        per_cat[category(name, table)][1] += us
+    return per_cat
 
 
 def median(xs):
@@ -128,11 +148,7 @@ def profile_point(eng, conc, names, steps, top, log, trace: str | None = None):
         prof.export_chrome_trace(f"{trace}_eager.json")
         for line in layer_timeline(f"{trace}_graph.json", eng.model_config.num_layers // 2):
             log(line)
-    per_name = defaultdict(lambda: [0, 0.0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per_name[ev.name][0] += 1
-            per_name[ev.name][1] += ev.device_time_total
+    per_name = kernel_times(prof)
     for r in reqs:
         eng.abort(r.request_id)
     n_kernels = sum(c for c, _ in per_name.values())
@@ -143,10 +159,7 @@ def profile_point(eng, conc, names, steps, top, log, trace: str | None = None):
     log("  phases (ms): " + ", ".join(f"{k} {median(v) * 1e3:.3f}" for k, v in sinks.items())
         + f", rest {rest * 1e3:.3f}")
     log(f"  eager forward: {n_kernels} kernels, {kernel_us / 1e3:.2f} ms summed kernel time")
-    per_cat = defaultdict(lambda: [0, 0.0])
-    for name, (count, us) in per_name.items():
-        per_cat[category(name)][0] += count
-        per_cat[category(name)][1] += us
+    per_cat = by_category(per_name)
     log("  by kind: " + "; ".join(f"{cat} {us / 1e3:.2f} ms ({count})"
                                   for cat, (count, us) in sorted(per_cat.items(), key=lambda kv: -kv[1][1])))
     for name, (count, us) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]:

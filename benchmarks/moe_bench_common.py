@@ -128,7 +128,7 @@ def copy_gbps() -> float:
     return 2 * a.numel() * 4 / (t * 1e-3) / 1e9
 
 
-def _matmul_tflops(n=8192) -> float:
+def matmul_tflops(n=8192) -> float:
     p = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     t = triton.testing.do_bench(lambda: p @ q, warmup=25, rep=200, return_mode="median")
@@ -137,7 +137,7 @@ def _matmul_tflops(n=8192) -> float:
 
 def measure_ceilings() -> tuple[float, float]:
     """(copy GB/s counting read + write, bf16 matmul TFLOP/s), both on random data."""
-    return copy_gbps(), _matmul_tflops()
+    return copy_gbps(), matmul_tflops()
 
 
 def write_rows(path, rows: list[dict]) -> None:

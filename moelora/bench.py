@@ -109,6 +109,36 @@ def time_decode(eng: LLMEngine, prompts: list[list[int]], names: list[str | None
             eng.abort(r.request_id)
 
 
+def time_prefill(eng: LLMEngine, prompts: list[list[int]], names: list[str | None]) -> tuple[float, int]:
+    """(seconds, steps) from adding `prompts` (on adapters `names`, taken in turn; one greedy token each) until
+    every one has its token: the engine's prefill of them, chunked as its scheduler chunks, with one device sync
+    at the end (so overlapped scheduling overlaps). No request decodes, so every step is prefill; a preempted
+    request would count its prompt twice, so the run raises `CapacityError`. The engine is left with no request."""
+    longest = max(map(len, prompts))
+    if longest >= eng.cfg.max_model_len:
+        raise ConfigError(f"a prompt of {longest} tokens leaves no room for its token in max_model_len "
+                          f"{eng.cfg.max_model_len}")
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    reqs, steps = [], 0
+    try:
+        _sync(eng.device)
+        t0 = time.perf_counter()
+        for i, p in enumerate(prompts):
+            reqs.append(eng.add_request(p, params, names[i % len(names)]))
+        while not all(r.finished for r in reqs):
+            if any(r.num_preemptions for r in reqs):
+                raise CapacityError(f"{len(prompts)} prompts of up to {longest} tokens: a request was preempted; "
+                                    "give the KV cache more room (num_kv_blocks, gpu_memory_utilization)")
+            eng.step()
+            steps += 1
+        _sync(eng.device)
+        return time.perf_counter() - t0, steps
+    finally:
+        for r in reqs:
+            if not r.finished:
+                eng.abort(r.request_id)
+
+
 def bench(eng: LLMEngine, concs: list[int], prompt_len: int, steps: int, repeats: int = 3) -> list[DecodeRun]:
     """Every workload of the engine's registered adapters at every concurrency, in turns per round."""
     if repeats < 1 or prompt_len < 1 or not concs or min(concs) < 1:

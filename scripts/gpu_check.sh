@@ -15,6 +15,9 @@
 #            LoRA delta kernels alone against their bytes bound
 #   HOST=0   benchmarks/host_overhead.py --device cuda (HOST_ARGS): the host phases of a decode step
 #   PROFILE=0 benchmarks/decode_profile.py (PROFILE_ARGS): host phases, graph replay, top kernels
+#   PREFILL=0 benchmarks/prefill.py (PREFILL_ARGS, e.g. "--layers 12 --profile"): whole-engine prefill tokens/s and
+#            % of the matmul peak at 512 / 2048 / 8192-token prompts, no LoRA / 1 / 8 adapters; --profile: where
+#            a prefill step goes
 #   AB=0     a same-run A/B against another commit, prepared here by `scripts/ab_base.sh COMMIT` (.ab_base/,
 #            carried to the device): the LAYER bench (BENCH_ARGS) and, with DENSE=1, the DENSE one (DENSE_ARGS),
 #            run from .ab_base and from this tree in alternation, AB_ROUNDS times (default 2): *_base_rK / *_rK;
@@ -92,6 +95,9 @@ if [ "${HOST:-0}" = 1 ]; then
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
   "$PY" benchmarks/decode_profile.py "$OUT/decode_profile.txt" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/decode_profile.log" || rc=1
+fi
+if [ "${PREFILL:-0}" = 1 ]; then
+  "$PY" benchmarks/prefill.py "$OUT/prefill.csv" ${PREFILL_ARGS:-} 2>&1 | tee "$OUT/prefill.log" || rc=1
 fi
 if [ "${PACK:-1}" = 1 ]; then
   (cd "$OUT" && for f in *.log; do [ -f "$f" ] && { echo "== $f"; tail -n 25 "$f"; }; done) > "$OUT/summary.txt" 2>/dev/null

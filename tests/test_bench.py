@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moelora import LLM
-from moelora.bench import bench, format_runs, time_decode, workloads
+from moelora.bench import bench, format_runs, time_decode, time_prefill, workloads
 from moelora.cli import main
 from moelora.demo import ADAPTER_NAMES, adapter_dir, model_dir
 from moelora.errors import CapacityError, ConfigError
@@ -102,3 +102,30 @@ def test_a_chunked_prefill_is_timed_once_every_request_decodes():
     assert_empty(eng)
     with pytest.raises(ConfigError, match="max_model_len"):
         time_decode(eng, [[1] * 500], [None], 20)
+
+
+@pytest.mark.parametrize("overlapped", [False, True], ids=["sync", "overlapped"])
+def test_time_prefill_runs_every_prompt_to_its_token_and_leaves_the_engine_empty(overlapped):
+    """5 prompts of 7 tokens, 8 tokens a step: the scheduler needs at least 5 steps (35 / 8), and each request
+    gets exactly its one token (max_tokens 1: no decode step is timed)."""
+    llm = demo_llm(max_num_seqs=4, max_num_batched_tokens=8, async_scheduling=overlapped)
+    eng = llm.engine
+    seen = []
+    add = eng.add_request
+
+    def spy(*a, **kw):
+        seen.append(add(*a, **kw))
+        return seen[-1]
+
+    eng.add_request = spy
+    secs, steps = time_prefill(eng, [[3, 4, 5, 6, 7, 8, 9]] * 5, ["upper", None])
+    assert secs > 0 and steps >= 5
+    assert [len(r.output_ids) for r in seen] == [1] * 5 and [r.adapter for r in seen[:2]] == ["upper", None]
+    assert_empty(eng)
+
+
+def test_time_prefill_refuses_a_prompt_with_no_room_for_its_token():
+    eng = demo_llm(max_model_len=16).engine
+    with pytest.raises(ConfigError, match="max_model_len"):
+        time_prefill(eng, [[1] * 16], [None])
+    assert_empty(eng)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.checks import need_pow2
+from moelora.kernels.checks import cdiv, need_pow2, next_pow2
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 NEG_INF = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: keeps exp2(m_old - m_new) NaN-free
@@ -45,12 +45,12 @@ class AttentionConfig:
 def default_attention_config(head_dim: int, max_query_len: int, dtype: torch.dtype = torch.bfloat16
                              ) -> AttentionConfig:
     """Untuned starting points; each compiles for sm_90 without register spills (ptxas -v, D 16..256)."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, next_pow2(head_dim))
     if dtype == torch.float32:  # a test/reference path: exact fp32 dots run on FMA units, keep tiles small
         return AttentionConfig(16, 32 if block_d <= 32 else 16, num_warps=4)
     block_n = 64 if block_d <= 128 else 32
     if max_query_len <= 32:  # decode and short extends: few query rows per sequence
-        return AttentionConfig(max(16, triton.next_power_of_2(max_query_len)), block_n, num_warps=4)
+        return AttentionConfig(max(16, next_pow2(max_query_len)), block_n, num_warps=4)
     if max_query_len >= 256 and block_d <= 128:
         return AttentionConfig(128, block_n, num_warps=8)
     return AttentionConfig(64, block_n, num_warps=8 if block_d >= 128 else 4)
@@ -58,8 +58,8 @@ def default_attention_config(head_dim: int, max_query_len: int, dtype: torch.dty
 
 def default_num_splits(batch: int, num_kv_heads: int) -> int:
     """Decode KV splits: enough programs for ~2 waves, from host ints only (graph-static per B)."""
-    want = triton.cdiv(_DECODE_TARGET_PROGRAMS, max(1, batch * num_kv_heads))
-    return max(1, min(_MAX_SPLITS, triton.next_power_of_2(want)))
+    want = cdiv(_DECODE_TARGET_PROGRAMS, max(1, batch * num_kv_heads))
+    return max(1, min(_MAX_SPLITS, next_pow2(want)))
 
 
 @triton.jit
@@ -279,19 +279,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if T == 0 or B == 0:
         return out
     hd = n_kv * D
-    store_block = min(1024, triton.next_power_of_2(hd))
-    _store_kv_kernel[(T, triton.cdiv(hd, store_block))](
+    store_block = min(1024, next_pow2(hd))
+    _store_kv_kernel[(T, cdiv(hd, store_block))](
         k, v, k_cache, v_cache, meta.slot_mapping, hd, D, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(1), k_cache.stride(2), BLOCK=store_block)
     cfg = config or default_attention_config(D, meta.max_query_len, q.dtype)
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = max(16, next_pow2(D))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     qk_scale = float(scale) * math.log2(math.e)
     group = N // n_kv
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0))
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if meta.max_query_len > 1:
-        grid = (triton.cdiv(meta.max_query_len, cfg.block_m), B, N)
+        grid = (cdiv(meta.max_query_len, cfg.block_m), B, N)
         _prefill_kernel[grid](
             q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start, qk_scale, D,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, GROUP=group, BS=BS,
@@ -305,10 +305,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     _decode_split_kernel[(B, n_kv, splits)](
         q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start, m_part, l_part, acc_part,
         qk_scale, D, N, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
-        NUM_SPLITS=splits, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), BS=BS,
+        NUM_SPLITS=splits, GROUP=group, G_PAD=max(16, next_pow2(group)), BS=BS,
         BLOCK_N=cfg.block_n, BLOCK_D=block_d, PRECISION=precision, **launch)
     if splits > 1:
         decode_reduce_kernel[(B, N)](
             m_part, l_part, acc_part, out, meta.query_start, D, N, out.stride(0), out.stride(1),
-            NUM_SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d, num_warps=4)
+            NUM_SPLITS=splits, BLOCK_S=max(2, next_pow2(splits)), BLOCK_D=block_d, num_warps=4)
     return out

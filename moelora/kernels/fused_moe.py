@@ -11,10 +11,9 @@ the routed LoRA is a `moe_lora` path's hooks. Inputs are never written (contract
 from __future__ import annotations
 
 import torch
-import triton
 
 from moelora.kernels.args import ExpertLoRAArgs
-from moelora.kernels.checks import lora_tile_rank
+from moelora.kernels.checks import cdiv, lora_tile_rank, next_pow2
 from moelora.kernels.moe_config import FusedMoEConfig, lora_paths, tuned_fused_moe_config
 from moelora.kernels.moe_gemm import combine_kernel, down_kernel, gate_up_kernel
 from moelora.kernels.moe_lora.base import MoECall, MoELoRAPath
@@ -31,29 +30,35 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 GROUP_M = 8  # grouped tile order of both GEMMs: every tuned entry kept 8 (docs/performance.md, tried and removed)
 
 
-def _need(cond: bool, msg: str) -> None:
+def _need(cond: bool, msg) -> None:
+    """Raise ValueError(msg) unless cond; msg a string or a callable making it (formatted only on failure)."""
     if not cond:
-        raise ValueError(msg)
+        raise ValueError(msg() if callable(msg) else msg)
 
 
 def _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids):
-    _need(x.dim() == 2 and x.dtype in _FLOAT_DTYPES, f"x must be [T, H] fp16/bf16/fp32, got "
+    # each message is formatted only on failure (a lambda): this runs on every MoE call, and a prefill forward
+    # is bound by its launches' host work
+    _need(x.dim() == 2 and x.dtype in _FLOAT_DTYPES, lambda: f"x must be [T, H] fp16/bf16/fp32, got "
           f"{tuple(x.shape)} {x.dtype}")
     T, H = x.shape
     _need(w_gate_up.dim() == 3 and w_gate_up.shape[2] == H and w_gate_up.shape[1] % 2 == 0,
-          f"w_gate_up must be [E, 2I, H={H}], got {tuple(w_gate_up.shape)}")
+          lambda: f"w_gate_up must be [E, 2I, H={H}], got {tuple(w_gate_up.shape)}")
     E, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
-    _need(tuple(w_down.shape) == (E, H, inter), f"w_down must be [E={E}, H={H}, I={inter}], got {tuple(w_down.shape)}")
+    _need(tuple(w_down.shape) == (E, H, inter),
+          lambda: f"w_down must be [E={E}, H={H}, I={inter}], got {tuple(w_down.shape)}")
     _need(topk_ids.dim() == 2 and topk_ids.shape[0] == T and topk_ids.dtype in (torch.int32, torch.int64),
-          f"topk_ids must be [T={T}, K] int32/int64, got {tuple(topk_ids.shape)} {topk_ids.dtype}")
+          lambda: f"topk_ids must be [T={T}, K] int32/int64, got {tuple(topk_ids.shape)} {topk_ids.dtype}")
     _need(topk_weights.shape == topk_ids.shape and topk_weights.is_floating_point(),
-          f"topk_weights must be float {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
+          lambda: f"topk_weights must be float {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
     for name, t in (("w_gate_up", w_gate_up), ("w_down", w_down)):
-        _need(t.dtype == x.dtype, f"{name} dtype {t.dtype} != x dtype {x.dtype}")
-        _need(t.is_contiguous(), f"{name} must be contiguous")
+        if t.dtype != x.dtype:
+            raise ValueError(f"{name} dtype {t.dtype} != x dtype {x.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
     _need(x.stride(1) == 1, "x must have unit stride in its last dim")
     for t in (w_gate_up, w_down, topk_weights, topk_ids):
-        _need(t.device == x.device, f"all inputs must be on {x.device}")
+        _need(t.device == x.device, lambda: f"all inputs must be on {x.device}")
     return T, H, E, inter, topk_ids.shape[1]
 
 
@@ -63,18 +68,21 @@ def _check_lora(lora: ExpertLoRAArgs, T, H, E, inter):
             "down_b": (S, E, H, R)}
     for name, shape in want.items():
         t = getattr(lora, name)
-        _need(tuple(t.shape) == shape, f"lora.{name} must be {shape}, got {tuple(t.shape)}")
-        _need(t.stride(-1) == 1 and t.is_floating_point(), f"lora.{name} must be float, unit last stride")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"lora.{name} must be {shape}, got {tuple(t.shape)}")
+        if not (t.stride(-1) == 1 and t.is_floating_point()):
+            raise ValueError(f"lora.{name} must be float, unit last stride")
     for name in ("gate_up_b", "down_b"):  # B tiles read whole 16-column chunks of a row, up to its stride
         t = getattr(lora, name)
-        _need(t.shape[2] <= 1 or t.stride(2) == R, f"lora.{name} must have rows of R={R} contiguous columns, "
-              f"got row stride {t.stride(2)}")
+        if not (t.shape[2] <= 1 or t.stride(2) == R):
+            raise ValueError(f"lora.{name} must have rows of R={R} contiguous columns, got row stride {t.stride(2)}")
     _need(tuple(lora.token_slots.shape) == (T,) and lora.token_slots.dtype == torch.int32,
-          f"lora.token_slots must be [T={T}] int32, got {tuple(lora.token_slots.shape)} {lora.token_slots.dtype}")
+          lambda: f"lora.token_slots must be [T={T}] int32, got {tuple(lora.token_slots.shape)} "
+          f"{lora.token_slots.dtype}")
     for name in ("gate_up_ranks", "down_ranks"):
         t = getattr(lora, name)
-        _need(tuple(t.shape) == (S,) and t.dtype == torch.int32 and t.is_contiguous(),
-              f"lora.{name} must be contiguous [S={S}] int32, got {tuple(t.shape)} {t.dtype}")
+        if not (tuple(t.shape) == (S,) and t.dtype == torch.int32 and t.is_contiguous()):
+            raise ValueError(f"lora.{name} must be contiguous [S={S}] int32, got {tuple(t.shape)} {t.dtype}")
     return lora_tile_rank(R, lora.width)
 
 
@@ -91,7 +99,7 @@ def _check_plan(plan: MoERoutingPlan, T, K, E, block_m):
     if plan.layout not in ACCEPTED_LAYOUTS:
         raise ValueError(f"fused_moe accepts plan layouts {ACCEPTED_LAYOUTS}, got {plan.layout!r}")
     _need((plan.num_tokens, plan.top_k, plan.num_experts, plan.block_m) == (T, K, E, block_m),
-          f"plan is for (T, K, E, block_m)={(plan.num_tokens, plan.top_k, plan.num_experts, plan.block_m)}, "
+          lambda: f"plan is for (T, K, E, block_m)={(plan.num_tokens, plan.top_k, plan.num_experts, plan.block_m)}, "
           f"call needs {(T, K, E, block_m)}")
 
 
@@ -109,7 +117,7 @@ def _tma_operands(w_gate_up: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor
 def _check_out(out, x, T, H):
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _need(tuple(out.shape) == (T, H) and out.dtype == x.dtype and out.stride(1) == 1,
+    _need(tuple(out.shape) == (T, H) and out.dtype == x.dtype and out.stride(1) == 1, lambda:
           f"out must be [T={T}, H={H}] {x.dtype} with unit last stride")
     return out
 
@@ -173,20 +181,20 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
                   GROUP_M=GROUP_M, USE_TMA=config.use_tma)
     w_gu, w_dn, h_in = _tma_operands(w_gate_up, w_down, h, config) if config.use_tma else (w_gate_up, w_down, h)
     path.before_gate_up()
-    gate_up_kernel[(plan.max_blocks * triton.cdiv(inter, gu.block_n),)](
+    gate_up_kernel[(plan.max_blocks * cdiv(inter, gu.block_n),)](
         x, w_gu, gu_out, stride_xt=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
         stride_hp=gu_out.stride(0), BN=gu.block_n, BK=gu.block_k, num_warps=gu.num_warps, num_stages=gu.num_stages,
         h_act_ptr=h, stride_act=h.stride(0), **common, **path.gate_up_args())
     path.after_gate_up(gu_out, h)
     path.before_down(h)
     topk_w = topk_weights.contiguous()
-    down_kernel[(plan.max_blocks * triton.cdiv(H, dn.block_n),)](
+    down_kernel[(plan.max_blocks * cdiv(H, dn.block_n),)](
         h_in, h, w_dn, y, topk_w, stride_hp=h.stride(0), stride_we=w_down.stride(0), stride_wn=w_down.stride(1),
         stride_yr=y.stride(0), BN=dn.block_n, BK=dn.block_k, num_warps=dn.num_warps, num_stages=dn.num_stages,
         **common, **path.down_args())
     path.before_combine()
-    bt, bh = (1 if T < 64 else 4), min(1024, triton.next_power_of_2(H))
-    combine_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](
+    bt, bh = (1 if T < 64 else 4), min(1024, next_pow2(H))
+    combine_kernel[(cdiv(T, bt), cdiv(H, bh))](
         y, out, topk_w, ids, T=T, H=H, stride_yr=y.stride(0), stride_ot=out.stride(0), TOP_K=K, BT=bt, BH=bh,
         HAS_MAP=plan.local_ids is not None, num_warps=4, **path.combine_args())
     return out

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.attention import NEG_INF, decode_reduce_kernel, default_num_splits, split_range, store_split
-from moelora.kernels.checks import need_pow2
+from moelora.kernels.checks import cdiv, need_pow2, next_pow2
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_LATENT = 1024
@@ -47,8 +47,8 @@ def default_mla_config(num_heads: int, latent: int, dtype: torch.dtype = torch.b
     """Starting points from one H200 sweep (docs/performance.md, attention); fp32 (tests) takes small tiles."""
     if dtype == torch.float32:
         return MLAConfig(16, 16, num_warps=4)
-    block_h = min(64, max(16, triton.next_power_of_2(num_heads))) if batch >= 8 else 16
-    if max(16, triton.next_power_of_2(latent)) > 128:
+    block_h = min(64, max(16, next_pow2(num_heads))) if batch >= 8 else 16
+    if max(16, next_pow2(latent)) > 128:
         return MLAConfig(block_h, 64, num_warps=8)
     return MLAConfig(block_h, 64, num_warps=4)
 
@@ -160,7 +160,7 @@ def mla_decode_attention(q_abs: torch.Tensor, q_rope: torch.Tensor, entries: tor
     and splits depend on shapes only (the same at a graph's capture and replay)."""
     T, N, C, Dr, B = _check(q_abs, q_rope, entries, cache, meta)
     cfg = config or default_mla_config(N, C, q_abs.dtype, B)
-    head_blocks = triton.cdiv(N, cfg.block_h)
+    head_blocks = cdiv(N, cfg.block_h)
     splits = default_num_splits(B, head_blocks) if num_splits is None else num_splits
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {splits}")
@@ -168,10 +168,10 @@ def mla_decode_attention(q_abs: torch.Tensor, q_rope: torch.Tensor, entries: tor
     if T == 0 or B == 0:
         return out
     W = C + Dr
-    store_block = min(1024, triton.next_power_of_2(W))
-    _store_latent_kernel[(T, triton.cdiv(W, store_block))](
+    store_block = min(1024, next_pow2(W))
+    _store_latent_kernel[(T, cdiv(W, store_block))](
         entries, cache, meta.slot_mapping, W, entries.stride(0), cache.stride(1), BLOCK=store_block)
-    block_c = max(16, triton.next_power_of_2(C))
+    block_c = max(16, next_pow2(C))
     m_part = l_part = acc_part = out  # placeholders; unused when splits == 1
     if splits > 1:
         m_part = torch.empty(B, N, splits, dtype=torch.float32, device=q_abs.device)
@@ -182,11 +182,11 @@ def mla_decode_attention(q_abs: torch.Tensor, q_rope: torch.Tensor, entries: tor
         float(scale) * math.log2(math.e), N, q_abs.stride(0), q_abs.stride(1), q_rope.stride(0), q_rope.stride(1),
         out.stride(0), out.stride(1), cache.stride(0), cache.stride(1), meta.block_tables.stride(0),
         C=C, DR=Dr, NUM_SPLITS=splits, BS=cache.shape[1], BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        BLOCK_C=block_c, BLOCK_R=max(16, triton.next_power_of_2(Dr)),
+        BLOCK_C=block_c, BLOCK_R=max(16, next_pow2(Dr)),
         PRECISION="ieee" if q_abs.dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit inputs
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         decode_reduce_kernel[(B, N)](
             m_part, l_part, acc_part, out, meta.query_start, C, N, out.stride(0), out.stride(1),
-            NUM_SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_c, num_warps=4)
+            NUM_SPLITS=splits, BLOCK_S=max(2, next_pow2(splits)), BLOCK_D=block_c, num_warps=4)
     return out

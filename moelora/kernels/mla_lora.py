@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.checks import lora_tile_rank
+from moelora.kernels.checks import cdiv, lora_tile_rank
 from moelora.kernels.lora_tiles import rank_chunks
 
 _HB = 16  # heads a program: the rows of the tl.dot
@@ -133,7 +133,7 @@ def mla_absorb_lora_(q_abs: torch.Tensor, q_nope: torch.Tensor, a: torch.Tensor,
     T, N, dv, precision = _check(q_nope, q_abs, a, b, ranks, token_slots, nope, latent_in=False)
     block_r = lora_tile_rank(a.shape[1], width)
     if T:
-        _absorb_lora_kernel[(T, triton.cdiv(N, _HB))](
+        _absorb_lora_kernel[(T, cdiv(N, _HB))](
             q_nope, q_abs, a, b, token_slots, ranks, N, a.shape[2], q_nope.stride(0), q_nope.stride(1),
             q_abs.stride(0), q_abs.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1), DN=nope, DV=dv,
             HB=_HB, BLOCK_R=block_r, DC=_head_columns(block_r), BC=_BC, PRECISION=precision, num_warps=4)
@@ -146,7 +146,7 @@ def mla_expand_lora_(out: torch.Tensor, o_lat: torch.Tensor, a: torch.Tensor, b:
     T, N, dv, precision = _check(o_lat, out, a, b, ranks, token_slots, nope, latent_in=True)
     block_r = lora_tile_rank(a.shape[1], width)
     if T:
-        _expand_lora_kernel[(T, triton.cdiv(N, _HB))](
+        _expand_lora_kernel[(T, cdiv(N, _HB))](
             o_lat, out, a, b, token_slots, ranks, N, a.shape[2], o_lat.stride(0), o_lat.stride(1), out.stride(0),
             out.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1), DN=nope, DV=dv, HB=_HB,
             BLOCK_R=block_r, DC=_head_columns(block_r), BC=_BC, PRECISION=precision, num_warps=4)

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.args import EXPERT_SORTED_PADDED, MoERoutingPlan
+from moelora.kernels.checks import cdiv, next_pow2
 from moelora.kernels.reference import build_routing_plan_ref, local_expert_ids, plan_capacity
 
 __all__ = ["EXPERT_SORTED_PADDED", "ROUTE_PER_BLOCK", "MoERoutingPlan", "build_routing_plan",
@@ -163,21 +164,21 @@ def build_routing_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int, *
         num_padded.zero_()
         return plan
     ids = (topk_ids if local is None else local).contiguous().view(-1)
-    block_e = max(16, triton.next_power_of_2(num_experts))
-    block_b = max(16, min(128, 4096 // block_m, triton.next_power_of_2(max_blocks)))
+    block_e = max(16, next_pow2(num_experts))
+    block_b = max(16, min(128, 4096 // block_m, next_pow2(max_blocks)))
     if n <= _PER_EXPERT_MAX_ROUTES:
         warps = 4 if n <= 1024 else 8
         # at least one id per thread: tl.histogram over a layout that repeats ids across threads
         # relies on the compiler dividing the repeats out; with none there is nothing to divide
-        block_n = max(32 * warps, triton.next_power_of_2(n))
+        block_n = max(32 * warps, next_pow2(n))
         _plan_expert_kernel[(num_experts,)](ids, sorted_ids, eob, num_padded, n, num_experts, max_blocks,
                                             BM=block_m, BLOCK_N=block_n, BLOCK_E=block_e, BLOCK_B=block_b,
                                             num_warps=warps)
         return plan
     chunk = 128  # the scatter compares [chunk, chunk] pairs; the count's histogram wants >= 32 ids a warp
-    n_chunks = triton.cdiv(n, chunk)
+    n_chunks = cdiv(n, chunk)
     # 8192 counts per scan tile: 32 a thread at 8 warps; 16384 took 200 B of stack (sm_90, E=128, BM=128)
-    tile_c = min(triton.next_power_of_2(n_chunks), max(1, 8192 // block_e))
+    tile_c = min(next_pow2(n_chunks), max(1, 8192 // block_e))
     counts = torch.empty(n_chunks, block_e, dtype=torch.int32, device=dev)
     bases = torch.empty_like(counts)
     _plan_count_kernel[(n_chunks,)](ids, counts, n, C=chunk, BLOCK_E=block_e, num_warps=4)

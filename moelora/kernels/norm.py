@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.checks import check_rows, check_vector, need, output
+from moelora.kernels.checks import check_rows, check_vector, need, next_pow2, output
 
 
 @triton.jit
@@ -38,7 +38,7 @@ def _launch(x, delta, weight, eps, h, y) -> None:
     T, D = x.shape
     if T == 0 or D == 0:
         return
-    block_d = triton.next_power_of_2(D)
+    block_d = next_pow2(D)
     num_warps = 1 if block_d <= 256 else 4 if block_d <= 4096 else 8
     _rms_norm_kernel[(T,)](x, x if delta is None else delta, weight, y if h is None else h, y, D, x.stride(0),
                            0 if delta is None else delta.stride(0), 0 if h is None else h.stride(0), y.stride(0),
@@ -46,7 +46,7 @@ def _launch(x, delta, weight, eps, h, y) -> None:
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
-    need(x.dim() == 2, f"x must be [T, D], got {tuple(x.shape)}")
+    need(x.dim() == 2, lambda: f"x must be [T, D], got {tuple(x.shape)}")
     check_rows("x", x)
     check_vector("weight", weight, x.shape[1], x.device)
     return x.shape[0], x.shape[1]

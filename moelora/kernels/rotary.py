@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.checks import check_rows, check_vector, need, output
+from moelora.kernels.checks import cdiv, check_rows, check_vector, need, next_pow2, output
 
 
 @triton.jit
@@ -68,12 +68,12 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, cos_ptr, 
 
 
 def _check(q, k, cos, sin, q_weight, k_weight) -> tuple[int, int, int, int, int]:
-    need(q.dim() == 3 and k.dim() == 3, f"q, k must be [T, N, D], got {tuple(q.shape)}, {tuple(k.shape)}")
+    need(q.dim() == 3 and k.dim() == 3, lambda: f"q, k must be [T, N, D], got {tuple(q.shape)}, {tuple(k.shape)}")
     T, NQ, D = q.shape
     NK = k.shape[1]
     check_rows("q", q)
     check_rows("k", k, (T, NK, D), q.dtype)
-    need(cos.dim() == 2 and cos.shape[0] == T, f"cos must be [T={T}, Dr], got {tuple(cos.shape)}")
+    need(cos.dim() == 2 and cos.shape[0] == T, lambda: f"cos must be [T={T}, Dr], got {tuple(cos.shape)}")
     DR = cos.shape[1]
     need(0 < DR <= D and DR % 2 == 0, f"rotary dims Dr={DR} must be even and in (0, D={D}]")
     for name, t in (("cos", cos), ("sin", sin)):
@@ -97,11 +97,11 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     k_out = output(ko_buf, (T, NK, D), q.dtype, q.device, inputs + (q_out,), "out[1]")
     if T == 0 or D == 0:
         return q_out, k_out
-    block_d = triton.next_power_of_2(D)
+    block_d = next_pow2(D)
     # ~1K elements per program: at decode (T = 1..64) Qwen3-30B's 32 + 4 heads of 128 make 5 programs
     # per token, so even one token spreads over a few SMs.
-    block_h = min(triton.next_power_of_2(max(NQ, NK)), max(1, 1024 // block_d))
-    grid = (T, triton.cdiv(NQ, block_h) + triton.cdiv(NK, block_h))
+    block_h = min(next_pow2(max(NQ, NK)), max(1, 1024 // block_d))
+    grid = (T, cdiv(NQ, block_h) + cdiv(NK, block_h))
     has_norm = q_weight is not None
     _qk_norm_rope_kernel[grid](
         q, k, q_out, k_out, q_weight if has_norm else cos, k_weight if has_norm else cos, cos, sin, NQ, NK, D, DR,

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.checks import check_rows, need, output
+from moelora.kernels.checks import cdiv, check_rows, need, next_pow2, output
 
 
 @triton.jit
@@ -40,8 +40,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor | None = None, *, out: torch.T
     out = output(out, (T, inter), gate.dtype, gate.device, (gate, up))
     if T == 0 or inter == 0:
         return out
-    block = min(1024, triton.next_power_of_2(inter))
-    _silu_mul_kernel[(T, triton.cdiv(inter, block))](
+    block = min(1024, next_pow2(inter))
+    _silu_mul_kernel[(T, cdiv(inter, block))](
         gate, up, out, inter, gate.stride(0), up.stride(0), out.stride(0), BLOCK=block,
         num_warps=4 if block >= 512 else 1)
     return out

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.checks import check_rows, need, output
+from moelora.kernels.checks import cdiv, check_rows, need, next_pow2, output
 
 _MAX_EXPERTS = 1024
 
@@ -55,7 +55,7 @@ def _softmax_topk_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_l, stride_w, s
 def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, *,
                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_weights [T, K] fp32, topk_ids [T, K] int32) of logits [T, E]; `out`: the caller's buffers."""
-    need(logits.dim() == 2, f"logits must be [T, E], got {tuple(logits.shape)}")
+    need(logits.dim() == 2, lambda: f"logits must be [T, E], got {tuple(logits.shape)}")
     check_rows("logits", logits)
     T, E = logits.shape
     need(0 < E <= _MAX_EXPERTS, f"the kernel takes 1..{_MAX_EXPERTS} experts, got E={E}")
@@ -65,10 +65,10 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, *,
     ids = output(i_buf, (T, top_k), torch.int32, logits.device, (logits, weights), "out[1]")
     if T == 0:
         return weights, ids
-    block_e = triton.next_power_of_2(E)
+    block_e = next_pow2(E)
     block_t = max(1, min(16, 2048 // block_e))
-    _softmax_topk_kernel[(triton.cdiv(T, block_t),)](
+    _softmax_topk_kernel[(cdiv(T, block_t),)](
         logits, weights, ids, T, E, logits.stride(0), weights.stride(0), ids.stride(0), K=top_k,
         RENORMALIZE=bool(renormalize), BLOCK_T=block_t, BLOCK_E=block_e,
-        BLOCK_K=triton.next_power_of_2(top_k), num_warps=4 if block_t * block_e >= 1024 else 1)
+        BLOCK_K=next_pow2(top_k), num_warps=4 if block_t * block_e >= 1024 else 1)
     return weights, ids

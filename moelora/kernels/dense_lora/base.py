@@ -11,10 +11,9 @@ from __future__ import annotations
 import itertools
 
 import torch
-import triton
 
 from moelora.kernels.args import DenseLoRAArgs
-from moelora.kernels.checks import lora_tile_rank
+from moelora.kernels.checks import lora_tile_rank, next_pow2
 
 
 class Segments:
@@ -25,7 +24,7 @@ class Segments:
         self.r_seg = lora.a.shape[1] // self.G
         self.bounds = tuple(itertools.accumulate(lora.segments, initial=0)) if self.G > 1 else None
         self.block_r = lora_tile_rank(self.r_seg, lora.width)
-        self.g_p2 = triton.next_power_of_2(self.G)
+        self.g_p2 = next_pow2(self.G)
 
 
 def base_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:

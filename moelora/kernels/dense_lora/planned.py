@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.checks import cdiv
 from moelora.kernels.dense_lora.base import Segments, base_gemm
 from moelora.kernels.lora_tiles import lora_b_tile_cols, lora_shrink_rows
 from moelora.kernels.moe_plan import MoERoutingPlan, build_routing_plan
@@ -98,7 +99,7 @@ def planned_delta(src: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torc
                   plan: MoERoutingPlan, bounds: tuple[int, ...], r_seg: int, block_r: int, cols_per_program: int,
                   block_n: int, block_k: int, num_warps: int, num_stages: int) -> None:
     """out[t] += its LoRA delta for the rows of `plan`; a [S, G r_seg, N_in], b [S, N_out, r_seg], bounds G + 1."""
-    grid = (plan.max_blocks, triton.cdiv(bounds[-1], cols_per_program))
+    grid = (plan.max_blocks, cdiv(bounds[-1], cols_per_program))
     planned_delta_kernel[grid](
         src, out, a, b, slot_ranks, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded,
         out.shape[0], a.shape[2], a.shape[0], cols_per_program, r_seg, src.stride(0), out.stride(0), a.stride(0),
@@ -109,6 +110,6 @@ def planned_delta(src: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torc
 
 def planned_cols(T: int, n_out: int, n_slots: int, block_m: int, block_n: int, target_programs: int) -> int:
     """Columns a program (a multiple of block_n) so that likely blocks x column splits ~ `target_programs`."""
-    blocks = triton.cdiv(T, block_m) + min(n_slots, T) // 2
-    splits = max(1, min(triton.cdiv(n_out, block_n), triton.cdiv(target_programs, max(1, blocks))))
-    return triton.cdiv(triton.cdiv(n_out, splits), block_n) * block_n
+    blocks = cdiv(T, block_m) + min(n_slots, T) // 2
+    splits = max(1, min(cdiv(n_out, block_n), cdiv(target_programs, max(1, blocks))))
+    return cdiv(cdiv(n_out, splits), block_n) * block_n

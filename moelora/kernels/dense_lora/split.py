@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.checks import cdiv, next_pow2
 from moelora.kernels.dense_lora.base import Segments, base_gemm
 from moelora.kernels.lora_tiles import dense_shrink_program, expand_tile, lane_rows
 from moelora.kernels.side_stream import forked, join
@@ -69,13 +70,13 @@ class ShrinkLaunch(NamedTuple):
 
 def shrink_split(T: int, n_in: int, block_r: int, cfg) -> tuple[int, int]:
     """(P chunks, chunk length) so that row blocks x P ~ the target, P capped to keep the expand from spilling."""
-    n_kb = max(1, triton.cdiv(n_in, cfg.block_k))
+    n_kb = max(1, cdiv(n_in, cfg.block_k))
     want = cfg.split_k
     if not want:
         budget = max(1, 32 * 32 * cfg.num_warps // (cfg.block_m * block_r))
-        want = min(budget, triton.cdiv(SHRINK_TARGET_PROGRAMS, triton.cdiv(T, cfg.shrink_block_m)))
-    chunk = triton.cdiv(n_kb, max(1, min(want, n_kb))) * cfg.block_k
-    return max(1, triton.cdiv(n_in, chunk)), chunk
+        want = min(budget, cdiv(SHRINK_TARGET_PROGRAMS, cdiv(T, cfg.shrink_block_m)))
+    chunk = cdiv(n_kb, max(1, min(want, n_kb))) * cfg.block_k
+    return max(1, cdiv(n_in, chunk)), chunk
 
 
 def shrink_setup(x, lora, T, n_in, cfg) -> ShrinkLaunch:
@@ -86,14 +87,14 @@ def shrink_setup(x, lora, T, n_in, cfg) -> ShrinkLaunch:
     S = lora.a.shape[0]
     return ShrinkLaunch(xa, lora.a, lora.token_slots, lora.slot_ranks, n_split, chunk,
                         min(S, cfg.shrink_block_m, cfg.slot_lanes), cfg.shrink_block_m, cfg.block_k,
-                        triton.next_power_of_2(S), seg.r_seg, seg.G, seg.block_r, seg.g_p2, seg.bounds)
+                        next_pow2(S), seg.r_seg, seg.G, seg.block_r, seg.g_p2, seg.bounds)
 
 
 def shrink(x, lora, T, n_in, cfg, side_stream=None) -> ShrinkLaunch:
     """Launch the shrink (on `side_stream` when given); xa was allocated before the fork, read after the join."""
     sh = shrink_setup(x, lora, T, n_in, cfg)
     with forked(side_stream, x.device):
-        _lora_shrink_kernel[(triton.cdiv(T, sh.block_m), sh.n_split * sh.G, sh.lanes)](
+        _lora_shrink_kernel[(cdiv(T, sh.block_m), sh.n_split * sh.G, sh.lanes)](
             x, sh.xa, lora.a, lora.token_slots, lora.slot_ranks, T, n_in, lora.a.shape[0], sh.chunk, sh.lanes,
             sh.r_seg, x.stride(0), sh.xa.stride(0), lora.a.stride(0), lora.a.stride(1), BM=sh.block_m,
             BLOCK_R=sh.block_r, BK=sh.block_k, S_P2=sh.s_p2, G=sh.G, num_warps=4, num_stages=cfg.shrink_num_stages)
@@ -103,7 +104,7 @@ def shrink(x, lora, T, n_in, cfg, side_stream=None) -> ShrinkLaunch:
 def expand(out, lora, T, n_out, cfg, sh: ShrinkLaunch):
     S = lora.a.shape[0]
     lanes = min(S, cfg.block_m, cfg.slot_lanes)
-    _lora_expand_add_kernel[(triton.cdiv(T, cfg.block_m), triton.cdiv(n_out, cfg.block_n), lanes)](
+    _lora_expand_add_kernel[(cdiv(T, cfg.block_m), cdiv(n_out, cfg.block_n), lanes)](
         sh.xa, out, lora.b, lora.token_slots, lora.slot_ranks, T, n_out, S, lanes, sh.xa.stride(0), out.stride(0),
         lora.b.stride(0), lora.b.stride(1), BM=cfg.block_m, BN=cfg.block_n, BLOCK_R=sh.block_r, SPLIT=sh.n_split,
         S_P2=sh.s_p2, G=sh.G, G_P2=sh.g_p2, SEG_BOUNDS=sh.bounds, num_warps=cfg.num_warps,

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.checks import cdiv, next_pow2
 from moelora.kernels.dense_lora.split import ShrinkLaunch, Split, shrink_setup
 from moelora.kernels.lora_tiles import dense_shrink_program, expand_tile, lane_rows
 
@@ -126,19 +127,19 @@ def splitk_partials(x: torch.Tensor, weight: torch.Tensor, split_k: int, block_n
     """ws [P, T, N_out] fp32; with `shrink`, the same launch also fills shrink.xa."""
     T, n_in = x.shape
     n_out = weight.shape[0]
-    chunk = triton.cdiv(triton.cdiv(n_in, split_k), block_k) * block_k
-    n_split = triton.cdiv(n_in, chunk)
+    chunk = cdiv(cdiv(n_in, split_k), block_k) * block_k
+    n_split = cdiv(n_in, chunk)
     ws = torch.empty(n_split, T, n_out, dtype=torch.float32, device=x.device)
-    bm = min(64, max(16, triton.next_power_of_2(T)))
-    n_tiles_n = triton.cdiv(n_out, block_n)
-    n_gemm = n_tiles_n * n_split * triton.cdiv(T, bm)
+    bm = min(64, max(16, next_pow2(T)))
+    n_tiles_n = cdiv(n_out, block_n)
+    n_gemm = n_tiles_n * n_split * cdiv(T, bm)
     if shrink is None:
         lora = (ws, ws, ws, ws, 0, 0, 1, 0, 0, 0, 0, 1, 0)
         consts = dict(HAS_LORA=False, S_BM=16, BLOCK_R=16, S_BK=16, S_P2=1, G=1)
     else:
         sh = shrink
         n_pg = sh.n_split * sh.G
-        n_shrink = triton.cdiv(T, sh.block_m) * n_pg * sh.lanes
+        n_shrink = cdiv(T, sh.block_m) * n_pg * sh.lanes
         lora = (sh.xa, sh.a, sh.slots, sh.ranks, sh.a.shape[0], sh.chunk, sh.lanes, sh.r_seg, sh.xa.stride(0),
                 sh.a.stride(0), sh.a.stride(1), n_pg, n_shrink)
         consts = dict(HAS_LORA=True, S_BM=sh.block_m, BLOCK_R=sh.block_r, S_BK=sh.block_k, S_P2=sh.s_p2, G=sh.G)
@@ -166,7 +167,7 @@ def splitk_reduce(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None
         lora_args = (ws, ws, ws, ws, 0, 0, 0, 0, 0)
         consts = dict(BLOCK_R=16, XA_SPLIT=1, S_P2=1, G=1, G_P2=1, SEG_BOUNDS=None)
     xa_, b_, slots_, ranks_, n_slots, n_lanes, stride_xap, stride_bs, stride_bn = lora_args
-    splitk_reduce_kernel[(triton.cdiv(T, block_m), triton.cdiv(n_out, block_n), 1 + lanes)](
+    splitk_reduce_kernel[(cdiv(T, block_m), cdiv(n_out, block_n), 1 + lanes)](
         ws, out, ws if bias is None else bias, xa_, b_, slots_, ranks_, T, n_out, n_slots, n_lanes, ws.stride(0),
         out.stride(0), stride_xap, stride_bs, stride_bn, HAS_BIAS=bias is not None, HAS_LORA=has_lora,
         SPLIT_K=ws.shape[0], BM=block_m, BN=block_n, num_warps=num_warps, **consts)

@@ -16,7 +16,7 @@ from typing import ClassVar
 import triton
 import triton.language as tl
 
-from moelora.kernels.checks import need_at_least, need_one_of, need_pow2
+from moelora.kernels.checks import cdiv, need_at_least, need_one_of, need_pow2
 from moelora.kernels.lora_tiles import drop_largest_slots, lora_b_tile, lora_shrink_rows
 from moelora.kernels.moe_lora.base import site
 from moelora.kernels.moe_lora.deltas import GATE_UP_DELTA_AT, DeltaPath
@@ -71,10 +71,10 @@ def block_delta(call, cfg: BlockConfig, src, delta, which: str) -> None:
     lanes = min(BLOCK_LANES, a.shape[0])
     bn = cfg.block_n
     # split N only when blocks x lanes alone leave SMs idle (each split repeats the block's shrink)
-    n_split = max(1, min(triton.cdiv(n_out, bn), triton.cdiv(BLOCK_TARGET_PROGRAMS, plan.num_routes)))
-    per_split = triton.cdiv(triton.cdiv(n_out, n_split), bn) * bn
+    n_split = max(1, min(cdiv(n_out, bn), cdiv(BLOCK_TARGET_PROGRAMS, plan.num_routes)))
+    per_split = cdiv(cdiv(n_out, n_split), bn) * bn
     sub = max(1, plan.block_m // (cfg.block_m or plan.block_m))  # programs per plan block
-    grid = (plan.max_blocks * sub, lanes, triton.cdiv(n_out, per_split))
+    grid = (plan.max_blocks * sub, lanes, cdiv(n_out, per_split))
     persist = 0 < cfg.programs < grid[0] * grid[1] * grid[2]
     lora_block_delta_kernel[(cfg.programs,) if persist else grid](
         src, delta, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots,

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.checks import cdiv, next_pow2
 from moelora.kernels.moe_lora.base import LORA_RC, MoELoRAPath
 from moelora.kernels.moe_rows import delta_rows, plan_rows
 from moelora.kernels.side_stream import forked, join
@@ -57,8 +58,8 @@ class DeltaPath(MoELoRAPath):
             return
         call, plan, lora = self.call, self.call.plan, self.call.lora
         join(call.side_stream, call.x.device)  # delta_gu is complete
-        bn = min(256, triton.next_power_of_2(call.inter))
-        act_delta_kernel[(plan.max_blocks, triton.cdiv(call.inter, bn))](
+        bn = min(256, next_pow2(call.inter))
+        act_delta_kernel[(plan.max_blocks, cdiv(call.inter, bn))](
             gu_out, self.delta_gu, h, plan.sorted_route_ids, plan.num_padded, lora.token_slots, lora.gate_up_ranks,
             plan.num_routes, plan.top_k, call.inter, gu_out.stride(0), self.delta_gu.stride(0), h.stride(0),
             BM=plan.block_m, BN=bn, num_warps=4)

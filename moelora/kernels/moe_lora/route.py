@@ -16,7 +16,7 @@ from typing import ClassVar
 import triton
 import triton.language as tl
 
-from moelora.kernels.checks import need_one_of
+from moelora.kernels.checks import cdiv, need_one_of
 from moelora.kernels.lora_tiles import lora_b_tile
 from moelora.kernels.moe_lora.base import LORA_RC, site
 from moelora.kernels.moe_lora.deltas import GATE_UP_DELTA_AT, DeltaPath
@@ -64,9 +64,9 @@ def route_delta(call, cfg: RouteConfig, src, delta, which: str) -> None:
     n_out, k_dim = b.shape[2], a.shape[3]
     rows = plan.sorted_route_ids.shape[0] if by_row else plan.num_routes
     # enough programs to cover the SMs even at a few routes, each streaming whole B rows
-    n_split = max(1, min(triton.cdiv(n_out, ROUTE_STEP), triton.cdiv(ROUTE_PROGRAMS, plan.num_routes)))
-    per_split = triton.cdiv(triton.cdiv(n_out, n_split), ROUTE_STEP) * ROUTE_STEP
-    lora_route_delta_kernel[(rows, triton.cdiv(n_out, per_split))](
+    n_split = max(1, min(cdiv(n_out, ROUTE_STEP), cdiv(ROUTE_PROGRAMS, plan.num_routes)))
+    per_split = cdiv(cdiv(n_out, n_split), ROUTE_STEP) * ROUTE_STEP
+    lora_route_delta_kernel[(rows, cdiv(n_out, per_split))](
         src, delta, call.topk_ids, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots,
         ranks, a, b, plan.num_routes, plan.top_k, k_dim, n_out, per_split, src.stride(0), delta.stride(0),
         a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2), BY_PLAN_ROW=by_row,

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.checks import need_at_least, need_pow2
+from moelora.kernels.checks import cdiv, need_at_least, need_pow2
 from moelora.kernels.lora_tiles import add_expand, lora_shrink_rows
 from moelora.kernels.moe_lora.base import LORA_RC, ShrinkFirst, site
 from moelora.kernels.moe_rows import plan_rows, slot_base
@@ -56,7 +56,7 @@ class Separate(ShrinkFirst):
         plan, lora = call.plan, call.lora
         a, _, ranks = site(lora, which)
         k_dim = a.shape[3]
-        k_split = triton.cdiv(triton.cdiv(k_dim, cfg.split_k), cfg.block_k) * cfg.block_k
+        k_split = cdiv(cdiv(k_dim, cfg.split_k), cfg.block_k) * cfg.block_k
         lora_shrink_kernel[(plan.max_blocks, cfg.split_k)](
             src, xa, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots,
             ranks, a, plan.num_routes, plan.top_k, k_dim, k_split, xa.shape[1], src.stride(0),

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.checks import need_pow2
+from moelora.kernels.checks import cdiv, need_pow2, next_pow2
 from moelora.kernels.lora_tiles import lora_a_tile, lora_shrink_rows
 from moelora.kernels.moe_lora.base import LORA_RC, MoELoRAPath
 from moelora.kernels.moe_lora.separate import separate_epilogue
@@ -47,11 +47,11 @@ class Spread(MoELoRAPath):
     def __init__(self, call, cfg: SpreadConfig):
         super().__init__(call, cfg)
         H, inter = call.x.shape[1], call.inter
-        n_tiles = triton.cdiv(inter, call.gate_up_bn)
-        self.gu_k = triton.cdiv(triton.cdiv(H, n_tiles), cfg.block_k) * cfg.block_k  # x columns a gate_up program
-        self.gu_parts = triton.cdiv(H, self.gu_k)
-        self.d_n = min(cfg.block_n, triton.next_power_of_2(inter))  # h columns an act_spread_kernel program
-        self.d_parts = triton.cdiv(inter, self.d_n)
+        n_tiles = cdiv(inter, call.gate_up_bn)
+        self.gu_k = cdiv(cdiv(H, n_tiles), cfg.block_k) * cfg.block_k  # x columns a gate_up program
+        self.gu_parts = cdiv(H, self.gu_k)
+        self.d_n = min(cfg.block_n, next_pow2(inter))  # h columns an act_spread_kernel program
+        self.d_parts = cdiv(inter, self.d_n)
         # the gate_up shrink's partials, then the down shrink's
         self.xa = torch.empty(self.gu_parts + self.d_parts, call.rows, call.block_r, dtype=torch.float32,
                               device=call.x.device)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.checks import need_pow2
+from moelora.kernels.checks import cdiv, need_pow2, next_pow2
 from moelora.kernels.lora_tiles import add_expand, rank_of, stacked_columns, stacked_slot_ranks
 from moelora.kernels.moe_lora.base import ShrinkFirst, site
 from moelora.kernels.moe_lora.separate import Separate, SeparateConfig
@@ -59,18 +59,18 @@ class Stacked(ShrinkFirst):
 
     def _epilogue(self) -> dict:
         return dict(xa_ptr=self.xa, stride_xa=self.xa.stride(0), STACKED=True,
-                    S_P2=triton.next_power_of_2(self.call.n_slots))
+                    S_P2=next_pow2(self.call.n_slots))
 
     def _shrink(self, src: torch.Tensor, which: str, gather: bool) -> None:
         """xa [P, S * block_r]: each plan row's src @ A^T in its slot's lane of columns."""
         call, xa, plan, lora = self.call, self.xa, self.call.plan, self.call.lora
         a, _, ranks = site(lora, which)
-        cw = min(self.cfg.stack_n, triton.next_power_of_2(xa.shape[1]))
-        lora_stacked_shrink_kernel[(plan.max_blocks, triton.cdiv(xa.shape[1], cw))](
+        cw = min(self.cfg.stack_n, next_pow2(xa.shape[1]))
+        lora_stacked_shrink_kernel[(plan.max_blocks, cdiv(xa.shape[1], cw))](
             src, xa, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots, ranks, a,
             plan.num_routes, plan.top_k, a.shape[3], a.shape[0], src.stride(0), xa.stride(0), a.stride(0),
             a.stride(1), a.stride(2), GATHER_TOKENS=gather, BM=plan.block_m, BLOCK_R=call.block_r, CW=cw, BK=STACK_BK,
-            S_P2=triton.next_power_of_2(a.shape[0]), num_warps=8 if plan.block_m * cw >= 8192 else 4, num_stages=3)
+            S_P2=next_pow2(a.shape[0]), num_warps=8 if plan.block_m * cw >= 8192 else 4, num_stages=3)
 
 
 @triton.jit
