@@ -1,0 +1,59 @@
+"""Dynamic FP8 (e4m3) activation quantization per token and group of 128 columns (DeepSeek's 1 x 128 recipe).
+
+Shape legend: M rows (tokens), K columns, G = ceil(K / 128) groups a row.
+  x [M, K] fp16/bf16/fp32 -> (q [M, K] float8_e4m3fn, s [M, G] fp32), x ~ q * s per group.
+s = amax / 448 over the group (1 for an all-zero group), q = x / s rounded to nearest, saturated at +-448; the
+last group of a row whose K is not a multiple of 128 is partial. The same arithmetic, in the same fp32 order, as
+`moelora.quant.fp8.quantize_groups` (its torch twin), so the two agree bit for bit. `quant_tile` is that
+rounding on a [BM, 128] tile, for the GEMMs that quantize their activation tiles as they load them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+GROUP = 128
+FP8_MAX = 448.0
+
+
+@triton.jit
+def quant_tile(t, FP8_MAX_: tl.constexpr = 448.0):
+    """t [BM, BK] (BK = one group, masked columns 0) -> (q [BM, BK] e4m3, s [BM] fp32)."""
+    t = t.to(tl.float32)
+    amax = tl.max(tl.abs(t), axis=1)
+    # div_rn: IEEE division, as torch's (Triton's `/` on fp32 may lower to an approximate division)
+    s = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX_, tl.float32)), 1.0)
+    q = tl.clamp(tl.math.div_rn(t, tl.broadcast_to(s[:, None], t.shape)), -FP8_MAX_, FP8_MAX_).to(tl.float8e4nv)
+    return q, s
+
+
+@triton.jit
+def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, n_groups, stride_x, stride_q, stride_s,
+                        GROUP_: tl.constexpr, GB: tl.constexpr):
+    """Program (row, j): groups [j GB, (j + 1) GB) of one row."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GB + tl.arange(0, GB)
+    cols = g[:, None] * GROUP_ + tl.arange(0, GROUP_)[None, :]
+    ok = (g[:, None] < n_groups) & (cols < K)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    q, s = quant_tile(x)
+    tl.store(q_ptr + row * stride_q + cols, q, mask=ok)
+    tl.store(s_ptr + row * stride_s + g, s, mask=g < n_groups)
+
+
+def per_token_group_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] e4m3, s [M, ceil(K/128)] fp32), both new (x is only read)."""
+    if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x.stride(1) != 1:
+        raise ValueError(f"x must be [M, K] fp16/bf16/fp32 with unit last stride, got {tuple(x.shape)} {x.dtype}")
+    M, K = x.shape
+    n_groups = triton.cdiv(K, GROUP)
+    q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(M, n_groups, dtype=torch.float32, device=x.device)
+    if M == 0 or K == 0:
+        return q, s
+    gb = min(8, triton.next_power_of_2(n_groups))
+    _group_quant_kernel[(M, triton.cdiv(n_groups, gb))](x, q, s, K, n_groups, x.stride(0), q.stride(0), s.stride(0),
+                                                        GROUP_=GROUP, GB=gb, num_warps=4)
+    return q, s
