@@ -170,6 +170,25 @@ def test_fp8_tiles_of_a_bf16_entry():
     assert (fp8.block_m, fp8.gate_up.block_n, fp8.lora) == (cfg.block_m, cfg.gate_up.block_n, cfg.lora)
 
 
+def test_fp8_config_from_the_table(tmp_path):
+    """A table's FP8 entry is taken as it is; without one, its bf16 entry on fp8_tiles (LoRA picks kept)."""
+    import json
+
+    from moelora.kernels.fp8_moe import fp8_moe_config
+    from moelora.kernels.moe_config import FusedMoEConfig, shape_key
+
+    bf16 = FusedMoEConfig(32, GemmTile(64, 256, 4, 3), GemmTile(32, 64, 4, 3), use_tma=True)
+    fp8 = FusedMoEConfig(16, GemmTile(128, 128, 8, 2), GemmTile(64, 128, 4, 5))
+    table = tmp_path / "t.json"
+    key = partial(shape_key, 8, 256, 128)
+    table.write_text(json.dumps({"device": "x", "configs": {key(torch.bfloat16): {"64": bf16.to_dict()}}}))
+    assert fp8_moe_config(8, 256, 128, 64, 2, torch.bfloat16, "x", str(table)) == fp8_tiles(bf16)
+    table2 = tmp_path / "t2.json"
+    table2.write_text(json.dumps({"device": "x", "configs": {key(torch.bfloat16): {"64": bf16.to_dict()},
+                                                             key(torch.float8_e4m3fn): {"64": fp8.to_dict()}}}))
+    assert fp8_moe_config(8, 256, 128, 64, 2, torch.bfloat16, "x", str(table2)) == fp8
+
+
 QWEN3 = dict(H=2048, I=768, E=128, K=8)
 DSV2_LITE = dict(H=2048, I=1408, E=64, K=6)
 

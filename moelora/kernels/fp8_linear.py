@@ -69,10 +69,10 @@ def _fp8_linear_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, T, N, K,
 
 
 def _tiles(T: int, n_out: int) -> tuple[int, int, int]:
-    """(BM, BN, num_warps): decode rows in 16-row tiles over narrow column tiles (more programs to stream the
-    weight), prefill in 64 x 128 tiles."""
+    """(BM, BN, num_warps): decode rows in 16-row tiles over column tiles narrow enough for ~128 programs to
+    stream the weight (an H200 has 132 SMs), prefill in 64 x 128 tiles."""
     if T <= 16:
-        return 16, (32 if triton.cdiv(n_out, 64) < 132 else 64), 4
+        return 16, next((bn for bn in (64, 32) if n_out >= 128 * bn), 16), 4
     if T <= 128:
         return 32, 64, 4
     return 64, 128, 8

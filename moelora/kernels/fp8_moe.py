@@ -19,6 +19,7 @@ Channel scales run the same loops with a broadcast scale (one row per output col
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -48,6 +49,7 @@ def fp8_tiles(config: FusedMoEConfig) -> FusedMoEConfig:
                    use_tma=False)
 
 
+@functools.lru_cache(maxsize=1024)
 def fp8_moe_config(E: int, H: int, inter: int, T: int, K: int, act_dtype: torch.dtype, device_name: str,
                    table: str | None) -> FusedMoEConfig:
     """The table's FP8 entry for this shape (`tune_fused_moe.py --dtype fp8`), else its entry for the
