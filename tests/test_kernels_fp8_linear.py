@@ -51,11 +51,18 @@ def twin(case, w_deq, act, dtype=torch.float64):
     return lora_linear_ref(up(x), up(w_deq), up(b), lr, partial(fake_quantize_groups, group=128) if act else None)
 
 
-def run(case, segments, block, act):
+def run(case, segments, block, act, no_sync=False):
+    """The FP8 linear on the case's weight quantized; no_sync: the call under sync debug mode "error"."""
     x, w, b, lora = case
     q, s, w_deq = fp8_weight(w, segments, block)
     x_before = x.clone()
-    got = fp8_lora_linear(x, q, s, b, lora, segments=segments, block=block, quantize_activations=act)
+    if no_sync:
+        torch.cuda.set_sync_debug_mode("error")  # contract 5
+    try:
+        got = fp8_lora_linear(x, q, s, b, lora, segments=segments, block=block, quantize_activations=act)
+    finally:
+        if no_sync:
+            torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(x, x_before) and not torch.isnan(got).any()
     return got, w_deq
 
@@ -112,11 +119,7 @@ def test_gpu_fp8_linear(T, name, n_in, segments, act):
     W8A8 within the activation rounding's bound of the W8A16 twin plus the bf16 tolerance."""
     case = make_case(T, n_in, sum(segments), (16, 8, 16, 0, 4, 16, 12, 8), 16, bias=name.endswith("qkv"),
                      dtype=torch.bfloat16, device="cuda", seed=T)
-    torch.cuda.set_sync_debug_mode("error")  # contract 5
-    try:
-        got, w_deq = run(case, segments, True, act)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    got, w_deq = run(case, segments, True, act, no_sync=True)
     exact = twin(case, w_deq, False, torch.float32)
     if not act:
         assert rel_err(got, exact) <= 1e-2

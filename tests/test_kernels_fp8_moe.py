@@ -99,13 +99,20 @@ def check_w8a8_within_bound(got, case, deq_gu, deq_d, tol):
     assert (got.double() - want).abs().max() > 0  # the activations were rounded
 
 
-def run_fp8(case, config, block, act, out=None):
+def run_fp8(case, config, block, act, no_sync=False):
+    """fused_moe on the case's weights quantized; no_sync: the call under sync debug mode "error" (contract 5)."""
     x, w_gu, w_d, wts, ids, lora = case
     q_gu, q_d, (s_gu, s_d), deq_gu, deq_d = fp8_weights(w_gu, w_d, block)
     scales = FP8ExpertScales(s_gu, s_d, block=block, quantize_activations=act)
     x_before = x.clone()
-    out = torch.full_like(x, float("nan")) if out is None else out
-    got = fused_moe(x, q_gu, q_d, wts, ids, lora=lora, out=out, config=config, fp8=scales)
+    out = torch.full_like(x, float("nan"))
+    if no_sync:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = fused_moe(x, q_gu, q_d, wts, ids, lora=lora, out=out, config=config, fp8=scales)
+    finally:
+        if no_sync:
+            torch.cuda.set_sync_debug_mode("default")
     assert got is out and torch.equal(x, x_before)
     assert not torch.isnan(got).any()
     return got, deq_gu, deq_d
@@ -216,11 +223,7 @@ def gpu_config(shape, T, E=None):
 def test_gpu_fp8_w8a16_equals_twin(T, shape, lora):
     sh = QWEN3 if shape == "qwen3" else DSV2_LITE
     case = gpu_case(sh, T, seed=T + 7, lora=lora)
-    torch.cuda.set_sync_debug_mode("error")  # contract 5
-    try:
-        got, deq_gu, deq_d = run_fp8(case, gpu_config(sh, T), True, False)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    got, deq_gu, deq_d = run_fp8(case, gpu_config(sh, T), True, False, no_sync=True)
     assert rel_err(got, dequantized_twin(case, deq_gu, deq_d, False, torch.float32)) <= 1e-2
 
 
@@ -233,7 +236,7 @@ def test_gpu_fp8_w8a8_within_bound(T, shape, lora):
     """E scaled down to 16 (the fp64 bound loops over routes); H, I and K are the model's."""
     sh = QWEN3 if shape == "qwen3" else DSV2_LITE
     case = gpu_case(sh, T, seed=T + 11, lora=lora, E=16)
-    got, deq_gu, deq_d = run_fp8(case, gpu_config(sh, T, E=16), True, True)
+    got, deq_gu, deq_d = run_fp8(case, gpu_config(sh, T, E=16), True, True, no_sync=True)
     assert rel_err(got, dequantized_twin(case, deq_gu, deq_d, True, torch.float32)) <= 2e-2
     check_w8a8_within_bound(got, case, deq_gu, deq_d, 1e-2)
 
