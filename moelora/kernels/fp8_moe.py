@@ -7,11 +7,11 @@ Shape legend: T tokens, H hidden, I expert intermediate, E experts, BM x BN x BK
     or [E, 2I, 1] (channel / tensor, one per output row); w_down [E, H, I] e4m3, scale [E, ceil(H/128),
     ceil(I/128)] or [E, H, 1]. Scales are fp32 multipliers (w ~ q * s).
 Each K step is one 128-column scale block: acc += dot(A, B_q) * a_scale[m] * b_scale[n] (fp32 accumulate).
-- W8A8 (`FP8ExpertScales.quantize_activations`): the activation tile (x rows for gate_up, h rows for down) is
-  quantized as it is loaded, per row and 128-column group (`fp8_quant.quant_tile`, DeepSeek's 1 x 128
-  recipe; a per-token scheme runs these finer groups), then an e4m3 x e4m3 tl.dot: Hopper's FP8 MMA. The
-  quantization runs in the kernel, so no quantized copy of x or h is written and the plan's padding rows
-  cost nothing.
+- W8A8 (`FP8ExpertScales.quantize_activations`): x, then h, are quantized per row and 128-column group
+  (`fp8_quant.per_token_group_quant`, DeepSeek's 1 x 128 recipe; a per-token scheme runs these finer
+  groups; h up to the plan's `num_padded` rows), one launch each, and the GEMMs run e4m3 x e4m3 tl.dots:
+  Hopper's FP8 MMA. (Quantizing each tile as the GEMM loads it, tried first, ran 3-6x slower than bf16 on the
+  H200: every output-column program re-rounds the same rows, and the rounded tile takes a layout change.)
 - W8A16 (off): each weight tile is upcast to the activations' dtype in registers, then the bf16 MMA.
 Both need FP8 conversions in Triton: compute capability >= 8.9 (the engine refuses an older GPU, ConfigError).
 Channel scales run the same loops with a broadcast scale (one row per output column, no K index).
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.fp8_quant import GROUP, quant_tile
+from moelora.kernels.fp8_quant import GROUP, per_token_group_quant
 from moelora.kernels.moe_config import FusedMoEConfig, _load_table, _package_table, shape_key, tuned_fused_moe_config
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -91,30 +91,41 @@ def check_fp8(x: torch.Tensor, E: int, H: int, inter: int, scales: FP8ExpertScal
               ">= 8.9 (Ada / Hopper): use kernel_backend='torch' on this GPU")
 
 
-def fp8_launch_args(scales: FP8ExpertScales | None, which: str, inter: int) -> dict:
-    """The gate_up or down kernel's FP8 arguments ({} without FP8: the kernels' defaults, flags off)."""
+def fp8_launch_args(scales: FP8ExpertScales | None, which: str, inter: int, a: torch.Tensor,
+                    rows: torch.Tensor | None = None) -> dict:
+    """The gate_up or down kernel's FP8 arguments ({} without FP8: the kernels' defaults, flags off). a: that
+    GEMM's activations (x, or h of which `rows` are live), quantized here for W8A8 (new buffers)."""
     if scales is None:
         return {}
     s = getattr(scales, which)
     gn = GROUP if scales.block else 1
     gate_rows = triton.cdiv(inter, gn) if which == "gate_up" else 0
+    aq, aqs = per_token_group_quant(a, rows) if scales.quantize_activations else (a, s)  # W8A16: unused dummies
     return dict(ws_ptr=s, stride_wse=s.stride(0), stride_wsn=s.stride(1), stride_wsk=s.stride(2) if scales.block else 0,
-                ws_gate_rows=gate_rows, B_FP8=True, A_FP8=scales.quantize_activations, SCALE_GN=gn)
+                ws_gate_rows=gate_rows, aq_ptr=aq, aqs_ptr=aqs, stride_aq=aq.stride(0), stride_aqs=aqs.stride(0),
+                B_FP8=True, A_FP8=scales.quantize_activations, SCALE_GN=gn)
 
 
 @triton.jit
-def _scaled_dot(a, b, b_scale, A_FP8: tl.constexpr):
-    """One K step (one scale block): dot(a, b_q) * a_scale * b_scale, fp32 [BM, BN]."""
+def _scaled_dot(a_rows, q_rows, s_rows, k0, valid, k_ok, b, b_scale, BK: tl.constexpr, A_FP8: tl.constexpr):
+    """One K step (one scale block) of rows a_rows (W8A16) or q_rows / s_rows (W8A8): dot(A, b_q) * a_s * b_s,
+    fp32 [BM, BN]."""
+    offs_k = k0 + tl.arange(0, BK)
+    a_ok = valid[:, None] & k_ok[None, :]
     if A_FP8:
-        aq, a_scale = quant_tile(a)
+        aq = tl.load(q_rows[:, None] + offs_k[None, :], mask=a_ok, other=0.0)
+        a_scale = tl.load(s_rows + k0 // BK, mask=valid, other=0.0)
         return tl.dot(aq, b) * (a_scale[:, None] * b_scale[None, :])
+    a = tl.load(a_rows[:, None] + offs_k[None, :], mask=a_ok, other=0.0)
     return tl.dot(a, b.to(a.dtype)) * b_scale[None, :]
 
 
 @triton.jit
-def fp8_gate_up_steps(x_rows, valid, w_e, ws_e, offs_n, H, inter, stride_wn, stride_wsn, stride_wsk, gate_rows,
-                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GN: tl.constexpr, A_FP8: tl.constexpr):
-    """gate_up_kernel's K loop on e4m3 weights of expert e (w_e, ws_e: its weight and scale): (acc_g, acc_u)."""
+def fp8_gate_up_steps(x_rows, q_rows, s_rows, valid, w_e, ws_e, offs_n, H, inter, stride_wn, stride_wsn, stride_wsk,
+                      gate_rows, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GN: tl.constexpr,
+                      A_FP8: tl.constexpr):
+    """gate_up_kernel's K loop on e4m3 weights of expert e (w_e, ws_e: its weight and scale) over the rows' x
+    (x_rows) or their e4m3 copy and its scales (q_rows, s_rows): (acc_g, acc_u)."""
     offs_k = tl.arange(0, BK)
     n_ok = offs_n < inter
     acc_g = tl.zeros((BM, BN), tl.float32)
@@ -124,18 +135,19 @@ def fp8_gate_up_steps(x_rows, valid, w_e, ws_e, offs_n, H, inter, stride_wn, str
     su_ptrs = ws_e + (gate_rows + offs_n // GN) * stride_wsn
     for k0 in range(0, H, BK):
         k_ok = (k0 + offs_k) < H
-        xt = tl.load(x_rows + (k0 + offs_k)[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         w_ok = n_ok[None, :] & k_ok[:, None]
         wg = tl.load(wg_ptrs + k0, mask=w_ok, other=0.0)
         wu = tl.load(wg_ptrs + inter * stride_wn + k0, mask=w_ok, other=0.0)
         kb = (k0 // BK) * stride_wsk
-        acc_g += _scaled_dot(xt, wg, tl.load(sg_ptrs + kb, mask=n_ok, other=0.0), A_FP8)
-        acc_u += _scaled_dot(xt, wu, tl.load(su_ptrs + kb, mask=n_ok, other=0.0), A_FP8)
+        sg = tl.load(sg_ptrs + kb, mask=n_ok, other=0.0)
+        su = tl.load(su_ptrs + kb, mask=n_ok, other=0.0)
+        acc_g += _scaled_dot(x_rows, q_rows, s_rows, k0, valid, k_ok, wg, sg, BK, A_FP8)
+        acc_u += _scaled_dot(x_rows, q_rows, s_rows, k0, valid, k_ok, wu, su, BK, A_FP8)
     return acc_g, acc_u
 
 
 @triton.jit
-def fp8_down_steps(h_rows, valid, w_e, ws_e, offs_n, H, inter, stride_wn, stride_wsn, stride_wsk,
+def fp8_down_steps(h_rows, q_rows, s_rows, valid, w_e, ws_e, offs_n, H, inter, stride_wn, stride_wsn, stride_wsk,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GN: tl.constexpr, A_FP8: tl.constexpr):
     """down_kernel's K loop on e4m3 weights of expert e: acc [BM, BN]."""
     offs_k = tl.arange(0, BK)
@@ -145,7 +157,7 @@ def fp8_down_steps(h_rows, valid, w_e, ws_e, offs_n, H, inter, stride_wn, stride
     s_ptrs = ws_e + (offs_n // GN) * stride_wsn
     for k0 in range(0, inter, BK):
         k_ok = (k0 + offs_k) < inter
-        ht = tl.load(h_rows + (k0 + offs_k)[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         wt = tl.load(w_ptrs + k0, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        acc += _scaled_dot(ht, wt, tl.load(s_ptrs + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0), A_FP8)
+        acc += _scaled_dot(h_rows, q_rows, s_rows, k0, valid, k_ok, wt,
+                           tl.load(s_ptrs + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0), BK, A_FP8)
     return acc

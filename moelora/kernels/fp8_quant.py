@@ -4,8 +4,8 @@ Shape legend: M rows (tokens), K columns, G = ceil(K / 128) groups a row.
   x [M, K] fp16/bf16/fp32 -> (q [M, K] float8_e4m3fn, s [M, G] fp32), x ~ q * s per group.
 s = amax / 448 over the group (1 for an all-zero group), q = x / s rounded to nearest, saturated at +-448; the
 last group of a row whose K is not a multiple of 128 is partial. The same arithmetic, in the same fp32 order, as
-`moelora.quant.fp8.quantize_groups` (its torch twin), so the two agree bit for bit. `quant_tile` is that
-rounding on a [BM, 128] tile, for the GEMMs that quantize their activation tiles as they load them.
+`moelora.quant.fp8.quantize_groups` (its torch twin), so the two agree bit for bit. `quant_tile`: that rounding
+on a [rows, 128] tile.
 """
 
 from __future__ import annotations
@@ -30,10 +30,13 @@ def quant_tile(t, FP8_MAX_: tl.constexpr = 448.0):
 
 
 @triton.jit
-def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, n_groups, stride_x, stride_q, stride_s,
-                        GROUP_: tl.constexpr, GB: tl.constexpr):
-    """Program (row, j): groups [j GB, (j + 1) GB) of one row."""
+def _group_quant_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, K, n_groups, stride_x, stride_q, stride_s,
+                        GROUP_: tl.constexpr, GB: tl.constexpr, ROW_LIMIT: tl.constexpr):
+    """Program (row, j): groups [j GB, (j + 1) GB) of one row; ROW_LIMIT: rows from *rows_ptr on are left."""
     row = tl.program_id(0).to(tl.int64)
+    if ROW_LIMIT:
+        if row >= tl.load(rows_ptr):
+            return
     g = tl.program_id(1) * GB + tl.arange(0, GB)
     cols = g[:, None] * GROUP_ + tl.arange(0, GROUP_)[None, :]
     ok = (g[:, None] < n_groups) & (cols < K)
@@ -43,8 +46,10 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, n_groups, stride_x, stride_q, st
     tl.store(s_ptr + row * stride_s + g, s, mask=g < n_groups)
 
 
-def per_token_group_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q [M, K] e4m3, s [M, ceil(K/128)] fp32), both new (x is only read)."""
+def per_token_group_quant(x: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] e4m3, s [M, ceil(K/128)] fp32), both new (x is only read). rows: a device int32
+    scalar; only rows below it are quantized, the others of q and s are left unwritten (a routing plan's
+    padded rows: `MoERoutingPlan.num_padded`)."""
     if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x.stride(1) != 1:
         raise ValueError(f"x must be [M, K] fp16/bf16/fp32 with unit last stride, got {tuple(x.shape)} {x.dtype}")
     M, K = x.shape
@@ -54,6 +59,7 @@ def per_token_group_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if M == 0 or K == 0:
         return q, s
     gb = min(8, triton.next_power_of_2(n_groups))
-    _group_quant_kernel[(M, triton.cdiv(n_groups, gb))](x, q, s, K, n_groups, x.stride(0), q.stride(0), s.stride(0),
-                                                        GROUP_=GROUP, GB=gb, num_warps=4)
+    _group_quant_kernel[(M, triton.cdiv(n_groups, gb))](
+        x, q, s, x if rows is None else rows, K, n_groups, x.stride(0), q.stride(0), s.stride(0), GROUP_=GROUP, GB=gb,
+        ROW_LIMIT=rows is not None, num_warps=4)
     return q, s

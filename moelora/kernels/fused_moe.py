@@ -180,18 +180,20 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
                   n_routes=T * K, top_k=K, H=H, inter=inter, num_blocks=plan.max_blocks, BM=config.block_m,
                   GROUP_M=GROUP_M, USE_TMA=config.use_tma)
     w_gu, w_dn, h_in = _tma_operands(w_gate_up, w_down, h, config) if config.use_tma else (w_gate_up, w_down, h)
+    fp8_gate_up = fp8_launch_args(fp8, "gate_up", inter, x)  # W8A8: x quantized (new buffers)
     path.before_gate_up()
     gate_up_kernel[(plan.max_blocks * triton.cdiv(inter, gu.block_n),)](
         x, w_gu, gu_out, stride_xt=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
         stride_hp=gu_out.stride(0), BN=gu.block_n, BK=gu.block_k, num_warps=gu.num_warps, num_stages=gu.num_stages,
-        h_act_ptr=h, stride_act=h.stride(0), **common, **path.gate_up_args(), **fp8_launch_args(fp8, "gate_up", inter))
+        h_act_ptr=h, stride_act=h.stride(0), **common, **path.gate_up_args(), **fp8_gate_up)
     path.after_gate_up(gu_out, h)
+    fp8_down = fp8_launch_args(fp8, "down", inter, h, plan.num_padded)  # W8A8: h quantized (new buffers)
     path.before_down(h)
     topk_w = topk_weights.contiguous()
     down_kernel[(plan.max_blocks * triton.cdiv(H, dn.block_n),)](
         h_in, h, w_dn, y, topk_w, stride_hp=h.stride(0), stride_we=w_down.stride(0), stride_wn=w_down.stride(1),
         stride_yr=y.stride(0), BN=dn.block_n, BK=dn.block_k, num_warps=dn.num_warps, num_stages=dn.num_stages,
-        **common, **path.down_args(), **fp8_launch_args(fp8, "down", inter))
+        **common, **path.down_args(), **fp8_down)
     path.before_combine()
     bt, bh = (1 if T < 64 else 4), min(1024, triton.next_power_of_2(H))
     combine_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](

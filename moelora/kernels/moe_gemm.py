@@ -44,8 +44,8 @@ def gate_up_kernel(
     LORA_BK: tl.constexpr, LORA_RC: tl.constexpr, USE_TMA: tl.constexpr, LORA_DELTA: tl.constexpr,
     RAW_OUT: tl.constexpr, STACKED: tl.constexpr = False, S_P2: tl.constexpr = 1,
     SPREAD: tl.constexpr = False, spread_k=0, h_act_ptr=None, stride_act=0,
-    ws_ptr=None, stride_wse=0, stride_wsn=0, stride_wsk=0, ws_gate_rows=0,
-    B_FP8: tl.constexpr = False, A_FP8: tl.constexpr = False, SCALE_GN: tl.constexpr = 128,
+    ws_ptr=None, stride_wse=0, stride_wsn=0, stride_wsk=0, ws_gate_rows=0, aq_ptr=None, aqs_ptr=None, stride_aq=0,
+    stride_aqs=0, B_FP8: tl.constexpr = False, A_FP8: tl.constexpr = False, SCALE_GN: tl.constexpr = 128,
 ):
     """h[plan row] = silu(gate) * up of x[token] @ W_gu[e]^T (+ LoRA); RAW_OUT: h is [P, 2I] and gets
     gate and up as they are (columns [0, I) and [I, 2I)), for `act_delta_kernel` / `act_spread_kernel` to
@@ -66,8 +66,11 @@ def gate_up_kernel(
     if HAS_LORA:
         slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
     if B_FP8:  # e4m3 weights with their scales (fp8_moe): W8A8 or W8A16 K steps, the same epilogues
-        acc_g, acc_u = fp8_gate_up_steps(x_rows, valid, w + e * stride_we, ws_ptr + e * stride_wse, offs_n, H, inter,
-                                         stride_wn, stride_wsn, stride_wsk, ws_gate_rows, BM, BN, BK, SCALE_GN, A_FP8)
+        tok64 = tok.to(tl.int64)
+        acc_g, acc_u = fp8_gate_up_steps(x_ptr + tok64 * stride_xt, aq_ptr + tok64 * stride_aq,
+                                         aqs_ptr + tok64 * stride_aqs, valid, w + e * stride_we,
+                                         ws_ptr + e * stride_wse, offs_n, H, inter, stride_wn, stride_wsn, stride_wsk,
+                                         ws_gate_rows, BM, BN, BK, SCALE_GN, A_FP8)
     else:
         if USE_TMA:
             row_g = (e * 2 * inter + pid_n * BN).to(tl.int32)
@@ -132,8 +135,8 @@ def down_kernel(
     HAS_LORA: tl.constexpr, XA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
     LORA_BK: tl.constexpr, LORA_RC: tl.constexpr, USE_TMA: tl.constexpr,
     STACKED: tl.constexpr = False, S_P2: tl.constexpr = 1,
-    ws_ptr=None, stride_wse=0, stride_wsn=0, stride_wsk=0, ws_gate_rows=0,
-    B_FP8: tl.constexpr = False, A_FP8: tl.constexpr = False, SCALE_GN: tl.constexpr = 128,
+    ws_ptr=None, stride_wse=0, stride_wsn=0, stride_wsk=0, ws_gate_rows=0, aq_ptr=None, aqs_ptr=None, stride_aq=0,
+    stride_aqs=0, B_FP8: tl.constexpr = False, A_FP8: tl.constexpr = False, SCALE_GN: tl.constexpr = 128,
 ):
     pid_m, pid_n = _tile_ids(num_blocks, tl.cdiv(H, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_padded_ptr):
@@ -146,9 +149,10 @@ def down_kernel(
     if HAS_LORA:
         slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
     if B_FP8:  # as in gate_up_kernel
-        acc = fp8_down_steps(h + offs_m[:, None].to(tl.int64) * stride_hp, valid, w + e * stride_we,
-                             ws_ptr + e * stride_wse, offs_n, H, inter, stride_wn, stride_wsn, stride_wsk, BM, BN, BK,
-                             SCALE_GN, A_FP8)
+        m64 = offs_m.to(tl.int64)
+        acc = fp8_down_steps(h + m64 * stride_hp, aq_ptr + m64 * stride_aq, aqs_ptr + m64 * stride_aqs, valid,
+                             w + e * stride_we, ws_ptr + e * stride_wse, offs_n, H, inter, stride_wn, stride_wsn,
+                             stride_wsk, BM, BN, BK, SCALE_GN, A_FP8)
     else:
         if USE_TMA:
             row_w = (e * H + pid_n * BN).to(tl.int32)
