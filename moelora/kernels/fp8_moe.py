@@ -12,7 +12,9 @@ Each K step is one 128-column scale block: acc += dot(A, B_q) * a_scale[m] * b_s
   groups; h up to the plan's `num_padded` rows), one launch each, and the GEMMs run e4m3 x e4m3 tl.dots:
   Hopper's FP8 MMA. (Quantizing each tile as the GEMM loads it, tried first, ran 3-6x slower than bf16 on the
   H200: every output-column program re-rounds the same rows, and the rounded tile takes a layout change.)
-- W8A16 (off): each weight tile is upcast to the activations' dtype in registers, then the bf16 MMA.
+- W8A16 (off): each weight tile is upcast to the activations' dtype in registers, times its scale (as the
+  twin dequantizes), and multiplies the activations transposed (acc^T += W x^T): the upcast tile is the MMA's
+  register operand, so it never goes back through shared memory, and the accumulator stays chained.
 Both need FP8 conversions in Triton: compute capability >= 8.9 (the engine refuses an older GPU, ConfigError).
 Channel scales run the same loops with a broadcast scale (one row per output column, no K index).
 """
@@ -107,17 +109,21 @@ def fp8_launch_args(scales: FP8ExpertScales | None, which: str, inter: int, a: t
 
 
 @triton.jit
-def _scaled_dot(a_rows, q_rows, s_rows, k0, valid, k_ok, b, b_scale, BK: tl.constexpr, A_FP8: tl.constexpr):
-    """One K step (one scale block) of rows a_rows (W8A16) or q_rows / s_rows (W8A8): dot(A, b_q) * a_s * b_s,
-    fp32 [BM, BN]."""
+def _w8a8_dot(q_rows, s_rows, k0, valid, k_ok, w, w_scale, BK: tl.constexpr):
+    """One K step (one scale block) on e4m3 activations (q_rows, scales s_rows) and weights w [BK, BN]:
+    dot(A_q, W_q) * a_s * w_s, fp32 [BM, BN] (the e4m3 MMA)."""
     offs_k = k0 + tl.arange(0, BK)
-    a_ok = valid[:, None] & k_ok[None, :]
-    if A_FP8:
-        aq = tl.load(q_rows[:, None] + offs_k[None, :], mask=a_ok, other=0.0)
-        a_scale = tl.load(s_rows + k0 // BK, mask=valid, other=0.0)
-        return tl.dot(aq, b) * (a_scale[:, None] * b_scale[None, :])
-    a = tl.load(a_rows[:, None] + offs_k[None, :], mask=a_ok, other=0.0)
-    return tl.dot(a, b.to(a.dtype)) * b_scale[None, :]
+    aq = tl.load(q_rows[:, None] + offs_k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+    a_scale = tl.load(s_rows + k0 // BK, mask=valid, other=0.0)
+    return tl.dot(aq, w) * (a_scale[:, None] * w_scale[None, :])
+
+
+@triton.jit
+def _w8a16_dot(acc_t, a_t, w, w_scale):
+    """One K step transposed: acc_t [BN, BM] += (W_q [BN, BK] * w_s, in A's dtype) @ a_t [BK, BM]. The weight,
+    upcast in registers, is the MMA's register operand and the activations its shared-memory one (Hopper's
+    wgmma takes only its first operand from registers), and the accumulator stays chained."""
+    return tl.dot((w.to(tl.float32) * w_scale[:, None]).to(a_t.dtype), a_t, acc_t)
 
 
 @triton.jit
@@ -125,39 +131,66 @@ def fp8_gate_up_steps(x_rows, q_rows, s_rows, valid, w_e, ws_e, offs_n, H, inter
                       gate_rows, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GN: tl.constexpr,
                       A_FP8: tl.constexpr):
     """gate_up_kernel's K loop on e4m3 weights of expert e (w_e, ws_e: its weight and scale) over the rows' x
-    (x_rows) or their e4m3 copy and its scales (q_rows, s_rows): (acc_g, acc_u)."""
+    (x_rows, W8A16) or their e4m3 copy and its scales (q_rows, s_rows, W8A8): (acc_g, acc_u) [BM, BN]."""
     offs_k = tl.arange(0, BK)
     n_ok = offs_n < inter
-    acc_g = tl.zeros((BM, BN), tl.float32)
-    acc_u = tl.zeros((BM, BN), tl.float32)
-    wg_ptrs = w_e + offs_n[None, :] * stride_wn + offs_k[:, None]
     sg_ptrs = ws_e + (offs_n // GN) * stride_wsn
     su_ptrs = ws_e + (gate_rows + offs_n // GN) * stride_wsn
-    for k0 in range(0, H, BK):
-        k_ok = (k0 + offs_k) < H
-        w_ok = n_ok[None, :] & k_ok[:, None]
-        wg = tl.load(wg_ptrs + k0, mask=w_ok, other=0.0)
-        wu = tl.load(wg_ptrs + inter * stride_wn + k0, mask=w_ok, other=0.0)
-        kb = (k0 // BK) * stride_wsk
-        sg = tl.load(sg_ptrs + kb, mask=n_ok, other=0.0)
-        su = tl.load(su_ptrs + kb, mask=n_ok, other=0.0)
-        acc_g += _scaled_dot(x_rows, q_rows, s_rows, k0, valid, k_ok, wg, sg, BK, A_FP8)
-        acc_u += _scaled_dot(x_rows, q_rows, s_rows, k0, valid, k_ok, wu, su, BK, A_FP8)
+    if A_FP8:
+        acc_g = tl.zeros((BM, BN), tl.float32)
+        acc_u = tl.zeros((BM, BN), tl.float32)
+        w_ptrs = w_e + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
+        for k0 in range(0, H, BK):
+            k_ok = (k0 + offs_k) < H
+            w_ok = n_ok[None, :] & k_ok[:, None]
+            kb = (k0 // BK) * stride_wsk
+            acc_g += _w8a8_dot(q_rows, s_rows, k0, valid, k_ok, tl.load(w_ptrs + k0, mask=w_ok, other=0.0),
+                               tl.load(sg_ptrs + kb, mask=n_ok, other=0.0), BK)
+            acc_u += _w8a8_dot(q_rows, s_rows, k0, valid, k_ok,
+                               tl.load(w_ptrs + inter * stride_wn + k0, mask=w_ok, other=0.0),
+                               tl.load(su_ptrs + kb, mask=n_ok, other=0.0), BK)
+    else:
+        acc_gt = tl.zeros((BN, BM), tl.float32)
+        acc_ut = tl.zeros((BN, BM), tl.float32)
+        w_ptrs = w_e + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
+        for k0 in range(0, H, BK):
+            k_ok = (k0 + offs_k) < H
+            w_ok = n_ok[:, None] & k_ok[None, :]
+            kb = (k0 // BK) * stride_wsk
+            a_t = tl.trans(tl.load(x_rows[:, None] + (k0 + offs_k)[None, :], mask=valid[:, None] & k_ok[None, :],
+                                   other=0.0))
+            acc_gt = _w8a16_dot(acc_gt, a_t, tl.load(w_ptrs + k0, mask=w_ok, other=0.0),
+                                tl.load(sg_ptrs + kb, mask=n_ok, other=0.0))
+            acc_ut = _w8a16_dot(acc_ut, a_t, tl.load(w_ptrs + inter * stride_wn + k0, mask=w_ok, other=0.0),
+                                tl.load(su_ptrs + kb, mask=n_ok, other=0.0))
+        acc_g = tl.trans(acc_gt)
+        acc_u = tl.trans(acc_ut)
     return acc_g, acc_u
 
 
 @triton.jit
 def fp8_down_steps(h_rows, q_rows, s_rows, valid, w_e, ws_e, offs_n, H, inter, stride_wn, stride_wsn, stride_wsk,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GN: tl.constexpr, A_FP8: tl.constexpr):
-    """down_kernel's K loop on e4m3 weights of expert e: acc [BM, BN]."""
+    """down_kernel's K loop on e4m3 weights of expert e, as fp8_gate_up_steps: acc [BM, BN]."""
     offs_k = tl.arange(0, BK)
     n_ok = offs_n < H
-    acc = tl.zeros((BM, BN), tl.float32)
-    w_ptrs = w_e + offs_n[None, :] * stride_wn + offs_k[:, None]
     s_ptrs = ws_e + (offs_n // GN) * stride_wsn
-    for k0 in range(0, inter, BK):
-        k_ok = (k0 + offs_k) < inter
-        wt = tl.load(w_ptrs + k0, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        acc += _scaled_dot(h_rows, q_rows, s_rows, k0, valid, k_ok, wt,
-                           tl.load(s_ptrs + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0), BK, A_FP8)
+    if A_FP8:
+        acc = tl.zeros((BM, BN), tl.float32)
+        w_ptrs = w_e + offs_n[None, :] * stride_wn + offs_k[:, None]
+        for k0 in range(0, inter, BK):
+            k_ok = (k0 + offs_k) < inter
+            wt = tl.load(w_ptrs + k0, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            acc += _w8a8_dot(q_rows, s_rows, k0, valid, k_ok, wt,
+                             tl.load(s_ptrs + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0), BK)
+    else:
+        acc_t = tl.zeros((BN, BM), tl.float32)
+        w_ptrs = w_e + offs_n[:, None] * stride_wn + offs_k[None, :]
+        for k0 in range(0, inter, BK):
+            k_ok = (k0 + offs_k) < inter
+            a_t = tl.trans(tl.load(h_rows[:, None] + (k0 + offs_k)[None, :], mask=valid[:, None] & k_ok[None, :],
+                                   other=0.0))
+            acc_t = _w8a16_dot(acc_t, a_t, tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0),
+                               tl.load(s_ptrs + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0))
+        acc = tl.trans(acc_t)
     return acc
