@@ -7,7 +7,8 @@ Shape legend: T tokens, N_in / N_out features, G row segments of the weight (mer
 The base GEMM is one Triton kernel, K steps of one 128-column scale block: acc += dot(A, W_q) * a_s * w_s.
 - W8A8 (`quantize_activations`): x is first quantized per token and 1 x 128 group (`fp8_quant`, one launch),
   the GEMM reads e4m3 x and its scales: Hopper's FP8 MMA.
-- W8A16: the weight tile is upcast to x's dtype in registers, times its scale, then the bf16 MMA.
+- W8A16: the weight tile is upcast to x's dtype in registers, times its scale, and multiplies x transposed
+  (acc^T += W x^T: the upcast tile is the MMA's register operand, as in `fp8_moe`).
 The LoRA delta is the dense LoRA's own kernels on x as it is (`dense_lora.split`'s shrink on the LoRA side
 stream during the base GEMM, then its expand; "planned" where `lora_linear` would pick it): "splitk", which
 fuses the base GEMM, is not used on FP8 weights. Twin: `lora_linear_ref` on the dequantized weight.
@@ -49,19 +50,27 @@ def _fp8_linear_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, T, N, K,
     offs_k = tl.arange(0, BK)
     m_ok, n_ok = offs_m < T, offs_n < N
     a_rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_a + offs_k[None, :]
-    w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_w + offs_k[:, None]
     s_cols = ws_ptr + _scale_rows(offs_n, B1, B2, G1, G2, GN) * stride_wsn
-    acc = tl.zeros((BM, BN), tl.float32)
-    for k0 in range(0, K, BK):
-        k_ok = (k0 + offs_k) < K
-        a = tl.load(a_rows + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_cols + k0, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        w_s = tl.load(s_cols + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0)
-        if A_FP8:
+    if A_FP8:
+        acc = tl.zeros((BM, BN), tl.float32)
+        w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_w + offs_k[:, None]  # [BK, BN]
+        for k0 in range(0, K, BK):
+            k_ok = (k0 + offs_k) < K
+            a = tl.load(a_rows + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_cols + k0, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            w_s = tl.load(s_cols + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0)
             a_s = tl.load(as_ptr + offs_m * stride_as + k0 // BK, mask=m_ok, other=0.0)
             acc += tl.dot(a, w) * (a_s[:, None] * w_s[None, :])
-        else:
-            acc += tl.dot(a, w.to(a.dtype)) * w_s[None, :]
+    else:  # transposed, the upcast weight as the MMA's register operand (as fp8_moe's W8A16 steps)
+        acc_t = tl.zeros((BN, BM), tl.float32)
+        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]  # [BN, BK]
+        for k0 in range(0, K, BK):
+            k_ok = (k0 + offs_k) < K
+            a = tl.load(a_rows + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_rows + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            w_s = tl.load(s_cols + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0)
+            acc_t = tl.dot((w.to(tl.float32) * w_s[:, None]).to(a.dtype), tl.trans(a), acc_t)
+        acc = tl.trans(acc_t)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_o + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
