@@ -3,11 +3,11 @@
 W8A16 (weights upcast in the kernel) equals the twin on the dequantized weights; W8A8 (activations quantized
 per token and 1 x 128 group in the kernel, e4m3 MMA) equals the twin with the same activation rounding
 (`quant.fp8.fake_quantize_groups`) and stays within tests/fp8_bounds.py's bound of the W8A16 twin. The Triton
-interpreter (3.9) loads float8_e4m3fn, upcasts it and runs e4m3 dots exactly, so W8A16 runs on the CPU under
-TRITON_INTERPRET=1 (fp32 activations); but its float32 -> float8e4nv cast is wrong where rounding carries
-into the next binade (-125.9 -> -64, not -128), so W8A8, which rounds activations in the kernel, is checked
-on the GPU only (`FP8_CAST`). The `gpu` cases run the Qwen3-30B-A3B and DeepSeek-V2-Lite expert shapes in
-bf16 (E scaled down where the fp64 bound is slow) against the fp32 twin.
+interpreter (3.9) loads float8_e4m3fn, upcasts it and runs e4m3 dots exactly, and the activation quantization
+rounds to the e4m3 grid itself (`fp8_quant._round_e4m3`: the interpreter's own fp32 -> e4m3 cast is wrong
+across a binade), so both modes run on the CPU under TRITON_INTERPRET=1 (fp32 activations). The `gpu` cases
+run the Qwen3-30B-A3B and DeepSeek-V2-Lite expert shapes in bf16 (E scaled down where the fp64 bound is slow)
+against the fp32 twin.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from fp8_bounds import experts_bound  # noqa: E402
-from kernel_env import DEV, INTERP, gpu_only, graph_replayed, kernel_test  # noqa: E402
+from kernel_env import DEV, gpu_only, graph_replayed, kernel_test  # noqa: E402
 from test_kernels_fused_moe import make_case, rel_err, tiny_config  # noqa: E402
 
 from moelora.kernels.fp8_moe import FP8ExpertScales, fp8_tiles  # noqa: E402
@@ -39,7 +39,6 @@ from moelora.quant.fp8 import (  # noqa: E402
 )
 
 FP8_TILE = GemmTile(32, 128, 4, 2)
-FP8_CAST = "the Triton interpreter's float32 -> float8e4nv cast rounds across a binade wrongly (-125.9 -> -64)"
 
 
 def fp8_weights(w_gu, w_d, block: bool):
@@ -132,8 +131,6 @@ PATH_CASES = [(True, p) for p in ("off", "separate", "route", "block", "stacked"
 def test_fp8_experts_equal_twin(block, act, shrink):
     """Awkward sizes: H and I off the 128 grid (partial scale blocks, a gate half of 3 grid rows), mixed
     adapters with rows on no adapter and ranks below the pool's."""
-    if act and INTERP:
-        pytest.skip(FP8_CAST)
     ranks = () if shrink == "off" else (8, 0, 3, 8)
     case = make_case(9, 200, 136, 5, 2, ranks=ranks, R=8, dtype=torch.float32, device=DEV, seed=3)
     got, deq_gu, deq_d = run_fp8(case, tiny_fp8_config("separate" if shrink == "off" else shrink), block, act)
@@ -146,7 +143,7 @@ def test_fp8_experts_equal_twin(block, act, shrink):
 def test_fp8_one_token_and_all_routes_on_one_expert():
     for case in (make_case(1, 130, 64, 4, 2, dtype=torch.float32, device=DEV, seed=5),
                  make_case(6, 130, 64, 4, 2, dtype=torch.float32, device=DEV, seed=6, one_expert=2)):
-        for act in (False,) if INTERP else (False, True):  # FP8_CAST
+        for act in (False, True):
             got, deq_gu, deq_d = run_fp8(case, tiny_fp8_config(), True, act)
             assert rel_err(got, dequantized_twin(case, deq_gu, deq_d, act)) <= 1e-4
 

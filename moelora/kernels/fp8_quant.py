@@ -19,14 +19,29 @@ FP8_MAX = 448.0
 
 
 @triton.jit
+def _round_e4m3(v):
+    """v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, in fp32: the spacing of v's binade
+    is 2^(e-3) (e its exponent, at least -6: the subnormals'), and v / spacing is rounded to an integer by the
+    fp32 adder (adding and removing 1.5 * 2^23; exact, as |v| / spacing < 16). The cast after it is then exact
+    on every path: Triton's fp32 -> e4m3 conversion may round twice (through fp16) on the GPU, and the
+    interpreter's rounds across a binade wrongly (-125.9 -> -64), so neither is left to round."""
+    bits = v.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    inv_step = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2^(3 - e)
+    step = ((124 + e) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
+    r = ((tl.abs(v) * inv_step + 12582912.0) - 12582912.0) * step
+    return tl.where(bits < 0, -r, r)  # the sign of v, -0.0 included (as torch's cast keeps it)
+
+
+@triton.jit
 def quant_tile(t, FP8_MAX_: tl.constexpr = 448.0):
     """t [BM, BK] (BK = one group, masked columns 0) -> (q [BM, BK] e4m3, s [BM] fp32)."""
     t = t.to(tl.float32)
     amax = tl.max(tl.abs(t), axis=1)
     # div_rn: IEEE division, as torch's (Triton's `/` on fp32 may lower to an approximate division)
     s = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX_, tl.float32)), 1.0)
-    q = tl.clamp(tl.math.div_rn(t, tl.broadcast_to(s[:, None], t.shape)), -FP8_MAX_, FP8_MAX_).to(tl.float8e4nv)
-    return q, s
+    v = tl.clamp(tl.math.div_rn(t, tl.broadcast_to(s[:, None], t.shape)), -FP8_MAX_, FP8_MAX_)
+    return _round_e4m3(v).to(tl.float8e4nv), s
 
 
 @triton.jit
