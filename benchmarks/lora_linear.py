@@ -20,6 +20,8 @@ usage: python benchmarks/lora_linear.py [OUT.csv] [--ts 1,8,64,256,1024] [--shap
        [--sweep 8ad_r16,...]   (also time these variants over a grid of split-path configs; prints the best)
        [--sweep-mode splitk]   (the grid is the split-K GEMM's tiles instead; --sweep off,8ad_r16)
        [--no-side-stream]   (by default the shrink gets a side stream, as the engine's overlap_lora gives it)
+       [--fp8 fp8,fp8a8]   (also every variant on the weights in e4m3 with 128 x 128 block scales, `fp8_lora_linear`:
+       W8A16 "fp8", W8A8 "fp8a8"; the LoRA its default split / planned delta; bytes count W at 1 byte)
 With "splitk" in --modes, "off" also runs through the split-K GEMM (mode splitk), next to cuBLAS.
 Writes the CSV to the path, else $OUT/lora_linear.csv, else ./lora_linear.csv.
 """
@@ -32,6 +34,7 @@ import sys
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import triton
@@ -41,12 +44,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_bench_common import copy_gbps, write_rows  # noqa: E402
 
 from moelora.kernels.args import DenseLoRAArgs  # noqa: E402
+from moelora.kernels.fp8_linear import fp8_lora_linear  # noqa: E402
 from moelora.kernels.lora_linear import (  # noqa: E402
+    PLAN_BLOCK_M,
     LoRALinearConfig,
     default_lora_linear_config,
     lora_linear,
     row_plan,
+    wants_row_plan,
 )
+from moelora.quant.fp8 import quantize_segments  # noqa: E402
 
 SHAPES = {"q": (2048, 4096), "k": (2048, 512), "v": (2048, 512), "qkv": (2048, 5120), "o": (4096, 2048),
           "router": (2048, 128)}  # Qwen3-30B-A3B; the router (mlp.gate) keeps LoRA slots unless targeted away
@@ -63,17 +70,21 @@ VARIANTS = {"off": (0, 0, 0), "1ad_r16": (1, 16, 16), "8ad_r16": (8, 16, 16), "8
 COLD_BYTES = 256 << 20
 
 
-def make_layers(n_in: int, n_out: int, n_layers: int, pool_ranks, seed=0, n_seg: int = 1):
-    """Per layer: W [N_out, N_in] and, per pool rank R, A [S, n_seg R, N_in] and B [S, N_out, R]."""
+def make_layers(n_in: int, n_out: int, n_layers: int, pool_ranks, seed=0, n_seg: int = 1, fp8_segments=None):
+    """Per layer: W [N_out, N_in] and, per pool rank R, A [S, n_seg R, N_in] and B [S, N_out, R];
+    fp8_segments: also W in e4m3 with its block scales (each segment blocked on its own): q, s."""
     g = torch.Generator(device="cuda").manual_seed(seed)
 
     def rn(*s, scale):
         return (torch.randn(*s, generator=g, device="cuda") * scale).to(torch.bfloat16)
 
-    return [dict(w=rn(n_out, n_in, scale=n_in ** -0.5),
-                 pools={r: (rn(SLOTS, n_seg * r, n_in, scale=n_in ** -0.5), rn(SLOTS, n_out, r, scale=r ** -0.5))
-                        for r in pool_ranks})
-            for _ in range(n_layers)]
+    layers = [dict(w=rn(n_out, n_in, scale=n_in ** -0.5),
+                   pools={r: (rn(SLOTS, n_seg * r, n_in, scale=n_in ** -0.5), rn(SLOTS, n_out, r, scale=r ** -0.5))
+                          for r in pool_ranks})
+              for _ in range(n_layers)]
+    for ly in layers if fp8_segments else ():
+        ly["q"], ly["s"] = quantize_segments(ly["w"], fp8_segments)
+    return layers
 
 
 def lora_args(layer: dict, T: int, variant: str, segments: tuple[int, ...] = (),
@@ -90,9 +101,11 @@ def lora_args(layer: dict, T: int, variant: str, segments: tuple[int, ...] = (),
     return DenseLoRAArgs(a, b, slots, ranks, active=(), segments=segments, row_plan=plan)
 
 
-def call_bytes(T: int, n_in: int, n_out: int, variant: str, n_seg: int = 1) -> int:
+def call_bytes(T: int, n_in: int, n_out: int, variant: str, n_seg: int = 1, fp8: bool = False) -> int:
+    """Bytes a call must move: W (1 byte an element in FP8, + its fp32 128 x 128 scales), x, y, LoRA A/B."""
     n_ad, _, rank = VARIANTS[variant]
-    return 2 * (n_out * n_in + T * n_in + T * n_out + min(n_ad, T) * rank * (n_seg * n_in + n_out))
+    w = n_out * n_in + 4 * triton.cdiv(n_out, 128) * triton.cdiv(n_in, 128) if fp8 else 2 * n_out * n_in
+    return w + 2 * (T * n_in + T * n_out + min(n_ad, T) * rank * (n_seg * n_in + n_out))
 
 
 def graph_ms(calls) -> float:
@@ -111,9 +124,11 @@ def mode_config(T: int, mode: str) -> LoRALinearConfig:
     return default_lora_linear_config(T, mode)
 
 
-def cfg_name(cfg: LoRALinearConfig | None) -> str:
+def cfg_name(cfg: LoRALinearConfig | FP8Run | None) -> str:
     if cfg is None:
         return "-"
+    if isinstance(cfg, FP8Run):
+        return f"{cfg.mode}/e4m3 128x128 blocks"
     if cfg.mode == "planned":
         return (f"planned/bm{cfg.block_m}/bn{cfg.block_n}/bk{cfg.block_k}/cols{cfg.plan_cols}/w{cfg.num_warps}"
                 f"/st{cfg.num_stages}")
@@ -147,7 +162,22 @@ def sweep_configs(T: int, mode: str) -> list[LoRALinearConfig]:
     return cfgs + [replace(base, slot_lanes=1), replace(base, block_k=64), replace(base, shrink_num_stages=2)]
 
 
-def bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep=(), side=None, sweep_mode="split"):
+class FP8Run(NamedTuple):
+    """A run of `fp8_lora_linear` in the rows: its mode column ("fp8" / "fp8a8") and config name."""
+
+    mode: str
+
+
+def _fp8_calls(layers, x, T, var, segments, n_out, quantize_activations, side):
+    """One `fp8_lora_linear` call per layer (W8A8 if quantize_activations), with the rows grouped by slot where
+    the engine groups them (17..1024 rows)."""
+    plan_bm = PLAN_BLOCK_M if wants_row_plan(T) else 0
+    return [partial(fp8_lora_linear, x, ly["q"], ly["s"], None, lora_args(ly, T, var, segments, plan_bm),
+                    segments=segments or (n_out,), quantize_activations=quantize_activations, side_stream=side)
+            for ly in layers]
+
+
+def bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep=(), side=None, sweep_mode="split", fp8=()):
     n_in, n_out = SHAPES[sname]
     segments = SEGMENTS.get(sname, ())
     x = torch.randn(T, n_in, device="cuda").to(torch.bfloat16)
@@ -159,13 +189,18 @@ def bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep=(), side=None,
         runs.insert(next(i for i, r in enumerate(runs) if r[0] == "off") + 1,
                     ("off", default_lora_linear_config(T, "splitk"), False))
     runs += [(var, cfg, True) for var in sweep for cfg in sweep_configs(T, sweep_mode)]
+    runs += [(var, mode, False) for mode in fp8 for var in variants]  # cfg: "fp8" (W8A16) or "fp8a8" (W8A8)
     rows, t_off = [], None
     for var, cfg, swept in runs:
         # LoRA args built once, before capture (fixed-address buffers, as the runner's step plan)
-        plan_bm = cfg.block_m if cfg.mode == "planned" else 0
-        calls = [partial(lora_linear, x, ly["w"], None, lora_args(ly, T, var, segments, plan_bm), out=out,
-                         config=cfg, side_stream=side)
-                 for ly in layers]
+        if isinstance(cfg, str):
+            calls = _fp8_calls(layers, x, T, var, segments, n_out, cfg == "fp8a8", side)
+            cfg = FP8Run(cfg)
+        else:
+            plan_bm = cfg.block_m if cfg.mode == "planned" else 0
+            calls = [partial(lora_linear, x, ly["w"], None, lora_args(ly, T, var, segments, plan_bm), out=out,
+                             config=cfg, side_stream=side)
+                     for ly in layers]
         try:
             t_chain = graph_ms(calls) / len(calls)
         except triton.runtime.errors.OutOfResources as e:  # a swept tile this GPU cannot hold
@@ -174,7 +209,7 @@ def bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep=(), side=None,
         t_single = float("nan") if swept else graph_ms(calls[:1])
         cublas = var == "off" and cfg.mode == "split"
         t_off = t_chain if cublas and not swept else t_off
-        nbytes = call_bytes(T, n_in, n_out, var, max(1, len(segments)))
+        nbytes = call_bytes(T, n_in, n_out, var, max(1, len(segments)), isinstance(cfg, FP8Run))
         bound_ms = nbytes / (bw * 1e9) * 1e3
         rows.append(dict(gpu=gpu, shape=sname, n_in=n_in, n_out=n_out, T=T, variant=var,
                          mode="-" if cublas else cfg.mode, config="-" if cublas else cfg_name(cfg), sweep=swept,
@@ -238,6 +273,7 @@ def main(argv=None):
     ap.add_argument("--sweep-mode", default="split", choices=("split", "splitk", "planned"),
                     help="which path --sweep varies")
     ap.add_argument("--no-side-stream", action="store_true", help="the shrink on the main stream (overlap_lora off)")
+    ap.add_argument("--fp8", default="", help="also on FP8 weights: fp8 (W8A16), fp8a8 (W8A8), or both")
     args = ap.parse_args(argv)
     side = None if args.no_side_stream else torch.cuda.Stream()
     path = Path(args.csv or Path(os.environ.get("OUT", ".")) / "lora_linear.csv")
@@ -255,9 +291,11 @@ def main(argv=None):
     for sname in args.shapes.split(","):
         n_in, n_out = SHAPES[sname]
         n_layers = args.layers or min(MODEL_LAYERS, max(4, triton.cdiv(COLD_BYTES, 2 * n_in * n_out)))
-        layers = make_layers(n_in, n_out, n_layers, pool_ranks, n_seg=max(1, len(SEGMENTS.get(sname, ()))))
+        fp8 = tuple(m for m in args.fp8.split(",") if m)
+        layers = make_layers(n_in, n_out, n_layers, pool_ranks, n_seg=max(1, len(SEGMENTS.get(sname, ()))),
+                             fp8_segments=(SEGMENTS.get(sname) or (n_out,)) if fp8 else None)
         for T in map(int, args.ts.split(",")):
-            rows += bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep, side, args.sweep_mode)
+            rows += bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep, side, args.sweep_mode, fp8)
         del layers
         torch.cuda.empty_cache()
     write_rows(path, rows)

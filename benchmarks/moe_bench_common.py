@@ -14,7 +14,10 @@ import torch
 import triton
 
 from moelora.kernels.args import ExpertLoRAArgs
+from moelora.kernels.fp8_moe import FP8ExpertScales, fp8_moe_config
 from moelora.kernels.fused_moe import fused_moe
+from moelora.kernels.moe_config import tuned_fused_moe_config
+from moelora.quant.fp8 import quantize_blocks, quantize_segments
 
 SHAPES = {
     "qwen3_30b_a3b": dict(E=128, K=8, H=2048, I=768),
@@ -44,6 +47,28 @@ class Layer:
     w_d: torch.Tensor
     pools: dict  # pool max rank -> (gate_up_a, gate_up_b, down_a, down_b)
     route_rows: dict = dataclasses.field(default_factory=dict)  # fused_moe's per-route plan rows, as a layer keeps
+    fp8: FP8ExpertScales | None = None  # e4m3 w_gu / w_d with 128 x 128 block scales (`fp8_layer`)
+
+
+# --dtype of the benchmarks: the weights and, for FP8, whether activations are quantized (W8A8)
+DTYPES = {"bf16": None, "fp8": False, "fp8a8": True}
+
+
+def fp8_layer(layer: Layer, quantize_activations: bool) -> Layer:
+    """`layer` with its expert weights quantized to e4m3 in 128 x 128 blocks (gate and up apart), LoRA pools
+    shared; W8A8 kernels if quantize_activations, else W8A16."""
+    inter = layer.shape["I"]
+    q_gu, s_gu = quantize_segments(layer.w_gu, (inter, inter))
+    q_d, s_d = quantize_blocks(layer.w_d)
+    scales = FP8ExpertScales(s_gu.contiguous(), s_d.contiguous(), block=True, quantize_activations=quantize_activations)
+    return dataclasses.replace(layer, w_gu=q_gu, w_d=q_d, route_rows={}, fp8=scales)
+
+
+def layer_config(layer: Layer, M: int, gpu: str):
+    """The config serving picks for this layer's shape, dtype and M (`fused_moe` with config=None)."""
+    sh = layer.shape
+    pick = fp8_moe_config if layer.fp8 is not None else tuned_fused_moe_config
+    return pick(sh["E"], sh["H"], sh["I"], M, sh["K"], torch.bfloat16, gpu, None)
 
 
 def make_layer(shape: dict, pool_ranks=(8, 16, 64), seed=0, device="cuda") -> Layer:
@@ -89,10 +114,14 @@ def make_lora(layer: Layer, M: int, variant: str, grouped: bool = False):
 
 
 def bytes_bound(layer: Layer, x, ids, lora) -> int:
-    """Fewest bytes: distinct experts' weights + distinct (adapter, expert) LoRA A/B + x and out."""
+    """Fewest bytes: distinct experts' weights (1 byte each in FP8, + their fp32 block scales) + distinct
+    (adapter, expert) LoRA A/B + x and out."""
     E, H, inter = layer.shape["E"], layer.shape["H"], layer.shape["I"]
     flat = ids.reshape(-1).long()
-    n = len(torch.unique(flat)) * 3 * H * inter * 2 + 2 * x.numel() * 2
+    per_expert = 3 * H * inter * layer.w_gu.element_size()
+    if layer.fp8 is not None:
+        per_expert += 4 * (layer.fp8.gate_up[0].numel() + layer.fp8.down[0].numel())
+    n = len(torch.unique(flat)) * per_expert + 2 * x.numel() * 2
     if lora is not None:
         tok_slot = lora.token_slots.long().repeat_interleave(ids.shape[1])
         pairs = torch.unique(tok_slot * E + flat)
@@ -118,7 +147,7 @@ def moe_call(layer: Layer, x, wts, ids, lora, config=None, side_stream=None):
     """The layer call to time; `side_stream`: the LoRA side stream the engine gives it (overlap_lora)."""
     out = torch.empty_like(x)
     return lambda: fused_moe(x, layer.w_gu, layer.w_d, wts, ids, lora=lora, out=out, config=config,
-                             side_stream=side_stream, route_rows=layer.route_rows)
+                             side_stream=side_stream, route_rows=layer.route_rows, fp8=layer.fp8)
 
 
 def copy_gbps() -> float:

@@ -7,6 +7,9 @@ Usage: python benchmarks/moe_lora_layer.py [CSV path] [--shapes a,b] [--ms 1,8] 
        [--gate-up-at table,epilogue,activation] [--no-side-stream] [--chain 8 (default; 0: off)]
        [--sets "block_n=64;block_n=256,block_k=64"]   (LoRA variants once per ';'-separated set of the
        path's config fields, ints or strings, set on each of the config's LoRA paths that has them)
+       [--dtype bf16,fp8,fp8a8]   (expert weights: bf16, or e4m3 with 128 x 128 block scales, W8A16 ("fp8") or
+       W8A8 ("fp8a8"); each dtype's rows compare with its own LoRA-off row; the bytes bound counts FP8
+       weights at 1 byte)
 The LoRA deltas get a side stream, as the engine gives them (EngineConfig.overlap_lora), unless
 --no-side-stream. --chain N: also the time per layer of one graph replaying N layers of distinct
 weights in turn (as a decode step replays its layers; their weights exceed L2, so no flush is needed):
@@ -31,20 +34,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from moe_bench_common import (  # noqa: E402
+    DTYPES,
     LORA_VARIANTS,
     MS,
     SHAPES,
     bytes_bound,
     eager_time_ms,
+    fp8_layer,
     graph_time_ms,
+    layer_config,
     make_inputs,
     make_layer,
     make_lora,
     measure_ceilings,
     moe_call,
 )
-
-from moelora.kernels.moe_config import tuned_fused_moe_config  # noqa: E402
 
 EAGER_VARIANTS = ("off", "8ad_r16")
 
@@ -78,6 +82,7 @@ def main(argv=None):
     ap.add_argument("--gate-up-at", default="table", help="table, or a list of epilogue / activation")
     ap.add_argument("--sets", default="", help="';'-separated sets of config overrides (key=value,...)")
     ap.add_argument("--no-side-stream", action="store_true", help="LoRA deltas on the main stream (overlap_lora off)")
+    ap.add_argument("--dtype", default="bf16", help="a list of bf16 / fp8 (W8A16) / fp8a8 (W8A8)")
     ap.add_argument("--chain", type=int, default=8, help="also time N distinct layers in one graph, per layer "
                     "(0: not; the decode-like per-layer time, the one the targets are read against)")
     args = ap.parse_args(argv)
@@ -91,10 +96,12 @@ def main(argv=None):
     f = path.open("w", newline="")
     writer = None
     rows = []
-    for sname in args.shapes.split(","):
+    for sname, dtype in [(s, d) for s in args.shapes.split(",") for d in args.dtype.split(",")]:
         shape = SHAPES[sname]
         layer = make_layer(shape)
         others = [make_layer(shape, seed=i) for i in range(1, args.chain)]
+        if DTYPES[dtype] is not None:
+            layer, others = fp8_layer(layer, DTYPES[dtype]), [fp8_layer(o, DTYPES[dtype]) for o in others]
         for M in map(int, args.ms.split(",")):
             x, wts, ids = make_inputs(layer, M)
             t_off = c_off = None
@@ -103,9 +110,9 @@ def main(argv=None):
                     for a in (["table"] if v == "off" else args.gate_up_at.split(","))
                     for o in ([""] if v == "off" else args.sets.split(";"))]
             for var, mode, at, sets in runs:
-                label = var
+                label = var if dtype == "bf16" else f"{var}:{dtype}"
                 lora = make_lora(layer, M, var)
-                cfg = tuned_fused_moe_config(shape["E"], shape["H"], shape["I"], M, shape["K"], torch.bfloat16, gpu)
+                cfg = layer_config(layer, M, gpu)
                 if mode != "table":
                     cfg = cfg.on_path(mode)  # this path at every width
                     label = f"{label}/{mode}"
@@ -118,7 +125,7 @@ def main(argv=None):
                     label = f"{label}[{sets}]"
                 fn = moe_call(layer, x, wts, ids, lora, cfg, side)
                 t = graph_time_ms(fn)
-                t_eager = eager_time_ms(fn) if label.split("/")[0] in EAGER_VARIANTS else float("nan")
+                t_eager = eager_time_ms(fn) if label.split("/")[0].split(":")[0] in EAGER_VARIANTS else float("nan")
                 t_chain = float("nan")
                 if others:
                     calls = [fn] + [moe_call(o, x, wts, ids, make_lora(o, M, var), cfg, side) for o in others]

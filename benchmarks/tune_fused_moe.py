@@ -15,7 +15,11 @@ rank-64 pool. LoRA timings use a side stream, as the engine's overlap_lora does 
 Usage:
   python benchmarks/tune_fused_moe.py [--shapes a,b] [--model /path/to/hf-model ...] [--ms 1,8]
                                       [--lora-only] [--no-side-stream] [--score 1ad_r16,8ad_r16 | 8ad_r16]
-The table is keyed by GPU name and (E, H, I, bf16), so `--model` tunes a deployment's own model.
+                                      [--dtype bf16 | fp8 | fp8a8]
+The table is keyed by GPU name and (E, H, I, weight dtype), so `--model` tunes a deployment's own model.
+--dtype fp8 / fp8a8: e4m3 expert weights with 128 x 128 block scales, timed W8A16 / W8A8 (tune with the mode
+you serve: fp8a8 for EngineConfig.fp8_activation_quant), into the entries "dtype=float8_e4m3fn"; the tiles'
+block_k is 128 (one scale block a K step) and TMA is not tried (the FP8 kernels have none).
 """
 
 from __future__ import annotations
@@ -31,9 +35,20 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from moe_bench_common import MS, SHAPES, graph_time_ms, make_inputs, make_layer, make_lora, moe_call  # noqa: E402
+from moe_bench_common import (  # noqa: E402
+    DTYPES,
+    MS,
+    SHAPES,
+    fp8_layer,
+    graph_time_ms,
+    make_inputs,
+    make_layer,
+    make_lora,
+    moe_call,
+)
 
 from moelora.config import ModelConfig  # noqa: E402
+from moelora.kernels.fp8_moe import FP8_DTYPE, fp8_tiles  # noqa: E402
 from moelora.kernels.moe_config import CONFIG_DIR, FusedMoEConfig, GemmTile, device_tag, shape_key  # noqa: E402
 from moelora.kernels.moe_lora import PATHS  # noqa: E402
 
@@ -42,7 +57,13 @@ MID_TILES = [(64, 128, 4, 3), (128, 64, 4, 4)]
 LARGE_TILES = [(128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3)]
 
 
-def candidates(M: int, shape: dict) -> list[FusedMoEConfig]:
+def candidates(M: int, shape: dict, fp8: bool = False) -> list[FusedMoEConfig]:
+    """The tiles tried at M (FP8: each with block_k 128, duplicates dropped)."""
+    cfgs = _candidates(M, shape)
+    return list(dict.fromkeys(fp8_tiles(c) for c in cfgs)) if fp8 else cfgs
+
+
+def _candidates(M: int, shape: dict) -> list[FusedMoEConfig]:
     per_expert = M * shape["K"] / shape["E"]
     if per_expert <= 4:
         combos = [(16, t) for t in DECODE_TILES]
@@ -129,13 +150,13 @@ def tune_wide(layer, M, base: FusedMoEConfig, scored, log, side=None) -> FusedMo
 def tune_one(layer, M, log, side=None, score=("1ad_r16", "8ad_r16")):
     x, wts, ids = make_inputs(layer, M)
     scored = []
-    for cfg in candidates(M, layer.shape):
+    for cfg in candidates(M, layer.shape, layer.fp8 is not None):
         t = timed(layer, x, wts, ids, None, cfg)
         scored.append((t, cfg))
         log.append(dict(M=M, what="tile", config=json.dumps(cfg.to_dict()), ms=t))
     t_best, best = min(scored, key=lambda p: p[0])
     tma = dataclasses.replace(best, use_tma=True)
-    t_tma = timed(layer, x, wts, ids, None, tma)
+    t_tma = float("nan") if layer.fp8 is not None else timed(layer, x, wts, ids, None, tma)
     log.append(dict(M=M, what="tma", config=json.dumps(tma.to_dict()), ms=t_tma))
     if t_tma < 0.98 * t_best:
         best, t_best = tma, t_tma
@@ -168,6 +189,8 @@ def main(argv=None):
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--lora-only", action="store_true", help="keep the table's tiles, re-pick the LoRA fields")
     ap.add_argument("--no-side-stream", action="store_true", help="time LoRA without the engine's side stream")
+    ap.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="expert weights: bf16, or e4m3 timed "
+                    "W8A16 (fp8) / W8A8 (fp8a8)")
     ap.add_argument("--score", default="1ad_r16,8ad_r16", help="LoRA variants whose summed time picks the narrow "
                     "path (default: one adapter and many)")
     args = ap.parse_args(argv)
@@ -194,7 +217,9 @@ def main(argv=None):
     for sname, shape in shapes:
         print(f"# {sname} {shape}", flush=True)
         layer = make_layer(shape, pool_ranks=(16, 64))
-        key = shape_key(shape["E"], shape["H"], shape["I"], torch.bfloat16)
+        if DTYPES[args.dtype] is not None:
+            layer = fp8_layer(layer, DTYPES[args.dtype])
+        key = shape_key(shape["E"], shape["H"], shape["I"], torch.bfloat16 if layer.fp8 is None else FP8_DTYPE)
         per_m = table["configs"].setdefault(key, {})
         for M in map(int, args.ms.split(",")):
             if args.lora_only and str(M) in per_m:

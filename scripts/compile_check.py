@@ -8,8 +8,9 @@ tensors over every registered routed-LoRA path's trials and refinements (moelora
 what benchmarks/tune_fused_moe.py times) on each table entry's tiles, so a kernel that cannot build fails
 here before it costs device time.
 
-Usage: python scripts/compile_check.py [--shapes qwen3_30b_a3b,...] [--ms 1,128,4096] [--resources] [--picks]
+Usage: python scripts/compile_check.py [--shapes qwen3_30b_a3b,...] [--ms 1,128,4096] [--resources] [--picks] [--fp8]
   --picks: only the table's own entries (the launches serving makes; a unit test compiles these).
+  --fp8: also each config on e4m3 expert weights (its `fp8_tiles`), W8A16 and W8A8.
   --resources: print each kernel's registers and local memory (spills) from its cubin (cuobjdump; the
   local Triton's ptxas, which may differ from the GPU machine's).
 Exit status 1 if any launch failed to compile; tiles that need more shared memory than sm_90 has are
@@ -37,8 +38,9 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-from moe_bench_common import MS, SHAPES, make_inputs, make_layer, make_lora  # noqa: E402
+from moe_bench_common import MS, SHAPES, fp8_layer, make_inputs, make_layer, make_lora  # noqa: E402
 
+from moelora.kernels.fp8_moe import fp8_tiles  # noqa: E402
 from moelora.kernels.fused_moe import fused_moe  # noqa: E402
 from moelora.kernels.moe_config import tuned_fused_moe_config  # noqa: E402
 from moelora.kernels.moe_lora import PATHS  # noqa: E402
@@ -149,20 +151,22 @@ def main(argv=None) -> int:
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--resources", action="store_true")
     ap.add_argument("--picks", action="store_true", help="only the table's own entries (what serving runs)")
+    ap.add_argument("--fp8", action="store_true", help="also on FP8 expert weights (W8A16 and W8A8)")
     args = ap.parse_args(argv)
     with Compiler(args.resources) as comp:
         for name in args.shapes.split(","):
             shape = dict(SHAPES[name])
             small = dict(shape, E=min(shape["E"], 16))
             layer = make_layer(small, pool_ranks=(16, 64), device="cpu")
+            layers = [layer] + ([fp8_layer(layer, act) for act in (False, True)] if args.fp8 else [])
             for M in map(int, args.ms.split(",")):
                 x, wts, ids = make_inputs(layer, M)
                 loras = [make_lora(layer, M, v) for v in ("1ad_r16", "8ad_r16", "8ad_r64")]
                 n_before = len(comp.seen)
-                for cfg in configs_for(shape, M, args.picks):
-                    for lora in loras:
-                        fused_moe(x, layer.w_gu, layer.w_d, wts, ids, lora=lora, out=torch.empty_like(x),
-                                  config=cfg)
+                for cfg, lay, lora in [(c, la, lo) for c in configs_for(shape, M, args.picks) for la in layers
+                                       for lo in loras]:
+                    fused_moe(x, lay.w_gu, lay.w_d, wts, ids, lora=lora, out=torch.empty_like(x),
+                              config=cfg if lay.fp8 is None else fp8_tiles(cfg), fp8=lay.fp8)
                 print(f"{name} M={M}: {len(comp.seen) - n_before} new kernels, {len(comp.failures)} failures so far",
                       flush=True)
         if args.resources:

@@ -36,7 +36,7 @@ def experts_bound(x, w_gu, w_d, topk_weights, topk_ids, group, lora_terms=None) 
     """Bound [T, H] of the routed experts' W8A8 error; lora_terms: per token None (no adapter) or, for its
     slot, (|A_d|^T |B_d|^T [E, I, H], the gate_up LoRA delta of x_t [E, 1, 2I])."""
     T, inter = x.shape[0], w_d.shape[2]
-    out = torch.zeros(T, w_d.shape[1], dtype=torch.float64)
+    out = torch.zeros(T, w_d.shape[1], dtype=torch.float64, device=x.device)
     x = x.double()
     for t in range(T):
         for k in range(topk_ids.shape[1]):

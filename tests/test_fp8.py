@@ -151,19 +151,21 @@ def test_verify_on_an_fp8_checkpoint(tmp_path):
     assert worst <= 1e-4 and len(lines) == 2 and all("ok" in line for line in lines)
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA")])]
+_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+DEVICES = ["cpu", pytest.param("cuda", marks=_GPU), pytest.param("cuda-w8a8", marks=_GPU)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_demo_under_quantization_fp8_keeps_95_percent_exact(device):
-    """The bundled demo quantized while loading: every adapter, in one mixed batch (CUDA graphs on the GPU),
-    still answers >= 95 % of the held-out inputs exactly."""
+    """The bundled demo quantized while loading: every adapter, in one mixed batch (CUDA graphs on the GPU: the
+    FP8 kernels, W8A16, and W8A8 with fp8_activation_quant), still answers >= 95 % of the held-out inputs
+    exactly."""
     from moelora.demo import ADAPTER_NAMES
     from moelora.demo.show import load_demo_llm, run_demo_batch
     from moelora.demo.tasks import heldout_inputs, transform
 
-    llm = load_demo_llm(device, quantization="fp8")
+    device, _, mode = device.partition("-")
+    llm = load_demo_llm(device, quantization="fp8", fp8_activation_quant=mode == "w8a8")
     assert llm.engine.model.model.layers[0].mlp.experts.gate_up_proj.dtype == FP8_DTYPE
     inputs = heldout_inputs(60 if device == "cuda" else 20)  # the CPU suite keeps it short
     answers = run_demo_batch(llm, inputs)
@@ -214,13 +216,15 @@ def test_cli_quantization_flag(tmp_path, capsys):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fp8_decode_forward_has_no_host_sync():
-    """Contract 5 on the FP8 path: the per-call dequantization and the bf16 kernels sync nothing."""
+@pytest.mark.parametrize("w8a8", [False, True])
+def test_fp8_decode_forward_has_no_host_sync(w8a8):
+    """Contract 5 on the FP8 path: the FP8 kernels (W8A16 and W8A8) sync nothing."""
     from moelora.demo import ADAPTER_NAMES
     from moelora.demo.show import load_demo_llm
     from moelora.engine.request import SamplingParams
 
-    eng = load_demo_llm("cuda", quantization="fp8", enforce_eager=True, async_scheduling=False).engine
+    eng = load_demo_llm("cuda", quantization="fp8", enforce_eager=True, async_scheduling=False,
+                        fp8_activation_quant=w8a8).engine
     reqs = [eng.add_request([5 + i, 9, 11, 40 + i], SamplingParams(max_tokens=4, ignore_eos=True), name)
             for i, name in enumerate([None, *ADAPTER_NAMES])]
     eng.step()  # prefill

@@ -162,15 +162,25 @@ def test_engine_quantization_settings_are_checked(fp8_dir):
     cases = [(EngineConfig(device="cpu", quantization="int8"), plain, "quantization='int8'"),
              (EngineConfig(device="cpu", quantization="compressed-tensors"), fp8, "does not match"),
              (EngineConfig(device="cpu", quantization="compressed-tensors"), plain, "needs a compressed-tensors"),
-             (EngineConfig(device="cpu", fp8_activation_quant=True), plain, "needs FP8 weights"),
-             (EngineConfig(device="cpu", kernel_backend="triton", fp8_activation_quant=True), fp8,
-              "kernel_backend='torch' only")]
+             (EngineConfig(device="cpu", fp8_activation_quant=True), plain, "needs FP8 weights")]
     for cfg, model, needle in cases:
         with pytest.raises(ConfigError, match=needle):
             cfg.resolve(model)
     assert EngineConfig(device="cpu", quantization="fp8").resolve(fp8).fp8_config(fp8).method == "fp8"
     assert EngineConfig(device="cpu", quantization="fp8").resolve(plain).fp8_config(plain).on_load
     assert EngineConfig(device="cpu").resolve(plain).fp8_config(plain) is None
+    w8a8 = EngineConfig(device="cpu", kernel_backend="triton", fp8_activation_quant=True).resolve(fp8)
+    assert w8a8.fp8_config(fp8).quantize_activations  # the W8A8 kernels
+
+
+def test_fp8_on_a_gpu_without_fp8_support_is_refused(fp8_dir, monkeypatch):
+    """Before sm_89 the Triton backend refuses FP8 weights (never a silent bf16 upcast of the model)."""
+    fp8 = ModelConfig.from_hf(fp8_dir)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ConfigError, match=r"compute capability >= 8.9.*sm_80.*kernel_backend='torch'"):
+        EngineConfig(device="cuda", kernel_backend="triton").resolve(fp8)
+    assert EngineConfig(device="cuda", kernel_backend="torch").resolve(fp8).fp8_config(fp8) is not None
 
 
 EXPERTS = "model.layers.3.mlp.experts"

@@ -92,12 +92,13 @@ class EngineConfig:
     # FP8 base weights (vLLM's `quantization`): None follows the checkpoint (its quantization_config, or
     # none); "fp8" on a bf16/fp16/fp32 checkpoint quantizes every projection while loading (128 x 128
     # blocks, per expert), on an FP8 checkpoint it names the checkpoint's method ("fp8" or
-    # "compressed-tensors", which must agree). Until the Triton FP8 kernels land (issue 28), each FP8 layer
-    # dequantizes its weights per call into a transient and runs the bf16 kernels (`moelora.quant.storage`).
+    # "compressed-tensors", which must agree). kernel_backend "triton" runs the FP8 kernels
+    # (`kernels/fp8_moe.py`, `kernels/fp8_linear.py`): compute capability >= 8.9, else a ConfigError.
     quantization: str | None = None
-    # The W8A8 twin: FP8 GEMMs also round their input activations as the checkpoint's scheme says (dynamic
-    # 1 x 128 groups per token, or per token for compressed-tensors), LoRA reading them unrounded; the
-    # reference of the future W8A8 kernels (kernel_backend "torch" only). Off: W8A16, activations as they are.
+    # W8A8: FP8 GEMMs also round their input activations as the checkpoint's scheme says (dynamic 1 x 128
+    # groups per token, or per token for compressed-tensors), LoRA reading them unrounded: the torch twin, and
+    # on Triton the e4m3 MMA kernels (which round per 1 x 128 group for either scheme: finer, within the
+    # per-token bound). Off: W8A16, activations as they are (Triton: the weights upcast in the kernels).
     fp8_activation_quant: bool = False
     # Tensor / expert parallelism (moelora.parallel, docs/parallel.md): ranks (one process per device, rank 0
     # this one), routed experts partitioned over them instead of split inside, and the seconds a rank waits
@@ -178,7 +179,7 @@ class EngineConfig:
             targets = tuple(t.strip(".") for t in targets)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        self._check_quantization(model, backend)
+        self._check_quantization(model, backend, torch.device(device))
         table = self.fused_moe_table
         if table is not None:
             try:
@@ -192,7 +193,7 @@ class EngineConfig:
             fused_moe_table=table, async_scheduling=(torch.device(device).type == "cuda"
                                                      if self.async_scheduling is None else self.async_scheduling))
 
-    def _check_quantization(self, model: ModelConfig, backend: str) -> None:
+    def _check_quantization(self, model: ModelConfig, backend: str, device: torch.device) -> None:
         method = model.quantization.method if model.quantization else None
         if self.quantization not in (None, "fp8", "compressed-tensors"):
             raise ConfigError(f"quantization={self.quantization!r} is not supported (only 'fp8', or "
@@ -205,9 +206,12 @@ class EngineConfig:
                               "to quantize a bf16 checkpoint while loading")
         if self.fp8_activation_quant and method is None and self.quantization is None:
             raise ConfigError("fp8_activation_quant needs FP8 weights (an FP8 checkpoint or quantization='fp8')")
-        if self.fp8_activation_quant and backend != "torch":
-            raise ConfigError("fp8_activation_quant (the W8A8 twin) runs on kernel_backend='torch' only: the Triton "
-                              "FP8 kernels are not built yet")
+        if (method or self.quantization) and backend == "triton" and device.type == "cuda":
+            cap = torch.cuda.get_device_capability(device)
+            if cap < (8, 9):
+                raise ConfigError(f"FP8 weights on kernel_backend='triton' need FP8 support in the GPU (compute "
+                                  f"capability >= 8.9: Ada, Hopper), this one is sm_{cap[0]}{cap[1]}: use "
+                                  f"kernel_backend='torch', or a bf16 checkpoint")
 
     def _check_parallel(self, device: torch.device) -> None:
         parallel = self.parallel_config  # validates the sizes

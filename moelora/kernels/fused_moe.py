@@ -14,6 +14,7 @@ import torch
 
 from moelora.kernels.args import ExpertLoRAArgs
 from moelora.kernels.checks import cdiv, lora_tile_rank, next_pow2
+from moelora.kernels.fp8_moe import FP8_DTYPE, FP8ExpertScales, check_fp8, fp8_launch_args, fp8_moe_config
 from moelora.kernels.moe_config import FusedMoEConfig, lora_paths, tuned_fused_moe_config
 from moelora.kernels.moe_gemm import combine_kernel, down_kernel, gate_up_kernel
 from moelora.kernels.moe_lora.base import MoECall, MoELoRAPath
@@ -52,10 +53,9 @@ def _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids):
     _need(topk_weights.shape == topk_ids.shape and topk_weights.is_floating_point(),
           lambda: f"topk_weights must be float {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
     for name, t in (("w_gate_up", w_gate_up), ("w_down", w_down)):
-        if t.dtype != x.dtype:
-            raise ValueError(f"{name} dtype {t.dtype} != x dtype {x.dtype}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
+        _need(t.dtype in (x.dtype, FP8_DTYPE) and t.dtype == w_gate_up.dtype,
+              f"{name} dtype {t.dtype} must be x's ({x.dtype}), or float8_e4m3fn for both weights")
+        _need(t.is_contiguous(), f"{name} must be contiguous")
     _need(x.stride(1) == 1, "x must have unit stride in its last dim")
     for t in (w_gate_up, w_down, topk_weights, topk_ids):
         _need(t.device == x.device, lambda: f"all inputs must be on {x.device}")
@@ -151,16 +151,20 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
               topk_ids: torch.Tensor, *, lora: ExpertLoRAArgs | None = None, out: torch.Tensor | None = None,
               config: FusedMoEConfig | None = None, plan: MoERoutingPlan | None = None,
               side_stream: torch.cuda.Stream | None = None, table: str | None = None,
-              route_rows: dict | None = None, expert_map: torch.Tensor | None = None) -> torch.Tensor:
+              route_rows: dict | None = None, expert_map: torch.Tensor | None = None,
+              fp8: FP8ExpertScales | None = None) -> torch.Tensor:
     """`fused_moe_ref` on the GPU -> out [T, H] (new, or `out=`). `plan`: a shared plan of this T, K, E and block_m;
     `side_stream`: for the route / block deltas; `table`: the tuned table `config` None is taken from;
     `route_rows`: the caller's cache of `per_route_plan`'s rows; `expert_map` [E_global] int32 (expert
-    parallelism): the plan keeps only this rank's routes, so another rank's cost no GEMM row and add nothing."""
+    parallelism): the plan keeps only this rank's routes, so another rank's cost no GEMM row and add nothing;
+    `fp8`: the scales of float8_e4m3fn weights and their activation mode (the weight dtype selects those kernels)."""
     T, H, E, inter, K = _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids)
     block_r = _check_lora(lora, T, H, E, inter) if lora is not None else 16
     if config is None:
         name = torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
-        config = tuned_fused_moe_config(E, H, inter, T, K, x.dtype, name, table)
+        pick = fp8_moe_config if w_gate_up.dtype == FP8_DTYPE else tuned_fused_moe_config
+        config = pick(E, H, inter, T, K, x.dtype, name, table)
+    check_fp8(x, E, H, inter, fp8, config, w_gate_up)
     _check_tma(x, H, inter, config)
     out = _check_out(out, x, T, H)
     if T == 0:
@@ -180,18 +184,20 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
                   n_routes=T * K, top_k=K, H=H, inter=inter, num_blocks=plan.max_blocks, BM=config.block_m,
                   GROUP_M=GROUP_M, USE_TMA=config.use_tma)
     w_gu, w_dn, h_in = _tma_operands(w_gate_up, w_down, h, config) if config.use_tma else (w_gate_up, w_down, h)
+    fp8_gate_up = fp8_launch_args(fp8, "gate_up", inter, x)  # W8A8: x quantized (new buffers)
     path.before_gate_up()
     gate_up_kernel[(plan.max_blocks * cdiv(inter, gu.block_n),)](
         x, w_gu, gu_out, stride_xt=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
         stride_hp=gu_out.stride(0), BN=gu.block_n, BK=gu.block_k, num_warps=gu.num_warps, num_stages=gu.num_stages,
-        h_act_ptr=h, stride_act=h.stride(0), **common, **path.gate_up_args())
+        h_act_ptr=h, stride_act=h.stride(0), **common, **path.gate_up_args(), **fp8_gate_up)
     path.after_gate_up(gu_out, h)
+    fp8_down = fp8_launch_args(fp8, "down", inter, h, plan.num_padded)  # W8A8: h quantized (new buffers)
     path.before_down(h)
     topk_w = topk_weights.contiguous()
     down_kernel[(plan.max_blocks * cdiv(H, dn.block_n),)](
         h_in, h, w_dn, y, topk_w, stride_hp=h.stride(0), stride_we=w_down.stride(0), stride_wn=w_down.stride(1),
         stride_yr=y.stride(0), BN=dn.block_n, BK=dn.block_k, num_warps=dn.num_warps, num_stages=dn.num_stages,
-        **common, **path.down_args())
+        **common, **path.down_args(), **fp8_down)
     path.before_combine()
     bt, bh = (1 if T < 64 else 4), min(1024, next_pow2(H))
     combine_kernel[(cdiv(T, bt), cdiv(H, bh))](

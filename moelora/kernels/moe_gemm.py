@@ -12,6 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moelora.kernels.fp8_moe import fp8_down_steps, fp8_gate_up_steps
 from moelora.kernels.moe_lora.separate import separate_epilogue
 from moelora.kernels.moe_lora.spread import spread_shrink
 from moelora.kernels.moe_lora.stacked import stacked_epilogue
@@ -40,6 +41,8 @@ def gate_up_kernel(
     LORA_BK: tl.constexpr, LORA_RC: tl.constexpr, USE_TMA: tl.constexpr, LORA_DELTA: tl.constexpr,
     RAW_OUT: tl.constexpr, STACKED: tl.constexpr = False, S_P2: tl.constexpr = 1,
     SPREAD: tl.constexpr = False, spread_k=0, h_act_ptr=None, stride_act=0,
+    ws_ptr=None, stride_wse=0, stride_wsn=0, stride_wsk=0, ws_gate_rows=0, aq_ptr=None, aqs_ptr=None, stride_aq=0,
+    stride_aqs=0, B_FP8: tl.constexpr = False, A_FP8: tl.constexpr = False, SCALE_GN: tl.constexpr = 128,
 ):
     """h[plan row] = silu(gate) * up of x[token] @ W_gu[e]^T (+ LoRA); RAW_OUT: gate and up unactivated into h
     [P, 2I] for a kernel after it; SPREAD: also the gate_up shrink of this tile's x columns into xa[n], rows
@@ -56,22 +59,29 @@ def gate_up_kernel(
     acc_u = tl.zeros((BM, BN), tl.float32)
     if HAS_LORA:
         slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
-    if USE_TMA:
-        row_g = (e * 2 * inter + pid_n * BN).to(tl.int32)
+    if B_FP8:  # e4m3 weights with their scales (fp8_moe): W8A8 or W8A16 K steps, the same epilogues
+        tok64 = tok.to(tl.int64)
+        acc_g, acc_u = fp8_gate_up_steps(x_ptr + tok64 * stride_xt, aq_ptr + tok64 * stride_aq,
+                                         aqs_ptr + tok64 * stride_aqs, valid, w + e * stride_we,
+                                         ws_ptr + e * stride_wse, offs_n, H, inter, stride_wn, stride_wsn, stride_wsk,
+                                         ws_gate_rows, BM, BN, BK, SCALE_GN, A_FP8)
     else:
-        wg_ptrs = w + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
-    for k0 in range(0, H, BK):
-        k_ok = (k0 + offs_k) < H
-        xt = tl.load(x_rows + (k0 + offs_k)[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         if USE_TMA:
-            acc_g = tl.dot(xt, w.load([row_g, k0]).T, acc_g)
-            acc_u = tl.dot(xt, w.load([row_g + inter, k0]).T, acc_u)
+            row_g = (e * 2 * inter + pid_n * BN).to(tl.int32)
         else:
-            n_ok = offs_n[None, :] < inter
-            wg = tl.load(wg_ptrs + k0, mask=n_ok & k_ok[:, None], other=0.0)
-            wu = tl.load(wg_ptrs + inter * stride_wn + k0, mask=n_ok & k_ok[:, None], other=0.0)
-            acc_g = tl.dot(xt, wg, acc_g)
-            acc_u = tl.dot(xt, wu, acc_u)
+            wg_ptrs = w + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+        for k0 in range(0, H, BK):
+            k_ok = (k0 + offs_k) < H
+            xt = tl.load(x_rows + (k0 + offs_k)[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+            if USE_TMA:
+                acc_g = tl.dot(xt, w.load([row_g, k0]).T, acc_g)
+                acc_u = tl.dot(xt, w.load([row_g + inter, k0]).T, acc_u)
+            else:
+                n_ok = offs_n[None, :] < inter
+                wg = tl.load(wg_ptrs + k0, mask=n_ok & k_ok[:, None], other=0.0)
+                wu = tl.load(wg_ptrs + inter * stride_wn + k0, mask=n_ok & k_ok[:, None], other=0.0)
+                acc_g = tl.dot(xt, wg, acc_g)
+                acc_u = tl.dot(xt, wu, acc_u)
     if SPREAD:
         k_start = pid_n * spread_k
         if k_start < H:
@@ -119,6 +129,8 @@ def down_kernel(
     HAS_LORA: tl.constexpr, XA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
     LORA_BK: tl.constexpr, LORA_RC: tl.constexpr, USE_TMA: tl.constexpr,
     STACKED: tl.constexpr = False, S_P2: tl.constexpr = 1,
+    ws_ptr=None, stride_wse=0, stride_wsn=0, stride_wsk=0, ws_gate_rows=0, aq_ptr=None, aqs_ptr=None, stride_aq=0,
+    stride_aqs=0, B_FP8: tl.constexpr = False, A_FP8: tl.constexpr = False, SCALE_GN: tl.constexpr = 128,
 ):
     pid_m, pid_n = _tile_ids(num_blocks, tl.cdiv(H, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_padded_ptr):
@@ -130,20 +142,26 @@ def down_kernel(
     acc = tl.zeros((BM, BN), tl.float32)
     if HAS_LORA:
         slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
-    if USE_TMA:
-        row_w = (e * H + pid_n * BN).to(tl.int32)
+    if B_FP8:  # as in gate_up_kernel
+        m64 = offs_m.to(tl.int64)
+        acc = fp8_down_steps(h + m64 * stride_hp, aq_ptr + m64 * stride_aq, aqs_ptr + m64 * stride_aqs, valid,
+                             w + e * stride_we, ws_ptr + e * stride_wse, offs_n, H, inter, stride_wn, stride_wsn,
+                             stride_wsk, BM, BN, BK, SCALE_GN, A_FP8)
     else:
-        h_rows = h + offs_m[:, None].to(tl.int64) * stride_hp
-        w_ptrs = w + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
-    for k0 in range(0, inter, BK):
         if USE_TMA:
-            ht = h.load([pid_m * BM, k0])
-            acc = tl.dot(ht, w.load([row_w, k0]).T, acc)
+            row_w = (e * H + pid_n * BN).to(tl.int32)
         else:
-            k_ok = (k0 + offs_k) < inter
-            ht = tl.load(h_rows + (k0 + offs_k)[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-            wt = tl.load(w_ptrs + k0, mask=(offs_n[None, :] < H) & k_ok[:, None], other=0.0)
-            acc = tl.dot(ht, wt, acc)
+            h_rows = h + offs_m[:, None].to(tl.int64) * stride_hp
+            w_ptrs = w + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+        for k0 in range(0, inter, BK):
+            if USE_TMA:
+                ht = h.load([pid_m * BM, k0])
+                acc = tl.dot(ht, w.load([row_w, k0]).T, acc)
+            else:
+                k_ok = (k0 + offs_k) < inter
+                ht = tl.load(h_rows + (k0 + offs_k)[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+                wt = tl.load(w_ptrs + k0, mask=(offs_n[None, :] < H) & k_ok[:, None], other=0.0)
+                acc = tl.dot(ht, wt, acc)
     if HAS_LORA:
         acc, _ = separate_epilogue(acc, acc, h_ptr, slot, e, offs_m, ranks_ptr, b_ptr, xa_ptr, offs_n, H,
                                     stride_bs, stride_be, stride_bn, num_blocks, BM, BLOCK_R, XA_SPLIT, LORA_RC, False)

@@ -22,8 +22,9 @@ merged module itself has no state-dict keys.
 
 FP8 (`quant`, an `FP8Config`; contract 10): the weight is e4m3 with its `weight_scale_inv` (block
 [sum_g ceil(N_g/128), ceil(N_in/128)], each segment blocked on its own, or per row [N_out, 1]:
-`moelora.quant.storage`); the GEMM reads `dense_weight(dtype)`, the dequantized transient, and the
-LoRA slots and paths are the same as in bf16.
+`moelora.quant.storage`); the Triton backend runs the FP8 GEMM on it (`kernels/fp8_linear.py`: W8A8 when
+the config quantizes activations, else W8A16), the torch twin reads `dense_weight(dtype)`, the dequantized
+transient; the LoRA slots and kernels are the same as in bf16.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from moelora.quant.storage import activation_quantizer, dense_weight, fp8_parame
 def _project(backend: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
              args: DenseLoRAArgs | None, side_stream: torch.cuda.Stream | None, act_quant=None,
              policy: DenseLoRAPolicy = DENSE_LORA_POLICY) -> torch.Tensor:
-    if backend == "triton":  # FP8: the dequantized weight (the FP8 kernels plug in here; act_quant is torch-only)
+    if backend == "triton":  # bf16 weights (FP8 ones: `_FP8Weight._project`)
         from moelora.kernels.lora_linear import lora_linear
 
         return lora_linear(x, weight, bias, args, side_stream=side_stream, policy=policy)
@@ -70,9 +71,16 @@ class _FP8Weight:
 
     def _project(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         """x W^T + b + the LoRA delta of `lora` (its side stream, if any, runs the LoRA shrink)."""
-        return _project(self.options.kernel_backend, x, self.dense_weight(x.dtype), self.bias, self.lora_args(lora),
-                        None if lora is None else lora.side_stream, activation_quantizer(self.quant),
-                        self.options.dense_lora_policy)
+        args, side = self.lora_args(lora), None if lora is None else lora.side_stream
+        if self.quant is not None and self.options.kernel_backend == "triton":
+            from moelora.kernels.fp8_linear import fp8_lora_linear
+
+            return fp8_lora_linear(x, self.weight, self.weight_scale_inv, self.bias, args,
+                                   segments=self.scale_segments, block=self.quant.weights == "block",
+                                   quantize_activations=activation_quantizer(self.quant) is not None,
+                                   side_stream=side)
+        return _project(self.options.kernel_backend, x, self.dense_weight(x.dtype), self.bias, args, side,
+                        activation_quantizer(self.quant), self.options.dense_lora_policy)
 
 
 class LinearSite(_FP8Weight, nn.Module):

@@ -11,8 +11,9 @@ when the adapter has no LoRA there or the slot is empty), each read by its own p
 an adapter with no LoRA on a projection costs that projection no LoRA work.
 FP8 (`quant`, contract 10): `gate_up_proj` / `down_proj` are e4m3 with `gate_up_proj_scale_inv`
 [E, 2 ceil(I/128), ceil(H/128)] (the gate and up halves blocked each on its own) and `down_proj_scale_inv`
-[E, ceil(H/128), ceil(I/128)], or per row [E, 2I, 1] / [E, H, 1]; every call reads them dequantized
-(`moelora.quant.storage.dense_weight`); routing plan and LoRA as in bf16. The router, Qwen2's
+[E, ceil(H/128), ceil(I/128)], or per row [E, 2I, 1] / [E, H, 1]; the Triton backend runs the FP8 expert
+GEMMs on them (`kernels/fp8_moe.py`: W8A8 when the config quantizes activations, else W8A16), the torch twin
+reads them dequantized (`moelora.quant.storage.dense_weight`); routing plan and LoRA as in bf16. The router, Qwen2's
 `shared_expert_gate` and the fp32 `Router` are never quantized.
 """
 
@@ -93,17 +94,28 @@ class Experts(nn.Module):
                          for w, s, segments in self.fp8_weights())
         return gate_up, down
 
+    def fp8_scales(self):
+        """The FP8 expert kernels' scales and activation mode (`kernels.fp8_moe.FP8ExpertScales`), None in bf16."""
+        if self.quant is None:
+            return None
+        from moelora.kernels.fp8_moe import FP8ExpertScales
+
+        q = self.quant
+        return FP8ExpertScales(self.gate_up_proj_scale_inv, self.down_proj_scale_inv, block=q.weights == "block",
+                               quantize_activations=activation_quantizer(q) is not None)
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 lora: LoRABatch | None, expert_map: torch.Tensor | None = None) -> torch.Tensor:
         """expert_map: expert parallelism's global -> local expert ids (`layers.parallel_experts`)."""
         args = self.lora_args(lora)
-        w_gate_up, w_down = self.dense_weights(x.dtype)
         if self.options.kernel_backend == "triton":
             from moelora.kernels.fused_moe import fused_moe
 
-            return fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, lora=args,
+            return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, lora=args,
                              side_stream=None if lora is None else lora.side_stream,
-                             table=self.options.fused_moe_table, route_rows=self.route_rows, expert_map=expert_map)
+                             table=self.options.fused_moe_table, route_rows=self.route_rows, expert_map=expert_map,
+                             fp8=self.fp8_scales())
+        w_gate_up, w_down = self.dense_weights(x.dtype)
         act_quant = activation_quantizer(self.quant)  # the W8A8 twin; None: the bf16 call as it always was
         extra = {k: v for k, v in (("act_quant", act_quant), ("expert_map", expert_map)) if v is not None}
         return fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids, lora=args, **extra)

@@ -111,15 +111,22 @@ def dequantize_segments(q: torch.Tensor, s: torch.Tensor, segments: tuple[int, .
     return torch.cat([dequantize_blocks(a, b, block, dtype) for a, b in zip(qs, ss, strict=True)], dim=-2)
 
 
-def fake_quantize_groups(x: torch.Tensor, group: int | None) -> torch.Tensor:
-    """Dynamic activation quantization as a W8A8 GEMM sees it: x [.., K] quantized to e4m3 with one scale
-    per row and group of `group` columns (None: the whole row, per-token), and back, in x's dtype.
-    The last group of a row whose K is not a multiple of `group` is partial."""
+def quantize_groups(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic activation quantization: x [.., K] -> (q [.., K] e4m3, s [.., ceil(K/group)] fp32), one scale per
+    row and group of `group` columns (None: the whole row, per-token); the last group of a row whose K is not a
+    multiple of `group` is partial. The twin of `moelora.kernels.fp8_quant.per_token_group_quant`."""
     cols = x.shape[-1]
     g = cols if group is None else group
     n = cdiv(cols, g)
     pad = torch.zeros(*x.shape[:-1], n * g, dtype=torch.float32, device=x.device)
     pad[..., :cols] = x.float()
     grouped = pad.unflatten(-1, (n, g))
-    s = scale_of(grouped.abs().amax(dim=-1, keepdim=True))
-    return (to_fp8(grouped / s).float() * s).flatten(-2)[..., :cols].to(x.dtype)
+    s = scale_of(grouped.abs().amax(dim=-1))
+    return to_fp8(grouped / s[..., None]).flatten(-2)[..., :cols], s
+
+
+def fake_quantize_groups(x: torch.Tensor, group: int | None) -> torch.Tensor:
+    """`quantize_groups` and back, in x's dtype: the activations as a W8A8 GEMM sees them."""
+    q, s = quantize_groups(x, group)
+    g = x.shape[-1] if group is None else group
+    return (q.float() * s.repeat_interleave(g, dim=-1)[..., :x.shape[-1]]).to(x.dtype)

@@ -6,12 +6,13 @@ columns. A layer built with an `FP8Config` holds `weight` [.., N, K] float8_e4m3
 (`requires_grad=False`), under the checkpoint's names (`weight_scale_inv`, experts'
 `gate_up_proj_scale_inv` / `down_proj_scale_inv`); the loader fills them (`quant.checkpoint`).
 
-`dense_weight` is the one place an FP8 layer's GEMM weight comes from: until the Triton FP8 kernels
-(issue 28) plug in here, it dequantizes into a transient tensor of the activations' dtype, per call
-and per layer, so the torch twin is "dequantize, then the existing reference" and the Triton backend
-runs its bf16 kernels on that transient (never a high-precision copy of the model kept in memory; the
-engine's profile forward measures the transient's peak). `activation_quantizer` is the W8A8 twin's
-input rounding, applied to the base GEMMs' inputs only (LoRA reads the activations as they are).
+`dense_weight` is the high-precision weight the torch twin reads: it dequantizes into a transient tensor of
+the activations' dtype, per call and per layer, so the twin is "dequantize, then the existing reference"
+(never a high-precision copy of the model kept in memory; the engine's profile forward measures the
+transient's peak). The Triton backend reads the e4m3 weight and its scale directly (`kernels/fp8_moe.py`,
+`kernels/fp8_linear.py`), except MLA's absorbed decode, which reads `kv_b_proj` through `dense_weight`.
+`activation_quantizer` is the W8A8 twin's input rounding, applied to the base GEMMs' inputs only (LoRA reads
+the activations as they are).
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def scale_rows(cfg: FP8Config, segments: tuple[int, ...], index: int) -> slice:
 
 def dense_weight(weight: torch.Tensor, scale: torch.Tensor, cfg: FP8Config, segments: tuple[int, ...],
                  dtype: torch.dtype) -> torch.Tensor:
-    """The high-precision weight [.., N, K] in `dtype` a GEMM reads, from e4m3 `weight` and its `scale`
-    (a new, transient tensor: the FP8 kernels' hook point)."""
+    """The high-precision weight [.., N, K] in `dtype` the torch twin reads, from e4m3 `weight` and its `scale`
+    (a new, transient tensor)."""
     if cfg.weights == "block":
         return dequantize_segments(weight, scale, segments, cfg.block, dtype)
     return dequantize_channels(weight, scale, dtype)

@@ -1,0 +1,161 @@
+"""Dense linear on FP8 (e4m3) weights with their scales, plus the multi-LoRA delta (contract 10).
+
+Shape legend: T tokens, N_in / N_out features, G row segments of the weight (merged q/k/v: N_out = sum N_g).
+  x [T, N_in] fp16/bf16/fp32, weight [N_out, N_in] e4m3, scale fp32 [sum_g ceil(N_g/128), ceil(N_in/128)]
+  (block: each segment blocked on its own, `quant.fp8`) or [N_out, 1] (channel / tensor), bias [N_out] | None,
+  lora: DenseLoRAArgs | None                                                            -> y [T, N_out]
+The base GEMM is one Triton kernel, K steps of one 128-column scale block: acc += dot(A, W_q) * a_s * w_s.
+- W8A8 (`quantize_activations`): x is first quantized per token and 1 x 128 group (`fp8_quant`, one launch),
+  the GEMM reads e4m3 x and its scales: Hopper's FP8 MMA.
+- W8A16: the weight tile is upcast to x's dtype in registers, times its scale, and multiplies x transposed
+  (acc^T += W x^T: the upcast tile is the MMA's register operand, as in `fp8_moe`).
+The LoRA delta is the dense LoRA's own kernels on x as it is (`dense_lora.split`'s shrink on the LoRA side
+stream during the base GEMM, then its expand; "planned" where `lora_linear` would pick it): "splitk", which
+fuses the base GEMM, is not used on FP8 weights. Twin: `lora_linear_ref` on the dequantized weight.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moelora.kernels.dense_lora import planned, split
+from moelora.kernels.fp8_quant import GROUP, per_token_group_quant
+from moelora.kernels.lora_linear import _check_lora, default_lora_linear_config
+from moelora.kernels.reference import DenseLoRAArgs
+from moelora.kernels.side_stream import join
+
+FP8_DTYPE = torch.float8_e4m3fn
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_SEGMENTS = 3
+
+
+@triton.jit
+def _scale_rows(offs_n, B1: tl.constexpr, B2: tl.constexpr, G1: tl.constexpr, G2: tl.constexpr, GN: tl.constexpr):
+    """The scale row of each output column: segment g (bounds B1, B2) blocked on its own from grid row G_g."""
+    later = tl.where(offs_n < B2, G1 + (offs_n - B1) // GN, G2 + (offs_n - B2) // GN)
+    return tl.where(offs_n < B1, offs_n // GN, later)
+
+
+@triton.jit
+def _fp8_linear_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, T, N, K,
+                       stride_a, stride_as, stride_w, stride_wsn, stride_wsk, stride_o,
+                       B1: tl.constexpr, B2: tl.constexpr, G1: tl.constexpr, G2: tl.constexpr, GN: tl.constexpr,
+                       A_FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Program (m, n): out[m BM.., n BN..] = a @ W^T (+ bias); a e4m3 with as [T, ceil(K/BK)] (A_FP8) or a float."""
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    m_ok, n_ok = offs_m < T, offs_n < N
+    a_rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_a + offs_k[None, :]
+    s_cols = ws_ptr + _scale_rows(offs_n, B1, B2, G1, G2, GN) * stride_wsn
+    if A_FP8:
+        acc = tl.zeros((BM, BN), tl.float32)
+        w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_w + offs_k[:, None]  # [BK, BN]
+        for k0 in range(0, K, BK):
+            k_ok = (k0 + offs_k) < K
+            a = tl.load(a_rows + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_cols + k0, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            w_s = tl.load(s_cols + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0)
+            a_s = tl.load(as_ptr + offs_m * stride_as + k0 // BK, mask=m_ok, other=0.0)
+            acc += tl.dot(a, w) * (a_s[:, None] * w_s[None, :])
+    else:  # transposed, the upcast weight as the MMA's register operand (as fp8_moe's W8A16 steps)
+        acc_t = tl.zeros((BN, BM), tl.float32)
+        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]  # [BN, BK]
+        for k0 in range(0, K, BK):
+            k_ok = (k0 + offs_k) < K
+            a = tl.load(a_rows + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_rows + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            w_s = tl.load(s_cols + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0)
+            acc_t = tl.dot((w.to(tl.float32) * w_s[:, None]).to(a.dtype), tl.trans(a), acc_t)
+        acc = tl.trans(acc_t)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_o + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _tiles(T: int, n_out: int) -> tuple[int, int, int]:
+    """(BM, BN, num_warps): decode rows in 16-row tiles over column tiles narrow enough for ~128 programs to
+    stream the weight (an H200 has 132 SMs), prefill in 64 x 128 tiles."""
+    if T <= 16:
+        return 16, next((bn for bn in (64, 32) if n_out >= 128 * bn), 16), 4
+    if T <= 128:
+        return 32, 64, 4
+    return 64, 128, 8
+
+
+def _check(x, weight, scale, bias, segments, block):
+    if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES or x.stride(1) != 1:
+        raise ValueError(f"x must be [T, N_in] fp16/bf16/fp32 with unit last stride, got {tuple(x.shape)} {x.dtype}")
+    n_in = x.shape[1]
+    if weight.dim() != 2 or weight.shape[1] != n_in or weight.dtype != FP8_DTYPE or not weight.is_contiguous():
+        raise ValueError(f"weight must be contiguous [N_out, N_in={n_in}] float8_e4m3fn, got {tuple(weight.shape)} "
+                         f"{weight.dtype}")
+    n_out = weight.shape[0]
+    if not 1 <= len(segments) <= MAX_SEGMENTS or sum(segments) != n_out:
+        raise ValueError(f"segments must be 1..{MAX_SEGMENTS} sizes summing to N_out={n_out}, got {segments}")
+    rows = sum(triton.cdiv(n, GROUP) for n in segments) if block else n_out
+    want = (rows, triton.cdiv(n_in, GROUP) if block else 1)
+    if tuple(scale.shape) != want or scale.dtype != torch.float32 or not scale.is_contiguous():
+        raise ValueError(f"scale must be contiguous fp32 {want}, got {tuple(scale.shape)} {scale.dtype}")
+    if bias is not None and (tuple(bias.shape) != (n_out,) or bias.dtype != x.dtype):
+        raise ValueError(f"bias must be [N_out={n_out}] {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    if x.is_cuda and torch.cuda.get_device_capability(x.device) < (8, 9):
+        raise ValueError("FP8 linears need compute capability >= 8.9 (Ada / Hopper): use kernel_backend='torch'")
+    return x.shape[0], n_in, n_out
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, *,
+               segments: tuple[int, ...], block: bool = True, quantize_activations: bool = False,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias) on e4m3 W and its scale (module docstring); y new, or the caller's `out=`."""
+    T, n_in, n_out = _check(x, weight, scale, bias, segments, block)
+    if out is None:
+        out = torch.empty(T, n_out, dtype=x.dtype, device=x.device)
+    if tuple(out.shape) != (T, n_out) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be [T={T}, N_out={n_out}] {x.dtype} with unit last stride")
+    if T == 0:
+        return out
+    a, a_s = per_token_group_quant(x) if quantize_activations else (x, x)
+    gn = GROUP if block else 1
+    bounds = [sum(segments[:i + 1]) for i in range(len(segments))] + [n_out] * (MAX_SEGMENTS - len(segments))
+    grid_rows = [sum(triton.cdiv(n, gn) for n in segments[:i + 1]) for i in range(len(segments))]
+    grid_rows += [grid_rows[-1]] * (MAX_SEGMENTS - len(segments))
+    bm, bn, warps = _tiles(T, n_out)
+    _fp8_linear_kernel[(triton.cdiv(T, bm), triton.cdiv(n_out, bn))](
+        a, a_s, weight, scale, x if bias is None else bias, out, T, n_out, n_in, a.stride(0), a_s.stride(0),
+        weight.stride(0), scale.stride(0), scale.stride(1) if block else 0, out.stride(0),
+        B1=bounds[0], B2=bounds[1], G1=grid_rows[0], G2=grid_rows[1], GN=gn, A_FP8=quantize_activations,
+        HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=GROUP, num_warps=warps, num_stages=3)
+    return out
+
+
+def fp8_lora_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                    lora: DenseLoRAArgs | None, *, segments: tuple[int, ...], block: bool = True,
+                    quantize_activations: bool = False, side_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+    """`fp8_linear` + the LoRA delta of `lora` (as `lora_linear` adds it, on x unrounded): y [T, N_out], new."""
+    T, n_in = x.shape
+    has_lora = lora is not None and lora.a.shape[0] > 0 and T > 0
+    if not has_lora:
+        return fp8_linear(x, weight, scale, bias, segments=segments, block=block,
+                          quantize_activations=quantize_activations)
+    n_out = weight.shape[0]
+    _check_lora(lora, T, n_in, n_out)
+    cfg = default_lora_linear_config(T, n_in=n_in, n_out=n_out, row_plan=lora.row_plan is not None)
+    if cfg.mode == "planned":
+        out = fp8_linear(x, weight, scale, bias, segments=segments, block=block,
+                         quantize_activations=quantize_activations)
+        planned.add_delta(x, out, lora, cfg)
+        return out
+    if cfg.mode != "split":
+        cfg = default_lora_linear_config(T, mode="split")
+    # Fork (contract 2), as dense_lora.split: the side stream reads x, A, the slots and ranks and writes only xa
+    # (allocated before the fork); the base GEMM reads x, W and its scale and writes only `out`.
+    shrunk = split.shrink(x, lora, T, n_in, cfg, side_stream)
+    out = fp8_linear(x, weight, scale, bias, segments=segments, block=block, quantize_activations=quantize_activations)
+    join(side_stream, x.device)
+    split.expand(out, lora, T, n_out, cfg, shrunk)
+    return out

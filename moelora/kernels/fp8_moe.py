@@ -1,0 +1,196 @@
+"""FP8 expert weights in the fused MoE GEMMs: the K loops of `moe_gemm`'s gate_up / down kernels on e4m3
+weights with their scales, and the launch arguments that switch them on (contract 10: same plan, tiles,
+epilogues and LoRA paths; only the weight tiles and their scaling differ).
+
+Shape legend: T tokens, H hidden, I expert intermediate, E experts, BM x BN x BK a GEMM tile (BK = 128).
+  w_gate_up [E, 2I, H] e4m3, scale [E, 2 ceil(I/128), ceil(H/128)] (block: the gate then the up grid rows)
+    or [E, 2I, 1] (channel / tensor, one per output row); w_down [E, H, I] e4m3, scale [E, ceil(H/128),
+    ceil(I/128)] or [E, H, 1]. Scales are fp32 multipliers (w ~ q * s).
+Each K step is one 128-column scale block: acc += dot(A, B_q) * a_scale[m] * b_scale[n] (fp32 accumulate).
+- W8A8 (`FP8ExpertScales.quantize_activations`): x, then h, are quantized per row and 128-column group
+  (`fp8_quant.per_token_group_quant`, DeepSeek's 1 x 128 recipe; a per-token scheme runs these finer
+  groups; h up to the plan's `num_padded` rows), one launch each, and the GEMMs run e4m3 x e4m3 tl.dots:
+  Hopper's FP8 MMA. (Quantizing each tile as the GEMM loads it, tried first, ran 3-6x slower than bf16 on the
+  H200: every output-column program re-rounds the same rows, and the rounded tile takes a layout change.)
+- W8A16 (off): each weight tile is upcast to the activations' dtype in registers, times its scale (as the
+  twin dequantizes), and multiplies the activations transposed (acc^T += W x^T): the upcast tile is the MMA's
+  register operand, so it never goes back through shared memory, and the accumulator stays chained.
+Both need FP8 conversions in Triton: compute capability >= 8.9 (the engine refuses an older GPU, ConfigError).
+Channel scales run the same loops with a broadcast scale (one row per output column, no K index).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from moelora.kernels.fp8_quant import GROUP, per_token_group_quant
+from moelora.kernels.moe_config import FusedMoEConfig, _load_table, _package_table, shape_key, tuned_fused_moe_config
+
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class FP8ExpertScales:
+    """The scales of FP8 expert weights (shapes in the module docstring) and their GEMMs' activation mode.
+    block: 128 x 128 scale blocks (False: one scale per output row). quantize_activations: W8A8 (else W8A16)."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    block: bool = True
+    quantize_activations: bool = False
+
+
+def fp8_tiles(config: FusedMoEConfig) -> FusedMoEConfig:
+    """A bf16 table entry's tiles for FP8 weights: K steps of one scale block (128), no TMA."""
+    return replace(config, gate_up=replace(config.gate_up, block_k=GROUP), down=replace(config.down, block_k=GROUP),
+                   use_tma=False)
+
+
+@functools.lru_cache(maxsize=1024)
+def fp8_moe_config(E: int, H: int, inter: int, T: int, K: int, act_dtype: torch.dtype, device_name: str,
+                   table: str | None) -> FusedMoEConfig:
+    """The table's FP8 entry for this shape (`tune_fused_moe.py --dtype fp8`), else its entry for the
+    activations' dtype with `fp8_tiles` (the LoRA path picks stay the table's)."""
+    table_file = table or _package_table(device_name)
+    has_fp8 = shape_key(E, H, inter, FP8_DTYPE) in _load_table(table_file)
+    cfg = tuned_fused_moe_config(E, H, inter, T, K, FP8_DTYPE if has_fp8 else act_dtype, device_name, table_file)
+    return cfg if has_fp8 else fp8_tiles(cfg)
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def check_fp8(x: torch.Tensor, E: int, H: int, inter: int, scales: FP8ExpertScales | None,
+              config: FusedMoEConfig, w_gate_up: torch.Tensor) -> None:
+    """Refuse FP8 weights without scales, scales of the wrong shape, tiles off the 128 grid, TMA, old GPUs."""
+    fp8_weights = w_gate_up.dtype == FP8_DTYPE
+    _need(fp8_weights == (scales is not None), f"FP8 weights need their scales (fp8=FP8ExpertScales) and scales "
+          f"FP8 weights: weights {w_gate_up.dtype}, scales {'given' if scales is not None else 'none'}")
+    if scales is None:
+        return
+    cdiv = triton.cdiv
+    if scales.block:
+        want = {"gate_up": (E, 2 * cdiv(inter, GROUP), cdiv(H, GROUP)), "down": (E, cdiv(H, GROUP), cdiv(inter, GROUP))}
+    else:
+        want = {"gate_up": (E, 2 * inter, 1), "down": (E, H, 1)}
+    for name, shape in want.items():
+        t = getattr(scales, name)
+        _need(tuple(t.shape) == shape and t.dtype == torch.float32 and t.is_contiguous() and t.device == x.device,
+              f"fp8.{name} scale must be contiguous fp32 {shape} on {x.device}, got {tuple(t.shape)} {t.dtype}")
+    for which, tile in (("gate_up", config.gate_up), ("down", config.down)):
+        _need(tile.block_k == GROUP, f"FP8 weights need K steps of one scale block: {which} block_k must be "
+              f"{GROUP}, got {tile.block_k} (fp8_moe.fp8_tiles)")
+    _need(not config.use_tma, "use_tma is not supported on FP8 weights (fp8_moe.fp8_tiles turns it off)")
+    if x.is_cuda:
+        _need(torch.cuda.get_device_capability(x.device) >= (8, 9), "FP8 expert kernels need compute capability "
+              ">= 8.9 (Ada / Hopper): use kernel_backend='torch' on this GPU")
+
+
+def fp8_launch_args(scales: FP8ExpertScales | None, which: str, inter: int, a: torch.Tensor,
+                    rows: torch.Tensor | None = None) -> dict:
+    """The gate_up or down kernel's FP8 arguments ({} without FP8: the kernels' defaults, flags off). a: that
+    GEMM's activations (x, or h of which `rows` are live), quantized here for W8A8 (new buffers)."""
+    if scales is None:
+        return {}
+    s = getattr(scales, which)
+    gn = GROUP if scales.block else 1
+    gate_rows = triton.cdiv(inter, gn) if which == "gate_up" else 0
+    aq, aqs = per_token_group_quant(a, rows) if scales.quantize_activations else (a, s)  # W8A16: unused dummies
+    return dict(ws_ptr=s, stride_wse=s.stride(0), stride_wsn=s.stride(1), stride_wsk=s.stride(2) if scales.block else 0,
+                ws_gate_rows=gate_rows, aq_ptr=aq, aqs_ptr=aqs, stride_aq=aq.stride(0), stride_aqs=aqs.stride(0),
+                B_FP8=True, A_FP8=scales.quantize_activations, SCALE_GN=gn)
+
+
+@triton.jit
+def _w8a8_dot(q_rows, s_rows, k0, valid, k_ok, w, w_scale, BK: tl.constexpr):
+    """One K step (one scale block) on e4m3 activations (q_rows, scales s_rows) and weights w [BK, BN]:
+    dot(A_q, W_q) * a_s * w_s, fp32 [BM, BN] (the e4m3 MMA)."""
+    offs_k = k0 + tl.arange(0, BK)
+    aq = tl.load(q_rows[:, None] + offs_k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+    a_scale = tl.load(s_rows + k0 // BK, mask=valid, other=0.0)
+    return tl.dot(aq, w) * (a_scale[:, None] * w_scale[None, :])
+
+
+@triton.jit
+def _w8a16_dot(acc_t, a_t, w, w_scale):
+    """One K step transposed: acc_t [BN, BM] += (W_q [BN, BK] * w_s, in A's dtype) @ a_t [BK, BM]. The weight,
+    upcast in registers, is the MMA's register operand and the activations its shared-memory one (Hopper's
+    wgmma takes only its first operand from registers), and the accumulator stays chained."""
+    return tl.dot((w.to(tl.float32) * w_scale[:, None]).to(a_t.dtype), a_t, acc_t)
+
+
+@triton.jit
+def fp8_gate_up_steps(x_rows, q_rows, s_rows, valid, w_e, ws_e, offs_n, H, inter, stride_wn, stride_wsn, stride_wsk,
+                      gate_rows, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GN: tl.constexpr,
+                      A_FP8: tl.constexpr):
+    """gate_up_kernel's K loop on e4m3 weights of expert e (w_e, ws_e: its weight and scale) over the rows' x
+    (x_rows, W8A16) or their e4m3 copy and its scales (q_rows, s_rows, W8A8): (acc_g, acc_u) [BM, BN]."""
+    offs_k = tl.arange(0, BK)
+    n_ok = offs_n < inter
+    sg_ptrs = ws_e + (offs_n // GN) * stride_wsn
+    su_ptrs = ws_e + (gate_rows + offs_n // GN) * stride_wsn
+    if A_FP8:
+        acc_g = tl.zeros((BM, BN), tl.float32)
+        acc_u = tl.zeros((BM, BN), tl.float32)
+        w_ptrs = w_e + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
+        for k0 in range(0, H, BK):
+            k_ok = (k0 + offs_k) < H
+            w_ok = n_ok[None, :] & k_ok[:, None]
+            kb = (k0 // BK) * stride_wsk
+            acc_g += _w8a8_dot(q_rows, s_rows, k0, valid, k_ok, tl.load(w_ptrs + k0, mask=w_ok, other=0.0),
+                               tl.load(sg_ptrs + kb, mask=n_ok, other=0.0), BK)
+            acc_u += _w8a8_dot(q_rows, s_rows, k0, valid, k_ok,
+                               tl.load(w_ptrs + inter * stride_wn + k0, mask=w_ok, other=0.0),
+                               tl.load(su_ptrs + kb, mask=n_ok, other=0.0), BK)
+    else:
+        acc_gt = tl.zeros((BN, BM), tl.float32)
+        acc_ut = tl.zeros((BN, BM), tl.float32)
+        w_ptrs = w_e + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
+        for k0 in range(0, H, BK):
+            k_ok = (k0 + offs_k) < H
+            w_ok = n_ok[:, None] & k_ok[None, :]
+            kb = (k0 // BK) * stride_wsk
+            a_t = tl.trans(tl.load(x_rows[:, None] + (k0 + offs_k)[None, :], mask=valid[:, None] & k_ok[None, :],
+                                   other=0.0))
+            acc_gt = _w8a16_dot(acc_gt, a_t, tl.load(w_ptrs + k0, mask=w_ok, other=0.0),
+                                tl.load(sg_ptrs + kb, mask=n_ok, other=0.0))
+            acc_ut = _w8a16_dot(acc_ut, a_t, tl.load(w_ptrs + inter * stride_wn + k0, mask=w_ok, other=0.0),
+                                tl.load(su_ptrs + kb, mask=n_ok, other=0.0))
+        acc_g = tl.trans(acc_gt)
+        acc_u = tl.trans(acc_ut)
+    return acc_g, acc_u
+
+
+@triton.jit
+def fp8_down_steps(h_rows, q_rows, s_rows, valid, w_e, ws_e, offs_n, H, inter, stride_wn, stride_wsn, stride_wsk,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GN: tl.constexpr, A_FP8: tl.constexpr):
+    """down_kernel's K loop on e4m3 weights of expert e, as fp8_gate_up_steps: acc [BM, BN]."""
+    offs_k = tl.arange(0, BK)
+    n_ok = offs_n < H
+    s_ptrs = ws_e + (offs_n // GN) * stride_wsn
+    if A_FP8:
+        acc = tl.zeros((BM, BN), tl.float32)
+        w_ptrs = w_e + offs_n[None, :] * stride_wn + offs_k[:, None]
+        for k0 in range(0, inter, BK):
+            k_ok = (k0 + offs_k) < inter
+            wt = tl.load(w_ptrs + k0, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            acc += _w8a8_dot(q_rows, s_rows, k0, valid, k_ok, wt,
+                             tl.load(s_ptrs + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0), BK)
+    else:
+        acc_t = tl.zeros((BN, BM), tl.float32)
+        w_ptrs = w_e + offs_n[:, None] * stride_wn + offs_k[None, :]
+        for k0 in range(0, inter, BK):
+            k_ok = (k0 + offs_k) < inter
+            a_t = tl.trans(tl.load(h_rows[:, None] + (k0 + offs_k)[None, :], mask=valid[:, None] & k_ok[None, :],
+                                   other=0.0))
+            acc_t = _w8a16_dot(acc_t, a_t, tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0),
+                               tl.load(s_ptrs + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0))
+        acc = tl.trans(acc_t)
+    return acc

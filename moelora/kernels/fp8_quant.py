@@ -1,0 +1,80 @@
+"""Dynamic FP8 (e4m3) activation quantization per token and group of 128 columns (DeepSeek's 1 x 128 recipe).
+
+Shape legend: M rows (tokens), K columns, G = ceil(K / 128) groups a row.
+  x [M, K] fp16/bf16/fp32 -> (q [M, K] float8_e4m3fn, s [M, G] fp32), x ~ q * s per group.
+s = amax / 448 over the group (1 for an all-zero group), q = x / s rounded to nearest, saturated at +-448; the
+last group of a row whose K is not a multiple of 128 is partial. The same arithmetic, in the same fp32 order, as
+`moelora.quant.fp8.quantize_groups` (its torch twin), so the two agree bit for bit. `quant_tile`: that rounding
+on a [rows, 128] tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+GROUP = 128
+FP8_MAX = 448.0
+
+
+@triton.jit
+def _round_e4m3(v):
+    """v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, in fp32: the spacing of v's binade
+    is 2^(e-3) (e its exponent, at least -6: the subnormals'), and v / spacing is rounded to an integer by the
+    fp32 adder (adding and removing 1.5 * 2^23; exact, as |v| / spacing < 16). The cast after it is then exact
+    on every path: Triton's fp32 -> e4m3 conversion may round twice (through fp16) on the GPU, and the
+    interpreter's rounds across a binade wrongly (-125.9 -> -64), so neither is left to round."""
+    bits = v.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    inv_step = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2^(3 - e)
+    step = ((124 + e) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
+    r = ((tl.abs(v) * inv_step + 12582912.0) - 12582912.0) * step
+    return tl.where(bits < 0, -r, r)  # the sign of v, -0.0 included (as torch's cast keeps it)
+
+
+@triton.jit
+def quant_tile(t, FP8_MAX_: tl.constexpr = 448.0):
+    """t [BM, BK] (BK = one group, masked columns 0) -> (q [BM, BK] e4m3, s [BM] fp32)."""
+    t = t.to(tl.float32)
+    amax = tl.max(tl.abs(t), axis=1)
+    # div_rn: IEEE division, as torch's (Triton's `/` on fp32 may lower to an approximate division)
+    s = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX_, tl.float32)), 1.0)
+    v = tl.clamp(tl.math.div_rn(t, tl.broadcast_to(s[:, None], t.shape)), -FP8_MAX_, FP8_MAX_)
+    return _round_e4m3(v).to(tl.float8e4nv), s
+
+
+@triton.jit
+def _group_quant_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, K, n_groups, stride_x, stride_q, stride_s,
+                        GROUP_: tl.constexpr, GB: tl.constexpr, ROW_LIMIT: tl.constexpr):
+    """Program (row, j): groups [j GB, (j + 1) GB) of one row; ROW_LIMIT: rows from *rows_ptr on are left."""
+    row = tl.program_id(0).to(tl.int64)
+    if ROW_LIMIT:
+        if row >= tl.load(rows_ptr):
+            return
+    g = tl.program_id(1) * GB + tl.arange(0, GB)
+    cols = g[:, None] * GROUP_ + tl.arange(0, GROUP_)[None, :]
+    ok = (g[:, None] < n_groups) & (cols < K)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    q, s = quant_tile(x)
+    tl.store(q_ptr + row * stride_q + cols, q, mask=ok)
+    tl.store(s_ptr + row * stride_s + g, s, mask=g < n_groups)
+
+
+def per_token_group_quant(x: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] e4m3, s [M, ceil(K/128)] fp32), both new (x is only read). rows: a device int32
+    scalar; only rows below it are quantized, the others of q and s are left unwritten (a routing plan's
+    padded rows: `MoERoutingPlan.num_padded`)."""
+    if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x.stride(1) != 1:
+        raise ValueError(f"x must be [M, K] fp16/bf16/fp32 with unit last stride, got {tuple(x.shape)} {x.dtype}")
+    M, K = x.shape
+    n_groups = triton.cdiv(K, GROUP)
+    q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(M, n_groups, dtype=torch.float32, device=x.device)
+    if M == 0 or K == 0:
+        return q, s
+    gb = min(8, triton.next_power_of_2(n_groups))
+    _group_quant_kernel[(M, triton.cdiv(n_groups, gb))](
+        x, q, s, x if rows is None else rows, K, n_groups, x.stride(0), q.stride(0), s.stride(0), GROUP_=GROUP, GB=gb,
+        ROW_LIMIT=rows is not None, num_warps=4)
+    return q, s
