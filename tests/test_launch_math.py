@@ -46,5 +46,5 @@ def test_checks_format_their_messages_only_on_failure_and_still_name_what_failed
         fused_moe(x, torch.zeros(3, 6, 9), torch.zeros(3, 8, 3), torch.ones(4, 2), ids)
     with pytest.raises(ValueError, match=r"w_down must be \[E=3, H=8, I=3\], got \(3, 8, 4\)"):
         fused_moe(x, torch.zeros(3, 6, 8), torch.zeros(3, 8, 4), torch.ones(4, 2), ids)
-    with pytest.raises(ValueError, match="w_down dtype torch.float16 != x dtype torch.float32"):
+    with pytest.raises(ValueError, match=r"w_down dtype torch.float16 must be x's \(torch.float32\), or float8_e4m3fn"):
         fused_moe(x, torch.zeros(3, 6, 8), torch.zeros(3, 8, 3, dtype=torch.float16), torch.ones(4, 2), ids)

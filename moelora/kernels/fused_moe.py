@@ -54,8 +54,9 @@ def _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids):
           lambda: f"topk_weights must be float {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
     for name, t in (("w_gate_up", w_gate_up), ("w_down", w_down)):
         _need(t.dtype in (x.dtype, FP8_DTYPE) and t.dtype == w_gate_up.dtype,
-              f"{name} dtype {t.dtype} must be x's ({x.dtype}), or float8_e4m3fn for both weights")
-        _need(t.is_contiguous(), f"{name} must be contiguous")
+              lambda t=t, name=name: f"{name} dtype {t.dtype} must be x's ({x.dtype}), or float8_e4m3fn for both "
+              "weights")
+        _need(t.is_contiguous(), lambda name=name: f"{name} must be contiguous")
     _need(x.stride(1) == 1, "x must have unit stride in its last dim")
     for t in (w_gate_up, w_down, topk_weights, topk_ids):
         _need(t.device == x.device, lambda: f"all inputs must be on {x.device}")
