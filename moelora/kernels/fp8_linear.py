@@ -20,10 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.args import DenseLoRAArgs
+from moelora.kernels.checks import cdiv, output
 from moelora.kernels.dense_lora import planned, split
 from moelora.kernels.fp8_quant import GROUP, per_token_group_quant
 from moelora.kernels.lora_linear import _check_lora, default_lora_linear_config
-from moelora.kernels.reference import DenseLoRAArgs
 from moelora.kernels.side_stream import join
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -97,8 +98,8 @@ def _check(x, weight, scale, bias, segments, block):
     n_out = weight.shape[0]
     if not 1 <= len(segments) <= MAX_SEGMENTS or sum(segments) != n_out:
         raise ValueError(f"segments must be 1..{MAX_SEGMENTS} sizes summing to N_out={n_out}, got {segments}")
-    rows = sum(triton.cdiv(n, GROUP) for n in segments) if block else n_out
-    want = (rows, triton.cdiv(n_in, GROUP) if block else 1)
+    rows = sum(cdiv(n, GROUP) for n in segments) if block else n_out
+    want = (rows, cdiv(n_in, GROUP) if block else 1)
     if tuple(scale.shape) != want or scale.dtype != torch.float32 or not scale.is_contiguous():
         raise ValueError(f"scale must be contiguous fp32 {want}, got {tuple(scale.shape)} {scale.dtype}")
     if bias is not None and (tuple(bias.shape) != (n_out,) or bias.dtype != x.dtype):
@@ -113,19 +114,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
                out: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ bias) on e4m3 W and its scale (module docstring); y new, or the caller's `out=`."""
     T, n_in, n_out = _check(x, weight, scale, bias, segments, block)
-    if out is None:
-        out = torch.empty(T, n_out, dtype=x.dtype, device=x.device)
-    if tuple(out.shape) != (T, n_out) or out.dtype != x.dtype or out.stride(1) != 1:
-        raise ValueError(f"out must be [T={T}, N_out={n_out}] {x.dtype} with unit last stride")
+    out = output(out, (T, n_out), x.dtype, x.device, (x, weight, scale, bias))
     if T == 0:
         return out
     a, a_s = per_token_group_quant(x) if quantize_activations else (x, x)
     gn = GROUP if block else 1
     bounds = [sum(segments[:i + 1]) for i in range(len(segments))] + [n_out] * (MAX_SEGMENTS - len(segments))
-    grid_rows = [sum(triton.cdiv(n, gn) for n in segments[:i + 1]) for i in range(len(segments))]
+    grid_rows = [sum(cdiv(n, gn) for n in segments[:i + 1]) for i in range(len(segments))]
     grid_rows += [grid_rows[-1]] * (MAX_SEGMENTS - len(segments))
     bm, bn, warps = _tiles(T, n_out)
-    _fp8_linear_kernel[(triton.cdiv(T, bm), triton.cdiv(n_out, bn))](
+    _fp8_linear_kernel[(cdiv(T, bm), cdiv(n_out, bn))](
         a, a_s, weight, scale, x if bias is None else bias, out, T, n_out, n_in, a.stride(0), a_s.stride(0),
         weight.stride(0), scale.stride(0), scale.stride(1) if block else 0, out.stride(0),
         B1=bounds[0], B2=bounds[1], G1=grid_rows[0], G2=grid_rows[1], GN=gn, A_FP8=quantize_activations,

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.checks import cdiv, need
 from moelora.kernels.fp8_quant import GROUP, per_token_group_quant
 from moelora.kernels.moe_config import FusedMoEConfig, _load_table, _package_table, shape_key, tuned_fused_moe_config
 
@@ -62,35 +63,30 @@ def fp8_moe_config(E: int, H: int, inter: int, T: int, K: int, act_dtype: torch.
     return cfg if has_fp8 else fp8_tiles(cfg)
 
 
-def _need(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
-
-
 def check_fp8(x: torch.Tensor, E: int, H: int, inter: int, scales: FP8ExpertScales | None,
               config: FusedMoEConfig, w_gate_up: torch.Tensor) -> None:
     """Refuse FP8 weights without scales, scales of the wrong shape, tiles off the 128 grid, TMA, old GPUs."""
     fp8_weights = w_gate_up.dtype == FP8_DTYPE
-    _need(fp8_weights == (scales is not None), f"FP8 weights need their scales (fp8=FP8ExpertScales) and scales "
-          f"FP8 weights: weights {w_gate_up.dtype}, scales {'given' if scales is not None else 'none'}")
+    need(fp8_weights == (scales is not None), lambda: f"FP8 weights need their scales (fp8=FP8ExpertScales) and "
+         f"scales FP8 weights: weights {w_gate_up.dtype}, scales {'given' if scales is not None else 'none'}")
     if scales is None:
         return
-    cdiv = triton.cdiv
     if scales.block:
         want = {"gate_up": (E, 2 * cdiv(inter, GROUP), cdiv(H, GROUP)), "down": (E, cdiv(H, GROUP), cdiv(inter, GROUP))}
     else:
         want = {"gate_up": (E, 2 * inter, 1), "down": (E, H, 1)}
     for name, shape in want.items():
         t = getattr(scales, name)
-        _need(tuple(t.shape) == shape and t.dtype == torch.float32 and t.is_contiguous() and t.device == x.device,
-              f"fp8.{name} scale must be contiguous fp32 {shape} on {x.device}, got {tuple(t.shape)} {t.dtype}")
+        need(tuple(t.shape) == shape and t.dtype == torch.float32 and t.is_contiguous() and t.device == x.device,
+             lambda t=t, name=name, shape=shape: f"fp8.{name} scale must be contiguous fp32 {shape} on {x.device}, "
+             f"got {tuple(t.shape)} {t.dtype}")
     for which, tile in (("gate_up", config.gate_up), ("down", config.down)):
-        _need(tile.block_k == GROUP, f"FP8 weights need K steps of one scale block: {which} block_k must be "
-              f"{GROUP}, got {tile.block_k} (fp8_moe.fp8_tiles)")
-    _need(not config.use_tma, "use_tma is not supported on FP8 weights (fp8_moe.fp8_tiles turns it off)")
+        need(tile.block_k == GROUP, lambda which=which, tile=tile: f"FP8 weights need K steps of one scale block: "
+             f"{which} block_k must be {GROUP}, got {tile.block_k} (fp8_moe.fp8_tiles)")
+    need(not config.use_tma, "use_tma is not supported on FP8 weights (fp8_moe.fp8_tiles turns it off)")
     if x.is_cuda:
-        _need(torch.cuda.get_device_capability(x.device) >= (8, 9), "FP8 expert kernels need compute capability "
-              ">= 8.9 (Ada / Hopper): use kernel_backend='torch' on this GPU")
+        need(torch.cuda.get_device_capability(x.device) >= (8, 9), "FP8 expert kernels need compute capability "
+             ">= 8.9 (Ada / Hopper): use kernel_backend='torch' on this GPU")
 
 
 def fp8_launch_args(scales: FP8ExpertScales | None, which: str, inter: int, a: torch.Tensor,
@@ -101,7 +97,7 @@ def fp8_launch_args(scales: FP8ExpertScales | None, which: str, inter: int, a: t
         return {}
     s = getattr(scales, which)
     gn = GROUP if scales.block else 1
-    gate_rows = triton.cdiv(inter, gn) if which == "gate_up" else 0
+    gate_rows = cdiv(inter, gn) if which == "gate_up" else 0
     aq, aqs = per_token_group_quant(a, rows) if scales.quantize_activations else (a, s)  # W8A16: unused dummies
     return dict(ws_ptr=s, stride_wse=s.stride(0), stride_wsn=s.stride(1), stride_wsk=s.stride(2) if scales.block else 0,
                 ws_gate_rows=gate_rows, aq_ptr=aq, aqs_ptr=aqs, stride_aq=aq.stride(0), stride_aqs=aqs.stride(0),

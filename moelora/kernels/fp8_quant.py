@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.checks import cdiv, next_pow2
+
 GROUP = 128
 FP8_MAX = 448.0
 
@@ -68,13 +70,13 @@ def per_token_group_quant(x: torch.Tensor, rows: torch.Tensor | None = None) -> 
     if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x.stride(1) != 1:
         raise ValueError(f"x must be [M, K] fp16/bf16/fp32 with unit last stride, got {tuple(x.shape)} {x.dtype}")
     M, K = x.shape
-    n_groups = triton.cdiv(K, GROUP)
+    n_groups = cdiv(K, GROUP)
     q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(M, n_groups, dtype=torch.float32, device=x.device)
     if M == 0 or K == 0:
         return q, s
-    gb = min(8, triton.next_power_of_2(n_groups))
-    _group_quant_kernel[(M, triton.cdiv(n_groups, gb))](
+    gb = min(8, next_pow2(n_groups))
+    _group_quant_kernel[(M, cdiv(n_groups, gb))](
         x, q, s, x if rows is None else rows, K, n_groups, x.stride(0), q.stride(0), s.stride(0), GROUP_=GROUP, GB=gb,
         ROW_LIMIT=rows is not None, num_warps=4)
     return q, s

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from moelora.kernels.args import DenseLoRAArgs
-from moelora.kernels.checks import need_at_least, need_one_of, need_pow2
+from moelora.kernels.checks import need_at_least, need_one_of, need_pow2, output
 from moelora.kernels.dense_lora import MODES, row_plan
 from moelora.kernels.dense_policy import DENSE_LORA_POLICY, PLAN_BLOCK_M, DenseLoRAPolicy
 
@@ -120,14 +120,9 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """`lora_linear_ref` on the GPU -> y [T, N_out] (new, or `out=`); `side_stream`: split mode's shrink runs there;
     `policy`: picks the mode when `config` is None."""
     T, n_in, n_out = _check(x, weight, bias, lora)
-    if out is None:
-        out = torch.empty(T, n_out, dtype=x.dtype, device=x.device)
-    if tuple(out.shape) != (T, n_out) or out.dtype != x.dtype or out.stride(1) != 1:
-        raise ValueError(f"out must be [T={T}, N_out={n_out}] {x.dtype} with unit last stride")
+    out = output(out, (T, n_out), x.dtype, x.device, (x, weight, bias))
     if T == 0:
         return out
-    if out.untyped_storage().data_ptr() in (x.untyped_storage().data_ptr(), weight.untyped_storage().data_ptr()):
-        raise ValueError("out must not alias an input (contract 2)")
     has_lora = lora is not None and lora.a.shape[0] > 0
     cfg = config or default_lora_linear_config(T, n_in=n_in, n_out=n_out, has_lora=has_lora,
                                                row_plan=has_lora and lora.row_plan is not None, policy=policy)
