@@ -14,6 +14,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from kernel_env import CUDA, DEV, INTERP, gpu_only, graph_replayed, kernel_test  # noqa: E402,F401
+from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from moelora.kernels.args import ExpertLoRAArgs, SlotRows  # noqa: E402
 from moelora.kernels.fused_moe import fused_moe  # noqa: E402
@@ -492,6 +493,12 @@ def test_gpu_qwen3_shape_bf16_lora(T, pool, path, change):
     torch.cuda.set_sync_debug_mode("error")  # contract 5: no host sync in the forward
     try:
         out = fused_moe(*case[:5], lora=case[5], out=torch.full_like(case[0], float("nan")), config=cfg)
+    except OutOfResources as exc:
+        # a tuner trial (written for 64-row plan blocks) on this T's wider tiles may not fit: the tuner skips
+        # it the same way, so no table entry can hold it; the table config and the refinements must fit
+        if change == {} or change in PATHS[path].refinements:
+            raise
+        pytest.skip(f"tuner trial out of resources here, skipped by the tuner too: {exc}")
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert rel_err(out, reference(*case, dtype=torch.float32)) <= 1e-2

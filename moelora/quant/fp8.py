@@ -48,7 +48,9 @@ def segment_grid_rows(segments: tuple[int, ...], block_rows: int) -> tuple[int, 
 def scale_of(amax: torch.Tensor) -> torch.Tensor:
     """The fp32 multiplier of a group with max-abs `amax`: amax / 448, or 1 for an all-zero group."""
     amax = amax.float()
-    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # a tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal (an ulp off IEEE at
+    # times), and the Triton kernels divide with IEEE rounding (div_rn) on every device
+    return torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
 
 
 def to_fp8(x: torch.Tensor) -> torch.Tensor:
