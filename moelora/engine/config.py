@@ -184,7 +184,7 @@ class EngineConfig:
         if table is not None:
             try:
                 table = check_table_file(table)
-            except FileNotFoundError as e:
+            except (OSError, ValueError) as e:  # no file, or an entry that does not parse (naming it)
                 raise ConfigError(f"fused_moe_table: {e}") from None
         self._check_parallel(torch.device(device))
         return dataclasses.replace(
