@@ -14,13 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from moelora.kernels.args import DenseLoRAArgs
-from moelora.kernels.checks import need_at_least, need_one_of, need_pow2, output
+from moelora.kernels.checks import FLOAT_DTYPES, need_at_least, need_one_of, need_pow2, output
 from moelora.kernels.dense_lora import MODES, row_plan
 from moelora.kernels.dense_policy import DENSE_LORA_POLICY, PLAN_BLOCK_M, DenseLoRAPolicy
 
-__all__ = ["PLAN_BLOCK_M", "LoRALinearConfig", "default_lora_linear_config", "lora_linear", "row_plan"]
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+__all__ = ["LoRALinearConfig", "default_lora_linear_config", "lora_linear", "row_plan"]
 
 
 @dataclass(frozen=True)
@@ -71,7 +69,7 @@ def default_lora_linear_config(num_tokens: int, mode: str | None = None, n_in: i
 
 
 def _check(x, weight, bias, lora):
-    if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES or x.stride(1) != 1:
+    if x.dim() != 2 or x.dtype not in FLOAT_DTYPES or x.stride(1) != 1:
         raise ValueError(f"x must be [T, N_in] fp16/bf16/fp32 with unit last stride, got {tuple(x.shape)} "
                          f"{x.dtype}")
     T, n_in = x.shape
@@ -81,11 +79,12 @@ def _check(x, weight, bias, lora):
     if bias is not None and (tuple(bias.shape) != (n_out,) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be [N_out={n_out}] {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
     if lora is not None:
-        _check_lora(lora, T, n_in, n_out)
+        check_lora(lora, T, n_in, n_out)
     return T, n_in, n_out
 
 
-def _check_lora(lora, T, n_in, n_out):
+def check_lora(lora: DenseLoRAArgs, T: int, n_in: int, n_out: int) -> None:
+    """`lora` for a linear of T rows, N_in -> N_out (shapes in the module docstring); ValueError naming the field."""
     segs = lora.segments
     G = max(1, len(segs))
     S, GR = lora.a.shape[0], lora.a.shape[1]
