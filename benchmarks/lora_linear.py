@@ -151,7 +151,7 @@ def sweep_configs(T: int, mode: str) -> list[LoRALinearConfig]:
     if mode == "planned":
         base = default_lora_linear_config(T, "planned")
         return ([replace(base, block_n=bn, block_k=bk, plan_cols=pc, num_stages=st)
-                 for bn in (64, 128) for bk in (128, 256, 512) for pc in (0, 512) for st in (2, 3, 4)]
+                 for bn in (64, 128) for bk in (128, 256, 512) for pc in (256, 512) for st in (2, 3, 4)]
                 + [replace(base, block_m=32, block_k=bk, num_warps=w) for bk in (256, 512) for w in (4, 8)])
     base = default_lora_linear_config(T, "split")
     cfgs = [replace(base, block_m=bm, block_n=bn, num_warps=w, split_k=sk)

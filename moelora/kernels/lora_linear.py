@@ -25,7 +25,7 @@ __all__ = ["LoRALinearConfig", "default_lora_linear_config", "lora_linear", "row
 class LoRALinearConfig:
     """`mode` ("split", "splitk", "planned") and its tiles: block_m x block_n the expand's output tile, block_k the
     shrink's depth step, split_k its N_in chunks (0: from the shapes), slot_lanes programs a row block taking one
-    distinct slot each; gemm_*: splitk's base GEMM; plan_cols: planned's columns a program (0: from the shapes)."""
+    distinct slot each; gemm_*: splitk's base GEMM; plan_cols: planned's columns a program."""
 
     mode: str = "split"
     block_m: int = 16
@@ -40,14 +40,15 @@ class LoRALinearConfig:
     gemm_block_n: int = 64
     gemm_block_k: int = 128
     gemm_split_k: int = 4
-    plan_cols: int = 0
+    plan_cols: int = 512
 
     def __post_init__(self):
         need_one_of("LoRALinearConfig", "mode", self.mode, tuple(MODES))
         need_pow2("LoRALinearConfig", block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
                   shrink_block_m=self.shrink_block_m, gemm_block_n=self.gemm_block_n, gemm_block_k=self.gemm_block_k)
-        need_at_least("LoRALinearConfig", 1, gemm_split_k=self.gemm_split_k, slot_lanes=self.slot_lanes)
-        need_at_least("LoRALinearConfig", 0, split_k=self.split_k, plan_cols=self.plan_cols)
+        need_at_least("LoRALinearConfig", 1, gemm_split_k=self.gemm_split_k, slot_lanes=self.slot_lanes,
+                      plan_cols=self.plan_cols)
+        need_at_least("LoRALinearConfig", 0, split_k=self.split_k)
 
 
 def default_lora_linear_config(num_tokens: int, mode: str | None = None, n_in: int = 0, n_out: int = 0,
@@ -60,7 +61,7 @@ def default_lora_linear_config(num_tokens: int, mode: str | None = None, n_in: i
     if mode == "splitk":
         return LoRALinearConfig("splitk", 16, 64, 128, 16, split_k=8)
     if mode == "planned":
-        return LoRALinearConfig("planned", PLAN_BLOCK_M, 128, 256, plan_cols=512, num_stages=4)
+        return LoRALinearConfig("planned", PLAN_BLOCK_M, 128, 256, num_stages=4)  # 512 columns a program
     if num_tokens <= 32:
         # 8 shrink splits, not the shapes' 16: half the partials to sum (docs/performance.md, dense tiles)
         return LoRALinearConfig("split", 16, 64, 128, 16, split_k=8)

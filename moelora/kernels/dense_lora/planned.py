@@ -19,9 +19,6 @@ from moelora.kernels.dense_lora.base import Segments, base_gemm
 from moelora.kernels.lora_tiles import lora_b_tile_cols, lora_shrink_rows
 from moelora.kernels.moe_plan import MoERoutingPlan, build_routing_plan
 
-# programs to aim for (plan blocks x column splits) when plan_cols is 0: two per SM of an H200
-PLANNED_TARGET_PROGRAMS = 264
-
 
 class Planned:
     name = "planned"
@@ -40,11 +37,10 @@ def add_delta(x, out, lora, cfg) -> None:
     if plan is None or plan.block_m != cfg.block_m:
         plan = row_plan(lora.token_slots, S, cfg.block_m)
     seg, a, b = Segments(lora), lora.a, lora.b
-    cols = cfg.plan_cols or planned_cols(T, n_out, S, cfg.block_m, cfg.block_n, PLANNED_TARGET_PROGRAMS)
     bounds = seg.bounds or (0, n_out)
-    planned_delta_kernel[(plan.max_blocks, cdiv(n_out, cols))](
+    planned_delta_kernel[(plan.max_blocks, cdiv(n_out, cfg.plan_cols))](
         x, out, a, b, lora.slot_ranks, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, T, a.shape[2],
-        S, cols, seg.r_seg, x.stride(0), out.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        S, cfg.plan_cols, seg.r_seg, x.stride(0), out.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         BM=plan.block_m, BN=cfg.block_n, BK=cfg.block_k, BLOCK_R=seg.block_r, G=len(bounds) - 1,
         SEG_BOUNDS=tuple(bounds), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -98,9 +94,3 @@ def planned_delta_kernel(
                 _add_expanded(xa.to(y_ptr.dtype.element_ty), b_s, y_rows, valid, c0, c1, stride_bn, rank, BN,
                               BLOCK_R)
 
-
-def planned_cols(T: int, n_out: int, n_slots: int, block_m: int, block_n: int, target_programs: int) -> int:
-    """Columns a program (a multiple of block_n) so that likely blocks x column splits ~ `target_programs`."""
-    blocks = cdiv(T, block_m) + min(n_slots, T) // 2
-    splits = max(1, min(cdiv(n_out, block_n), cdiv(target_programs, max(1, blocks))))
-    return cdiv(cdiv(n_out, splits), block_n) * block_n
