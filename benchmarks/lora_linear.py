@@ -44,14 +44,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_bench_common import copy_gbps, write_rows  # noqa: E402
 
 from moelora.kernels.args import DenseLoRAArgs  # noqa: E402
+from moelora.kernels.dense_policy import DENSE_LORA_POLICY, PLAN_BLOCK_M  # noqa: E402
 from moelora.kernels.fp8_linear import fp8_lora_linear  # noqa: E402
 from moelora.kernels.lora_linear import (  # noqa: E402
-    PLAN_BLOCK_M,
     LoRALinearConfig,
     default_lora_linear_config,
     lora_linear,
     row_plan,
-    wants_row_plan,
 )
 from moelora.quant.fp8 import quantize_segments  # noqa: E402
 
@@ -152,7 +151,7 @@ def sweep_configs(T: int, mode: str) -> list[LoRALinearConfig]:
     if mode == "planned":
         base = default_lora_linear_config(T, "planned")
         return ([replace(base, block_n=bn, block_k=bk, plan_cols=pc, num_stages=st)
-                 for bn in (64, 128) for bk in (128, 256, 512) for pc in (0, 512) for st in (2, 3, 4)]
+                 for bn in (64, 128) for bk in (128, 256, 512) for pc in (256, 512) for st in (2, 3, 4)]
                 + [replace(base, block_m=32, block_k=bk, num_warps=w) for bk in (256, 512) for w in (4, 8)])
     base = default_lora_linear_config(T, "split")
     cfgs = [replace(base, block_m=bm, block_n=bn, num_warps=w, split_k=sk)
@@ -171,7 +170,7 @@ class FP8Run(NamedTuple):
 def _fp8_calls(layers, x, T, var, segments, n_out, quantize_activations, side):
     """One `fp8_lora_linear` call per layer (W8A8 if quantize_activations), with the rows grouped by slot where
     the engine groups them (17..1024 rows)."""
-    plan_bm = PLAN_BLOCK_M if wants_row_plan(T) else 0
+    plan_bm = PLAN_BLOCK_M if DENSE_LORA_POLICY.wants_row_plan(T) else 0
     return [partial(fp8_lora_linear, x, ly["q"], ly["s"], None, lora_args(ly, T, var, segments, plan_bm),
                     segments=segments or (n_out,), quantize_activations=quantize_activations, side_stream=side)
             for ly in layers]

@@ -70,7 +70,7 @@ def test_engine_refuses_adapters_outside_and_keeps_outputs_inside(hf):
     with pytest.raises(AdapterError, match=r"'full' has LoRA on .*mlp.experts.down.*lora_target_modules"):
         eng.pool.add("full", "full")
     assert "full" not in eng.pool.names
-    assert restricted_model.model.layers[0].mlp.experts.lora_gate_up_a is None
+    assert eng.model.model.layers[0].mlp.experts.lora_gate_up_a is None  # the twin built with the targets
 
 
 def test_config_checks_the_type():

@@ -121,12 +121,12 @@ class EngineConfig:
 
     def layer_options(self, base: LayerOptions = DEFAULT_OPTIONS) -> LayerOptions:
         """The options this (resolved) config builds its models' layers with: its kernel backend, fused-MoE
-        table, shared-expert overlap (CUDA only: ignored on the CPU), MLA absorbed decode and merged q/k/v,
-        over `base` for what it does not set (the dense LoRA policy)."""
+        table, shared-expert overlap (CUDA only: ignored on the CPU), MLA absorbed decode, merged q/k/v and LoRA
+        target modules, over `base` for what it does not set (the dense LoRA policy)."""
         overlap = self.overlap_shared_experts and self.torch_device.type == "cuda"
         return dataclasses.replace(base, kernel_backend=self.kernel_backend, fused_moe_table=self.fused_moe_table,
                                    overlap_shared_experts=overlap, mla_absorbed_decode=self.mla_absorbed_decode,
-                                   merge_qkv=self.merge_qkv)
+                                   merge_qkv=self.merge_qkv, lora_target_modules=self.lora_target_modules)
 
     def fp8_config(self, model: ModelConfig) -> FP8Config | None:
         """The model's FP8 scheme under this engine config (resolved: checked by `resolve`)."""
@@ -184,7 +184,7 @@ class EngineConfig:
         if table is not None:
             try:
                 table = check_table_file(table)
-            except FileNotFoundError as e:
+            except (OSError, ValueError) as e:  # no file, or an entry that does not parse (naming it)
                 raise ConfigError(f"fused_moe_table: {e}") from None
         self._check_parallel(torch.device(device))
         return dataclasses.replace(

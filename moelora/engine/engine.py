@@ -38,7 +38,7 @@ from moelora.errors import AdapterError, ConfigError, RequestError
 from moelora.layers.mla import MLAttention
 from moelora.lora.adapter import LoRAAdapter
 from moelora.lora.pool import AdapterPool
-from moelora.models.lora_targets import lora_site_owners, restrict_lora_sites, site_kinds
+from moelora.models.lora_targets import lora_site_owners, site_kinds
 from moelora.upload import upload
 
 
@@ -76,7 +76,6 @@ class LLMEngine:
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.model_config = model.config
         self.device = cfg.torch_device
-        restrict_lora_sites(model, cfg.lora_target_modules)
         self._site_owners = lora_site_owners(model)
         self.pool = self._adapter_pool(cfg, self._loader(load_adapter))
         self.cache = PagedKVCache(model.kv_cache_shapes(), cfg.num_kv_blocks, cfg.block_size, self.device,

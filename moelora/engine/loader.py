@@ -16,7 +16,6 @@ from moelora.engine.engine import LLMEngine
 from moelora.engine.kv_cache import PagedKVCache
 from moelora.engine.tokenizer import Tokenizer, resolve_chat_template
 from moelora.errors import ConfigError
-from moelora.models.lora_targets import restrict_lora_sites
 from moelora.models.registry import model_class
 from moelora.quant.checkpoint import FP8Loading
 from moelora.quant.storage import check_ignored
@@ -134,7 +133,6 @@ def build_engine(model_dir: str | Path, cfg: EngineConfig | None = None, progres
     else:
         load_checkpoint(model_dir, model.weight_params(), progress=progress, quant=fp8 and FP8Loading(fp8))
     model.eval()
-    restrict_lora_sites(model, cfg.lora_target_modules)  # before the memory plan: dropped slots are free
     if cfg.torch_device.type == "cuda":
         torch.cuda.empty_cache()
     cfg = cfg.with_kv_blocks(_kv_blocks(cfg, model_cfg, model))

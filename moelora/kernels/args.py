@@ -3,11 +3,9 @@
 Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, R max rank, S adapter slots,
 N_in / N_out a linear layer's in / out features, G output segments.
 
-LoRA arguments (`DenseLoRAArgs`, `ExpertLoRAArgs`) carry per-slot stacked weights with the scaling already
-folded into B, the per-token slot (-1: no adapter) and per-slot rank. A slot of rank r < R has zeros beyond
-column r of A/B; kernels read only the first r columns. The torch twins loop over `active` (`SlotRows`:
-slot, rows) that the step's `LoRABatch` built on the host once per step, so they never sync on a tensor
-value. `MoERoutingPlan` is the routing plan of contract 3 (built by `moe_plan` or its twin in `reference`).
+LoRA arguments carry per-slot stacked weights (scaling folded into B; a slot of rank r < R has zeros past
+column r, and kernels read only r columns), each token's slot (-1: none) and each slot's rank; the torch twins
+loop over `active`, built on the host once per step, so they never sync on a tensor value.
 """
 
 from __future__ import annotations
@@ -69,14 +67,10 @@ class ExpertLoRAArgs:
 
 @dataclass(frozen=True)
 class MoERoutingPlan:
-    """Expert-sorted, block-padded route order shared by every expert GEMM of one MoE call.
-
-    Route id r = t * K + k. `sorted_route_ids` [max_padded] int32 lists each expert's routes in
-    ascending route id, each expert's run padded with the sentinel T*K to a multiple of block_m,
-    experts in ascending id, then sentinels to the end. `expert_of_block` [max_blocks] int32 is
-    the expert of each block_m-row block, -1 past `num_padded` [1] int32 (device tensor). Sizes
-    depend on T, K, E and block_m only (see `plan_capacity`), so the plan is CUDA-graph safe.
-    """
+    """Contract 3's routing plan, shared by every expert GEMM of one MoE call (`moe_plan`; twin in `reference`).
+    Route id r = t * K + k. `sorted_route_ids` [max_padded] int32: each expert's routes in ascending id, padded
+    with the sentinel T*K to a multiple of block_m, experts in ascending id, then sentinels; `expert_of_block`
+    [max_blocks] int32, -1 past `num_padded` [1] int32. Sizes from T, K, E, block_m only: CUDA-graph safe."""
 
     sorted_route_ids: torch.Tensor
     expert_of_block: torch.Tensor

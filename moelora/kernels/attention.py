@@ -22,9 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.checks import cdiv, need_pow2, next_pow2
+from moelora.kernels.checks import FLOAT_DTYPES, cdiv, need_pow2, next_pow2
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 NEG_INF = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: keeps exp2(m_old - m_new) NaN-free
 _MAX_HEAD_DIM = 256
 _DECODE_TARGET_PROGRAMS = 256  # ~2 waves on a 132-SM H200
@@ -225,11 +224,29 @@ def decode_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, qstart_ptr, D: tl.const
              mask=offs_d < D)
 
 
-def _check(q, k, v, k_cache, v_cache, meta):
-    def bad(name, t, want):
-        raise ValueError(f"{name} must be {want}, got {tuple(t.shape)} {t.dtype} on {t.device}")
+def bad(name, t, want):
+    raise ValueError(f"{name} must be {want}, got {tuple(t.shape)} {t.dtype} on {t.device}")
 
-    if q.dim() != 3 or q.dtype not in _FLOAT_DTYPES or q.stride(2) != 1:
+
+def check_meta(meta, T: int, device: torch.device) -> int:
+    """The attention metadata of T tokens on `device` (shapes, int dtypes, contiguity) -> B sequences."""
+    if meta.block_tables.dim() != 2:
+        bad("meta.block_tables", meta.block_tables, "[B, MB] int32")
+    B = meta.block_tables.shape[0]
+    for name, t, shape, dtype in (("slot_mapping", meta.slot_mapping, (T,), torch.int64),
+                                  ("block_tables", meta.block_tables, (B, meta.block_tables.shape[-1]), torch.int32),
+                                  ("seq_lens", meta.seq_lens, (B,), torch.int32),
+                                  ("query_start", meta.query_start, (B + 1,), torch.int32)):
+        if tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
+            bad(f"meta.{name}", t, f"{list(shape)} {dtype} on {device}")
+    if meta.block_tables.stride(1) != 1 or not meta.seq_lens.is_contiguous() \
+            or not meta.query_start.is_contiguous() or not meta.slot_mapping.is_contiguous():
+        raise ValueError("meta tensors must be contiguous (block_tables: unit last stride)")
+    return B
+
+
+def _check(q, k, v, k_cache, v_cache, meta):
+    if q.dim() != 3 or q.dtype not in FLOAT_DTYPES or q.stride(2) != 1:
         bad("q", q, "[T, N, D] fp16/bf16/fp32 with unit last stride")
     T, N, D = q.shape
     if not 1 <= D <= _MAX_HEAD_DIM:
@@ -249,18 +266,7 @@ def _check(q, k, v, k_cache, v_cache, meta):
             bad(name, t, f"[T={T}, N_kv={n_kv}, D={D}] {q.dtype} with unit last stride on {q.device}")
     if k_cache.untyped_storage().data_ptr() == v_cache.untyped_storage().data_ptr():
         raise ValueError("k_cache and v_cache must not share storage")
-    if meta.block_tables.dim() != 2:
-        bad("meta.block_tables", meta.block_tables, "[B, MB] int32")
-    B = meta.block_tables.shape[0]
-    for name, t, shape, dtype in (("slot_mapping", meta.slot_mapping, (T,), torch.int64),
-                                  ("block_tables", meta.block_tables, (B, meta.block_tables.shape[-1]), torch.int32),
-                                  ("seq_lens", meta.seq_lens, (B,), torch.int32),
-                                  ("query_start", meta.query_start, (B + 1,), torch.int32)):
-        if tuple(t.shape) != shape or t.dtype != dtype or t.device != q.device:
-            bad(f"meta.{name}", t, f"{list(shape)} {dtype} on {q.device}")
-    if meta.block_tables.stride(1) != 1 or not meta.seq_lens.is_contiguous() \
-            or not meta.query_start.is_contiguous() or not meta.slot_mapping.is_contiguous():
-        raise ValueError("meta tensors must be contiguous (block_tables: unit last stride)")
+    B = check_meta(meta, T, q.device)
     if T > 0 and meta.max_query_len < 1:
         raise ValueError(f"meta.max_query_len must be >= 1 for T={T} tokens, got {meta.max_query_len}")
     return T, N, D, B, BS, n_kv

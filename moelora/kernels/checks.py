@@ -12,9 +12,8 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def cdiv(a: int, b: int) -> int:
-    """`triton.cdiv` for host ints: Triton's is a constexpr function, and called from the host it unwraps its
-    arguments through the JIT's machinery, ~3 µs a call; a prefill forward made thousands, and prefill is
-    bound by its launches' host work (docs/history/2026-12-02.md)."""
+    """`triton.cdiv` for host ints: Triton's, a constexpr function, costs microseconds a host call (a prefill
+    forward is bound by its launches' host work: docs/performance.md)."""
     return (a + b - 1) // b
 
 
@@ -24,8 +23,8 @@ def next_pow2(n: int) -> int:
 
 
 def need(cond: bool, msg) -> None:
-    """Raise ValueError(msg) unless cond; msg a string or a callable making it. The checks here format their
-    messages only on failure: they run on every launch (a config is built for each dense projection)."""
+    """Raise ValueError(msg) unless cond; msg a string or a callable making it (formatted only on failure: the
+    checks run on every launch)."""
     if not cond:
         raise ValueError(msg() if callable(msg) else msg)
 
@@ -86,5 +85,5 @@ def output(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
     if out.numel():
         ptr = out.untyped_storage().data_ptr()
         need(all(t is None or t.numel() == 0 or t.untyped_storage().data_ptr() != ptr for t in inputs),
-             f"{name} must not share storage with an input (contract 2)")
+             f"{name} must not alias an input (share its storage: contract 2)")
     return out

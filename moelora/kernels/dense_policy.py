@@ -2,10 +2,8 @@
 rows grouped by slot for the "planned" mode: the shipped picks as one object that callers pass in.
 
 Shape legend: T rows of the call (tokens), N_in / N_out the linear's in / out features.
-Host logic only (no torch tensors, no Triton), so the runners can ask it on any backend. The layers hand it
-to `lora_linear` (`LayerOptions.dense_lora_policy`); the runners ask `wants_row_plan` when they build a step's
-`LoRABatch` (`lora.batch.plan_step`). A test that needs a pick at the tiny models' shapes injects a subclass.
-Why each threshold: docs/performance.md, dense modes.
+Host logic only (no tensors, no Triton), so the runners can ask it on any backend (`lora.batch.plan_step`);
+the layers hand it to `lora_linear` (`LayerOptions.dense_lora_policy`); tests inject a subclass.
 """
 
 from __future__ import annotations

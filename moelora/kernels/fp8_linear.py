@@ -24,7 +24,7 @@ from moelora.kernels.args import DenseLoRAArgs
 from moelora.kernels.checks import cdiv, output
 from moelora.kernels.dense_lora import planned, split
 from moelora.kernels.fp8_quant import GROUP, per_token_group_quant
-from moelora.kernels.lora_linear import _check_lora, default_lora_linear_config
+from moelora.kernels.lora_linear import check_lora, default_lora_linear_config
 from moelora.kernels.side_stream import join
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -141,7 +141,7 @@ def fp8_lora_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         return fp8_linear(x, weight, scale, bias, segments=segments, block=block,
                           quantize_activations=quantize_activations)
     n_out = weight.shape[0]
-    _check_lora(lora, T, n_in, n_out)
+    check_lora(lora, T, n_in, n_out)
     cfg = default_lora_linear_config(T, n_in=n_in, n_out=n_out, row_plan=lora.row_plan is not None)
     if cfg.mode == "planned":
         out = fp8_linear(x, weight, scale, bias, segments=segments, block=block,

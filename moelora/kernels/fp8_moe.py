@@ -30,7 +30,7 @@ import triton.language as tl
 
 from moelora.kernels.checks import cdiv, need
 from moelora.kernels.fp8_quant import GROUP, per_token_group_quant
-from moelora.kernels.moe_config import FusedMoEConfig, _load_table, _package_table, shape_key, tuned_fused_moe_config
+from moelora.kernels.moe_config import FusedMoEConfig, load_table, shape_key, table_file, tuned_fused_moe_config
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -57,9 +57,8 @@ def fp8_moe_config(E: int, H: int, inter: int, T: int, K: int, act_dtype: torch.
                    table: str | None) -> FusedMoEConfig:
     """The table's FP8 entry for this shape (`tune_fused_moe.py --dtype fp8`), else its entry for the
     activations' dtype with `fp8_tiles` (the LoRA path picks stay the table's)."""
-    table_file = table or _package_table(device_name)
-    has_fp8 = shape_key(E, H, inter, FP8_DTYPE) in _load_table(table_file)
-    cfg = tuned_fused_moe_config(E, H, inter, T, K, FP8_DTYPE if has_fp8 else act_dtype, device_name, table_file)
+    has_fp8 = shape_key(E, H, inter, FP8_DTYPE) in load_table(table_file(device_name, table))
+    cfg = tuned_fused_moe_config(E, H, inter, T, K, FP8_DTYPE if has_fp8 else act_dtype, device_name, table)
     return cfg if has_fp8 else fp8_tiles(cfg)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from moelora.kernels.args import ExpertLoRAArgs
-from moelora.kernels.checks import cdiv, lora_tile_rank, next_pow2
+from moelora.kernels.checks import FLOAT_DTYPES, cdiv, lora_tile_rank, need, next_pow2, output
 from moelora.kernels.fp8_moe import FP8_DTYPE, FP8ExpertScales, check_fp8, fp8_launch_args, fp8_moe_config
 from moelora.kernels.moe_config import FusedMoEConfig, lora_paths, tuned_fused_moe_config
 from moelora.kernels.moe_gemm import combine_kernel, down_kernel, gate_up_kernel
@@ -27,39 +27,31 @@ from moelora.kernels.moe_plan import (
 )
 
 ACCEPTED_LAYOUTS = (EXPERT_SORTED_PADDED, ROUTE_PER_BLOCK)
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 GROUP_M = 8  # grouped tile order of both GEMMs: every tuned entry kept 8 (docs/performance.md, tried and removed)
 
 
-def _need(cond: bool, msg) -> None:
-    """Raise ValueError(msg) unless cond; msg a string or a callable making it (formatted only on failure)."""
-    if not cond:
-        raise ValueError(msg() if callable(msg) else msg)
-
-
 def _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids):
-    # each message is formatted only on failure (a lambda): this runs on every MoE call, and a prefill forward
-    # is bound by its launches' host work
-    _need(x.dim() == 2 and x.dtype in _FLOAT_DTYPES, lambda: f"x must be [T, H] fp16/bf16/fp32, got "
-          f"{tuple(x.shape)} {x.dtype}")
+    # each message is formatted only on failure (a lambda): this runs on every MoE call
+    need(x.dim() == 2 and x.dtype in FLOAT_DTYPES, lambda: f"x must be [T, H] fp16/bf16/fp32, got "
+         f"{tuple(x.shape)} {x.dtype}")
     T, H = x.shape
-    _need(w_gate_up.dim() == 3 and w_gate_up.shape[2] == H and w_gate_up.shape[1] % 2 == 0,
-          lambda: f"w_gate_up must be [E, 2I, H={H}], got {tuple(w_gate_up.shape)}")
+    need(w_gate_up.dim() == 3 and w_gate_up.shape[2] == H and w_gate_up.shape[1] % 2 == 0,
+         lambda: f"w_gate_up must be [E, 2I, H={H}], got {tuple(w_gate_up.shape)}")
     E, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
-    _need(tuple(w_down.shape) == (E, H, inter),
-          lambda: f"w_down must be [E={E}, H={H}, I={inter}], got {tuple(w_down.shape)}")
-    _need(topk_ids.dim() == 2 and topk_ids.shape[0] == T and topk_ids.dtype in (torch.int32, torch.int64),
-          lambda: f"topk_ids must be [T={T}, K] int32/int64, got {tuple(topk_ids.shape)} {topk_ids.dtype}")
-    _need(topk_weights.shape == topk_ids.shape and topk_weights.is_floating_point(),
-          lambda: f"topk_weights must be float {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
+    need(tuple(w_down.shape) == (E, H, inter),
+         lambda: f"w_down must be [E={E}, H={H}, I={inter}], got {tuple(w_down.shape)}")
+    need(topk_ids.dim() == 2 and topk_ids.shape[0] == T and topk_ids.dtype in (torch.int32, torch.int64),
+         lambda: f"topk_ids must be [T={T}, K] int32/int64, got {tuple(topk_ids.shape)} {topk_ids.dtype}")
+    need(topk_weights.shape == topk_ids.shape and topk_weights.is_floating_point(),
+         lambda: f"topk_weights must be float {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
     for name, t in (("w_gate_up", w_gate_up), ("w_down", w_down)):
-        _need(t.dtype in (x.dtype, FP8_DTYPE) and t.dtype == w_gate_up.dtype,
-              lambda t=t, name=name: f"{name} dtype {t.dtype} must be x's ({x.dtype}), or float8_e4m3fn for both "
-              "weights")
-        _need(t.is_contiguous(), lambda name=name: f"{name} must be contiguous")
-    _need(x.stride(1) == 1, "x must have unit stride in its last dim")
+        need(t.dtype in (x.dtype, FP8_DTYPE) and t.dtype == w_gate_up.dtype,
+             lambda t=t, name=name: f"{name} dtype {t.dtype} must be x's ({x.dtype}), or float8_e4m3fn for both "
+             "weights")
+        need(t.is_contiguous(), lambda name=name: f"{name} must be contiguous")
+    need(x.stride(1) == 1, "x must have unit stride in its last dim")
     for t in (w_gate_up, w_down, topk_weights, topk_ids):
-        _need(t.device == x.device, lambda: f"all inputs must be on {x.device}")
+        need(t.device == x.device, lambda: f"all inputs must be on {x.device}")
     return T, H, E, inter, topk_ids.shape[1]
 
 
@@ -73,13 +65,11 @@ def _check_lora(lora: ExpertLoRAArgs, T, H, E, inter):
             raise ValueError(f"lora.{name} must be {shape}, got {tuple(t.shape)}")
         if not (t.stride(-1) == 1 and t.is_floating_point()):
             raise ValueError(f"lora.{name} must be float, unit last stride")
-    for name in ("gate_up_b", "down_b"):  # B tiles read whole 16-column chunks of a row, up to its stride
-        t = getattr(lora, name)
-        if not (t.shape[2] <= 1 or t.stride(2) == R):
+        if name.endswith("_b") and not (t.shape[2] <= 1 or t.stride(2) == R):  # B tiles read whole 16-column chunks
             raise ValueError(f"lora.{name} must have rows of R={R} contiguous columns, got row stride {t.stride(2)}")
-    _need(tuple(lora.token_slots.shape) == (T,) and lora.token_slots.dtype == torch.int32,
-          lambda: f"lora.token_slots must be [T={T}] int32, got {tuple(lora.token_slots.shape)} "
-          f"{lora.token_slots.dtype}")
+    need(tuple(lora.token_slots.shape) == (T,) and lora.token_slots.dtype == torch.int32,
+         lambda: f"lora.token_slots must be [T={T}] int32, got {tuple(lora.token_slots.shape)} "
+         f"{lora.token_slots.dtype}")
     for name in ("gate_up_ranks", "down_ranks"):
         t = getattr(lora, name)
         if not (tuple(t.shape) == (S,) and t.dtype == torch.int32 and t.is_contiguous()):
@@ -96,14 +86,6 @@ def _check_tma(x, H, inter, cfg: FusedMoEConfig):
         raise ValueError(f"use_tma=True needs 16-byte rows: H={H}, I={inter} in {x.dtype}")
 
 
-def _check_plan(plan: MoERoutingPlan, T, K, E, block_m):
-    if plan.layout not in ACCEPTED_LAYOUTS:
-        raise ValueError(f"fused_moe accepts plan layouts {ACCEPTED_LAYOUTS}, got {plan.layout!r}")
-    _need((plan.num_tokens, plan.top_k, plan.num_experts, plan.block_m) == (T, K, E, block_m),
-          lambda: f"plan is for (T, K, E, block_m)={(plan.num_tokens, plan.top_k, plan.num_experts, plan.block_m)}, "
-          f"call needs {(T, K, E, block_m)}")
-
-
 def _tma_operands(w_gate_up: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, config: FusedMoEConfig):
     """Hopper tensor descriptors of the weight tiles and of the down GEMM's activation tiles."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -115,26 +97,25 @@ def _tma_operands(w_gate_up: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor
             TensorDescriptor.from_tensor(h, [config.block_m, dn.block_k]))
 
 
-def _check_out(out, x, T, H):
-    if out is None:
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _need(tuple(out.shape) == (T, H) and out.dtype == x.dtype and out.stride(1) == 1, lambda:
-          f"out must be [T={T}, H={H}] {x.dtype} with unit last stride")
-    return out
-
-
-def lora_path(lora: ExpertLoRAArgs | None, config: FusedMoEConfig, block_r: int) -> tuple[type, object] | None:
-    """(path class, config) of a call with `lora` on a pool of block_r tile columns (`MoELoRAPath.resolve`)."""
+def lora_path(lora: ExpertLoRAArgs | None, config: FusedMoEConfig, block_r: int) -> tuple[type[MoELoRAPath], object]:
+    """(path class, config) of a call with `lora` on a pool of block_r tile columns (`MoELoRAPath.resolve`);
+    the no-LoRA path without `lora`."""
     if lora is None:
-        return None
+        return MoELoRAPath, None
     cfg = config.lora_for(block_r)
     return lora_paths()[cfg.path].resolve(cfg, lora.gate_up_a.shape[0], block_r)
 
 
 def lora_mode(lora: ExpertLoRAArgs | None, config: FusedMoEConfig, block_r: int) -> str | None:
     """The name of `lora_path`'s path (None without LoRA)."""
-    chosen = lora_path(lora, config, block_r)
-    return None if chosen is None else chosen[0].name
+    return None if lora is None else lora_path(lora, config, block_r)[0].name
+
+
+def _config(x, w_gate_up, E, H, inter, T, K, table) -> FusedMoEConfig:
+    """The tuned table's config of this call (its FP8 entry for e4m3 weights)."""
+    name = torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
+    pick = fp8_moe_config if w_gate_up.dtype == FP8_DTYPE else tuned_fused_moe_config
+    return pick(E, H, inter, T, K, x.dtype, name, table)
 
 
 def _plan(plan, topk_ids, E, T, K, config: FusedMoEConfig, route_rows, expert_map) -> MoERoutingPlan:
@@ -143,8 +124,12 @@ def _plan(plan, topk_ids, E, T, K, config: FusedMoEConfig, route_rows, expert_ma
         plan = per_route_plan(topk_ids, E, config.block_m, route_rows)
     elif plan is None:
         plan = build_routing_plan(topk_ids, E, config.block_m, expert_map=expert_map)
-    _check_plan(plan, T, K, E, config.block_m)
-    _need((plan.local_ids is None) == (expert_map is None), "a plan for an expert map needs expert_map, and back")
+    need(plan.layout in ACCEPTED_LAYOUTS, lambda: f"fused_moe accepts plan layouts {ACCEPTED_LAYOUTS}, got "
+         f"{plan.layout!r}")
+    need((plan.num_tokens, plan.top_k, plan.num_experts, plan.block_m) == (T, K, E, config.block_m),
+         lambda: f"plan is for (T, K, E, block_m)={(plan.num_tokens, plan.top_k, plan.num_experts, plan.block_m)}, "
+         f"call needs {(T, K, E, config.block_m)}")
+    need((plan.local_ids is None) == (expert_map is None), "a plan for an expert map needs expert_map, and back")
     return plan
 
 
@@ -161,24 +146,18 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     `fp8`: the scales of float8_e4m3fn weights and their activation mode (the weight dtype selects those kernels)."""
     T, H, E, inter, K = _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids)
     block_r = _check_lora(lora, T, H, E, inter) if lora is not None else 16
-    if config is None:
-        name = torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
-        pick = fp8_moe_config if w_gate_up.dtype == FP8_DTYPE else tuned_fused_moe_config
-        config = pick(E, H, inter, T, K, x.dtype, name, table)
+    config = config or _config(x, w_gate_up, E, H, inter, T, K, table)
     check_fp8(x, E, H, inter, fp8, config, w_gate_up)
     _check_tma(x, H, inter, config)
-    out = _check_out(out, x, T, H)
+    out = output(out, (T, H), x.dtype, x.device, (x, w_gate_up, w_down))
     if T == 0:
         return out
-    _need(all(out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
-              for t in (x, w_gate_up, w_down)), "out must not alias an input (contract 2)")
     plan = _plan(plan, topk_ids, E, T, K, config, route_rows, expert_map)
     ids = topk_ids if plan.local_ids is None else plan.local_ids  # local ids, -1: another rank's route
-    call = MoECall(x, plan, ids, lora, block_r, inter, config.gate_up.block_n, side_stream)
-    chosen = lora_path(lora, config, block_r)
-    path = MoELoRAPath(call) if chosen is None else chosen[0](call, chosen[1])
+    cls, lora_cfg = lora_path(lora, config, block_r)
+    path = cls(MoECall(x, plan, ids, lora, block_r, inter, config.gate_up.block_n, side_stream), lora_cfg)
     gu, dn = config.gate_up, config.down
-    h = torch.empty(call.rows, inter, dtype=x.dtype, device=x.device)
+    h = torch.empty(plan.sorted_route_ids.shape[0], inter, dtype=x.dtype, device=x.device)
     y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
     gu_out = path.gate_up_out(h)
     common = dict(sorted_ids_ptr=plan.sorted_route_ids, eob_ptr=plan.expert_of_block, num_padded_ptr=plan.num_padded,
@@ -187,11 +166,11 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     w_gu, w_dn, h_in = _tma_operands(w_gate_up, w_down, h, config) if config.use_tma else (w_gate_up, w_down, h)
     fp8_gate_up = fp8_launch_args(fp8, "gate_up", inter, x)  # W8A8: x quantized (new buffers)
     path.before_gate_up()
-    gate_up_kernel[(plan.max_blocks * cdiv(inter, gu.block_n),)](
+    gate_up_kernel[(plan.max_blocks * cdiv(inter, gu.block_n),)](  # gate_up (+ the activation, unless RAW_OUT)
         x, w_gu, gu_out, stride_xt=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
         stride_hp=gu_out.stride(0), BN=gu.block_n, BK=gu.block_k, num_warps=gu.num_warps, num_stages=gu.num_stages,
         h_act_ptr=h, stride_act=h.stride(0), **common, **path.gate_up_args(), **fp8_gate_up)
-    path.after_gate_up(gu_out, h)
+    path.after_gate_up(gu_out, h)  # the activation of a raw gate_up output
     fp8_down = fp8_launch_args(fp8, "down", inter, h, plan.num_padded)  # W8A8: h quantized (new buffers)
     path.before_down(h)
     topk_w = topk_weights.contiguous()

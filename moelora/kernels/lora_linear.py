@@ -14,20 +14,18 @@ from dataclasses import dataclass
 import torch
 
 from moelora.kernels.args import DenseLoRAArgs
-from moelora.kernels.checks import need_at_least, need_one_of, need_pow2, output
+from moelora.kernels.checks import FLOAT_DTYPES, need_at_least, need_one_of, need_pow2, output
 from moelora.kernels.dense_lora import MODES, row_plan
 from moelora.kernels.dense_policy import DENSE_LORA_POLICY, PLAN_BLOCK_M, DenseLoRAPolicy
 
-__all__ = ["PLAN_BLOCK_M", "LoRALinearConfig", "default_lora_linear_config", "lora_linear", "row_plan"]
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+__all__ = ["LoRALinearConfig", "default_lora_linear_config", "lora_linear", "row_plan"]
 
 
 @dataclass(frozen=True)
 class LoRALinearConfig:
     """`mode` ("split", "splitk", "planned") and its tiles: block_m x block_n the expand's output tile, block_k the
     shrink's depth step, split_k its N_in chunks (0: from the shapes), slot_lanes programs a row block taking one
-    distinct slot each; gemm_*: splitk's base GEMM; plan_cols: planned's columns a program (0: from the shapes)."""
+    distinct slot each; gemm_*: splitk's base GEMM; plan_cols: planned's columns a program."""
 
     mode: str = "split"
     block_m: int = 16
@@ -42,14 +40,15 @@ class LoRALinearConfig:
     gemm_block_n: int = 64
     gemm_block_k: int = 128
     gemm_split_k: int = 4
-    plan_cols: int = 0
+    plan_cols: int = 512
 
     def __post_init__(self):
         need_one_of("LoRALinearConfig", "mode", self.mode, tuple(MODES))
         need_pow2("LoRALinearConfig", block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
                   shrink_block_m=self.shrink_block_m, gemm_block_n=self.gemm_block_n, gemm_block_k=self.gemm_block_k)
-        need_at_least("LoRALinearConfig", 1, gemm_split_k=self.gemm_split_k, slot_lanes=self.slot_lanes)
-        need_at_least("LoRALinearConfig", 0, split_k=self.split_k, plan_cols=self.plan_cols)
+        need_at_least("LoRALinearConfig", 1, gemm_split_k=self.gemm_split_k, slot_lanes=self.slot_lanes,
+                      plan_cols=self.plan_cols)
+        need_at_least("LoRALinearConfig", 0, split_k=self.split_k)
 
 
 def default_lora_linear_config(num_tokens: int, mode: str | None = None, n_in: int = 0, n_out: int = 0,
@@ -62,7 +61,7 @@ def default_lora_linear_config(num_tokens: int, mode: str | None = None, n_in: i
     if mode == "splitk":
         return LoRALinearConfig("splitk", 16, 64, 128, 16, split_k=8)
     if mode == "planned":
-        return LoRALinearConfig("planned", PLAN_BLOCK_M, 128, 256, plan_cols=512, num_stages=4)
+        return LoRALinearConfig("planned", PLAN_BLOCK_M, 128, 256, num_stages=4)  # 512 columns a program
     if num_tokens <= 32:
         # 8 shrink splits, not the shapes' 16: half the partials to sum (docs/performance.md, dense tiles)
         return LoRALinearConfig("split", 16, 64, 128, 16, split_k=8)
@@ -71,7 +70,7 @@ def default_lora_linear_config(num_tokens: int, mode: str | None = None, n_in: i
 
 
 def _check(x, weight, bias, lora):
-    if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES or x.stride(1) != 1:
+    if x.dim() != 2 or x.dtype not in FLOAT_DTYPES or x.stride(1) != 1:
         raise ValueError(f"x must be [T, N_in] fp16/bf16/fp32 with unit last stride, got {tuple(x.shape)} "
                          f"{x.dtype}")
     T, n_in = x.shape
@@ -81,11 +80,12 @@ def _check(x, weight, bias, lora):
     if bias is not None and (tuple(bias.shape) != (n_out,) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be [N_out={n_out}] {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
     if lora is not None:
-        _check_lora(lora, T, n_in, n_out)
+        check_lora(lora, T, n_in, n_out)
     return T, n_in, n_out
 
 
-def _check_lora(lora, T, n_in, n_out):
+def check_lora(lora: DenseLoRAArgs, T: int, n_in: int, n_out: int) -> None:
+    """`lora` for a linear of T rows, N_in -> N_out (shapes in the module docstring); ValueError naming the field."""
     segs = lora.segments
     G = max(1, len(segs))
     S, GR = lora.a.shape[0], lora.a.shape[1]

@@ -31,24 +31,20 @@ def lora_shrink_rows(src_ptr, rows, stride_src, sel, a_ptr, stride_ar, rank, k_s
 @triton.jit
 def rank_chunks(rank, r_limit):
     """B columns a tile loads for a slot of `rank`: whole 16-column chunks (at most r_limit), so the loads are vectors,
-    not the 2-byte element loads a per-column rank mask compiles to; `_ranked` zeroes the columns past the rank."""
+    not the 2-byte element loads a per-column rank mask compiles to; the tile then zeroes the columns past the rank."""
     return tl.minimum(tl.cdiv(rank, 16) * 16, r_limit)
 
 
 @triton.jit
-def _ranked(bt, offs_r, rank):
-    return tl.where(offs_r[:, None] < rank, bt, 0.0)
-
-
-@triton.jit
-def _b_tile(b_ptr, offs_n, cols, stride_bn, rank, col0, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr):
-    """[BLOCK_R, BN] tile of B^T, rank columns from col0: whole rank chunks and the select (CHUNKS), or masks."""
+def lora_b_tile_cols(b_ptr, offs_n, cols, stride_bn, rank, col0, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr = True):
+    """[BLOCK_R, BN] tile of B^T (B is [N, R]) for the output rows offs_n where `cols` holds (one segment of a merged
+    projection's B), rank columns from col0: whole rank chunks and the select (CHUNKS), or masks."""
     offs_r = tl.arange(0, BLOCK_R)
     ptrs = b_ptr + col0 + offs_n[None, :] * stride_bn + offs_r[:, None]
     left = rank - col0  # the slot's columns from col0 on
     if CHUNKS:
         bt = tl.load(ptrs, mask=(offs_r[:, None] < rank_chunks(left, stride_bn - col0)) & cols[None, :], other=0.0)
-        bt = _ranked(bt, offs_r, left)
+        bt = tl.where(offs_r[:, None] < left, bt, 0.0)
     else:
         bt = tl.load(ptrs, mask=(offs_r[:, None] < left) & cols[None, :], other=0.0)
     return bt
@@ -56,8 +52,8 @@ def _b_tile(b_ptr, offs_n, cols, stride_bn, rank, col0, BLOCK_R: tl.constexpr, C
 
 @triton.jit
 def lora_b_tile(b_ptr, offs_n, n_limit, stride_bn, rank, col0, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr = True):
-    """[BLOCK_R, BN] tile of B^T (B is [N, R]) from rank column col0, rank- and column-masked (`_b_tile`)."""
-    return _b_tile(b_ptr, offs_n, offs_n < n_limit, stride_bn, rank, col0, BLOCK_R, CHUNKS)
+    """`lora_b_tile_cols` of the output rows below n_limit."""
+    return lora_b_tile_cols(b_ptr, offs_n, offs_n < n_limit, stride_bn, rank, col0, BLOCK_R, CHUNKS)
 
 
 @triton.jit
@@ -76,13 +72,6 @@ def lora_a_tile(a_ptr, k0, offs_k, k_dim, stride_ar, rank, BLOCK_R: tl.constexpr
     offs_r = tl.arange(0, BLOCK_R)
     return tl.load(a_ptr + offs_r[None, :] * stride_ar + (k0 + offs_k)[:, None],
                    mask=(offs_r[None, :] < rank) & ((k0 + offs_k) < k_dim)[:, None], other=0.0)
-
-
-@triton.jit
-def lora_b_tile_cols(b_ptr, offs_n, n_lo, n_hi, stride_bn, rank, col0, BLOCK_R: tl.constexpr,
-                     CHUNKS: tl.constexpr = True):
-    """[BLOCK_R, BN] tile of B^T for output rows in [n_lo, n_hi) only: one segment of a merged projection's B."""
-    return _b_tile(b_ptr, offs_n, (offs_n >= n_lo) & (offs_n < n_hi), stride_bn, rank, col0, BLOCK_R, CHUNKS)
 
 
 # the "stacked" routed-expert LoRA: column c of S * BLOCK_R stands for rank row c % BLOCK_R of slot c // BLOCK_R
@@ -236,8 +225,8 @@ def expand_segments(xa_ptr, y_ptr, b_ptr, slot0, s0, ranks, offs_t, offs_n, mine
                 rank = segment_rank(ranks, s, g, S_P2, G_P2)
                 if rank > 0:
                     # column masks here: chunked tiles cost this kernel occupancy (docs/performance.md, dense tiles)
-                    bt = lora_b_tile_cols(b_ptr + s.to(tl.int64) * stride_bs, offs_n, lo, hi, stride_bn, rank, 0,
-                                          BLOCK_R, CHUNKS=False)
+                    bt = lora_b_tile_cols(b_ptr + s.to(tl.int64) * stride_bs, offs_n, (offs_n >= lo) & (offs_n < hi),
+                                          stride_bn, rank, 0, BLOCK_R, CHUNKS=False)
                     acc = tl.dot(tl.where(sel[:, None], xa, 0.0).to(xa.dtype), bt.to(xa.dtype), acc)
                 slot = tl.where(sel, -1, slot)
                 s = tl.where(lane == n_lanes - 1, tl.max(slot, axis=0), -1)

@@ -23,10 +23,17 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.attention import NEG_INF, decode_reduce_kernel, default_num_splits, split_range, store_split
-from moelora.kernels.checks import cdiv, need_pow2, next_pow2
+from moelora.kernels.attention import (
+    NEG_INF,
+    bad,
+    check_meta,
+    decode_reduce_kernel,
+    default_num_splits,
+    split_range,
+    store_split,
+)
+from moelora.kernels.checks import FLOAT_DTYPES, cdiv, need_pow2, next_pow2
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_LATENT = 1024
 _MAX_ROPE = 256
 
@@ -112,18 +119,14 @@ def _mla_split_kernel(qa_ptr, qr_ptr, cache_ptr, out_ptr, bt_ptr, seq_lens_ptr, 
                 stride_ot, stride_oh, NUM_SPLITS, BLOCK_C)
 
 
-def _bad(name, t, want):
-    raise ValueError(f"{name} must be {want}, got {tuple(t.shape)} {t.dtype} on {t.device}")
-
-
 def _check(q_abs, q_rope, entries, cache, meta):
-    if q_abs.dim() != 3 or q_abs.dtype not in _FLOAT_DTYPES or q_abs.stride(2) != 1:
-        _bad("q_abs", q_abs, "[T, N, C] fp16/bf16/fp32 with unit last stride")
+    if q_abs.dim() != 3 or q_abs.dtype not in FLOAT_DTYPES or q_abs.stride(2) != 1:
+        bad("q_abs", q_abs, "[T, N, C] fp16/bf16/fp32 with unit last stride")
     T, N, C = q_abs.shape
     dev, dt = q_abs.device, q_abs.dtype
     if q_rope.dim() != 3 or tuple(q_rope.shape[:2]) != (T, N) or q_rope.dtype != dt or q_rope.stride(2) != 1 \
             or q_rope.device != dev:
-        _bad("q_rope", q_rope, f"[T={T}, N={N}, Dr] {dt} with unit last stride on {dev}")
+        bad("q_rope", q_rope, f"[T={T}, N={N}, Dr] {dt} with unit last stride on {dev}")
     Dr = q_rope.shape[2]
     if not 1 <= C <= _MAX_LATENT or not 1 <= Dr <= _MAX_ROPE:
         raise ValueError(f"latent width C must be in [1, {_MAX_LATENT}] and rope width Dr in [1, {_MAX_ROPE}], "
@@ -131,22 +134,11 @@ def _check(q_abs, q_rope, entries, cache, meta):
     if N < 1:
         raise ValueError(f"need at least one head, got N={N}")
     if tuple(entries.shape) != (T, C + Dr) or entries.dtype != dt or entries.stride(1) != 1 or entries.device != dev:
-        _bad("entries", entries, f"[T={T}, C+Dr={C + Dr}] {dt} with unit last stride on {dev}")
+        bad("entries", entries, f"[T={T}, C+Dr={C + Dr}] {dt} with unit last stride on {dev}")
     if cache.dim() != 3 or cache.shape[2] != C + Dr or cache.dtype != dt or not cache.is_contiguous() \
             or cache.device != dev:
-        _bad("cache", cache, f"contiguous [NB, BS, C+Dr={C + Dr}] {dt} on {dev}")
-    if meta.block_tables.dim() != 2:
-        _bad("meta.block_tables", meta.block_tables, "[B, MB] int32")
-    B, MB = meta.block_tables.shape
-    for name, t, shape, dtype in (("slot_mapping", meta.slot_mapping, (T,), torch.int64),
-                                  ("block_tables", meta.block_tables, (B, MB), torch.int32),
-                                  ("seq_lens", meta.seq_lens, (B,), torch.int32),
-                                  ("query_start", meta.query_start, (B + 1,), torch.int32)):
-        if tuple(t.shape) != shape or t.dtype != dtype or t.device != dev:
-            _bad(f"meta.{name}", t, f"{list(shape)} {dtype} on {dev}")
-    if meta.block_tables.stride(1) != 1 or not meta.seq_lens.is_contiguous() \
-            or not meta.query_start.is_contiguous() or not meta.slot_mapping.is_contiguous():
-        raise ValueError("meta tensors must be contiguous (block_tables: unit last stride)")
+        bad("cache", cache, f"contiguous [NB, BS, C+Dr={C + Dr}] {dt} on {dev}")
+    B = check_meta(meta, T, dev)
     if T > 0 and meta.max_query_len != 1:
         raise ValueError(f"mla_decode_attention is decode only (one query per sequence): meta.max_query_len "
                          f"must be 1, got {meta.max_query_len}")

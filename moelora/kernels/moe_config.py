@@ -5,7 +5,8 @@ Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k.
   entry = {"tiles": {"block_m", "gate_up", "down", "use_tma", "plan_per_route"},
            "lora": {"path": name, <that path's fields>, "wide": {"path": ..., ...} (optional)}}
 A launch takes the smallest tuned M >= T (else the largest), else `default_fused_moe_config`; nothing is
-autotuned while serving. An unknown key (a removed knob, a typo) is a ConfigError naming it.
+autotuned while serving. An unknown key (a removed knob, a typo) is a ValueError naming it (the engine's
+`EngineConfig.resolve` checks a user's table with `check_table_file` and reports a ConfigError).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from moelora.errors import ConfigError
 from moelora.kernels.checks import need_pow2
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -86,15 +86,15 @@ class FusedMoEConfig:
         return self.with_lora(replace(cfg, **knobs))
 
     def to_dict(self) -> dict:
-        lora = _lora_dict(self.lora)
+        lora = {"path": self.lora.path, **asdict(self.lora)}
         if self.lora_wide is not None:
-            lora["wide"] = _lora_dict(self.lora_wide)
+            lora["wide"] = {"path": self.lora_wide.path, **asdict(self.lora_wide)}
         return {"tiles": {k: asdict(v) if is_dataclass(v) else v for k in _TILE_KEYS for v in [getattr(self, k)]},
                 "lora": lora}
 
     @staticmethod
     def from_dict(d: dict) -> FusedMoEConfig:
-        """The config of one table entry (`to_dict`'s form); an unknown or missing key raises ConfigError."""
+        """The config of one table entry (`to_dict`'s form); an unknown or missing key raises ValueError."""
         _need_keys(d, {"tiles", "lora"}, {"tiles", "lora"}, "fused-MoE table entry")
         _need_keys(d["tiles"], set(_TILE_KEYS), {"block_m", "gate_up", "down"}, "fused-MoE table entry's tiles")
         tiles = {k: _strict(GemmTile, v, f"tiles.{k}") if k in ("gate_up", "down") else v
@@ -105,27 +105,23 @@ class FusedMoEConfig:
                               lora_wide=None if wide is None else _lora_from(wide, "lora.wide"))
 
 
-def _lora_dict(cfg) -> dict:
-    return {"path": cfg.path, **asdict(cfg)}
-
-
 def _lora_from(d: dict, where: str):
     paths = lora_paths()
     if not isinstance(d, dict) or d.get("path") not in paths:
-        raise ConfigError(f"fused-MoE table entry's {where} must name a path of {sorted(paths)}, got {d!r}")
+        raise ValueError(f"fused-MoE table entry's {where} must name a path of {sorted(paths)}, got {d!r}")
     return _strict(paths[d["path"]].config, {k: v for k, v in d.items() if k != "path"}, where)
 
 
 def _need_keys(d, known: set, required: set, where: str) -> None:
     if not isinstance(d, dict):
-        raise ConfigError(f"{where} must be an object, got {d!r}")
+        raise ValueError(f"{where} must be an object, got {d!r}")
     unknown, missing = sorted(set(d) - known), sorted(required - set(d))
     if unknown or missing:
-        raise ConfigError(f"{where}: unknown keys {unknown}, missing keys {missing} (known: {sorted(known)})")
+        raise ValueError(f"{where}: unknown keys {unknown}, missing keys {missing} (known: {sorted(known)})")
 
 
 def _strict(cls, d, where: str):
-    """cls(**d), its nested dataclass fields built the same way; a key cls lacks raises ConfigError."""
+    """cls(**d), its nested dataclass fields built the same way; a key cls lacks raises ValueError."""
     names = {f.name: f for f in fields(cls)}
     _need_keys(d, set(names), set(), f"fused-MoE table entry's {where}")
     kw = {}
@@ -136,18 +132,13 @@ def _strict(cls, d, where: str):
     return cls(**kw)
 
 
-def default_lora_split_k(num_tokens: int, top_k: int) -> int:
-    """Separate-shrink splits: many with few plan blocks (decode), none once the blocks fill the GPU."""
-    routes = num_tokens * top_k
-    return 8 if routes <= 1024 else 2 if routes <= 8192 else 1
-
-
 def default_fused_moe_config(num_experts: int, hidden: int, inter: int, num_tokens: int,
                              top_k: int) -> FusedMoEConfig:
-    """Heuristic for shapes with no tuned entry, by routes per expert."""
-    per_expert = num_tokens * top_k / max(1, num_experts)
-    split = default_lora_split_k(num_tokens, top_k)
-    lora = _separate(split_k=split)
+    """Heuristic for shapes with no tuned entry, by routes per expert; the separate shrink split many ways with
+    few plan blocks (decode), none once the blocks fill the GPU."""
+    routes = num_tokens * top_k
+    per_expert = routes / max(1, num_experts)
+    lora = _separate(split_k=8 if routes <= 1024 else 2 if routes <= 8192 else 1)
     if per_expert <= 16:
         tile = GemmTile(64, 128, 4, 4)
         return FusedMoEConfig(16, tile, tile, lora=lora)
@@ -168,36 +159,48 @@ def shape_key(num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> 
 
 
 @functools.lru_cache(maxsize=16)
-def _load_table(path: str) -> dict:
+def load_table(path: str) -> dict:
+    """A table file's {shape_key: {M: entry}} ({} for no file: the GPU has no tuned table)."""
     p = Path(path)
     if not p.is_file():
         return {}
-    return json.loads(p.read_text())["configs"]
+    table = json.loads(p.read_text())
+    if not isinstance(table, dict) or not isinstance(table.get("configs"), dict):
+        raise ValueError(f'fused-MoE table {p} must be an object with a "configs" object')
+    return table["configs"]
+
+
+@functools.lru_cache(maxsize=16)
+def table_file(device_name: str, table: str | None = None) -> str:
+    """`table`, else the package's table for `device_name` (which may not exist)."""
+    return table or str(CONFIG_DIR / f"fused_moe_{device_tag(device_name)}.json")
 
 
 def check_table_file(path: str | Path) -> str:
-    """The absolute path of a fused-MoE table file, or FileNotFoundError."""
+    """The absolute path of a fused-MoE table file, FileNotFoundError without one, ValueError naming the first
+    entry (shape, M) that does not parse."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"no fused-MoE table file at {p}")
+    for shape, per_m in load_table.__wrapped__(str(p)).items():  # the file as it is now, not as cached
+        for m, entry in per_m.items():
+            try:
+                FusedMoEConfig.from_dict(entry)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{p}: entry {shape} M={m}: {e}") from None
     return str(p.resolve())
 
 
 def tuned_fused_moe_config(num_experts: int, hidden: int, inter: int, num_tokens: int, top_k: int,
                            dtype: torch.dtype, device_name: str, table: str | None = None) -> FusedMoEConfig:
     """This shape's config from `table` (else the package's table for `device_name`; else the heuristic)."""
-    return _tuned_config(num_experts, hidden, inter, num_tokens, top_k, dtype, table or _package_table(device_name))
-
-
-@functools.lru_cache(maxsize=16)
-def _package_table(device_name: str) -> str:
-    return str(CONFIG_DIR / f"fused_moe_{device_tag(device_name)}.json")
+    return _tuned_config(num_experts, hidden, inter, num_tokens, top_k, dtype, table_file(device_name, table))
 
 
 @functools.lru_cache(maxsize=1024)
 def _tuned_config(num_experts: int, hidden: int, inter: int, num_tokens: int, top_k: int, dtype: torch.dtype,
-                  table_file: str) -> FusedMoEConfig:
-    per_m = _load_table(table_file).get(shape_key(num_experts, hidden, inter, dtype))
+                  table: str) -> FusedMoEConfig:
+    per_m = load_table(table).get(shape_key(num_experts, hidden, inter, dtype))
     if not per_m:
         return default_fused_moe_config(num_experts, hidden, inter, num_tokens, top_k)
     ms = sorted(int(m) for m in per_m)

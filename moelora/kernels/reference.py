@@ -2,13 +2,7 @@
 
 These are also the `kernel_backend="torch"` implementation (CPU, and the GPU reference).
 Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, R max rank,
-S adapter slots, N_in / N_out a linear layer's in / out features.
-
-LoRA arguments (`DenseLoRAArgs`, `ExpertLoRAArgs`) carry per-slot stacked weights with the
-scaling already folded into B, the per-token slot (-1: no adapter) and per-slot rank. A slot of
-rank r < R has zeros beyond column r of A/B; kernels read only the first r columns. The torch
-twins loop over `active` (slot, rows) pairs that the step's `LoRABatch` built on the host once
-per step, so they never sync on a tensor value.
+S adapter slots, N_in / N_out a linear layer's in / out features. The LoRA arguments: `kernels.args`.
 """
 
 from __future__ import annotations
@@ -49,27 +43,26 @@ def lora_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return y
 
 
-def _expert_delta(h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rank: int) -> torch.Tensor:
-    return (h @ a[:rank].to(h.dtype).t()) @ b[:, :rank].to(h.dtype).t()
+def _add_expert_lora(y: torch.Tensor, h: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                     ranks: list[int]) -> None:
+    """y[rows on slot s] += (h A_s^T) B_s^T, slot by slot (a, b: one expert's [S, R, in] / [S, out, R])."""
+    for s in torch.unique(slots).tolist():
+        if s >= 0:
+            sel = (slots == s).nonzero().squeeze(1)
+            y[sel] += (h[sel] @ a[s, :ranks[s]].to(h.dtype).t()) @ b[s, :, :ranks[s]].to(h.dtype).t()
 
 
 def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   lora: ExpertLoRAArgs | None = None, act_quant: Callable | None = None,
                   expert_map: torch.Tensor | None = None) -> torch.Tensor:
-    """Routed experts with optional per-token LoRA. x [T, H], w_gate_up [E, 2I, H],
-    w_down [E, H, I], topk_weights [T, K] (applied after the down projection, in fp32),
-    topk_ids [T, K] -> out [T, H] (a new tensor; x is never written).
-
+    """x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], topk_weights [T, K], topk_ids [T, K] -> new out [T, H].
     For route (t, k) on expert e with token slot s:
       gu = x_t W_gu[e]^T + (x_t A_gu[s,e]^T) B_gu[s,e]^T;  h = silu(gu[:I]) * gu[I:]
-      y  = h W_d[e]^T + (h A_d[s,e]^T) B_d[s,e]^T;         out_t += w_tk * y
-    Loops over experts on the host with index lists: correct everywhere, syncs on CUDA (the
-    Triton path is the graph-safe one). `act_quant` (the FP8 W8A8 twin, `moelora.quant`): rounds the
-    base GEMMs' inputs x_t and h; the LoRA terms read them as they are. `expert_map` (expert parallelism,
-    `local_expert_ids`): topk_ids are global, the weights and LoRA this rank's experts; a route to another
-    rank's expert adds nothing and costs nothing.
-    """
+      y  = h W_d[e]^T + (h A_d[s,e]^T) B_d[s,e]^T;         out_t += w_tk * y   (fp32)
+    A host loop over experts (syncs on CUDA: the Triton path is the graph-safe one). `act_quant` (the FP8 W8A8
+    twin): rounds the base GEMMs' inputs, not the LoRA terms'. `expert_map` (`local_expert_ids`): topk_ids
+    are global, the weights and LoRA this rank's experts; another rank's route adds nothing."""
     base_in = (lambda t: t) if act_quant is None else act_quant
     T, H = x.shape
     inter = w_down.shape[2]
@@ -90,21 +83,12 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         xe = x.index_select(0, tok)
         gu = base_in(xe) @ w_gate_up[e].t()
         if slot_of_row is not None:
-            gu = gu.clone()
             slots = slot_of_row.index_select(0, tok)
-            for s in torch.unique(slots).tolist():
-                if s < 0:
-                    continue
-                sel = (slots == s).nonzero().squeeze(1)
-                gu[sel] += _expert_delta(xe[sel], lora.gate_up_a[s, e], lora.gate_up_b[s, e], gu_ranks[s])
+            _add_expert_lora(gu, xe, slots, lora.gate_up_a[:, e], lora.gate_up_b[:, e], gu_ranks)
         h = F.silu(gu[:, :inter]) * gu[:, inter:]
         y = base_in(h) @ w_down[e].t()
         if slot_of_row is not None:
-            for s in torch.unique(slots).tolist():
-                if s < 0:
-                    continue
-                sel = (slots == s).nonzero().squeeze(1)
-                y[sel] += _expert_delta(h[sel], lora.down_a[s, e], lora.down_b[s, e], d_ranks[s])
+            _add_expert_lora(y, h, slots, lora.down_a[:, e], lora.down_b[:, e], d_ranks)
         w = topk_weights.reshape(-1).index_select(0, route).to(torch.float32)
         out.index_add_(0, tok, y.to(torch.float32) * w[:, None])
     return out.to(x.dtype)
@@ -167,12 +151,8 @@ def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 
 def paged_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
-    """Causal GQA attention of the step's queries q [T, N, D] over each sequence's cached context.
-
-    Writes k/v [T, N_kv, D] into the caches first (`write_kv_ref`), then for every sequence in
-    `meta.seqs` gathers its blocks and attends; query i of a sequence sits at position
-    seq_len - q_len + i. Returns a new [T, N, D] tensor.
-    """
+    """Causal GQA attention of q [T, N, D] over each sequence's cache after `write_kv_ref` of k/v [T, N_kv, D];
+    query i of a sequence sits at position seq_len - q_len + i. -> new [T, N, D]."""
     write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
     T, N, D = q.shape
     bs, n_kv = k_cache.shape[1], k_cache.shape[2]
@@ -249,15 +229,9 @@ def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Te
 
 def mla_decode_attention_ref(q_abs: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor,
                              cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
-    """Decode MLA with absorbed weights over the latent cache (twin of `mla_attention.mla_decode_attention`).
-
-    q_abs [T, N, C], q_rope [T, N, Dr], entries [T, C + Dr] are written into the caller's cache
-    [NB, BS, C + Dr] at meta.slot_mapping first. Each sequence b (one query row, query_start[b])
-    attends over its seq_lens[b] cached positions:
-      o_lat = softmax_j(scale * (q_abs . latent_j + q_rope . krot_j)) . latent_j   -> new [T, N, C]
-    No host loop or sync: every block-table row is gathered whole ([B, MB * BS, C + Dr]) and masked
-    past seq_len; scores and softmax in fp32 (fp64 stays fp64).
-    """
+    """Twin of `mla_attention.mla_decode_attention` (shapes there): entries stored at meta.slot_mapping, then
+    o_lat = softmax_j(scale * (q_abs . latent_j + q_rope . krot_j)) . latent_j -> new [T, N, C]. No host loop
+    or sync: every block-table row is gathered whole and masked past seq_len; fp32 scores (fp64 stays fp64)."""
     T, N, C = q_abs.shape
     width = cache.shape[-1]
     cache.view(-1, width).index_copy_(0, meta.slot_mapping, entries.to(cache.dtype))

@@ -32,6 +32,9 @@ class LayerOptions:
     mla_absorbed_decode: bool = True  # MLA decode in the absorbed form (off: the expanded torch path, eager)
     merge_qkv: bool = True  # q/k/v as one GEMM and one LoRA pair (off: three projections)
     dense_lora_policy: DenseLoRAPolicy = DENSE_LORA_POLICY  # which dense LoRA mode a call takes (Triton)
+    # the modules that keep LoRA slots (None: every site): the model's constructor drops the others' slots
+    # (`models.lora_targets`) before anyone holds the model
+    lora_target_modules: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if self.kernel_backend not in BACKENDS:
@@ -43,16 +46,17 @@ DEFAULT_OPTIONS = LayerOptions()
 
 def adopt_tensors(twin: nn.Module, source: nn.Module) -> nn.Module:
     """`twin`, built as `source` was but with other options, holding `source`'s parameters and buffers (the
-    same tensors, no copy: a LoRA slot written in one is written in the other) and its LoRA sites (`has_lora`,
-    as `models.lora_targets` left them). Move `source` to its device first: `.to()` replaces buffers, and a
-    twin made before would keep the old ones."""
+    same tensors, no copy: a LoRA slot written in one is written in the other) and the LoRA sites both kept
+    (`has_lora`: a site the twin's own targets dropped stays dropped, and one `source` dropped has no slots to
+    share). Move `source` to its device first: `.to()` replaces buffers, and a twin made before would keep the
+    old ones."""
     for mine, its in zip(source.modules(), twin.modules(), strict=True):
         if type(mine) is not type(its):
             raise ValueError(f"twin differs from its source: {type(its).__name__} where {type(mine).__name__} is")
         its._parameters.update(mine._parameters)
-        its._buffers.update(mine._buffers)
+        its._buffers.update({k: v for k, v in mine._buffers.items() if its._buffers.get(k, v) is not None})
         if hasattr(mine, "has_lora"):
-            its.has_lora = mine.has_lora
+            its.has_lora = its.has_lora and mine.has_lora
         stale = [k for k, v in vars(its).items()
                  if isinstance(v, torch.Tensor) and v.is_meta and not getattr(mine, k).is_meta]
         if stale:  # a tensor outside the parameters and buffers would stay the twin's own (on the meta device)

@@ -32,6 +32,7 @@ from moelora.layers.rotary import RotaryEmbedding
 from moelora.layers.router import RoutingSpec
 from moelora.lora.adapter import LoRAAdapter
 from moelora.lora.batch import LoRABatch
+from moelora.models.lora_targets import restrict_lora_sites
 from moelora.quant.config import FP8Config
 
 
@@ -126,6 +127,7 @@ class MoECausalLM(nn.Module):
         head_rows = cfg.vocab_size if shard is None else shard.plan.vocab(cfg)[2]
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, head_rows, bias=False, dtype=dtype)
+        restrict_lora_sites(self, options.lora_target_modules)  # the sites this model serves LoRA at
 
     @staticmethod
     def make_attention(cfg: ModelConfig, shard=None, **kw) -> nn.Module:

@@ -1,5 +1,5 @@
-"""Which modules carry LoRA (`EngineConfig.lora_target_modules`): every other site drops its slot
-buffers, so it launches no LoRA kernel and holds no adapter memory.
+"""Which modules carry LoRA (`EngineConfig.lora_target_modules`, a `LayerOptions` field the model's constructor
+applies): every other site drops its slot buffers, so it launches no LoRA kernel and holds no adapter memory.
 
 A target names modules by dotted name components, as PEFT's `target_modules` do: "q_proj" matches
 every `...self_attn.q_proj`, "experts" both routed-expert projections of every MoE layer,

@@ -10,7 +10,6 @@ import torch
 
 from moelora.config import ModelConfig
 from moelora.engine.config import EngineConfig
-from moelora.models.lora_targets import restrict_lora_sites
 from moelora.models.registry import model_class
 from moelora.models.weights import init_dummy_weights
 from moelora.parallel.control import JOIN_TIMEOUT_S
@@ -58,7 +57,6 @@ def build_rank_model(model_dir: str | Path, cfg: EngineConfig, shard: Shard, loa
         load_sharded_checkpoint(model_dir, model.weight_params(), full_shapes(model_cfg, cfg), shard.plan,
                                 model_cfg, fp8 and FP8Loading(fp8))
     model.eval()
-    restrict_lora_sites(model, cfg.lora_target_modules)
     if cfg.torch_device.type == "cuda":
         torch.cuda.empty_cache()
     return model

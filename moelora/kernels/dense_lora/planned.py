@@ -19,9 +19,6 @@ from moelora.kernels.dense_lora.base import Segments, base_gemm
 from moelora.kernels.lora_tiles import lora_b_tile_cols, lora_shrink_rows
 from moelora.kernels.moe_plan import MoERoutingPlan, build_routing_plan
 
-# programs to aim for (plan blocks x column splits) when plan_cols is 0: two per SM of an H200
-PLANNED_TARGET_PROGRAMS = 264
-
 
 class Planned:
     name = "planned"
@@ -39,10 +36,13 @@ def add_delta(x, out, lora, cfg) -> None:
     plan = lora.row_plan
     if plan is None or plan.block_m != cfg.block_m:
         plan = row_plan(lora.token_slots, S, cfg.block_m)
-    seg = Segments(lora)
-    cols = cfg.plan_cols or planned_cols(T, n_out, S, cfg.block_m, cfg.block_n, PLANNED_TARGET_PROGRAMS)
-    planned_delta(x, out, lora.a, lora.b, lora.slot_ranks, plan, seg.bounds or (0, n_out), seg.r_seg, seg.block_r,
-                  cols, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
+    seg, a, b = Segments(lora), lora.a, lora.b
+    bounds = seg.bounds or (0, n_out)
+    planned_delta_kernel[(plan.max_blocks, cdiv(n_out, cfg.plan_cols))](
+        x, out, a, b, lora.slot_ranks, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, T, a.shape[2],
+        S, cfg.plan_cols, seg.r_seg, x.stride(0), out.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        BM=plan.block_m, BN=cfg.block_n, BK=cfg.block_k, BLOCK_R=seg.block_r, G=len(bounds) - 1,
+        SEG_BOUNDS=tuple(bounds), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def row_plan(token_slots: torch.Tensor, n_slots: int, block_m: int) -> MoERoutingPlan:
@@ -55,7 +55,7 @@ def _add_expanded(xa, b_s, y_rows, valid, c0, c1, stride_bn, rank, BN: tl.conste
     """y[rows, c0:c1] += xa @ B_s^T, BN columns a step (fp32 add); rows past `valid` untouched."""
     for n0 in range(c0, c1, BN):
         offs_n = n0 + tl.arange(0, BN)
-        bt = lora_b_tile_cols(b_s, offs_n, n0, c1, stride_bn, rank, 0, BLOCK_R)
+        bt = lora_b_tile_cols(b_s, offs_n, (offs_n >= n0) & (offs_n < c1), stride_bn, rank, 0, BLOCK_R)
         mask = valid[:, None] & (offs_n[None, :] < c1)
         y = tl.load(y_rows + offs_n[None, :], mask=mask, other=0.0)
         d = tl.dot(xa, bt.to(xa.dtype))
@@ -94,22 +94,3 @@ def planned_delta_kernel(
                 _add_expanded(xa.to(y_ptr.dtype.element_ty), b_s, y_rows, valid, c0, c1, stride_bn, rank, BN,
                               BLOCK_R)
 
-
-def planned_delta(src: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slot_ranks: torch.Tensor,
-                  plan: MoERoutingPlan, bounds: tuple[int, ...], r_seg: int, block_r: int, cols_per_program: int,
-                  block_n: int, block_k: int, num_warps: int, num_stages: int) -> None:
-    """out[t] += its LoRA delta for the rows of `plan`; a [S, G r_seg, N_in], b [S, N_out, r_seg], bounds G + 1."""
-    grid = (plan.max_blocks, cdiv(bounds[-1], cols_per_program))
-    planned_delta_kernel[grid](
-        src, out, a, b, slot_ranks, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded,
-        out.shape[0], a.shape[2], a.shape[0], cols_per_program, r_seg, src.stride(0), out.stride(0), a.stride(0),
-        a.stride(1), b.stride(0), b.stride(1), BM=plan.block_m, BN=block_n, BK=block_k, BLOCK_R=block_r,
-        G=len(bounds) - 1, SEG_BOUNDS=tuple(bounds), num_warps=num_warps,
-        num_stages=num_stages)
-
-
-def planned_cols(T: int, n_out: int, n_slots: int, block_m: int, block_n: int, target_programs: int) -> int:
-    """Columns a program (a multiple of block_n) so that likely blocks x column splits ~ `target_programs`."""
-    blocks = cdiv(T, block_m) + min(n_slots, T) // 2
-    splits = max(1, min(cdiv(n_out, block_n), cdiv(target_programs, max(1, blocks))))
-    return cdiv(cdiv(n_out, splits), block_n) * block_n

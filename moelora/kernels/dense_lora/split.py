@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.args import DenseLoRAArgs
 from moelora.kernels.checks import cdiv, next_pow2
 from moelora.kernels.dense_lora.base import Segments, base_gemm
 from moelora.kernels.lora_tiles import dense_shrink_program, expand_tile, lane_rows
@@ -52,52 +53,41 @@ class ShrinkLaunch(NamedTuple):
     """The dense shrink's launch and what the expand needs of it (split launches it, splitk folds it in)."""
 
     xa: torch.Tensor
-    a: torch.Tensor
-    slots: torch.Tensor
-    ranks: torch.Tensor
+    lora: DenseLoRAArgs
+    seg: Segments
     n_split: int
     chunk: int
     lanes: int
     block_m: int
     block_k: int
     s_p2: int
-    r_seg: int
-    G: int
-    block_r: int
-    g_p2: int
-    bounds: tuple[int, ...] | None
-
-
-def shrink_split(T: int, n_in: int, block_r: int, cfg) -> tuple[int, int]:
-    """(P chunks, chunk length) so that row blocks x P ~ the target, P capped to keep the expand from spilling."""
-    n_kb = max(1, cdiv(n_in, cfg.block_k))
-    want = cfg.split_k
-    if not want:
-        budget = max(1, 32 * 32 * cfg.num_warps // (cfg.block_m * block_r))
-        want = min(budget, cdiv(SHRINK_TARGET_PROGRAMS, cdiv(T, cfg.shrink_block_m)))
-    chunk = cdiv(n_kb, max(1, min(want, n_kb))) * cfg.block_k
-    return max(1, cdiv(n_in, chunk)), chunk
 
 
 def shrink_setup(x, lora, T, n_in, cfg) -> ShrinkLaunch:
-    """The shrink's launch, its xa [P, T, G * BLOCK_R] fp32 allocated here on the current stream."""
-    seg = Segments(lora)
-    n_split, chunk = shrink_split(T, n_in, seg.block_r, cfg)
+    """The shrink's launch, its xa [P, T, G * BLOCK_R] fp32 allocated here on the current stream: P chunks of N_in
+    so that row blocks x P ~ the target, P capped to keep the expand from spilling."""
+    seg, S = Segments(lora), lora.a.shape[0]
+    n_kb = max(1, cdiv(n_in, cfg.block_k))
+    want = cfg.split_k
+    if not want:
+        budget = max(1, 32 * 32 * cfg.num_warps // (cfg.block_m * seg.block_r))
+        want = min(budget, cdiv(SHRINK_TARGET_PROGRAMS, cdiv(T, cfg.shrink_block_m)))
+    chunk = cdiv(n_kb, max(1, min(want, n_kb))) * cfg.block_k
+    n_split = max(1, cdiv(n_in, chunk))
     xa = torch.empty(n_split, T, seg.G * seg.block_r, dtype=torch.float32, device=x.device)
-    S = lora.a.shape[0]
-    return ShrinkLaunch(xa, lora.a, lora.token_slots, lora.slot_ranks, n_split, chunk,
-                        min(S, cfg.shrink_block_m, cfg.slot_lanes), cfg.shrink_block_m, cfg.block_k,
-                        next_pow2(S), seg.r_seg, seg.G, seg.block_r, seg.g_p2, seg.bounds)
+    return ShrinkLaunch(xa, lora, seg, n_split, chunk, min(S, cfg.shrink_block_m, cfg.slot_lanes), cfg.shrink_block_m,
+                        cfg.block_k, next_pow2(S))
 
 
 def shrink(x, lora, T, n_in, cfg, side_stream=None) -> ShrinkLaunch:
     """Launch the shrink (on `side_stream` when given); xa was allocated before the fork, read after the join."""
     sh = shrink_setup(x, lora, T, n_in, cfg)
     with forked(side_stream, x.device):
-        _lora_shrink_kernel[(cdiv(T, sh.block_m), sh.n_split * sh.G, sh.lanes)](
+        _lora_shrink_kernel[(cdiv(T, sh.block_m), sh.n_split * sh.seg.G, sh.lanes)](
             x, sh.xa, lora.a, lora.token_slots, lora.slot_ranks, T, n_in, lora.a.shape[0], sh.chunk, sh.lanes,
-            sh.r_seg, x.stride(0), sh.xa.stride(0), lora.a.stride(0), lora.a.stride(1), BM=sh.block_m,
-            BLOCK_R=sh.block_r, BK=sh.block_k, S_P2=sh.s_p2, G=sh.G, num_warps=4, num_stages=cfg.shrink_num_stages)
+            sh.seg.r_seg, x.stride(0), sh.xa.stride(0), lora.a.stride(0), lora.a.stride(1), BM=sh.block_m,
+            BLOCK_R=sh.seg.block_r, BK=sh.block_k, S_P2=sh.s_p2, G=sh.seg.G, num_warps=4,
+            num_stages=cfg.shrink_num_stages)
     return sh
 
 
@@ -106,9 +96,9 @@ def expand(out, lora, T, n_out, cfg, sh: ShrinkLaunch):
     lanes = min(S, cfg.block_m, cfg.slot_lanes)
     _lora_expand_add_kernel[(cdiv(T, cfg.block_m), cdiv(n_out, cfg.block_n), lanes)](
         sh.xa, out, lora.b, lora.token_slots, lora.slot_ranks, T, n_out, S, lanes, sh.xa.stride(0), out.stride(0),
-        lora.b.stride(0), lora.b.stride(1), BM=cfg.block_m, BN=cfg.block_n, BLOCK_R=sh.block_r, SPLIT=sh.n_split,
-        S_P2=sh.s_p2, G=sh.G, G_P2=sh.g_p2, SEG_BOUNDS=sh.bounds, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        lora.b.stride(0), lora.b.stride(1), BM=cfg.block_m, BN=cfg.block_n, BLOCK_R=sh.seg.block_r,
+        SPLIT=sh.n_split, S_P2=sh.s_p2, G=sh.seg.G, G_P2=sh.seg.g_p2, SEG_BOUNDS=sh.seg.bounds,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 @triton.jit

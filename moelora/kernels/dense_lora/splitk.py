@@ -137,12 +137,13 @@ def splitk_partials(x: torch.Tensor, weight: torch.Tensor, split_k: int, block_n
         lora = (ws, ws, ws, ws, 0, 0, 1, 0, 0, 0, 0, 1, 0)
         consts = dict(HAS_LORA=False, S_BM=16, BLOCK_R=16, S_BK=16, S_P2=1, G=1)
     else:
-        sh = shrink
-        n_pg = sh.n_split * sh.G
+        sh, a = shrink, shrink.lora.a
+        n_pg = sh.n_split * sh.seg.G
         n_shrink = cdiv(T, sh.block_m) * n_pg * sh.lanes
-        lora = (sh.xa, sh.a, sh.slots, sh.ranks, sh.a.shape[0], sh.chunk, sh.lanes, sh.r_seg, sh.xa.stride(0),
-                sh.a.stride(0), sh.a.stride(1), n_pg, n_shrink)
-        consts = dict(HAS_LORA=True, S_BM=sh.block_m, BLOCK_R=sh.block_r, S_BK=sh.block_k, S_P2=sh.s_p2, G=sh.G)
+        lora = (sh.xa, a, sh.lora.token_slots, sh.lora.slot_ranks, a.shape[0], sh.chunk, sh.lanes, sh.seg.r_seg,
+                sh.xa.stride(0), a.stride(0), a.stride(1), n_pg, n_shrink)
+        consts = dict(HAS_LORA=True, S_BM=sh.block_m, BLOCK_R=sh.seg.block_r, S_BK=sh.block_k, S_P2=sh.s_p2,
+                      G=sh.seg.G)
     splitk_partial_kernel[(lora[-1] + n_gemm,)](
         x, weight, ws, T, n_in, n_out, chunk, x.stride(0), weight.stride(0), ws.stride(0), n_tiles_n, n_split,
         *lora, BM=bm, BN=block_n, BK=block_k, num_warps=4, num_stages=3, **consts)
@@ -153,15 +154,13 @@ def splitk_reduce(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None
                   block_m: int, block_n: int, slot_lanes: int, num_warps: int = 4) -> None:
     """out = sum of the partials (+ bias) (+ the expand of `lora` from `shrink`'s xa)."""
     T, n_out = out.shape
-    has_lora = lora is not None
-    if has_lora:
-        sh = shrink
-        S = lora.a.shape[0]
+    if lora is not None:
+        sh, S = shrink, lora.a.shape[0]
         lanes = min(S, block_m, slot_lanes)
         lora_args = (sh.xa, lora.b, lora.token_slots, lora.slot_ranks, S, lanes, sh.xa.stride(0), lora.b.stride(0),
                      lora.b.stride(1))
-        consts = dict(BLOCK_R=sh.block_r, XA_SPLIT=sh.n_split, S_P2=sh.s_p2, G=sh.G, G_P2=sh.g_p2,
-                      SEG_BOUNDS=sh.bounds)
+        consts = dict(BLOCK_R=sh.seg.block_r, XA_SPLIT=sh.n_split, S_P2=sh.s_p2, G=sh.seg.G, G_P2=sh.seg.g_p2,
+                      SEG_BOUNDS=sh.seg.bounds)
     else:
         lanes = 0
         lora_args = (ws, ws, ws, ws, 0, 0, 0, 0, 0)
@@ -169,5 +168,5 @@ def splitk_reduce(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None
     xa_, b_, slots_, ranks_, n_slots, n_lanes, stride_xap, stride_bs, stride_bn = lora_args
     splitk_reduce_kernel[(cdiv(T, block_m), cdiv(n_out, block_n), 1 + lanes)](
         ws, out, ws if bias is None else bias, xa_, b_, slots_, ranks_, T, n_out, n_slots, n_lanes, ws.stride(0),
-        out.stride(0), stride_xap, stride_bs, stride_bn, HAS_BIAS=bias is not None, HAS_LORA=has_lora,
+        out.stride(0), stride_xap, stride_bs, stride_bn, HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
         SPLIT_K=ws.shape[0], BM=block_m, BN=block_n, num_warps=num_warps, **consts)

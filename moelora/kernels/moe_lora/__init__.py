@@ -16,10 +16,5 @@ from moelora.kernels.moe_lora.stacked import Stacked, StackedConfig
 PATHS: dict[str, type[MoELoRAPath]] = {p.name: p for p in (Separate, Route, Block, Stacked, Spread)}
 
 __all__ = ["PATHS", "Block", "BlockConfig", "MoECall", "MoELoRAPath", "Route", "RouteConfig", "Separate",
-           "SeparateConfig", "Spread", "SpreadConfig", "Stacked", "StackedConfig", "path_for"]
+           "SeparateConfig", "Spread", "SpreadConfig", "Stacked", "StackedConfig"]
 
-
-def path_for(cfg, call: MoECall) -> MoELoRAPath:
-    """The path object of one call: cfg's path, or the one it resolves to for this pool (`resolve`)."""
-    cls, cfg = PATHS[cfg.path].resolve(cfg, call.n_slots, call.block_r)
-    return cls(call, cfg)

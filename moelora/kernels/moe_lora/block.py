@@ -59,29 +59,25 @@ class Block(DeltaPath):
         sub = [BlockConfig(block_n=bn, block_k=bk, block_m=16) for bn, bk in ((256, 128), (128, 128), (256, 256))]
         return [BlockConfig(), *wide, *(sub if block_m > 16 else [])]
 
-    def delta(self, src, delta, which) -> None:
-        block_delta(self.call, self.cfg, src, delta, which)
-
-
-def block_delta(call, cfg: BlockConfig, src, delta, which: str) -> None:
-    """delta [T*K, N] of every route with LoRA, per (plan block, slot)."""
-    plan, lora = call.plan, call.lora
-    a, b, ranks = site(lora, which)
-    n_out, k_dim = b.shape[2], a.shape[3]
-    lanes = min(BLOCK_LANES, a.shape[0])
-    bn = cfg.block_n
-    # split N only when blocks x lanes alone leave SMs idle (each split repeats the block's shrink)
-    n_split = max(1, min(cdiv(n_out, bn), cdiv(BLOCK_TARGET_PROGRAMS, plan.num_routes)))
-    per_split = cdiv(cdiv(n_out, n_split), bn) * bn
-    sub = max(1, plan.block_m // (cfg.block_m or plan.block_m))  # programs per plan block
-    grid = (plan.max_blocks * sub, lanes, cdiv(n_out, per_split))
-    persist = 0 < cfg.programs < grid[0] * grid[1] * grid[2]
-    lora_block_delta_kernel[(cfg.programs,) if persist else grid](
-        src, delta, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots,
-        ranks, a, b, plan.num_routes, plan.top_k, k_dim, n_out, per_split, lanes, src.stride(0),
-        delta.stride(0), a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
-        BY_PLAN_ROW=which == "down", BM=plan.block_m, BLOCK_R=call.block_r, BK=cfg.block_k, BN=bn, SUB=sub,
-        PERSIST=persist, num_warps=4)
+    def delta(self, src, delta, which: str) -> None:
+        """delta [T*K, N] of every route with LoRA, per (plan block, slot)."""
+        call, cfg, plan, lora = self.call, self.cfg, self.call.plan, self.call.lora
+        a, b, ranks = site(lora, which)
+        n_out, k_dim = b.shape[2], a.shape[3]
+        lanes = min(BLOCK_LANES, a.shape[0])
+        bn = cfg.block_n
+        # split N only when blocks x lanes alone leave SMs idle (each split repeats the block's shrink)
+        n_split = max(1, min(cdiv(n_out, bn), cdiv(BLOCK_TARGET_PROGRAMS, plan.num_routes)))
+        per_split = cdiv(cdiv(n_out, n_split), bn) * bn
+        sub = max(1, plan.block_m // (cfg.block_m or plan.block_m))  # programs per plan block
+        grid = (plan.max_blocks * sub, lanes, cdiv(n_out, per_split))
+        persist = 0 < cfg.programs < grid[0] * grid[1] * grid[2]
+        lora_block_delta_kernel[(cfg.programs,) if persist else grid](
+            src, delta, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots,
+            ranks, a, b, plan.num_routes, plan.top_k, k_dim, n_out, per_split, lanes, src.stride(0),
+            delta.stride(0), a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
+            BY_PLAN_ROW=which == "down", BM=plan.block_m, BLOCK_R=call.block_r, BK=cfg.block_k, BN=bn, SUB=sub,
+            PERSIST=persist, num_warps=4)
 
 
 @triton.jit

@@ -52,26 +52,22 @@ class Route(DeltaPath):
     def trials(cls, block_m: int) -> list:
         return [RouteConfig()]
 
-    def delta(self, src, delta, which) -> None:
-        route_delta(self.call, self.cfg, src, delta, which)
-
-
-def route_delta(call, cfg: RouteConfig, src, delta, which: str) -> None:
-    """delta [T*K, N] of every route with LoRA (gate_up: N = 2I from x; down: N = H from h [P, I])."""
-    plan, lora = call.plan, call.lora
-    a, b, ranks = site(lora, which)
-    by_row = which == "down" or cfg.order == "plan"
-    n_out, k_dim = b.shape[2], a.shape[3]
-    rows = plan.sorted_route_ids.shape[0] if by_row else plan.num_routes
-    # enough programs to cover the SMs even at a few routes, each streaming whole B rows
-    n_split = max(1, min(cdiv(n_out, ROUTE_STEP), cdiv(ROUTE_PROGRAMS, plan.num_routes)))
-    per_split = cdiv(cdiv(n_out, n_split), ROUTE_STEP) * ROUTE_STEP
-    lora_route_delta_kernel[(rows, cdiv(n_out, per_split))](
-        src, delta, call.topk_ids, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots,
-        ranks, a, b, plan.num_routes, plan.top_k, k_dim, n_out, per_split, src.stride(0), delta.stride(0),
-        a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2), BY_PLAN_ROW=by_row,
-        SRC_BY_TOKEN=which == "gate_up", BM=plan.block_m, RC=LORA_RC, BK=ROUTE_STEP, BN=ROUTE_STEP,
-        WIDE_RC=max(LORA_RC, call.block_r), WIDE_MIN=2 * LORA_RC, num_warps=cfg.warps)
+    def delta(self, src, delta, which: str) -> None:
+        """delta [T*K, N] of every route with LoRA (gate_up: N = 2I from x; down: N = H from h [P, I])."""
+        call, cfg, plan, lora = self.call, self.cfg, self.call.plan, self.call.lora
+        a, b, ranks = site(lora, which)
+        by_row = which == "down" or cfg.order == "plan"
+        n_out, k_dim = b.shape[2], a.shape[3]
+        rows = plan.sorted_route_ids.shape[0] if by_row else plan.num_routes
+        # enough programs to cover the SMs even at a few routes, each streaming whole B rows
+        n_split = max(1, min(cdiv(n_out, ROUTE_STEP), cdiv(ROUTE_PROGRAMS, plan.num_routes)))
+        per_split = cdiv(cdiv(n_out, n_split), ROUTE_STEP) * ROUTE_STEP
+        lora_route_delta_kernel[(rows, cdiv(n_out, per_split))](
+            src, delta, call.topk_ids, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots,
+            ranks, a, b, plan.num_routes, plan.top_k, k_dim, n_out, per_split, src.stride(0), delta.stride(0),
+            a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2), BY_PLAN_ROW=by_row,
+            SRC_BY_TOKEN=which == "gate_up", BM=plan.block_m, RC=LORA_RC, BK=ROUTE_STEP, BN=ROUTE_STEP,
+            WIDE_RC=max(LORA_RC, call.block_r), WIDE_MIN=2 * LORA_RC, num_warps=cfg.warps)
 
 
 @triton.jit
