@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import csv
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import ab_compare  # noqa: E402
+from tests.helpers.scripts import load_script
+
+ab_compare = load_script("scripts/ab_compare.py")
 
 
 def _write(path: Path, rows: list[dict]) -> None:

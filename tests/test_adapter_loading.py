@@ -5,14 +5,13 @@ unchanged by when the writes complete."""
 from __future__ import annotations
 
 import torch
-from test_engine import prompts, run, setup  # noqa: F401  (module fixture)
-from test_forward import engine
-from test_scheduler import fake_adapter, req
 
 from moelora.engine.kv_cache import BlockAllocator
 from moelora.engine.request import SamplingParams
 from moelora.engine.scheduler import Scheduler, SchedulerConfig
 from moelora.lora.pool import AdapterPool, SlotLoads
+from tests.helpers.models import engine
+from tests.helpers.runs import fake_adapter, prompts, req, run  # noqa: F401  (module fixture)
 
 
 class LaterLoads(SlotLoads):
@@ -99,11 +98,10 @@ def test_a_write_seen_done_is_still_joined_to_the_stream():
 def test_staged_adapter_keeps_each_sites_slot_dtype():
     """Staging for the side stream casts each site to its own slot dtype: the DeepSeek router's
     LoRA slots stay fp32 in a bf16 model (casting everything to bf16 changed routing on the H200)."""
-    from oracle import tiny_hf_model
-    from test_forward import random_adapter
-
     from moelora.config import ModelConfig
     from moelora.models.registry import model_class
+    from tests.helpers.models import random_adapter
+    from tests.helpers.oracle import tiny_hf_model
 
     hf = tiny_hf_model("deepseek_v3", seed=3, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
                        first_k_dense_replace=1, num_hidden_layers=2)

@@ -7,14 +7,14 @@ import copy
 import json
 import shutil
 
-import oracle_lora as ol
 import pytest
 import torch
-from oracle import FAMILIES, tiny_hf_model  # tests/ is on sys.path under pytest
 from safetensors.torch import load_file, save_file
 
 from moelora.errors import AdapterError
 from moelora.lora.loader import load_adapter
+from tests.helpers import oracle_lora as ol
+from tests.helpers.oracle import FAMILIES, tiny_hf_model
 
 PFX = "base_model.model."
 pytestmark = pytest.mark.filterwarnings("ignore:The following (rank|alpha)_pattern keys did not match")

@@ -3,13 +3,12 @@ adapters' rank (issue 27: `run_model` passed pool_rank=None into EngineConfig, a
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-decode = pytest.importorskip("decode")  # needs triton importable (the kernels' module imports it)
+from tests.helpers.scripts import load_script
+
+# needs triton importable (the kernels' module imports it)
+decode = load_script("benchmarks/decode.py", skip_missing=True)
 
 
 class _Built(Exception):

@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import csv
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-prefill = pytest.importorskip("prefill")  # needs triton importable (the kernels' module imports it)
-decode = pytest.importorskip("decode")
+from moelora.config import ModelConfig
+from moelora.engine.config import EngineConfig
+from moelora.engine.engine import LLMEngine
+from moelora.models.registry import model_class
+from tests.helpers.scripts import load_script
 
-from moelora.config import ModelConfig  # noqa: E402
-from moelora.engine.config import EngineConfig  # noqa: E402
-from moelora.engine.engine import LLMEngine  # noqa: E402
-from moelora.models.registry import model_class  # noqa: E402
+# both need triton importable (the kernels' module imports it)
+prefill = load_script("benchmarks/prefill.py", skip_missing=True)
+decode = load_script("benchmarks/decode.py", skip_missing=True)
 
 
 def test_flops_of_a_qwen3_30b_prompt_token():

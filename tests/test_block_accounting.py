@@ -12,13 +12,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from oracle import tiny_hf_model
-from test_forward import build, engine, random_adapter
 
 import moelora.engine.engine as engine_module
 from moelora.engine.config import EngineConfig
 from moelora.engine.request import SamplingParams
 from moelora.errors import RequestError
+from tests.helpers.models import build, engine, random_adapter
+from tests.helpers.oracle import tiny_hf_model
 
 
 @pytest.fixture(scope="module")

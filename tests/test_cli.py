@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from oracle import tiny_hf_model
-from oracle_lora import build_peft_adapter
 
 from moelora.cli import main
+from tests.helpers.oracle import tiny_hf_model
+from tests.helpers.oracle_lora import build_peft_adapter
 
 
 def test_verify_reports_each_adapter(tmp_path, capsys):

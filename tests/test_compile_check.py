@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +14,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
                 allow_module_level=True)
 import triton.language as tl  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from compile_check import Compiler  # noqa: E402
+from tests.helpers.scripts import load_script  # noqa: E402
+
+Compiler = load_script("scripts/compile_check.py").Compiler
 
 
 @triton.jit
@@ -87,8 +86,8 @@ def test_lora_b_tiles_are_vector_loads(tmp_path, monkeypatch):
     (`expand_segments`, registers)."""
     import dataclasses
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from moe_bench_common import SHAPES, make_inputs, make_layer, make_lora
+    bench = load_script("benchmarks/moe_bench_common.py")
+    SHAPES, make_inputs, make_layer, make_lora = bench.SHAPES, bench.make_inputs, bench.make_layer, bench.make_lora
 
     from moelora.kernels.args import DenseLoRAArgs
     from moelora.kernels.dense_lora import MODES as DENSE_MODES

@@ -14,11 +14,7 @@ import dataclasses
 
 import pytest
 import torch
-from oracle import tiny_hf_config, tiny_hf_model
-from oracle_lora import MLP, build_peft_adapter, merged_model, peft_model, peft_scale, per_expert_lora, write_per_expert
 from safetensors.torch import load_file, save_file
-from test_engine import greedy_by_recompute, prompts, run
-from test_forward import engine, random_adapter
 
 from moelora import LLM
 from moelora.config import ModelConfig, YarnRope
@@ -28,10 +24,25 @@ from moelora.layers.router import RoutingSpec, grouped_topk
 from moelora.lora.formats import LoRAHyperParams, canonicalize
 from moelora.models.registry import model_class
 from moelora.models.weights import load_checkpoint
+from tests.helpers.models import (
+    ATTN_SITES,
+    add_attention_factors,
+    build_from_architecture,
+    config_of,
+    engine,
+    random_adapter,
+)
+from tests.helpers.oracle import tiny_hf_config, tiny_hf_model
+from tests.helpers.oracle_lora import (
+    MLP,
+    build_peft_adapter,
+    merged_model,
+    peft_model,
+    per_expert_lora,
+    write_per_expert,
+)
+from tests.helpers.runs import greedy_by_recompute, prompts, run
 
-ATTN_SITES = {"deepseek_v2": ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
-              "deepseek_v3": ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
-              "glm4_moe": ("q_proj", "k_proj", "v_proj", "o_proj")}
 CASES = {"deepseek_v2": ("per_expert", None), "deepseek_v3": ("fused", None), "glm4_moe": ("per_expert", "30KB")}
 
 
@@ -43,31 +54,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def config_of(hf) -> ModelConfig:
-    raw = hf.config.to_dict()
-    raw["architectures"] = [type(hf).__name__]
-    return ModelConfig.from_dict(raw)
-
-
-def build(hf, max_loras=0, max_rank=0, dtype=torch.float32):
-    cfg = config_of(hf)
-    model = model_class(cfg)(cfg, max_loras=max_loras, max_rank=max_rank, dtype=dtype)
-    model.load_state_dict(hf.state_dict(), strict=True)
-    return model.eval()
-
-
-def add_attention_factors(raw, hf, family: str, seed: int, std: float = 0.2) -> None:
-    """Per-module LoRA on the attention projections `per_expert_lora` does not know (MLA's)."""
-    g = torch.Generator().manual_seed(seed)
-    for name, mod in hf.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf in ATTN_SITES[family] and name not in raw.factors:
-            rank, scale = peft_scale(raw.config, name)
-            raw.factors[name] = (std * torch.randn(rank, mod.in_features, generator=g),
-                                 std * torch.randn(mod.out_features, rank, generator=g), scale)
-    raw.config["target_modules"] = sorted(set(raw.config["target_modules"]) | set(ATTN_SITES[family]))
 
 
 @pytest.mark.parametrize("family", list(CASES))
@@ -105,7 +91,7 @@ def test_mixed_adapters_from_disk_equal_oracle(family, tmp_path):
 
 def test_deepseek_v3_paged_decode_equals_full_recompute():
     hf = tiny_hf_model("deepseek_v3", seed=7)
-    model = build(hf, max_loras=4, max_rank=8)
+    model = build_from_architecture(hf, max_loras=4, max_rank=8)
     assert model.kv_cache_shapes() == [((20 + 8,),)] * 3
     adapters = {"x": random_adapter(model, 20, 6), "y": random_adapter(model, 21, 8, frac=0.6)}
     ps = prompts(5, model.config.vocab_size)
@@ -165,7 +151,7 @@ def test_yarn_rope_equals_transformers(family, mscales):
     rope = dict(YARN, mscale=mscales[0], mscale_all_dim=mscales[1])
     extra = {"rope_interleave": False} if family == "deepseek_v3" else {}  # V2 always interleaves
     hf = tiny_hf_model(family, seed=5, rope_parameters=rope, **extra)
-    model = build(hf)
+    model = build_from_architecture(hf)
     assert model.config.rope_yarn == YarnRope(4.0, 32, 32.0, 1.0, *mscales)
     ids = torch.randint(0, hf.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

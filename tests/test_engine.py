@@ -4,41 +4,12 @@ invisible in the output; stop rules; aborts free every block."""
 from __future__ import annotations
 
 import pytest
-import torch
-from oracle import tiny_hf_model
-from test_forward import build, engine, random_adapter
 
 from moelora.engine.request import SamplingParams
 from moelora.errors import ConfigError, RequestError
 from moelora.layers.moe import Experts
-
-
-@pytest.fixture(scope="module")
-def setup():
-    hf = tiny_hf_model("qwen3_moe", seed=7)
-    model = build(hf, max_loras=4, max_rank=8)
-    adapters = {"x": random_adapter(model, 20, 6), "y": random_adapter(model, 21, 8, frac=0.6)}
-    return model, adapters
-
-
-def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (int(torch.randint(1, 14, (), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
-
-
-def run(eng, ps, names, params) -> list[list[int]]:
-    reqs = [eng.add_request(p, params, a) for p, a in zip(ps, names, strict=True)]
-    while eng.has_unfinished():
-        eng.step()
-    return [r.output_ids for r in reqs]
-
-
-def greedy_by_recompute(eng, prompt, name, n) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(eng.prompt_logits([ids], [name])[0][-1].argmax()))
-    return ids[len(prompt):]
+from tests.helpers.models import engine
+from tests.helpers.runs import greedy_by_recompute, prompts, run
 
 
 def test_paged_decode_equals_full_recompute(setup):

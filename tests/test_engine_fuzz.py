@@ -10,12 +10,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from oracle import tiny_hf_model
-from test_deepseek_glm import build
-from test_forward import engine, random_adapter
-from test_penalties import reference_row
 
 from moelora.engine.request import SamplingParams
+from tests.helpers.models import build_from_architecture, engine, random_adapter
+from tests.helpers.oracle import tiny_hf_model
+from tests.helpers.runs import reference_row
 
 
 def recompute(eng, prompt: list[int], adapter, p: SamplingParams) -> tuple[list[int], str]:
@@ -88,7 +87,7 @@ CASES = [(family, seed) for family, seeds in SEEDS.items() for seed in seeds]
 def fuzz_stats():
     stats = {}
     for family, seeds in SEEDS.items():
-        model = build(tiny_hf_model(family, seed=7), max_loras=2, max_rank=8)
+        model = build_from_architecture(tiny_hf_model(family, seed=7), max_loras=2, max_rank=8)
         for seed in seeds:
             stats[family, seed] = fuzz_case(model, seed)
     return stats

@@ -13,14 +13,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fp8_bounds import check_w8a8_bounds
-from fp8_oracle import write_fp8_checkpoint
-from oracle import tiny_hf_model
-from oracle_lora import ATTN, MLP, build_peft_adapter, merged_model, peft_model, per_expert_lora, write_per_expert
-from test_deepseek_glm import ATTN_SITES, add_attention_factors
 
 from moelora import LLM
 from moelora.quant.fp8 import FP8_DTYPE
+from tests.helpers.fp8_bounds import check_w8a8_bounds
+from tests.helpers.fp8_models import SITES, fp8_model, mixed_batch
+from tests.helpers.fp8_oracle import write_fp8_checkpoint
+from tests.helpers.models import ATTN_SITES, add_attention_factors
+from tests.helpers.oracle_lora import (
+    ATTN,
+    MLP,
+    build_peft_adapter,
+    merged_model,
+    peft_model,
+    per_expert_lora,
+    write_per_expert,
+)
+from tests.helpers.scripts import load_script
 
 # family, scheme, expert form, shards; qwen3 with sizes past one 128 block (partial blocks in both dims)
 CASES = [("qwen3_moe", "block", "per_expert", 2), ("qwen3_moe", "channel", "per_expert", 1),
@@ -28,8 +37,6 @@ CASES = [("qwen3_moe", "block", "per_expert", 2), ("qwen3_moe", "channel", "per_
          ("glm4_moe", "block", "per_expert", 1), ("glm4_moe", "channel", "per_expert", 1),
          ("qwen2_moe", "tensor", "per_expert", 1),  # its shared_expert_gate stays high precision
          ("qwen3_moe", "ct_block", "per_expert", 1)]  # compressed-tensors FP8_BLOCK
-QWEN_SIZES = dict(hidden_size=144, moe_intermediate_size=136, intermediate_size=200)
-SITES = dict(ATTN_SITES, qwen3_moe=ATTN, qwen2_moe=ATTN)
 
 
 @pytest.fixture(autouse=True)
@@ -40,10 +47,6 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def fp8_model(family: str, seed: int = 11):
-    return tiny_hf_model(family, seed=seed, **(QWEN_SIZES if family == "qwen3_moe" else {}))
-
-
 def adapters(hf, family: str, tmp_path):
     """(b) real PEFT on attention + MLPs (dense, shared) + routed experts; (a) per-expert keys."""
     peft_dir = build_peft_adapter(hf, tmp_path / "peft", seed=1, r=4, lora_alpha=8, use_rslora=True,
@@ -52,12 +55,6 @@ def adapters(hf, family: str, tmp_path):
     if family in ATTN_SITES:  # MLA's projections (per_expert_lora covers q/k/v/o)
         add_attention_factors(raw_a, hf, family, seed=5)
     return peft_dir, raw_a, write_per_expert(raw_a, tmp_path / "per_expert")
-
-
-def mixed_batch(vocab: int):
-    g = torch.Generator().manual_seed(0)
-    names = ["b", None, "a", "b", "a", None]
-    return names, [torch.randint(0, vocab, (int(n),), generator=g) for n in torch.randint(2, 17, (6,), generator=g)]
 
 
 @pytest.mark.parametrize("family,scheme,form,shards", CASES)
@@ -125,9 +122,8 @@ def test_fp8_unmerged_qkv_equals_merged(tmp_path):
 def test_deepseek_fp8_paged_decode_equals_full_recompute(tmp_path):
     """Decode steps run MLA absorbed, reading the FP8 kv_b_proj dequantized: the same tokens as recomputing
     every prefix (the expanded path), with an adapter on kv_b_proj and rows on none."""
-    from test_engine import greedy_by_recompute
-
     from moelora.engine.request import SamplingParams
+    from tests.helpers.runs import greedy_by_recompute
 
     hf = fp8_model("deepseek_v3", seed=8)
     write_fp8_checkpoint(hf, tmp_path / "model", "block", "fused")
@@ -176,11 +172,7 @@ def test_demo_under_quantization_fp8_keeps_95_percent_exact(device):
 
 def test_fp8_weight_bytes_of_the_qwen3_30b_shape():
     """Computed, not timed (README's table): the Qwen3-30B-A3B shape built on the meta device."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from decode import QWEN3_30B
+    QWEN3_30B = load_script("benchmarks/decode.py").QWEN3_30B
 
     from moelora.config import ModelConfig
     from moelora.models.registry import model_class
@@ -222,18 +214,10 @@ def test_fp8_decode_forward_has_no_host_sync(w8a8):
     from moelora.demo import ADAPTER_NAMES
     from moelora.demo.show import load_demo_llm
     from moelora.engine.request import SamplingParams
+    from tests.helpers.gpu_engine import decode_step_without_host_sync
 
     eng = load_demo_llm("cuda", quantization="fp8", enforce_eager=True, async_scheduling=False,
                         fp8_activation_quant=w8a8).engine
-    reqs = [eng.add_request([5 + i, 9, 11, 40 + i], SamplingParams(max_tokens=4, ignore_eos=True), name)
-            for i, name in enumerate([None, *ADAPTER_NAMES])]
-    eng.step()  # prefill
-    step = eng.scheduler.schedule()
-    inputs = eng.runner.prepare(step, eng.pool.acquire(r.adapter for r in step.requests), eng.pool.slot_ranks)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        eng.runner.run(inputs)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert reqs
+    for i, name in enumerate([None, *ADAPTER_NAMES]):
+        eng.add_request([5 + i, 9, 11, 40 + i], SamplingParams(max_tokens=4, ignore_eos=True), name)
+    decode_step_without_host_sync(eng)

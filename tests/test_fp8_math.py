@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fp8_bounds import experts_bound, gemm_bound
 
 from moelora.kernels.reference import fused_moe_ref, lora_linear_ref
 from moelora.quant.fp8 import (
@@ -23,6 +22,7 @@ from moelora.quant.fp8 import (
     quantize_channels,
     quantize_segments,
 )
+from tests.helpers.fp8_bounds import experts_bound, gemm_bound
 
 
 def fp8(values) -> torch.Tensor:

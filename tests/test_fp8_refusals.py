@@ -8,8 +8,6 @@ import json
 
 import pytest
 import torch
-from fp8_oracle import quantization_config, write_fp8_checkpoint
-from oracle import tiny_hf_model
 from safetensors.torch import load_file, save_file
 
 from moelora import LLM
@@ -17,6 +15,8 @@ from moelora.config import ModelConfig
 from moelora.engine.config import EngineConfig
 from moelora.errors import CheckpointError, ConfigError
 from moelora.quant.config import parse_quantization_config
+from tests.helpers.fp8_oracle import quantization_config, write_fp8_checkpoint
+from tests.helpers.oracle import tiny_hf_model
 
 BLOCK = quantization_config("block")
 CT = quantization_config("channel")

@@ -14,107 +14,34 @@ import sys
 
 import pytest
 import torch
-from kernel_env import planned_everywhere, record_planned_sites
-from oracle import tiny_hf_model
-from test_forward import build, random_adapter
 
-from moelora.config import ModelConfig
-from moelora.engine.config import EngineConfig
-from moelora.engine.engine import LLMEngine
 from moelora.engine.request import SamplingParams
 from moelora.kernels.dense_policy import DenseLoRAPolicy
 from moelora.lora.adapter import LoRAAdapter
-from moelora.models.registry import model_class
+from tests.helpers.gpu_engine import (
+    FAMILIES,
+    decode_step_without_host_sync,
+    forced_logprob_diff,
+    generate,
+    gpu_engine,
+    logprob_diff,
+    racy_and_safe,
+    tiny_adapters,
+    tiny_model,
+    workload,
+)
+from tests.helpers.kernel_env import planned_everywhere, record_planned_sites
+from tests.helpers.models import random_adapter
+from tests.helpers.scripts import ROOT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-SIZES = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, moe_intermediate_size=128,
-             intermediate_size=384, shared_expert_intermediate_size=256, num_experts=8, vocab_size=512,
-             max_position_embeddings=1024, num_hidden_layers=2, mlp_only_layers=[])
-
-
-# DeepSeek-V3 with awkward MLA widths (C 80, Dv 24 != Dn 32), 8 heads, groups that bind, 1 dense layer.
-DSV3_SIZES = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=96, kv_lora_rank=80,
-                  qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24, moe_intermediate_size=128,
-                  intermediate_size=384, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3,
-                  n_shared_experts=2, first_k_dense_replace=1, vocab_size=512, max_position_embeddings=1024,
-                  num_hidden_layers=3)
-# GLM-4-MoE: partial rotary (half of head_dim 32) with per-head q/k norm, sigmoid grouped router,
-# a shared expert, 1 dense layer.
-GLM_SIZES = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=32, moe_intermediate_size=128,
-                 intermediate_size=384, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3,
-                 n_shared_experts=1, first_k_dense_replace=1, vocab_size=512, max_position_embeddings=1024,
-                 num_hidden_layers=3)
-FAMILY_SIZES = {"deepseek_v3": DSV3_SIZES, "glm4_moe": GLM_SIZES}
-FAMILIES = ("qwen2_moe", "deepseek_v3", "glm4_moe")
-
-
-def tiny_model(family: str, dtype: torch.dtype = torch.bfloat16, max_loras: int = 4, max_rank: int = 16):
-    if family == "qwen2_moe":
-        return build(tiny_hf_model("qwen2_moe", seed=3, **SIZES), max_loras=max_loras, max_rank=max_rank).to(
-            "cuda", dtype)
-    hf = tiny_hf_model(family, seed=3, **FAMILY_SIZES[family])
-    raw = dict(hf.config.to_dict(), architectures=[type(hf).__name__])
-    cfg = ModelConfig.from_dict(raw)
-    model = model_class(cfg)(cfg, max_loras=max_loras, max_rank=max_rank, dtype=dtype)  # router and norms stay fp32
-    model.load_state_dict(hf.state_dict(), strict=True)
-    return model.eval().to("cuda")
-
-
-def tiny_adapters(model, family: str, frac: float | None = None) -> dict:
-    if frac is None:
-        frac = 0.8 if family == "qwen2_moe" else 1.0  # DeepSeek / GLM: every site, all attention projections
-    return {f"a{i}": random_adapter(model, 40 + i, r, frac=frac) for i, r in enumerate((16, 8, 4, 12))}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def model_and_adapters(request):
     model = tiny_model(request.param)
     return model, tiny_adapters(model, request.param)
-
-
-def gpu_engine(model, adapters, registered=None, **kw) -> LLMEngine:
-    """A CUDA engine whose loader serves `adapters`, registering `registered` of them (default: all)."""
-    base = dict(device="cuda", dtype="bfloat16", kernel_backend="triton", max_loras=4, max_lora_rank=16,
-                block_size=16, num_kv_blocks=2048, max_model_len=1024, max_num_seqs=32)
-    cfg = EngineConfig(**{**base, **kw}).resolve(model.config)
-    eng = LLMEngine(model.with_options(cfg.layer_options(model.options)), None, cfg, lambda name, path: adapters[name])
-    for name in adapters if registered is None else registered:
-        eng.pool.add(name, name)
-    return eng
-
-
-def workload(n=32, seed=0, vocab=512):
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, vocab, (int(torch.randint(4, 40, (), generator=g)),), generator=g).tolist()
-               for _ in range(n)]
-    names = [[None, "a0", "a1", "a2", "a3"][i % 5] for i in range(n)]
-    return prompts, names
-
-
-def generate(eng, prompts, names, max_tokens):
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0)
-    reqs = [eng.add_request(p, params, a) for p, a in zip(prompts, names, strict=True)]
-    while eng.has_unfinished():
-        eng.step()
-    return reqs
-
-
-def forced_logprob_diff(reference_engine, reqs) -> float:
-    """Runs the same requests greedily on `reference_engine`; every token must be identical (no
-    divergence) and the result is the max |logprob difference| over all generated tokens."""
-    ref = generate(reference_engine, [r.prompt_ids for r in reqs], [r.adapter for r in reqs],
-                   len(reqs[0].output_ids))
-    return logprob_diff(reqs, ref)
-
-
-def logprob_diff(reqs, ref) -> float:
-    """Every request's tokens identical to its reference's; the max |logprob difference|."""
-    worst = 0.0
-    for got, want in zip(reqs, ref, strict=True):
-        assert got.output_ids == want.output_ids, f"tokens diverge for {got.request_id} ({got.adapter})"
-        worst = max(worst, max(abs(a[0] - b[0]) for a, b in zip(got.logprobs, want.logprobs, strict=True)))
-    return worst
 
 
 def test_cuda_graph_decode_matches_eager(model_and_adapters):
@@ -374,25 +301,13 @@ def test_decode_forward_has_no_host_sync(model_and_adapters):
     model, adapters = model_and_adapters
     eng = gpu_engine(model, adapters, enforce_eager=True, async_scheduling=False)  # the step driven by hand
     prompts, names = workload(n=8, seed=3)
-    reqs = [eng.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True), a)
-            for p, a in zip(prompts, names, strict=True)]
-    eng.step()  # prefill
-    step = eng.scheduler.schedule()
-    slot_of = eng.pool.acquire(r.adapter for r in step.requests)
-    inputs = eng.runner.prepare(step, slot_of, eng.pool.slot_ranks)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        eng.runner.run(inputs)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert reqs
+    for p, a in zip(prompts, names, strict=True):
+        eng.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True), a)
+    decode_step_without_host_sync(eng)
 
 
 SANITIZER_SCRIPT = """
-import sys, torch
-sys.path.insert(0, {tests!r})
-from test_gpu_engine import gpu_engine, workload, generate, tiny_model, tiny_adapters
+from tests.helpers.gpu_engine import gpu_engine, workload, generate, tiny_model, tiny_adapters
 model = tiny_model({family!r})
 adapters = tiny_adapters(model, {family!r}, frac=1.0)
 prompts, names = workload(n=8)
@@ -408,22 +323,11 @@ print("SANITIZER-RUN-DONE")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_stream_sanitizer_reports_nothing(family):
     env = dict(os.environ, TORCH_CUDA_SANITIZER="1")
-    script = SANITIZER_SCRIPT.format(tests=os.path.dirname(__file__), family=family)
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    script = SANITIZER_SCRIPT.format(family=family)  # run from the repository root: `tests` is importable
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
     assert "SANITIZER-RUN-DONE" in proc.stdout, proc.stderr[-3000:]
     assert "CSAN" not in proc.stderr and "data race" not in proc.stderr.lower(), proc.stderr[-3000:]
-
-
-def racy_and_safe(x: torch.Tensor, w: torch.Tensor, inplace: bool) -> torch.Tensor:
-    """Side stream reads x after a delay; main overwrites x in place (wrong) or writes a new tensor."""
-    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(20_000_000)
-        shared = x @ w
-    routed = x.mul_(3.0) if inplace else x * 3.0
-    main.wait_stream(side)
-    return routed + shared
 
 
 def test_planted_inplace_race_is_caught():
@@ -440,10 +344,10 @@ def test_planted_inplace_race_is_caught():
 
 def test_stream_sanitizer_sees_the_planted_race():
     """The sanitizer check above can fail: on the planted race it does report."""
-    script = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
-              "import torch\nfrom test_gpu_engine import racy_and_safe\n"
+    script = ("import torch\nfrom tests.helpers.gpu_engine import racy_and_safe\n"
               "x = torch.randn(64, 64, device='cuda'); w = torch.randn(64, 64, device='cuda')\n"
               "racy_and_safe(x, w, inplace=True); torch.cuda.synchronize(); print('RAN')\n")
     env = dict(os.environ, TORCH_CUDA_SANITIZER="1")
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
     assert "CSAN" in proc.stderr or "data race" in proc.stderr.lower(), (proc.stdout[-2000:], proc.stderr[-2000:])

@@ -5,8 +5,6 @@ and skipping changes no output bit (the skipped delta is exactly zero)."""
 from __future__ import annotations
 
 import pytest
-from oracle import tiny_hf_model
-from test_forward import build, engine, random_adapter
 
 import moelora.layers.moe as moe_layer
 from moelora.engine.config import EngineConfig
@@ -15,6 +13,8 @@ from moelora.engine.request import SamplingParams
 from moelora.layers.moe import Experts
 from moelora.lora.adapter import LoRAAdapter
 from moelora.models.lora_targets import lora_site_owners
+from tests.helpers.models import build, engine, random_adapter
+from tests.helpers.oracle import tiny_hf_model
 
 
 @pytest.fixture(scope="module")

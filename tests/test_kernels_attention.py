@@ -16,43 +16,18 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernel_env import CUDA, DEV, INTERP, gpu_only, kernel_test  # noqa: E402,F401
-
 from moelora.kernels.attention import AttentionConfig, default_num_splits, paged_attention  # noqa: E402
 from moelora.kernels.reference import paged_attention_ref  # noqa: E402
-from moelora.layers.attention import AttnMetadata, SeqSlice  # noqa: E402
+from moelora.layers.attention import AttnMetadata  # noqa: E402
+from tests.helpers.attention_cases import build_meta, rel_errors, scattered_tables  # noqa: E402
+from tests.helpers.kernel_env import CUDA, DEV, INTERP, gpu_only, kernel_test  # noqa: E402,F401
 
 TINY = AttentionConfig(block_m=16, block_n=16)
 
 
-def build_meta(spec, tables, bs, device, mb=None):
-    """spec: [(cached_len, q_len)] per sequence; tables: block ids per sequence (host lists)."""
-    seqs, slots, starts = [], [], [0]
-    for i, ((ctx, n), row) in enumerate(zip(spec, tables, strict=True)):
-        seqs.append(SeqSlice(starts[-1], n, ctx + n, i))
-        slots += [row[p // bs] * bs + p % bs for p in range(ctx, ctx + n)]
-        starts.append(starts[-1] + n)
-    mb = mb or max([len(r) for r in tables] + [1])
-    pad = tables[0][0] if tables and tables[0] else 0
-    padded = [r + [pad] * (mb - len(r)) for r in tables]  # padding points at a live, random block
-    i32 = dict(dtype=torch.int32, device=device)
-    return AttnMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_tables=torch.tensor(padded, **i32).reshape(len(spec), mb),
-        seq_lens=torch.tensor([s.seq_len for s in seqs], **i32),
-        query_start=torch.tensor(starts, **i32), seqs=tuple(seqs),
-        max_seq_len=max([s.seq_len for s in seqs] + [0]), max_query_len=max([n for _, n in spec] + [0]))
-
-
 def make_case(spec, N, n_kv, D, bs, *, dtype=torch.float32, device="cpu", seed=0, spare=3, q_view=False):
     g = torch.Generator().manual_seed(seed)
-    nblk = [-(-(c + n) // bs) for c, n in spec]
-    NB = sum(nblk) + spare
-    perm = torch.randperm(NB, generator=g).tolist()
-    tables, off = [], 0
-    for n in nblk:
-        tables.append(perm[off:off + n])
-        off += n
+    tables, NB, _ = scattered_tables([c + n for c, n in spec], bs, spare, g)
     T = sum(n for _, n in spec)
 
     def rn(*shape, scale=1.0):
@@ -62,13 +37,6 @@ def make_case(spec, N, n_kv, D, bs, *, dtype=torch.float32, device="cpu", seed=0
     k, v = rn(T, n_kv, D), rn(T, n_kv, D)
     k_cache, v_cache = rn(NB, bs, n_kv, D), rn(NB, bs, n_kv, D)
     return q, k, v, k_cache, v_cache, build_meta(spec, tables, bs, device)
-
-
-def rel_errors(got, want):
-    diff = (got.to(want.dtype) - want)
-    whole = (diff.norm() / want.norm()).item() if want.numel() else 0.0
-    rows = (diff.norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)).max().item() if want.numel() else 0.0
-    return whole, rows
 
 
 def check(case, tol, ref_dtype=torch.float64, row_tol=None, **kw):

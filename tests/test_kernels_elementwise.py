@@ -17,8 +17,6 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from kernel_env import DEV, gpu_only, kernel_test  # noqa: E402
-
 from moelora.kernels.norm import add_rms_norm, rms_norm  # noqa: E402
 from moelora.kernels.reference import add_rms_norm_ref, qk_norm_rope_ref, rms_norm_ref, silu_mul_ref, softmax_topk_ref  # noqa: E402
 from moelora.kernels.rotary import qk_norm_rope  # noqa: E402
@@ -27,6 +25,7 @@ from moelora.kernels.softmax_topk import softmax_topk  # noqa: E402
 from moelora.layers.norm import RMSNorm  # noqa: E402
 from moelora.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 from moelora.layers.router import softmax_topk as router_softmax_topk  # noqa: E402
+from tests.helpers.kernel_env import DEV, gpu_only, kernel_test  # noqa: E402
 
 # Tolerances against the twin: fp32 only differs in summation order / rsqrt; fp16 rounds at the same
 # places as the twin, so at most an ulp or two apart (fp16 ulp at 1 is ~1e-3).

@@ -10,13 +10,12 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from fp8_oracle import write_fp8_checkpoint  # noqa: E402
-from kernel_env import DEV, interp_only  # noqa: E402
-from oracle_lora import MLP, build_peft_adapter  # noqa: E402
-from test_fp8 import SITES, fp8_model, mixed_batch  # noqa: E402
-
 from moelora import LLM  # noqa: E402
 from moelora.quant.storage import weight_bytes  # noqa: E402
+from tests.helpers.fp8_models import SITES, fp8_model, mixed_batch  # noqa: E402
+from tests.helpers.fp8_oracle import write_fp8_checkpoint  # noqa: E402
+from tests.helpers.kernel_env import DEV, interp_only  # noqa: E402
+from tests.helpers.oracle_lora import MLP, build_peft_adapter  # noqa: E402
 
 
 @interp_only

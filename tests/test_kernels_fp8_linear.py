@@ -17,10 +17,6 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from fp8_bounds import gemm_bound  # noqa: E402
-from kernel_env import DEV, gpu_only, kernel_test  # noqa: E402
-from test_kernels_lora_linear import make_case, rel_err  # noqa: E402
-
 from moelora.kernels.fp8_linear import fp8_linear, fp8_lora_linear  # noqa: E402
 from moelora.kernels.fp8_quant import per_token_group_quant  # noqa: E402
 from moelora.kernels.reference import DenseLoRAArgs, lora_linear_ref  # noqa: E402
@@ -32,6 +28,9 @@ from moelora.quant.fp8 import (  # noqa: E402
     quantize_groups,
     quantize_segments,
 )
+from tests.helpers.fp8_bounds import gemm_bound  # noqa: E402
+from tests.helpers.kernel_env import DEV, gpu_only, kernel_test, rel_err  # noqa: E402
+from tests.helpers.linear_cases import make_case  # noqa: E402
 
 
 def fp8_weight(w, segments, block):

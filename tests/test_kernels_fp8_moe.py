@@ -20,10 +20,6 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from fp8_bounds import experts_bound  # noqa: E402
-from kernel_env import DEV, gpu_only, graph_replayed, kernel_test  # noqa: E402
-from test_kernels_fused_moe import make_case, rel_err, tiny_config  # noqa: E402
-
 from moelora.kernels.fp8_moe import FP8ExpertScales, fp8_tiles  # noqa: E402
 from moelora.kernels.fused_moe import fused_moe  # noqa: E402
 from moelora.kernels.moe_config import GemmTile  # noqa: E402
@@ -37,6 +33,9 @@ from moelora.quant.fp8 import (  # noqa: E402
     quantize_channels,
     quantize_segments,
 )
+from tests.helpers.fp8_bounds import experts_bound  # noqa: E402
+from tests.helpers.kernel_env import DEV, gpu_only, graph_replayed, kernel_test, rel_err  # noqa: E402
+from tests.helpers.moe_cases import make_case, tiny_config  # noqa: E402
 
 FP8_TILE = GemmTile(32, 128, 4, 2)
 

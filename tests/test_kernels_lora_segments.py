@@ -18,13 +18,12 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernel_env import DEV, gpu_only, kernel_test  # noqa: E402
-from test_kernels_lora_linear import TINY as LINEAR_TINY  # noqa: E402
-from test_kernels_lora_linear import named_config  # noqa: E402
-
 from moelora.kernels.args import DenseLoRAArgs, SlotRows  # noqa: E402
 from moelora.kernels.lora_linear import LoRALinearConfig, default_lora_linear_config, lora_linear  # noqa: E402
 from moelora.kernels.reference import lora_linear_ref  # noqa: E402
+from tests.helpers.kernel_env import DEV, gpu_only, kernel_test, rel_err  # noqa: E402
+from tests.helpers.linear_cases import TINY as LINEAR_TINY  # noqa: E402
+from tests.helpers.linear_cases import named_config  # noqa: E402
 
 # fp32 relative tolerance: exact-ish under the interpreter; on CUDA Triton's fp32 dots run in TF32.
 F32_TOL = 1e-5 if DEV == "cpu" else 2e-3
@@ -64,9 +63,6 @@ def make_case(T, n_in, segs, ranks, R, *, slots=None, dtype=torch.float32, devic
     clean = replace(lora, a=lora.a.nan_to_num(0.0), b=lora.b.nan_to_num(0.0))
     return x.to(device), w.to(device), None if b is None else b.to(device), lora, clean
 
-
-def rel_err(got, want):
-    return ((got.to(want.dtype) - want).norm() / want.norm()).item()
 
 
 def segment_alone(x, w, b, lora, seg):

@@ -14,13 +14,11 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernel_env import DEV, gpu_only, kernel_test  # noqa: E402
-from test_kernels_attention import build_meta, rel_errors  # noqa: E402
-from test_mla_decode import scattered_tables  # noqa: E402
-
 from moelora.kernels.mla_attention import MLAConfig, default_mla_config, mla_decode_attention  # noqa: E402
 from moelora.kernels.reference import mla_decode_attention_ref  # noqa: E402
 from moelora.layers.attention import AttnMetadata  # noqa: E402
+from tests.helpers.attention_cases import build_meta, rel_errors, scattered_tables  # noqa: E402
+from tests.helpers.kernel_env import DEV, gpu_only, kernel_test  # noqa: E402
 
 TINY = MLAConfig(block_h=16, block_n=16)
 
@@ -29,7 +27,7 @@ def make_case(cached, N, C, Dr, bs, *, dtype=torch.float32, device="cpu", seed=0
     """One decode step: sequence i has cached[i] tokens plus one new one. q_rope is a slice of a wider
     query (as the layer passes it) and q_abs a transposed view (as its batched matmul returns it)."""
     g = torch.Generator().manual_seed(seed)
-    tables, NB, _ = scattered_tables(cached, bs, spare, g)
+    tables, NB, _ = scattered_tables([n + 1 for n in cached], bs, spare, g)
     T = len(cached)
 
     def rn(*shape, scale=1.0):
@@ -113,7 +111,7 @@ def test_layer_decode_with_kernel_equals_expanded():
     """MLAttention's absorbed decode with the Triton core (a twin of the layer built with kernel_backend
     "triton", around the torch layer's projections) equals the expanded torch path, LoRA on kv_b_proj in
     slots of different ranks included."""
-    from test_mla_decode import decode_step, mla_layer, run, twin
+    from tests.helpers.mla import decode_step, mla_layer, run, twin
 
     layer = mla_layer(seed=4).to(DEV)
     step = decode_step(layer, [0, 3, 4, 7, 12, 5], [0, -1, 1, 2, -1, 0], seed=6, device=DEV)

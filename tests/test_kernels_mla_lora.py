@@ -16,10 +16,9 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernel_env import DEV, gpu_only, kernel_test  # noqa: E402
-
 from moelora.kernels.mla_lora import mla_absorb_lora_, mla_expand_lora_  # noqa: E402
 from moelora.layers.mla import _SlotSelect, absorb_query, expand_output  # noqa: E402
+from tests.helpers.kernel_env import DEV, gpu_only, kernel_test  # noqa: E402
 
 
 def make_case(T, N, nope, dv, C, ranks, R, slots, dtype, device, seed=0):

@@ -12,15 +12,14 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernel_env import DEV, kernel_test, planned_everywhere, record_planned_sites  # noqa: E402
-from oracle import tiny_hf_model  # noqa: E402
-from test_forward import build, engine, random_adapter  # noqa: E402
-
 import moelora.kernels.lora_linear as lora_kernels  # noqa: E402
 import moelora.kernels.norm as norm_kernels  # noqa: E402
 import moelora.kernels.rotary as rotary_kernels  # noqa: E402
 import moelora.kernels.silu_mul as silu_kernels  # noqa: E402
 import moelora.kernels.softmax_topk as router_kernels  # noqa: E402
+from tests.helpers.kernel_env import DEV, kernel_test, planned_everywhere, record_planned_sites  # noqa: E402
+from tests.helpers.models import build, engine, random_adapter  # noqa: E402
+from tests.helpers.oracle import tiny_hf_model  # noqa: E402
 
 LAUNCHERS = [(norm_kernels, "rms_norm"), (norm_kernels, "add_rms_norm"), (rotary_kernels, "qk_norm_rope"),
              (router_kernels, "softmax_topk"), (silu_kernels, "silu_mul")]
@@ -103,10 +102,9 @@ def compare_backends(model, adapters, vocab, lengths, seed, monkeypatch):
 @pytest.mark.parametrize("family,fused", [("glm4_moe", {"qk_norm_rope", "silu_mul"}),
                                           ("deepseek_v3", {"rms_norm", "silu_mul"})])
 def test_triton_backend_logits_equal_torch_backend_glm_deepseek(family, fused, monkeypatch):
-    from oracle import randomize_
-
     from moelora.config import ModelConfig
     from moelora.models.registry import model_class
+    from tests.helpers.oracle import randomize_
 
     hf = tiny_hf_model(family, seed=31)
     randomize_(hf, seed=31)  # random correction bias and wide routers: selection has a margin

@@ -14,8 +14,6 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernel_env import DEV, kernel_test  # noqa: E402
-
 from moelora.kernels.fused_moe import fused_moe  # noqa: E402
 from moelora.kernels.lora_linear import LoRALinearConfig, lora_linear  # noqa: E402
 from moelora.kernels.moe_config import FusedMoEConfig, GemmTile  # noqa: E402
@@ -26,6 +24,7 @@ from moelora.layers.moe import Experts  # noqa: E402
 from moelora.layers.options import LayerOptions  # noqa: E402
 from moelora.lora.adapter import LoRAWeights  # noqa: E402
 from moelora.lora.batch import LoRABatch  # noqa: E402
+from tests.helpers.kernel_env import DEV, kernel_test  # noqa: E402
 
 TRITON = LayerOptions(kernel_backend="triton")
 

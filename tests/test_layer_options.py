@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import tiny_hf_model
-from test_forward import build, random_adapter
 
 from moelora.config import ModelConfig
 from moelora.engine.config import EngineConfig
@@ -19,6 +17,8 @@ from moelora.layers.moe import Experts, SparseMoE
 from moelora.layers.options import LayerOptions
 from moelora.models.lora_targets import restrict_lora_sites
 from moelora.models.registry import model_class
+from tests.helpers.models import build, random_adapter
+from tests.helpers.oracle import tiny_hf_model
 
 
 def cpu_config(model, **kw) -> EngineConfig:

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import tiny_hf_model
-from test_engine import prompts, run
-from test_forward import build, engine, random_adapter
 
 from moelora.engine.request import SamplingParams
 from moelora.errors import AdapterError, ConfigError
 from moelora.lora.adapter import LoRAAdapter
 from moelora.models.lora_targets import matches, restrict_lora_sites, site_kinds
+from tests.helpers.models import build, engine, random_adapter
+from tests.helpers.oracle import tiny_hf_model
+from tests.helpers.runs import prompts, run
 
 
 @pytest.fixture(scope="module")

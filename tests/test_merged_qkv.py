@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import tiny_hf_model
 from safetensors.torch import save_file
-from test_forward import build, engine, merged_hf
 
 from moelora.errors import CheckpointError
 from moelora.layers.linear import LinearSegment, MergedLinear
@@ -21,6 +19,8 @@ from moelora.lora.adapter import LoRAAdapter, LoRAWeights
 from moelora.lora.batch import LoRABatch
 from moelora.models.decoder import MoECausalLM
 from moelora.models.weights import load_checkpoint
+from tests.helpers.models import build, engine, merged_hf
+from tests.helpers.oracle import tiny_hf_model
 
 SLOTS, RANK = 3, 4
 QKV = ("q_proj", "k_proj", "v_proj")

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import tiny_hf_model
-from oracle_lora import build_peft_adapter, oracle_logits, per_expert_lora, write_packed, write_per_expert
 
 from moelora import LLM
+from tests.helpers.oracle import tiny_hf_model
+from tests.helpers.oracle_lora import build_peft_adapter, oracle_logits, per_expert_lora, write_packed, write_per_expert
 
 CASES = {  # family -> (checkpoint form, shard size)
     "qwen3_moe": ("per_expert", None),

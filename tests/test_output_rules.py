@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import prompts, setup  # noqa: F401  (module fixture)
-from test_forward import engine
 
 from moelora.engine.request import SamplingParams
 from moelora.engine.sampler import sample
 from moelora.errors import RequestError
+from tests.helpers.models import engine
+from tests.helpers.runs import prompts  # noqa: F401  (module fixture)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])]

@@ -6,10 +6,10 @@ caching, chunked prefill, preemption, aborts and mixed adapters, with every bloc
 from __future__ import annotations
 
 import torch
-from test_engine import prompts, setup  # noqa: F401  (module fixture)
-from test_forward import engine
 
 from moelora.engine.request import SamplingParams
+from tests.helpers.models import engine
+from tests.helpers.runs import prompts  # noqa: F401  (module fixture)
 
 
 def outputs(eng, ps, names, params_list):

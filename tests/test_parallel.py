@@ -19,11 +19,11 @@ import time
 
 import pytest
 import torch
-from oracle import tiny_hf_model
-from oracle_lora import build_peft_adapter, per_expert_lora, write_packed, write_per_expert
 
 from moelora import LLM, SamplingParams
 from moelora.errors import ConfigError, WorkerError
+from tests.helpers.oracle import tiny_hf_model
+from tests.helpers.oracle_lora import build_peft_adapter, per_expert_lora, write_packed, write_per_expert
 
 ENGINE = dict(device="cpu", dtype="float32", max_lora_rank=8, max_loras=3, max_num_batched_tokens=256,
               num_kv_blocks=64, max_model_len=64)

@@ -8,10 +8,8 @@ from __future__ import annotations
 import json
 import re
 
-import oracle_lora as ol
 import pytest
 import torch
-from oracle import tiny_hf_model
 from safetensors.torch import load_file, save_file
 
 import moelora.parallel.adapters as pa
@@ -19,6 +17,8 @@ from moelora.errors import AdapterError
 from moelora.lora.loader import load_adapter
 from moelora.parallel.rules import ShardPlan
 from moelora.parallel.shard import apply_cut
+from tests.helpers import oracle_lora as ol
+from tests.helpers.oracle import tiny_hf_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:The following (rank|alpha)_pattern keys did not match")
 TP2, EP2, TP4 = (2, False), (2, True), (4, False)

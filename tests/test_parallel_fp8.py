@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fp8_oracle import write_fp8_checkpoint
-from oracle import tiny_hf_model
-from oracle_lora import per_expert_lora, write_packed, write_per_expert
-from test_parallel_gpu import _generate
 
 from moelora import LLM, SamplingParams
 from moelora.errors import ConfigError
+from tests.helpers.fp8_oracle import write_fp8_checkpoint
+from tests.helpers.gpu_engine import greedy_outputs
+from tests.helpers.oracle import tiny_hf_model
+from tests.helpers.oracle_lora import per_expert_lora, write_packed, write_per_expert
 
 ENGINE = dict(device="cpu", dtype="float32", max_lora_rank=8, max_loras=3, max_num_batched_tokens=256,
               num_kv_blocks=64, max_model_len=64)
@@ -211,7 +211,7 @@ def _gpu_run(model_dir, adapters, vocab, **kw):
         g = torch.Generator().manual_seed(1)
         seqs = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in (5, 9, 3, 12, 7, 4)]
         names = ["a", None, "b", "c", "a", "b"]
-        outs = _generate(llm.engine, seqs, names, max_tokens=12)  # (token ids, sampled logprobs) per sequence
+        outs = greedy_outputs(llm.engine, seqs, names, max_tokens=12)  # (token ids, sampled logprobs) per sequence
         return (llm.logits(seqs, names) if kw.get("dtype") == "float32" else None, [t for t, _ in outs],
                 [lp for _, lps in outs for lp in lps], llm.engine.graphs is not None)
     finally:

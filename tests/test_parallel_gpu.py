@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracle import tiny_hf_model
-from oracle_lora import per_expert_lora, write_per_expert
 
 from moelora import LLM, SamplingParams
 from moelora.config import ModelConfig
@@ -23,6 +21,9 @@ from moelora.engine.config import EngineConfig
 from moelora.engine.engine import LLMEngine
 from moelora.engine.loader import build_engine
 from moelora.lora.loader import load_adapter
+from tests.helpers.gpu_engine import greedy_outputs
+from tests.helpers.oracle import tiny_hf_model
+from tests.helpers.oracle_lora import per_expert_lora, write_per_expert
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -49,14 +50,6 @@ def _workload(n=24, vocab=512):
     return prompts, [[None, "a0", "a1", "a2"][i % 4] for i in range(n)]
 
 
-def _generate(eng, prompts, names, max_tokens=48):
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0)
-    reqs = [eng.add_request(p, params, a) for p, a in zip(prompts, names, strict=True)]
-    while eng.has_unfinished():
-        eng.step()
-    return [(r.output_ids, [lp[0] for lp in r.logprobs]) for r in reqs]
-
-
 def test_world_size_one_nccl_group_under_cuda_graphs_equals_plain_engine(assets):
     from moelora.parallel.build import build_rank_model, plan_kv_blocks
     from moelora.parallel.groups import device_group, open_store
@@ -68,7 +61,7 @@ def test_world_size_one_nccl_group_under_cuda_graphs_equals_plain_engine(assets)
     plain = build_engine(model_dir, cfg, adapters=adapters)
     assert plain.graphs is not None
     prompts, names = _workload()
-    want = _generate(plain, prompts, names)
+    want = greedy_outputs(plain, prompts, names)
     del plain
     torch.cuda.empty_cache()
 
@@ -80,7 +73,7 @@ def test_world_size_one_nccl_group_under_cuda_graphs_equals_plain_engine(assets)
     eng = LLMEngine(model, None, resolved,
                     lambda name, path: load_adapter(Path(path), model.config, name=name, max_rank=16), adapters)
     assert eng.graphs is not None, "the NCCL-group engine must decode under CUDA graphs"
-    got = _generate(eng, prompts, names)
+    got = greedy_outputs(eng, prompts, names)
     assert [t for t, _ in got] == [t for t, _ in want]
     worst = max(abs(a - b) for (_, x), (_, y) in zip(got, want, strict=True) for a, b in zip(x, y, strict=True))
     assert worst == 0.0, f"a size-1 NCCL group changed logprobs by {worst}"
@@ -121,7 +114,7 @@ def test_tp2_decode_graphs_equal_tp2_eager(assets):
             assert (llm.engine.graphs is None) == eager
             llm.add_adapter("a1", adapters["a1"])  # run time: the graphs re-capture at its first replay
             llm.add_adapter("a2", adapters["a2"])
-            results.append(_generate(llm.engine, prompts, names))
+            results.append(greedy_outputs(llm.engine, prompts, names))
         finally:
             llm.engine.close()
     graphed, eager = results

@@ -8,7 +8,6 @@ import re
 
 import pytest
 import torch
-from oracle import tiny_hf_model
 
 import moelora.parallel.weights as pw
 from moelora.config import ModelConfig
@@ -16,6 +15,7 @@ from moelora.engine.config import EngineConfig
 from moelora.parallel.build import build_rank_model
 from moelora.parallel.rules import ShardPlan
 from moelora.parallel.shard import Shard, apply_cut
+from tests.helpers.oracle import tiny_hf_model
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,18 @@ import time
 
 import httpx
 import pytest
-from test_server import ADAPTERS, BASE, PROMPTS, TIMEOUT, complete, make_assets, make_client, post, running_server
+
+from tests.helpers.server import (
+    ADAPTERS,
+    BASE,
+    PROMPTS,
+    TIMEOUT,
+    complete,
+    make_assets,
+    make_client,
+    post,
+    running_server,
+)
 
 openai = pytest.importorskip("openai")
 

@@ -6,26 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import prompts, setup  # noqa: F401  (module fixture)
-from test_forward import engine
 
 from moelora.engine.request import SamplingParams
 from moelora.engine.sampler import PenaltyState, adjust_logits, record_tokens
 from moelora.errors import RequestError
-
-
-def reference_row(logits: torch.Tensor, prompt: list[int], outputs: list[int], p: SamplingParams) -> torch.Tensor:
-    """One row, written out: repetition on prompt + outputs (transformers' processor), then the
-    OpenAI frequency / presence terms on the outputs."""
-    from transformers import RepetitionPenaltyLogitsProcessor
-
-    row = logits.clone()
-    seen = prompt + outputs
-    if seen:
-        row = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(torch.tensor([seen]), row[None])[0]
-    for tok in set(outputs):
-        row[tok] -= p.frequency_penalty * outputs.count(tok) + p.presence_penalty
-    return row
+from tests.helpers.models import engine
+from tests.helpers.runs import (
+    prompts,  # noqa: F401  (module fixture)
+    reference_row,
+)
 
 
 def test_batched_penalties_equal_the_row_reference():

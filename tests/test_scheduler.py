@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from moelora.engine.kv_cache import BlockAllocator, block_hash
 from moelora.engine.request import Request, SamplingParams, Status
 from moelora.engine.scheduler import Scheduler, SchedulerConfig
 from moelora.errors import AdapterError, CapacityError
-from moelora.lora.adapter import LoRAAdapter, LoRAWeights
 from moelora.lora.pool import AdapterPool
-
-
-def req(i: int, n: int, adapter=None, arrival=None, max_tokens=8) -> Request:
-    return Request(f"r{i}", list(range(100 * i, 100 * i + n)), SamplingParams(max_tokens=max_tokens), adapter,
-                   arrival=float(i if arrival is None else arrival))
+from tests.helpers.runs import fake_adapter, req
 
 
 def test_allocator_counts_and_reuses_cached_blocks():
@@ -116,10 +110,6 @@ def test_request_larger_than_cache_is_refused():
     s.add(req(0, 20))
     with pytest.raises(CapacityError):
         s.schedule()
-
-
-def fake_adapter(name: str, rank: int) -> LoRAAdapter:
-    return LoRAAdapter(name, "", {"site": LoRAWeights(torch.ones(rank, 3), torch.ones(3, rank))})
 
 
 def test_pool_slots_lru_pinning_and_zeroing():

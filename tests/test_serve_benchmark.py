@@ -7,19 +7,17 @@ model shape."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
-from test_server import serving
 
 from moelora.demo import ADAPTER_NAMES, adapter_dir, model_dir
 from moelora.engine.config import EngineConfig
 from moelora.server.launch import build_server
+from tests.helpers.scripts import load_script
+from tests.helpers.server import serving
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import serve as serve_bench  # noqa: E402
-import serve_model  # noqa: E402
+serve_bench = load_script("benchmarks/serve.py")
+serve_model = load_script("benchmarks/serve_model.py")
 
 VLLM_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
              "output_throughput", "total_token_throughput", *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")

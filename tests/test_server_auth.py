@@ -7,7 +7,18 @@ import shutil
 
 import httpx
 import pytest
-from test_server import ADAPTERS, BASE, TIMEOUT, make_assets, make_client, openai, post, running_server, wait_idle
+
+from tests.helpers.server import (
+    ADAPTERS,
+    BASE,
+    TIMEOUT,
+    make_assets,
+    make_client,
+    openai,
+    post,
+    running_server,
+    wait_idle,
+)
 
 KEYS = ("first-key", "second-key")
 

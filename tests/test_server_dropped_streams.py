@@ -9,11 +9,11 @@ import asyncio
 import httpx
 import pytest
 import torch
-from test_server import serving, wait_idle
 
 from moelora.demo import ADAPTER_NAMES, adapter_dir, model_dir
 from moelora.engine.config import EngineConfig
 from moelora.server.launch import build_server
+from tests.helpers.server import serving, wait_idle
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 MODELS = ["moelora-demo", *ADAPTER_NAMES]

@@ -14,7 +14,9 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_server import (
+
+from moelora.engine.config import EngineConfig
+from tests.helpers.server import (
     ADAPTERS,
     BASE,
     PROMPTS,
@@ -28,8 +30,6 @@ from test_server import (
     serving,
     wait_idle,
 )
-
-from moelora.engine.config import EngineConfig
 
 
 @pytest.fixture(scope="module")
@@ -219,8 +219,8 @@ def test_overload_answers_503_with_retry_after(assets):
 def test_lora_target_modules_refuse_adapters_outside_and_serve_those_inside(assets, tmp_path):
     """Through build_engine (the memory plan path): adapters with router LoRA are refused when
     loaded; one without is served and changes the output."""
-    import oracle_lora as ol
-    from oracle import tiny_hf_model
+    from tests.helpers import oracle_lora as ol
+    from tests.helpers.oracle import tiny_hf_model
 
     model_dir, adapters = assets
     hf = tiny_hf_model("qwen3_moe", seed=11, vocab_size=260, max_position_embeddings=256, bos_token_id=256,
@@ -242,11 +242,10 @@ def test_lora_target_modules_refuse_adapters_outside_and_serve_those_inside(asse
 def test_lora_target_modules_auto_keeps_the_start_adapters_sites(assets, tmp_path):
     """'auto' (SGLang's default): the sites of the adapters given at start, site by site (layer 1 only
     here: layer 0 keeps no LoRA at all); an adapter with LoRA elsewhere is refused later."""
-    import oracle_lora as ol
-    from oracle import tiny_hf_model
-
     from moelora.errors import ConfigError
     from moelora.server.launch import build_server
+    from tests.helpers import oracle_lora as ol
+    from tests.helpers.oracle import tiny_hf_model
 
     model_dir, adapters = assets
     hf = tiny_hf_model("qwen3_moe", seed=11, vocab_size=260, max_position_embeddings=256, bos_token_id=256,

@@ -14,7 +14,8 @@ import json
 
 import httpx
 import pytest
-from test_server import BASE, TIMEOUT, byte_tokenizer, make_client, post, serving, write_model
+
+from tests.helpers.server import BASE, TIMEOUT, byte_tokenizer, make_client, post, serving, write_model
 
 openai = pytest.importorskip("openai")
 

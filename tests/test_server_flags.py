@@ -8,11 +8,11 @@ import json
 import logging
 
 import pytest
-from oracle import tiny_hf_config
-from test_server import CHAT_TEMPLATE, byte_tokenizer, make_client, post, serving
 
 from moelora.server.async_engine import EngineStats
 from moelora.server.stats_log import stats_line
+from tests.helpers.oracle import tiny_hf_config
+from tests.helpers.server import CHAT_TEMPLATE, byte_tokenizer, make_client, post, serving
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_server import ADAPTERS, BASE, TIMEOUT, make_assets, post, running_server, wait_idle
 
 from moelora.server.metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
+from tests.helpers.server import ADAPTERS, BASE, TIMEOUT, make_assets, post, running_server, wait_idle
 
 LABELS = {"model_name": BASE, "engine": "0"}
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "gpu_cache_usage_perc")

@@ -11,11 +11,11 @@ without that entry they would tie.
 from __future__ import annotations
 
 import pytest
-from test_server import make_client, post, serving
 
 from moelora import demo
 from moelora.demo import tasks
 from moelora.engine.config import EngineConfig
+from tests.helpers.server import make_client, post, serving
 
 BASE = "moelora-demo"
 

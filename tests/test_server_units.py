@@ -4,9 +4,9 @@ stop strings held back) and the engine's per-token logprobs against a full recom
 from __future__ import annotations
 
 import pytest
-from test_server import PROMPTS, byte_tokenizer, make_assets
 
 from moelora.engine.config import EngineConfig
+from tests.helpers.server import PROMPTS, byte_tokenizer, make_assets
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import tiny_hf_model
-from test_forward import build, engine, merged_hf
 
 from moelora.kernels.dense_policy import DenseLoRAPolicy
 from moelora.layers.linear import Linear
 from moelora.lora.adapter import LoRAAdapter, LoRAWeights
 from moelora.lora.batch import LoRABatch, LoRANeeds, plan_step
 from moelora.models.decoder import MoECausalLM
+from tests.helpers.models import build, engine, merged_hf
+from tests.helpers.oracle import tiny_hf_model
 
 SLOTS, RANK = 3, 8
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_engine import prompts, setup  # noqa: F401  (module fixture)
-from test_forward import engine
 
 from moelora.engine.detokenize import StopStrings, find_stop
 from moelora.engine.request import SamplingParams
 from moelora.engine.tokenizer import Tokenizer
+from tests.helpers.models import engine
+from tests.helpers.runs import prompts  # noqa: F401  (module fixture)
 
 DEMO = "moelora/demo/model"  # a byte-level tokenizer: one token per UTF-8 byte
 

@@ -9,13 +9,13 @@ import threading
 import httpx
 import pytest
 import torch
-from oracle import tiny_hf_model
-from test_forward import build, engine, random_adapter
-from test_server import ADAPTERS, TIMEOUT, make_assets, make_client, running_server
 
 import moelora.server.async_engine as async_engine
 from moelora.engine.request import SamplingParams
 from moelora.engine.warmup import lora_widths, token_counts, warm_up
+from tests.helpers.models import build, engine, random_adapter
+from tests.helpers.oracle import tiny_hf_model
+from tests.helpers.server import ADAPTERS, TIMEOUT, make_assets, make_client, running_server
 
 
 def test_token_counts_take_every_divisibility_class_of_every_range():

@@ -7,12 +7,12 @@ import json
 
 import pytest
 import torch
-from oracle import DEEPSEEK_GLM_FAMILIES, FAMILIES, tiny_hf_model  # tests/ is on sys.path under pytest
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from moelora.errors import CheckpointError
 from moelora.models.weights import KeyTarget, checkpoint_key, load_checkpoint, map_checkpoint_key
+from tests.helpers.oracle import DEEPSEEK_GLM_FAMILIES, FAMILIES, tiny_hf_model
 
 GU = "mlp.experts.gate_up_proj"
 DOWN = "mlp.experts.down_proj"
@@ -376,8 +376,8 @@ def test_no_weights(models, tmp_path):
 def config_only_dir(tmp_path, family: str, **overrides):
     """A model directory holding config.json and a tokenizer, no weights (what a serving benchmark of a model
     that is not on disk has)."""
-    from oracle import tiny_hf_config
-    from test_server import byte_tokenizer
+    from tests.helpers.oracle import tiny_hf_config
+    from tests.helpers.server import byte_tokenizer
 
     out = tmp_path / family
     tiny_hf_config(family, **overrides).save_pretrained(str(out))
@@ -448,11 +448,10 @@ def test_dummy_weights_of_the_qwen3_30b_a3b_config(tmp_path):
 def test_dummy_weights_serve_the_whole_qwen3_30b_a3b_on_cuda(tmp_path):
     """What benchmarks/serve.py runs on the H200: the whole Qwen3-30B-A3B from its config.json alone, random
     weights, CUDA graphs; generated tokens come out and every logit is finite."""
-    from test_server import byte_tokenizer
-
     from moelora.engine.config import EngineConfig
     from moelora.engine.loader import build_engine
     from moelora.engine.request import SamplingParams
+    from tests.helpers.server import byte_tokenizer
 
     qwen3_30b_a3b_config().save_pretrained(str(tmp_path))
     byte_tokenizer().save(str(tmp_path / "tokenizer.json"))

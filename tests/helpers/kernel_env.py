@@ -18,6 +18,15 @@ gpu_only = pytest.mark.skipif(not CUDA or INTERP, reason="needs CUDA (not the in
 interp_only = pytest.mark.skipif(not INTERP, reason="exact fp32 comparison (on CUDA, tl.dot computes in TF32)")
 
 
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """|got - want| / |want| (Frobenius norms, in `want`'s dtype); 0.0 for an empty or all-zero `want`. A NaN
+    in `got` fails at once (rows the kernel never wrote)."""
+    assert not torch.isnan(got).any(), "NaN in output (unwritten rows?)"
+    if not want.numel() or want.norm() == 0:
+        return 0.0
+    return ((got.to(want.dtype) - want).norm() / want.norm()).item()
+
+
 def graph_replayed(call, out: torch.Tensor) -> torch.Tensor:
     """`out` as a CUDA graph of `call(out)` leaves it: captured (kernels compiled already), `out` filled
     with NaN, replayed, synchronized."""
