@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+pytestmark = pytest.mark.interp  # `make test` runs it with TRITON_INTERPRET=1 (set before triton is imported)
 triton = pytest.importorskip("triton")
 
 from moelora.kernels.attention import AttentionConfig, default_num_splits, paged_attention  # noqa: E402

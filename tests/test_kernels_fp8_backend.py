@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.interp  # `make test` runs it with TRITON_INTERPRET=1 (set before triton is imported)
 triton = pytest.importorskip("triton")
 
 from moelora import LLM  # noqa: E402

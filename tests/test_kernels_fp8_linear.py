@@ -15,6 +15,7 @@ from functools import partial
 import pytest
 import torch
 
+pytestmark = pytest.mark.interp  # `make test` runs it with TRITON_INTERPRET=1 (set before triton is imported)
 triton = pytest.importorskip("triton")
 
 from moelora.kernels.fp8_linear import fp8_linear, fp8_lora_linear  # noqa: E402

@@ -18,6 +18,7 @@ from functools import partial
 import pytest
 import torch
 
+pytestmark = pytest.mark.interp  # `make test` runs it with TRITON_INTERPRET=1 (set before triton is imported)
 triton = pytest.importorskip("triton")
 
 from moelora.kernels.fp8_moe import FP8ExpertScales, fp8_tiles  # noqa: E402

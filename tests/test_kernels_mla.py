@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytestmark = pytest.mark.interp  # `make test` runs it with TRITON_INTERPRET=1 (set before triton is imported)
 triton = pytest.importorskip("triton")
 
 from moelora.kernels.mla_attention import MLAConfig, default_mla_config, mla_decode_attention  # noqa: E402

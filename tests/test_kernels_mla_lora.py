@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+pytestmark = pytest.mark.interp  # `make test` runs it with TRITON_INTERPRET=1 (set before triton is imported)
 triton = pytest.importorskip("triton")
 
 from moelora.kernels.mla_lora import mla_absorb_lora_, mla_expand_lora_  # noqa: E402

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytestmark = pytest.mark.interp  # `make test` runs it with TRITON_INTERPRET=1 (set before triton is imported)
 triton = pytest.importorskip("triton")
 
 import moelora.kernels.lora_linear as lora_kernels  # noqa: E402

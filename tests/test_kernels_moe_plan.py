@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+pytestmark = pytest.mark.interp  # `make test` runs it with TRITON_INTERPRET=1 (set before triton is imported)
 triton = pytest.importorskip("triton")
 
 from moelora.kernels.moe_plan import (  # noqa: E402

@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+pytestmark = pytest.mark.interp  # `make test` runs it with TRITON_INTERPRET=1 (set before triton is imported)
 triton = pytest.importorskip("triton")
 
 from moelora.kernels.fused_moe import fused_moe  # noqa: E402
