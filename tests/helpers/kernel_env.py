@@ -14,7 +14,7 @@ DEV = "cuda" if CUDA and not INTERP else "cpu"
 kernel_test = pytest.mark.skipif(not (INTERP or CUDA), reason="needs TRITON_INTERPRET=1 or CUDA")
 gpu_only = pytest.mark.skipif(not CUDA or INTERP, reason="needs CUDA (not the interpreter)")
 # an fp32 comparison at 1e-4 holds under the interpreter only: on CUDA, tl.dot rounds fp32 inputs to TF32
-# (H200: 5e-3..1e-2 on a tiny model's logits, test_kernels_model_backend and test_kernels_fp8_backend alike)
+# (H200: 5e-3..1e-2 on a tiny model's logits, kernels/test_model_backend and kernels/test_fp8_backend alike)
 interp_only = pytest.mark.skipif(not INTERP, reason="exact fp32 comparison (on CUDA, tl.dot computes in TF32)")
 
 

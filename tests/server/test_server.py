@@ -39,7 +39,7 @@ uvicorn = pytest.importorskip("uvicorn")
 # ------------------------------------------------------------------------------------ fixtures
 
 
-# test_server_errors.py has the same three fixtures (one server per module)
+# server/test_errors.py has the same three fixtures (one server per module)
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     return make_assets(tmp_path_factory.mktemp("server"))

@@ -1,8 +1,8 @@
 """FP8 checkpoints end to end: moelora's fp32 logits from an FP8 checkpoint against transformers + PEFT on
-the same weights dequantized by hand (tests/fp8_oracle.py), with mixed adapters on attention, dense /
+the same weights dequantized by hand (tests/helpers/fp8_oracle.py), with mixed adapters on attention, dense /
 shared MLPs and routed experts; the W8A8 twin within its bound; quantize-on-load; `moelora verify`.
 
-W8A8 bound (documented in README, derived in tests/fp8_bounds.py): every FP8 GEMM of the W8A8 twin is
+W8A8 bound (documented in README, derived in tests/helpers/fp8_bounds.py): every FP8 GEMM of the W8A8 twin is
 within 2^-4 |x| |W|^T + 2^-10 s |W|^T of the W8A16 twin on the same input (experts: propagated through
 silu * up and the down GEMM); checked here at every FP8 layer of each model on its actual activations.
 The logits themselves carry no useful bound on these random tiny models: rounded activations flip

@@ -1,7 +1,7 @@
 """FP8 dense linear (+ multi-LoRA) and the per-token-group activation quantization vs their twins.
 
 Twins: `lora_linear_ref` on the dequantized weight (W8A16; W8A8 with `fake_quantize_groups` on the base GEMM's
-input, and within tests/fp8_bounds.py's `gemm_bound` of the W8A16 twin), and `quant.fp8.quantize_groups`
+input, and within tests/helpers/fp8_bounds.py's `gemm_bound` of the W8A16 twin), and `quant.fp8.quantize_groups`
 (bit for bit). The Triton interpreter (3.9) loads, upcasts and multiplies float8_e4m3fn exactly; its fp32 ->
 e4m3 cast is wrong across a binade (-125.9 -> -64), which the quantization kernel never relies on (it rounds
 to the e4m3 grid itself, `fp8_quant._round_e4m3`), so everything runs under TRITON_INTERPRET=1 at tiny sizes;

@@ -1,7 +1,7 @@
 """kernel_backend "triton" on FP8 weights (under TRITON_INTERPRET=1: an exact fp32 comparison; on CUDA the
 FP8 demo test of test_fp8.py checks the same path in bf16 under CUDA graphs, W8A16 and W8A8): the FP8 expert
 and dense kernels in W8A16 (the interpreter's fp32 -> e4m3 cast is wrong across a binade, so W8A8 is checked
-on the GPU: tests/test_kernels_fp8_moe.py) equal the torch twin, and the model keeps only its e4m3 weights and
+on the GPU: tests/kernels/test_fp8_moe.py) equal the torch twin, and the model keeps only its e4m3 weights and
 scales."""
 
 from __future__ import annotations

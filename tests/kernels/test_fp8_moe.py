@@ -2,7 +2,7 @@
 
 W8A16 (weights upcast in the kernel) equals the twin on the dequantized weights; W8A8 (activations quantized
 per token and 1 x 128 group in the kernel, e4m3 MMA) equals the twin with the same activation rounding
-(`quant.fp8.fake_quantize_groups`) and stays within tests/fp8_bounds.py's bound of the W8A16 twin. The Triton
+(`quant.fp8.fake_quantize_groups`) and stays within tests/helpers/fp8_bounds.py's bound of the W8A16 twin. The Triton
 interpreter (3.9) loads float8_e4m3fn, upcasts it and runs e4m3 dots exactly, and the activation quantization
 rounds to the e4m3 grid itself (`fp8_quant._round_e4m3`: the interpreter's own fp32 -> e4m3 cast is wrong
 across a binade), so both modes run on the CPU under TRITON_INTERPRET=1 (fp32 activations). The `gpu` cases
