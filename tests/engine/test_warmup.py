@@ -104,7 +104,7 @@ def test_server_reports_ready_only_after_the_warm_up(tmp_path, monkeypatch):
     monkeypatch.setattr(async_engine, "warm_up", gated)
     model_dir, adapters = make_assets(tmp_path)
     app_seen = {}
-    monkeypatch.setattr("test_server.serving", _serving_without_waiting(app_seen))
+    monkeypatch.setattr("tests.helpers.server.serving", _serving_without_waiting(app_seen))
     with running_server(model_dir, {n: adapters[n] for n in ADAPTERS[:1]}) as (url, app):
         health = httpx.get(url + "/health", timeout=TIMEOUT)
         assert health.status_code == 503 and "warming up" in health.json()["error"]["message"]
