@@ -1,14 +1,15 @@
 """GPU equivalence diagnostics: max teacher-forced |logprob| differences between engine paths,
-in fp32 and bf16, on the random tiny Qwen2-MoE of tests/test_gpu_engine.py."""
+in fp32 and bf16, on the random tiny Qwen2-MoE of tests/helpers/gpu_engine.py."""
 
 import sys
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, "tests")
-from oracle import tiny_hf_model  # noqa: E402
-from test_forward import build, random_adapter  # noqa: E402
-from test_gpu_engine import SIZES, generate, gpu_engine, teacher_forced_diff, workload  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: moelora, tests.helpers
+from tests.helpers.gpu_engine import SIZES, forced_logprob_diff, generate, gpu_engine, workload  # noqa: E402
+from tests.helpers.models import build, random_adapter  # noqa: E402
+from tests.helpers.oracle import tiny_hf_model  # noqa: E402
 
 for dtype in (torch.float16, torch.bfloat16):
     hf = tiny_hf_model("qwen2_moe", seed=3, **SIZES)
@@ -30,9 +31,9 @@ for dtype in (torch.float16, torch.bfloat16):
     ref_engine = gpu_engine(model, adapters, **kw, kernel_backend="torch")
     for label, reqs in outs.items():
         same = sum(a.output_ids == b.output_ids for a, b in zip(reqs, outs["torch eager"], strict=True))
-        d = teacher_forced_diff(ref_engine, reqs)
+        d = forced_logprob_diff(ref_engine, reqs)
         print(f"{name:9} {label:24} teacher-forced vs torch prefill: {d:.2e}; same tokens as torch eager: {same}/16",
               flush=True)
     tri = gpu_engine(model, adapters, **kw, enforce_eager=True)
-    d2 = teacher_forced_diff(tri, outs["triton graph 2-stream"])
+    d2 = forced_logprob_diff(tri, outs["triton graph 2-stream"])
     print(f"{name:9} graph 2-stream vs triton eager prefill: {d2:.2e}", flush=True)

@@ -3,18 +3,18 @@ with the Triton backend on one module kind at a time, each against an fp32 torch
 that kind is taken from the model's Triton twin (its own code path on the kernels, its children torch)."""
 
 import sys
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, "tests")
-from oracle import tiny_hf_model  # noqa: E402
-from test_forward import build, random_adapter  # noqa: E402
-from test_gpu_engine import SIZES, gpu_engine, workload  # noqa: E402
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: moelora, tests.helpers
 from moelora.layers.attention import Attention  # noqa: E402
 from moelora.layers.linear import Linear  # noqa: E402
 from moelora.layers.moe import Experts  # noqa: E402
 from moelora.layers.options import LayerOptions, adopt_tensors  # noqa: E402
+from tests.helpers.gpu_engine import SIZES, gpu_engine, workload  # noqa: E402
+from tests.helpers.models import build, random_adapter  # noqa: E402
+from tests.helpers.oracle import tiny_hf_model  # noqa: E402
 
 
 def triton_on(model, kinds):

@@ -25,7 +25,7 @@ _BC = 64  # latent columns a step
 
 def _head_columns(block_r: int) -> int:
     """Dn / Dv columns a step: 32 at 16 rank columns (measured), else the widest that does not spill on sm_90
-    (docs/performance.md; tests/test_compile_check.py keeps them spill-free)."""
+    (docs/performance.md; tests/kernels/test_compile_check.py keeps them spill-free)."""
     return 32 if block_r <= 16 else max(1, 256 // block_r)
 
 

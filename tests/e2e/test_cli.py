@@ -1,0 +1,186 @@
+"""The command line: `moelora verify` against transformers + PEFT, argument errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from moelora.cli import main
+from tests.helpers.oracle import tiny_hf_model
+from tests.helpers.oracle_lora import build_peft_adapter
+
+
+def test_verify_reports_each_adapter(tmp_path, capsys):
+    hf = tiny_hf_model("qwen3_moe", seed=5)
+    hf.save_pretrained(str(tmp_path / "m"))
+    adapter = build_peft_adapter(hf, tmp_path / "ad", seed=4, r=4)
+    rc = main(["verify", str(tmp_path / "m"), "--lora", f"mine={adapter}", "--tolerance", "1e-4"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "base" in out and "mine" in out and out.count(" ok") == 2
+
+
+def test_verify_catches_a_mismatch_and_a_broken_checkpoint(tmp_path, capsys, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    from moelora.models.decoder import MoECausalLM
+
+    hf = tiny_hf_model("qwen3_moe", seed=5)
+    hf.save_pretrained(str(tmp_path / "m"))
+    adapter = build_peft_adapter(hf, tmp_path / "ad", seed=4, r=4)
+    original = MoECausalLM.set_lora_slot
+    monkeypatch.setattr(MoECausalLM, "set_lora_slot", lambda self, slot, ad: original(self, slot, None))
+    rc = main(["verify", str(tmp_path / "m"), "--lora", f"mine={adapter}"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "MISMATCH" in out  # moelora silently dropping the adapter is reported
+    monkeypatch.undo()
+    weights = load_file(str(tmp_path / "m" / "model.safetensors"))
+    del weights["model.layers.0.self_attn.k_proj.weight"]
+    save_file(weights, str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
+    rc = main(["verify", str(tmp_path / "m")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "CheckpointError" in err and "model.layers.0.self_attn.k_proj.weight" in err
+
+
+def one_error_line(capsys, *words) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and all(w in lines[0] for w in words), err
+    return lines[0]
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Any model or engine construction fails the test: the flags must be refused before."""
+    from moelora import llm
+    from moelora.server import launch
+
+    def boom(*a, **k):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(launch, "build_server", boom)
+    monkeypatch.setattr(llm.LLM, "__init__", boom)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "m"
+    tiny_hf_model("qwen3_moe", seed=5).save_pretrained(str(out))
+    return out
+
+
+BAD_FLAGS = [
+    (["serve", "--device", "tpu"], "--device"), (["generate", "--device", "tpu", "--prompt", "x"], "--device"),
+    (["serve", "--port", "99999"], "--port"), (["serve", "--port", "http"], "--port"),
+    (["demo", "--device", "tpu"], "--device"),
+    (["verify", "--lora", "noequals"], "NAME=PATH"), (["serve", "--lora", "=x"], "NAME=PATH"),
+    (["serve", "--max-num-seqs", "0"], "--max-num-seqs"), (["serve", "--max-loras", "-1"], "--max-loras"),
+    (["serve", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+    (["serve", "--dtype", "float8"], "--dtype"), (["serve", "--load-format", "pt"], "--load-format"),
+    (["serve", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
+    (["serve", "--block-size", "x"], "--block-size"), (["serve", "--max-logprobs", "-2"], "--max-logprobs"),
+    (["bench", "--conc", "0,8"], "--conc"), (["generate", "--prompt", "x", "--max-tokens", "0"], "--max-tokens"),
+    (["serve", "--max-loras", "0"], "--max-loras 0"),  # the demo's adapters need slots
+    (["serve", "--chat-template", "no_such_template.jinja"], "--chat-template"),
+    (["serve", "--tokenizer", "/no/such/dir"], "--tokenizer"),
+    (["serve", "--generation-config", "/no/such/dir"], "--generation-config"),
+    (["serve", "--lora-root", "/no/such/dir"], "--lora-root"),
+    (["serve", "/no/such/model"], "config.json"),
+    (["serve", "--lora-modules", "oops"], "--lora-modules"),
+]
+
+
+@pytest.mark.parametrize("argv,words", BAD_FLAGS, ids=[" ".join(a) for a, _ in BAD_FLAGS])
+def test_a_bad_flag_is_one_error_line_and_status_2_before_loading(argv, words, capsys, no_loading):
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's way
+        rc = e.code
+    assert rc == 2
+    one_error_line(capsys, words)
+
+
+def test_max_loras_0_with_adapters_and_missing_adapters_are_refused_before_loading(model_dir, capsys, no_loading):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", str(model_dir), "--max-loras", "0", "--lora", f"a={model_dir}", "--prompt", "x"])
+    assert e.value.code == 2
+    one_error_line(capsys, "--max-loras 0", "'a'")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", str(model_dir), "--lora", "a=/no/such/adapter"])
+    assert e.value.code == 2
+    one_error_line(capsys, "'a'", "/no/such/adapter")
+
+
+def test_the_real_command_exits_2_with_one_error_line():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "moelora.cli", "serve", "--port", "99999"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    lines = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert lines == ["moelora serve: error: argument --port: 99999 is not a TCP port (0..65535)"], r.stderr
+
+
+def test_a_shape_mismatch_names_the_adapter(model_dir, tmp_path, capsys):
+    other = tiny_hf_model("qwen3_moe", seed=5, hidden_size=64)  # the served model has 48
+    adapter = build_peft_adapter(other, tmp_path / "ad", seed=4, r=4)
+    assert main(["verify", str(model_dir), "--lora", f"mine={adapter}"]) == 2
+    line = one_error_line(capsys, "AdapterError", "'mine'", "shape mismatch", "(4, 64)", "(4, 48)")
+    assert line.startswith("error: ")
+
+
+def test_serve_flags_reach_the_engine_config():
+    from moelora.cli import build_parser, serve_engine_config
+
+    args = build_parser().parse_args(["serve", "--no-async-adapter-loading", "--async-scheduling",
+                                      "--kernel-backend", "torch",
+                                      "--no-overlap-shared-experts", "--no-enable-prefix-caching", "--enforce-eager",
+                                      "--no-overlap-lora", "--max-loras", "3", "--lora-target-modules", "q_proj",
+                                      "experts", "--fused-moe-table", "mine.json"])
+    cfg = serve_engine_config(args)
+    assert (cfg.async_adapter_loading, cfg.async_scheduling, cfg.kernel_backend, cfg.overlap_shared_experts,
+            cfg.overlap_lora, cfg.enable_prefix_caching, cfg.enforce_eager, cfg.max_loras) == (
+                False, True, "torch", False, False, False, True, 3)
+    assert cfg.lora_target_modules == ("q_proj", "experts")
+    assert cfg.fused_moe_table == "mine.json"
+    default = serve_engine_config(build_parser().parse_args(["serve"]))
+    assert (default.async_adapter_loading, default.async_scheduling, default.kernel_backend,
+            default.overlap_shared_experts, default.overlap_lora, default.enable_prefix_caching) == (
+                True, None, None, True, True, True)
+    assert default.lora_target_modules is None and default.fused_moe_table is None
+    assert serve_engine_config(build_parser().parse_args(["serve", "--no-async-scheduling"])).async_scheduling is False
+
+
+def test_vllm_serve_flags_reach_the_configs(monkeypatch):
+    from moelora.cli import build_parser, serve_engine_config, serve_options
+
+    parse = lambda *argv: build_parser().parse_args(["serve", *argv])  # noqa: E731
+    cfg = serve_engine_config(parse("--max-num-batched-tokens", "512", "--block-size", "32"))
+    assert (cfg.max_num_batched_tokens, cfg.block_size, cfg.enable_prefix_caching) == (512, 32, True)
+    for flags, on in ((["--enable-prefix-caching"], True), (["--no-enable-prefix-caching"], False),
+                      (["--disable-prefix-caching"], False)):
+        assert serve_engine_config(parse(*flags)).enable_prefix_caching is on, flags
+    for var in ("MOELORA_API_KEY", "VLLM_API_KEY", "VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+        monkeypatch.delenv(var, raising=False)
+    default = serve_options(parse())
+    assert default == dict(api_keys=(), allow_runtime_lora_updating=False, lora_roots=(), max_logprobs=20,
+                           enable_tokenizer_info_endpoint=False, return_tokens_as_token_ids=False,
+                           enable_log_requests=False, log_stats_interval_s=10.0)
+    opts = serve_options(parse("--api-key", "a", "b", "--allow-runtime-lora-updating", "--lora-root", "/x",
+                               "--lora-root", "/y", "--max-logprobs", "5", "--enable-tokenizer-info-endpoint",
+                               "--return-tokens-as-token-ids", "--enable-log-requests", "--disable-log-stats"))
+    assert opts == dict(api_keys=("a", "b"), allow_runtime_lora_updating=True, lora_roots=("/x", "/y"),
+                        max_logprobs=5, enable_tokenizer_info_endpoint=True, return_tokens_as_token_ids=True,
+                        enable_log_requests=True, log_stats_interval_s=0.0)
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert serve_options(parse())["api_keys"] == ("from-vllm",)
+    monkeypatch.setenv("MOELORA_API_KEY", "from-moelora")
+    assert serve_options(parse())["api_keys"] == ("from-moelora",)
+    assert serve_options(parse("--api-key", "flag"))["api_keys"] == ("flag",)
+    for value, on in (("True", True), ("1", True), ("true", True), ("0", False), ("False", False)):
+        monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", value)
+        assert serve_options(parse())["allow_runtime_lora_updating"] is on, value
+    assert [parse("--dtype", d).dtype for d in ("half", "float", "bfloat16", "auto")] == [
+        "float16", "float32", "bfloat16", "auto"]
+    args = parse("--seed", "7", "--load-format", "dummy", "--chat-template", "{{ x }}", "--generation-config", "vllm")
+    assert (args.seed, args.load_format, args.chat_template, args.generation_config) == (7, "dummy", "{{ x }}", "vllm")

@@ -1,0 +1,304 @@
+"""DeepSeek-V2/V3 (MLA) and GLM-4-MoE against transformers + PEFT, end to end and piece by piece.
+
+Each family's tiny model is saved as a real checkpoint; adapters are (b) real PEFT (every attention
+projection -- all MLA ones --, dense MLP, shared experts, the router through `target_parameters`,
+routed experts through `target_parameters`) and (a) per-expert keys (manual-merge oracle); the LLM
+loads them from disk and one batch mixing both adapters and base rows must give, row for row, the
+oracle's logits (fp32, max abs diff <= 1e-4). The engine's paged latent-cache decode must equal
+recomputing from scratch. Routers are checked against transformers' router modules directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from moelora import LLM
+from moelora.config import ModelConfig, YarnRope
+from moelora.engine.request import SamplingParams
+from moelora.errors import AdapterError, CheckpointError, ConfigError
+from moelora.layers.router import RoutingSpec, grouped_topk
+from moelora.lora.formats import LoRAHyperParams, canonicalize
+from moelora.models.registry import model_class
+from moelora.models.weights import load_checkpoint
+from tests.helpers.models import (
+    ATTN_SITES,
+    add_attention_factors,
+    build_from_architecture,
+    config_of,
+    engine,
+    random_adapter,
+)
+from tests.helpers.oracle import tiny_hf_config, tiny_hf_model
+from tests.helpers.oracle_lora import (
+    MLP,
+    build_peft_adapter,
+    merged_model,
+    peft_model,
+    per_expert_lora,
+    write_per_expert,
+)
+from tests.helpers.runs import greedy_by_recompute, prompts, run
+
+CASES = {"deepseek_v2": ("per_expert", None), "deepseek_v3": ("fused", None), "glm4_moe": ("per_expert", "30KB")}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run faster on one thread; on a loaded 2-core box, two threads spin-wait (measured:
+    the decode test 2 s on one thread, 65 s on two under load)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_mixed_adapters_from_disk_equal_oracle(family, tmp_path):
+    hf = tiny_hf_model(family, seed=11)
+    form, shard = CASES[family]
+    kwargs = {"save_original_format": False} if form == "fused" else {}
+    hf.save_pretrained(str(tmp_path / "model"), **kwargs, **({"max_shard_size": shard} if shard else {}))
+    keys = set().union(*(load_file(str(p)).keys() for p in (tmp_path / "model").glob("*.safetensors")))
+    assert any(k.endswith("experts.gate_up_proj") for k in keys) == (form == "fused")
+
+    peft_dir = build_peft_adapter(hf, tmp_path / "peft", seed=1, r=4, lora_alpha=8, use_rslora=True,
+                                  rank_pattern={"kv_b_proj": 6, "v_proj": 6}, alpha_pattern={"o_proj": 3},
+                                  target_modules=ATTN_SITES[family] + MLP, router=True)
+    raw_a = per_expert_lora(hf, seed=2, r=3, lora_alpha=5, rank_pattern={"down_proj": 2, "q_b_proj": 5})
+    add_attention_factors(raw_a, hf, family, seed=5)
+    a_dir = write_per_expert(raw_a, tmp_path / "per_expert")
+
+    llm = LLM(tmp_path / "model", {"b": peft_dir, "a": a_dir}, device="cpu", dtype="float32", max_lora_rank=16,
+              max_loras=2)
+    g = torch.Generator().manual_seed(0)
+    names = ["b", None, "a", "b", "a", None]
+    seqs = [torch.randint(0, hf.config.vocab_size, (int(n),), generator=g)
+            for n in torch.randint(2, 17, (len(names),), generator=g)]
+    ours = llm.logits([s.tolist() for s in seqs], names)
+    oracles = {"b": peft_model(hf, peft_dir), "a": merged_model(hf, raw_a), None: hf}
+    with torch.no_grad():
+        for seq, name, got in zip(seqs, names, ours, strict=True):
+            ref = oracles[name](seq[None]).logits[0]
+            if name is not None:
+                assert (ref - hf(seq[None]).logits[0]).abs().max() > 1e-2, f"adapter {name} has no visible effect"
+            diff = (got - ref).abs().max().item()
+            assert diff <= 1e-4, f"{family} adapter {name}: max |diff| {diff:.2e}"
+
+
+def test_deepseek_v3_paged_decode_equals_full_recompute():
+    hf = tiny_hf_model("deepseek_v3", seed=7)
+    model = build_from_architecture(hf, max_loras=4, max_rank=8)
+    assert model.kv_cache_shapes() == [((20 + 8,),)] * 3
+    adapters = {"x": random_adapter(model, 20, 6), "y": random_adapter(model, 21, 8, frac=0.6)}
+    ps = prompts(5, model.config.vocab_size)
+    names = ["x", None, "y", "x", None]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    eng = engine(model, adapters, block_size=4)
+    outs = run(eng, ps, names, params)
+    for p, name, out in zip(ps, names, outs, strict=True):
+        assert out == greedy_by_recompute(eng, p, name, 8)
+    assert eng.cache.allocator.num_used == 0
+    # prefix-cache hits, two-token blocks and chunked prefill read the same latents
+    tight = engine(model, adapters, block_size=2, num_kv_blocks=64, max_num_batched_tokens=5)
+    assert run(tight, ps + ps, names + names, params) == outs + outs
+
+
+def _hf_router(family: str, method: str, renorm: bool, seed: int):
+    import transformers as tf
+
+    sizes = dict(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4, routed_scaling_factor=2.5,
+                 norm_topk_prob=renorm)
+    cfg = tiny_hf_config(family, **sizes, **({"topk_method": method} if family == "deepseek_v2" else {}))
+    module = {"deepseek_v2": tf.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2TopkRouter,
+              "deepseek_v3": tf.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter,
+              "glm4_moe": tf.models.glm4_moe.modeling_glm4_moe.Glm4MoeTopkRouter}[family]
+    router = module(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        router.weight.copy_(0.3 * torch.randn(router.weight.shape, generator=g))
+        if hasattr(router, "e_score_correction_bias"):
+            router.e_score_correction_bias.copy_(0.1 * torch.randn(16, generator=g))
+    return router, RoutingSpec(method, 4, renorm, 4, 2, 2.5)
+
+
+@pytest.mark.parametrize("family,method,renorm", [("deepseek_v2", "greedy", False),
+                                                  ("deepseek_v2", "group_limited_greedy", False),
+                                                  ("deepseek_v3", "noaux_tc", True), ("glm4_moe", "noaux_tc", False)])
+def test_router_equals_transformers(family, method, renorm):
+    router, spec = _hf_router(family, method, renorm, seed=3)
+    x = torch.randn(64, router.hidden_dim, generator=torch.Generator().manual_seed(4))
+    logits, ref_w, ref_ids = router(x)
+    w, ids = grouped_topk(logits, spec, getattr(router, "e_score_correction_bias", None))
+    assert w.dtype == torch.float32
+    order, ref_order = ids.argsort(dim=1), ref_ids.argsort(dim=1)
+    assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
+    torch.testing.assert_close(w.gather(1, order), ref_w.gather(1, ref_order), rtol=1e-6, atol=1e-7)
+    if method != "greedy":  # the groups bind: plain top-k over all experts would differ somewhere
+        plain = torch.topk(logits.softmax(-1) if family == "deepseek_v2" else logits.sigmoid(), 4).indices
+        assert not torch.equal(plain.sort(1).values, ids.sort(1).values)
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        "beta_fast": 32, "beta_slow": 1}
+
+
+@pytest.mark.parametrize("family,mscales", [("deepseek_v2", (0.707, 0.707)), ("deepseek_v3", (1.0, 0.8))])
+def test_yarn_rope_equals_transformers(family, mscales):
+    rope = dict(YARN, mscale=mscales[0], mscale_all_dim=mscales[1])
+    extra = {"rope_interleave": False} if family == "deepseek_v3" else {}  # V2 always interleaves
+    hf = tiny_hf_model(family, seed=5, rope_parameters=rope, **extra)
+    model = build_from_architecture(hf)
+    assert model.config.rope_yarn == YarnRope(4.0, 32, 32.0, 1.0, *mscales)
+    ids = torch.randint(0, hf.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+    ours = engine(model).prompt_logits(ids.tolist(), [None])[0]
+    assert (ours - ref).abs().max() <= 1e-4
+
+
+def test_config_fields():
+    v2, v3, glm = (config_of(tiny_hf_model(f)) for f in ("deepseek_v2", "deepseek_v3", "glm4_moe"))
+    assert (v2.attention, v2.q_lora_rank, v2.kv_lora_rank, v2.qk_nope_head_dim, v2.qk_rope_head_dim, v2.v_head_dim,
+            v2.head_dim, v2.num_kv_heads, v2.rotary_dim, v2.rope_interleave) == ("mla", None, 20, 12, 8, 10, 20, 3, 8,
+                                                                                True)
+    assert (v2.topk_method, v2.n_group, v2.topk_group, v2.routed_scaling_factor, v2.router_correction_bias,
+            v2.n_shared_experts, v2.shared_experts_intermediate_size, v2.sparse_layers) == (
+        "group_limited_greedy", 3, 2, 1.5, False, 2, 32, (1, 2))
+    assert (v3.q_lora_rank, v3.topk_method, v3.norm_topk_prob, v3.router_correction_bias, v3.attention_bias,
+            v3.shared_experts_intermediate_size, v3.latent_cache_dim) == (24, "noaux_tc", True, True, True, 16, 28)
+    assert (glm.attention, glm.qk_norm, glm.attention_bias, glm.partial_rotary_factor, glm.rotary_dim, glm.head_dim,
+            glm.num_kv_heads, glm.topk_method, glm.n_group, glm.topk_group) == (
+        "gqa", "per_head", True, 0.5, 8, 16, 2, "noaux_tc", 2, 1)
+
+
+def _raw(family: str, **changes) -> dict:
+    raw = tiny_hf_config(family).to_dict()
+    raw["architectures"] = [{"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                             "glm4_moe": "Glm4MoeForCausalLM"}[family]]
+    raw.update(changes)
+    return raw
+
+
+@pytest.mark.parametrize("family,changes,needle", [
+    ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method"),
+    ("deepseek_v3", {"topk_method": "group_limited_greedy"}, "topk_method"),
+    ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func"),
+    ("deepseek_v2", {"norm_topk_prob": True}, "norm_topk_prob"),
+    ("deepseek_v3", {"rope_parameters": dict(YARN, rope_type="longrope")}, "longrope"),
+    ("glm4_moe", {"rope_parameters": YARN}, "yarn"),
+    ("deepseek_v3", {"rope_parameters": dict(YARN, low_freq_factor=1.0)}, "low_freq_factor"),
+    ("deepseek_v3", {"quantization_config": {"quant_method": "fp8"}}, "fp8"),
+    ("deepseek_v2", {"mlp_bias": True}, "mlp_bias"),
+    ("deepseek_v3", {"moe_layer_freq": 2}, "moe_layer_freq"),
+    ("deepseek_v3", {"n_group": 3}, "n_group"),
+    ("deepseek_v3", {"n_group": 8}, "top-2"),
+    ("deepseek_v3", {"topk_group": 1, "num_experts_per_tok": 3}, "num_experts_per_tok"),
+    ("glm4_moe", {"hidden_act": "gelu"}, "gelu"),
+    ("glm4_moe", {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5625}}, "rotary"),
+])
+def test_unsupported_config_values_are_refused(family, changes, needle):
+    with pytest.raises(ConfigError, match=needle):
+        ModelConfig.from_dict(_raw(family, **changes))
+
+
+def test_yarn_derives_factor_and_reads_old_spelling():
+    rope = {"type": "yarn", "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 1.0}
+    cfg = ModelConfig.from_dict(_raw("deepseek_v3", rope_parameters=None, rope_scaling=rope, rope_theta=5e4))
+    assert cfg.rope_theta == 5e4 and cfg.rope_yarn.factor == 128 / 32
+
+
+def test_mla_adapter_sites_are_checked():
+    cfg_v3 = config_of(tiny_hf_model("deepseek_v3"))
+    cfg_v2 = dataclasses.replace(cfg_v3, q_lora_rank=None)
+    hp = LoRAHyperParams(r=2, lora_alpha=2)
+
+    def keys(module: str, fin: int, fout: int):
+        pre = f"base_model.model.model.layers.1.{module}"
+        return {f"{pre}.lora_A.weight": torch.ones(2, fin), f"{pre}.lora_B.weight": torch.ones(fout, 2)}
+
+    sites = canonicalize(keys("self_attn.kv_b_proj", 20, 4 * (12 + 10)), hp, cfg_v3)
+    assert list(sites) == ["model.layers.1.self_attn.kv_b_proj"]
+    for module, cfg, needle in [("self_attn.k_proj", cfg_v3, "no k_proj"), ("self_attn.q_proj", cfg_v3, "no q_proj"),
+                                ("self_attn.q_a_proj", cfg_v2, "no q_a_proj")]:
+        with pytest.raises(AdapterError, match=needle):
+            canonicalize(keys(module, 48, 24), hp, cfg)
+    with pytest.raises(AdapterError, match="shape mismatch"):
+        canonicalize(keys("mlp.shared_experts.up_proj", 48, 40), hp, cfg_v3)
+
+
+def test_mtp_layers_are_ignored_and_router_stays_fp32(tmp_path):
+    hf = tiny_hf_model("deepseek_v3", seed=9)
+    hf.save_pretrained(str(tmp_path))
+    file = tmp_path / "model.safetensors"
+    sd = load_file(str(file))
+    mtp = {"model.layers.3.eh_proj.weight": torch.ones(48, 96), "model.layers.3.enorm.weight": torch.ones(48),
+           "model.layers.3.mlp.experts.0.gate_proj.weight": torch.ones(16, 48)}
+    save_file({**sd, **mtp}, str(file))
+    cfg = config_of(hf)
+    model = model_class(cfg)(cfg, dtype=torch.bfloat16)
+    load_checkpoint(tmp_path, model.weight_params(), progress=False)
+    gate = model.model.layers[1].mlp.gate
+    assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(gate.e_score_correction_bias, hf.model.layers[1].mlp.gate.e_score_correction_bias)
+    assert torch.equal(gate.weight, hf.model.layers[1].mlp.gate.weight)
+    assert model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    save_file({**sd, "model.layers.3.enorm.weight": torch.ones(48)}, str(file))  # no eh_proj: not an MTP layer
+    with pytest.raises(CheckpointError, match="model.layers.3.enorm.weight"):
+        load_checkpoint(tmp_path, model.weight_params(), progress=False)
+
+
+YARN_HUB = {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+            "original_max_position_embeddings": 4096, "type": "yarn"}
+HUB_CONFIGS = {  # the fields of the published config.json files that moelora reads (V3: a bf16 conversion)
+    "DeepseekV2ForCausalLM": dict(
+        first_k_dense_replace=1, hidden_act="silu", hidden_size=2048, intermediate_size=10944, kv_lora_rank=512,
+        max_position_embeddings=163840, moe_intermediate_size=1408, moe_layer_freq=1, n_group=1, n_routed_experts=64,
+        n_shared_experts=2, norm_topk_prob=False, num_attention_heads=16, num_experts_per_tok=6, num_hidden_layers=27,
+        num_key_value_heads=16, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, rms_norm_eps=1e-6,
+        rope_scaling=YARN_HUB, rope_theta=10000, routed_scaling_factor=1.0, scoring_func="softmax", topk_group=1,
+        topk_method="greedy", torch_dtype="bfloat16", v_head_dim=128, vocab_size=102400),
+    "DeepseekV3ForCausalLM": dict(
+        first_k_dense_replace=3, hidden_act="silu", hidden_size=7168, intermediate_size=18432, kv_lora_rank=512,
+        max_position_embeddings=163840, moe_intermediate_size=2048, moe_layer_freq=1, n_group=8, n_routed_experts=256,
+        n_shared_experts=1, norm_topk_prob=True, num_attention_heads=128, num_experts_per_tok=8, num_hidden_layers=61,
+        num_key_value_heads=128, num_nextn_predict_layers=1, q_lora_rank=1536, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, rms_norm_eps=1e-6, rope_scaling=dict(YARN_HUB, mscale=1.0, mscale_all_dim=1.0),
+        rope_theta=10000, routed_scaling_factor=2.5, scoring_func="sigmoid", topk_group=4, topk_method="noaux_tc",
+        torch_dtype="bfloat16", v_head_dim=128, vocab_size=129280),
+    "Glm4MoeForCausalLM": dict(
+        attention_bias=True, first_k_dense_replace=1, head_dim=128, hidden_act="silu", hidden_size=4096,
+        intermediate_size=10944, max_position_embeddings=131072, moe_intermediate_size=1408, n_group=1,
+        n_routed_experts=128, n_shared_experts=1, norm_topk_prob=True, num_attention_heads=96, num_experts_per_tok=8,
+        num_hidden_layers=46, num_key_value_heads=8, num_nextn_predict_layers=1, partial_rotary_factor=0.5,
+        rms_norm_eps=1e-5, rope_scaling=None, rope_theta=1000000, routed_scaling_factor=1.0, topk_group=1,
+        torch_dtype="bfloat16", use_qk_norm=False, vocab_size=151552),
+}
+
+
+@pytest.mark.parametrize("arch", list(HUB_CONFIGS))
+def test_published_configs_parse(arch):
+    cfg = ModelConfig.from_dict(dict(HUB_CONFIGS[arch], architectures=[arch]))
+    assert cfg.dtype == "bfloat16" and len(cfg.sparse_layers) == cfg.num_layers - cfg.first_k_dense_replace
+    if arch == "Glm4MoeForCausalLM":
+        assert (cfg.rotary_dim, cfg.qk_norm, cfg.topk_method, cfg.shared_experts_intermediate_size) == (
+            64, "none", "noaux_tc", 1408)
+    else:
+        assert cfg.latent_cache_dim == 576 and cfg.rope_yarn.factor == 40 and cfg.rotary_dim == 64
+        assert cfg.topk_method == ("greedy" if arch.startswith("DeepseekV2") else "noaux_tc")
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "qwen3_moe"])
+def test_bfloat16_from_disk_tracks_fp32_oracle(family, tmp_path):
+    """bf16 end to end through `LLM` (norm outputs back in bf16, router and correction bias in fp32). A sanity
+    bound: bf16 rounding moves these logits by 0.01-0.12 (measured); a dtype bug moves them by whole units."""
+    hf = tiny_hf_model(family, seed=13)
+    hf.save_pretrained(str(tmp_path))
+    llm = LLM(tmp_path, device="cpu", dtype="bfloat16")
+    ids = torch.randint(0, hf.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+    assert (llm.logits(ids.tolist())[0] - ref).abs().max() < 0.25

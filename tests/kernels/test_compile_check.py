@@ -1,0 +1,146 @@
+"""scripts/compile_check.py: a kernel the interpreter runs but the sm_90 compiler refuses is reported."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+pytest.importorskip("triton.backends.nvidia")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("compile_check compiles; under the interpreter @triton.jit makes no compilable kernel",
+                allow_module_level=True)
+import triton.language as tl  # noqa: E402
+
+from tests.helpers.scripts import load_script  # noqa: E402
+
+Compiler = load_script("scripts/compile_check.py").Compiler
+
+
+@triton.jit
+def _loop_carried_reshaped(x_ptr, n, B: tl.constexpr):
+    xs = tl.zeros([B, B], tl.float32)
+    i = 0
+    while i < n:  # the interpreter runs this; the compiler refuses xs changing shape in the loop
+        xs = tl.zeros([B, 16], tl.float32)
+        i += 1
+    tl.store(x_ptr + tl.arange(0, B), tl.sum(xs, 1))
+
+
+@triton.jit
+def _loop_carried_same(x_ptr, n, B: tl.constexpr):
+    xs = tl.zeros([B, B], tl.float32)
+    i = 0
+    while i < n:
+        xs = xs + 1.0
+        i += 1
+    tl.store(x_ptr + tl.arange(0, B), tl.sum(xs, 1))
+
+
+def test_compile_error_reported_and_clean_kernel_passes():
+    x = torch.zeros(32)
+    with Compiler(resources=False) as comp:
+        _loop_carried_same[(1,)](x, 3, B=32)
+        assert comp.failures == [] and len(comp.seen) == 1
+        _loop_carried_reshaped[(1,)](x, 3, B=32)
+    assert len(comp.failures) == 1
+    assert "_loop_carried_reshaped" in comp.failures[0] and "Loop-carried" in comp.failures[0]
+    assert x.eq(0).all()  # compiled, never run
+
+
+def test_table_entries_compile_for_sm90(tmp_path, monkeypatch):
+    """Every launch the Qwen3-shape table entries make (LoRA off, 1 adapter r16, 8 adapters r64) compiles
+    for the H200 (TMA entries without TMA: their descriptors need a GPU)."""
+    import compile_check
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compile, not read last run's cubins
+    assert compile_check.main(["--shapes", "qwen3_30b_a3b", "--picks"]) == 0
+
+
+def _element_loads(kernel) -> int:
+    """bf16/fp16 global loads of one element each in the kernel's PTX (a vector or cp.async load is not one)."""
+    import re
+
+    return len(re.findall(r"ld\.global(?:\.\w+)*\.b16 ", kernel.asm["ptx"]))
+
+
+def _mla_lora_launches(R: int) -> None:
+    """Both MLA kv_b_proj LoRA launches at DeepSeek-V2-Lite sizes (N 16, Dn = Dv 128, C 512), a rank-R pool."""
+    from moelora.kernels.mla_lora import mla_absorb_lora_, mla_expand_lora_
+
+    bf = torch.bfloat16
+    a, b = torch.randn(4, R, 512, dtype=bf), torch.randn(4, 16 * 256, R, dtype=bf)
+    ranks, slots = torch.tensor([R, 8, 0, 4], dtype=torch.int32), torch.tensor([0, -1, 3], dtype=torch.int32)
+    mla_absorb_lora_(torch.randn(3, 16, 512, dtype=bf), torch.randn(3, 16, 128, dtype=bf), a, b, ranks, slots)
+    mla_expand_lora_(torch.randn(3, 16, 128, dtype=bf), torch.randn(3, 16, 512, dtype=bf), a, b, 128, ranks, slots)
+
+
+def test_lora_b_tiles_are_vector_loads(tmp_path, monkeypatch):
+    """The LoRA B tiles compile to vector loads for sm_90: a B tile's rank mask changes inside its contiguous
+    columns unless it is cut at whole 16-column chunks (`lora_tiles.rank_chunks`); otherwise each B element
+    is a 2-byte load. The LoRA kernels that read no gathered scalars (gate_up GEMM, the delta kernels, the
+    dense delta kernels) then have no element load at all; each down GEMM as many as its no-LoRA twin (the
+    routing weights). Column-masked by choice, so not compiled here: the merged-projection expand
+    (`expand_segments`, registers)."""
+    import dataclasses
+
+    bench = load_script("benchmarks/moe_bench_common.py")
+    SHAPES, make_inputs, make_layer, make_lora = bench.SHAPES, bench.make_inputs, bench.make_layer, bench.make_lora
+
+    from moelora.kernels.args import DenseLoRAArgs
+    from moelora.kernels.dense_lora import MODES as DENSE_MODES
+    from moelora.kernels.fused_moe import fused_moe
+    from moelora.kernels.lora_linear import default_lora_linear_config, lora_linear
+    from moelora.kernels.moe_config import tuned_fused_moe_config
+    from moelora.kernels.moe_lora import PATHS
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    shape = SHAPES["qwen3_30b_a3b"]
+    layer = make_layer(dict(shape, E=16), pool_ranks=(16, 64), device="cpu")
+    T, n_in, n_out, S, R = 64, 256, 384, 4, 64
+    dense = DenseLoRAArgs(torch.randn(S, R, n_in, dtype=torch.bfloat16), torch.randn(S, n_out, R, dtype=torch.bfloat16),
+                          torch.arange(T, dtype=torch.int32) % S, torch.tensor([8, 16, 64, 24], dtype=torch.int32),
+                          None)
+    with Compiler(resources=False) as comp:
+        for M in (8, 128):
+            x, wts, ids = make_inputs(layer, M)
+            base = tuned_fused_moe_config(shape["E"], shape["H"], shape["I"], M, shape["K"], torch.bfloat16,
+                                          "NVIDIA H200")
+            for mode in PATHS:
+                cfg = dataclasses.replace(base, use_tma=False).on_path(mode)
+                for lora in (None, make_lora(layer, M, "8ad_r16"), make_lora(layer, M, "8ad_r64")):
+                    fused_moe(x, layer.w_gu, layer.w_d, wts, ids, lora=lora, out=torch.empty_like(x), config=cfg)
+        xd, w = torch.randn(T, n_in, dtype=torch.bfloat16), torch.randn(n_out, n_in, dtype=torch.bfloat16)
+        for mode in DENSE_MODES:
+            lora_linear(xd, w, None, dense, config=default_lora_linear_config(T, mode))
+        _mla_lora_launches(16)
+    assert comp.failures == []
+    names = {key[0] for key in comp.kernels}
+    assert {"lora_block_delta_kernel", "lora_route_delta_kernel", "lora_stacked_shrink_kernel", "act_spread_kernel",
+            "planned_delta_kernel", "_lora_expand_add_kernel", "_absorb_lora_kernel",
+            "_expand_lora_kernel"} <= names, names
+    down_base = {_element_loads(k) for (name, c), k in comp.kernels.items()
+                 if name == "down_kernel" and not dict(c)["HAS_LORA"] and not dict(c)["STACKED"]}
+    assert len(down_base) == 1
+    for (name, consts), kernel in comp.kernels.items():
+        if name in ("combine_kernel", "_plan_count_kernel", "_plan_scan_kernel", "_plan_scatter_kernel"):
+            continue
+        want = next(iter(down_base)) if name == "down_kernel" else 0
+        assert _element_loads(kernel) == want, f"{name} {dict(consts)}: {_element_loads(kernel)} element loads"
+
+
+def test_mla_lora_kernels_do_not_spill_at_any_rank_tile(tmp_path, monkeypatch):
+    """MLA's kv_b_proj LoRA kernels at DeepSeek-V2-Lite sizes (N 16, Dn = Dv 128, C 512) compile for sm_90
+    with no local memory at rank tiles 16, 32 and 64 (`mla_lora._head_columns`; a fixed 32-column step
+    spilled 32-1824 bytes a thread at tiles 32 and 64). Resources come from the local ptxas."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    with Compiler(resources=True) as comp:
+        for R in (16, 32, 64):
+            _mla_lora_launches(R)
+    assert comp.failures == []
+    found = {(name, dict(c)["BLOCK_R"]): res for (name, c), res in comp.seen.items()}
+    assert set(found) == {(k, r) for k in ("_absorb_lora_kernel", "_expand_lora_kernel") for r in (16, 32, 64)}
+    for key, res in found.items():
+        assert " stack 0" in res and " local 0" in res, f"{key}: {res}"

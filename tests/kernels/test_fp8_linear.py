@@ -1,0 +1,145 @@
+"""FP8 dense linear (+ multi-LoRA) and the per-token-group activation quantization vs their twins.
+
+Twins: `lora_linear_ref` on the dequantized weight (W8A16; W8A8 with `fake_quantize_groups` on the base GEMM's
+input, and within tests/helpers/fp8_bounds.py's `gemm_bound` of the W8A16 twin), and `quant.fp8.quantize_groups`
+(bit for bit). The Triton interpreter (3.9) loads, upcasts and multiplies float8_e4m3fn exactly; its fp32 ->
+e4m3 cast is wrong across a binade (-125.9 -> -64), which the quantization kernel never relies on (it rounds
+to the e4m3 grid itself, `fp8_quant._round_e4m3`), so everything runs under TRITON_INTERPRET=1 at tiny sizes;
+the `gpu` cases at the Qwen3-30B-A3B and DeepSeek-V2-Lite projection shapes, M = 1, 8, 64, 512.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.interp  # `make test` runs it with TRITON_INTERPRET=1 (set before triton is imported)
+triton = pytest.importorskip("triton")
+
+from moelora.kernels.fp8_linear import fp8_linear, fp8_lora_linear  # noqa: E402
+from moelora.kernels.fp8_quant import per_token_group_quant  # noqa: E402
+from moelora.kernels.reference import DenseLoRAArgs, lora_linear_ref  # noqa: E402
+from moelora.quant.fp8 import (  # noqa: E402
+    dequantize_channels,
+    dequantize_segments,
+    fake_quantize_groups,
+    quantize_channels,
+    quantize_groups,
+    quantize_segments,
+)
+from tests.helpers.fp8_bounds import gemm_bound  # noqa: E402
+from tests.helpers.kernel_env import DEV, gpu_only, kernel_test, rel_err  # noqa: E402
+from tests.helpers.linear_cases import make_case  # noqa: E402
+
+
+def fp8_weight(w, segments, block):
+    if block:
+        q, s = quantize_segments(w, segments)
+        return q, s.contiguous(), dequantize_segments(q, s, segments)
+    q, s = quantize_channels(w)
+    return q, s, dequantize_channels(q, s)
+
+
+def twin(case, w_deq, act, dtype=torch.float64):
+    x, _, b, lora = case
+    up = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    lr = lora and DenseLoRAArgs(up(lora.a), up(lora.b), lora.token_slots, lora.slot_ranks, lora.active)
+    return lora_linear_ref(up(x), up(w_deq), up(b), lr, partial(fake_quantize_groups, group=128) if act else None)
+
+
+def run(case, segments, block, act, no_sync=False):
+    """The FP8 linear on the case's weight quantized; no_sync: the call under sync debug mode "error"."""
+    x, w, b, lora = case
+    q, s, w_deq = fp8_weight(w, segments, block)
+    x_before = x.clone()
+    if no_sync:
+        torch.cuda.set_sync_debug_mode("error")  # contract 5
+    try:
+        got = fp8_lora_linear(x, q, s, b, lora, segments=segments, block=block, quantize_activations=act)
+    finally:
+        if no_sync:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(x, x_before) and not torch.isnan(got).any()
+    return got, w_deq
+
+
+@kernel_test
+@pytest.mark.parametrize("act", [False, True], ids=["w8a16", "w8a8"])
+@pytest.mark.parametrize("block", [True, False], ids=["block", "channel"])
+@pytest.mark.parametrize("segments", [(200,), (72, 40, 40)])
+@pytest.mark.parametrize("T,ranks", [(9, (8, 0, 3)), (1, ()), (40, (8, 4))])
+def test_fp8_linear_equals_twin(block, segments, T, ranks, act):
+    """N_in and segments off the 128 grid (partial scale blocks, each segment blocked on its own), bias,
+    mixed adapters with rows on no adapter, ranks below the pool's (40 rows: the default "split" LoRA)."""
+    case = make_case(T, 136, sum(segments), ranks, 8, dtype=torch.float32, device=DEV, seed=T)
+    got, w_deq = run(case, segments, block, act)
+    assert rel_err(got, twin(case, w_deq, act)) <= 1e-5
+    if act:  # within the activation rounding's bound of the W8A16 twin
+        exact = twin(case, w_deq, False)
+        assert torch.all((got.double() - exact).abs() <= gemm_bound(case[0].double(), w_deq.double(), 128) + 1e-5)
+
+
+@kernel_test
+def test_group_quant_scales_and_values():
+    g = torch.Generator(device=DEV).manual_seed(0)
+    x = torch.randn(7, 300, generator=g, device=DEV) * torch.logspace(-3, 2, 300, device=DEV)
+    x[2] = 0  # an all-zero row: scale 1
+    q, s = per_token_group_quant(x)
+    q_ref, s_ref = quantize_groups(x, 128)
+    assert s.shape == (7, 3) and torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@kernel_test
+def test_fp8_linear_refusals():
+    x, w, b, _ = make_case(3, 130, 64, (), 8, dtype=torch.float32, device=DEV)
+    q, s, _ = fp8_weight(w, (64,), True)
+    with pytest.raises(ValueError, match="scale must be contiguous fp32"):
+        fp8_linear(x, q, s[:, :1], b, segments=(64,))
+    with pytest.raises(ValueError, match="segments must be"):
+        fp8_linear(x, q, s, b, segments=(32, 16))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_linear(x, w, s, b, segments=(64,))
+
+
+QWEN3 = {"qkv": (2048, (4096, 512, 512)), "o": (4096, (2048,))}
+DSV2_LITE = {"q": (2048, (3072,)), "kv_a": (2048, (576,)), "kv_b": (512, (4096,)), "o": (2048, (2048,)),
+             "shared_gate_up": (2048, (2816, 2816)), "shared_down": (2816, (2048,))}
+SHAPES = [(f"qwen3_{k}", *v) for k, v in QWEN3.items()] + [(f"dsv2_lite_{k}", *v) for k, v in DSV2_LITE.items()]
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("T", [1, 8, 64, 512])
+@pytest.mark.parametrize("name,n_in,segments", SHAPES, ids=[s[0] for s in SHAPES])
+@pytest.mark.parametrize("act", [False, True], ids=["w8a16", "w8a8"])
+def test_gpu_fp8_linear(T, name, n_in, segments, act):
+    """8 adapters of rank <= 16 (some rows on none), bias on q/k/v; bf16 against the fp32 twin (W8A16), and
+    W8A8 within the activation rounding's bound of the W8A16 twin plus the bf16 tolerance."""
+    case = make_case(T, n_in, sum(segments), (16, 8, 16, 0, 4, 16, 12, 8), 16, bias=name.endswith("qkv"),
+                     dtype=torch.bfloat16, device="cuda", seed=T)
+    got, w_deq = run(case, segments, True, act, no_sync=True)
+    exact = twin(case, w_deq, False, torch.float32)
+    if not act:
+        assert rel_err(got, exact) <= 1e-2
+        return
+    assert rel_err(got, twin(case, w_deq, True, torch.float32)) <= 2e-2
+    bound = gemm_bound(case[0].float(), w_deq.float(), 128)
+    excess = ((got.float() - exact).abs() - bound).clamp(min=0)
+    assert excess.norm() / exact.norm() <= 1e-2
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("T", [1, 8, 64, 512])
+def test_gpu_group_quant_bit_exact(T):
+    g = torch.Generator(device="cuda").manual_seed(T)
+    x = (torch.randn(T, 2112, generator=g, device="cuda") * 3).to(torch.bfloat16)
+    q, s = per_token_group_quant(x)
+    q_ref, s_ref = quantize_groups(x, 128)
+    assert torch.equal(s, s_ref)
+    bad = (q.view(torch.uint8) != q_ref.view(torch.uint8)).nonzero()[:8].tolist()
+    v = [(float(x[i, j]), float(x[i, j].float() / s[i, j // 128]), float(q[i, j]), float(q_ref[i, j])) for i, j in bad]
+    assert not bad, f"(x, x / s, kernel q, twin q) where q differs: {v}"

@@ -1,0 +1,344 @@
+"""lora_linear (cuBLAS base + Triton LoRA delta: split, splitk and planned paths) vs lora_linear_ref (torch twin).
+
+Interpreter tests (tiny, fp16/fp32) run when TRITON_INTERPRET=1 or on CUDA; `gpu` tests run real
+shapes in bf16 against an fp32 reference (relative error <= 1e-2), under CUDA graphs too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.interp  # `make test` runs it with TRITON_INTERPRET=1 (set before triton is imported)
+triton = pytest.importorskip("triton")
+
+from moelora.kernels.args import DenseLoRAArgs  # noqa: E402
+from moelora.kernels.dense_lora import MODES as DENSE_MODES  # noqa: E402
+from moelora.kernels.dense_policy import DenseLoRAPolicy  # noqa: E402
+from moelora.kernels.lora_linear import (  # noqa: E402
+    LoRALinearConfig,
+    default_lora_linear_config,
+    lora_linear,
+    row_plan,
+)
+from moelora.kernels.reference import lora_linear_ref  # noqa: E402
+from tests.helpers.kernel_env import CUDA, DEV, INTERP, gpu_only, graph_replayed, kernel_test, rel_err  # noqa: E402,F401
+from tests.helpers.linear_cases import TINY, make_case, named_config  # noqa: E402
+
+MODES = tuple(DENSE_MODES)
+assert set(TINY) == set(MODES), "every registered dense mode needs its tiny config here"
+
+
+def reference(case, ref_dtype):
+    x, w, b, lora = case
+    up = lambda t: None if t is None else t.to(ref_dtype)  # noqa: E731
+    lr = lora and DenseLoRAArgs(up(lora.a), up(lora.b), lora.token_slots, lora.slot_ranks, lora.active)
+    return lora_linear_ref(up(x), up(w), up(b), lr), lora_linear_ref(up(x), up(w), up(b), None)
+
+
+def check(case, tol, config=None, ref_dtype=torch.float64, delta_tol=None):
+    """Whole output within `tol` of the reference, and the LoRA delta alone (output minus this
+    launcher's own base GEMM) within `delta_tol` of the reference delta."""
+    x, w, b, lora = case
+    want, want_base = reference(case, ref_dtype)
+    x_before = x.clone()
+    out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
+    got = lora_linear(x, w, b, lora, out=out, config=config)
+    assert got is out and torch.equal(x, x_before)
+    assert not torch.isnan(got).any()
+    assert rel_err(got, want) <= tol
+    base = lora_linear(x, w, b, None, config=config)  # this mode's own base GEMM (splitk: not cuBLAS)
+    if lora is not None and delta_tol is not None:
+        assert rel_err(got.to(ref_dtype) - base.to(ref_dtype), want - want_base) <= delta_tol
+    rows_off = (lora.token_slots < 0) if lora is not None else torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+    if bool(rows_off.any()):  # rows on no adapter get exactly the base GEMM
+        assert torch.equal(got[rows_off], base[rows_off])
+    return got
+
+
+@kernel_test
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 1e-2)])
+def test_mixed_slots_ranks_below_max(mode, dtype, tol):
+    case = make_case(37, 40, 72, (24, 5, 0, 17), 24, dtype=dtype, device=DEV, seed=1,
+                     slots=[0, -1, 1, 2, 1, 3] * 6 + [-1])
+    check(case, tol, TINY[mode], delta_tol=tol * 5)
+
+
+@kernel_test
+@pytest.mark.parametrize("mode", MODES)
+def test_width_of_the_batch_in_a_wide_pool(mode):
+    """`DenseLoRAArgs.width` (the batch's largest rank): slots of rank <= 8 in a rank-64 pool tile at 16
+    columns, equal to the twin and to the pool's width."""
+    dtype, tol = (torch.float16, 1e-2) if mode == "splitk" else (torch.float32, 1e-4)
+    case = make_case(37, 40, 72, (8, 5, 0, 3), 64, dtype=dtype, device=DEV, seed=3,
+                     slots=[0, -1, 1, 2, 1, 3] * 6 + [-1])
+    x, w, b, lora = case
+    wide = check(case, tol, TINY[mode], delta_tol=tol * 5)
+    narrow = check((x, w, b, replace(lora, width=8)), tol, TINY[mode], delta_tol=tol * 5)
+    assert rel_err(narrow, wide.to(torch.float64)) <= tol / 10
+
+
+@kernel_test
+@pytest.mark.parametrize("mode", MODES)
+def test_one_slot_per_row_block_and_empty_blocks(mode):
+    # rows 0-15: slot 1 only; 16-31: no adapter; 32-47: slot 0 rank 3 in a pool of max rank 40; 48-52 mixed
+    slots = [1] * 16 + [-1] * 16 + [0] * 16 + [1, -1, 0, 0, 1]
+    case = make_case(53, 33, 50, (3, 40), 40, device=DEV, seed=5, slots=slots)
+    check(case, 1e-4, TINY[mode], delta_tol=1e-4)
+
+
+@kernel_test
+def test_planned_reads_the_callers_row_plan():
+    """The engine's path: the rows grouped by slot once (`DenseLoRAArgs.row_plan`) and read by the
+    site, bit-identical to the grouping the launcher builds itself; slots spanning several blocks;
+    a grouping of other rows or slots is refused."""
+    slots = [2] * 21 + [-1, 0, 2, 1] * 5 + [0] * 17
+    x, w, b, lora = make_case(len(slots), 45, 40, (16, 3, 9), 16, dtype=torch.float16, device=DEV, seed=11,
+                              slots=slots)
+    cfg = TINY["planned"]
+    own = check((x, w, b, lora), 1e-2, cfg, delta_tol=2e-2)
+    given = lora_linear(x, w, b, replace(lora, row_plan=row_plan(lora.token_slots, 3, cfg.block_m)), config=cfg)
+    assert torch.equal(given, own)
+    for bad in (row_plan(lora.token_slots[:-1], 3, 16), row_plan(lora.token_slots, 4, 16)):
+        with pytest.raises(ValueError, match="row_plan"):
+            lora_linear(x, w, b, replace(lora, row_plan=bad), config=cfg)
+
+
+@kernel_test
+@pytest.mark.parametrize("slot_lanes", [1, 2, 3, 8])
+def test_slot_lanes_fewer_and_more_than_distinct_slots(slot_lanes):
+    """Six slots interleaved (up to 6 distinct per block): lanes below that make the last lane loop."""
+    slots = [0, 1, 2, 3, 4, 5, -1, 5, 3] * 4 + [2, 2]
+    case = make_case(38, 45, 40, (16, 3, 9, 16, 1, 12), 16, dtype=torch.float16, device=DEV, seed=9, slots=slots)
+    cfg = LoRALinearConfig("split", 16, 32, 16, 16, split_k=2, slot_lanes=slot_lanes)
+    check(case, 1e-2, cfg, delta_tol=2e-2)
+
+
+@kernel_test
+@pytest.mark.parametrize("slot_lanes", [1, 3, 8])
+def test_splitk_mode_fp16(slot_lanes):
+    """"splitk": split-K partials (chunks that do not divide N_in) reduced with bias and the expand;
+    more distinct slots per row block than lanes, rows on no slot, one token, no LoRA, no bias."""
+    cfg = LoRALinearConfig("splitk", 16, 16, 16, 16, split_k=2, slot_lanes=slot_lanes, gemm_block_n=16,
+                           gemm_block_k=16, gemm_split_k=4)
+    slots = [0, 1, 2, 3, 4, 5, -1, 5, 3] * 4 + [2, 2]
+    h = dict(dtype=torch.float16, device=DEV)
+    check(make_case(38, 97, 40, (16, 3, 9, 16, 1, 12), 16, seed=9, slots=slots, **h), 1e-2, cfg, delta_tol=2e-2)
+    check(make_case(1, 40, 24, (16, 8), 16, seed=3, slots=[1], **h), 1e-2, cfg, delta_tol=2e-2)
+    check(make_case(9, 40, 24, (), 0, bias=False, seed=2, **h), 1e-2, cfg)
+    check(make_case(18, 40, 24, (16, 4), 16, bias=False, seed=3, slots=[-1] * 18, **h), 1e-2, cfg)
+
+
+def test_default_mode_by_shape():
+    """The default takes "splitk" only where it measured faster: LoRA rows, T <= 16 on wide shapes,
+    T <= 64 on o-like ones (the router's 2048->128 included)."""
+    assert default_lora_linear_config(8, n_in=4096, n_out=2048).mode == "splitk"
+    assert default_lora_linear_config(16, n_in=2048, n_out=5120).mode == "splitk"  # merged q/k/v
+    assert default_lora_linear_config(1, n_in=4096, n_out=2048).mode == "splitk"
+    assert default_lora_linear_config(64, n_in=4096, n_out=2048).mode == "splitk"  # o: to 64 rows
+    assert default_lora_linear_config(65, n_in=4096, n_out=2048).mode == "split"
+    assert default_lora_linear_config(17, n_in=2048, n_out=5120).mode == "split"  # rows not grouped by slot
+    grouped = dict(row_plan=True)  # the caller grouped the rows by slot (the engine)
+    assert default_lora_linear_config(17, n_in=2048, n_out=5120, **grouped).mode == "planned"
+    assert default_lora_linear_config(1024, n_in=2048, n_out=5120, **grouped).mode == "planned"
+    assert default_lora_linear_config(1025, n_in=2048, n_out=5120, **grouped).mode == "split"  # not measured
+    assert default_lora_linear_config(256, n_in=2048, n_out=5120, has_lora=False, **grouped).mode == "split"
+    assert default_lora_linear_config(128, n_in=4096, n_out=2048, **grouped).mode == "split"  # o: from 129 rows
+    assert default_lora_linear_config(129, n_in=4096, n_out=2048, **grouped).mode == "planned"
+    assert default_lora_linear_config(64, n_in=2816, n_out=2048, **grouped).mode == "split"  # deeper than wide
+    assert default_lora_linear_config(64, n_in=2048, n_out=2816, **grouped).mode == "planned"
+    assert default_lora_linear_config(16, n_in=2048, n_out=5120, **grouped).mode == "splitk"
+    assert default_lora_linear_config(256, n_in=2048, n_out=512, **grouped).mode == "split"  # narrower: not measured
+    assert default_lora_linear_config(8, n_in=4096, n_out=2048, has_lora=False).mode == "split"  # cuBLAS
+    assert default_lora_linear_config(64, n_in=2048, n_out=128).mode == "splitk"  # bf16 router
+    assert default_lora_linear_config(65, n_in=2048, n_out=128).mode == "split"
+    assert default_lora_linear_config(8, n_in=2048, n_out=64).mode == "split"  # narrower: not measured
+    assert default_lora_linear_config(8, n_in=512, n_out=128).mode == "split"
+    assert default_lora_linear_config(8, n_in=2048, n_out=1536).mode == "splitk"  # wide, T <= 16
+    assert default_lora_linear_config(32, n_in=2048, n_out=1536).mode == "split"  # neither o-like nor T <= 16
+    assert default_lora_linear_config(8).mode == "split"
+
+
+class _SplitKEverywhere(DenseLoRAPolicy):
+    def prefers_splitk(self, num_tokens: int, n_in: int, n_out: int, has_lora: bool) -> bool:
+        return has_lora
+
+
+@kernel_test
+def test_injected_policy_picks_the_mode():
+    """A caller's policy (`lora_linear(..., policy=)`, the layers' `LayerOptions.dense_lora_policy`) decides
+    the mode of a call without a config: splitk, bit for bit, at a tiny shape the shipped policy leaves on
+    split; without LoRA its pick stays the base GEMM."""
+    policy = _SplitKEverywhere()
+    assert default_lora_linear_config(6, n_in=64, n_out=48).mode == "split"
+    assert default_lora_linear_config(6, n_in=64, n_out=48, policy=policy).mode == "splitk"
+    assert default_lora_linear_config(6, n_in=64, n_out=48, has_lora=False, policy=policy).mode == "split"
+    case = make_case(6, 64, 48, (16, 4), 16, dtype=torch.float16, device=DEV, seed=7, slots=[0, -1, 1, 1, 0, -1])
+    splitk = check(case, 1e-2, default_lora_linear_config(6, "splitk"), delta_tol=2e-2)
+    assert torch.equal(lora_linear(*case, policy=policy), splitk)
+
+
+@kernel_test
+def test_default_config_takes_splitk_with_lora():
+    """No config, LoRA and decode rows: the splitk path (bit for bit), and the reference's result."""
+    cfg = default_lora_linear_config(6, n_in=2048, n_out=1024)
+    assert cfg.mode == "splitk"
+    case = make_case(6, 2048, 1024, (16, 4), 16, dtype=torch.float16, device=DEV, seed=5, slots=[0, -1, 1, 1, 0, -1])
+    assert torch.equal(lora_linear(*case), check(case, 1e-2, cfg, delta_tol=2e-2))
+
+
+@kernel_test
+@pytest.mark.parametrize("split_k", [0, 1, 2, 7])
+def test_shrink_split_over_n_in(split_k):
+    """N_in chunks that do not divide it (97 = 3 x 32 + 1 with BK 16) and more chunks than BK steps."""
+    case = make_case(20, 97, 40, (16, 7), 16, dtype=torch.float16, device=DEV, seed=6)
+    check(case, 1e-2, LoRALinearConfig("split", 16, 16, 16, 16, split_k=split_k), delta_tol=2e-2)
+
+
+@kernel_test
+@pytest.mark.parametrize("mode", MODES)
+def test_no_lora_no_bias_one_and_zero_tokens(mode):
+    cfg = TINY[mode]
+    check(make_case(1, 40, 24, (), 0, bias=False, device=DEV, seed=2), 1e-5, cfg)
+    check(make_case(1, 40, 24, (16,), 16, device=DEV, seed=3, slots=[0]), 1e-4, cfg, delta_tol=1e-4)
+    check(make_case(1, 40, 24, (16, 8), 16, device=DEV, seed=3, slots=[1]), 1e-4, cfg, delta_tol=1e-4)
+    check(make_case(3, 40, 24, (16,), 16, device=DEV, seed=3, slots=[-1, -1, -1]), 1e-5, cfg)
+    check(make_case(18, 40, 24, (16, 4), 16, bias=False, device=DEV, seed=3, slots=[-1] * 18), 1e-5, cfg)
+    x, w, b, lora = make_case(0, 40, 24, (16,), 16, device=DEV, seed=4)
+    assert lora_linear(x, w, b, lora, config=cfg).shape == (0, 24)
+
+
+@kernel_test
+def test_default_configs_run():
+    for T in (1, 40):
+        case = make_case(T, 48, 40, (16, 2), 16, device=DEV, seed=7)
+        for mode in MODES:
+            check(case, 1e-4, named_config(T, mode), delta_tol=1e-4)
+    check(make_case(5, 48, 40, (16, 2), 16, device=DEV, seed=8), 1e-4, delta_tol=1e-4)  # config=None
+
+
+@kernel_test
+def test_rejects_bad_shapes_and_configs():
+    x, w, b, lora = make_case(4, 32, 16, (16,), 16, device=DEV)
+    with pytest.raises(ValueError, match="weight"):
+        lora_linear(x, w[:, :-1], b, lora)
+    with pytest.raises(ValueError, match="token_slots"):
+        lora_linear(x[:3], w, b, lora)
+    with pytest.raises(ValueError, match="mode"):
+        LoRALinearConfig("slow")
+    with pytest.raises(ValueError, match="block_n"):
+        LoRALinearConfig(block_n=48)
+    with pytest.raises(ValueError, match="slot_lanes"):
+        LoRALinearConfig(slot_lanes=0)
+
+
+GPU_SHAPES = [(2048, 4096), (2048, 512)]
+
+
+def gpu_slots(T, n_slots, seed):
+    """Requests interleaved over the slots (the decode worst case), a few rows on no adapter."""
+    slots = torch.arange(T, dtype=torch.int32) % n_slots
+    if T > 4:
+        slots[torch.randperm(T, generator=torch.Generator().manual_seed(seed))[: T // 8]] = -1
+    return slots
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("n_in,n_out", GPU_SHAPES)
+@pytest.mark.parametrize("T", [1, 64, 256])
+@pytest.mark.parametrize("ranks,R", [((16,) * 8, 16), ((8,) * 8, 64), ((16,), 16)], ids=["8x16", "8x8in64", "1x16"])
+def test_gpu_real_shape_bf16(mode, n_in, n_out, T, ranks, R):
+    case = make_case(T, n_in, n_out, ranks, R, dtype=torch.bfloat16, device="cuda", seed=T + R,
+                     slots=gpu_slots(T, len(ranks), T))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        lora_linear(*case, config=named_config(T, mode))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    check(case, 1e-2, named_config(T, mode), ref_dtype=torch.float32, delta_tol=3e-2)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("T", [1, 77, 1000])
+def test_gpu_mixed_ranks_bf16(T):
+    ranks = (64, 16, 8, 0, 32, 16, 8, 64)
+    case = make_case(T, 2048, 5120 + 64, ranks, 64, dtype=torch.bfloat16, device="cuda", seed=T)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        lora_linear(*case)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    check(case, 1e-2, ref_dtype=torch.float32, delta_tol=3e-2)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("slot_lanes", [1, 3, 8])
+@pytest.mark.parametrize("T", [8, 256])
+def test_gpu_many_slots_few_lanes_bf16(slot_lanes, T):
+    """24 slots, rows on random slots: more distinct slots per row block than lanes."""
+    ranks = tuple((16, 8, 4, 12)[i % 4] for i in range(24))
+    case = make_case(T, 2048, 1024, ranks, 16, dtype=torch.bfloat16, device="cuda", seed=50 + T)
+    check(case, 1e-2, replace(default_lora_linear_config(T), slot_lanes=slot_lanes), ref_dtype=torch.float32,
+          delta_tol=3e-2)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("T", [1, 64, 256])
+def test_gpu_cuda_graph_replay(mode, T):
+    """Capture once; replay after new x, weights, adapters and token slots are copied in place."""
+    ranks, n_in, n_out = (16, 8, 16, 4), 2048, 512
+    cfg = named_config(T, mode)
+    x, w, b, lora = make_case(T, n_in, n_out, ranks, 16, dtype=torch.bfloat16, device="cuda", seed=40,
+                              slots=gpu_slots(T, 4, 40))
+    out = torch.empty(T, n_out, dtype=torch.bfloat16, device="cuda")
+    lora_linear(x, w, b, lora, out=out, config=cfg)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        lora_linear(x, w, b, lora, out=out, config=cfg)
+    fresh_slots = torch.randint(-1, 4, (T,), generator=torch.Generator().manual_seed(41), dtype=torch.int32)
+    fresh = make_case(T, n_in, n_out, (4, 16, 2, 16), 16, dtype=torch.bfloat16, device="cuda", seed=41,
+                      slots=fresh_slots)
+    for dst, src in zip((x, w, b), fresh[:3], strict=True):
+        dst.copy_(src)
+    for f in ("a", "b", "token_slots", "slot_ranks"):
+        getattr(lora, f).copy_(getattr(fresh[3], f))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = lora_linear(*fresh, config=cfg)
+    assert torch.equal(eager, lora_linear(*fresh, config=cfg))  # no atomics: deterministic
+    assert rel_err(out, eager.float()) <= 2e-3
+    assert rel_err(out, reference(fresh, torch.float32)[0]) <= 1e-2
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("mode", ["split", "planned"])  # "planned": forks nothing
+@pytest.mark.parametrize("T", [8, 256])
+def test_gpu_side_stream_shrink_is_bit_exact(T, mode):
+    """The shrink on a side stream (concurrent with cuBLAS) equals the one-stream result bit for bit,
+    eager and in a graph, with the side stream held back by a sleep queued before the call (a missing
+    join would let the expand read xa before the shrink wrote it)."""
+    ranks, n_in, n_out = (16, 8, 16, 4), 2048, 5120
+    side = torch.cuda.Stream()
+    warm = make_case(T, n_in, n_out, ranks, 16, dtype=torch.bfloat16, device="cuda", seed=60, slots=gpu_slots(T, 4, 60))
+    case = make_case(T, n_in, n_out, ranks, 16, dtype=torch.bfloat16, device="cuda", seed=61, slots=gpu_slots(T, 4, 61))
+    cfg = named_config(T, mode)
+    plain = lora_linear(*case, config=cfg)
+    assert rel_err(plain, reference(case, torch.float32)[0]) <= 1e-2
+    lora_linear(*warm, side_stream=side, config=cfg)  # leaves another input's partials in the allocator's blocks
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(5_000_000)
+    assert torch.equal(lora_linear(*case, side_stream=side, config=cfg), plain)
+    out = graph_replayed(lambda o: lora_linear(*case, out=o, side_stream=side, config=cfg), torch.empty_like(plain))
+    assert torch.equal(out, plain)

@@ -1,0 +1,190 @@
+"""A whole tiny model on the Triton backend equals the torch backend (under TRITON_INTERPRET=1 on the
+CPU, or on CUDA): every family's wiring of the fused norm / residual, q/k norm + rotary, softmax
+router and SiLU·up kernels, next to the attention, MoE and LoRA kernels, with a mixed-adapter batch; q/k/v as one
+merged projection (one `lora_linear` launch with segments per layer) and, with `merge_qkv=False`, as three.
+Shape legend: T tokens of the step, V vocab.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.interp  # `make test` runs it with TRITON_INTERPRET=1 (set before triton is imported)
+triton = pytest.importorskip("triton")
+
+import moelora.kernels.lora_linear as lora_kernels  # noqa: E402
+import moelora.kernels.norm as norm_kernels  # noqa: E402
+import moelora.kernels.rotary as rotary_kernels  # noqa: E402
+import moelora.kernels.silu_mul as silu_kernels  # noqa: E402
+import moelora.kernels.softmax_topk as router_kernels  # noqa: E402
+from tests.helpers.kernel_env import DEV, kernel_test, planned_everywhere, record_planned_sites  # noqa: E402
+from tests.helpers.models import build, engine, random_adapter  # noqa: E402
+from tests.helpers.oracle import tiny_hf_model  # noqa: E402
+
+LAUNCHERS = [(norm_kernels, "rms_norm"), (norm_kernels, "add_rms_norm"), (rotary_kernels, "qk_norm_rope"),
+             (router_kernels, "softmax_topk"), (silu_kernels, "silu_mul")]
+
+
+def count_launches(monkeypatch) -> dict[str, int]:
+    """Wrap each launcher so the test knows the Triton path really ran (layers import them per call)."""
+    calls = {name: 0 for _, name in LAUNCHERS}
+    for module, name in LAUNCHERS:
+        fn = getattr(module, name)
+
+        def counted(*args, _fn=fn, _name=name, **kw):
+            calls[_name] += 1
+            return _fn(*args, **kw)
+
+        monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def record_lora_linear(monkeypatch) -> list[tuple[int, tuple[int, ...]]]:
+    """(N_out, LoRA segments) of every `lora_linear` launch (the layers import it per call)."""
+    calls = []
+    fn = lora_kernels.lora_linear
+
+    def recorded(x, weight, bias, lora, **kw):
+        calls.append((weight.shape[0], lora.segments if lora is not None else ()))
+        return fn(x, weight, bias, lora, **kw)
+
+    monkeypatch.setattr(lora_kernels, "lora_linear", recorded)
+    return calls
+
+
+def prompts(hf, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (6, 1, 9)]
+
+
+def assert_close(got, want):
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape
+        assert (a - b).abs().max() <= 1e-4 * max(1.0, b.abs().max().item())
+
+
+# qwen3_moe: per-head q/k norm and a dense layer; qwen2_moe: gated shared expert, q/k/v bias, a dense
+# layer, no q/k norm; olmoe: q/k norm over all heads.
+@kernel_test
+@pytest.mark.parametrize("family,fused", [("qwen3_moe", {"qk_norm_rope", "silu_mul"}),
+                                          ("qwen2_moe", {"qk_norm_rope", "silu_mul"}),
+                                          ("olmoe", {"qk_norm_rope", "rms_norm"})])
+def test_triton_backend_logits_equal_torch_backend(family, fused, monkeypatch):
+    hf = tiny_hf_model(family, seed=21)
+    model = build(hf, max_loras=2, max_rank=4).to(DEV)
+    adapters = {"a": random_adapter(model, seed=22, rank=4, frac=0.6)}
+    calls, lora_calls = compare_backends(model, adapters, hf.config.vocab_size, (6, 1, 9), 23, monkeypatch)
+    layers = hf.config.num_hidden_layers
+    assert calls["add_rms_norm"] == 2 * layers  # one add + norm per layer and step, and the final one
+    assert calls["softmax_topk"] >= 1 and all(calls[name] >= 1 for name in fused), calls
+    c = model.config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    assert [call for call in lora_calls if call[1]] == [(q + 2 * kv, (q, kv, kv))] * layers  # q/k/v: one launch
+
+
+def compare_backends(model, adapters, vocab, lengths, seed, monkeypatch):
+    """Logits of a mixed batch (adapter "a", base, "a") on the Triton backend equal the torch
+    backend's within 1e-4; returns how often each fused launcher ran and the lora_linear launches."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+    names = ["a", None, "a"]
+    want = engine(model, adapters, max_loras=2, device=DEV, kernel_backend="torch").prompt_logits(seqs, names)
+    calls = count_launches(monkeypatch)
+    lora_calls = record_lora_linear(monkeypatch)
+    got = engine(model, adapters, max_loras=2, device=DEV, kernel_backend="triton").prompt_logits(seqs, names)
+    assert_close(got, want)
+    return calls, lora_calls
+
+
+# glm4_moe: partial rotary with per-head q/k norm, sigmoid group-limited router (torch), shared experts,
+# a dense first layer; deepseek_v3: MLA (its inner norms on the rms_norm kernel), shared experts.
+@kernel_test
+@pytest.mark.parametrize("family,fused", [("glm4_moe", {"qk_norm_rope", "silu_mul"}),
+                                          ("deepseek_v3", {"rms_norm", "silu_mul"})])
+def test_triton_backend_logits_equal_torch_backend_glm_deepseek(family, fused, monkeypatch):
+    from moelora.config import ModelConfig
+    from moelora.models.registry import model_class
+    from tests.helpers.oracle import randomize_
+
+    hf = tiny_hf_model(family, seed=31)
+    randomize_(hf, seed=31)  # random correction bias and wide routers: selection has a margin
+    cfg = ModelConfig.from_dict(dict(hf.config.to_dict(), architectures=[type(hf).__name__]))
+    model = model_class(cfg)(cfg, max_loras=2, max_rank=4)
+    model.load_state_dict(hf.state_dict(), strict=True)
+    model = model.eval().to(DEV)
+    adapters = {"a": random_adapter(model, seed=32, rank=4, frac=0.7)}
+    calls, _ = compare_backends(model, adapters, hf.config.vocab_size, (5, 1, 8), 33, monkeypatch)
+    assert calls["add_rms_norm"] == 2 * hf.config.num_hidden_layers
+    assert calls["softmax_topk"] == 0 and all(calls[name] >= 1 for name in fused), calls
+
+@kernel_test
+def test_unmerged_qkv_equals_torch_backend_with_two_more_launches_a_layer(monkeypatch):
+    """The off switch (`merge_qkv=False`): q, k and v each through their own segment (views of the merged
+    weight, bias and LoRA buffers); the same logits as the merged torch path, two more launches a layer."""
+    hf = tiny_hf_model("qwen2_moe", seed=24)  # q/k/v bias
+    model = build(hf, max_loras=2, max_rank=4).to(DEV)
+    adapters = {"a": random_adapter(model, seed=25, rank=4), "b": random_adapter(model, seed=26, rank=3, frac=0.5)}
+    seqs, names = prompts(hf, 27), ["a", None, "b"]
+    want = engine(model, adapters, max_loras=2, device=DEV, kernel_backend="torch").prompt_logits(seqs, names)
+    counts = {}
+    for merge in (True, False):
+        lora_calls = record_lora_linear(monkeypatch)
+        got = engine(model, adapters, max_loras=2, device=DEV, kernel_backend="triton",
+                     merge_qkv=merge).prompt_logits(seqs, names)
+        assert_close(got, want)
+        counts[merge] = (len(lora_calls), sum(bool(segs) for _, segs in lora_calls))
+    layers = hf.config.num_hidden_layers
+    assert counts[True][1] == layers and counts[False][1] == 0
+    assert counts[False][0] == counts[True][0] + 2 * layers
+
+
+@kernel_test
+def test_rows_grouped_by_slot_equal_torch_backend(monkeypatch):
+    """`EngineConfig.group_lora_rows`: the runner groups the step's rows by slot once and every dense
+    site takes the "planned" delta (widened to the tiny model's shapes by an injected policy): the same
+    logits as the torch backend, with rows of two adapters and of none."""
+    planned = record_planned_sites(monkeypatch)
+    hf = tiny_hf_model("qwen2_moe", seed=24)
+    model = planned_everywhere(build(hf, max_loras=2, max_rank=4).to(DEV))
+    adapters = {"a": random_adapter(model, seed=25, rank=4), "b": random_adapter(model, seed=26, rank=3, frac=0.5)}
+    g = torch.Generator().manual_seed(28)
+    seqs = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (9, 4, 12)]
+    names = ["a", None, "b"]
+    want = engine(model, adapters, max_loras=2, device=DEV, kernel_backend="torch").prompt_logits(seqs, names)
+    got = engine(model, adapters, max_loras=2, device=DEV, kernel_backend="triton").prompt_logits(seqs, names)
+    assert planned and all(planned)
+    assert_close(got, want)
+
+
+@kernel_test
+def test_spread_moe_lora_in_the_model_equals_torch_backend(tmp_path, monkeypatch):
+    """"spread" (the routed-expert LoRA of the tables' M=1 entries) inside a whole model, given to the routed
+    experts by a fused-MoE table file (EngineConfig.fused_moe_table) that picks it at every M, with tiles that
+    split the shrinks into several partials: a mixed batch (two adapters of different ranks and base rows)
+    equals the torch backend."""
+    import json
+
+    import moelora.kernels.fused_moe as fused_moe_module
+    from moelora.kernels.moe_config import shape_key
+
+    hf = tiny_hf_model("qwen3_moe", seed=41)
+    model = build(hf, max_loras=2, max_rank=4).to(DEV)
+    adapters = {"a": random_adapter(model, seed=42, rank=4), "b": random_adapter(model, seed=43, rank=3, frac=0.5)}
+    c = hf.config
+    tile = {"block_n": 16, "block_k": 16, "num_warps": 4, "num_stages": 2}
+    entry = {"tiles": dict(block_m=16, gate_up=tile, down=tile), "lora": dict(path="spread", block_k=16, block_n=16)}
+    key = shape_key(c.num_experts, c.hidden_size, c.moe_intermediate_size, torch.float32)
+    table = tmp_path / "spread.json"
+    table.write_text(json.dumps({"device": "test", "configs": {key: {"4096": entry}}}))
+    modes = []
+    real_path = fused_moe_module.lora_path
+    monkeypatch.setattr(fused_moe_module, "lora_path", lambda *a: modes.append(real_path(*a)) or modes[-1])
+    g = torch.Generator().manual_seed(44)
+    seqs = [torch.randint(0, c.vocab_size, (n,), generator=g).tolist() for n in (7, 3, 10)]
+    names = ["a", None, "b"]
+    want = engine(model, adapters, max_loras=2, device=DEV, kernel_backend="torch").prompt_logits(seqs, names)
+    got = engine(model, adapters, max_loras=2, device=DEV, kernel_backend="triton",
+                 fused_moe_table=str(table)).prompt_logits(seqs, names)
+    assert modes and {m[0].name for m in modes} == {"spread"}, modes
+    assert_close(got, want)
