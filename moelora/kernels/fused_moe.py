@@ -99,11 +99,6 @@ def lora_path(lora: ExpertLoRAArgs | None, config: FusedMoEConfig, block_r: int)
     return lora_paths()[cfg.path].resolve(cfg, lora.gate_up_a.shape[0], block_r)
 
 
-def lora_mode(lora: ExpertLoRAArgs | None, config: FusedMoEConfig, block_r: int) -> str | None:
-    """The name of `lora_path`'s path (None without LoRA)."""
-    return None if lora is None else lora_path(lora, config, block_r)[0].name
-
-
 def _config(x, w_gate_up, E, H, inter, T, K, table) -> FusedMoEConfig:
     """The tuned table's config of this call (its FP8 entry for e4m3 weights)."""
     name = torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"

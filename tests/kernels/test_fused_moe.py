@@ -233,16 +233,16 @@ def test_block_delta_sub_blocks(block_m, lora_block_m, programs):
 def test_stacked_falls_back_on_wide_pools():
     """A pool of more than STACK_MAX_COLS slot columns takes "separate" under a "stacked" config (xa and the
     expand steps grow with the pool); narrower pools and other modes are as configured."""
-    from moelora.kernels.fused_moe import lora_mode
+    from moelora.kernels.fused_moe import lora_path
     from moelora.kernels.moe_lora.stacked import STACK_MAX_COLS
 
     cfg = tiny_config("stacked")
     for slots, block_r, want in ((STACK_MAX_COLS // 64, 64, "stacked"), (STACK_MAX_COLS // 64 + 1, 64, "separate"),
                                  (STACK_MAX_COLS // 16, 16, "stacked"), (STACK_MAX_COLS // 16 + 1, 16, "separate")):
         lora = ExpertLoRAArgs(torch.zeros(slots, 1, 1, 1), None, None, None, None, None, None, ())
-        assert lora_mode(lora, cfg, block_r) == want, (slots, block_r)
-        assert lora_mode(lora, tiny_config("block"), block_r) == "block"
-    assert lora_mode(None, cfg, 16) is None
+        assert lora_path(lora, cfg, block_r)[0].name == want, (slots, block_r)
+        assert lora_path(lora, tiny_config("block"), block_r)[0].name == "block"
+    assert lora_path(None, cfg, 16)[0].name == "none"
 
 
 @kernel_test
@@ -276,7 +276,7 @@ def test_width_narrows_tiles_and_stacked_columns():
     """The width sets BLOCK_R (a power of two >= 16, at most the pool's), so a wide pool of narrow
     adapters keeps "stacked" (its columns are slots x BLOCK_R) instead of falling back to "separate"."""
     from moelora.kernels.checks import lora_tile_rank
-    from moelora.kernels.fused_moe import lora_mode
+    from moelora.kernels.fused_moe import lora_path
     from moelora.kernels.moe_lora.stacked import STACK_MAX_COLS
 
     assert [lora_tile_rank(64, w) for w in (None, 0, 1, 8, 16, 17, 40, 64, 100)] == [64, 16, 16, 16, 16, 32, 64, 64, 64]
@@ -284,8 +284,8 @@ def test_width_narrows_tiles_and_stacked_columns():
     with pytest.raises(ValueError, match="width"):
         lora_tile_rank(64, -1)
     lora = ExpertLoRAArgs(torch.zeros(STACK_MAX_COLS // 16, 1, 64, 1), None, None, None, None, None, None, ())
-    assert lora_mode(lora, tiny_config("stacked"), lora_tile_rank(64, None)) == "separate"
-    assert lora_mode(lora, tiny_config("stacked"), lora_tile_rank(64, 8)) == "stacked"
+    assert lora_path(lora, tiny_config("stacked"), lora_tile_rank(64, None))[0].name == "separate"
+    assert lora_path(lora, tiny_config("stacked"), lora_tile_rank(64, 8))[0].name == "stacked"
 
 
 @kernel_test
