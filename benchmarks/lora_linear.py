@@ -44,14 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_bench_common import copy_gbps, write_rows  # noqa: E402
 
 from moelora.kernels.args import DenseLoRAArgs  # noqa: E402
+from moelora.kernels.dense_lora.planned import row_plan  # noqa: E402
 from moelora.kernels.dense_policy import DENSE_LORA_POLICY, PLAN_BLOCK_M  # noqa: E402
 from moelora.kernels.fp8_linear import fp8_lora_linear  # noqa: E402
-from moelora.kernels.lora_linear import (  # noqa: E402
-    LoRALinearConfig,
-    default_lora_linear_config,
-    lora_linear,
-    row_plan,
-)
+from moelora.kernels.lora_linear import LoRALinearConfig, default_lora_linear_config, lora_linear  # noqa: E402
 from moelora.quant.fp8 import quantize_segments  # noqa: E402
 
 SHAPES = {"q": (2048, 4096), "k": (2048, 512), "v": (2048, 512), "qkv": (2048, 5120), "o": (4096, 2048),
@@ -135,7 +131,7 @@ def cfg_name(cfg: LoRALinearConfig | FP8Run | None) -> str:
         return (f"splitk/gbn{cfg.gemm_block_n}/gbk{cfg.gemm_block_k}/gsk{cfg.gemm_split_k}/bm{cfg.block_m}"
                 f"/bn{cfg.block_n}/sk{cfg.split_k}")
     return (f"split/bm{cfg.block_m}/bn{cfg.block_n}/w{cfg.num_warps}/sk{cfg.split_k}/lanes{cfg.slot_lanes}"
-            f"/sbk{cfg.block_k}/ss{cfg.shrink_num_stages}")
+            f"/sbk{cfg.block_k}")
 
 
 def sweep_configs(T: int, mode: str) -> list[LoRALinearConfig]:
@@ -158,7 +154,7 @@ def sweep_configs(T: int, mode: str) -> list[LoRALinearConfig]:
             for bm, bn, w in ((16, 64, 4), (16, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4),
                               (64, 128, 8), (128, 128, 8))
             for sk in (0, 2, 8)]
-    return cfgs + [replace(base, slot_lanes=1), replace(base, block_k=64), replace(base, shrink_num_stages=2)]
+    return cfgs + [replace(base, slot_lanes=1), replace(base, block_k=64)]
 
 
 class FP8Run(NamedTuple):

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-EXPERT_SORTED_PADDED = "expert_sorted_padded"
-
 
 @dataclass(frozen=True)
 class SlotRows:
@@ -79,7 +77,6 @@ class MoERoutingPlan:
     num_tokens: int
     top_k: int
     num_experts: int
-    layout: str = EXPERT_SORTED_PADDED
     # Under an expert map (expert parallelism: this rank holds some of the experts): [T, K] int32, each
     # route's local expert or -1 for another rank's route, which is in no block (its GEMM rows never exist);
     # num_experts and expert_of_block are then local. None: every route is in the plan, as topk_ids says.

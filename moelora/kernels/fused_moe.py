@@ -12,21 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from moelora.kernels.args import ExpertLoRAArgs
+from moelora.kernels.args import ExpertLoRAArgs, MoERoutingPlan
 from moelora.kernels.checks import FLOAT_DTYPES, cdiv, lora_tile_rank, need, next_pow2, output
 from moelora.kernels.fp8_moe import FP8_DTYPE, FP8ExpertScales, check_fp8, fp8_launch_args, fp8_moe_config
 from moelora.kernels.moe_config import FusedMoEConfig, lora_paths, tuned_fused_moe_config
 from moelora.kernels.moe_gemm import combine_kernel, down_kernel, gate_up_kernel
 from moelora.kernels.moe_lora.base import MoECall, MoELoRAPath
-from moelora.kernels.moe_plan import (
-    EXPERT_SORTED_PADDED,
-    ROUTE_PER_BLOCK,
-    MoERoutingPlan,
-    build_routing_plan,
-    per_route_plan,
-)
+from moelora.kernels.moe_plan import build_routing_plan, per_route_plan
 
-ACCEPTED_LAYOUTS = (EXPERT_SORTED_PADDED, ROUTE_PER_BLOCK)
 GROUP_M = 8  # grouped tile order of both GEMMs: every tuned entry kept 8 (docs/performance.md, tried and removed)
 
 
@@ -106,11 +99,6 @@ def lora_path(lora: ExpertLoRAArgs | None, config: FusedMoEConfig, block_r: int)
     return lora_paths()[cfg.path].resolve(cfg, lora.gate_up_a.shape[0], block_r)
 
 
-def lora_mode(lora: ExpertLoRAArgs | None, config: FusedMoEConfig, block_r: int) -> str | None:
-    """The name of `lora_path`'s path (None without LoRA)."""
-    return None if lora is None else lora_path(lora, config, block_r)[0].name
-
-
 def _config(x, w_gate_up, E, H, inter, T, K, table) -> FusedMoEConfig:
     """The tuned table's config of this call (its FP8 entry for e4m3 weights)."""
     name = torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
@@ -118,31 +106,22 @@ def _config(x, w_gate_up, E, H, inter, T, K, table) -> FusedMoEConfig:
     return pick(E, H, inter, T, K, x.dtype, name, table)
 
 
-def _plan(plan, topk_ids, E, T, K, config: FusedMoEConfig, route_rows, expert_map) -> MoERoutingPlan:
+def _plan(topk_ids, E, config: FusedMoEConfig, route_rows, expert_map) -> MoERoutingPlan:
     # under an expert map the sorted plan: a per-route block of another rank's route would still run its GEMM
-    if plan is None and config.plan_per_route and expert_map is None:
-        plan = per_route_plan(topk_ids, E, config.block_m, route_rows)
-    elif plan is None:
-        plan = build_routing_plan(topk_ids, E, config.block_m, expert_map=expert_map)
-    need(plan.layout in ACCEPTED_LAYOUTS, lambda: f"fused_moe accepts plan layouts {ACCEPTED_LAYOUTS}, got "
-         f"{plan.layout!r}")
-    need((plan.num_tokens, plan.top_k, plan.num_experts, plan.block_m) == (T, K, E, config.block_m),
-         lambda: f"plan is for (T, K, E, block_m)={(plan.num_tokens, plan.top_k, plan.num_experts, plan.block_m)}, "
-         f"call needs {(T, K, E, config.block_m)}")
-    need((plan.local_ids is None) == (expert_map is None), "a plan for an expert map needs expert_map, and back")
-    return plan
+    if config.plan_per_route and expert_map is None:
+        return per_route_plan(topk_ids, E, config.block_m, route_rows)
+    return build_routing_plan(topk_ids, E, config.block_m, expert_map=expert_map)
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, lora: ExpertLoRAArgs | None = None, out: torch.Tensor | None = None,
-              config: FusedMoEConfig | None = None, plan: MoERoutingPlan | None = None,
-              side_stream: torch.cuda.Stream | None = None, table: str | None = None,
-              route_rows: dict | None = None, expert_map: torch.Tensor | None = None,
+              config: FusedMoEConfig | None = None, side_stream: torch.cuda.Stream | None = None,
+              table: str | None = None, route_rows: dict | None = None, expert_map: torch.Tensor | None = None,
               fp8: FP8ExpertScales | None = None) -> torch.Tensor:
-    """`fused_moe_ref` on the GPU -> out [T, H] (new, or `out=`). `plan`: a shared plan of this T, K, E and block_m;
-    `side_stream`: for the route / block deltas; `table`: the tuned table `config` None is taken from;
-    `route_rows`: the caller's cache of `per_route_plan`'s rows; `expert_map` [E_global] int32 (expert
-    parallelism): the plan keeps only this rank's routes, so another rank's cost no GEMM row and add nothing;
+    """`fused_moe_ref` on the GPU -> out [T, H] (new, or `out=`). `side_stream`: for the route / block deltas;
+    `table`: the tuned table `config` None is taken from; `route_rows`: the caller's cache of `per_route_plan`'s
+    rows; `expert_map` [E_global] int32 (expert parallelism): the plan keeps only this rank's routes, so another
+    rank's cost no GEMM row and add nothing;
     `fp8`: the scales of float8_e4m3fn weights and their activation mode (the weight dtype selects those kernels)."""
     T, H, E, inter, K = _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids)
     block_r = _check_lora(lora, T, H, E, inter) if lora is not None else 16
@@ -152,7 +131,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     out = output(out, (T, H), x.dtype, x.device, (x, w_gate_up, w_down))
     if T == 0:
         return out
-    plan = _plan(plan, topk_ids, E, T, K, config, route_rows, expert_map)
+    plan = _plan(topk_ids, E, config, route_rows, expert_map)
     ids = topk_ids if plan.local_ids is None else plan.local_ids  # local ids, -1: another rank's route
     cls, lora_cfg = lora_path(lora, config, block_r)
     path = cls(MoECall(x, plan, ids, lora, block_r, inter, config.gate_up.block_n, side_stream), lora_cfg)

@@ -15,28 +15,25 @@ import torch
 
 from moelora.kernels.args import DenseLoRAArgs
 from moelora.kernels.checks import FLOAT_DTYPES, need_at_least, need_one_of, need_pow2, output
-from moelora.kernels.dense_lora import MODES, row_plan
+from moelora.kernels.dense_lora import MODES
 from moelora.kernels.dense_policy import DENSE_LORA_POLICY, PLAN_BLOCK_M, DenseLoRAPolicy
-
-__all__ = ["LoRALinearConfig", "default_lora_linear_config", "lora_linear", "row_plan"]
 
 
 @dataclass(frozen=True)
 class LoRALinearConfig:
     """`mode` ("split", "splitk", "planned") and its tiles: block_m x block_n the expand's output tile, block_k the
     shrink's depth step, split_k its N_in chunks (0: from the shapes), slot_lanes programs a row block taking one
-    distinct slot each; gemm_*: splitk's base GEMM; plan_cols: planned's columns a program."""
+    distinct slot each; gemm_*: splitk's base GEMM; plan_cols: planned's columns a program. The shrink's row block
+    and stages are `split.SHRINK_BLOCK_M` / `SHRINK_STAGES`."""
 
     mode: str = "split"
     block_m: int = 16
     block_n: int = 64
     block_k: int = 128
-    shrink_block_m: int = 16
     split_k: int = 0
     slot_lanes: int = 8
     num_warps: int = 4
     num_stages: int = 2
-    shrink_num_stages: int = 3
     gemm_block_n: int = 64
     gemm_block_k: int = 128
     gemm_split_k: int = 4
@@ -45,7 +42,7 @@ class LoRALinearConfig:
     def __post_init__(self):
         need_one_of("LoRALinearConfig", "mode", self.mode, tuple(MODES))
         need_pow2("LoRALinearConfig", block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
-                  shrink_block_m=self.shrink_block_m, gemm_block_n=self.gemm_block_n, gemm_block_k=self.gemm_block_k)
+                  gemm_block_n=self.gemm_block_n, gemm_block_k=self.gemm_block_k)
         need_at_least("LoRALinearConfig", 1, gemm_split_k=self.gemm_split_k, slot_lanes=self.slot_lanes,
                       plan_cols=self.plan_cols)
         need_at_least("LoRALinearConfig", 0, split_k=self.split_k)
@@ -59,14 +56,14 @@ def default_lora_linear_config(num_tokens: int, mode: str | None = None, n_in: i
     if mode is None:
         mode = policy.mode(num_tokens, n_in, n_out, has_lora, row_plan)
     if mode == "splitk":
-        return LoRALinearConfig("splitk", 16, 64, 128, 16, split_k=8)
+        return LoRALinearConfig("splitk", 16, 64, 128, split_k=8)
     if mode == "planned":
         return LoRALinearConfig("planned", PLAN_BLOCK_M, 128, 256, num_stages=4)  # 512 columns a program
     if num_tokens <= 32:
         # 8 shrink splits, not the shapes' 16: half the partials to sum (docs/performance.md, dense tiles)
-        return LoRALinearConfig("split", 16, 64, 128, 16, split_k=8)
+        return LoRALinearConfig("split", 16, 64, 128, split_k=8)
     # 4 warps, not 8 (docs/performance.md, dense tiles)
-    return LoRALinearConfig("split", 64, 128, 128, 16)
+    return LoRALinearConfig("split", 64, 128, 128)
 
 
 def _check(x, weight, bias, lora):

@@ -206,7 +206,3 @@ def _tuned_config(num_experts: int, hidden: int, inter: int, num_tokens: int, to
     ms = sorted(int(m) for m in per_m)
     pick = next((m for m in ms if m >= num_tokens), ms[-1])
     return FusedMoEConfig.from_dict(per_m[str(pick)])
-
-
-def with_tma(config: FusedMoEConfig, use_tma: bool = True) -> FusedMoEConfig:
-    return replace(config, use_tma=use_tma)

@@ -14,16 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.args import EXPERT_SORTED_PADDED, MoERoutingPlan
+from moelora.kernels.args import MoERoutingPlan
 from moelora.kernels.checks import cdiv, next_pow2
-from moelora.kernels.reference import build_routing_plan_ref, local_expert_ids, plan_capacity
+from moelora.kernels.reference import local_expert_ids, plan_capacity
 
-__all__ = ["EXPERT_SORTED_PADDED", "ROUTE_PER_BLOCK", "MoERoutingPlan", "build_routing_plan",
-           "build_routing_plan_ref", "local_expert_ids", "per_route_plan", "plan_capacity"]
-
-LAYOUTS = (EXPERT_SORTED_PADDED,)
-# per_route_plan's layout: block b holds route b alone (row b * BM), its expert topk_ids[b]; not sorted
-ROUTE_PER_BLOCK = "route_per_block"
 # Up to this many routes, one launch of E programs (each re-counting all ids) beats three launches
 _PER_EXPERT_MAX_ROUTES = 4096
 
@@ -137,12 +131,10 @@ def _plan_scatter_kernel(ids_ptr, base_ptr, sorted_ptr, n_routes, C: tl.constexp
 
 
 def build_routing_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
-                       layout: str = EXPERT_SORTED_PADDED, expert_map: torch.Tensor | None = None) -> MoERoutingPlan:
-    """Expert-sorted, block_m-padded plan of topk_ids [T, K]; ValueError for a bad layout, block_m or ids.
+                       expert_map: torch.Tensor | None = None) -> MoERoutingPlan:
+    """Expert-sorted, block_m-padded plan of topk_ids [T, K]; ValueError for a bad block_m or ids.
     `expert_map` [E_global] int32 (expert parallelism): topk_ids mapped first to this rank's local ids or -1
     (`local_expert_ids`); the plan holds only the routes to local experts and keeps the mapped ids as `local_ids`."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"routing-plan layout {layout!r} is not one of {LAYOUTS}")
     if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids must be [T, K] int32/int64, got {tuple(topk_ids.shape)} {topk_ids.dtype}")
     if block_m < 16 or block_m & (block_m - 1):
@@ -158,8 +150,7 @@ def build_routing_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int, *
     eob = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     plan = MoERoutingPlan(sorted_route_ids=sorted_ids, expert_of_block=eob, num_padded=num_padded,
-                          block_m=block_m, num_tokens=T, top_k=K, num_experts=num_experts, layout=layout,
-                          local_ids=local)
+                          block_m=block_m, num_tokens=T, top_k=K, num_experts=num_experts, local_ids=local)
     if n == 0:
         num_padded.zero_()
         return plan
@@ -190,9 +181,9 @@ def build_routing_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int, *
 
 def per_route_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int,
                    cache: dict | None = None) -> MoERoutingPlan:
-    """A plan with no sort and no launch (FusedMoEConfig.plan_per_route): block r holds route r alone, its expert
-    topk_ids[r]; for one-token batches, whose K experts are distinct. `cache`: the caller's dict of the constant
-    rows per (T, K, BM, device), filled only outside graph capture; None: made on every call."""
+    """A plan with no sort and no launch (FusedMoEConfig.plan_per_route): block r holds route r alone (row r * BM),
+    its expert topk_ids[r], not sorted; for one-token batches, whose K experts are distinct. `cache`: the caller's
+    dict of the constant rows per (T, K, BM, device), filled only outside graph capture; None: made on every call."""
     if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids must be [T, K] int32/int64, got {tuple(topk_ids.shape)} {topk_ids.dtype}")
     T, K = topk_ids.shape
@@ -209,4 +200,4 @@ def per_route_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     ids = topk_ids.reshape(-1)
     eob = ids if ids.dtype == torch.int32 else ids.to(torch.int32)
     return MoERoutingPlan(sorted_route_ids=rows[0], expert_of_block=eob, num_padded=rows[1], block_m=block_m,
-                          num_tokens=T, top_k=K, num_experts=num_experts, layout=ROUTE_PER_BLOCK)
+                          num_tokens=T, top_k=K, num_experts=num_experts)

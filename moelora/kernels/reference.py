@@ -220,10 +220,8 @@ def softmax_topk_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
     return weights, ids.to(torch.int32)
 
 
-def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(gate) * up in the dtype; with up None, gate is gate_up [T, 2I] split in halves."""
-    if up is None:
-        gate, up = gate.chunk(2, dim=-1)
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in the dtype."""
     return F.silu(gate) * up
 
 

@@ -1,8 +1,7 @@
 """SwiGLU's activation: silu(gate) * up in one launch (dense MLPs and shared experts).
 
 Shape legend: T tokens, I intermediate.
-  silu_mul(gate [T, I], up [T, I]) -> [T, I]
-  silu_mul(gate_up [T, 2I])        -> [T, I]   (gate = the first I columns, up = the last I)
+  silu_mul(gate [T, I], up [T, I]) -> [T, I]   (any row strides: halves of one gate_up tensor too)
 Numerics are `silu_mul_ref` (`F.silu(gate) * up`, rounded where torch rounds); inputs are only read.
 """
 
@@ -26,14 +25,10 @@ def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, inter, stride_g, stride_u, stride_o, B
     tl.store(o_ptr + row * stride_o + cols, (act * u).to(o_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(gate) * up, or of the two halves of `gate` when `up` is None."""
-    need(gate.dim() == 2, f"gate must be [T, I] (or gate_up [T, 2I]), got {tuple(gate.shape)}")
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up -> [T, I] (new, or `out=`)."""
+    need(gate.dim() == 2, f"gate must be [T, I], got {tuple(gate.shape)}")
     check_rows("gate", gate)
-    if up is None:
-        need(gate.shape[1] % 2 == 0, f"gate_up must be [T, 2I], got {tuple(gate.shape)}")
-        half = gate.shape[1] // 2
-        gate, up = gate[:, :half], gate[:, half:]
     check_rows("up", up, tuple(gate.shape), gate.dtype)
     need(up.device == gate.device, f"up must be on {gate.device}")
     T, inter = gate.shape

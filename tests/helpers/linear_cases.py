@@ -9,9 +9,9 @@ from moelora.kernels.args import DenseLoRAArgs, SlotRows
 from moelora.kernels.lora_linear import LoRALinearConfig, default_lora_linear_config
 
 # Tiny blocks so that tiny shapes still span several row blocks, N tiles and N_in chunks.
-TINY = {"split": LoRALinearConfig("split", 16, 32, 16, 16, split_k=3),
+TINY = {"split": LoRALinearConfig("split", 16, 32, 16, split_k=3),
         # fp16/bf16 only (fp32 calls take "split"): split-K GEMM, expand in its reduce
-        "splitk": LoRALinearConfig("splitk", 16, 32, 16, 16, split_k=3, gemm_block_n=16, gemm_block_k=16,
+        "splitk": LoRALinearConfig("splitk", 16, 32, 16, split_k=3, gemm_block_n=16, gemm_block_k=16,
                                    gemm_split_k=3),
         # rows grouped by slot: 16-row plan blocks, 16-column programs (tiles straddle no segment bound)
         "planned": LoRALinearConfig("planned", 16, 16, 16, plan_cols=16)}

@@ -20,7 +20,6 @@ from moelora.kernels.args import ExpertLoRAArgs  # noqa: E402
 from moelora.kernels.fused_moe import fused_moe  # noqa: E402
 from moelora.kernels.moe_config import FusedMoEConfig  # noqa: E402
 from moelora.kernels.moe_lora import PATHS  # noqa: E402
-from moelora.kernels.moe_plan import build_routing_plan  # noqa: E402
 from moelora.kernels.reference import fused_moe_ref  # noqa: E402
 from tests.helpers.kernel_env import CUDA, DEV, INTERP, gpu_only, graph_replayed, kernel_test, rel_err  # noqa: E402,F401
 from tests.helpers.moe_cases import make_case, tiny_config  # noqa: E402
@@ -141,12 +140,12 @@ def test_per_route_plan_layout():
     """Block r holds route r at row r * BM and sentinels elsewhere; its expert is topk_ids' r-th entry
     (the ids themselves when int32: no copy); the row tensors are shared by calls of one shape through
     the caller's cache."""
-    from moelora.kernels.moe_plan import ROUTE_PER_BLOCK, per_route_plan
+    from moelora.kernels.moe_plan import per_route_plan
 
     ids = torch.tensor([[3, 0], [1, 3], [2, 2]], dtype=torch.int32)
     cache = {}
     plan = per_route_plan(ids, 4, 16, cache)
-    assert plan.layout == ROUTE_PER_BLOCK and plan.max_blocks == 6 and int(plan.num_padded) == 96
+    assert plan.max_blocks == 6 and int(plan.num_padded) == 96
     want = torch.full((96,), 6, dtype=torch.int32)
     want[::16] = torch.arange(6, dtype=torch.int32)
     assert torch.equal(plan.sorted_route_ids, want)
@@ -234,16 +233,16 @@ def test_block_delta_sub_blocks(block_m, lora_block_m, programs):
 def test_stacked_falls_back_on_wide_pools():
     """A pool of more than STACK_MAX_COLS slot columns takes "separate" under a "stacked" config (xa and the
     expand steps grow with the pool); narrower pools and other modes are as configured."""
-    from moelora.kernels.fused_moe import lora_mode
+    from moelora.kernels.fused_moe import lora_path
     from moelora.kernels.moe_lora.stacked import STACK_MAX_COLS
 
     cfg = tiny_config("stacked")
     for slots, block_r, want in ((STACK_MAX_COLS // 64, 64, "stacked"), (STACK_MAX_COLS // 64 + 1, 64, "separate"),
                                  (STACK_MAX_COLS // 16, 16, "stacked"), (STACK_MAX_COLS // 16 + 1, 16, "separate")):
         lora = ExpertLoRAArgs(torch.zeros(slots, 1, 1, 1), None, None, None, None, None, None, ())
-        assert lora_mode(lora, cfg, block_r) == want, (slots, block_r)
-        assert lora_mode(lora, tiny_config("block"), block_r) == "block"
-    assert lora_mode(None, cfg, 16) is None
+        assert lora_path(lora, cfg, block_r)[0].name == want, (slots, block_r)
+        assert lora_path(lora, tiny_config("block"), block_r)[0].name == "block"
+    assert lora_path(None, cfg, 16)[0].name == "none"
 
 
 @kernel_test
@@ -277,7 +276,7 @@ def test_width_narrows_tiles_and_stacked_columns():
     """The width sets BLOCK_R (a power of two >= 16, at most the pool's), so a wide pool of narrow
     adapters keeps "stacked" (its columns are slots x BLOCK_R) instead of falling back to "separate"."""
     from moelora.kernels.checks import lora_tile_rank
-    from moelora.kernels.fused_moe import lora_mode
+    from moelora.kernels.fused_moe import lora_path
     from moelora.kernels.moe_lora.stacked import STACK_MAX_COLS
 
     assert [lora_tile_rank(64, w) for w in (None, 0, 1, 8, 16, 17, 40, 64, 100)] == [64, 16, 16, 16, 16, 32, 64, 64, 64]
@@ -285,8 +284,8 @@ def test_width_narrows_tiles_and_stacked_columns():
     with pytest.raises(ValueError, match="width"):
         lora_tile_rank(64, -1)
     lora = ExpertLoRAArgs(torch.zeros(STACK_MAX_COLS // 16, 1, 64, 1), None, None, None, None, None, None, ())
-    assert lora_mode(lora, tiny_config("stacked"), lora_tile_rank(64, None)) == "separate"
-    assert lora_mode(lora, tiny_config("stacked"), lora_tile_rank(64, 8)) == "stacked"
+    assert lora_path(lora, tiny_config("stacked"), lora_tile_rank(64, None))[0].name == "separate"
+    assert lora_path(lora, tiny_config("stacked"), lora_tile_rank(64, 8))[0].name == "stacked"
 
 
 @kernel_test
@@ -337,13 +336,8 @@ def test_tma_layout_equals_plain_in_interpreter():
 
 
 @kernel_test
-def test_shared_plan_and_validation():
+def test_validation():
     x, w_gu, w_d, wts, ids, lora = make_case(5, 32, 16, 4, 2, ranks=(16,), R=16, device=DEV, seed=6)
-    plan = build_routing_plan(ids, 4, 16)
-    got = fused_moe(x, w_gu, w_d, wts, ids, lora=lora, config=tiny_config(), plan=plan)
-    assert rel_err(got, reference(x, w_gu, w_d, wts, ids, lora)) < 1e-4
-    with pytest.raises(ValueError, match="block_m"):
-        fused_moe(x, w_gu, w_d, wts, ids, config=tiny_config(bm=32), plan=plan)
     with pytest.raises(ValueError, match="w_down"):
         fused_moe(x, w_gu, w_d[:, :, :-1], wts, ids, config=tiny_config())
     with pytest.raises(ValueError, match="alias"):
@@ -489,11 +483,11 @@ def test_gpu_mixtral_shape_bf16(T):
 @pytest.mark.parametrize("T", [1, 64, 700])
 def test_gpu_tma_equals_plain_with_lora(T):
     case = gpu_case(QWEN3, T, seed=20 + T)
-    from moelora.kernels.moe_config import tuned_fused_moe_config, with_tma
+    from moelora.kernels.moe_config import tuned_fused_moe_config
 
     cfg = tuned_fused_moe_config(128, 2048, 768, T, 8, torch.bfloat16, torch.cuda.get_device_name())
-    plain = fused_moe(*case[:5], lora=case[5], config=with_tma(cfg, False))
-    tma = fused_moe(*case[:5], lora=case[5], config=with_tma(cfg, True))
+    plain = fused_moe(*case[:5], lora=case[5], config=replace(cfg, use_tma=False))
+    tma = fused_moe(*case[:5], lora=case[5], config=replace(cfg, use_tma=True))
     assert rel_err(tma, plain.float()) <= 1e-3
     assert rel_err(tma, reference(*case, dtype=torch.float32)) <= 1e-2
 

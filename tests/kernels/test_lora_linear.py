@@ -16,13 +16,9 @@ triton = pytest.importorskip("triton")
 
 from moelora.kernels.args import DenseLoRAArgs  # noqa: E402
 from moelora.kernels.dense_lora import MODES as DENSE_MODES  # noqa: E402
+from moelora.kernels.dense_lora.planned import row_plan  # noqa: E402
 from moelora.kernels.dense_policy import DenseLoRAPolicy  # noqa: E402
-from moelora.kernels.lora_linear import (  # noqa: E402
-    LoRALinearConfig,
-    default_lora_linear_config,
-    lora_linear,
-    row_plan,
-)
+from moelora.kernels.lora_linear import LoRALinearConfig, default_lora_linear_config, lora_linear  # noqa: E402
 from moelora.kernels.reference import lora_linear_ref  # noqa: E402
 from tests.helpers.kernel_env import CUDA, DEV, INTERP, gpu_only, graph_replayed, kernel_test, rel_err  # noqa: E402,F401
 from tests.helpers.linear_cases import TINY, make_case, named_config  # noqa: E402
@@ -113,7 +109,7 @@ def test_slot_lanes_fewer_and_more_than_distinct_slots(slot_lanes):
     """Six slots interleaved (up to 6 distinct per block): lanes below that make the last lane loop."""
     slots = [0, 1, 2, 3, 4, 5, -1, 5, 3] * 4 + [2, 2]
     case = make_case(38, 45, 40, (16, 3, 9, 16, 1, 12), 16, dtype=torch.float16, device=DEV, seed=9, slots=slots)
-    cfg = LoRALinearConfig("split", 16, 32, 16, 16, split_k=2, slot_lanes=slot_lanes)
+    cfg = LoRALinearConfig("split", 16, 32, 16, split_k=2, slot_lanes=slot_lanes)
     check(case, 1e-2, cfg, delta_tol=2e-2)
 
 
@@ -122,7 +118,7 @@ def test_slot_lanes_fewer_and_more_than_distinct_slots(slot_lanes):
 def test_splitk_mode_fp16(slot_lanes):
     """"splitk": split-K partials (chunks that do not divide N_in) reduced with bias and the expand;
     more distinct slots per row block than lanes, rows on no slot, one token, no LoRA, no bias."""
-    cfg = LoRALinearConfig("splitk", 16, 16, 16, 16, split_k=2, slot_lanes=slot_lanes, gemm_block_n=16,
+    cfg = LoRALinearConfig("splitk", 16, 16, 16, split_k=2, slot_lanes=slot_lanes, gemm_block_n=16,
                            gemm_block_k=16, gemm_split_k=4)
     slots = [0, 1, 2, 3, 4, 5, -1, 5, 3] * 4 + [2, 2]
     h = dict(dtype=torch.float16, device=DEV)
@@ -195,7 +191,7 @@ def test_default_config_takes_splitk_with_lora():
 def test_shrink_split_over_n_in(split_k):
     """N_in chunks that do not divide it (97 = 3 x 32 + 1 with BK 16) and more chunks than BK steps."""
     case = make_case(20, 97, 40, (16, 7), 16, dtype=torch.float16, device=DEV, seed=6)
-    check(case, 1e-2, LoRALinearConfig("split", 16, 16, 16, 16, split_k=split_k), delta_tol=2e-2)
+    check(case, 1e-2, LoRALinearConfig("split", 16, 16, 16, split_k=split_k), delta_tol=2e-2)
 
 
 @kernel_test

@@ -30,7 +30,7 @@ from tests.helpers.linear_cases import named_config  # noqa: E402
 F32_TOL = 1e-5 if DEV == "cpu" else 2e-3
 # the dense tests' tiny configs (16-column planned programs: tiles straddle no segment bound), plus a
 # split path with 16-wide expand tiles and fewer lanes than slots
-TINY = {**LINEAR_TINY, "split_bn16": LoRALinearConfig("split", 16, 16, 16, 16, split_k=2, slot_lanes=2)}
+TINY = {**LINEAR_TINY, "split_bn16": LoRALinearConfig("split", 16, 16, 16, split_k=2, slot_lanes=2)}
 
 
 def make_case(T, n_in, segs, ranks, R, *, slots=None, dtype=torch.float32, device="cpu", seed=0, bias=True):

@@ -68,7 +68,7 @@ def assert_base_rows(got: torch.Tensor, base: torch.Tensor) -> None:
         assert torch.equal(got[rows], base[rows]), f"slot {slot}"
 
 
-LINEAR_CONFIGS = {"default": None, "split": LoRALinearConfig("split", 16, 32, 16, 16, split_k=2),
+LINEAR_CONFIGS = {"default": None, "split": LoRALinearConfig("split", 16, 32, 16, split_k=2),
                   "planned": LoRALinearConfig("planned", 16, 16, 16, plan_cols=16)}
 
 

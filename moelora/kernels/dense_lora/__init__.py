@@ -5,10 +5,8 @@ Which modes stay and why: docs/performance.md.
 
 from __future__ import annotations
 
-from moelora.kernels.dense_lora.planned import Planned, row_plan
+from moelora.kernels.dense_lora.planned import Planned
 from moelora.kernels.dense_lora.split import Split
 from moelora.kernels.dense_lora.splitk import SplitK
 
 MODES = {m.name: m for m in (Split, SplitK, Planned)}
-
-__all__ = ["MODES", "Planned", "Split", "SplitK", "row_plan"]

@@ -25,6 +25,7 @@ from moelora.kernels.side_stream import forked, join
 # Shrink programs to aim for with one slot per row block (split over N_in when T alone gives fewer):
 # about one per SM on an H200 (132); more slots multiply them through the slot lanes.
 SHRINK_TARGET_PROGRAMS = 128
+SHRINK_BLOCK_M, SHRINK_STAGES = 16, 3  # the shrink's row block and pipeline stages: no default ever moved them
 
 
 class Split:
@@ -71,11 +72,11 @@ def shrink_setup(x, lora, T, n_in, cfg) -> ShrinkLaunch:
     want = cfg.split_k
     if not want:
         budget = max(1, 32 * 32 * cfg.num_warps // (cfg.block_m * seg.block_r))
-        want = min(budget, cdiv(SHRINK_TARGET_PROGRAMS, cdiv(T, cfg.shrink_block_m)))
+        want = min(budget, cdiv(SHRINK_TARGET_PROGRAMS, cdiv(T, SHRINK_BLOCK_M)))
     chunk = cdiv(n_kb, max(1, min(want, n_kb))) * cfg.block_k
     n_split = max(1, cdiv(n_in, chunk))
     xa = torch.empty(n_split, T, seg.G * seg.block_r, dtype=torch.float32, device=x.device)
-    return ShrinkLaunch(xa, lora, seg, n_split, chunk, min(S, cfg.shrink_block_m, cfg.slot_lanes), cfg.shrink_block_m,
+    return ShrinkLaunch(xa, lora, seg, n_split, chunk, min(S, SHRINK_BLOCK_M, cfg.slot_lanes), SHRINK_BLOCK_M,
                         cfg.block_k, next_pow2(S))
 
 
@@ -87,7 +88,7 @@ def shrink(x, lora, T, n_in, cfg, side_stream=None) -> ShrinkLaunch:
             x, sh.xa, lora.a, lora.token_slots, lora.slot_ranks, T, n_in, lora.a.shape[0], sh.chunk, sh.lanes,
             sh.seg.r_seg, x.stride(0), sh.xa.stride(0), lora.a.stride(0), lora.a.stride(1), BM=sh.block_m,
             BLOCK_R=sh.seg.block_r, BK=sh.block_k, S_P2=sh.s_p2, G=sh.seg.G, num_warps=4,
-            num_stages=cfg.shrink_num_stages)
+            num_stages=SHRINK_STAGES)
     return sh
 
 

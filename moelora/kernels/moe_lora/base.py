@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moelora.kernels.args import ExpertLoRAArgs
-from moelora.kernels.moe_plan import MoERoutingPlan
+from moelora.kernels.args import ExpertLoRAArgs, MoERoutingPlan
 
 LORA_RC = 16  # rank columns per step of a chunked shrink / expand: cost follows each slot's own rank
 
