@@ -32,7 +32,8 @@ def _round_e4m3(v):
     inv_step = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2^(3 - e)
     step = ((124 + e) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
     r = ((tl.abs(v) * inv_step + 12582912.0) - 12582912.0) * step
-    return tl.where(bits < 0, -r, r)  # the sign of v, -0.0 included (as torch's cast keeps it)
+    # v's sign bit on r (r >= 0), -0.0 included as torch's cast keeps it: `-r` is 0 - r on the GPU (+0.0)
+    return (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

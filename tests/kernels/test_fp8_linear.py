@@ -86,9 +86,11 @@ def test_group_quant_scales_and_values():
     g = torch.Generator(device=DEV).manual_seed(0)
     x = torch.randn(7, 300, generator=g, device=DEV) * torch.logspace(-3, 2, 300, device=DEV)
     x[2] = 0  # an all-zero row: scale 1
+    x[3, :4] = torch.tensor([-1e-7, 1e-7, -0.0, 0.0])  # below half the least subnormal: zeros keeping the sign
     q, s = per_token_group_quant(x)
     q_ref, s_ref = quantize_groups(x, 128)
     assert s.shape == (7, 3) and torch.equal(s, s_ref)
+    assert q[3, :4].view(torch.uint8).tolist() == [0x80, 0, 0x80, 0]  # -0.0, +0.0 in e4m3 bits
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
