@@ -10,6 +10,8 @@ import json
 
 import pytest
 
+pytest.importorskip("fastapi")  # the server's packages: a GPU image may lack them
+
 from moelora.demo import ADAPTER_NAMES, adapter_dir, model_dir
 from moelora.engine.config import EngineConfig
 from moelora.server.launch import build_server

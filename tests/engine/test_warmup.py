@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import threading
 
-import httpx
 import pytest
 import torch
 
-import moelora.server.async_engine as async_engine
-from moelora.engine.request import SamplingParams
-from moelora.engine.warmup import lora_widths, token_counts, warm_up
-from tests.helpers.models import build, engine, random_adapter
-from tests.helpers.oracle import tiny_hf_model
-from tests.helpers.server import ADAPTERS, TIMEOUT, make_assets, make_client, running_server
+httpx = pytest.importorskip("httpx")  # the server's test helpers need the server's packages
+
+import moelora.server.async_engine as async_engine  # noqa: E402
+from moelora.engine.request import SamplingParams  # noqa: E402
+from moelora.engine.warmup import lora_widths, token_counts, warm_up  # noqa: E402
+from tests.helpers.models import build, engine, random_adapter  # noqa: E402
+from tests.helpers.oracle import tiny_hf_model  # noqa: E402
+from tests.helpers.server import ADAPTERS, TIMEOUT, make_assets, make_client, running_server  # noqa: E402
 
 
 def test_token_counts_take_every_divisibility_class_of_every_range():

@@ -10,18 +10,19 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import oracle_lora as ol
-from tests.helpers.oracle import tiny_hf_model
-
+# the server's packages first: a GPU image without them skips every module that imports this one
+httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+text_string_to_metric_families = pytest.importorskip("prometheus_client.parser").text_string_to_metric_families
 
 from moelora.engine.config import EngineConfig  # noqa: E402
 from moelora.server.launch import build_server  # noqa: E402
+from tests.helpers import oracle_lora as ol  # noqa: E402
+from tests.helpers.oracle import tiny_hf_model  # noqa: E402
 
 SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")  # ids 256..259
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
