@@ -163,8 +163,8 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     block_r = _check_lora(lora, T, H, E, inter) if lora is not None else 16
     if config is None:
         name = torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
-        pick = fp8_moe_config if w_gate_up.dtype == FP8_DTYPE else tuned_fused_moe_config
-        config = pick(E, H, inter, T, K, x.dtype, name, table)
+        config = (fp8_moe_config(E, H, inter, T, K, x.dtype, name, table, fp8 is not None and fp8.quantize_activations)
+                  if w_gate_up.dtype == FP8_DTYPE else tuned_fused_moe_config(E, H, inter, T, K, x.dtype, name, table))
     check_fp8(x, E, H, inter, fp8, config, w_gate_up)
     _check_tma(x, H, inter, config)
     out = _check_out(out, x, T, H)

@@ -168,7 +168,8 @@ def shape_key(num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> 
 
 
 @functools.lru_cache(maxsize=16)
-def _load_table(path: str) -> dict:
+def load_table(path: str) -> dict:
+    """A table file's {shape key: {M: entry}} ({} when there is no such file)."""
     p = Path(path)
     if not p.is_file():
         return {}
@@ -186,23 +187,28 @@ def check_table_file(path: str | Path) -> str:
 def tuned_fused_moe_config(num_experts: int, hidden: int, inter: int, num_tokens: int, top_k: int,
                            dtype: torch.dtype, device_name: str, table: str | None = None) -> FusedMoEConfig:
     """This shape's config from `table` (else the package's table for `device_name`; else the heuristic)."""
-    return _tuned_config(num_experts, hidden, inter, num_tokens, top_k, dtype, table or _package_table(device_name))
+    return _tuned_config(num_experts, hidden, inter, num_tokens, top_k, dtype, table or package_table(device_name))
 
 
 @functools.lru_cache(maxsize=16)
-def _package_table(device_name: str) -> str:
+def package_table(device_name: str) -> str:
+    """The path of the package's table for a GPU (the file may not exist)."""
     return str(CONFIG_DIR / f"fused_moe_{device_tag(device_name)}.json")
+
+
+def pick_entry(per_m: dict, num_tokens: int) -> FusedMoEConfig:
+    """One shape's entry ({M: entry}) for num_tokens: the smallest tuned M >= num_tokens, else the largest."""
+    ms = sorted(int(m) for m in per_m)
+    return FusedMoEConfig.from_dict(per_m[str(next((m for m in ms if m >= num_tokens), ms[-1]))])
 
 
 @functools.lru_cache(maxsize=1024)
 def _tuned_config(num_experts: int, hidden: int, inter: int, num_tokens: int, top_k: int, dtype: torch.dtype,
                   table_file: str) -> FusedMoEConfig:
-    per_m = _load_table(table_file).get(shape_key(num_experts, hidden, inter, dtype))
+    per_m = load_table(table_file).get(shape_key(num_experts, hidden, inter, dtype))
     if not per_m:
         return default_fused_moe_config(num_experts, hidden, inter, num_tokens, top_k)
-    ms = sorted(int(m) for m in per_m)
-    pick = next((m for m in ms if m >= num_tokens), ms[-1])
-    return FusedMoEConfig.from_dict(per_m[str(pick)])
+    return pick_entry(per_m, num_tokens)
 
 
 def with_tma(config: FusedMoEConfig, use_tma: bool = True) -> FusedMoEConfig:
