@@ -22,8 +22,12 @@ def precompile(jobs: list[tuple[dict, str, int, dict]], workers: int) -> None:
         return
     t0 = time.perf_counter()
     chunks = [c for c in (jobs[i::workers] for i in range(workers)) if c]
-    with multiprocessing.get_context("spawn").Pool(len(chunks)) as pool:
-        failed = sum(pool.map(_compile_chunk, chunks))
+    try:
+        with multiprocessing.get_context("spawn").Pool(len(chunks)) as pool:
+            failed = sum(pool.map(_compile_chunk, chunks))
+    except Exception as exc:  # noqa: BLE001 - a worker lost (e.g. out of memory): the timing loop compiles the rest
+        print(f"# precompile stopped: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        return
     print(f"# precompiled {len(jobs)} launches in {len(chunks)} processes, {time.perf_counter() - t0:.0f} s "
           f"({failed} failed: skipped when timed)", flush=True)
 
