@@ -50,18 +50,17 @@ class Layer:
     fp8: FP8ExpertScales | None = None  # e4m3 w_gu / w_d with 128 x 128 block scales (`fp8_layer`)
 
 
-# --dtype of the benchmarks: the weights and, for FP8, the kernels' mode (FP8ExpertScales fields): W8A16, W8A8,
-# or W8A16 with the weight tiles scaled before the dot (its off switch, "fp8pre")
-DTYPES = {"bf16": None, "fp8": {}, "fp8a8": {"quantize_activations": True}, "fp8pre": {"weight_prescale": True}}
+# --dtype of the benchmarks: the weights and, for FP8, whether activations are quantized (W8A8)
+DTYPES = {"bf16": None, "fp8": False, "fp8a8": True}
 
 
-def fp8_layer(layer: Layer, mode: dict) -> Layer:
+def fp8_layer(layer: Layer, quantize_activations: bool) -> Layer:
     """`layer` with its expert weights quantized to e4m3 in 128 x 128 blocks (gate and up apart), LoRA pools
-    shared; `mode`: a DTYPES value (FP8ExpertScales fields)."""
+    shared; W8A8 kernels if quantize_activations, else W8A16."""
     inter = layer.shape["I"]
     q_gu, s_gu = quantize_segments(layer.w_gu, (inter, inter))
     q_d, s_d = quantize_blocks(layer.w_d)
-    scales = FP8ExpertScales(s_gu.contiguous(), s_d.contiguous(), block=True, **mode)
+    scales = FP8ExpertScales(s_gu.contiguous(), s_d.contiguous(), block=True, quantize_activations=quantize_activations)
     return dataclasses.replace(layer, w_gu=q_gu, w_d=q_d, route_rows={}, fp8=scales)
 
 

@@ -8,8 +8,8 @@ Usage: python benchmarks/moe_lora_layer.py [CSV path] [--shapes a,b] [--ms 1,8] 
        [--sets "block_n=64;block_n=256,block_k=64"]   (LoRA variants once per ';'-separated set of the
        path's config fields, ints or strings, set on each of the config's LoRA paths that has them)
        [--dtype bf16,fp8,fp8a8]   (expert weights: bf16, or e4m3 with 128 x 128 block scales, W8A16 ("fp8") or
-       W8A8 ("fp8a8"), or W8A16 scaling each weight tile before its dot ("fp8pre", the off switch, on fp8's
-       tiles); each dtype's rows compare with its own LoRA-off row; the bytes bound counts FP8 weights at 1 byte)
+       W8A8 ("fp8a8"); each dtype's rows compare with its own LoRA-off row; the bytes bound counts FP8
+       weights at 1 byte)
 The LoRA deltas get a side stream, as the engine gives them (EngineConfig.overlap_lora), unless
 --no-side-stream. --chain N: also the time per layer of one graph replaying N layers of distinct
 weights in turn (as a decode step replays its layers; their weights exceed L2, so no flush is needed):
@@ -82,7 +82,7 @@ def main(argv=None):
     ap.add_argument("--gate-up-at", default="table", help="table, or a list of epilogue / activation")
     ap.add_argument("--sets", default="", help="';'-separated sets of config overrides (key=value,...)")
     ap.add_argument("--no-side-stream", action="store_true", help="LoRA deltas on the main stream (overlap_lora off)")
-    ap.add_argument("--dtype", default="bf16", help="a list of bf16 / fp8 (W8A16) / fp8a8 (W8A8) / fp8pre")
+    ap.add_argument("--dtype", default="bf16", help="a list of bf16 / fp8 (W8A16) / fp8a8 (W8A8)")
     ap.add_argument("--chain", type=int, default=8, help="also time N distinct layers in one graph, per layer "
                     "(0: not; the decode-like per-layer time, the one the targets are read against)")
     args = ap.parse_args(argv)

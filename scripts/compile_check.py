@@ -39,7 +39,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-from moe_bench_common import DTYPES, MS, SHAPES, fp8_layer, make_inputs, make_layer, make_lora  # noqa: E402
+from moe_bench_common import MS, SHAPES, fp8_layer, make_inputs, make_layer, make_lora  # noqa: E402
 
 from moelora.kernels.fp8_moe import FP8ExpertScales, fp8_moe_config  # noqa: E402
 from moelora.kernels.fused_moe import fused_moe  # noqa: E402
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
             shape = dict(SHAPES[name])
             small = dict(shape, E=min(shape["E"], 16))
             layer = make_layer(small, pool_ranks=(16, 64), device="cpu")
-            layers = [layer] + ([fp8_layer(layer, DTYPES[d]) for d in ("fp8", "fp8a8")] if args.fp8 else [])
+            layers = [layer] + ([fp8_layer(layer, act) for act in (False, True)] if args.fp8 else [])
             for M in map(int, args.ms.split(",")):
                 x, wts, ids = make_inputs(layer, M)
                 loras = [make_lora(layer, M, v) for v in ("1ad_r16", "8ad_r16", "8ad_r64")]

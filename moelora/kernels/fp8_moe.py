@@ -12,13 +12,9 @@ Each K step is one 128-column scale block: acc += dot(A, B_q) * a_scale[m] * b_s
   groups; h up to the plan's `num_padded` rows), one launch each, and the GEMMs run e4m3 x e4m3 tl.dots:
   Hopper's FP8 MMA. (Quantizing each tile as the GEMM loads it, tried first, ran 3-6x slower than bf16 on the
   H200: every output-column program re-rounds the same rows, and the rounded tile takes a layout change.)
-- W8A16 (off): each weight tile is upcast to the activations' dtype in registers (exact: e4m3 fits bf16 / fp16)
-  and multiplies the activations transposed (acc^T += s * W_q x^T): the upcast tile is the MMA's register
-  operand, so it never goes back through shared memory. The block scale multiplies the step's BN x BM partial
-  sums (channel scales: the accumulator stays chained, scaled once after the loop), not the BN x 128 weight
-  tile: on sm_90 the tile's fp32 round trip (e4m3 -> f16 -> f32, * s, -> bf16) took twice the conversion
-  instructions of e4m3 -> f16 -> bf16 per weight, at the decode tiles. `FP8ExpertScales.weight_prescale`:
-  that first form (the tile dequantized as the twin does, then a chained dot), kept as the off switch.
+- W8A16 (off): each weight tile is upcast to the activations' dtype in registers, times its scale (as the
+  twin dequantizes), and multiplies the activations transposed (acc^T += W x^T): the upcast tile is the MMA's
+  register operand, so it never goes back through shared memory, and the accumulator stays chained.
 Both need FP8 conversions in Triton: compute capability >= 8.9 (the engine refuses an older GPU, ConfigError).
 Channel scales run the same loops with a broadcast scale (one row per output column, no K index).
 """
@@ -49,15 +45,12 @@ FP8_DTYPE = torch.float8_e4m3fn
 @dataclass(frozen=True)
 class FP8ExpertScales:
     """The scales of FP8 expert weights (shapes in the module docstring) and their GEMMs' activation mode.
-    block: 128 x 128 scale blocks (False: one scale per output row). quantize_activations: W8A8 (else W8A16).
-    weight_prescale: W8A16 with each weight tile times its scale before the dot (the off switch of the
-    post-scaled K step, module docstring)."""
+    block: 128 x 128 scale blocks (False: one scale per output row). quantize_activations: W8A8 (else W8A16)."""
 
     gate_up: torch.Tensor
     down: torch.Tensor
     block: bool = True
     quantize_activations: bool = False
-    weight_prescale: bool = False
 
 
 def fp8_tiles(config: FusedMoEConfig) -> FusedMoEConfig:
@@ -124,7 +117,7 @@ def fp8_launch_args(scales: FP8ExpertScales | None, which: str, inter: int, a: t
     aq, aqs = per_token_group_quant(a, rows) if scales.quantize_activations else (a, s)  # W8A16: unused dummies
     return dict(ws_ptr=s, stride_wse=s.stride(0), stride_wsn=s.stride(1), stride_wsk=s.stride(2) if scales.block else 0,
                 ws_gate_rows=gate_rows, aq_ptr=aq, aqs_ptr=aqs, stride_aq=aq.stride(0), stride_aqs=aqs.stride(0),
-                B_FP8=True, A_FP8=scales.quantize_activations, SCALE_GN=gn, W_PRE=scales.weight_prescale)
+                B_FP8=True, A_FP8=scales.quantize_activations, SCALE_GN=gn)
 
 
 @triton.jit
@@ -138,32 +131,17 @@ def _w8a8_dot(q_rows, s_rows, k0, valid, k_ok, w, w_scale, BK: tl.constexpr):
 
 
 @triton.jit
-def _w8a16_dot(acc_t, a_t, w, s_ptrs, n_ok, W_PRE: tl.constexpr, GN: tl.constexpr):
-    """One K step transposed: acc_t [BN, BM] += s * (W_q [BN, BK], in A's dtype) @ a_t [BK, BM], s the step's
-    scales at s_ptrs (block: per step; channel: `_w8a16_scaled` after the loop). The weight, upcast in
-    registers, is the MMA's register operand and the activations its shared-memory one (Hopper's wgmma takes
-    only its first operand from registers). W_PRE: (W_q * s) @ a_t, the tile dequantized first."""
-    if W_PRE:
-        s = tl.load(s_ptrs, mask=n_ok, other=0.0)
-        return tl.dot((w.to(tl.float32) * s[:, None]).to(a_t.dtype), a_t, acc_t)
-    elif GN == 1:
-        return tl.dot(w.to(a_t.dtype), a_t, acc_t)
-    else:
-        return acc_t + tl.dot(w.to(a_t.dtype), a_t) * tl.load(s_ptrs, mask=n_ok, other=0.0)[:, None]
-
-
-@triton.jit
-def _w8a16_scaled(acc_t, s_ptrs, n_ok, W_PRE: tl.constexpr, GN: tl.constexpr):
-    """acc_t after the K loop: channel scales (one a row, GN 1) applied here, once, unless W_PRE did."""
-    if GN == 1 and not W_PRE:
-        acc_t = acc_t * tl.load(s_ptrs, mask=n_ok, other=0.0)[:, None]
-    return acc_t
+def _w8a16_dot(acc_t, a_t, w, w_scale):
+    """One K step transposed: acc_t [BN, BM] += (W_q [BN, BK] * w_s, in A's dtype) @ a_t [BK, BM]. The weight,
+    upcast in registers, is the MMA's register operand and the activations its shared-memory one (Hopper's
+    wgmma takes only its first operand from registers), and the accumulator stays chained."""
+    return tl.dot((w.to(tl.float32) * w_scale[:, None]).to(a_t.dtype), a_t, acc_t)
 
 
 @triton.jit
 def fp8_gate_up_steps(x_rows, q_rows, s_rows, valid, w_e, ws_e, offs_n, H, inter, stride_wn, stride_wsn, stride_wsk,
                       gate_rows, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GN: tl.constexpr,
-                      A_FP8: tl.constexpr, W_PRE: tl.constexpr = False):
+                      A_FP8: tl.constexpr):
     """gate_up_kernel's K loop on e4m3 weights of expert e (w_e, ws_e: its weight and scale) over the rows' x
     (x_rows, W8A16) or their e4m3 copy and its scales (q_rows, s_rows, W8A8): (acc_g, acc_u) [BM, BN]."""
     offs_k = tl.arange(0, BK)
@@ -193,19 +171,18 @@ def fp8_gate_up_steps(x_rows, q_rows, s_rows, valid, w_e, ws_e, offs_n, H, inter
             kb = (k0 // BK) * stride_wsk
             a_t = tl.trans(tl.load(x_rows[:, None] + (k0 + offs_k)[None, :], mask=valid[:, None] & k_ok[None, :],
                                    other=0.0))
-            acc_gt = _w8a16_dot(acc_gt, a_t, tl.load(w_ptrs + k0, mask=w_ok, other=0.0), sg_ptrs + kb, n_ok, W_PRE,
-                                GN)
+            acc_gt = _w8a16_dot(acc_gt, a_t, tl.load(w_ptrs + k0, mask=w_ok, other=0.0),
+                                tl.load(sg_ptrs + kb, mask=n_ok, other=0.0))
             acc_ut = _w8a16_dot(acc_ut, a_t, tl.load(w_ptrs + inter * stride_wn + k0, mask=w_ok, other=0.0),
-                                su_ptrs + kb, n_ok, W_PRE, GN)
-        acc_g = tl.trans(_w8a16_scaled(acc_gt, sg_ptrs, n_ok, W_PRE, GN))
-        acc_u = tl.trans(_w8a16_scaled(acc_ut, su_ptrs, n_ok, W_PRE, GN))
+                                tl.load(su_ptrs + kb, mask=n_ok, other=0.0))
+        acc_g = tl.trans(acc_gt)
+        acc_u = tl.trans(acc_ut)
     return acc_g, acc_u
 
 
 @triton.jit
 def fp8_down_steps(h_rows, q_rows, s_rows, valid, w_e, ws_e, offs_n, H, inter, stride_wn, stride_wsn, stride_wsk,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GN: tl.constexpr, A_FP8: tl.constexpr,
-                   W_PRE: tl.constexpr = False):
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GN: tl.constexpr, A_FP8: tl.constexpr):
     """down_kernel's K loop on e4m3 weights of expert e, as fp8_gate_up_steps: acc [BM, BN]."""
     offs_k = tl.arange(0, BK)
     n_ok = offs_n < H
@@ -226,6 +203,6 @@ def fp8_down_steps(h_rows, q_rows, s_rows, valid, w_e, ws_e, offs_n, H, inter, s
             a_t = tl.trans(tl.load(h_rows[:, None] + (k0 + offs_k)[None, :], mask=valid[:, None] & k_ok[None, :],
                                    other=0.0))
             acc_t = _w8a16_dot(acc_t, a_t, tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0),
-                               s_ptrs + (k0 // BK) * stride_wsk, n_ok, W_PRE, GN)
-        acc = tl.trans(_w8a16_scaled(acc_t, s_ptrs, n_ok, W_PRE, GN))
+                               tl.load(s_ptrs + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0))
+        acc = tl.trans(acc_t)
     return acc

@@ -43,7 +43,6 @@ def gate_up_kernel(
     SPREAD: tl.constexpr = False, spread_k=0, h_act_ptr=None, stride_act=0,
     ws_ptr=None, stride_wse=0, stride_wsn=0, stride_wsk=0, ws_gate_rows=0, aq_ptr=None, aqs_ptr=None, stride_aq=0,
     stride_aqs=0, B_FP8: tl.constexpr = False, A_FP8: tl.constexpr = False, SCALE_GN: tl.constexpr = 128,
-    W_PRE: tl.constexpr = False,
 ):
     """h[plan row] = silu(gate) * up of x[token] @ W_gu[e]^T (+ LoRA); RAW_OUT: gate and up unactivated into h
     [P, 2I] for a kernel after it; SPREAD: also the gate_up shrink of this tile's x columns into xa[n], rows
@@ -65,7 +64,7 @@ def gate_up_kernel(
         acc_g, acc_u = fp8_gate_up_steps(x_ptr + tok64 * stride_xt, aq_ptr + tok64 * stride_aq,
                                          aqs_ptr + tok64 * stride_aqs, valid, w + e * stride_we,
                                          ws_ptr + e * stride_wse, offs_n, H, inter, stride_wn, stride_wsn, stride_wsk,
-                                         ws_gate_rows, BM, BN, BK, SCALE_GN, A_FP8, W_PRE)
+                                         ws_gate_rows, BM, BN, BK, SCALE_GN, A_FP8)
     else:
         if USE_TMA:
             row_g = (e * 2 * inter + pid_n * BN).to(tl.int32)
@@ -132,7 +131,6 @@ def down_kernel(
     STACKED: tl.constexpr = False, S_P2: tl.constexpr = 1,
     ws_ptr=None, stride_wse=0, stride_wsn=0, stride_wsk=0, ws_gate_rows=0, aq_ptr=None, aqs_ptr=None, stride_aq=0,
     stride_aqs=0, B_FP8: tl.constexpr = False, A_FP8: tl.constexpr = False, SCALE_GN: tl.constexpr = 128,
-    W_PRE: tl.constexpr = False,
 ):
     pid_m, pid_n = _tile_ids(num_blocks, tl.cdiv(H, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_padded_ptr):
@@ -148,7 +146,7 @@ def down_kernel(
         m64 = offs_m.to(tl.int64)
         acc = fp8_down_steps(h + m64 * stride_hp, aq_ptr + m64 * stride_aq, aqs_ptr + m64 * stride_aqs, valid,
                              w + e * stride_we, ws_ptr + e * stride_wse, offs_n, H, inter, stride_wn, stride_wsn,
-                             stride_wsk, BM, BN, BK, SCALE_GN, A_FP8, W_PRE)
+                             stride_wsk, BM, BN, BK, SCALE_GN, A_FP8)
     else:
         if USE_TMA:
             row_w = (e * H + pid_n * BN).to(tl.int32)
