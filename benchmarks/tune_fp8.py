@@ -1,8 +1,7 @@
 """The FP8 expert tiles the tuner tries (benchmarks/tune_fused_moe.py --dtype fp8 / fp8a8), and their refinement.
 
 Shape legend: M tokens, E experts, K top-k; a tile (block_m; block_n, block_k, num_warps, num_stages).
-Every FP8 scaled dot is one 128-column scale block, so block_k is 128 (W8A8 also 256: two dots a K step); the
-rest is searched per routes per expert
+Every FP8 K step is one 128-column scale block, so block_k is 128; the rest is searched per routes per expert
 (M * K / E), apart from the bf16 table's tiles: an FP8 weight tile is half the bytes of a bf16 one (so deeper
 pipelines and wider N tiles pay), and W8A8's gate_up holds two dot results next to its two accumulators (the
 K step is dot * scale, not chained), so 64 x 128 tiles spill at 4 warps (sm_90 cubin: 456 bytes of stack),
@@ -26,23 +25,14 @@ FP8_SMALL = [(16, 64, 4, 4), (16, 128, 4, 4), (16, 128, 8, 4), (32, 64, 4, 4), (
 FP8_MID = [(32, 64, 4, 4), (32, 128, 8, 4), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 8, 3), (64, 128, 8, 4),
            (128, 64, 8, 3), (128, 64, 8, 4)]
 FP8_LARGE = [(64, 64, 4, 4), (64, 128, 8, 3), (64, 128, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4)]
-# W8A8 also at block_k 256 (two scaled dots a K step, fp8_moe): half the loop trips, twice the bytes a stage.
-# Tiles that do not spill there (sm_90): 4 warps up to 16 x 64, 8 from 32 x 64 on.
-FP8A8_K256 = {"decode": [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 4, 3)],
-              "small": [(16, 64, 4, 2), (16, 64, 4, 3), (32, 64, 8, 2)],
-              "mid": [(32, 64, 8, 2), (64, 32, 4, 3), (64, 64, 8, 2), (64, 64, 8, 3)],
-              "large": [(64, 64, 8, 2), (64, 64, 8, 3)]}
 
 
-def fp8_candidates(M: int, shape: dict, w8a8: bool = False) -> list[FusedMoEConfig]:
-    """The FP8 tiles tried at M (the same tile for gate_up and down; `split_refinements` then pulls them apart);
-    w8a8: also its block_k 256 tiles."""
+def fp8_candidates(M: int, shape: dict) -> list[FusedMoEConfig]:
+    """The FP8 tiles tried at M (the same tile for gate_up and down; `split_refinements` then pulls them apart)."""
     per_expert = M * shape["K"] / shape["E"]
-    cls = "decode" if per_expert <= 2 else "small" if per_expert <= 8 else "mid" if per_expert <= 64 else "large"
-    space = [(bm, bn, GROUP, w, s) for bm, bn, w, s in {"decode": FP8_DECODE, "small": FP8_SMALL, "mid": FP8_MID,
-                                                         "large": FP8_LARGE}[cls]]
-    space += [(bm, bn, 2 * GROUP, w, s) for bm, bn, w, s in FP8A8_K256[cls]] if w8a8 else []
-    return [FusedMoEConfig(bm, GemmTile(bn, bk, w, s), GemmTile(bn, bk, w, s)) for bm, bn, bk, w, s in space]
+    space = (FP8_DECODE if per_expert <= 2 else FP8_SMALL if per_expert <= 8 else FP8_MID if per_expert <= 64
+             else FP8_LARGE)
+    return [FusedMoEConfig(bm, GemmTile(bn, GROUP, w, s), GemmTile(bn, GROUP, w, s)) for bm, bn, w, s in space]
 
 
 def split_refinements(best: FusedMoEConfig, tried: list[FusedMoEConfig], which: str) -> list[FusedMoEConfig]:

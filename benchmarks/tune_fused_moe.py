@@ -63,9 +63,9 @@ MID_TILES = [(64, 128, 4, 3), (128, 64, 4, 4)]
 LARGE_TILES = [(128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3)]
 
 
-def candidates(M: int, shape: dict, fp8: bool | None = None) -> list[FusedMoEConfig]:
-    """The tiles tried at M (fp8 False / True: W8A16 / W8A8 in benchmarks/tune_fp8.py's space; None: bf16)."""
-    return _candidates(M, shape) if fp8 is None else fp8_candidates(M, shape, fp8)
+def candidates(M: int, shape: dict, fp8: bool = False) -> list[FusedMoEConfig]:
+    """The tiles tried at M (FP8: benchmarks/tune_fp8.py's space)."""
+    return fp8_candidates(M, shape) if fp8 else _candidates(M, shape)
 
 
 def _candidates(M: int, shape: dict) -> list[FusedMoEConfig]:
@@ -156,7 +156,7 @@ def tune_one(layer, M, log, side=None, score=("1ad_r16", "8ad_r16"), lora_from: 
     """The entry of one M: tiles (LoRA off), then the LoRA round, or (lora_from, --tiles-only) its LoRA fields."""
     x, wts, ids = make_inputs(layer, M)
     scored = []
-    tried = candidates(M, layer.shape, None if layer.fp8 is None else layer.fp8.quantize_activations)
+    tried = candidates(M, layer.shape, layer.fp8 is not None)
     for cfg in tried:
         t = timed(layer, x, wts, ids, None, cfg)
         scored.append((t, cfg))
@@ -226,7 +226,7 @@ def main(argv=None):
     out = Path(os.environ.get("OUT", "."))
     ms = [int(m) for m in args.ms.split(",")]
     precompile([(shape, d, M, c.to_dict()) for _n, shape in shapes for d in dtypes for M in ms
-                for c in candidates(M, shape, DTYPES[d])], 0 if args.lora_only else args.precompile)
+                for c in candidates(M, shape, DTYPES[d] is not None)], 0 if args.lora_only else args.precompile)
 
     def save():  # after every entry: a run cut short (a device call's time limit) keeps what it tuned
         text = json.dumps(table, indent=1, sort_keys=True) + "\n"

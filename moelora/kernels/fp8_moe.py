@@ -6,9 +6,7 @@ Shape legend: T tokens, H hidden, I expert intermediate, E experts, BM x BN x BK
   w_gate_up [E, 2I, H] e4m3, scale [E, 2 ceil(I/128), ceil(H/128)] (block: the gate then the up grid rows)
     or [E, 2I, 1] (channel / tensor, one per output row); w_down [E, H, I] e4m3, scale [E, ceil(H/128),
     ceil(I/128)] or [E, H, 1]. Scales are fp32 multipliers (w ~ q * s).
-Each scaled dot is one 128-column scale block: acc += dot(A, B_q) * a_scale[m] * b_scale[n] (fp32 accumulate);
-a K step is one of them (block_k 128), or under W8A8 two (block_k 256: half the loop trips, both dots issued
-before either is scaled; the table's pick where it measured faster).
+Each K step is one 128-column scale block: acc += dot(A, B_q) * a_scale[m] * b_scale[n] (fp32 accumulate).
 - W8A8 (`FP8ExpertScales.quantize_activations`): x, then h, are quantized per row and 128-column group
   (`fp8_quant.per_token_group_quant`, DeepSeek's 1 x 128 recipe; a per-token scheme runs these finer
   groups; h up to the plan's `num_padded` rows), one launch each, and the GEMMs run e4m3 x e4m3 tl.dots:
@@ -42,7 +40,6 @@ from moelora.kernels.moe_config import (
 )
 
 FP8_DTYPE = torch.float8_e4m3fn
-KG: tl.constexpr = tl.constexpr(GROUP)  # columns of one scale group: the K of one scaled dot
 
 
 @dataclass(frozen=True)
@@ -99,11 +96,9 @@ def check_fp8(x: torch.Tensor, E: int, H: int, inter: int, scales: FP8ExpertScal
         need(tuple(t.shape) == shape and t.dtype == torch.float32 and t.is_contiguous() and t.device == x.device,
              lambda t=t, name=name, shape=shape: f"fp8.{name} scale must be contiguous fp32 {shape} on {x.device}, "
              f"got {tuple(t.shape)} {t.dtype}")
-    ks = (GROUP, 2 * GROUP) if scales.quantize_activations else (GROUP,)
     for which, tile in (("gate_up", config.gate_up), ("down", config.down)):
-        need(tile.block_k in ks, lambda which=which, tile=tile: f"FP8 weights need K steps of whole scale blocks: "
-             f"{which} block_k must be {' or '.join(map(str, ks))} "
-             f"({'W8A8' if scales.quantize_activations else 'W8A16'}), got {tile.block_k} (fp8_moe.fp8_tiles)")
+        need(tile.block_k == GROUP, lambda which=which, tile=tile: f"FP8 weights need K steps of one scale block: "
+             f"{which} block_k must be {GROUP}, got {tile.block_k} (fp8_moe.fp8_tiles)")
     need(not config.use_tma, "use_tma is not supported on FP8 weights (fp8_moe.fp8_tiles turns it off)")
     if x.is_cuda:
         need(torch.cuda.get_device_capability(x.device) >= (8, 9), "FP8 expert kernels need compute capability "
@@ -153,22 +148,19 @@ def fp8_gate_up_steps(x_rows, q_rows, s_rows, valid, w_e, ws_e, offs_n, H, inter
     n_ok = offs_n < inter
     sg_ptrs = ws_e + (offs_n // GN) * stride_wsn
     su_ptrs = ws_e + (gate_rows + offs_n // GN) * stride_wsn
-    if A_FP8:  # BK / 128 scaled dots a step (block_k 256: two, issued before either is scaled)
+    if A_FP8:
         acc_g = tl.zeros((BM, BN), tl.float32)
         acc_u = tl.zeros((BM, BN), tl.float32)
-        offs_g = tl.arange(0, KG)
-        w_ptrs = w_e + offs_n[None, :] * stride_wn + offs_g[:, None]  # [128, BN]
+        w_ptrs = w_e + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
         for k0 in range(0, H, BK):
-            for j in tl.static_range(BK // KG):
-                kk = k0 + j * KG
-                k_ok = (kk + offs_g) < H
-                w_ok = n_ok[None, :] & k_ok[:, None]
-                kb = (kk // KG) * stride_wsk
-                acc_g += _w8a8_dot(q_rows, s_rows, kk, valid, k_ok, tl.load(w_ptrs + kk, mask=w_ok, other=0.0),
-                                   tl.load(sg_ptrs + kb, mask=n_ok, other=0.0), KG)
-                acc_u += _w8a8_dot(q_rows, s_rows, kk, valid, k_ok,
-                                   tl.load(w_ptrs + inter * stride_wn + kk, mask=w_ok, other=0.0),
-                                   tl.load(su_ptrs + kb, mask=n_ok, other=0.0), KG)
+            k_ok = (k0 + offs_k) < H
+            w_ok = n_ok[None, :] & k_ok[:, None]
+            kb = (k0 // BK) * stride_wsk
+            acc_g += _w8a8_dot(q_rows, s_rows, k0, valid, k_ok, tl.load(w_ptrs + k0, mask=w_ok, other=0.0),
+                               tl.load(sg_ptrs + kb, mask=n_ok, other=0.0), BK)
+            acc_u += _w8a8_dot(q_rows, s_rows, k0, valid, k_ok,
+                               tl.load(w_ptrs + inter * stride_wn + k0, mask=w_ok, other=0.0),
+                               tl.load(su_ptrs + kb, mask=n_ok, other=0.0), BK)
     else:
         acc_gt = tl.zeros((BN, BM), tl.float32)
         acc_ut = tl.zeros((BN, BM), tl.float32)
@@ -197,15 +189,12 @@ def fp8_down_steps(h_rows, q_rows, s_rows, valid, w_e, ws_e, offs_n, H, inter, s
     s_ptrs = ws_e + (offs_n // GN) * stride_wsn
     if A_FP8:
         acc = tl.zeros((BM, BN), tl.float32)
-        offs_g = tl.arange(0, KG)
-        w_ptrs = w_e + offs_n[None, :] * stride_wn + offs_g[:, None]
+        w_ptrs = w_e + offs_n[None, :] * stride_wn + offs_k[:, None]
         for k0 in range(0, inter, BK):
-            for j in tl.static_range(BK // KG):
-                kk = k0 + j * KG
-                k_ok = (kk + offs_g) < inter
-                wt = tl.load(w_ptrs + kk, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-                acc += _w8a8_dot(q_rows, s_rows, kk, valid, k_ok, wt,
-                                 tl.load(s_ptrs + (kk // KG) * stride_wsk, mask=n_ok, other=0.0), KG)
+            k_ok = (k0 + offs_k) < inter
+            wt = tl.load(w_ptrs + k0, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            acc += _w8a8_dot(q_rows, s_rows, k0, valid, k_ok, wt,
+                             tl.load(s_ptrs + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0), BK)
     else:
         acc_t = tl.zeros((BN, BM), tl.float32)
         w_ptrs = w_e + offs_n[:, None] * stride_wn + offs_k[None, :]
