@@ -18,7 +18,8 @@ and norms are left out (< 1%).
 
 --quantization fp8: every projection in FP8 (128 x 128 blocks, random weights quantized; `moelora.quant`),
 the bound counting them one byte each (scales < 0.03 %); until the FP8 kernels land they run dequantized
-per call, so this measures that path.
+per call, so this measures that path. --fp8-activation-quant: W8A8 (EngineConfig.fp8_activation_quant; the
+fused-MoE table's W8A8 entries), else W8A16.
 
 --model qwen3_30b (default), dsv2_lite (DeepSeek-V2-Lite: 27 layers, MLA with C 512, 64 experts top-6,
 2 shared experts, first layer dense) or all (both, one after the other).
@@ -27,7 +28,7 @@ usage: python benchmarks/decode.py OUT.csv [--model qwen3_30b|dsv2_lite|all] [--
        [--conc 1,8,32,64,128,256] [--steps 20] [--repeats 2] [--no-async-scheduling] [--no-overlap-lora]
        [--lora-target-modules self_attn,experts] [--ab async_scheduling=0]  (engine-level keys only)
        [--ab-table other_fused_moe_table.json]  (B engines built, captured and run with that MoE table)
-       [--quantization fp8]
+       [--quantization fp8 [--fp8-activation-quant]]
        [--tensor-parallel-size N [--enable-expert-parallel]]  (N GPUs: benchmarks/decode_parallel.py, 8 layers
        unless --layers, a random checkpoint written to a temporary directory; 1 rank vs N ranks)
 """
@@ -35,6 +36,7 @@ usage: python benchmarks/decode.py OUT.csv [--model qwen3_30b|dsv2_lite|all] [--
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable
 
@@ -247,7 +249,8 @@ def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank:
     the adapters' `rank`."""
     pool_rank = pool_rank or rank  # was passed on as None without --pool-rank: a TypeError in resolve()
     cfg, model, adapters = model_with_adapters(name, layers, 8, rank, pool_rank, quant)
-    print(f"model {name}, layers {cfg.num_layers}, {'FP8' if quant else 'bf16'} projections")
+    kind = "bf16" if quant is None else "FP8 W8A8" if quant.quantize_activations else "FP8 W8A16"
+    print(f"model {name}, layers {cfg.num_layers}, {kind} projections")
     twin = no_lora_twin(model, cfg, quant)
     has_b = bool(ab) or ab_table is not None
     b_table = check_table_file(ab_table) if ab_table else None
@@ -336,10 +339,15 @@ def main() -> None:
                     "e.g. async_scheduling=1 or skip_idle_lora_sites=0 (B/A: its step time over the first's); "
                     "keys that set the shared model's modules are refused")
     ap.add_argument("--quantization", choices=["fp8"], default=None, help="FP8 projections (see the docstring)")
+    ap.add_argument("--fp8-activation-quant", action="store_true", help="with --quantization fp8: W8A8 GEMMs")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="N > 1: time 1 rank against N ranks "
                     "(needs N GPUs; benchmarks/decode_parallel.py)")
     ap.add_argument("--enable-expert-parallel", action="store_true", help="with --tensor-parallel-size: EP experts")
     args = ap.parse_args()
+    if args.fp8_activation_quant and not args.quantization:
+        ap.error("--fp8-activation-quant needs --quantization fp8")
+    quant = FP8Config.from_engine(args.quantization) if args.quantization else None
+    quant = quant and dataclasses.replace(quant, quantize_activations=args.fp8_activation_quant)
     concs = [int(c) for c in args.conc.split(",")]
     if args.tensor_parallel_size > 1:
         from decode_parallel import run_parallel
@@ -358,7 +366,7 @@ def main() -> None:
     for name in (list(MODELS) if args.model == "all" else [args.model]):
         rows += run_model(name, args.layers, concs, args.steps, args.rank, bw, repeats=args.repeats,
                           ab=parse_ab(args.ab), ab_table=args.ab_table, pool_rank=args.pool_rank,
-                          quant=FP8Config.from_engine(args.quantization) if args.quantization else None, engine_kw=
+                          quant=quant, engine_kw=
                           dict(async_scheduling=args.async_scheduling, overlap_lora=not args.no_overlap_lora,
                                lora_target_modules=tuple(args.lora_target_modules.split(","))
                                if args.lora_target_modules else None))

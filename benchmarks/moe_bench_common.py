@@ -67,8 +67,10 @@ def fp8_layer(layer: Layer, quantize_activations: bool) -> Layer:
 def layer_config(layer: Layer, M: int, gpu: str):
     """The config serving picks for this layer's shape, dtype and M (`fused_moe` with config=None)."""
     sh = layer.shape
-    pick = fp8_moe_config if layer.fp8 is not None else tuned_fused_moe_config
-    return pick(sh["E"], sh["H"], sh["I"], M, sh["K"], torch.bfloat16, gpu, None)
+    if layer.fp8 is not None:
+        return fp8_moe_config(sh["E"], sh["H"], sh["I"], M, sh["K"], torch.bfloat16, gpu, None,
+                              layer.fp8.quantize_activations)
+    return tuned_fused_moe_config(sh["E"], sh["H"], sh["I"], M, sh["K"], torch.bfloat16, gpu, None)
 
 
 def make_layer(shape: dict, pool_ranks=(8, 16, 64), seed=0, device="cuda") -> Layer:

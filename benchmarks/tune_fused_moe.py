@@ -15,11 +15,15 @@ rank-64 pool. LoRA timings use a side stream, as the engine's overlap_lora does 
 Usage:
   python benchmarks/tune_fused_moe.py [--shapes a,b] [--model /path/to/hf-model ...] [--ms 1,8]
                                       [--lora-only] [--no-side-stream] [--score 1ad_r16,8ad_r16 | 8ad_r16]
-                                      [--dtype bf16 | fp8 | fp8a8]
+                                      [--dtype bf16 | fp8 | fp8a8 | fp8,fp8a8] [--tiles-only] [--precompile N]
 The table is keyed by GPU name and (E, H, I, weight dtype), so `--model` tunes a deployment's own model.
---dtype fp8 / fp8a8: e4m3 expert weights with 128 x 128 block scales, timed W8A16 / W8A8 (tune with the mode
-you serve: fp8a8 for EngineConfig.fp8_activation_quant), into the entries "dtype=float8_e4m3fn"; the tiles'
-block_k is 128 (one scale block a K step) and TMA is not tried (the FP8 kernels have none).
+--dtype fp8 / fp8a8: e4m3 expert weights with 128 x 128 block scales, timed W8A16 / W8A8, into the entries
+"dtype=float8_e4m3fn" (W8A16, the default mode) / "dtype=float8_e4m3fn,act=float8_e4m3fn" (W8A8, served under
+EngineConfig.fp8_activation_quant): the FP8 search space of benchmarks/tune_fp8.py (block_k 128, one scale
+block a K step; no TMA, the FP8 kernels have none), the joint pick then refined per GEMM.
+--tiles-only: no LoRA round; the entry's LoRA fields are the bf16 entry's at that M (the routed LoRA runs the
+same bf16 paths on FP8 weights), else the existing entry's. --precompile N: compile every candidate first in N
+processes (benchmarks/tune_precompile.py), so the timing loop does not wait on one compile at a time.
 """
 
 from __future__ import annotations
@@ -46,9 +50,11 @@ from moe_bench_common import (  # noqa: E402
     make_lora,
     moe_call,
 )
+from tune_fp8 import fp8_candidates, lora_fields_from, split_refinements  # noqa: E402
+from tune_precompile import precompile  # noqa: E402
 
 from moelora.config import ModelConfig  # noqa: E402
-from moelora.kernels.fp8_moe import FP8_DTYPE, fp8_tiles  # noqa: E402
+from moelora.kernels.fp8_moe import fp8_table_key  # noqa: E402
 from moelora.kernels.moe_config import CONFIG_DIR, FusedMoEConfig, GemmTile, device_tag, shape_key  # noqa: E402
 from moelora.kernels.moe_lora import PATHS  # noqa: E402
 
@@ -58,9 +64,8 @@ LARGE_TILES = [(128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3)]
 
 
 def candidates(M: int, shape: dict, fp8: bool = False) -> list[FusedMoEConfig]:
-    """The tiles tried at M (FP8: each with block_k 128, duplicates dropped)."""
-    cfgs = _candidates(M, shape)
-    return list(dict.fromkeys(fp8_tiles(c) for c in cfgs)) if fp8 else cfgs
+    """The tiles tried at M (FP8: benchmarks/tune_fp8.py's space)."""
+    return fp8_candidates(M, shape) if fp8 else _candidates(M, shape)
 
 
 def _candidates(M: int, shape: dict) -> list[FusedMoEConfig]:
@@ -147,14 +152,22 @@ def tune_wide(layer, M, base: FusedMoEConfig, scored, log, side=None) -> FusedMo
     return best
 
 
-def tune_one(layer, M, log, side=None, score=("1ad_r16", "8ad_r16")):
+def tune_one(layer, M, log, side=None, score=("1ad_r16", "8ad_r16"), lora_from: dict | None = None):
+    """The entry of one M: tiles (LoRA off), then the LoRA round, or (lora_from, --tiles-only) its LoRA fields."""
     x, wts, ids = make_inputs(layer, M)
     scored = []
-    for cfg in candidates(M, layer.shape, layer.fp8 is not None):
+    tried = candidates(M, layer.shape, layer.fp8 is not None)
+    for cfg in tried:
         t = timed(layer, x, wts, ids, None, cfg)
         scored.append((t, cfg))
         log.append(dict(M=M, what="tile", config=json.dumps(cfg.to_dict()), ms=t))
     t_best, best = min(scored, key=lambda p: p[0])
+    for which in ("down", "gate_up") if layer.fp8 is not None else ():
+        for cfg in split_refinements(best, tried, which):
+            t = timed(layer, x, wts, ids, None, cfg)
+            log.append(dict(M=M, what=f"tile_{which}", config=json.dumps(cfg.to_dict()), ms=t))
+            if t < t_best:
+                best, t_best = cfg, t
     tma = dataclasses.replace(best, use_tma=True)
     t_tma = float("nan") if layer.fp8 is not None else timed(layer, x, wts, ids, None, tma)
     log.append(dict(M=M, what="tma", config=json.dumps(tma.to_dict()), ms=t_tma))
@@ -169,6 +182,9 @@ def tune_one(layer, M, log, side=None, score=("1ad_r16", "8ad_r16")):
             best, t_best = pr, t_pr
     print(f"  M={M:5d} off {t_best * 1e3:8.1f} us (tma {t_tma * 1e3:8.1f}, plan per route {t_pr * 1e3:8.1f}) -> {best}",
           flush=True)
+    log.append(dict(M=M, what="best_off", config=json.dumps(best.to_dict()), ms=t_best))
+    if lora_from is not None:
+        return dataclasses.replace(best, **lora_fields_from(lora_from))
     return tune_lora(layer, M, best, log, side, score)
 
 
@@ -189,11 +205,16 @@ def main(argv=None):
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--lora-only", action="store_true", help="keep the table's tiles, re-pick the LoRA fields")
     ap.add_argument("--no-side-stream", action="store_true", help="time LoRA without the engine's side stream")
-    ap.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="expert weights: bf16, or e4m3 timed "
-                    "W8A16 (fp8) / W8A8 (fp8a8)")
+    ap.add_argument("--dtype", default="bf16", help="expert weights, a list of: bf16, or e4m3 timed W8A16 (fp8) / "
+                    "W8A8 (fp8a8)")
+    ap.add_argument("--tiles-only", action="store_true", help="no LoRA round: LoRA fields from the bf16 entry")
+    ap.add_argument("--precompile", type=int, default=0, help="compile the candidates first in N processes")
     ap.add_argument("--score", default="1ad_r16,8ad_r16", help="LoRA variants whose summed time picks the narrow "
                     "path (default: one adapter and many)")
     args = ap.parse_args(argv)
+    dtypes = args.dtype.split(",")
+    if set(dtypes) - set(DTYPES):
+        ap.error(f"--dtype: {sorted(set(dtypes) - set(DTYPES))} not in {list(DTYPES)}")
     side = None if args.no_side_stream else torch.cuda.Stream()
     score = tuple(args.score.split(","))
     gpu = torch.cuda.get_device_name()
@@ -203,6 +224,9 @@ def main(argv=None):
     shapes = [(n, SHAPES[n]) for n in (args.shapes or ("" if args.model else ",".join(SHAPES))).split(",") if n]
     shapes += [model_shape(m) for m in args.model]
     out = Path(os.environ.get("OUT", "."))
+    ms = [int(m) for m in args.ms.split(",")]
+    precompile([(shape, d, M, c.to_dict()) for _n, shape in shapes for d in dtypes for M in ms
+                for c in candidates(M, shape, DTYPES[d] is not None)], 0 if args.lora_only else args.precompile)
 
     def save():  # after every entry: a run cut short (a device call's time limit) keeps what it tuned
         text = json.dumps(table, indent=1, sort_keys=True) + "\n"
@@ -214,23 +238,27 @@ def main(argv=None):
             w.writeheader()
             w.writerows(log)
 
-    for sname, shape in shapes:
-        print(f"# {sname} {shape}", flush=True)
-        layer = make_layer(shape, pool_ranks=(16, 64))
-        if DTYPES[args.dtype] is not None:
-            layer = fp8_layer(layer, DTYPES[args.dtype])
-        key = shape_key(shape["E"], shape["H"], shape["I"], torch.bfloat16 if layer.fp8 is None else FP8_DTYPE)
+    for (sname, shape), dtype in [(s, d) for s in shapes for d in dtypes]:
+        print(f"# {sname} {dtype} {shape}", flush=True)
+        layer = make_layer(shape, pool_ranks=() if args.tiles_only else (16, 64))
+        if DTYPES[dtype] is not None:
+            layer = fp8_layer(layer, DTYPES[dtype])
+        bf16_key = shape_key(shape["E"], shape["H"], shape["I"], torch.bfloat16)
+        key = bf16_key if layer.fp8 is None else fp8_table_key(shape["E"], shape["H"], shape["I"], DTYPES[dtype])
         per_m = table["configs"].setdefault(key, {})
-        for M in map(int, args.ms.split(",")):
+        for M in ms:
             if args.lora_only and str(M) in per_m:
                 per_m[str(M)] = tune_lora(layer, M, FusedMoEConfig.from_dict(per_m[str(M)]), log, side,
                                           score).to_dict()
             else:
-                per_m[str(M)] = tune_one(layer, M, log, side, score).to_dict()
+                lora_from = None
+                if args.tiles_only:
+                    lora_from = table["configs"].get(bf16_key, {}).get(str(M)) or per_m.get(str(M)) or {}
+                per_m[str(M)] = tune_one(layer, M, log, side, score, lora_from).to_dict()
             for row in log:
-                row.setdefault("shape", sname)
+                row.setdefault("shape", f"{sname}:{dtype}")
             save()
-            print(f"# wrote {path} and {out / path.name} ({sname} M={M} done)", flush=True)
+            print(f"# wrote {path} and {out / path.name} ({sname} {dtype} M={M} done)", flush=True)
         del layer
         torch.cuda.empty_cache()
 

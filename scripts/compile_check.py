@@ -10,7 +10,8 @@ here before it costs device time.
 
 Usage: python scripts/compile_check.py [--shapes qwen3_30b_a3b,...] [--ms 1,128,4096] [--resources] [--picks] [--fp8]
   --picks: only the table's own entries (the launches serving makes; a unit test compiles these).
-  --fp8: also each config on e4m3 expert weights (its `fp8_tiles`), W8A16 and W8A8.
+  --fp8: also on e4m3 expert weights, W8A16 and W8A8: the table's FP8 entries of each mode (`fp8_moe_config`:
+  else the bf16 entry's `fp8_tiles`), with the same LoRA trials.
   --resources: print each kernel's registers and local memory (spills) from its cubin (cuobjdump; the
   local Triton's ptxas, which may differ from the GPU machine's).
 Exit status 1 if any launch failed to compile; tiles that need more shared memory than sm_90 has are
@@ -40,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from moe_bench_common import MS, SHAPES, fp8_layer, make_inputs, make_layer, make_lora  # noqa: E402
 
-from moelora.kernels.fp8_moe import fp8_tiles  # noqa: E402
+from moelora.kernels.fp8_moe import FP8ExpertScales, fp8_moe_config  # noqa: E402
 from moelora.kernels.fused_moe import fused_moe  # noqa: E402
 from moelora.kernels.moe_config import tuned_fused_moe_config  # noqa: E402
 from moelora.kernels.moe_lora import PATHS  # noqa: E402
@@ -134,10 +135,13 @@ def _resources(kernel) -> str:
     return f" regs {found.group(1)} local {found.group(3)} stack {found.group(2)}" if found else " regs ?"
 
 
-def configs_for(shape: dict, M: int, picks_only: bool = False):
+def configs_for(shape: dict, M: int, picks_only: bool = False, fp8: FP8ExpertScales | None = None):
     """(base from the table, then on its tiles every registered path's trials and each of its refinements
-    on the path's default config, at every pool width); picks_only: the table's entry alone."""
-    base = tuned_fused_moe_config(shape["E"], shape["H"], shape["I"], M, shape["K"], torch.bfloat16, GPU_NAME)
+    on the path's default config, at every pool width); picks_only: the table's entry alone. fp8: the
+    table's entry for those FP8 weights and activation mode (`fp8_moe_config`), else the bf16 one."""
+    args = (shape["E"], shape["H"], shape["I"], M, shape["K"], torch.bfloat16, GPU_NAME)
+    base = (tuned_fused_moe_config(*args) if fp8 is None
+            else fp8_moe_config(*args, None, fp8.quantize_activations))
     cfgs = [base]
     for path in () if picks_only else PATHS.values():
         cfgs += [base.with_lora(t) for t in path.trials(base.block_m)]
@@ -163,10 +167,10 @@ def main(argv=None) -> int:
                 x, wts, ids = make_inputs(layer, M)
                 loras = [make_lora(layer, M, v) for v in ("1ad_r16", "8ad_r16", "8ad_r64")]
                 n_before = len(comp.seen)
-                for cfg, lay, lora in [(c, la, lo) for c in configs_for(shape, M, args.picks) for la in layers
+                for cfg, lay, lora in [(c, la, lo) for la in layers for c in configs_for(shape, M, args.picks, la.fp8)
                                        for lo in loras]:
-                    fused_moe(x, lay.w_gu, lay.w_d, wts, ids, lora=lora, out=torch.empty_like(x),
-                              config=cfg if lay.fp8 is None else fp8_tiles(cfg), fp8=lay.fp8)
+                    fused_moe(x, lay.w_gu, lay.w_d, wts, ids, lora=lora, out=torch.empty_like(x), config=cfg,
+                              fp8=lay.fp8)
                 print(f"{name} M={M}: {len(comp.seen) - n_before} new kernels, {len(comp.failures)} failures so far",
                       flush=True)
         if args.resources:

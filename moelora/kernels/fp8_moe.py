@@ -30,7 +30,14 @@ import triton.language as tl
 
 from moelora.kernels.checks import cdiv, need
 from moelora.kernels.fp8_quant import GROUP, per_token_group_quant
-from moelora.kernels.moe_config import FusedMoEConfig, load_table, shape_key, table_file, tuned_fused_moe_config
+from moelora.kernels.moe_config import (
+    FusedMoEConfig,
+    load_table,
+    pick_entry,
+    shape_key,
+    table_file,
+    tuned_fused_moe_config,
+)
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -52,14 +59,24 @@ def fp8_tiles(config: FusedMoEConfig) -> FusedMoEConfig:
                    use_tma=False)
 
 
+def fp8_table_key(E: int, H: int, inter: int, quantize_activations: bool) -> str:
+    """The table key of FP8 expert entries (`tune_fused_moe.py --dtype fp8 | fp8a8`): W8A16 under the weight
+    dtype's key ("...,dtype=float8_e4m3fn"), W8A8 under its own ("...,dtype=float8_e4m3fn,act=float8_e4m3fn"):
+    the two K loops differ (a register-operand upcast vs the e4m3 MMA), and so do their best tiles."""
+    return shape_key(E, H, inter, FP8_DTYPE) + (",act=float8_e4m3fn" if quantize_activations else "")
+
+
 @functools.lru_cache(maxsize=1024)
 def fp8_moe_config(E: int, H: int, inter: int, T: int, K: int, act_dtype: torch.dtype, device_name: str,
-                   table: str | None) -> FusedMoEConfig:
-    """The table's FP8 entry for this shape (`tune_fused_moe.py --dtype fp8`), else its entry for the
-    activations' dtype with `fp8_tiles` (the LoRA path picks stay the table's)."""
-    has_fp8 = shape_key(E, H, inter, FP8_DTYPE) in load_table(table_file(device_name, table))
-    cfg = tuned_fused_moe_config(E, H, inter, T, K, FP8_DTYPE if has_fp8 else act_dtype, device_name, table)
-    return cfg if has_fp8 else fp8_tiles(cfg)
+                   table: str | None, quantize_activations: bool = False) -> FusedMoEConfig:
+    """The table's FP8 entry for this shape and activation mode, else its W8A16 entry (W8A8 untuned), else its
+    entry for the activations' dtype with `fp8_tiles` (the LoRA path picks stay the table's)."""
+    path = table_file(device_name, table)
+    configs = load_table(path)
+    for key in dict.fromkeys((fp8_table_key(E, H, inter, quantize_activations), fp8_table_key(E, H, inter, False))):
+        if configs.get(key):
+            return pick_entry(configs[key], T)
+    return fp8_tiles(tuned_fused_moe_config(E, H, inter, T, K, act_dtype, device_name, path))
 
 
 def check_fp8(x: torch.Tensor, E: int, H: int, inter: int, scales: FP8ExpertScales | None,

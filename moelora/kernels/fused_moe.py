@@ -99,11 +99,12 @@ def lora_path(lora: ExpertLoRAArgs | None, config: FusedMoEConfig, block_r: int)
     return lora_paths()[cfg.path].resolve(cfg, lora.gate_up_a.shape[0], block_r)
 
 
-def _config(x, w_gate_up, E, H, inter, T, K, table) -> FusedMoEConfig:
-    """The tuned table's config of this call (its FP8 entry for e4m3 weights)."""
+def _config(x, w_gate_up, E, H, inter, T, K, table, act_quant: bool) -> FusedMoEConfig:
+    """The tuned table's config of this call (for e4m3 weights its FP8 entry of the activation mode)."""
     name = torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
-    pick = fp8_moe_config if w_gate_up.dtype == FP8_DTYPE else tuned_fused_moe_config
-    return pick(E, H, inter, T, K, x.dtype, name, table)
+    if w_gate_up.dtype == FP8_DTYPE:
+        return fp8_moe_config(E, H, inter, T, K, x.dtype, name, table, act_quant)
+    return tuned_fused_moe_config(E, H, inter, T, K, x.dtype, name, table)
 
 
 def _plan(topk_ids, E, config: FusedMoEConfig, route_rows, expert_map) -> MoERoutingPlan:
@@ -125,7 +126,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     `fp8`: the scales of float8_e4m3fn weights and their activation mode (the weight dtype selects those kernels)."""
     T, H, E, inter, K = _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids)
     block_r = _check_lora(lora, T, H, E, inter) if lora is not None else 16
-    config = config or _config(x, w_gate_up, E, H, inter, T, K, table)
+    config = config or _config(x, w_gate_up, E, H, inter, T, K, table, fp8 is not None and fp8.quantize_activations)
     check_fp8(x, E, H, inter, fp8, config, w_gate_up)
     _check_tma(x, H, inter, config)
     out = output(out, (T, H), x.dtype, x.device, (x, w_gate_up, w_down))

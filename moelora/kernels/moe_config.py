@@ -197,12 +197,16 @@ def tuned_fused_moe_config(num_experts: int, hidden: int, inter: int, num_tokens
     return _tuned_config(num_experts, hidden, inter, num_tokens, top_k, dtype, table_file(device_name, table))
 
 
+def pick_entry(per_m: dict, num_tokens: int) -> FusedMoEConfig:
+    """One shape's entry ({M: entry}) for num_tokens: the smallest tuned M >= num_tokens, else the largest."""
+    ms = sorted(int(m) for m in per_m)
+    return FusedMoEConfig.from_dict(per_m[str(next((m for m in ms if m >= num_tokens), ms[-1]))])
+
+
 @functools.lru_cache(maxsize=1024)
 def _tuned_config(num_experts: int, hidden: int, inter: int, num_tokens: int, top_k: int, dtype: torch.dtype,
                   table: str) -> FusedMoEConfig:
     per_m = load_table(table).get(shape_key(num_experts, hidden, inter, dtype))
     if not per_m:
         return default_fused_moe_config(num_experts, hidden, inter, num_tokens, top_k)
-    ms = sorted(int(m) for m in per_m)
-    pick = next((m for m in ms if m >= num_tokens), ms[-1])
-    return FusedMoEConfig.from_dict(per_m[str(pick)])
+    return pick_entry(per_m, num_tokens)

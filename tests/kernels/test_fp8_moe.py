@@ -205,11 +205,12 @@ def gpu_case(shape, T, seed, lora: bool, E=None):
                      device="cuda", seed=seed, slots=slots)
 
 
-def gpu_config(shape, T, E=None):
+def gpu_config(shape, T, act=False):
+    """The package table's entry the engine would run (W8A8's own when act)."""
     from moelora.kernels.fp8_moe import fp8_moe_config
 
-    E = E or shape["E"]
-    return fp8_moe_config(E, shape["H"], shape["I"], T, shape["K"], torch.bfloat16, torch.cuda.get_device_name(), None)
+    return fp8_moe_config(shape["E"], shape["H"], shape["I"], T, shape["K"], torch.bfloat16,
+                          torch.cuda.get_device_name(), None, act)
 
 
 @pytest.mark.gpu
@@ -230,10 +231,10 @@ def test_gpu_fp8_w8a16_equals_twin(T, shape, lora):
 @pytest.mark.parametrize("shape", ["qwen3", "dsv2_lite"])
 @pytest.mark.parametrize("lora", [False, True], ids=["base", "lora8"])
 def test_gpu_fp8_w8a8_within_bound(T, shape, lora):
-    """E scaled down to 16 (the fp64 bound loops over routes); H, I and K are the model's."""
+    """E scaled down to 16 (the fp64 bound loops over routes); H, I, K and the tiles are the model's."""
     sh = QWEN3 if shape == "qwen3" else DSV2_LITE
     case = gpu_case(sh, T, seed=T + 11, lora=lora, E=16)
-    got, deq_gu, deq_d = run_fp8(case, gpu_config(sh, T, E=16), True, True, no_sync=True)
+    got, deq_gu, deq_d = run_fp8(case, gpu_config(sh, T, act=True), True, True, no_sync=True)
     assert rel_err(got, dequantized_twin(case, deq_gu, deq_d, True, torch.float32)) <= 2e-2
     check_w8a8_within_bound(got, case, deq_gu, deq_d, 1e-2)
 
@@ -247,7 +248,7 @@ def test_gpu_fp8_channel_scales_and_graph_replay(act):
     x, w_gu, w_d, wts, ids, lora = case
     q_gu, q_d, (s_gu, s_d), deq_gu, deq_d = fp8_weights(w_gu, w_d, False)
     scales = FP8ExpertScales(s_gu, s_d, block=False, quantize_activations=act)
-    cfg = gpu_config(QWEN3, 8)
+    cfg = gpu_config(QWEN3, 8, act)
     fused_moe(x, q_gu, q_d, wts, ids, lora=lora, config=cfg, fp8=scales)  # compile outside the capture
     got = graph_replayed(lambda o: fused_moe(x, q_gu, q_d, wts, ids, lora=lora, out=o, config=cfg, fp8=scales),
                          torch.empty_like(x))
