@@ -29,6 +29,7 @@ functions.
 
 usage: python benchmarks/prefill.py OUT.csv [--model qwen3_30b|dsv2_lite] [--layers N] [--prompts 512,2048,8192]
        [--tokens 16384] [--chunk 2048[,8192]] [--repeats 2] [--no-async-scheduling] [--no-overlap-lora]
+       [--moe-table TABLE.json]
        [--itl 32 [--itl-chunk 2048,4096,8192] [--itl-len 8192] [--itl-prompts 4] [--itl-decode-len 256]
        [--itl-quiet 10]]
        [--profile [--profile-len 2048] [--profile-tokens 4096] [--profile-workloads "8 adapters"]
@@ -155,6 +156,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-async-scheduling", action="store_true")
     ap.add_argument("--no-overlap-lora", action="store_true", help="EngineConfig.overlap_lora=False")
+    ap.add_argument("--moe-table", default=None, help="EngineConfig.fused_moe_table: a fused-MoE table file")
     ap.add_argument("--itl", type=int, default=0, help="then N requests decode while long prompts arrive: their "
                     "inter-token latency per chunk size (prefill_itl.py; 0: off)")
     ap.add_argument("--itl-chunk", default=None, help="--itl's chunk sizes (default --chunk)")
@@ -191,11 +193,13 @@ def main() -> None:
     t0 = time.perf_counter()
     peak = matmul_tflops()
     cfg, by_chunk = build_engines(args.model, args.layers or None, runs, sorted(set(chunks + itl_chunks)), extra,
-                                  async_scheduling=not args.no_async_scheduling, overlap_lora=not args.no_overlap_lora)
+                                  async_scheduling=not args.no_async_scheduling, overlap_lora=not args.no_overlap_lora,
+                                  fused_moe_table=args.moe_table)
     print(f"# model and engines built in {time.perf_counter() - t0:.0f} s", flush=True)
     log(f"GPU {torch.cuda.get_device_name()}, bf16 matmul peak {peak:.0f} TFLOP/s; {args.model} shape, "
         f"{cfg.num_layers} layers, bf16; chunk (max_num_batched_tokens) {args.chunk}, prefix caching off, "
-        f"{args.repeats} rounds" + (", overlap_lora off" if args.no_overlap_lora else ""))
+        f"{args.repeats} rounds" + (", overlap_lora off" if args.no_overlap_lora else "")
+        + (f", fused-MoE table {args.moe_table}" if args.moe_table else ""))
     timed = {p: n for p, n in runs.items() if p in prompts}
     vocab = min(1000, cfg.vocab_size)
     times = {chunk: measure(by_chunk[chunk], timed, args.repeats, vocab) for chunk in chunks}
