@@ -29,7 +29,7 @@ functions.
 
 usage: python benchmarks/prefill.py OUT.csv [--model qwen3_30b|dsv2_lite] [--layers N] [--prompts 512,2048,8192]
        [--tokens 16384] [--chunk 2048[,8192]] [--repeats 2] [--no-async-scheduling] [--no-overlap-lora]
-       [--moe-table TABLE.json]
+       [--moe-table TABLE.json] [--plan-max-routes 16384]
        [--itl 32 [--itl-chunk 2048,4096,8192] [--itl-len 8192] [--itl-prompts 4] [--itl-decode-len 256]
        [--itl-quiet 10]]
        [--profile [--profile-len 2048] [--profile-tokens 4096] [--profile-workloads "8 adapters"]
@@ -157,6 +157,8 @@ def main() -> None:
     ap.add_argument("--no-async-scheduling", action="store_true")
     ap.add_argument("--no-overlap-lora", action="store_true", help="EngineConfig.overlap_lora=False")
     ap.add_argument("--moe-table", default=None, help="EngineConfig.fused_moe_table: a fused-MoE table file")
+    ap.add_argument("--plan-max-routes", type=int, default=0, help="A/B hook: the most routes the routing plan "
+                    "builds in one launch (kernels.moe_plan; 0: as shipped)")
     ap.add_argument("--itl", type=int, default=0, help="then N requests decode while long prompts arrive: their "
                     "inter-token latency per chunk size (prefill_itl.py; 0: off)")
     ap.add_argument("--itl-chunk", default=None, help="--itl's chunk sizes (default --chunk)")
@@ -189,6 +191,10 @@ def main() -> None:
                              "/ -quiet")
         runs[args.itl_len] = max(runs.get(args.itl_len, 1), args.itl_prompts)
         extra = (args.itl, args.itl * -(-(args.itl_decode_len + 64) // 16))  # the decodes: ~40 tokens each a run
+    if args.plan_max_routes:
+        import moelora.kernels.moe_plan as moe_plan
+
+        moe_plan._PER_EXPERT_MAX_ROUTES = args.plan_max_routes  # this process only: an A/B of the threshold
     lines, log = tee()
     t0 = time.perf_counter()
     peak = matmul_tflops()
@@ -199,7 +205,8 @@ def main() -> None:
     log(f"GPU {torch.cuda.get_device_name()}, bf16 matmul peak {peak:.0f} TFLOP/s; {args.model} shape, "
         f"{cfg.num_layers} layers, bf16; chunk (max_num_batched_tokens) {args.chunk}, prefix caching off, "
         f"{args.repeats} rounds" + (", overlap_lora off" if args.no_overlap_lora else "")
-        + (f", fused-MoE table {args.moe_table}" if args.moe_table else ""))
+        + (f", fused-MoE table {args.moe_table}" if args.moe_table else "")
+        + (f", one-launch routing plan up to {args.plan_max_routes} routes" if args.plan_max_routes else ""))
     timed = {p: n for p, n in runs.items() if p in prompts}
     vocab = min(1000, cfg.vocab_size)
     times = {chunk: measure(by_chunk[chunk], timed, args.repeats, vocab) for chunk in chunks}
