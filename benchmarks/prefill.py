@@ -145,7 +145,7 @@ def report(cfg: ModelConfig, name: str, runs: dict[int, int], times: dict, peak:
     return rows
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--model", default="qwen3_30b", choices=list(MODELS))
@@ -172,7 +172,11 @@ def main() -> None:
     ap.add_argument("--profile-tokens", type=int, default=4096, help="prompt tokens a profiled run")
     ap.add_argument("--profile-out", default=None, help="the profile's text (default: OUT.csv's stem + _profile.txt)")
     ap.add_argument("--trace", default=None, help="--profile: a directory for Chrome traces of the profiled steps")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     prompts = [int(p) for p in args.prompts.split(",")]
     if min(prompts) < 2 or args.tokens < 1 or args.repeats < 1:
         raise SystemExit("--prompts must be >= 2 tokens each, --tokens and --repeats >= 1")
