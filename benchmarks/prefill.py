@@ -18,13 +18,21 @@ experts (K 3 H I 2) and the router (2 H E) plus the shared experts on sparse lay
 layers; and the LM head of the one sampled row a prompt (2 H V / P). Norms, rotary and the softmax are left
 out (< 1%).
 
+--itl N: afterwards, `benchmarks/prefill_itl.py` at each --itl-chunk (default --chunk): N requests decode
+while --itl-prompts prompts of --itl-len arrive; the decodes' inter-token latency (p50 / p99) and the prefill's
+tokens/s beside them, no LoRA and 8 adapters (the default chunk size's evidence; a CSV OUT_itl.csv).
+
 --profile: afterwards, `benchmarks/prefill_profile.py` over a few prefill steps at --profile-len (default
 2048; --profile-tokens, default 4096, prompt tokens a run; the first --chunk) of each workload: GPU time by
 kernel category, host time vs GPU time per forward, syncs, the middle layer kernel by kernel, the host's hot
 functions.
 
 usage: python benchmarks/prefill.py OUT.csv [--model qwen3_30b|dsv2_lite] [--layers N] [--prompts 512,2048,8192]
-       [--tokens 16384] [--chunk 2048[,8192]] [--repeats 2] [--profile [--profile-len 2048] [--profile-tokens 4096]
+       [--tokens 16384] [--chunk 2048[,8192]] [--repeats 2] [--no-async-scheduling] [--no-overlap-lora]
+       [--moe-table TABLE.json] [--plan-max-routes 16384]
+       [--itl 32 [--itl-chunk 2048,4096,8192] [--itl-len 8192] [--itl-prompts 4] [--itl-decode-len 256]
+       [--itl-quiet 10]]
+       [--profile [--profile-len 2048] [--profile-tokens 4096] [--profile-workloads "8 adapters"]
        [--profile-out OUT.txt] [--trace DIR]]
 """
 
@@ -76,18 +84,20 @@ def plan_runs(prompts: list[int], tokens: int) -> dict[int, int]:
     return {p: max(1, tokens // p) for p in prompts}
 
 
-def build_engines(name: str, layers: int | None, runs: dict[int, int], chunks: list[int], **engine_kw):
+def build_engines(name: str, layers: int | None, runs: dict[int, int], chunks: list[int],
+                  extra: tuple[int, int] = (0, 0), **engine_kw):
     """(model config, chunk -> [(workload, engine, adapter names)]): per chunk size (max_num_batched_tokens)
     the LoRA engine (8 slots of rank 16) and the no-LoRA twin's engine, over one model's weights, each with
     room for the largest run's KV blocks and no decode graphs. (The LoRA engines of two chunk sizes write the
     same slots of the one model: a1..a7 carry a0's tensors, and every engine fills its slots in the same
-    order, so each slot holds the same values whichever engine wrote it last.)"""
+    order, so each slot holds the same values whichever engine wrote it last.) `extra`: (sequences, KV blocks)
+    beyond the largest run (the --itl run's)."""
     longest = max(runs)
     max_len = longest + 16
     cfg, model, adapters = model_with_adapters(name, layers, 8, RANK, max_positions=max_len, distinct=False)
     twin = no_lora_twin(model, cfg)
-    blocks = max(n * -(-(p + 1) // 16) for p, n in runs.items()) + 64
-    seqs = max(runs.values())
+    blocks = max(n * -(-(p + 1) // 16) for p, n in runs.items()) + 64 + extra[1]
+    seqs = max(runs.values()) + extra[0]
     out = {}
     for chunk in chunks:
         kw = dict(max_model_len=max_len, num_kv_blocks=blocks, enable_prefix_caching=False, enforce_eager=True,
@@ -135,7 +145,7 @@ def report(cfg: ModelConfig, name: str, runs: dict[int, int], times: dict, peak:
     return rows
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--model", default="qwen3_30b", choices=list(MODELS))
@@ -145,40 +155,82 @@ def main() -> None:
     ap.add_argument("--chunk", default="2048", help="max_num_batched_tokens; a list (2048,8192): an engine pair each")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-async-scheduling", action="store_true")
+    ap.add_argument("--no-overlap-lora", action="store_true", help="EngineConfig.overlap_lora=False")
+    ap.add_argument("--moe-table", default=None, help="EngineConfig.fused_moe_table: a fused-MoE table file")
+    ap.add_argument("--plan-max-routes", type=int, default=0, help="A/B hook: the most routes the routing plan "
+                    "builds in one launch (kernels.moe_plan; 0: as shipped)")
+    ap.add_argument("--itl", type=int, default=0, help="then N requests decode while long prompts arrive: their "
+                    "inter-token latency per chunk size (prefill_itl.py; 0: off)")
+    ap.add_argument("--itl-chunk", default=None, help="--itl's chunk sizes (default --chunk)")
+    ap.add_argument("--itl-len", type=int, default=8192, help="--itl: the arriving prompts' length")
+    ap.add_argument("--itl-prompts", type=int, default=4, help="--itl: prompts arriving at once")
+    ap.add_argument("--itl-decode-len", type=int, default=256, help="--itl: the decoding requests' prompt length")
+    ap.add_argument("--itl-quiet", type=int, default=10, help="--itl: decode steps timed before the prompts arrive")
     ap.add_argument("--profile", action="store_true", help="then profile prefill steps (prefill_profile.py)")
+    ap.add_argument("--profile-workloads", default=",".join(WORKLOADS), help="--profile: the workloads profiled")
     ap.add_argument("--profile-len", type=int, default=2048)
     ap.add_argument("--profile-tokens", type=int, default=4096, help="prompt tokens a profiled run")
     ap.add_argument("--profile-out", default=None, help="the profile's text (default: OUT.csv's stem + _profile.txt)")
     ap.add_argument("--trace", default=None, help="--profile: a directory for Chrome traces of the profiled steps")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     prompts = [int(p) for p in args.prompts.split(",")]
     if min(prompts) < 2 or args.tokens < 1 or args.repeats < 1:
         raise SystemExit("--prompts must be >= 2 tokens each, --tokens and --repeats >= 1")
     runs = plan_runs(prompts, args.tokens)
     if args.profile:
         runs[args.profile_len] = max(runs.get(args.profile_len, 1), args.profile_tokens // args.profile_len)
+    profiled = args.profile_workloads.split(",")
+    if not set(profiled) <= set(WORKLOADS):
+        raise SystemExit(f"--profile-workloads takes {', '.join(WORKLOADS)}")
+    chunks = [int(c) for c in args.chunk.split(",")]
+    itl_chunks = [int(c) for c in (args.itl_chunk or args.chunk).split(",")]
+    extra = (0, 0)
+    if args.itl:
+        if min(itl_chunks) <= args.itl or min(args.itl_len, args.itl_prompts, args.itl_decode_len, args.itl_quiet) < 1:
+            raise SystemExit("--itl needs every chunk above it and positive --itl-len / -prompts / -decode-len "
+                             "/ -quiet")
+        runs[args.itl_len] = max(runs.get(args.itl_len, 1), args.itl_prompts)
+        extra = (args.itl, args.itl * -(-(args.itl_decode_len + 64) // 16))  # the decodes: ~40 tokens each a run
+    if args.plan_max_routes:
+        import moelora.kernels.moe_plan as moe_plan
+
+        moe_plan._PER_EXPERT_MAX_ROUTES = args.plan_max_routes  # this process only: an A/B of the threshold
     lines, log = tee()
     t0 = time.perf_counter()
     peak = matmul_tflops()
-    chunks = [int(c) for c in args.chunk.split(",")]
-    cfg, by_chunk = build_engines(args.model, args.layers or None, runs, chunks,
-                                  async_scheduling=not args.no_async_scheduling)
+    cfg, by_chunk = build_engines(args.model, args.layers or None, runs, sorted(set(chunks + itl_chunks)), extra,
+                                  async_scheduling=not args.no_async_scheduling, overlap_lora=not args.no_overlap_lora,
+                                  fused_moe_table=args.moe_table)
     print(f"# model and engines built in {time.perf_counter() - t0:.0f} s", flush=True)
     log(f"GPU {torch.cuda.get_device_name()}, bf16 matmul peak {peak:.0f} TFLOP/s; {args.model} shape, "
         f"{cfg.num_layers} layers, bf16; chunk (max_num_batched_tokens) {args.chunk}, prefix caching off, "
-        f"{args.repeats} rounds")
+        f"{args.repeats} rounds" + (", overlap_lora off" if args.no_overlap_lora else "")
+        + (f", fused-MoE table {args.moe_table}" if args.moe_table else "")
+        + (f", one-launch routing plan up to {args.plan_max_routes} routes" if args.plan_max_routes else ""))
     timed = {p: n for p, n in runs.items() if p in prompts}
     vocab = min(1000, cfg.vocab_size)
-    times = {chunk: measure(engines, timed, args.repeats, vocab) for chunk, engines in by_chunk.items()}
+    times = {chunk: measure(by_chunk[chunk], timed, args.repeats, vocab) for chunk in chunks}
     write_rows(args.out, report(cfg, args.model, timed, times, peak, log))
     text = args.profile_out or args.out.rsplit(".", 1)[0] + ("_profile.txt" if args.profile else ".txt")
-    write_text(text, lines)  # now, and again after the profile: a run stopped during the profile keeps the table
+    write_text(text, lines)  # now, and again after each part: a run stopped during one keeps what came before
+    if args.itl:
+        from prefill_itl import itl_workloads
+
+        rows = itl_workloads({c: by_chunk[c] for c in itl_chunks}, args.itl, args.itl_decode_len, args.itl_len,
+                             args.itl_prompts, args.itl_quiet, args.repeats, vocab, log)
+        write_rows(args.out.rsplit(".", 1)[0] + "_itl.csv", rows)
+        write_text(text, lines)
     if args.profile:
         from prefill_profile import profile_workloads
 
         if args.trace:
             Path(args.trace).mkdir(parents=True, exist_ok=True)  # the profiler's trace writer does not create it
-        profile_workloads(by_chunk[chunks[0]], args.profile_len, max(1, args.profile_tokens // args.profile_len),
+        profile_workloads([e for e in by_chunk[chunks[0]] if e[0] in profiled], args.profile_len,
+                          max(1, args.profile_tokens // args.profile_len),
                           min(1000, cfg.vocab_size), log, args.trace)
         write_text(text, lines)
 

@@ -226,8 +226,9 @@ def _serve_parser(sub) -> None:
                             "adapters with LoRA elsewhere are refused (default: all)")
     serve.add_argument("--max-num-seqs", type=types.positive, default=64)
     serve.add_argument("--max-model-len", type=types.positive, default=None)
-    serve.add_argument("--max-num-batched-tokens", type=types.positive, default=2048,
-                       help="tokens one step computes at most (chunked prefill)")
+    serve.add_argument("--max-num-batched-tokens", type=types.positive, default=None,
+                       help="tokens one step computes at most (chunked prefill); default 8192 on a GPU of >= 70 GiB "
+                       "(H100 / H200), else 2048")
     serve.add_argument("--block-size", type=types.positive, default=16, help="tokens a KV cache block holds")
     _engine_flags(serve)
     serve.add_argument("--no-async-adapter-loading", action="store_true",

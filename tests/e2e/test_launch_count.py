@@ -1,0 +1,40 @@
+"""benchmarks/launch_count.py: what one prefill forward launches, counted on the CPU under the Triton interpreter.
+
+The counts are the host's work on the GPU too (each Triton launch ~50-100 us of Python there): a change that
+adds a launch to a prefill layer shows here, and this test names the launches a layer makes today."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+pytestmark = pytest.mark.interp  # `make test` runs it with TRITON_INTERPRET=1
+pytest.importorskip("triton")
+
+from tests.helpers.kernel_env import INTERP  # noqa: E402
+from tests.helpers.scripts import load_script  # noqa: E402
+
+launch_count = load_script("benchmarks/launch_count.py", skip_missing=True)
+
+BASE = Counter({"_rms_norm_kernel": 2, "_qk_norm_rope_kernel": 1, "_store_kv_kernel": 1, "_prefill_kernel": 1,
+                "_softmax_topk_kernel": 1, "_plan_expert_kernel": 1, "gate_up_kernel": 1, "down_kernel": 1,
+                "combine_kernel": 1})
+# q/k/v (one merged site) and o: a shrink and an expand each; the routed experts ("stacked", the H200 table's
+# pick at M=4096): a shrink before each GEMM, the expand inside the GEMMs
+LORA = Counter({"_lora_shrink_kernel": 2, "_lora_expand_add_kernel": 2, "lora_stacked_shrink_kernel": 2})
+
+
+@pytest.mark.skipif(not INTERP, reason="counts a CPU forward under TRITON_INTERPRET=1")
+def test_a_prefill_layer_launches_these_kernels(tmp_path):
+    rows = launch_count.main(["--prompts", "2", "--len", "8", "--layers", "1", "--host-runs", "0",
+                              "--json", str(tmp_path / "counts.json")])
+    got = {r["workload"]: r for r in rows}
+    assert list(got) == list(launch_count.WORKLOADS)
+    assert Counter(got["no LoRA"]["launches"]["layer"]) == BASE
+    for label in ("1 adapter", "8 adapters"):
+        assert Counter(got[label]["launches"]["layer"]) == BASE + LORA, label
+    for r in rows:  # outside the layers: the final norm (the LM head is cuBLAS); no LoRA launch per step
+        assert r["launches"]["step"] == {"_rms_norm_kernel": 1}
+        assert r["layer_ops"] > 0 and r["layer_calls"] > 0 and r["step_ops"] > 0
+    assert (tmp_path / "counts.json").read_text().startswith("[")
