@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from moelora import LLM
 from moelora.config import ModelConfig
+from moelora.demo import model_dir
 from moelora.engine.config import EngineConfig
 from moelora.errors import CheckpointError, ConfigError
 from moelora.quant.config import parse_quantization_config
@@ -209,3 +210,16 @@ def test_compressed_tensors_scale_spelling():
     key = "model.layers.0.mlp.experts.5.up_proj.weight_scale"
     assert rules.rename(key) == key + "_inv" and rules.spell(key + "_inv") == key
     assert FP8Loading(parse_quantization_config(BLOCK)).rename(key) == key  # only compressed-tensors renames
+
+
+def test_serve_flag_fp8_activation_quant_reaches_the_engine_config():
+    """`moelora serve --fp8-activation-quant` is the user's switch to W8A8 (default W8A16); without FP8 weights the
+    resolved config refuses it, naming why."""
+    from moelora.cli import build_parser, serve_engine_config
+
+    assert serve_engine_config(build_parser().parse_args(["serve"])).fp8_activation_quant is False
+    on = serve_engine_config(build_parser().parse_args(["serve", "-q", "fp8", "--fp8-activation-quant"]))
+    assert on.fp8_activation_quant is True and on.quantization == "fp8"
+    bare = serve_engine_config(build_parser().parse_args(["serve", "--fp8-activation-quant"]))
+    with pytest.raises(ConfigError, match="fp8_activation_quant needs FP8 weights"):
+        bare.resolve(ModelConfig.from_hf(model_dir()))
