@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import types
 
 import pytest
 import torch
@@ -179,6 +180,8 @@ def test_fp8_on_a_gpu_without_fp8_support_is_refused(fp8_dir, monkeypatch):
     fp8 = ModelConfig.from_hf(fp8_dir)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    a100 = types.SimpleNamespace(total_memory=80 * 2**30)  # resolve reads it for max_num_batched_tokens' default
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: a100)
     with pytest.raises(ConfigError, match=r"compute capability >= 8.9.*sm_80.*kernel_backend='torch'"):
         EngineConfig(device="cuda", kernel_backend="triton").resolve(fp8)
     assert EngineConfig(device="cuda", kernel_backend="torch").resolve(fp8).fp8_config(fp8) is not None
