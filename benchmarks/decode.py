@@ -16,10 +16,10 @@ layers, LoRA A/B of every adapted projection per adapter and of the distinct (ad
 and the KV read (GQA: 2 N_kv D per cached token; MLA: the latent C + Dr); plus the LM head. Routers
 and norms are left out (< 1%).
 
---quantization fp8: every projection in FP8 (128 x 128 blocks, random weights quantized; `moelora.quant`),
-the bound counting them one byte each (scales < 0.03 %); until the FP8 kernels land they run dequantized
-per call, so this measures that path. --fp8-activation-quant: W8A8 (EngineConfig.fp8_activation_quant; the
-fused-MoE table's W8A8 entries), else W8A16.
+--quantization fp8: every projection in FP8 (128 x 128 blocks, random weights drawn and quantized on the GPU;
+`moelora.quant`), the bound counting them one byte each (scales < 0.03 %); the FP8 kernels (`fp8_moe`,
+`fp8_linear`) run them. --fp8-activation-quant: W8A8 (EngineConfig.fp8_activation_quant; the fused-MoE
+table's W8A8 entries), else W8A16.
 
 --model qwen3_30b (default), dsv2_lite (DeepSeek-V2-Lite: 27 layers, MLA with C 512, 64 experts top-6,
 2 shared experts, first layer dense) or all (both, one after the other).
@@ -82,7 +82,8 @@ def random_model(cfg: ModelConfig, max_loras: int, rank: int, quant: FP8Config |
             w, s = getattr(mod, weight), getattr(mod, scale)
             for i in range(w.shape[0] if w.dim() == 3 else 1):
                 dest_w, dest_s = (w[i], s[i]) if w.dim() == 3 else (w, s)
-                q, sc = quantize_segments(torch.empty(dest_w.shape, dtype=torch.bfloat16).normal_(0, 0.02), segments)
+                draw = torch.empty(dest_w.shape, dtype=torch.bfloat16, device=w.device).normal_(0, 0.02)
+                q, sc = quantize_segments(draw, segments)
                 dest_w.copy_(q)
                 dest_s.copy_(sc)
         for name, p in model.named_parameters():
