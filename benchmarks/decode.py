@@ -18,8 +18,8 @@ and norms are left out (< 1%).
 
 --quantization fp8: every projection in FP8 (128 x 128 blocks, random weights drawn and quantized on the GPU;
 `moelora.quant`), the bound counting them one byte each (scales < 0.03 %); the FP8 kernels (`fp8_moe`,
-`fp8_linear`) run them. --fp8-activation-quant: W8A8 (EngineConfig.fp8_activation_quant; the fused-MoE
-table's W8A8 entries), else W8A16.
+`fp8_linear`) run them in W8A8 (the fused-MoE table's W8A8 entries; EngineConfig.fp8_activation_quant's GPU
+default), or W8A16 with --no-fp8-activation-quant.
 
 --model qwen3_30b (default), dsv2_lite (DeepSeek-V2-Lite: 27 layers, MLA with C 512, 64 experts top-6,
 2 shared experts, first layer dense) or all (both, one after the other).
@@ -28,7 +28,7 @@ usage: python benchmarks/decode.py OUT.csv [--model qwen3_30b|dsv2_lite|all] [--
        [--conc 1,8,32,64,128,256] [--steps 20] [--repeats 2] [--no-async-scheduling] [--no-overlap-lora]
        [--lora-target-modules self_attn,experts] [--ab async_scheduling=0]  (engine-level keys only)
        [--ab-table other_fused_moe_table.json]  (B engines built, captured and run with that MoE table)
-       [--quantization fp8 [--fp8-activation-quant]]
+       [--quantization fp8 [--no-fp8-activation-quant]]
        [--tensor-parallel-size N [--enable-expert-parallel]]  (N GPUs: benchmarks/decode_parallel.py, 8 layers
        unless --layers, a random checkpoint written to a temporary directory; 1 rank vs N ranks)
 """
@@ -340,7 +340,8 @@ def main() -> None:
                     "e.g. async_scheduling=1 or skip_idle_lora_sites=0 (B/A: its step time over the first's); "
                     "keys that set the shared model's modules are refused")
     ap.add_argument("--quantization", choices=["fp8"], default=None, help="FP8 projections (see the docstring)")
-    ap.add_argument("--fp8-activation-quant", action="store_true", help="with --quantization fp8: W8A8 GEMMs")
+    ap.add_argument("--fp8-activation-quant", action=argparse.BooleanOptionalAction, default=None,
+                    help="with --quantization fp8: W8A8 GEMMs (default, as the engine on a GPU); --no-: W8A16")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="N > 1: time 1 rank against N ranks "
                     "(needs N GPUs; benchmarks/decode_parallel.py)")
     ap.add_argument("--enable-expert-parallel", action="store_true", help="with --tensor-parallel-size: EP experts")
@@ -348,7 +349,7 @@ def main() -> None:
     if args.fp8_activation_quant and not args.quantization:
         ap.error("--fp8-activation-quant needs --quantization fp8")
     quant = FP8Config.from_engine(args.quantization) if args.quantization else None
-    quant = quant and dataclasses.replace(quant, quantize_activations=args.fp8_activation_quant)
+    quant = quant and dataclasses.replace(quant, quantize_activations=args.fp8_activation_quant is not False)
     concs = [int(c) for c in args.conc.split(",")]
     if args.tensor_parallel_size > 1:
         from decode_parallel import run_parallel

@@ -231,10 +231,11 @@ def _serve_parser(sub) -> None:
                        help="tokens one step computes at most (chunked prefill); default 8192 on a GPU of >= 70 GiB "
                        "(H100 / H200), else 2048")
     serve.add_argument("--block-size", type=types.positive, default=16, help="tokens a KV cache block holds")
-    serve.add_argument("--fp8-activation-quant", action="store_true",
+    serve.add_argument("--fp8-activation-quant", action=argparse.BooleanOptionalAction, default=None,
                        help="FP8 weights: also quantize the activations (per token and 128 columns) and multiply on "
-                            "FP8 tensor cores (W8A8; faster than the default W8A16 at every batch size measured on "
-                            "the H200, within a documented error bound: docs/performance.md)")
+                            "FP8 tensor cores (W8A8, within a documented error bound: README); --no-: W8A16, the "
+                            "weights upcast in the kernels. Default: W8A8 on the GPU (faster at every batch size "
+                            "measured on the H200), W8A16 on kernel_backend torch")
     _engine_flags(serve)
     serve.add_argument("--no-async-adapter-loading", action="store_true",
                        help="write adapter slots on the main stream (off switch of the side-stream loads)")

@@ -187,6 +187,32 @@ def test_fp8_on_a_gpu_without_fp8_support_is_refused(fp8_dir, monkeypatch):
     assert EngineConfig(device="cuda", kernel_backend="torch").resolve(fp8).fp8_config(fp8) is not None
 
 
+def test_fp8_activation_quant_defaults_to_w8a8_on_the_gpu_kernels_only(fp8_dir, monkeypatch):
+    """Unset, an FP8 model runs W8A8 on the Triton backend of a CUDA GPU with FP8 tensor cores (as vLLM and SGLang
+    serve these checkpoints) and W8A16 on the torch backend (the dequantized twin `moelora verify` compares); a
+    bf16 model stays unquantized; an explicit setting wins either way."""
+    fp8 = ModelConfig.from_hf(fp8_dir)
+    plain = ModelConfig.from_dict({k: v for k, v in json.loads((fp8_dir / "config.json").read_text()).items()
+                                   if k != "quantization_config"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    h200 = types.SimpleNamespace(total_memory=141 * 10**9)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: h200)
+
+    def w8a8(model, **kw):
+        cfg = EngineConfig(**kw).resolve(model)
+        return cfg.fp8_activation_quant, (cfg.fp8_config(model) and cfg.fp8_config(model).quantize_activations)
+
+    assert w8a8(fp8, device="cuda") == (True, True)
+    assert w8a8(plain, device="cuda", quantization="fp8") == (True, True)  # quantized while loading
+    assert w8a8(fp8, device="cuda", kernel_backend="torch") == (False, False)
+    assert w8a8(fp8, device="cpu") == (False, False)
+    assert w8a8(fp8, device="cpu", kernel_backend="triton") == (False, False)  # the interpreter: no FP8 MMA
+    assert w8a8(plain, device="cuda") == (False, None)
+    assert w8a8(fp8, device="cuda", fp8_activation_quant=False) == (False, False)
+    assert w8a8(fp8, device="cpu", fp8_activation_quant=True) == (True, True)
+
+
 EXPERTS = "model.layers.3.mlp.experts"
 
 
@@ -216,13 +242,15 @@ def test_compressed_tensors_scale_spelling():
 
 
 def test_serve_flag_fp8_activation_quant_reaches_the_engine_config():
-    """`moelora serve --fp8-activation-quant` is the user's switch to W8A8 (default W8A16); without FP8 weights the
-    resolved config refuses it, naming why."""
+    """`moelora serve --[no-]fp8-activation-quant` sets W8A8 / W8A16 (unset: the engine's default, W8A8 on the GPU
+    kernels); an explicit W8A8 without FP8 weights is refused by the resolved config, naming why."""
     from moelora.cli import build_parser, serve_engine_config
 
-    assert serve_engine_config(build_parser().parse_args(["serve"])).fp8_activation_quant is False
+    assert serve_engine_config(build_parser().parse_args(["serve"])).fp8_activation_quant is None
     on = serve_engine_config(build_parser().parse_args(["serve", "-q", "fp8", "--fp8-activation-quant"]))
     assert on.fp8_activation_quant is True and on.quantization == "fp8"
+    off = serve_engine_config(build_parser().parse_args(["serve", "-q", "fp8", "--no-fp8-activation-quant"]))
+    assert off.fp8_activation_quant is False
     bare = serve_engine_config(build_parser().parse_args(["serve", "--fp8-activation-quant"]))
     with pytest.raises(ConfigError, match="fp8_activation_quant needs FP8 weights"):
         bare.resolve(ModelConfig.from_hf(model_dir()))
