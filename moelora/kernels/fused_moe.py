@@ -10,6 +10,8 @@ the routed LoRA is a `moe_lora` path's hooks. Inputs are never written (contract
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from moelora.kernels.args import ExpertLoRAArgs, MoERoutingPlan
@@ -73,7 +75,8 @@ def _check_lora(lora: ExpertLoRAArgs, T, H, E, inter):
 def _check_tma(x, H, inter, cfg: FusedMoEConfig):
     if not cfg.use_tma:
         return
-    if not (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9):
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter emulates the descriptors
+    if not (interpreted or x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9):
         raise ValueError("use_tma=True needs a CUDA GPU of compute capability >= 9.0 (Hopper)")
     if (H * x.element_size()) % 16 or (inter * x.element_size()) % 16:
         raise ValueError(f"use_tma=True needs 16-byte rows: H={H}, I={inter} in {x.dtype}")

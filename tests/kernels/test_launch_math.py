@@ -48,3 +48,19 @@ def test_checks_format_their_messages_only_on_failure_and_still_name_what_failed
         fused_moe(x, torch.zeros(3, 6, 8), torch.zeros(3, 8, 4), torch.ones(4, 2), ids)
     with pytest.raises(ValueError, match=r"w_down dtype torch.float16 must be x's \(torch.float32\), or float8_e4m3fn"):
         fused_moe(x, torch.zeros(3, 6, 8), torch.zeros(3, 8, 3, dtype=torch.float16), torch.ones(4, 2), ids)
+
+
+def test_tma_is_refused_off_hopper_outside_the_interpreter_and_on_rows_not_16_bytes(monkeypatch):
+    """use_tma=True needs Hopper's descriptors (the interpreter emulates them: the TMA interp test runs there)
+    and rows of whole 16-byte units; both refusals come before any launch."""
+    from moelora.kernels.fused_moe import fused_moe
+    from tests.helpers.moe_cases import make_case, tiny_config
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x, w_gu, w_d, wts, ids, _ = make_case(5, 32, 16, 4, 2, seed=6)
+    with pytest.raises(ValueError, match=r"use_tma=True needs a CUDA GPU of compute capability >= 9.0"):
+        fused_moe(x, w_gu, w_d, wts, ids, config=tiny_config(tma=True))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x, w_gu, w_d, wts, ids, _ = make_case(5, 30, 16, 4, 2, seed=6)  # 30 fp32 columns: 120-byte rows
+    with pytest.raises(ValueError, match=r"16-byte rows: H=30, I=16"):
+        fused_moe(x, w_gu, w_d, wts, ids, config=tiny_config(tma=True))
