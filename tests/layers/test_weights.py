@@ -455,8 +455,10 @@ def test_dummy_weights_serve_the_whole_qwen3_30b_a3b_on_cuda(tmp_path):
 
     qwen3_30b_a3b_config().save_pretrained(str(tmp_path))
     byte_tokenizer().save(str(tmp_path / "tokenizer.json"))
-    engine = build_engine(tmp_path, EngineConfig(max_model_len=2048, max_num_seqs=16, max_loras=2, max_lora_rank=16),
-                          load_format="dummy")
+    # A fixed KV cache (1.6 GB), not gpu_memory_utilization's share: beside the 57 GB of weights that share took
+    # ~60 GB more, and `make gpu-check`'s parallel workers' engines ran out of memory (the demo's at -n 3).
+    cfg = EngineConfig(max_model_len=2048, max_num_seqs=16, max_loras=2, max_lora_rank=16, num_kv_blocks=1024)
+    engine = build_engine(tmp_path, cfg, load_format="dummy")
     assert engine.model.weight_params()["model.layers.47.mlp.experts.down_proj"].shape == (128, 2048, 768)
     logits = engine.prompt_logits([list(range(1, 200))], [None])[0]
     assert torch.isfinite(logits).all()
