@@ -129,17 +129,38 @@ def model_with_adapters(name: str, layers: int | None = None, n: int = 8, rank: 
     return cfg, model, {f"a{i}": LoRAAdapter(f"a{i}", "", first.sites) for i in range(n)}
 
 
+def add_quant_args(ap: argparse.ArgumentParser) -> None:
+    """--quantization fp8 and --[no-]fp8-activation-quant (W8A8 unless --no-), as `quant_from_args` reads them."""
+    ap.add_argument("--quantization", choices=["fp8"], default=None, help="FP8 projections (see decode.py's docstring)")
+    ap.add_argument("--fp8-activation-quant", action=argparse.BooleanOptionalAction, default=None,
+                    help="with --quantization fp8: W8A8 GEMMs (default, as the engine on a GPU); --no-: W8A16")
+
+
+def quant_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> FP8Config | None:
+    if args.fp8_activation_quant is not None and not args.quantization:
+        ap.error("--[no-]fp8-activation-quant needs --quantization fp8")
+    quant = FP8Config.from_engine(args.quantization) if args.quantization else None
+    return quant and dataclasses.replace(quant, quantize_activations=args.fp8_activation_quant is not False)
+
+
 def add_model_args(ap: argparse.ArgumentParser, layers: int) -> None:
-    """--model (a MODELS key) and --layers (default `layers`, 0: the model's own count) of the profiling
-    benchmarks (`model_from_args` builds what they name)."""
+    """--model (a MODELS key), --layers (default `layers`, 0: the model's own count) and the FP8 flags of the
+    profiling benchmarks (`model_from_args` builds what they name)."""
     ap.add_argument("--model", default="qwen3_30b", choices=list(MODELS))
     ap.add_argument("--layers", type=int, default=layers, help="layers of the model to build (0: all)")
+    add_quant_args(ap)
 
 
-def model_from_args(args: argparse.Namespace):
-    """`model_with_adapters` for `add_model_args`' arguments, plus a one-line description."""
-    cfg, model, adapters = model_with_adapters(args.model, args.layers or None)
-    return cfg, model, adapters, f"{cfg.num_layers} layers, {args.model} shape, bf16"
+def model_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace):
+    """`model_with_adapters` for `add_model_args`' arguments: (config, model, adapters, FP8 scheme or None (for
+    `no_lora_twin`), a one-line description)."""
+    quant = quant_from_args(ap, args)
+    cfg, model, adapters = model_with_adapters(args.model, args.layers or None, quant=quant)
+    return cfg, model, adapters, quant, f"{cfg.num_layers} layers, {args.model} shape, {quant_name(quant)}"
+
+
+def quant_name(quant: FP8Config | None) -> str:
+    return "bf16" if quant is None else "FP8 W8A8" if quant.quantize_activations else "FP8 W8A16"
 
 
 def tee() -> tuple[list[str], Callable[..., None]]:
@@ -250,8 +271,7 @@ def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank:
     the adapters' `rank`."""
     pool_rank = pool_rank or rank  # was passed on as None without --pool-rank: a TypeError in resolve()
     cfg, model, adapters = model_with_adapters(name, layers, 8, rank, pool_rank, quant)
-    kind = "bf16" if quant is None else "FP8 W8A8" if quant.quantize_activations else "FP8 W8A16"
-    print(f"model {name}, layers {cfg.num_layers}, {kind} projections")
+    print(f"model {name}, layers {cfg.num_layers}, {quant_name(quant)} projections")
     twin = no_lora_twin(model, cfg, quant)
     has_b = bool(ab) or ab_table is not None
     b_table = check_table_file(ab_table) if ab_table else None
@@ -339,17 +359,12 @@ def main() -> None:
     ap.add_argument("--ab", default="", help="A/B in the same turns: engine settings of a second engine pair, "
                     "e.g. async_scheduling=1 or skip_idle_lora_sites=0 (B/A: its step time over the first's); "
                     "keys that set the shared model's modules are refused")
-    ap.add_argument("--quantization", choices=["fp8"], default=None, help="FP8 projections (see the docstring)")
-    ap.add_argument("--fp8-activation-quant", action=argparse.BooleanOptionalAction, default=None,
-                    help="with --quantization fp8: W8A8 GEMMs (default, as the engine on a GPU); --no-: W8A16")
+    add_quant_args(ap)
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="N > 1: time 1 rank against N ranks "
                     "(needs N GPUs; benchmarks/decode_parallel.py)")
     ap.add_argument("--enable-expert-parallel", action="store_true", help="with --tensor-parallel-size: EP experts")
     args = ap.parse_args()
-    if args.fp8_activation_quant and not args.quantization:
-        ap.error("--fp8-activation-quant needs --quantization fp8")
-    quant = FP8Config.from_engine(args.quantization) if args.quantization else None
-    quant = quant and dataclasses.replace(quant, quantize_activations=args.fp8_activation_quant is not False)
+    quant = quant_from_args(ap, args)
     concs = [int(c) for c in args.conc.split(",")]
     if args.tensor_parallel_size > 1:
         from decode_parallel import run_parallel

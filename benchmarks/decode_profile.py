@@ -1,7 +1,8 @@
 """Where a decode step's time goes: host phases, graph replay, and the kernels of one eager step.
 
 For a model shape of `benchmarks/decode.py` (--model: qwen3_30b, the default, or dsv2_lite;
---layers; random bf16 weights) at a few concurrencies, with no LoRA, with 1 and with 8 adapters of
+--layers; random bf16 weights, or FP8 with --quantization fp8 [--no-fp8-activation-quant]) at a few
+concurrencies, with no LoRA, with 1 and with 8 adapters of
 rank 16:
   - step wall time (median), and each host phase of `LLMEngine.step` timed with a device sync
     before and after it (schedule, adapter acquire, input prepare, graph run, sample; the rest is
@@ -204,7 +205,7 @@ def main() -> None:
         Path(args.trace).mkdir(parents=True, exist_ok=True)  # the profiler's trace writer does not create it
     lines, log = tee()
     concs = [int(c) for c in args.conc.split(",")]
-    cfg, model, adapters, desc = model_from_args(args)
+    cfg, model, adapters, quant, desc = model_from_args(ap, args)
     # the synchronous step: its phases are timed one by one and a step is then driven by hand
     eng = engine(model, cfg, 8, 16, max(concs), adapters, async_scheduling=False)
     log(f"GPU {torch.cuda.get_device_name()}, {desc}")
@@ -214,7 +215,7 @@ def main() -> None:
             log(f"conc {conc}, {label}:")
             profile_point(eng, conc, names, args.steps, args.top, log, _trace_path(args.trace, conc, label))
     del eng
-    eng = engine(no_lora_twin(model, cfg), cfg, 0, 0, max(concs), {}, async_scheduling=False)  # same weights
+    eng = engine(no_lora_twin(model, cfg, quant), cfg, 0, 0, max(concs), {}, async_scheduling=False)  # same weights
     for conc in concs:
         log(f"conc {conc}, no LoRA (engine without slots):")
         profile_point(eng, conc, [None], args.steps, args.top, log, _trace_path(args.trace, conc, "no LoRA"))

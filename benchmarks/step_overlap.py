@@ -173,8 +173,8 @@ def main() -> None:
     tmp = tempfile.mkdtemp()
     lines, log = tee()
     concs = [int(c) for c in args.conc.split(",")]
-    cfg, model, adapters, desc = model_from_args(args)
-    twin = no_lora_twin(model, cfg)
+    cfg, model, adapters, quant, desc = model_from_args(ap, args)
+    twin = no_lora_twin(model, cfg, quant)
     log(f"GPU {torch.cuda.get_device_name()}, {desc}")
     for overlapped in (False, True):
         mode = "async" if overlapped else "sync"
