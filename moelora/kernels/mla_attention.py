@@ -1,17 +1,14 @@
 """Paged MLA decode attention on the latent cache (weights absorbed): `mla_decode_attention_ref` on the GPU.
 
-Shape legend: T tokens in the step, N heads, C kv_lora_rank (latent width), Dr rotary key width,
-B sequences, NB cache blocks, BS block size (tokens), MB max blocks per sequence, S decode KV splits,
-HB heads per program.
+Shape legend: T tokens, N heads, C kv_lora_rank (latent width), Dr rotary key width, NB cache blocks, BS block
+size (tokens), HB heads a program.
   q_abs [T, N, C]     query nope part absorbed through kv_b_proj's key half (W_uk and its LoRA)
   q_rope [T, N, Dr]   rotated query rope part                       (fp16/bf16/fp32, unit last stride)
   entries [T, C + Dr] the step's new cache entries: normalised latent, rotated single-head key
   cache [NB, BS, C + Dr]  caller-owned `out=` buffer (contiguous, q's dtype)
   meta as `attention.py`'s; decode only (meta.max_query_len == 1)   -> o_lat [T, N, C] in q's dtype
-  o_lat[t, n] = sum_j softmax_j(scale * (q_abs[t, n] . latent_j + q_rope[t, n] . krot_j)) latent_j
-
-A store, then split-KV decode as `attention.py`'s, program (sequence, HB heads, split): all heads attend to
-one latent (MQA of width C + Dr), so one latent tile serves the scores and the values of HB heads.
+Split-KV decode as `attention.py`'s, program (sequence, HB heads, split): all heads attend to one latent (MQA
+of width C + Dr), so one latent tile serves the scores and the values of HB heads.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ pool's max rank (BLOCK_R = pow2 >= max(16, R)), HB heads a program.
   uk, + [Dn, Dn + Dv) the value half uv), ranks [S] int32 (this site's own), token_slots [T] int32 (-1: none)
   absorb: q_abs[t, n] += (q_nope[t, n] B_s,uk[n]) A_s        q_nope [T, N, Dn], q_abs [T, N, C]
   expand: out[t, n]   += (o_lat[t, n] A_s^T) B_s,uv[n]^T     o_lat [T, N, C],   out [T, N, Dv]
-Added in place into the caller's fresh q_abs / out; program (t, HB heads), the [HB, R] intermediate rounded
-once as the torch path rounds it. One launch a side instead of the torch path's ~8 (graph-safe grids).
+Added in place into the caller's fresh q_abs / out, program (t, HB heads), the [HB, R] intermediate rounded
+as the torch path rounds it: one launch a side instead of the torch path's ~8.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ _BC = 64  # latent columns a step
 
 
 def _head_columns(block_r: int) -> int:
-    """Dn / Dv columns a step: 32 at 16 rank columns (measured), else the widest that does not spill on sm_90
-    (docs/performance.md; tests/kernels/test_compile_check.py keeps them spill-free)."""
+    """Dn / Dv columns a step: 32 at 16 rank columns, else the widest that does not spill on sm_90
+    (docs/performance.md; test_compile_check.py keeps them spill-free)."""
     return 32 if block_r <= 16 else max(1, 256 // block_r)
 
 
