@@ -1,7 +1,7 @@
 """The protocol every routed-LoRA path of `fused_moe` follows, and the call it serves.
 
-Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, S adapter slots,
-BLOCK_R the LoRA tile rank, P plan rows (max_padded).
+Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, S adapter slots, R max rank,
+BLOCK_R the LoRA tile rank, P plan rows (max_padded), BM plan block_m.
 A path adds its LoRA to the base pipeline (plan -> gate_up -> activation -> down -> combine) through, in order:
   __init__              scratch buffers, allocated on the current stream before any fork (contract 2)
   gate_up_out(h)        where the gate_up GEMM writes: h [P, I] (activated), or a raw [P, 2I] gate / up buffer

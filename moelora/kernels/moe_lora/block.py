@@ -1,11 +1,9 @@
 """Routed-expert LoRA path "block": each route's whole delta, per (plan block, slot), before the GEMM that adds it.
 
-Shape legend: T tokens, K top-k, H hidden, I expert intermediate, S adapter slots, E experts, R max rank
-(BLOCK_R the tile rank), P plan rows (max_padded), BM plan block_m.
-
-`lora_block_delta_kernel`, program (block, lane, N split): one slot's rows of the block shrunk with one
-tl.dot, then expanded into delta [T*K, N] (`deltas`): a (slot, expert) pair's A and B are read once per
-block, not once per route. Decode from M=8 to 256 on the H200 (docs/performance.md).
+Shape legend: `base`'s.
+  lora_block_delta_kernel, program (block, lane, N split): one slot's rows of the block shrunk with one tl.dot,
+  then expanded into delta [T*K, N] (`deltas`)
+Why: a (slot, expert) pair's A and B are read once per block, not once per route.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Routed-expert LoRA path "route": each route's whole delta, shrink and expand as two GEMVs in one program.
 
-Shape legend: T tokens, K top-k, H hidden, I expert intermediate, S adapter slots, E experts, R max rank
-(BLOCK_R the tile rank), P plan rows (max_padded), RC = 16 rank columns.
-
-`lora_route_delta_kernel`: delta[route] = (src row @ A^T) @ B^T, RC rank columns a pass (one pass at the pool's
-width for slots of rank > 32), one program per route (or plan row) and N split: no dependence on the block's
-other rows, which at decode sit on as many slots.
+Shape legend: `base`'s, and RC = 16 rank columns.
+  lora_route_delta_kernel: delta[route] = (src row @ A^T) @ B^T, RC rank columns a pass (one pass at the pool's
+  width for slots of rank > 32), one program per route (or plan row) and N split
+Why: no dependence on the block's other rows, which at decode sit on as many slots.
 """
 
 from __future__ import annotations
