@@ -1,8 +1,5 @@
-"""Torch twins of every kernel launcher: the semantics the Triton kernels must reproduce.
-
-These are also the `kernel_backend="torch"` implementation (CPU, and the GPU reference).
-Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, R max rank,
-S adapter slots, N_in / N_out a linear layer's in / out features. The LoRA arguments: `kernels.args`.
+"""Torch twins of every kernel launcher: the semantics the Triton kernels must reproduce, and the
+`kernel_backend="torch"` implementation. Shape legend: `kernels.args`'s.
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ def _need_rows(lora: DenseLoRAArgs | ExpertLoRAArgs) -> None:
 
 def lora_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     lora: DenseLoRAArgs | None, act_quant: Callable | None = None) -> torch.Tensor:
-    """y = x @ W^T + bias + (x @ A_s^T @ B_s^T for rows on slot s). x [T, N_in] -> [T, N_out].
-    With segments, each segment's columns get its own A_g / B_g (see `DenseLoRAArgs`).
+    """y = x @ W^T + bias + (x @ A_s^T @ B_s^T for rows on slot s, per segment). x [T, N_in] -> [T, N_out].
     `act_quant` (the FP8 W8A8 twin, `moelora.quant`): rounds the base GEMM's input; LoRA reads x."""
     y = F.linear(x if act_quant is None else act_quant(x), weight, bias)
     if lora is None:
@@ -60,9 +56,8 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     For route (t, k) on expert e with token slot s:
       gu = x_t W_gu[e]^T + (x_t A_gu[s,e]^T) B_gu[s,e]^T;  h = silu(gu[:I]) * gu[I:]
       y  = h W_d[e]^T + (h A_d[s,e]^T) B_d[s,e]^T;         out_t += w_tk * y   (fp32)
-    A host loop over experts (syncs on CUDA: the Triton path is the graph-safe one). `act_quant` (the FP8 W8A8
-    twin): rounds the base GEMMs' inputs, not the LoRA terms'. `expert_map` (`local_expert_ids`): topk_ids
-    are global, the weights and LoRA this rank's experts; another rank's route adds nothing."""
+    A host loop over experts (syncs on CUDA). `act_quant`: as `lora_linear_ref`'s. `expert_map`
+    (`local_expert_ids`): topk_ids global, the weights and LoRA this rank's; another rank's route adds nothing."""
     base_in = (lambda t: t) if act_quant is None else act_quant
     T, H = x.shape
     inter = w_down.shape[2]
