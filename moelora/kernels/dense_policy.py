@@ -1,9 +1,8 @@
 """Which dense LoRA mode a `lora_linear` call takes when its caller names none, and which steps get their
-rows grouped by slot for the "planned" mode: the shipped picks as one object that callers pass in.
+rows grouped by slot for "planned": the shipped picks as one object that callers pass in.
 
 Shape legend: T rows of the call (tokens), N_in / N_out the linear's in / out features.
-Host logic only (no tensors, no Triton), so the runners can ask it on any backend (`lora.batch.plan_step`);
-the layers hand it to `lora_linear` (`LayerOptions.dense_lora_policy`); tests inject a subclass.
+Host logic only (no tensors, no Triton), so the runners can ask it on any backend; tests inject a subclass.
 """
 
 from __future__ import annotations

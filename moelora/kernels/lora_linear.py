@@ -1,9 +1,7 @@
 """Dense linear with per-token multi-LoRA: y = x W^T + b + x A_s^T B_s^T (s = slot of the row).
 
 Shape legend: T tokens, N_in / N_out features, S adapter slots, R max rank, G output segments.
-  x [T, N_in], weight [N_out, N_in], bias [N_out] | None, lora: DenseLoRAArgs (a [S, G*R, N_in],
-  b [S, N_out, R] with scaling folded in, token_slots [T] int32 (-1: none), slot_ranks [S] or [G, S])
-                                                                                       -> y [T, N_out]
+  x [T, N_in], weight [N_out, N_in], bias [N_out] | None, lora: DenseLoRAArgs | None     -> y [T, N_out]
 The config, default picks and checks; the modes are `moelora.kernels.dense_lora`, one per file.
 """
 
@@ -21,10 +19,9 @@ from moelora.kernels.dense_policy import DENSE_LORA_POLICY, PLAN_BLOCK_M, DenseL
 
 @dataclass(frozen=True)
 class LoRALinearConfig:
-    """`mode` ("split", "splitk", "planned") and its tiles: block_m x block_n the expand's output tile, block_k the
-    shrink's depth step, split_k its N_in chunks (0: from the shapes), slot_lanes programs a row block taking one
-    distinct slot each; gemm_*: splitk's base GEMM; plan_cols: planned's columns a program. The shrink's row block
-    and stages are `split.SHRINK_BLOCK_M` / `SHRINK_STAGES`."""
+    """`mode` (a `MODES` name) and its tiles: block_m x block_n the expand's output tile, block_k the shrink's depth
+    step, split_k its N_in chunks (0: from the shapes), slot_lanes programs a row block taking one distinct slot
+    each; gemm_*: splitk's base GEMM; plan_cols: planned's columns a program."""
 
     mode: str = "split"
     block_m: int = 16
@@ -82,7 +79,7 @@ def _check(x, weight, bias, lora):
 
 
 def check_lora(lora: DenseLoRAArgs, T: int, n_in: int, n_out: int) -> None:
-    """`lora` for a linear of T rows, N_in -> N_out (shapes in the module docstring); ValueError naming the field."""
+    """`lora` for a linear of T rows, N_in -> N_out (shapes: `DenseLoRAArgs`); ValueError naming the field."""
     segs = lora.segments
     G = max(1, len(segs))
     S, GR = lora.a.shape[0], lora.a.shape[1]
