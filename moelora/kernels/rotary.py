@@ -3,8 +3,7 @@
 Shape legend: T tokens, Nq / Nk query / key heads, D head_dim, Dr rotary dims (even, <= D).
   qk_norm_rope(q [T, Nq, D], k [T, Nk, D], cos [T, Dr] fp32, sin [T, Dr] fp32,
                q_weight [D] | None, k_weight [D] | None, eps) -> (q_out [T, Nq, D], k_out [T, Nk, D])
-Each head RMS-normalised over D when its weight is given, then its first Dr dims rotated; numerics are
-`qk_norm_rope_ref`'s (rounded to the dtype wherever torch rounds). Program (t, b): BLOCK_H heads of token t.
+Each head RMS-normalised over D when its weight is given, then its first Dr dims rotated: `qk_norm_rope_ref`.
 """
 
 from __future__ import annotations
