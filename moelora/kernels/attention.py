@@ -273,8 +273,7 @@ def _check(q, k, v, k_cache, v_cache, meta):
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta, scale: float, *, config: AttentionConfig | None = None,
                     num_splits: int | None = None) -> torch.Tensor:
-    """Store k/v at meta.slot_mapping, then causal paged attention -> new [T, N, D]; pass the same `num_splits`
-    at capture and replay."""
+    """Store k/v at meta.slot_mapping, then causal paged attention -> new [T, N, D] (graphs: fixed `num_splits`)."""
     T, N, D, B, BS, n_kv = _check(q, k, v, k_cache, v_cache, meta)
     splits = default_num_splits(B, n_kv) if num_splits is None else num_splits
     if splits < 1:

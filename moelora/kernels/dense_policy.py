@@ -15,8 +15,7 @@ PLANNED_MAX_ROWS = 1024  # the largest row count "planned" is the default for (n
 
 @dataclass(frozen=True)
 class DenseLoRAPolicy:
-    """The default picks, measured on the H200: "splitk" for few LoRA rows on wide shapes, "planned" for
-    17..1024 rows when the caller grouped them by slot, else "split"."""
+    """The H200 picks: "splitk" for few LoRA rows on wide shapes, "planned" for 17..1024 grouped, else "split"."""
 
     def prefers_splitk(self, num_tokens: int, n_in: int, n_out: int, has_lora: bool) -> bool:
         """LoRA rows, T <= 16 on shapes >= 1024 wide; T <= 64 on o-like shapes (N_in >= 2 N_out, N_in >= 1024,
@@ -34,13 +33,11 @@ class DenseLoRAPolicy:
         return n_in <= n_out or num_tokens > 128
 
     def wants_row_plan(self, num_tokens: int) -> bool:
-        """Whether a step of this many rows may take "planned" at some site, so the runner groups its rows
-        by slot once for all of them (`PLAN_BLOCK_M` rows a block): past the 16 rows splitk keeps."""
+        """Whether a step of this many rows may take "planned" at some site (the runner then groups them by slot)."""
         return 16 < num_tokens <= PLANNED_MAX_ROWS
 
     def mode(self, num_tokens: int, n_in: int, n_out: int, has_lora: bool, grouped: bool) -> str:
-        """The mode of a call of T rows on an [N_out, N_in] weight; `grouped`: the caller passed the rows'
-        grouping by slot (`DenseLoRAArgs.row_plan`)."""
+        """The mode of a call of T rows on an [N_out, N_in] weight; `grouped`: `DenseLoRAArgs.row_plan` given."""
         if self.prefers_splitk(num_tokens, n_in, n_out, has_lora):
             return "splitk"
         if has_lora and grouped and self.prefers_planned(num_tokens, n_in, n_out):

@@ -34,8 +34,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 
 @dataclass(frozen=True)
 class FP8ExpertScales:
-    """The scales of FP8 expert weights (shapes in the module docstring) and their GEMMs' activation mode.
-    block: 128 x 128 scale blocks (False: one scale per output row). quantize_activations: W8A8 (else W8A16)."""
+    """FP8 expert weights' scales (module docstring); block: 128 x 128 (else per output row); W8A8 or W8A16."""
 
     gate_up: torch.Tensor
     down: torch.Tensor
@@ -58,8 +57,7 @@ def fp8_table_key(E: int, H: int, inter: int, quantize_activations: bool) -> str
 @functools.lru_cache(maxsize=1024)
 def fp8_moe_config(E: int, H: int, inter: int, T: int, K: int, act_dtype: torch.dtype, device_name: str,
                    table: str | None, quantize_activations: bool = False) -> FusedMoEConfig:
-    """The table's FP8 entry for this shape and activation mode, else its W8A16 entry (W8A8 untuned), else its
-    entry for the activations' dtype with `fp8_tiles` (the LoRA path picks stay the table's)."""
+    """The table's FP8 entry for this activation mode, else its W8A16 one, else the bf16 entry's `fp8_tiles`."""
     path = table_file(device_name, table)
     configs = load_table(path)
     for key in dict.fromkeys((fp8_table_key(E, H, inter, quantize_activations), fp8_table_key(E, H, inter, False))):
@@ -96,8 +94,7 @@ def check_fp8(x: torch.Tensor, E: int, H: int, inter: int, scales: FP8ExpertScal
 
 def fp8_launch_args(scales: FP8ExpertScales | None, which: str, inter: int, a: torch.Tensor,
                     rows: torch.Tensor | None = None) -> dict:
-    """The gate_up or down kernel's FP8 arguments ({} without FP8: the kernels' defaults, flags off). a: that
-    GEMM's activations (x, or h of which `rows` are live), quantized here for W8A8 (new buffers)."""
+    """The gate_up or down kernel's FP8 arguments ({} without FP8); `a` (rows below `rows`) quantized for W8A8."""
     if scales is None:
         return {}
     s = getattr(scales, which)

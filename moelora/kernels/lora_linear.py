@@ -48,8 +48,7 @@ class LoRALinearConfig:
 def default_lora_linear_config(num_tokens: int, mode: str | None = None, n_in: int = 0, n_out: int = 0,
                                has_lora: bool = True, row_plan: bool = False,
                                policy: DenseLoRAPolicy = DENSE_LORA_POLICY) -> LoRALinearConfig:
-    """The measured picks (docs/performance.md); `mode` None: `policy.mode` picks it (`row_plan`: the caller
-    grouped the rows by slot, `DenseLoRAArgs.row_plan` given)."""
+    """The measured picks (docs/performance.md); `mode` None: `policy.mode` picks it."""
     if mode is None:
         mode = policy.mode(num_tokens, n_in, n_out, has_lora, row_plan)
     if mode == "splitk":
@@ -111,8 +110,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 config: LoRALinearConfig | None = None,
                 side_stream: torch.cuda.Stream | None = None,
                 policy: DenseLoRAPolicy = DENSE_LORA_POLICY) -> torch.Tensor:
-    """`lora_linear_ref` on the GPU -> y [T, N_out] (new, or `out=`); `side_stream`: split mode's shrink runs there;
-    `policy`: picks the mode when `config` is None."""
+    """`lora_linear_ref` on the GPU -> y [T, N_out] (new, or `out=`); `side_stream`: for split's shrink."""
     T, n_in, n_out = _check(x, weight, bias, lora)
     out = output(out, (T, n_out), x.dtype, x.device, (x, weight, bias))
     if T == 0:

@@ -48,7 +48,7 @@ class MLAConfig:
 
 def default_mla_config(num_heads: int, latent: int, dtype: torch.dtype = torch.bfloat16, batch: int = 1
                        ) -> MLAConfig:
-    """Starting points from one H200 sweep (docs/performance.md, attention); fp32 (tests) takes small tiles."""
+    """Starting points from one H200 sweep (docs/performance.md, attention), from shapes only (graph-safe)."""
     if dtype == torch.float32:
         return MLAConfig(16, 16, num_warps=4)
     block_h = min(64, max(16, next_pow2(num_heads))) if batch >= 8 else 16
@@ -145,8 +145,7 @@ def _check(q_abs, q_rope, entries, cache, meta):
 def mla_decode_attention(q_abs: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor, cache: torch.Tensor,
                          meta, scale: float, *, config: MLAConfig | None = None,
                          num_splits: int | None = None) -> torch.Tensor:
-    """Store `entries` at meta.slot_mapping, then decode MLA over the latent cache -> new o_lat [T, N, C]; config
-    and splits depend on shapes only (the same at a graph's capture and replay)."""
+    """Store `entries` at meta.slot_mapping, then decode MLA over the latent cache -> new o_lat [T, N, C]."""
     T, N, C, Dr, B = _check(q_abs, q_rope, entries, cache, meta)
     cfg = config or default_mla_config(N, C, q_abs.dtype, B)
     head_blocks = cdiv(N, cfg.block_h)

@@ -64,8 +64,7 @@ class ShrinkLaunch(NamedTuple):
 
 
 def shrink_setup(x, lora, T, n_in, cfg) -> ShrinkLaunch:
-    """The shrink's launch, its xa [P, T, G * BLOCK_R] fp32 allocated here on the current stream: P chunks of N_in
-    so that row blocks x P ~ the target, P capped to keep the expand from spilling."""
+    """The shrink's launch, its xa allocated here on the current stream; P capped to keep the expand from spilling."""
     seg, S = Segments(lora), lora.a.shape[0]
     n_kb = max(1, cdiv(n_in, cfg.block_k))
     want = cfg.split_k
