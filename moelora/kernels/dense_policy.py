@@ -18,16 +18,14 @@ class DenseLoRAPolicy:
     """The H200 picks: "splitk" for few LoRA rows on wide shapes, "planned" for 17..1024 grouped, else "split"."""
 
     def prefers_splitk(self, num_tokens: int, n_in: int, n_out: int, has_lora: bool) -> bool:
-        """LoRA rows, T <= 16 on shapes >= 1024 wide; T <= 64 on o-like shapes (N_in >= 2 N_out, N_in >= 1024,
-        N_out >= 128)."""
+        """LoRA rows, T <= 16 on shapes >= 1024 wide; T <= 64 on o-like ones (N_in >= 2 N_out, N_out >= 128)."""
         if not (has_lora and 0 < num_tokens <= 64 and n_in >= 1024):
             return False
         o_like = n_in >= 2 * n_out and n_out >= 128
         return o_like or (num_tokens <= 16 and n_out >= 1024)
 
     def prefers_planned(self, num_tokens: int, n_in: int, n_out: int) -> bool:
-        """Past splitk's rows up to PLANNED_MAX_ROWS, from 17 rows on shapes wider than deep and from 129 on
-        the others, on shapes >= 1024 wide (a program's full-depth shrink is a latency chain)."""
+        """17 (129 on shapes deeper than wide) to PLANNED_MAX_ROWS rows on shapes >= 1024 wide."""
         if not (n_in >= 1024 and n_out >= 1024 and self.wants_row_plan(num_tokens)):
             return False
         return n_in <= n_out or num_tokens > 128

@@ -25,7 +25,6 @@ GROUP_M = 8  # grouped tile order of both GEMMs: every tuned entry kept 8 (docs/
 
 
 def _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids):
-    # each message is formatted only on failure (a lambda): this runs on every MoE call
     need(x.dim() == 2 and x.dtype in FLOAT_DTYPES, lambda: f"x must be [T, H] fp16/bf16/fp32, got "
          f"{tuple(x.shape)} {x.dtype}")
     T, H = x.shape
@@ -93,8 +92,7 @@ def _tma_operands(w_gate_up: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor
 
 
 def lora_path(lora: ExpertLoRAArgs | None, config: FusedMoEConfig, block_r: int) -> tuple[type[MoELoRAPath], object]:
-    """(path class, config) of a call with `lora` on a pool of block_r tile columns (`MoELoRAPath.resolve`);
-    the no-LoRA path without `lora`."""
+    """(path class, config) serving `lora` on a pool of block_r tile columns; the no-LoRA path without `lora`."""
     if lora is None:
         return MoELoRAPath, None
     cfg = config.lora_for(block_r)

@@ -47,9 +47,8 @@ class GemmTile:
 
 @dataclass(frozen=True)
 class FusedMoEConfig:
-    """One table entry: block_m (the plan's block), the gate_up / down tiles, use_tma (contract-6 off switch),
-    plan_per_route (a plan block per route, no launch), lora (a `moe_lora` path config for BLOCK_R <= 16) and
-    lora_wide (wider pools; None: lora)."""
+    """One table entry: block_m (the plan's block), gate_up / down tiles, use_tma (contract-6 off switch),
+    plan_per_route (a block per route, no launch), lora (path config for BLOCK_R <= 16), lora_wide (None: lora)."""
 
     block_m: int = 16
     gate_up: GemmTile = field(default_factory=GemmTile)

@@ -97,8 +97,7 @@ def plan_capacity(num_routes: int, num_experts: int, block_m: int) -> tuple[int,
 
 
 def local_expert_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> torch.Tensor:
-    """topk_ids [T, K] (global expert ids) through expert_map [E_global] int32 (local id, or -1 for an
-    expert another rank holds) -> [T, K] int32 local ids. One gather on the ids' device, no host sync."""
+    """topk_ids [T, K] through expert_map [E_global] int32 (local id, -1: another rank's) -> [T, K] int32 local ids."""
     if expert_map.dim() != 1 or expert_map.dtype != torch.int32 or expert_map.device != topk_ids.device:
         raise ValueError(f"expert_map must be [E] int32 on {topk_ids.device}, got {tuple(expert_map.shape)} "
                          f"{expert_map.dtype} on {expert_map.device}")
@@ -107,8 +106,7 @@ def local_expert_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> torch.
 
 def build_routing_plan_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int,
                            expert_map: torch.Tensor | None = None) -> MoERoutingPlan:
-    """Torch twin of `moe_plan.build_routing_plan` (bit-identical plan, no host sync). With `expert_map`
-    (`local_expert_ids`), num_experts is the local count and only the routes to local experts are placed."""
+    """Torch twin of `moe_plan.build_routing_plan` (bit-identical, no host sync; num_experts local with a map)."""
     T, K = topk_ids.shape
     local = None if expert_map is None else local_expert_ids(topk_ids, expert_map)
     n, dev = T * K, topk_ids.device
@@ -138,8 +136,7 @@ def build_routing_plan_ref(topk_ids: torch.Tensor, num_experts: int, block_m: in
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-    """Store the step's k/v [T, N_kv, D] at flat cache positions `slot_mapping` [T] of the caller's
-    caches [NB, BS, N_kv, D] (the caches are `out=` buffers; the inputs are only read)."""
+    """Store the step's k/v [T, N_kv, D] at flat positions `slot_mapping` [T] of the caches [NB, BS, N_kv, D]."""
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
@@ -172,8 +169,7 @@ def paged_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., D] -> [..., D] in x's dtype: fp32 statistics, the normalised row rounded to the dtype,
-    times the (fp32) weight, rounded again."""
+    """x [..., D] -> x's dtype: fp32 statistics, the normalised row rounded, times the weight, rounded again."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (weight * xf.to(x.dtype)).to(x.dtype)
@@ -187,8 +183,7 @@ def add_rms_norm_ref(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 
 
 def rotate_half_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary of x [T, N, D] over its first Dr dims (cos/sin [T, Dr] fp32, rounded to x's dtype);
-    the rest passes through. The same arithmetic as `moelora.layers.rotary.apply_rotary`."""
+    """Rotary of x [T, N, D] over its first Dr dims (cos/sin [T, Dr] fp32, rounded to x's dtype): `apply_rotary`'s."""
     rd = cos.shape[-1]
     head, tail = x[..., :rd], x[..., rd:]
     half = rd // 2

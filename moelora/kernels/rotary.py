@@ -97,8 +97,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     if T == 0 or D == 0:
         return q_out, k_out
     block_d = next_pow2(D)
-    # ~1K elements per program: at decode (T = 1..64) Qwen3-30B's 32 + 4 heads of 128 make 5 programs
-    # per token, so even one token spreads over a few SMs.
+    # ~1K elements per program: one decode token spreads over a few SMs (Qwen3-30B: 5 programs)
     block_h = min(next_pow2(max(NQ, NK)), max(1, 1024 // block_d))
     grid = (T, cdiv(NQ, block_h) + cdiv(NK, block_h))
     has_norm = q_weight is not None

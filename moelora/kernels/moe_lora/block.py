@@ -27,8 +27,7 @@ BLOCK_LANES = 8  # programs per plan block, one distinct slot each (the last: th
 @dataclass(frozen=True)
 class BlockConfig:
     """block_n / block_k: expand / shrink step; block_m (0: the plan's): rows a program; programs (0: one an item):
-    that many looping programs; gate_up_at: "epilogue" or "activation" (added by a kernel after the GEMM, so the
-    delta runs beside it on the side stream)."""
+    that many looping programs; gate_up_at: "epilogue", or "activation" (the delta beside the GEMM, side stream)."""
 
     path: ClassVar[str] = "block"
     block_n: int = 64

@@ -1,5 +1,4 @@
-"""What the "route" and "block" routed-LoRA paths share: each route's whole delta, computed before the GEMM
-that adds it.
+"""What the "route" and "block" paths share: each route's whole delta, computed before the GEMM that adds it.
 
 Shape legend: `base`'s.
   delta_gu [T*K, 2I], delta_d [T*K, H] (x's dtype; fp32 for "route" on pools wider than 16 columns)

@@ -25,8 +25,7 @@ ROUTE_STEP = 4096 // LORA_RC  # [RC, 256] A / B loads, 4096 elements each (docs/
 
 @dataclass(frozen=True)
 class RouteConfig:
-    """warps: of each program; order: gate_up programs by "token" or "plan" (an expert's routes side by side);
-    gate_up_at: as `BlockConfig`'s."""
+    """warps a program; order: gate_up by "token" or "plan" (an expert's routes adjacent); gate_up_at: as Block."""
 
     path: ClassVar[str] = "route"
     warps: int = 4
