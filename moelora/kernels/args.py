@@ -2,10 +2,8 @@
 
 Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, R max rank, S adapter slots,
 N_in / N_out a linear layer's in / out features, G output segments.
-
-LoRA arguments carry per-slot stacked weights (scaling folded into B; a slot of rank r < R has zeros past
-column r, and kernels read only r columns), each token's slot (-1: none) and each slot's rank; the torch twins
-loop over `active`, built on the host once per step, so they never sync on a tensor value.
+LoRA weights are per-slot stacks, scaling folded into B, zero past a slot's rank r (kernels read r columns);
+the twins loop over `active`, built on the host once per step, so they never sync on a tensor value.
 """
 
 from __future__ import annotations
@@ -26,14 +24,9 @@ class SlotRows:
 
 @dataclass(frozen=True)
 class DenseLoRAArgs:
-    """LoRA on a linear layer: a [S, R, N_in], b [S, N_out, R] (scaling folded into b).
-
-    With output segments -- `segments` = (N_0, .., N_{G-1}) summing to N_out: G linears over the
-    same input merged into one, e.g. q/k/v -- a is [S, G*R, N_in] (segment g's A in rows
-    [gR, gR + R)), b is [S, N_out, R] (segment g's B in rows [off_g, off_g + N_g), off_g the sum of
-    the sizes before it) and slot_ranks is [G, S] (each segment's own rank per slot). Output
-    column n of segment g gets x @ A_g[:rank]^T @ B_g[n, :rank]^T. Empty `segments`: one segment,
-    slot_ranks [S]."""
+    """LoRA on a linear layer: a [S, R, N_in], b [S, N_out, R]. With `segments` (N_0, .., N_{G-1}) summing to N_out
+    (G linears over one input merged, e.g. q/k/v): a [S, G*R, N_in] (segment g's A in rows [gR, gR + R)), b's
+    rows [off_g, off_g + N_g) segment g's B (off_g = N_0 + .. + N_{g-1}), slot_ranks [G, S] (per segment)."""
 
     a: torch.Tensor
     b: torch.Tensor
@@ -47,10 +40,8 @@ class DenseLoRAArgs:
 
 @dataclass(frozen=True)
 class ExpertLoRAArgs:
-    """LoRA on routed experts, per (slot, expert):
-    gate_up_a [S, E, R, H], gate_up_b [S, E, 2I, R], down_a [S, E, R, I], down_b [S, E, H, R];
-    gate_up_ranks / down_ranks [S] int32: each projection's own rank in each slot (0: no LoRA
-    there), so an adapter covering only one projection costs the other nothing."""
+    """LoRA on routed experts, per (slot, expert): gate_up_a [S, E, R, H], gate_up_b [S, E, 2I, R], down_a
+    [S, E, R, I], down_b [S, E, H, R]; gate_up_ranks / down_ranks [S] int32, each projection's own (0: none)."""
 
     gate_up_a: torch.Tensor
     gate_up_b: torch.Tensor

@@ -1,16 +1,14 @@
 """Paged causal GQA attention over a block KV cache: `paged_attention_ref` on the GPU.
 
-Shape legend: T tokens in the step (all sequences concatenated), N query heads, N_kv kv heads
-(G = N / N_kv queries per kv head), D head_dim, B sequences, NB cache blocks, BS block size
-(tokens), MB max blocks per sequence, S decode KV splits.
+Shape legend: T tokens in the step (sequences concatenated), N query heads, N_kv kv heads (G = N / N_kv), D
+head_dim, B sequences, NB cache blocks, BS block size (tokens), MB max blocks per sequence.
   q [T, N, D], k / v [T, N_kv, D]                   the step's new tokens (fp16/bf16/fp32)
   k_cache / v_cache [NB, BS, N_kv, D]               caller-owned `out=` buffers (contiguous, q's dtype)
   meta.slot_mapping [T] int64 (block * BS + offset; < 0: not stored), meta.block_tables [B, MB]
   int32, meta.seq_lens [B] int32 (cached + new), meta.query_start [B + 1] int32   -> out [T, N, D]
-
-A store, then flash-attention prefill/extend (program: query tile, sequence, head) or split-KV decode
-(program: sequence, kv head, split; the G query heads share one K/V read) and its reduce. The decode grid
-depends on B and N_kv only (CUDA-graph safe). D is a constexpr: a runtime D's mask blocked vector loads.
+Prefill/extend: flash attention, program (query tile, sequence, head). Decode: split-KV, program (sequence, kv
+head, split), the G query heads sharing one K/V read; its grid depends on B and N_kv only (CUDA-graph safe).
+D is a constexpr: a runtime D's mask blocked vector loads.
 """
 
 from __future__ import annotations
@@ -275,8 +273,7 @@ def _check(q, k, v, k_cache, v_cache, meta):
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta, scale: float, *, config: AttentionConfig | None = None,
                     num_splits: int | None = None) -> torch.Tensor:
-    """Store k/v at meta.slot_mapping, then causal paged attention -> new [T, N, D]; pass the same `num_splits`
-    at capture and replay."""
+    """Store k/v at meta.slot_mapping, then causal paged attention -> new [T, N, D] (graphs: fixed `num_splits`)."""
     T, N, D, B, BS, n_kv = _check(q, k, v, k_cache, v_cache, meta)
     splits = default_num_splits(B, n_kv) if num_splits is None else num_splits
     if splits < 1:

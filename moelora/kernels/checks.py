@@ -12,8 +12,7 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def cdiv(a: int, b: int) -> int:
-    """`triton.cdiv` for host ints: Triton's, a constexpr function, costs microseconds a host call (a prefill
-    forward is bound by its launches' host work: docs/performance.md)."""
+    """`triton.cdiv` for host ints, without its constexpr-call cost (microseconds a call: docs/performance.md)."""
     return (a + b - 1) // b
 
 
@@ -23,8 +22,7 @@ def next_pow2(n: int) -> int:
 
 
 def need(cond: bool, msg) -> None:
-    """Raise ValueError(msg) unless cond; msg a string or a callable making it (formatted only on failure: the
-    checks run on every launch)."""
+    """Raise ValueError(msg) unless cond; msg a string or a callable making it (formatted only on failure)."""
     if not cond:
         raise ValueError(msg() if callable(msg) else msg)
 

@@ -1,9 +1,8 @@
 """Which dense LoRA mode a `lora_linear` call takes when its caller names none, and which steps get their
-rows grouped by slot for the "planned" mode: the shipped picks as one object that callers pass in.
+rows grouped by slot for "planned": the shipped picks as one object that callers pass in.
 
 Shape legend: T rows of the call (tokens), N_in / N_out the linear's in / out features.
-Host logic only (no tensors, no Triton), so the runners can ask it on any backend (`lora.batch.plan_step`);
-the layers hand it to `lora_linear` (`LayerOptions.dense_lora_policy`); tests inject a subclass.
+Host logic only (no tensors, no Triton), so the runners can ask it on any backend; tests inject a subclass.
 """
 
 from __future__ import annotations
@@ -16,32 +15,27 @@ PLANNED_MAX_ROWS = 1024  # the largest row count "planned" is the default for (n
 
 @dataclass(frozen=True)
 class DenseLoRAPolicy:
-    """The default picks, measured on the H200: "splitk" for few LoRA rows on wide shapes, "planned" for
-    17..1024 rows when the caller grouped them by slot, else "split"."""
+    """The H200 picks: "splitk" for few LoRA rows on wide shapes, "planned" for 17..1024 grouped, else "split"."""
 
     def prefers_splitk(self, num_tokens: int, n_in: int, n_out: int, has_lora: bool) -> bool:
-        """LoRA rows, T <= 16 on shapes >= 1024 wide; T <= 64 on o-like shapes (N_in >= 2 N_out, N_in >= 1024,
-        N_out >= 128)."""
+        """LoRA rows, T <= 16 on shapes >= 1024 wide; T <= 64 on o-like ones (N_in >= 2 N_out, N_out >= 128)."""
         if not (has_lora and 0 < num_tokens <= 64 and n_in >= 1024):
             return False
         o_like = n_in >= 2 * n_out and n_out >= 128
         return o_like or (num_tokens <= 16 and n_out >= 1024)
 
     def prefers_planned(self, num_tokens: int, n_in: int, n_out: int) -> bool:
-        """Past splitk's rows up to PLANNED_MAX_ROWS, from 17 rows on shapes wider than deep and from 129 on
-        the others, on shapes >= 1024 wide (a program's full-depth shrink is a latency chain)."""
+        """17 (129 on shapes deeper than wide) to PLANNED_MAX_ROWS rows on shapes >= 1024 wide."""
         if not (n_in >= 1024 and n_out >= 1024 and self.wants_row_plan(num_tokens)):
             return False
         return n_in <= n_out or num_tokens > 128
 
     def wants_row_plan(self, num_tokens: int) -> bool:
-        """Whether a step of this many rows may take "planned" at some site, so the runner groups its rows
-        by slot once for all of them (`PLAN_BLOCK_M` rows a block): past the 16 rows splitk keeps."""
+        """Whether a step of this many rows may take "planned" at some site (the runner then groups them by slot)."""
         return 16 < num_tokens <= PLANNED_MAX_ROWS
 
     def mode(self, num_tokens: int, n_in: int, n_out: int, has_lora: bool, grouped: bool) -> str:
-        """The mode of a call of T rows on an [N_out, N_in] weight; `grouped`: the caller passed the rows'
-        grouping by slot (`DenseLoRAArgs.row_plan`)."""
+        """The mode of a call of T rows on an [N_out, N_in] weight; `grouped`: `DenseLoRAArgs.row_plan` given."""
         if self.prefers_splitk(num_tokens, n_in, n_out, has_lora):
             return "splitk"
         if has_lora and grouped and self.prefers_planned(num_tokens, n_in, n_out):

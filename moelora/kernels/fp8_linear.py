@@ -4,14 +4,9 @@ Shape legend: T tokens, N_in / N_out features, G row segments of the weight (mer
   x [T, N_in] fp16/bf16/fp32, weight [N_out, N_in] e4m3, scale fp32 [sum_g ceil(N_g/128), ceil(N_in/128)]
   (block: each segment blocked on its own, `quant.fp8`) or [N_out, 1] (channel / tensor), bias [N_out] | None,
   lora: DenseLoRAArgs | None                                                            -> y [T, N_out]
-The base GEMM is one Triton kernel, K steps of one 128-column scale block: acc += dot(A, W_q) * a_s * w_s.
-- W8A8 (`quantize_activations`): x is first quantized per token and 1 x 128 group (`fp8_quant`, one launch),
-  the GEMM reads e4m3 x and its scales: Hopper's FP8 MMA.
-- W8A16: the weight tile is upcast to x's dtype in registers, times its scale, and multiplies x transposed
-  (acc^T += W x^T: the upcast tile is the MMA's register operand, as in `fp8_moe`).
-The LoRA delta is the dense LoRA's own kernels on x as it is (`dense_lora.split`'s shrink on the LoRA side
-stream during the base GEMM, then its expand; "planned" where `lora_linear` would pick it): "splitk", which
-fuses the base GEMM, is not used on FP8 weights. Twin: `lora_linear_ref` on the dequantized weight.
+K steps of one 128-column scale block, W8A8 (x quantized first, `fp8_quant`) or W8A16 (as `fp8_moe`'s). The
+LoRA delta is the dense modes' "split" (its shrink on the side stream during the GEMM) or "planned", on x
+unrounded; never "splitk", which fuses the bf16 GEMM. Twin: `lora_linear_ref` on the dequantized weight.
 """
 
 from __future__ import annotations
@@ -21,14 +16,13 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.args import DenseLoRAArgs
-from moelora.kernels.checks import cdiv, output
+from moelora.kernels.checks import cdiv, check_rows, need, output
 from moelora.kernels.dense_lora import planned, split
 from moelora.kernels.fp8_quant import GROUP, per_token_group_quant
 from moelora.kernels.lora_linear import check_lora, default_lora_linear_config
 from moelora.kernels.side_stream import join
 
 FP8_DTYPE = torch.float8_e4m3fn
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_SEGMENTS = 3
 
 
@@ -79,8 +73,7 @@ def _fp8_linear_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, T, N, K,
 
 
 def _tiles(T: int, n_out: int) -> tuple[int, int, int]:
-    """(BM, BN, num_warps): decode rows in 16-row tiles over column tiles narrow enough for ~128 programs to
-    stream the weight (an H200 has 132 SMs), prefill in 64 x 128 tiles."""
+    """(BM, BN, num_warps): decode in 16-row tiles narrow enough for ~128 programs (132 SMs), prefill 64 x 128."""
     if T <= 16:
         return 16, next((bn for bn in (64, 32) if n_out >= 128 * bn), 16), 4
     if T <= 128:
@@ -89,8 +82,8 @@ def _tiles(T: int, n_out: int) -> tuple[int, int, int]:
 
 
 def _check(x, weight, scale, bias, segments, block):
-    if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES or x.stride(1) != 1:
-        raise ValueError(f"x must be [T, N_in] fp16/bf16/fp32 with unit last stride, got {tuple(x.shape)} {x.dtype}")
+    need(x.dim() == 2, lambda: f"x must be [T, N_in], got {tuple(x.shape)}")
+    check_rows("x", x)
     n_in = x.shape[1]
     if weight.dim() != 2 or weight.shape[1] != n_in or weight.dtype != FP8_DTYPE or not weight.is_contiguous():
         raise ValueError(f"weight must be contiguous [N_out, N_in={n_in}] float8_e4m3fn, got {tuple(weight.shape)} "

@@ -1,22 +1,12 @@
-"""FP8 expert weights in the fused MoE GEMMs: the K loops of `moe_gemm`'s gate_up / down kernels on e4m3
-weights with their scales, and the launch arguments that switch them on (contract 10: same plan, tiles,
-epilogues and LoRA paths; only the weight tiles and their scaling differ).
+"""FP8 expert weights in the fused MoE GEMMs: `moe_gemm`'s K loops on e4m3 weights and the launch arguments
+that switch them on (contract 10: same plan, tiles, epilogues and LoRA paths).
 
-Shape legend: T tokens, H hidden, I expert intermediate, E experts, BM x BN x BK a GEMM tile (BK = 128).
-  w_gate_up [E, 2I, H] e4m3, scale [E, 2 ceil(I/128), ceil(H/128)] (block: the gate then the up grid rows)
-    or [E, 2I, 1] (channel / tensor, one per output row); w_down [E, H, I] e4m3, scale [E, ceil(H/128),
-    ceil(I/128)] or [E, H, 1]. Scales are fp32 multipliers (w ~ q * s).
-Each K step is one 128-column scale block: acc += dot(A, B_q) * a_scale[m] * b_scale[n] (fp32 accumulate).
-- W8A8 (`FP8ExpertScales.quantize_activations`): x, then h, are quantized per row and 128-column group
-  (`fp8_quant.per_token_group_quant`, DeepSeek's 1 x 128 recipe; a per-token scheme runs these finer
-  groups; h up to the plan's `num_padded` rows), one launch each, and the GEMMs run e4m3 x e4m3 tl.dots:
-  Hopper's FP8 MMA. (Quantizing each tile as the GEMM loads it, tried first, ran 3-6x slower than bf16 on the
-  H200: every output-column program re-rounds the same rows, and the rounded tile takes a layout change.)
-- W8A16 (off): each weight tile is upcast to the activations' dtype in registers, times its scale (as the
-  twin dequantizes), and multiplies the activations transposed (acc^T += W x^T): the upcast tile is the MMA's
-  register operand, so it never goes back through shared memory, and the accumulator stays chained.
-Both need FP8 conversions in Triton: compute capability >= 8.9 (the engine refuses an older GPU, ConfigError).
-Channel scales run the same loops with a broadcast scale (one row per output column, no K index).
+Shape legend: H hidden, I expert intermediate, E experts, BM x BN x BK a GEMM tile (BK = 128).
+  w_gate_up [E, 2I, H] e4m3, scale [E, 2 ceil(I/128), ceil(H/128)] (block: gate then up grid rows) or
+  [E, 2I, 1] (one per output row); w_down [E, H, I] e4m3, scale [E, ceil(H/128), ceil(I/128)] or [E, H, 1]
+Scales are fp32 multipliers (w ~ q * s); a K step is one scale block. W8A8: x, then h (up to the plan's
+`num_padded` rows), quantized per token and 128 columns (`fp8_quant`), e4m3 dots; W8A16: the weight tile upcast
+in registers as the MMA's operand (`_w8a16_dot`). Needs compute capability >= 8.9 (`check_fp8` raises).
 """
 
 from __future__ import annotations
@@ -44,8 +34,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 
 @dataclass(frozen=True)
 class FP8ExpertScales:
-    """The scales of FP8 expert weights (shapes in the module docstring) and their GEMMs' activation mode.
-    block: 128 x 128 scale blocks (False: one scale per output row). quantize_activations: W8A8 (else W8A16)."""
+    """FP8 expert weights' scales (module docstring); block: 128 x 128 (else per output row); W8A8 or W8A16."""
 
     gate_up: torch.Tensor
     down: torch.Tensor
@@ -60,17 +49,15 @@ def fp8_tiles(config: FusedMoEConfig) -> FusedMoEConfig:
 
 
 def fp8_table_key(E: int, H: int, inter: int, quantize_activations: bool) -> str:
-    """The table key of FP8 expert entries (`tune_fused_moe.py --dtype fp8 | fp8a8`): W8A16 under the weight
-    dtype's key ("...,dtype=float8_e4m3fn"), W8A8 under its own ("...,dtype=float8_e4m3fn,act=float8_e4m3fn"):
-    the two K loops differ (a register-operand upcast vs the e4m3 MMA), and so do their best tiles."""
+    """The table key of FP8 expert entries: W8A16 "...,dtype=float8_e4m3fn", W8A8 the same + ",act=float8_e4m3fn"
+    (the two K loops differ, and so do their best tiles)."""
     return shape_key(E, H, inter, FP8_DTYPE) + (",act=float8_e4m3fn" if quantize_activations else "")
 
 
 @functools.lru_cache(maxsize=1024)
 def fp8_moe_config(E: int, H: int, inter: int, T: int, K: int, act_dtype: torch.dtype, device_name: str,
                    table: str | None, quantize_activations: bool = False) -> FusedMoEConfig:
-    """The table's FP8 entry for this shape and activation mode, else its W8A16 entry (W8A8 untuned), else its
-    entry for the activations' dtype with `fp8_tiles` (the LoRA path picks stay the table's)."""
+    """The table's FP8 entry for this activation mode, else its W8A16 one, else the bf16 entry's `fp8_tiles`."""
     path = table_file(device_name, table)
     configs = load_table(path)
     for key in dict.fromkeys((fp8_table_key(E, H, inter, quantize_activations), fp8_table_key(E, H, inter, False))):
@@ -107,8 +94,7 @@ def check_fp8(x: torch.Tensor, E: int, H: int, inter: int, scales: FP8ExpertScal
 
 def fp8_launch_args(scales: FP8ExpertScales | None, which: str, inter: int, a: torch.Tensor,
                     rows: torch.Tensor | None = None) -> dict:
-    """The gate_up or down kernel's FP8 arguments ({} without FP8: the kernels' defaults, flags off). a: that
-    GEMM's activations (x, or h of which `rows` are live), quantized here for W8A8 (new buffers)."""
+    """The gate_up or down kernel's FP8 arguments ({} without FP8); `a` (rows below `rows`) quantized for W8A8."""
     if scales is None:
         return {}
     s = getattr(scales, which)

@@ -2,10 +2,8 @@
 
 Shape legend: M rows (tokens), K columns, G = ceil(K / 128) groups a row.
   x [M, K] fp16/bf16/fp32 -> (q [M, K] float8_e4m3fn, s [M, G] fp32), x ~ q * s per group.
-s = amax / 448 over the group (1 for an all-zero group), q = x / s rounded to nearest, saturated at +-448; the
-last group of a row whose K is not a multiple of 128 is partial. The same arithmetic, in the same fp32 order, as
-`moelora.quant.fp8.quantize_groups` (its torch twin), so the two agree bit for bit. `quant_tile`: that rounding
-on a [rows, 128] tile.
+s = amax / 448 over the group (1 for an all-zero group; the last group may be partial), q = x / s rounded to
+nearest, saturated at +-448: bit for bit `moelora.quant.fp8.quantize_groups`, its torch twin.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.checks import cdiv, next_pow2
+from moelora.kernels.checks import FLOAT_DTYPES, cdiv, next_pow2
 
 GROUP = 128
 FP8_MAX = 448.0
@@ -65,10 +63,9 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, K, n_groups, stride_x, st
 
 
 def per_token_group_quant(x: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q [M, K] e4m3, s [M, ceil(K/128)] fp32), both new (x is only read). rows: a device int32
-    scalar; only rows below it are quantized, the others of q and s are left unwritten (a routing plan's
-    padded rows: `MoERoutingPlan.num_padded`)."""
-    if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x.stride(1) != 1:
+    """x [M, K] -> new (q [M, K] e4m3, s [M, ceil(K/128)] fp32); `rows` (device int32 [1], e.g. a plan's
+    `num_padded`): only rows below it are written."""
+    if x.dim() != 2 or x.dtype not in FLOAT_DTYPES or x.stride(1) != 1:
         raise ValueError(f"x must be [M, K] fp16/bf16/fp32 with unit last stride, got {tuple(x.shape)} {x.dtype}")
     M, K = x.shape
     n_groups = cdiv(K, GROUP)

@@ -1,7 +1,6 @@
 """Fused routed-expert MoE with per-token multi-LoRA: the base pipeline over the kernels of moe_gemm.
 
-Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, S adapter slots, R max rank,
-P plan rows (max_padded).
+Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k.
   x [T, H], w_gate_up [E, 2I, H] (gate rows then up rows), w_down [E, H, I], topk_weights [T, K] (float),
   topk_ids [T, K] (int32/int64), lora: ExpertLoRAArgs                                  -> out [T, H]
 plan -> gate_up + SiLU*up -> down x routing weight -> combine: fixed sizes, no host sync, deterministic;
@@ -26,7 +25,6 @@ GROUP_M = 8  # grouped tile order of both GEMMs: every tuned entry kept 8 (docs/
 
 
 def _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids):
-    # each message is formatted only on failure (a lambda): this runs on every MoE call
     need(x.dim() == 2 and x.dtype in FLOAT_DTYPES, lambda: f"x must be [T, H] fp16/bf16/fp32, got "
          f"{tuple(x.shape)} {x.dtype}")
     T, H = x.shape
@@ -94,8 +92,7 @@ def _tma_operands(w_gate_up: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor
 
 
 def lora_path(lora: ExpertLoRAArgs | None, config: FusedMoEConfig, block_r: int) -> tuple[type[MoELoRAPath], object]:
-    """(path class, config) of a call with `lora` on a pool of block_r tile columns (`MoELoRAPath.resolve`);
-    the no-LoRA path without `lora`."""
+    """(path class, config) serving `lora` on a pool of block_r tile columns; the no-LoRA path without `lora`."""
     if lora is None:
         return MoELoRAPath, None
     cfg = config.lora_for(block_r)
@@ -122,11 +119,9 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
               config: FusedMoEConfig | None = None, side_stream: torch.cuda.Stream | None = None,
               table: str | None = None, route_rows: dict | None = None, expert_map: torch.Tensor | None = None,
               fp8: FP8ExpertScales | None = None) -> torch.Tensor:
-    """`fused_moe_ref` on the GPU -> out [T, H] (new, or `out=`). `side_stream`: for the route / block deltas;
-    `table`: the tuned table `config` None is taken from; `route_rows`: the caller's cache of `per_route_plan`'s
-    rows; `expert_map` [E_global] int32 (expert parallelism): the plan keeps only this rank's routes, so another
-    rank's cost no GEMM row and add nothing;
-    `fp8`: the scales of float8_e4m3fn weights and their activation mode (the weight dtype selects those kernels)."""
+    """`fused_moe_ref` on the GPU -> out [T, H] (new, or `out=`). `side_stream`: the delta paths'; `table`: where
+    `config` None is looked up; `route_rows`: the caller's cache of `per_route_plan`'s rows; `expert_map`
+    [E_global] int32: only this rank's routes; `fp8`: the scales of e4m3 weights and their activation mode."""
     T, H, E, inter, K = _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids)
     block_r = _check_lora(lora, T, H, E, inter) if lora is not None else 16
     config = config or _config(x, w_gate_up, E, H, inter, T, K, table, fp8 is not None and fp8.quantize_activations)

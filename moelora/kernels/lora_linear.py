@@ -1,9 +1,7 @@
 """Dense linear with per-token multi-LoRA: y = x W^T + b + x A_s^T B_s^T (s = slot of the row).
 
 Shape legend: T tokens, N_in / N_out features, S adapter slots, R max rank, G output segments.
-  x [T, N_in], weight [N_out, N_in], bias [N_out] | None, lora: DenseLoRAArgs (a [S, G*R, N_in],
-  b [S, N_out, R] with scaling folded in, token_slots [T] int32 (-1: none), slot_ranks [S] or [G, S])
-                                                                                       -> y [T, N_out]
+  x [T, N_in], weight [N_out, N_in], bias [N_out] | None, lora: DenseLoRAArgs | None     -> y [T, N_out]
 The config, default picks and checks; the modes are `moelora.kernels.dense_lora`, one per file.
 """
 
@@ -14,17 +12,16 @@ from dataclasses import dataclass
 import torch
 
 from moelora.kernels.args import DenseLoRAArgs
-from moelora.kernels.checks import FLOAT_DTYPES, need_at_least, need_one_of, need_pow2, output
+from moelora.kernels.checks import check_rows, need, need_at_least, need_one_of, need_pow2, output
 from moelora.kernels.dense_lora import MODES
 from moelora.kernels.dense_policy import DENSE_LORA_POLICY, PLAN_BLOCK_M, DenseLoRAPolicy
 
 
 @dataclass(frozen=True)
 class LoRALinearConfig:
-    """`mode` ("split", "splitk", "planned") and its tiles: block_m x block_n the expand's output tile, block_k the
-    shrink's depth step, split_k its N_in chunks (0: from the shapes), slot_lanes programs a row block taking one
-    distinct slot each; gemm_*: splitk's base GEMM; plan_cols: planned's columns a program. The shrink's row block
-    and stages are `split.SHRINK_BLOCK_M` / `SHRINK_STAGES`."""
+    """`mode` (a `MODES` name) and its tiles: block_m x block_n the expand's output tile, block_k the shrink's depth
+    step, split_k its N_in chunks (0: from the shapes), slot_lanes programs a row block taking one distinct slot
+    each; gemm_*: splitk's base GEMM; plan_cols: planned's columns a program."""
 
     mode: str = "split"
     block_m: int = 16
@@ -51,8 +48,7 @@ class LoRALinearConfig:
 def default_lora_linear_config(num_tokens: int, mode: str | None = None, n_in: int = 0, n_out: int = 0,
                                has_lora: bool = True, row_plan: bool = False,
                                policy: DenseLoRAPolicy = DENSE_LORA_POLICY) -> LoRALinearConfig:
-    """The measured picks (docs/performance.md); `mode` None: `policy.mode` picks it (`row_plan`: the caller
-    grouped the rows by slot, `DenseLoRAArgs.row_plan` given)."""
+    """The measured picks (docs/performance.md); `mode` None: `policy.mode` picks it."""
     if mode is None:
         mode = policy.mode(num_tokens, n_in, n_out, has_lora, row_plan)
     if mode == "splitk":
@@ -67,9 +63,8 @@ def default_lora_linear_config(num_tokens: int, mode: str | None = None, n_in: i
 
 
 def _check(x, weight, bias, lora):
-    if x.dim() != 2 or x.dtype not in FLOAT_DTYPES or x.stride(1) != 1:
-        raise ValueError(f"x must be [T, N_in] fp16/bf16/fp32 with unit last stride, got {tuple(x.shape)} "
-                         f"{x.dtype}")
+    need(x.dim() == 2, lambda: f"x must be [T, N_in], got {tuple(x.shape)}")
+    check_rows("x", x)
     T, n_in = x.shape
     if weight.dim() != 2 or weight.shape[1] != n_in or weight.dtype != x.dtype:
         raise ValueError(f"weight must be [N_out, N_in={n_in}] {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
@@ -82,7 +77,7 @@ def _check(x, weight, bias, lora):
 
 
 def check_lora(lora: DenseLoRAArgs, T: int, n_in: int, n_out: int) -> None:
-    """`lora` for a linear of T rows, N_in -> N_out (shapes in the module docstring); ValueError naming the field."""
+    """`lora` for a linear of T rows, N_in -> N_out (shapes: `DenseLoRAArgs`); ValueError naming the field."""
     segs = lora.segments
     G = max(1, len(segs))
     S, GR = lora.a.shape[0], lora.a.shape[1]
@@ -114,8 +109,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 config: LoRALinearConfig | None = None,
                 side_stream: torch.cuda.Stream | None = None,
                 policy: DenseLoRAPolicy = DENSE_LORA_POLICY) -> torch.Tensor:
-    """`lora_linear_ref` on the GPU -> y [T, N_out] (new, or `out=`); `side_stream`: split mode's shrink runs there;
-    `policy`: picks the mode when `config` is None."""
+    """`lora_linear_ref` on the GPU -> y [T, N_out] (new, or `out=`); `side_stream`: for split's shrink."""
     T, n_in, n_out = _check(x, weight, bias, lora)
     out = output(out, (T, n_out), x.dtype, x.device, (x, weight, bias))
     if T == 0:

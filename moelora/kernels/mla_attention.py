@@ -1,17 +1,14 @@
 """Paged MLA decode attention on the latent cache (weights absorbed): `mla_decode_attention_ref` on the GPU.
 
-Shape legend: T tokens in the step, N heads, C kv_lora_rank (latent width), Dr rotary key width,
-B sequences, NB cache blocks, BS block size (tokens), MB max blocks per sequence, S decode KV splits,
-HB heads per program.
+Shape legend: T tokens, N heads, C kv_lora_rank (latent width), Dr rotary key width, NB cache blocks, BS block
+size (tokens), HB heads a program.
   q_abs [T, N, C]     query nope part absorbed through kv_b_proj's key half (W_uk and its LoRA)
   q_rope [T, N, Dr]   rotated query rope part                       (fp16/bf16/fp32, unit last stride)
   entries [T, C + Dr] the step's new cache entries: normalised latent, rotated single-head key
   cache [NB, BS, C + Dr]  caller-owned `out=` buffer (contiguous, q's dtype)
   meta as `attention.py`'s; decode only (meta.max_query_len == 1)   -> o_lat [T, N, C] in q's dtype
-  o_lat[t, n] = sum_j softmax_j(scale * (q_abs[t, n] . latent_j + q_rope[t, n] . krot_j)) latent_j
-
-A store, then split-KV decode as `attention.py`'s, program (sequence, HB heads, split): all heads attend to
-one latent (MQA of width C + Dr), so one latent tile serves the scores and the values of HB heads.
+Split-KV decode as `attention.py`'s, program (sequence, HB heads, split): all heads attend to one latent (MQA
+of width C + Dr), so one latent tile serves the scores and the values of HB heads.
 """
 
 from __future__ import annotations
@@ -51,7 +48,7 @@ class MLAConfig:
 
 def default_mla_config(num_heads: int, latent: int, dtype: torch.dtype = torch.bfloat16, batch: int = 1
                        ) -> MLAConfig:
-    """Starting points from one H200 sweep (docs/performance.md, attention); fp32 (tests) takes small tiles."""
+    """Starting points from one H200 sweep (docs/performance.md, attention), from shapes only (graph-safe)."""
     if dtype == torch.float32:
         return MLAConfig(16, 16, num_warps=4)
     block_h = min(64, max(16, next_pow2(num_heads))) if batch >= 8 else 16
@@ -148,8 +145,7 @@ def _check(q_abs, q_rope, entries, cache, meta):
 def mla_decode_attention(q_abs: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor, cache: torch.Tensor,
                          meta, scale: float, *, config: MLAConfig | None = None,
                          num_splits: int | None = None) -> torch.Tensor:
-    """Store `entries` at meta.slot_mapping, then decode MLA over the latent cache -> new o_lat [T, N, C]; config
-    and splits depend on shapes only (the same at a graph's capture and replay)."""
+    """Store `entries` at meta.slot_mapping, then decode MLA over the latent cache -> new o_lat [T, N, C]."""
     T, N, C, Dr, B = _check(q_abs, q_rope, entries, cache, meta)
     cfg = config or default_mla_config(N, C, q_abs.dtype, B)
     head_blocks = cdiv(N, cfg.block_h)

@@ -1,13 +1,12 @@
 """kv_b_proj's LoRA in MLA's absorbed decode: `layers.mla.absorb_query` / `expand_output`'s LoRA terms on the GPU.
 
-Shape legend: T tokens, N heads, Dn qk_nope_head_dim, Dv v_head_dim, C kv_lora_rank, S adapter slots, R the
-pool's max rank (BLOCK_R = pow2 >= max(16, R)), HB heads a program.
+Shape legend: T tokens, N heads, Dn qk_nope_head_dim, Dv v_head_dim, C kv_lora_rank, S slots, R max rank.
   kv_b_proj's slots: a [S, R, C], b [S, N (Dn + Dv), R] (head n: rows n (Dn + Dv) + [0, Dn) the key half
   uk, + [Dn, Dn + Dv) the value half uv), ranks [S] int32 (this site's own), token_slots [T] int32 (-1: none)
   absorb: q_abs[t, n] += (q_nope[t, n] B_s,uk[n]) A_s        q_nope [T, N, Dn], q_abs [T, N, C]
   expand: out[t, n]   += (o_lat[t, n] A_s^T) B_s,uv[n]^T     o_lat [T, N, C],   out [T, N, Dv]
-Added in place into the caller's fresh q_abs / out; program (t, HB heads), the [HB, R] intermediate rounded
-once as the torch path rounds it. One launch a side instead of the torch path's ~8 (graph-safe grids).
+Added in place into the caller's fresh q_abs / out, program (t, HB heads), the [HB, R] intermediate rounded
+as the torch path rounds it: one launch a side instead of the torch path's ~8.
 """
 
 from __future__ import annotations
@@ -24,8 +23,7 @@ _BC = 64  # latent columns a step
 
 
 def _head_columns(block_r: int) -> int:
-    """Dn / Dv columns a step: 32 at 16 rank columns (measured), else the widest that does not spill on sm_90
-    (docs/performance.md; tests/kernels/test_compile_check.py keeps them spill-free)."""
+    """Dn / Dv columns a step: 32 at rank tile 16, else the widest not spilling on sm_90 (docs/performance.md)."""
     return 32 if block_r <= 16 else max(1, 256 // block_r)
 
 

@@ -4,9 +4,8 @@ Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k.
   configs/fused_moe_<gpu>.json: {"device", "configs": {"E=128,H=2048,I=768,dtype=bfloat16": {"<M>": entry}}}
   entry = {"tiles": {"block_m", "gate_up", "down", "use_tma", "plan_per_route"},
            "lora": {"path": name, <that path's fields>, "wide": {"path": ..., ...} (optional)}}
-A launch takes the smallest tuned M >= T (else the largest), else `default_fused_moe_config`; nothing is
-autotuned while serving. An unknown key (a removed knob, a typo) is a ValueError naming it (the engine's
-`EngineConfig.resolve` checks a user's table with `check_table_file` and reports a ConfigError).
+Nothing is autotuned while serving (`pick_entry`); an unknown key (a removed knob, a typo) is a ValueError
+naming it (`check_table_file`, which `EngineConfig.resolve` reports as a ConfigError).
 """
 
 from __future__ import annotations
@@ -48,9 +47,8 @@ class GemmTile:
 
 @dataclass(frozen=True)
 class FusedMoEConfig:
-    """One table entry: block_m (the plan's block), the gate_up / down tiles, use_tma (contract-6 off switch),
-    plan_per_route (a plan block per route, no launch), lora (a `moe_lora` path config for BLOCK_R <= 16) and
-    lora_wide (wider pools; None: lora). The measurements behind each pick: docs/performance.md."""
+    """One table entry: block_m (the plan's block), gate_up / down tiles, use_tma (contract-6 off switch),
+    plan_per_route (a block per route, no launch), lora (path config for BLOCK_R <= 16), lora_wide (None: lora)."""
 
     block_m: int = 16
     gate_up: GemmTile = field(default_factory=GemmTile)
@@ -134,8 +132,7 @@ def _strict(cls, d, where: str):
 
 def default_fused_moe_config(num_experts: int, hidden: int, inter: int, num_tokens: int,
                              top_k: int) -> FusedMoEConfig:
-    """Heuristic for shapes with no tuned entry, by routes per expert; the separate shrink split many ways with
-    few plan blocks (decode), none once the blocks fill the GPU."""
+    """Heuristic for shapes with no tuned entry, by routes per expert (few plan blocks: a shrink split many ways)."""
     routes = num_tokens * top_k
     per_expert = routes / max(1, num_experts)
     lora = _separate(split_k=8 if routes <= 1024 else 2 if routes <= 8192 else 1)
@@ -177,8 +174,7 @@ def table_file(device_name: str, table: str | None = None) -> str:
 
 
 def check_table_file(path: str | Path) -> str:
-    """The absolute path of a fused-MoE table file, FileNotFoundError without one, ValueError naming the first
-    entry (shape, M) that does not parse."""
+    """The table file's absolute path; FileNotFoundError, or ValueError naming the first entry that does not parse."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"no fused-MoE table file at {p}")

@@ -1,7 +1,6 @@
 """Triton kernels of the routed-expert GEMMs over a `MoERoutingPlan`, with the routed LoRA's epilogues.
 
-Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, S adapter slots,
-BLOCK_R the LoRA tile rank, P plan rows (max_padded), BM plan block_m.
+Shape legend: `moe_lora.base`'s.
   x [T, H], w_gate_up [E, 2I, H] -> h [P, I] (plan row order); h, w_down [E, H, I] -> y [T*K, H] (route order)
 Program (pid_m, pid_n): plan block pid_m (one expert) x BN columns; LoRA runs in this layout (contract 3),
 its epilogues switched on by the paths' flags (HAS_LORA, STACKED, LORA_DELTA, RAW_OUT, SPREAD, HAS_DELTA).

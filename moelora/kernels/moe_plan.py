@@ -1,11 +1,9 @@
 """Routing plan on the device: expert-sorted, block-padded route order (contract 3).
 
-Shape legend: T tokens, K top-k, E experts, BM = block_m rows per GEMM block,
-P = max_padded = max_blocks * BM (from T, K, E, BM only: `plan_capacity`), C routes per chunk.
-
-A counting sort with fixed output sizes and no host sync (CUDA-graph safe): one launch of E programs for
-small batches, count / scan / scatter launches above; each output position has one writer (no barrier), and
-within an expert routes keep ascending id, bit-identical to `reference.build_routing_plan_ref`.
+Shape legend: T tokens, K top-k, E experts, BM = block_m rows per GEMM block, C routes per chunk,
+P = max_padded = max_blocks * BM (from T, K, E, BM only: `plan_capacity`).
+A counting sort, fixed sizes, no host sync (CUDA-graph safe), one writer per output position: one launch of E
+programs for small batches, else count / scan / scatter; bit-identical to `reference.build_routing_plan_ref`.
 """
 
 from __future__ import annotations
@@ -132,9 +130,8 @@ def _plan_scatter_kernel(ids_ptr, base_ptr, sorted_ptr, n_routes, C: tl.constexp
 
 def build_routing_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
                        expert_map: torch.Tensor | None = None) -> MoERoutingPlan:
-    """Expert-sorted, block_m-padded plan of topk_ids [T, K]; ValueError for a bad block_m or ids.
-    `expert_map` [E_global] int32 (expert parallelism): topk_ids mapped first to this rank's local ids or -1
-    (`local_expert_ids`); the plan holds only the routes to local experts and keeps the mapped ids as `local_ids`."""
+    """Expert-sorted, block_m-padded plan of topk_ids [T, K]; ValueError for a bad block_m or ids. `expert_map`
+    [E_global] int32: only the routes to this rank's experts, their local ids kept as `local_ids`."""
     if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids must be [T, K] int32/int64, got {tuple(topk_ids.shape)} {topk_ids.dtype}")
     if block_m < 16 or block_m & (block_m - 1):
@@ -181,9 +178,8 @@ def build_routing_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int, *
 
 def per_route_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int,
                    cache: dict | None = None) -> MoERoutingPlan:
-    """A plan with no sort and no launch (FusedMoEConfig.plan_per_route): block r holds route r alone (row r * BM),
-    its expert topk_ids[r], not sorted; for one-token batches, whose K experts are distinct. `cache`: the caller's
-    dict of the constant rows per (T, K, BM, device), filled only outside graph capture; None: made on every call."""
+    """A plan with no sort and no launch (`plan_per_route`): block r holds route r alone, for one-token batches
+    (distinct experts). `cache`: the caller's dict of the constant rows, filled only outside graph capture."""
     if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids must be [T, K] int32/int64, got {tuple(topk_ids.shape)} {topk_ids.dtype}")
     T, K = topk_ids.shape

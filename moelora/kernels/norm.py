@@ -3,8 +3,7 @@
 Shape legend: T rows (tokens), D normalised dim (hidden, or a head / latent width).
   rms_norm(x [T, D], weight [D], eps)             -> y [T, D]          (x's dtype)
   add_rms_norm(x [T, D], delta [T, D], weight, eps) -> (h = x + delta, y = rms_norm(h))
-Numerics are `rms_norm_ref` / `add_rms_norm_ref` (RMSNorm's torch path, rounding where it rounds); one
-program a row in registers, any row stride, unit stride along D.
+Numerics are `rms_norm_ref` / `add_rms_norm_ref`'s; one program a row, any row stride, unit stride along D.
 """
 
 from __future__ import annotations

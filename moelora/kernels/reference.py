@@ -1,8 +1,5 @@
-"""Torch twins of every kernel launcher: the semantics the Triton kernels must reproduce.
-
-These are also the `kernel_backend="torch"` implementation (CPU, and the GPU reference).
-Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, R max rank,
-S adapter slots, N_in / N_out a linear layer's in / out features. The LoRA arguments: `kernels.args`.
+"""Torch twins of every kernel launcher: the semantics the Triton kernels must reproduce, and the
+`kernel_backend="torch"` implementation. Shape legend: `kernels.args`'s.
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ def _need_rows(lora: DenseLoRAArgs | ExpertLoRAArgs) -> None:
 
 def lora_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     lora: DenseLoRAArgs | None, act_quant: Callable | None = None) -> torch.Tensor:
-    """y = x @ W^T + bias + (x @ A_s^T @ B_s^T for rows on slot s). x [T, N_in] -> [T, N_out].
-    With segments, each segment's columns get its own A_g / B_g (see `DenseLoRAArgs`).
+    """y = x @ W^T + bias + (x @ A_s^T @ B_s^T for rows on slot s, per segment). x [T, N_in] -> [T, N_out].
     `act_quant` (the FP8 W8A8 twin, `moelora.quant`): rounds the base GEMM's input; LoRA reads x."""
     y = F.linear(x if act_quant is None else act_quant(x), weight, bias)
     if lora is None:
@@ -60,9 +56,8 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     For route (t, k) on expert e with token slot s:
       gu = x_t W_gu[e]^T + (x_t A_gu[s,e]^T) B_gu[s,e]^T;  h = silu(gu[:I]) * gu[I:]
       y  = h W_d[e]^T + (h A_d[s,e]^T) B_d[s,e]^T;         out_t += w_tk * y   (fp32)
-    A host loop over experts (syncs on CUDA: the Triton path is the graph-safe one). `act_quant` (the FP8 W8A8
-    twin): rounds the base GEMMs' inputs, not the LoRA terms'. `expert_map` (`local_expert_ids`): topk_ids
-    are global, the weights and LoRA this rank's experts; another rank's route adds nothing."""
+    A host loop over experts (syncs on CUDA). `act_quant`: as `lora_linear_ref`'s. `expert_map`
+    (`local_expert_ids`): topk_ids global, the weights and LoRA this rank's; another rank's route adds nothing."""
     base_in = (lambda t: t) if act_quant is None else act_quant
     T, H = x.shape
     inter = w_down.shape[2]
@@ -102,8 +97,7 @@ def plan_capacity(num_routes: int, num_experts: int, block_m: int) -> tuple[int,
 
 
 def local_expert_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> torch.Tensor:
-    """topk_ids [T, K] (global expert ids) through expert_map [E_global] int32 (local id, or -1 for an
-    expert another rank holds) -> [T, K] int32 local ids. One gather on the ids' device, no host sync."""
+    """topk_ids [T, K] through expert_map [E_global] int32 (local id, -1: another rank's) -> [T, K] int32 local ids."""
     if expert_map.dim() != 1 or expert_map.dtype != torch.int32 or expert_map.device != topk_ids.device:
         raise ValueError(f"expert_map must be [E] int32 on {topk_ids.device}, got {tuple(expert_map.shape)} "
                          f"{expert_map.dtype} on {expert_map.device}")
@@ -112,8 +106,7 @@ def local_expert_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> torch.
 
 def build_routing_plan_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int,
                            expert_map: torch.Tensor | None = None) -> MoERoutingPlan:
-    """Torch twin of `moe_plan.build_routing_plan` (bit-identical plan, no host sync). With `expert_map`
-    (`local_expert_ids`), num_experts is the local count and only the routes to local experts are placed."""
+    """Torch twin of `moe_plan.build_routing_plan` (bit-identical, no host sync; num_experts local with a map)."""
     T, K = topk_ids.shape
     local = None if expert_map is None else local_expert_ids(topk_ids, expert_map)
     n, dev = T * K, topk_ids.device
@@ -143,8 +136,7 @@ def build_routing_plan_ref(topk_ids: torch.Tensor, num_experts: int, block_m: in
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-    """Store the step's k/v [T, N_kv, D] at flat cache positions `slot_mapping` [T] of the caller's
-    caches [NB, BS, N_kv, D] (the caches are `out=` buffers; the inputs are only read)."""
+    """Store the step's k/v [T, N_kv, D] at flat positions `slot_mapping` [T] of the caches [NB, BS, N_kv, D]."""
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
@@ -177,8 +169,7 @@ def paged_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., D] -> [..., D] in x's dtype: fp32 statistics, the normalised row rounded to the dtype,
-    times the (fp32) weight, rounded again."""
+    """x [..., D] -> x's dtype: fp32 statistics, the normalised row rounded, times the weight, rounded again."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (weight * xf.to(x.dtype)).to(x.dtype)
@@ -192,8 +183,7 @@ def add_rms_norm_ref(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 
 
 def rotate_half_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary of x [T, N, D] over its first Dr dims (cos/sin [T, Dr] fp32, rounded to x's dtype);
-    the rest passes through. The same arithmetic as `moelora.layers.rotary.apply_rotary`."""
+    """Rotary of x [T, N, D] over its first Dr dims (cos/sin [T, Dr] fp32, rounded to x's dtype): `apply_rotary`'s."""
     rd = cos.shape[-1]
     head, tail = x[..., :rd], x[..., rd:]
     half = rd // 2

@@ -3,8 +3,7 @@
 Shape legend: T tokens, Nq / Nk query / key heads, D head_dim, Dr rotary dims (even, <= D).
   qk_norm_rope(q [T, Nq, D], k [T, Nk, D], cos [T, Dr] fp32, sin [T, Dr] fp32,
                q_weight [D] | None, k_weight [D] | None, eps) -> (q_out [T, Nq, D], k_out [T, Nk, D])
-Each head RMS-normalised over D when its weight is given, then its first Dr dims rotated; numerics are
-`qk_norm_rope_ref`'s (rounded to the dtype wherever torch rounds). Program (t, b): BLOCK_H heads of token t.
+Each head RMS-normalised over D when its weight is given, then its first Dr dims rotated: `qk_norm_rope_ref`.
 """
 
 from __future__ import annotations
@@ -98,8 +97,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     if T == 0 or D == 0:
         return q_out, k_out
     block_d = next_pow2(D)
-    # ~1K elements per program: at decode (T = 1..64) Qwen3-30B's 32 + 4 heads of 128 make 5 programs
-    # per token, so even one token spreads over a few SMs.
+    # ~1K elements per program: one decode token spreads over a few SMs (Qwen3-30B: 5 programs)
     block_h = min(next_pow2(max(NQ, NK)), max(1, 1024 // block_d))
     grid = (T, cdiv(NQ, block_h) + cdiv(NK, block_h))
     has_norm = q_weight is not None

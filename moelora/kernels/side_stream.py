@@ -1,8 +1,7 @@
-"""Fork and join of the LoRA side stream (`EngineConfig.overlap_lora`) inside a launcher.
+"""Fork and join of the LoRA side stream (`EngineConfig.overlap_lora`) inside a launcher; `side` None: no-ops.
 
 Every buffer the forked kernels write is allocated on the current stream before `forked`, kept until after
-`join` and read only after it, so no block is reused while the side stream uses it (contract 2). `side`
-None: both are no-ops, same kernels, same order, same results.
+`join` and read only after it, so no block is reused while the side stream uses it (contract 2).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Shape legend: T tokens, I intermediate.
   silu_mul(gate [T, I], up [T, I]) -> [T, I]   (any row strides: halves of one gate_up tensor too)
-Numerics are `silu_mul_ref` (`F.silu(gate) * up`, rounded where torch rounds); inputs are only read.
+Numerics are `silu_mul_ref`'s (`F.silu(gate) * up`, rounded where torch rounds).
 """
 
 from __future__ import annotations

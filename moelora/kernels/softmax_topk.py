@@ -3,10 +3,8 @@
 Shape legend: T tokens, E experts (<= 1024), K top-k (<= E).
   softmax_topk(logits [T, E] fp16/bf16/fp32, K, renormalize)
       -> (topk_weights [T, K] fp32, topk_ids [T, K] int32)
-Numerics are `softmax_topk_ref` (fp32 softmax, the K largest, optional renormalise). Among equal
-probabilities the lowest expert id wins, as torch.topk's radix select on CUDA keeps (frequent with bf16
-logits); the order inside the top k may differ from torch's unstable sort: the same (id, weight) pairs.
-Program: BLOCK_T tokens x all E in registers, K rounds of (max, lowest index holding it, knock it out).
+Numerics are `softmax_topk_ref`'s; on equal probabilities (frequent with bf16 logits) the lowest expert id
+wins, as torch.topk on CUDA keeps; the order inside the top k may differ from torch's (the same pairs).
 """
 
 from __future__ import annotations

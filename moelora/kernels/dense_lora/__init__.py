@@ -1,7 +1,4 @@
-"""The dense LoRA modes of `lora_linear`, one per file, registered in `MODES` (`LoRALinearConfig.mode`).
-
-Which modes stay and why: docs/performance.md.
-"""
+"""The dense LoRA modes of `lora_linear`, one per file, in `MODES` (`LoRALinearConfig.mode`); why: performance.md."""
 
 from __future__ import annotations
 

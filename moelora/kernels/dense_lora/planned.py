@@ -1,11 +1,9 @@
 """Dense LoRA mode "planned": cuBLAS for the base, then the delta over the rows grouped by slot.
 
-Shape legend: T tokens, N_in / N_out features, S adapter slots, R pool rank per segment
-(BLOCK_R = pow2 >= max(16, R)), G output segments, BM rows per plan block, P plan rows (max_padded).
+Shape legend: `base`'s, and BM rows per plan block.
   row_plan: the routing plan of token_slots as [T, 1] ids over S "experts" (`lora.batch.plan_step`)
   planned_delta_kernel: program (block, column split): y[rows] += (x[rows] @ A_s^T) @ B_s^T
-Why: one program per block of one slot's rows costs the same for 1 or 8 adapters, where the split path's
-expand runs its tiles once per slot lane.
+Why: a program per block of one slot's rows costs the same for 1 or 8 adapters (split's expand: once per lane).
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """Dense LoRA mode "split": cuBLAS for the base, then a shrink kernel and an expand kernel.
 
-Shape legend: T tokens, N_in / N_out features, S adapter slots, R pool rank per segment, G output segments
-(BLOCK_R = pow2 >= max(16, R)), P shrink splits over N_in.
+Shape legend: `base`'s, and P shrink splits over N_in.
   shrink: xa [P, T, G BLOCK_R] fp32 = x[t, chunk p] @ A_slot(t)[:rank]^T    (on the side stream when given)
   expand: y[t] += (sum_p xa[p, t]) @ B_slot(t)[:, :rank]^T
 Programs (m, ., lane) take the lane-th distinct slot of their rows (the last lane the rest): lanes touch
@@ -65,8 +64,7 @@ class ShrinkLaunch(NamedTuple):
 
 
 def shrink_setup(x, lora, T, n_in, cfg) -> ShrinkLaunch:
-    """The shrink's launch, its xa [P, T, G * BLOCK_R] fp32 allocated here on the current stream: P chunks of N_in
-    so that row blocks x P ~ the target, P capped to keep the expand from spilling."""
+    """The shrink's launch, its xa allocated here on the current stream; P capped to keep the expand from spilling."""
     seg, S = Segments(lora), lora.a.shape[0]
     n_kb = max(1, cdiv(n_in, cfg.block_k))
     want = cfg.split_k

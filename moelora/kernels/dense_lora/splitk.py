@@ -1,6 +1,6 @@
 """Dense LoRA mode "splitk": a split-K decode GEMM whose reduction adds the bias and the LoRA expand.
 
-Shape legend: T tokens (decode: <= 64), N_in / N_out features, P split-K chunks, S adapter slots.
+Shape legend: `base`'s (T <= SPLITK_MAX_ROWS), and P split-K chunks.
   partials: x [T, N_in] @ W [N_out, N_in]^T over chunk p of N_in -> ws [P, T, N_out] fp32
             (+ LoRA: the dense shrink, xa [P', T, G BLOCK_R] fp32, in the same launch)
   reduce:   y [T, N_out] = sum_p ws[p] (+ bias) (+ xa @ B_slot(t)^T per row), rounded once

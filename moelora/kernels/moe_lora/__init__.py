@@ -1,8 +1,5 @@
-"""The routed-expert LoRA paths of `fused_moe`, one per file behind `base.MoELoRAPath`, registered in `PATHS`.
-
-The tuner, scripts/compile_check.py and the tests iterate `PATHS` (`trials`, then `refinements` on a pick).
-Which paths stay and why: docs/performance.md.
-"""
+"""The routed-expert LoRA paths of `fused_moe`, one per file behind `base.MoELoRAPath`, registered in `PATHS`
+(the tuner, scripts/compile_check.py and the tests iterate it; which stay and why: docs/performance.md)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,12 @@
 """The protocol every routed-LoRA path of `fused_moe` follows, and the call it serves.
 
-Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, S adapter slots,
-BLOCK_R the LoRA tile rank, P plan rows (max_padded).
-A path adds its LoRA to the base pipeline (plan -> gate_up -> activation -> down -> combine) through, in order:
-  __init__              scratch buffers, allocated on the current stream before any fork (contract 2)
-  gate_up_out(h)        where the gate_up GEMM writes: h [P, I] (activated), or a raw [P, 2I] gate / up buffer
-  before_gate_up()      launches before the gate_up GEMM (a shrink, a delta, or a fork to the side stream)
-  gate_up_args()        the gate_up kernel's LoRA arguments and epilogue flags
-  after_gate_up(gu, h)  launches between the GEMMs that finish h (a join and an activation kernel)
-  before_down(h)        launches before the down GEMM
-  down_args()           the down kernel's LoRA arguments and epilogue flags
-  before_combine()      a join before the combine reads what the side stream wrote
-  combine_args()        the top-k combine's LoRA arguments
+Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, S adapter slots, R max rank,
+BLOCK_R the LoRA tile rank, P plan rows (max_padded), BM plan block_m.
+A path adds its LoRA to the base pipeline (plan -> gate_up -> activation -> down -> combine) through hooks
+called in class order: `__init__` allocates its scratch on the current stream before any fork (contract 2);
+`gate_up_out(h)` is where gate_up writes (h [P, I] activated, or a raw [P, 2I] gate / up buffer);
+`before_gate_up`, `after_gate_up(gu, h)`, `before_down(h)`, `before_combine` launch what runs between the
+kernels (a shrink, a delta, a fork or join, an activation); `*_args` are the kernels' LoRA arguments and flags.
 The base class is the no-LoRA path: every flag off, dummies for every pointer.
 """
 

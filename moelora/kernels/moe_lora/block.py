@@ -1,11 +1,9 @@
 """Routed-expert LoRA path "block": each route's whole delta, per (plan block, slot), before the GEMM that adds it.
 
-Shape legend: T tokens, K top-k, H hidden, I expert intermediate, S adapter slots, E experts, R max rank
-(BLOCK_R the tile rank), P plan rows (max_padded), BM plan block_m.
-
-`lora_block_delta_kernel`, program (block, lane, N split): one slot's rows of the block shrunk with one
-tl.dot, then expanded into delta [T*K, N] (`deltas`): a (slot, expert) pair's A and B are read once per
-block, not once per route. Decode from M=8 to 256 on the H200 (docs/performance.md).
+Shape legend: `base`'s.
+  lora_block_delta_kernel, program (block, lane, N split): one slot's rows of the block shrunk with one tl.dot,
+  then expanded into delta [T*K, N] (`deltas`)
+Why: a (slot, expert) pair's A and B are read once per block, not once per route.
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ BLOCK_LANES = 8  # programs per plan block, one distinct slot each (the last: th
 @dataclass(frozen=True)
 class BlockConfig:
     """block_n / block_k: expand / shrink step; block_m (0: the plan's): rows a program; programs (0: one an item):
-    that many looping programs; gate_up_at: "epilogue" or "activation" (added by a kernel after the GEMM, so the
-    delta runs beside it on the side stream)."""
+    that many looping programs; gate_up_at: "epilogue", or "activation" (the delta beside the GEMM, side stream)."""
 
     path: ClassVar[str] = "block"
     block_n: int = 64

@@ -1,7 +1,6 @@
-"""What the "route" and "block" routed-LoRA paths share: each route's whole delta, computed before the GEMM
-that adds it.
+"""What the "route" and "block" paths share: each route's whole delta, computed before the GEMM that adds it.
 
-Shape legend: T tokens, K top-k, H hidden, I expert intermediate, S adapter slots, P plan rows.
+Shape legend: `base`'s.
   delta_gu [T*K, 2I], delta_d [T*K, H] (x's dtype; fp32 for "route" on pools wider than 16 columns)
 The gate_up epilogue (or `act_delta_kernel`) adds delta_gu; the top-k combine adds delta_d times the routing
 weight, so the down delta runs beside the down GEMM on the side stream (both read h only).

@@ -1,11 +1,9 @@
 """Routed-expert LoRA path "route": each route's whole delta, shrink and expand as two GEMVs in one program.
 
-Shape legend: T tokens, K top-k, H hidden, I expert intermediate, S adapter slots, E experts, R max rank
-(BLOCK_R the tile rank), P plan rows (max_padded), RC = 16 rank columns.
-
-`lora_route_delta_kernel`: delta[route] = (src row @ A^T) @ B^T, RC rank columns a pass (one pass at the pool's
-width for slots of rank > 32), one program per route (or plan row) and N split: no dependence on the block's
-other rows, which at decode sit on as many slots.
+Shape legend: `base`'s, and RC = 16 rank columns.
+  lora_route_delta_kernel: delta[route] = (src row @ A^T) @ B^T, RC rank columns a pass (one pass at the pool's
+  width for slots of rank > 32), one program per route (or plan row) and N split
+Why: no dependence on the block's other rows, which at decode sit on as many slots.
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ ROUTE_STEP = 4096 // LORA_RC  # [RC, 256] A / B loads, 4096 elements each (docs/
 
 @dataclass(frozen=True)
 class RouteConfig:
-    """warps: of each program; order: gate_up programs by "token" or "plan" (an expert's routes side by side);
-    gate_up_at: as `BlockConfig`'s."""
+    """warps a program; order: gate_up by "token" or "plan" (an expert's routes adjacent); gate_up_at: as Block."""
 
     path: ClassVar[str] = "route"
     warps: int = 4

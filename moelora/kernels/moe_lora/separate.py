@@ -1,7 +1,6 @@
 """Routed-expert LoRA path "separate": a shrink kernel before each GEMM, the expand in its epilogue.
 
-Shape legend: T tokens, H hidden, I expert intermediate, S adapter slots, E experts, R max rank (BLOCK_R
-the tile rank), P plan rows (max_padded), BM plan block_m, SPLIT shrink partials, RC = 16 rank columns.
+Shape legend: `base`'s, and SPLIT shrink partials.
   lora_shrink_kernel: src rows (x by token, or h by plan row) @ A^T -> xa [SPLIT, P, BLOCK_R] fp32
 The default config's path and the "stacked" overflow: A and B read once per (plan block, slot).
 """

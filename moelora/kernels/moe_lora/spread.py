@@ -1,11 +1,9 @@
 """Routed-expert LoRA path "spread": no LoRA launch; the shrinks ride in the programs of the kernel before the expand.
 
-Shape legend: T tokens, H hidden, I expert intermediate, S adapter slots, E experts, R max rank (BLOCK_R the
-tile rank), P plan rows (max_padded), BM plan block_m.
+Shape legend: `base`'s.
   gate_up GEMM tile n: x columns [n k, (n + 1) k) @ A_gu^T -> xa_gu [parts, P, BLOCK_R] fp32, gate / up raw
   act_spread_kernel: sum, expand, SiLU * up, its h columns @ A_d^T -> xa_d partials; down epilogue expands
-One token a batch (the M=1 entries): each pair read once, no side stream; with several slots a block the
-slot loops sit in every program's tail and lose to "block" (docs/performance.md).
+Why: at one token each (slot, expert) pair is read once, with no side stream (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """Routed-expert LoRA path "stacked": every slot's xa side by side, expanded as more K steps of the GEMMs.
 
-Shape legend: T tokens, H hidden, I expert intermediate, S adapter slots, E experts, R max rank (BLOCK_R the
-tile rank), P plan rows (max_padded), BM plan block_m, CW stacked columns a shrink program.
+Shape legend: `base`'s, and CW stacked columns a shrink program.
   lora_stacked_shrink_kernel: xa_stacked [P, S * BLOCK_R] (x's dtype), a row's xa in its slot's lane
   each GEMM: += xa_stacked @ B_stacked[e] as more K steps, one slot's lane a step
-Prefill (the M >= 512 entries): a dense shrink, and no branch between steps. Pools wider than STACK_MAX_COLS
-slot columns take `StackedConfig.overflow` ("separate").
+Why: a dense shrink and no branch between K steps (prefill). Pools wider than STACK_MAX_COLS slot columns take
+`StackedConfig.overflow` ("separate").
 """
 
 from __future__ import annotations
