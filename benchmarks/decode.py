@@ -375,7 +375,7 @@ def main() -> None:
         name = "qwen3_30b" if args.model == "all" else args.model
         write_rows(args.out, run_parallel(MODELS[name], name, args.tensor_parallel_size, args.enable_expert_parallel,
                                           args.layers or 8, concs, args.steps, args.rank, args.repeats,
-                                          args.quantization))
+                                          args.quantization, args.fp8_activation_quant))
         return
     bw = copy_gbps() * 1e9  # bytes/s
     print(f"GPU {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")

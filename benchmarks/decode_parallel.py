@@ -87,7 +87,8 @@ def write_random_adapter(cfg: ModelConfig, rank: int, seed: int, out: Path) -> P
 
 
 def run_parallel(spec: dict, name: str, tp: int, expert_parallel: bool, layers: int, concs: list[int], steps: int,
-                 rank: int, repeats: int, quantization: str | None = None) -> list[dict]:
+                 rank: int, repeats: int, quantization: str | None = None,
+                 fp8_activation_quant: bool | None = None) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="moelora-tp-bench-") as tmp:
         cfg = write_random_checkpoint(spec, layers, Path(tmp) / "model")
@@ -98,7 +99,7 @@ def run_parallel(spec: dict, name: str, tp: int, expert_parallel: bool, layers: 
                            dict(tensor_parallel_size=tp, expert_parallel=expert_parallel))):
             llm = LLM(Path(tmp) / "model", adapters, dtype="bfloat16", max_loras=8, max_lora_rank=2 * rank,
                       max_num_seqs=max(concs), max_model_len=512, num_kv_blocks=max(concs) * 16 + 64,
-                      quantization=quantization, **kw)
+                      quantization=quantization, fp8_activation_quant=fp8_activation_quant, **kw)
             try:
                 for conc in concs:
                     for config, names in (("no LoRA", [None]), ("1 adapter", ["a0"]), ("8 adapters", list(adapters))):
