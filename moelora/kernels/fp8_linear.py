@@ -4,12 +4,14 @@ Shape legend: T tokens, N_in / N_out features, G row segments of the weight (mer
   x [T, N_in] fp16/bf16/fp32, weight [N_out, N_in] e4m3, scale fp32 [sum_g ceil(N_g/128), ceil(N_in/128)]
   (block: each segment blocked on its own, `quant.fp8`) or [N_out, 1] (channel / tensor), bias [N_out] | None,
   lora: DenseLoRAArgs | None                                                            -> y [T, N_out]
-K steps of one 128-column scale block, W8A8 (x quantized first, `fp8_quant`) or W8A16 (as `fp8_moe`'s). The
-LoRA delta is the dense modes' "split" (its shrink on the side stream during the GEMM) or "planned", on x
+K steps of one 128-column scale block, W8A8 (x quantized first, `fp8_quant`) or W8A16 (as `fp8_moe`'s); in decode
+the K steps split over programs, summed by the last split of each tile in the same launch. The LoRA delta is the dense modes' "split" (its shrink on the side stream during the GEMM) or "planned", on x
 unrounded; never "splitk", which fuses the bf16 GEMM. Twin: `lora_linear_ref` on the dequantized weight.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -34,22 +36,27 @@ def _scale_rows(offs_n, B1: tl.constexpr, B2: tl.constexpr, G1: tl.constexpr, G2
 
 
 @triton.jit
-def _fp8_linear_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, T, N, K,
+def _fp8_linear_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, sem_ptr, T, N, K, K_SPLIT,
                        stride_a, stride_as, stride_w, stride_wsn, stride_wsk, stride_o,
                        B1: tl.constexpr, B2: tl.constexpr, G1: tl.constexpr, G2: tl.constexpr, GN: tl.constexpr,
-                       A_FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       A_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Program (m, n): out[m BM.., n BN..] = a @ W^T (+ bias); a e4m3 with as [T, ceil(K/BK)] (A_FP8) or a float."""
+    """Program (m, n, k): out[m BM.., n BN..] = a @ W^T (+ bias) over columns [k K_SPLIT, (k + 1) K_SPLIT); a e4m3
+    with as [T, ceil(K/BK)] (A_FP8) or a float. SPLIT_K > 1: each split writes its fp32 partial to part
+    [SPLIT_K, T, N]; the split arriving last at its tile (counted on sem [tiles] int32, zero between calls) sums
+    them in split order and writes out: one launch, deterministic."""
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     m_ok, n_ok = offs_m < T, offs_n < N
+    k_lo = tl.program_id(2) * K_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_SPLIT)
     a_rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_a + offs_k[None, :]
     s_cols = ws_ptr + _scale_rows(offs_n, B1, B2, G1, G2, GN) * stride_wsn
     if A_FP8:
         acc = tl.zeros((BM, BN), tl.float32)
         w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_w + offs_k[:, None]  # [BK, BN]
-        for k0 in range(0, K, BK):
+        for k0 in range(k_lo, k_hi, BK):
             k_ok = (k0 + offs_k) < K
             a = tl.load(a_rows + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_cols + k0, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
@@ -59,26 +66,100 @@ def _fp8_linear_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, T, N, K,
     else:  # transposed, the upcast weight as the MMA's register operand (as fp8_moe's W8A16 steps)
         acc_t = tl.zeros((BN, BM), tl.float32)
         w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]  # [BN, BK]
-        for k0 in range(0, K, BK):
+        for k0 in range(k_lo, k_hi, BK):
             k_ok = (k0 + offs_k) < K
             a = tl.load(a_rows + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_rows + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             w_s = tl.load(s_cols + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0)
             acc_t = tl.dot((w.to(tl.float32) * w_s[:, None]).to(a.dtype), tl.trans(a), acc_t)
         acc = tl.trans(acc_t)
+    tile_ok = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K == 1:
+        _write(acc, bias_ptr, out_ptr, offs_m, offs_n, n_ok, tile_ok, stride_o, HAS_BIAS)
+    else:
+        parts = part_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(parts + tl.program_id(2).to(tl.int64) * T * N, acc, mask=tile_ok)
+        tl.debug_barrier()  # every thread's partial is written before the release below publishes them
+        sem = sem_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(sem, 1, sem="acq_rel") == SPLIT_K - 1:  # the last split of this tile sums them all
+            acc = tl.zeros((BM, BN), tl.float32)
+            for k in tl.static_range(SPLIT_K):  # in split order: the sum does not depend on who came last
+                acc += tl.load(parts + k * T * N, mask=tile_ok, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(sem, 0)  # zero again for the next call (or graph replay) on these semaphores
+            _write(acc, bias_ptr, out_ptr, offs_m, offs_n, n_ok, tile_ok, stride_o, HAS_BIAS)
+
+
+@triton.jit
+def _write(acc, bias_ptr, out_ptr, offs_m, offs_n, n_ok, tile_ok, stride_o, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_o + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+             mask=tile_ok)
 
 
-def _tiles(T: int, n_out: int) -> tuple[int, int, int]:
-    """(BM, BN, num_warps): decode in 16-row tiles narrow enough for ~128 programs (132 SMs), prefill 64 x 128."""
+class Tiles(NamedTuple):
+    bm: int
+    bn: int
+    warps: int
+    stages: int = 3
+    split_k: int = 1  # at most this many K splits (whole 128-column scale blocks each)
+
+
+def default_tiles(T: int, n_out: int, n_in: int) -> Tiles:
+    """Decode (T <= 16): 16 x 64 tiles, K split in 2-8 until ~256 programs are in flight (the H200 sweep of
+    issue 28: q/k/v 10.3 -> 8.1 us, o 16.0 -> 7.6 at T = 8); 32 x 64 to 128 rows, then prefill's 64 x 128."""
     if T <= 16:
-        return 16, next((bn for bn in (64, 32) if n_out >= 128 * bn), 16), 4
+        split = 1
+        while split < 8 and cdiv(n_out, 64) * split < 256 and split * GROUP < n_in:
+            split *= 2
+        return Tiles(16, 64, 4, 3, split)
     if T <= 128:
-        return 32, 64, 4
-    return 64, 128, 8
+        return Tiles(32, 64, 4)
+    return Tiles(64, 128, 8)
+
+
+class _Semaphores:
+    """Split-K's per-tile arrival counters: one zeroed int32 pool a device, handed out round robin, so calls
+    that might overlap on two streams (a side stream's shared expert) count on different counters; each call
+    leaves its counters at zero. Allocated by the first eager split-K call (the engine's graph warm-up runs
+    one before any capture)."""
+
+    SIZE = 1 << 16
+
+    def __init__(self):
+        self.pools: dict[torch.device, torch.Tensor] = {}
+        self.next = 0
+
+    def take(self, device: torch.device, n: int) -> torch.Tensor:
+        pool = self.pools.get(device)
+        if pool is None:
+            need(not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()),
+                 "fp8_linear: the split-K counters are allocated by an eager call before any graph capture")
+            pool = self.pools[device] = torch.zeros(self.SIZE, dtype=torch.int32, device=device)
+        if self.next + n > self.SIZE:
+            self.next = 0
+        self.next += n
+        return pool[self.next - n:self.next]
+
+
+_SEMAPHORES = _Semaphores()
+
+
+def _launch(a, a_s, weight, scale, bias, out, bounds, grid_rows, gn, a_fp8, block, t: Tiles):
+    T, n_out, n_in = out.shape[0], out.shape[1], weight.shape[1]
+    k_split = cdiv(cdiv(n_in, GROUP), t.split_k) * GROUP
+    splits = cdiv(n_in, k_split)
+    grid = (cdiv(T, t.bm), cdiv(n_out, t.bn), splits)
+    part, sem = out, out
+    if splits > 1:
+        part = torch.empty(splits, T, n_out, dtype=torch.float32, device=out.device)
+        sem = _SEMAPHORES.take(out.device, grid[0] * grid[1])
+    _fp8_linear_kernel[grid](
+        a, a_s, weight, scale, out if bias is None else bias, out, part, sem, T, n_out, n_in, k_split,
+        a.stride(0), a_s.stride(0), weight.stride(0), scale.stride(0), scale.stride(1) if block else 0,
+        out.stride(0), B1=bounds[0], B2=bounds[1], G1=grid_rows[0], G2=grid_rows[1], GN=gn, A_FP8=a_fp8,
+        HAS_BIAS=bias is not None, SPLIT_K=splits, BM=t.bm, BN=t.bn, BK=GROUP, num_warps=t.warps,
+        num_stages=t.stages)
 
 
 def _check(x, weight, scale, bias, segments, block):
@@ -104,8 +185,9 @@ def _check(x, weight, scale, bias, segments, block):
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, *,
                segments: tuple[int, ...], block: bool = True, quantize_activations: bool = False,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T (+ bias) on e4m3 W and its scale (module docstring); y new, or the caller's `out=`."""
+               out: torch.Tensor | None = None, tiles: Tiles | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias) on e4m3 W and its scale (module docstring); y new, or the caller's `out=`; `tiles`:
+    default `default_tiles`."""
     T, n_in, n_out = _check(x, weight, scale, bias, segments, block)
     out = output(out, (T, n_out), x.dtype, x.device, (x, weight, scale, bias))
     if T == 0:
@@ -115,12 +197,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     bounds = [sum(segments[:i + 1]) for i in range(len(segments))] + [n_out] * (MAX_SEGMENTS - len(segments))
     grid_rows = [sum(cdiv(n, gn) for n in segments[:i + 1]) for i in range(len(segments))]
     grid_rows += [grid_rows[-1]] * (MAX_SEGMENTS - len(segments))
-    bm, bn, warps = _tiles(T, n_out)
-    _fp8_linear_kernel[(cdiv(T, bm), cdiv(n_out, bn))](
-        a, a_s, weight, scale, x if bias is None else bias, out, T, n_out, n_in, a.stride(0), a_s.stride(0),
-        weight.stride(0), scale.stride(0), scale.stride(1) if block else 0, out.stride(0),
-        B1=bounds[0], B2=bounds[1], G1=grid_rows[0], G2=grid_rows[1], GN=gn, A_FP8=quantize_activations,
-        HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=GROUP, num_warps=warps, num_stages=3)
+    _launch(a, a_s, weight, scale, bias, out, bounds, grid_rows, gn, quantize_activations, block,
+            tiles or default_tiles(T, n_out, n_in))
     return out
 
 

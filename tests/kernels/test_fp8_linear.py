@@ -18,7 +18,7 @@ import torch
 pytestmark = pytest.mark.interp  # `make test` runs it with TRITON_INTERPRET=1 (set before triton is imported)
 triton = pytest.importorskip("triton")
 
-from moelora.kernels.fp8_linear import fp8_linear, fp8_lora_linear  # noqa: E402
+from moelora.kernels.fp8_linear import Tiles, fp8_linear, fp8_lora_linear  # noqa: E402
 from moelora.kernels.fp8_quant import per_token_group_quant  # noqa: E402
 from moelora.kernels.reference import DenseLoRAArgs, lora_linear_ref  # noqa: E402
 from moelora.quant.fp8 import (  # noqa: E402
@@ -79,6 +79,27 @@ def test_fp8_linear_equals_twin(block, segments, T, ranks, act):
     if act:  # within the activation rounding's bound of the W8A16 twin
         exact = twin(case, w_deq, False)
         assert torch.all((got.double() - exact).abs() <= gemm_bound(case[0].double(), w_deq.double(), 128) + 1e-5)
+
+
+@kernel_test
+@pytest.mark.parametrize("act", [False, True], ids=["w8a16", "w8a8"])
+@pytest.mark.parametrize("split", [2, 3, 8])
+def test_split_k_equals_one_pass_and_repeats_bit_for_bit(split, act):
+    """Decode's split-K (5 scale blocks in 3 splits leaves a short last one; 8 asks for more splits than blocks):
+    one pass over K up to fp32 reassociation, and the same bits on every call into a NaN-filled output (the
+    last split sums the partials in split order); every arrival counter is back at zero after the calls (one
+    left behind would skip the sum of a later call on it, leaving its output unwritten)."""
+    from moelora.kernels.fp8_linear import _SEMAPHORES
+
+    x, w, b, _ = make_case(5, 520, 200, (), 8, dtype=torch.float32, device=DEV, seed=split)
+    q, s, _ = fp8_weight(w, (136, 64), True)
+    kw = dict(segments=(136, 64), quantize_activations=act)
+    one = fp8_linear(x, q, s, b, tiles=Tiles(16, 32, 4, 3, 1), **kw)
+    got = [fp8_linear(x, q, s, b, out=torch.full_like(one, float("nan")), tiles=Tiles(16, 32, 4, 3, split), **kw)
+           for _ in range(3)]
+    assert rel_err(got[0], one) <= 1e-6
+    assert all(torch.equal(g, got[0]) for g in got[1:])
+    assert _SEMAPHORES.pools[got[0].device].count_nonzero() == 0
 
 
 @kernel_test
