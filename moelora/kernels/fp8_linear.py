@@ -5,8 +5,9 @@ Shape legend: T tokens, N_in / N_out features, G row segments of the weight (mer
   (block: each segment blocked on its own, `quant.fp8`) or [N_out, 1] (channel / tensor), bias [N_out] | None,
   lora: DenseLoRAArgs | None                                                            -> y [T, N_out]
 K steps of one 128-column scale block, W8A8 (x quantized first, `fp8_quant`) or W8A16 (as `fp8_moe`'s); in decode
-the K steps split over programs, summed by the last split of each tile in the same launch. The LoRA delta is the dense modes' "split" (its shrink on the side stream during the GEMM) or "planned", on x
-unrounded; never "splitk", which fuses the bf16 GEMM. Twin: `lora_linear_ref` on the dequantized weight.
+the K steps split over programs, summed by the last split of each tile in the same launch. The LoRA delta is the
+dense modes' "split" (its shrink on the side stream during the GEMM) or "planned", on x unrounded; never
+"splitk", which fuses the bf16 GEMM. Twin: `lora_linear_ref` on the dequantized weight.
 """
 
 from __future__ import annotations
