@@ -107,16 +107,16 @@ class Tiles(NamedTuple):
 
 
 def default_tiles(T: int, n_out: int, n_in: int) -> Tiles:
-    """Decode (T <= 16): 16 x 64 tiles, K split in 2-8 until ~256 programs are in flight (the H200 sweep of
-    issue 28: q/k/v 10.3 -> 8.1 us, o 16.0 -> 7.6 at T = 8); 32 x 64 to 128 rows, then prefill's 64 x 128."""
-    if T <= 16:
-        split = 1
-        while split < 8 and cdiv(n_out, 64) * split < 256 and split * GROUP < n_in:
-            split *= 2
-        return Tiles(16, 64, 4, 3, split)
-    if T <= 128:
-        return Tiles(32, 64, 4)
-    return Tiles(64, 128, 8)
+    """Decode: 16 x 64 tiles to 16 rows, 32 x 64 to 32, 64 x 64 to 128, K split in 2-8 until ~256 programs (16
+    rows) or ~128 (more) are in flight (the H200 sweeps of issue 28: q/k/v 10.3 -> 8.1 us at T = 8, 16.0 ->
+    12.6 at 64; o 16.0 -> 7.6 at 8, 21.4 -> 11.8 at 64); prefill 64 x 128, one pass."""
+    if T > 128:
+        return Tiles(64, 128, 8)
+    bm = 16 if T <= 16 else 32 if T <= 32 else 64
+    tiles, want, split = cdiv(T, bm) * cdiv(n_out, 64), 256 if T <= 16 else 128, 1
+    while split < 8 and tiles * split < want and split * GROUP < n_in:
+        split *= 2
+    return Tiles(bm, 64, 4, 3, split)
 
 
 class _Semaphores:

@@ -84,14 +84,16 @@ def test_fp8_linear_equals_twin(block, segments, T, ranks, act):
 @kernel_test
 @pytest.mark.parametrize("act", [False, True], ids=["w8a16", "w8a8"])
 @pytest.mark.parametrize("split", [2, 3, 8])
-def test_split_k_equals_one_pass_and_repeats_bit_for_bit(split, act):
+@pytest.mark.parametrize("T", [5, 40])
+def test_split_k_equals_one_pass_and_repeats_bit_for_bit(T, split, act):
     """Decode's split-K (5 scale blocks in 3 splits leaves a short last one; 8 asks for more splits than blocks):
     one pass over K up to fp32 reassociation, and the same bits on every call into a NaN-filled output (the
     last split sums the partials in split order); every arrival counter is back at zero after the calls (one
-    left behind would skip the sum of a later call on it, leaving its output unwritten)."""
+    left behind would skip the sum of a later call on it, leaving its output unwritten). 40 rows: three row
+    tiles, each with its own counters."""
     from moelora.kernels.fp8_linear import _SEMAPHORES
 
-    x, w, b, _ = make_case(5, 520, 200, (), 8, dtype=torch.float32, device=DEV, seed=split)
+    x, w, b, _ = make_case(T, 520, 200, (), 8, dtype=torch.float32, device=DEV, seed=split)
     q, s, _ = fp8_weight(w, (136, 64), True)
     kw = dict(segments=(136, 64), quantize_activations=act)
     one = fp8_linear(x, q, s, b, tiles=Tiles(16, 32, 4, 3, 1), **kw)
