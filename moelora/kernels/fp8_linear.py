@@ -23,6 +23,7 @@ from moelora.kernels.checks import cdiv, check_rows, need, output
 from moelora.kernels.dense_lora import planned, split
 from moelora.kernels.fp8_quant import GROUP, per_token_group_quant
 from moelora.kernels.lora_linear import check_lora, default_lora_linear_config
+from moelora.kernels.semaphores import SEMAPHORES
 from moelora.kernels.side_stream import join
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -119,33 +120,6 @@ def default_tiles(T: int, n_out: int, n_in: int) -> Tiles:
     return Tiles(bm, 64, 4, 3, split)
 
 
-class _Semaphores:
-    """Split-K's per-tile arrival counters: one zeroed int32 pool a device, handed out round robin, so calls
-    that might overlap on two streams (a side stream's shared expert) count on different counters; each call
-    leaves its counters at zero. Allocated by the first eager split-K call (the engine's graph warm-up runs
-    one before any capture)."""
-
-    SIZE = 1 << 16
-
-    def __init__(self):
-        self.pools: dict[torch.device, torch.Tensor] = {}
-        self.next = 0
-
-    def take(self, device: torch.device, n: int) -> torch.Tensor:
-        pool = self.pools.get(device)
-        if pool is None:
-            need(not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()),
-                 "fp8_linear: the split-K counters are allocated by an eager call before any graph capture")
-            pool = self.pools[device] = torch.zeros(self.SIZE, dtype=torch.int32, device=device)
-        if self.next + n > self.SIZE:
-            self.next = 0
-        self.next += n
-        return pool[self.next - n:self.next]
-
-
-_SEMAPHORES = _Semaphores()
-
-
 def _launch(a, a_s, weight, scale, bias, out, bounds, grid_rows, gn, a_fp8, block, t: Tiles):
     T, n_out, n_in = out.shape[0], out.shape[1], weight.shape[1]
     k_split = cdiv(cdiv(n_in, GROUP), t.split_k) * GROUP
@@ -154,7 +128,7 @@ def _launch(a, a_s, weight, scale, bias, out, bounds, grid_rows, gn, a_fp8, bloc
     part, sem = out, out
     if splits > 1:
         part = torch.empty(splits, T, n_out, dtype=torch.float32, device=out.device)
-        sem = _SEMAPHORES.take(out.device, grid[0] * grid[1])
+        sem = SEMAPHORES.take(out.device, grid[0] * grid[1])
     _fp8_linear_kernel[grid](
         a, a_s, weight, scale, out if bias is None else bias, out, part, sem, T, n_out, n_in, k_split,
         a.stride(0), a_s.stride(0), weight.stride(0), scale.stride(0), scale.stride(1) if block else 0,

@@ -19,6 +19,29 @@ _MAX_EXPERTS = 1024
 
 
 @triton.jit
+def softmax_topk_rows(logits, row_ok, mask, cols, K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """logits [BLOCK_T, BLOCK_E] fp32 (masked entries -inf) -> (weights [BLOCK_T, BLOCK_K] fp32, ids int32)."""
+    top = tl.max(logits, axis=1)
+    top = tl.where(row_ok, top, 0.0)  # padding rows: no -inf - -inf ...
+    p = tl.where(mask, tl.exp(logits - top[:, None]), 0.0)
+    p = p / tl.where(row_ok, tl.sum(p, axis=1), 1.0)[:, None]  # ... and no 0 / 0
+    cand = tl.where(mask, p, -1.0)  # probabilities are >= 0: -1 is never picked before a real expert
+    ks = tl.arange(0, BLOCK_K)
+    weights = tl.zeros((logits.shape[0], BLOCK_K), tl.float32)
+    ids = tl.zeros((logits.shape[0], BLOCK_K), tl.int32)
+    for i in tl.static_range(K):
+        best = tl.max(cand, axis=1)
+        pick = tl.min(tl.where(cand == best[:, None], cols[None, :], BLOCK_E), axis=1)  # lowest id on ties
+        weights = tl.where(ks[None, :] == i, best[:, None], weights)
+        ids = tl.where(ks[None, :] == i, pick[:, None], ids)
+        cand = tl.where(cols[None, :] == pick[:, None], -1.0, cand)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, axis=1)[:, None]
+    return weights, ids
+
+
+@triton.jit
 def _softmax_topk_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_l, stride_w, stride_i,
                          K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -29,22 +52,8 @@ def _softmax_topk_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_l, stride_w, s
     rows64 = rows.to(tl.int64)
     logits = tl.load(logits_ptr + rows64[:, None] * stride_l + cols[None, :], mask=mask,
                      other=float("-inf")).to(tl.float32)
-    top = tl.max(logits, axis=1)
-    top = tl.where(row_ok, top, 0.0)  # padding rows: no -inf - -inf ...
-    p = tl.where(mask, tl.exp(logits - top[:, None]), 0.0)
-    p = p / tl.where(row_ok, tl.sum(p, axis=1), 1.0)[:, None]  # ... and no 0 / 0
-    cand = tl.where(mask, p, -1.0)  # probabilities are >= 0: -1 is never picked before a real expert
+    weights, ids = softmax_topk_rows(logits, row_ok, mask, cols, K, RENORMALIZE, BLOCK_E, BLOCK_K)
     ks = tl.arange(0, BLOCK_K)
-    weights = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
-    ids = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
-    for i in tl.static_range(K):
-        best = tl.max(cand, axis=1)
-        pick = tl.min(tl.where(cand == best[:, None], cols[None, :], BLOCK_E), axis=1)  # lowest id on ties
-        weights = tl.where(ks[None, :] == i, best[:, None], weights)
-        ids = tl.where(ks[None, :] == i, pick[:, None], ids)
-        cand = tl.where(cols[None, :] == pick[:, None], -1.0, cand)
-    if RENORMALIZE:
-        weights = weights / tl.sum(weights, axis=1)[:, None]
     out_mask = row_ok[:, None] & (ks < K)[None, :]
     tl.store(w_ptr + rows64[:, None] * stride_w + ks[None, :], weights, mask=out_mask)
     tl.store(ids_ptr + rows64[:, None] * stride_i + ks[None, :], ids, mask=out_mask)

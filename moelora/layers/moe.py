@@ -157,9 +157,22 @@ class SparseMoE(nn.Module):
         return torch.sigmoid(self.shared_expert_gate(x, lora)) * self.shared_expert(x, lora)
 
     def _routed(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
-        bias = getattr(self.gate, "e_score_correction_bias", None)
-        weights, ids = route(self.gate(x, lora), self.routing, bias, self.options.kernel_backend)
+        if self._one_launch_router(x, lora):  # decode: the router GEMM and its top k in one launch
+            from moelora.kernels.router_topk import router_topk
+
+            weights, ids = router_topk(x, self.gate.weight, self.routing.top_k, self.routing.renormalize)
+        else:
+            bias = getattr(self.gate, "e_score_correction_bias", None)
+            weights, ids = route(self.gate(x, lora), self.routing, bias, self.options.kernel_backend)
         return self.experts(x, weights, ids, lora)
+
+    def _one_launch_router(self, x: torch.Tensor, lora: LoRABatch | None) -> bool:
+        """The Triton backend's softmax router on decode rows, with no LoRA live on the router (`router_topk`)."""
+        if self.options.kernel_backend != "triton" or self.routing.method != "softmax" or self.gate.bias is not None:
+            return False
+        from moelora.kernels.router_topk import router_topk_fits
+
+        return router_topk_fits(x, self.gate.weight) and self.gate.lora_args(lora) is None
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         if not self.has_shared:

@@ -91,7 +91,7 @@ def test_split_k_equals_one_pass_and_repeats_bit_for_bit(T, split, act):
     last split sums the partials in split order); every arrival counter is back at zero after the calls (one
     left behind would skip the sum of a later call on it, leaving its output unwritten). 40 rows: three row
     tiles, each with its own counters."""
-    from moelora.kernels.fp8_linear import _SEMAPHORES
+    from moelora.kernels.semaphores import SEMAPHORES
 
     x, w, b, _ = make_case(T, 520, 200, (), 8, dtype=torch.float32, device=DEV, seed=split)
     q, s, _ = fp8_weight(w, (136, 64), True)
@@ -101,7 +101,7 @@ def test_split_k_equals_one_pass_and_repeats_bit_for_bit(T, split, act):
            for _ in range(3)]
     assert rel_err(got[0], one) <= 1e-6
     assert all(torch.equal(g, got[0]) for g in got[1:])
-    assert _SEMAPHORES.pools[got[0].device].count_nonzero() == 0
+    assert SEMAPHORES.pools[got[0].device].count_nonzero() == 0
 
 
 @kernel_test

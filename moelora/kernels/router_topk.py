@@ -1,0 +1,115 @@
+"""The softmax router of a decode step in one launch: the router GEMM split over H, then `softmax_topk`'s top k.
+
+Shape legend: T tokens (<= MAX_ROWS), H hidden, E experts (<= MAX_EXPERTS), K top-k, S splits of H.
+  router_topk(x [T, H] fp16/bf16, weight [E, H] x's dtype, K, renormalize)
+      -> (topk_weights [T, K] fp32, topk_ids [T, K] int32)
+Why: at decode the router GEMM (0.5 MB at Qwen3-30B-A3B's shape) and the top-k are two latency-bound launches
+(cuBLAS 5.2 + 4.0 us a layer at 8 requests on the H200). Here each of S programs takes a chunk of H for all E
+columns; the last to arrive (`semaphores`) sums the fp32 partials in split order, rounds the logits to x's dtype
+(as the unfused GEMM's output is) and picks the top k with `softmax_topk_rows`. Numerics: `softmax_topk_ref` of
+x W^T in x's dtype, up to the GEMM's summation order (as cuBLAS's own order differs by batch size).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moelora.kernels.checks import cdiv, check_rows, need, next_pow2
+from moelora.kernels.semaphores import SEMAPHORES
+from moelora.kernels.softmax_topk import softmax_topk_rows
+
+MAX_ROWS = 16  # decode steps; more rows take the GEMM + `softmax_topk`
+MAX_EXPERTS = 256
+BLOCK_H = 128
+STEPS_PER_SPLIT = 2  # H steps a program (the H200 at Qwen3's shape: 8 programs of 2 x 32 KB)
+
+
+@triton.jit
+def _router_topk_kernel(x_ptr, w_ptr, part_ptr, sem_ptr, wts_ptr, ids_ptr, T, E, H, H_CHUNK,
+                        stride_x, stride_w, stride_wts, stride_ids,
+                        K: tl.constexpr, RENORMALIZE: tl.constexpr, SPLITS: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H_: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program s: partial logits over H [s H_CHUNK, (s + 1) H_CHUNK) -> part [S, BLOCK_T, BLOCK_E]; the last of
+    the S programs to arrive (sem, one counter) sums them in split order and writes the top k."""
+    split = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    offs_h = tl.arange(0, BLOCK_H_)
+    row_ok, col_ok = rows < T, cols < E
+    h_lo = split * H_CHUNK
+    h_hi = tl.minimum(H, h_lo + H_CHUNK)
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x + offs_h[None, :]
+    w_cols = w_ptr + cols[None, :].to(tl.int64) * stride_w + offs_h[:, None]  # [BLOCK_H, BLOCK_E]
+    acc = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
+    for h0 in range(h_lo, h_hi, BLOCK_H_):
+        h_ok = (h0 + offs_h) < h_hi
+        xt = tl.load(x_rows + h0, mask=row_ok[:, None] & h_ok[None, :], other=0.0)
+        wt = tl.load(w_cols + h0, mask=col_ok[None, :] & h_ok[:, None], other=0.0)
+        acc = tl.dot(xt, wt, acc)
+    tile_ok = row_ok[:, None] & col_ok[None, :]
+    if SPLITS == 1:
+        _topk_out(acc, x_ptr, wts_ptr, ids_ptr, rows, cols, row_ok, tile_ok, stride_wts, stride_ids, K, RENORMALIZE,
+                  BLOCK_E, BLOCK_K)
+    else:
+        parts = part_ptr + rows[:, None] * BLOCK_E + cols[None, :]
+        tl.store(parts + split * BLOCK_T * BLOCK_E, acc, mask=tile_ok)
+        tl.debug_barrier()  # every thread's partial is written before the release below publishes them
+        if tl.atomic_add(sem_ptr, 1, sem="acq_rel") == SPLITS - 1:
+            acc = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
+            for s in tl.static_range(SPLITS):  # in split order: the sum does not depend on who came last
+                acc += tl.load(parts + s * BLOCK_T * BLOCK_E, mask=tile_ok, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(sem_ptr, 0)
+            _topk_out(acc, x_ptr, wts_ptr, ids_ptr, rows, cols, row_ok, tile_ok, stride_wts, stride_ids, K,
+                      RENORMALIZE, BLOCK_E, BLOCK_K)
+
+
+@triton.jit
+def _topk_out(acc, x_ptr, wts_ptr, ids_ptr, rows, cols, row_ok, tile_ok, stride_wts, stride_ids, K: tl.constexpr,
+              RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    logits = tl.where(tile_ok, acc.to(x_ptr.dtype.element_ty).to(tl.float32), float("-inf"))  # the GEMM's dtype
+    weights, ids = softmax_topk_rows(logits, row_ok, tile_ok, cols, K, RENORMALIZE, BLOCK_E, BLOCK_K)
+    ks = tl.arange(0, BLOCK_K)
+    out_ok = row_ok[:, None] & (ks < K)[None, :]
+    rows64 = rows.to(tl.int64)
+    tl.store(wts_ptr + rows64[:, None] * stride_wts + ks[None, :], weights, mask=out_ok)
+    tl.store(ids_ptr + rows64[:, None] * stride_ids + ks[None, :], ids, mask=out_ok)
+
+
+def router_topk_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `router_topk` takes this step: decode rows, a half-precision router of at most MAX_EXPERTS."""
+    return (x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16)
+            and weight.dtype == x.dtype and weight.dim() == 2 and weight.shape[1] == x.shape[1]
+            and weight.shape[0] <= MAX_EXPERTS and weight.stride(1) == 1 and x.stride(1) == 1)
+
+
+def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, *,
+                splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights [T, K] fp32, topk_ids [T, K] int32) of softmax(x W^T); `splits`: of H (default: 2 steps of
+    BLOCK_H a program)."""
+    need(router_topk_fits(x, weight), lambda: f"router_topk takes x [T <= {MAX_ROWS}, H] fp16/bf16 and a router "
+         f"weight [E <= {MAX_EXPERTS}, H] of x's dtype, unit last strides; got {tuple(x.shape)} {x.dtype}, "
+         f"{tuple(weight.shape)} {weight.dtype}")
+    check_rows("x", x)
+    T, H = x.shape
+    E = weight.shape[0]
+    need(0 < top_k <= E, f"top_k must be in [1, E={E}], got {top_k}")
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
+    if T == 0:
+        return weights, ids
+    steps = cdiv(H, BLOCK_H)
+    splits = splits or cdiv(steps, STEPS_PER_SPLIT)
+    chunk = cdiv(steps, splits) * BLOCK_H
+    splits = cdiv(H, chunk)
+    block_e = max(16, next_pow2(E))
+    part, sem = weights, ids  # placeholders with one split
+    if splits > 1:
+        part = torch.empty(splits, MAX_ROWS, block_e, dtype=torch.float32, device=x.device)
+        sem = SEMAPHORES.take(x.device, 1)
+    _router_topk_kernel[(splits,)](
+        x, weight, part, sem, weights, ids, T, E, H, chunk, x.stride(0), weight.stride(0), weights.stride(0),
+        ids.stride(0), K=top_k, RENORMALIZE=bool(renormalize), SPLITS=splits, BLOCK_T=MAX_ROWS, BLOCK_E=block_e,
+        BLOCK_H_=BLOCK_H, BLOCK_K=next_pow2(top_k), num_warps=4, num_stages=2)
+    return weights, ids

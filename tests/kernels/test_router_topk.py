@@ -1,0 +1,136 @@
+"""The one-launch decode router (`router_topk`) vs its twin, `softmax_topk_ref` of x W^T rounded to x's dtype.
+
+Shape legend: T tokens, H hidden, E experts, K top-k. The interpreter runs fp16 at tiny sizes (H split in 1, 3
+and 16 programs, E off the power-of-two grid, T = 0..16); the `gpu` cases the Qwen3-30B-A3B, Qwen2-57B-A14B and
+OLMoE router shapes in bf16 under sync-debug mode. The kernel and the twin sum H in different orders, so a
+logit may round to the other neighbour: ids are compared on rows whose top K + 1 probabilities are apart by more
+than that can move them, weights within the dtype's rounding of a logit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.interp  # `make test` runs it with TRITON_INTERPRET=1 (set before triton is imported)
+triton = pytest.importorskip("triton")
+
+from moelora.kernels.reference import softmax_topk_ref  # noqa: E402
+from moelora.kernels.router_topk import MAX_ROWS, router_topk, router_topk_fits  # noqa: E402
+from moelora.kernels.semaphores import SEMAPHORES  # noqa: E402
+from tests.helpers.kernel_env import DEV, gpu_only, kernel_test  # noqa: E402
+
+ULP = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+
+
+def inputs(T, H, E, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype).to(device)
+    w = (torch.randn(E, H, generator=g) * H ** -0.5 * 3).to(dtype).to(device)
+    return x, w
+
+
+def check(x, w, K, renorm, got):
+    logits = (x.double() @ w.double().t()).to(x.dtype)  # exact sum, one rounding
+    w_ref, ids_ref = softmax_topk_ref(logits, K, renorm)
+    weights, ids = got
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    # the kernel sums in another order: a logit may round to the neighbour of the exact sum's rounding (1 ulp)
+    lg = logits.double().cpu()
+    top = lg.topk(min(K + 1, lg.shape[1]), dim=1).values
+    slack = 2 * ULP[x.dtype] * lg.abs().amax(dim=1, keepdim=True).clamp(min=1)
+    clear = (top[:, :-1] - top[:, 1:] > slack).all(dim=1) if top.shape[1] > 1 else torch.ones(len(lg), dtype=bool)
+    assert clear.float().mean() >= 0.5, "too few rows to compare: the inputs tie too often"
+    clear = clear.to(ids.device)
+    assert torch.equal(ids[clear], ids_ref[clear])
+    tol = 8 * ULP[x.dtype]  # one logit's rounding moves each probability by about that, relative
+    torch.testing.assert_close(weights[clear], w_ref[clear], rtol=tol, atol=1e-6)
+
+
+@kernel_test
+@pytest.mark.parametrize("T,H,E,K,renorm,splits", [
+    (5, 600, 64, 8, True, None), (16, 256, 128, 8, False, None), (4, 2048, 60, 4, True, 16), (9, 300, 6, 2, False, 2),
+    (0, 128, 8, 2, True, None)])
+def test_router_topk_equals_twin(T, H, E, K, renorm, splits):
+    x, w = inputs(T, H, E, torch.float16, DEV, seed=T + H + E)
+    x0 = x.clone()
+    got = router_topk(x, w, K, renorm, splits=splits)
+    assert torch.equal(x, x0)
+    if T:
+        check(x, w, K, renorm, got)
+    again = router_topk(x, w, K, renorm, splits=splits)  # same bits: the partials summed in split order
+    assert torch.equal(again[0], got[0]) and torch.equal(again[1], got[1])
+    if x.device in SEMAPHORES.pools:
+        assert SEMAPHORES.pools[x.device].count_nonzero() == 0  # every counter zero again
+
+
+@kernel_test
+def test_router_topk_refusals():
+    x, w = inputs(3, 64, 8, torch.float16, DEV, seed=0)
+    assert router_topk_fits(x, w) and not router_topk_fits(x.float(), w.float())
+    assert not router_topk_fits(torch.cat([x] * 6), w)  # more than MAX_ROWS rows
+    with pytest.raises(ValueError, match="router_topk takes"):
+        router_topk(torch.cat([x] * (MAX_ROWS // 3 + 1)), w, 2, True)
+    with pytest.raises(ValueError, match="top_k"):
+        router_topk(x, w, 9, True)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("T", [1, 8, 16])
+@pytest.mark.parametrize("H,E,K,renorm", [(2048, 128, 8, True), (3584, 64, 8, False), (2048, 64, 8, False)],
+                         ids=["qwen3_30b", "qwen2_57b", "olmoe"])
+def test_gpu_router_topk(T, H, E, K, renorm):
+    x, w = inputs(T, H, E, torch.bfloat16, "cuda", seed=T)
+    torch.cuda.set_sync_debug_mode("error")  # contract 5
+    try:
+        got = router_topk(x, w, K, renorm)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    check(x, w, K, renorm, got)
+
+
+@kernel_test
+@pytest.mark.parametrize("T", [5, MAX_ROWS + 1])
+def test_sparse_moe_takes_it_on_decode_rows_and_matches_the_two_launches(T, monkeypatch):
+    """A SparseMoE on the Triton backend in fp16 routes decode rows (T <= MAX_ROWS) through `router_topk` and
+    gets the output of the router GEMM + `softmax_topk` (within fp16: a logit may round to its neighbour);
+    more rows take the two launches."""
+    import moelora.kernels.router_topk as kernels
+    from moelora.layers.moe import SparseMoE
+    from moelora.layers.options import LayerOptions
+    from moelora.layers.router import route
+
+    H, inter, E, K = 64, 32, 8, 2
+    moe = SparseMoE(H, inter, E, K, True, max_loras=0, max_rank=0, options=LayerOptions(kernel_backend="triton"),
+                    dtype=torch.float16)
+    g = torch.Generator().manual_seed(T)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    moe = moe.to(DEV).requires_grad_(False)
+    x = torch.randn(T, H, generator=g).to(torch.float16).to(DEV)
+    calls = []
+    monkeypatch.setattr(kernels, "router_topk", lambda *a, **kw: calls.append(1) or router_topk(*a, **kw))
+    got = moe(x)
+    assert len(calls) == (T <= MAX_ROWS)
+    weights, ids = route(moe.gate(x), moe.routing, None, "triton")
+    want = moe.experts(x, weights, ids, None)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)
+
+
+@kernel_test
+def test_a_live_router_lora_keeps_the_two_launches():
+    """A step whose LoRA batch has the router's site live (an adapter with LoRA on `mlp.gate`) keeps the router
+    GEMM with its LoRA delta; the site idle (`LoRABatch.idle`), or no LoRA batch, takes `router_topk`."""
+    from moelora.layers.moe import SparseMoE
+    from moelora.layers.options import LayerOptions
+    from moelora.lora.batch import LoRABatch
+
+    moe = SparseMoE(64, 32, 8, 2, True, max_loras=2, max_rank=4, options=LayerOptions(kernel_backend="triton"),
+                    dtype=torch.float16)
+    x = torch.zeros(3, 64, dtype=torch.float16)
+    live = LoRABatch.build([0, -1, 1], [4, 4], "cpu")
+    idle = LoRABatch.build([0, -1, 1], [4, 4], "cpu", idle=frozenset({moe.gate.lora_owner}))
+    assert not moe._one_launch_router(x, live)
+    assert moe._one_launch_router(x, idle) and moe._one_launch_router(x, None)
