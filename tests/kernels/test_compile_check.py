@@ -144,3 +144,24 @@ def test_mla_lora_kernels_do_not_spill_at_any_rank_tile(tmp_path, monkeypatch):
     assert set(found) == {(k, r) for k in ("_absorb_lora_kernel", "_expand_lora_kernel") for r in (16, 32, 64)}
     for key, res in found.items():
         assert " stack 0" in res and " local 0" in res, f"{key}: {res}"
+
+
+def test_fp8_linear_launches_compile_for_sm90(tmp_path, monkeypatch):
+    """The FP8 linear's tiles for decode (split-K: the last split's sum, atomics), mid-size and prefill batches,
+    W8A8 (with the activation quantization) and W8A16, with and without bias, at the Qwen3 q/k/v (three scale
+    segments) and o shapes, compile for the H200 (a split-K variant the interpreter ran failed there)."""
+    from moelora.kernels.fp8_linear import default_tiles, fp8_linear
+    from moelora.quant.fp8 import quantize_segments
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    with Compiler(resources=False) as comp:
+        for n_in, segments in ((2048, (4096, 512, 512)), (4096, (2048,))):
+            q, s = quantize_segments(torch.randn(sum(segments), n_in) * 0.02, segments)
+            for T in (1, 64, 512):
+                x = torch.randn(T, n_in, dtype=torch.bfloat16)
+                for act in (True, False):
+                    for bias in (None, torch.randn(sum(segments), dtype=torch.bfloat16)):
+                        fp8_linear(x, q, s.contiguous(), bias, segments=segments, quantize_activations=act)
+    assert comp.failures == []
+    compiled = {dict(consts)["SPLIT_K"] for name, consts in comp.seen if name == "_fp8_linear_kernel"}
+    assert default_tiles(1, 2048, 4096).split_k > 1 and compiled >= {1, default_tiles(1, 2048, 4096).split_k}
