@@ -165,3 +165,18 @@ def test_fp8_linear_launches_compile_for_sm90(tmp_path, monkeypatch):
     assert comp.failures == []
     compiled = {dict(consts)["SPLIT_K"] for name, consts in comp.seen if name == "_fp8_linear_kernel"}
     assert default_tiles(1, 2048, 4096).split_k > 1 and compiled >= {1, default_tiles(1, 2048, 4096).split_k}
+
+
+def test_router_topk_launches_compile_for_sm90(tmp_path, monkeypatch):
+    """The one-launch decode router at the Qwen3-30B-A3B, Qwen2-57B-A14B and Mixtral router shapes, bf16 and
+    fp16, one split and several, compiles for the H200."""
+    from moelora.kernels.router_topk import router_topk
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    with Compiler(resources=False) as comp:
+        for H, E, K in ((2048, 128, 8), (3584, 64, 8), (4096, 8, 2)):
+            for dtype in (torch.bfloat16, torch.float16):
+                x, w = torch.randn(8, H, dtype=dtype), torch.randn(E, H, dtype=dtype)
+                router_topk(x, w, K, True)
+                router_topk(x, w, K, False, splits=1)
+    assert comp.failures == [] and len(comp.seen) >= 6
