@@ -9,6 +9,7 @@ the twins loop over `active`, built on the host once per step, so they never syn
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -80,3 +81,11 @@ class MoERoutingPlan:
     @property
     def max_blocks(self) -> int:
         return self.expert_of_block.shape[0]
+
+
+class FP8Rows(NamedTuple):
+    """Rows of a GEMM input already quantized for W8A8 (`fp8_quant.per_token_group_quant`'s output, bit for bit),
+    made by the kernel that wrote the input (`norm.norm_fp8`): q [T, K] e4m3, s [T, ceil(K/128)] fp32."""
+
+    q: torch.Tensor
+    s: torch.Tensor

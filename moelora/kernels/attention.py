@@ -20,7 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.args import FP8Rows
 from moelora.kernels.checks import FLOAT_DTYPES, cdiv, need_pow2, next_pow2
+from moelora.kernels.fp8_quant import GROUP as FP8_GROUP
+from moelora.kernels.fp8_quant import quant_tile
 
 NEG_INF = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: keeps exp2(m_old - m_new) NaN-free
 _MAX_HEAD_DIM = 256
@@ -156,13 +159,26 @@ def split_range(seq_lens_ptr, b, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.co
 
 
 @triton.jit
+def store_rows_fp8(q8_ptr, s8_ptr, t64, heads, h_mask, offs, o, N, BLOCK: tl.constexpr):
+    """The output rows o [heads, BLOCK = D = 128] (as stored) quantized for the W8A8 o projection: one 1 x 128
+    group a head, per_token_group_quant's bits, at q8 [T, N * D] e4m3 and s8 [T, N] fp32."""
+    q, s = quant_tile(tl.where(h_mask[:, None], o.to(tl.float32), 0.0))
+    tl.store(q8_ptr + t64 * N * BLOCK + heads[:, None] * BLOCK + offs[None, :], q, mask=h_mask[:, None])
+    tl.store(s8_ptr + t64 * N + heads, s, mask=h_mask)
+
+
+@triton.jit
 def store_split(out_ptr, m_ptr, l_ptr, acc_ptr, t64, heads, h_mask, offs, o_mask, m_i, l_i, acc, b, split, N,
-                stride_ot, stride_oh, NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """A decode program's result: the normalized output with one split, else (m, l, acc) partials for the reduce."""
+                stride_ot, stride_oh, NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr, q8_ptr, s8_ptr,
+                QUANT: tl.constexpr):
+    """A decode program's result: the normalized output with one split (QUANT: also quantized, `store_rows_fp8`),
+    else (m, l, acc) partials for the reduce."""
     if NUM_SPLITS == 1:
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + offs[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & o_mask[None, :])
+        o = (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + offs[None, :], o,
+                 mask=h_mask[:, None] & o_mask[None, :])
+        if QUANT:
+            store_rows_fp8(q8_ptr, s8_ptr, t64, heads, h_mask, offs, o, N, BLOCK)
     else:
         part = (b * N + heads).to(tl.int64) * NUM_SPLITS + split
         tl.store(m_ptr + part, m_i, mask=h_mask)
@@ -175,7 +191,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, seq_lens_ptr, q
                          m_ptr, l_ptr, acc_ptr, qk_scale, D: tl.constexpr, N,
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
                          NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, BS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, q8_ptr, s8_ptr,
+                         QUANT: tl.constexpr):
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q0 = tl.load(qstart_ptr + b)
     if tl.load(qstart_ptr + b + 1) == q0:  # a sequence with no query row this step
@@ -199,12 +216,13 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, seq_lens_ptr, q
         s = tl.where(j_mask[None, :], s, float("-inf"))
         m_i, l_i, acc = _softmax_update(s, vc_ptr, rows, j_mask, offs_d, d_mask, m_i, l_i, acc, PRECISION)
     store_split(out_ptr, m_ptr, l_ptr, acc_ptr, q0.to(tl.int64), heads, g_mask, offs_d, d_mask, m_i, l_i, acc, b,
-                split, N, stride_ot, stride_oh, NUM_SPLITS, BLOCK_D)
+                split, N, stride_ot, stride_oh, NUM_SPLITS, BLOCK_D, q8_ptr, s8_ptr, QUANT)
 
 
 @triton.jit
 def decode_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, qstart_ptr, D: tl.constexpr, N, stride_ot, stride_oh,
-                          NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                          NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, q8_ptr, s8_ptr,
+                          QUANT: tl.constexpr):
     b, h = tl.program_id(0), tl.program_id(1)
     q0 = tl.load(qstart_ptr + b)
     if tl.load(qstart_ptr + b + 1) == q0:
@@ -217,9 +235,12 @@ def decode_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, qstart_ptr, D: tl.const
     acc = tl.load(acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
     w = tl.exp2(m - tl.max(m, 0))  # empty splits have l = 0 and acc = 0: they add nothing
     total = tl.sum(w * l_s, 0)
-    o = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + q0.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
-             mask=offs_d < D)
+    o = (tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + q0.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o, mask=offs_d < D)
+    if QUANT:
+        head = h + tl.arange(0, 1)
+        store_rows_fp8(q8_ptr, s8_ptr, q0.to(tl.int64), head, head < N, offs_d, tl.reshape(o, (1, BLOCK_D)), N,
+                       BLOCK_D)
 
 
 def bad(name, t, want):
@@ -274,13 +295,29 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     v_cache: torch.Tensor, meta, scale: float, *, config: AttentionConfig | None = None,
                     num_splits: int | None = None) -> torch.Tensor:
     """Store k/v at meta.slot_mapping, then causal paged attention -> new [T, N, D] (graphs: fixed `num_splits`)."""
+    return _attention(q, k, v, k_cache, v_cache, meta, scale, config, num_splits, False)[0]
+
+
+def paged_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, meta, scale: float, *, config: AttentionConfig | None = None,
+                        num_splits: int | None = None) -> tuple[torch.Tensor, FP8Rows | None]:
+    """`paged_attention` and, on a decode step with D = 128, its output rows [T, N * D] quantized for the W8A8 o
+    projection by the kernel that writes them (one group a head); None otherwise (the projection quantizes)."""
+    return _attention(q, k, v, k_cache, v_cache, meta, scale, config, num_splits, True)
+
+
+def _attention(q, k, v, k_cache, v_cache, meta, scale, config, num_splits, want_rows: bool):
     T, N, D, B, BS, n_kv = _check(q, k, v, k_cache, v_cache, meta)
     splits = default_num_splits(B, n_kv) if num_splits is None else num_splits
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {splits}")
     out = torch.empty(T, N, D, dtype=q.dtype, device=q.device)
+    rows = None
+    if want_rows and D == FP8_GROUP and meta.max_query_len == 1:
+        rows = FP8Rows(torch.empty(T, N * D, dtype=torch.float8_e4m3fn, device=q.device),
+                       torch.empty(T, N, dtype=torch.float32, device=q.device))
     if T == 0 or B == 0:
-        return out
+        return out, rows
     hd = n_kv * D
     store_block = min(1024, next_pow2(hd))
     _store_kv_kernel[(T, cdiv(hd, store_block))](
@@ -299,19 +336,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start, qk_scale, D,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, GROUP=group, BS=BS,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, PRECISION=precision, **launch)
-        return out
+        return out, rows
     m_part = l_part = acc_part = out  # placeholders; unused when splits == 1
     if splits > 1:
         m_part = torch.empty(B, N, splits, dtype=torch.float32, device=q.device)
         l_part = torch.empty_like(m_part)
         acc_part = torch.empty(B, N, splits, block_d, dtype=torch.float32, device=q.device)
+    q8, s8 = rows if rows is not None else (out, out)
     _decode_split_kernel[(B, n_kv, splits)](
         q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start, m_part, l_part, acc_part,
         qk_scale, D, N, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
         NUM_SPLITS=splits, GROUP=group, G_PAD=max(16, next_pow2(group)), BS=BS,
-        BLOCK_N=cfg.block_n, BLOCK_D=block_d, PRECISION=precision, **launch)
+        BLOCK_N=cfg.block_n, BLOCK_D=block_d, PRECISION=precision, q8_ptr=q8, s8_ptr=s8,
+        QUANT=rows is not None and splits == 1, **launch)
     if splits > 1:
         decode_reduce_kernel[(B, N)](
             m_part, l_part, acc_part, out, meta.query_start, D, N, out.stride(0), out.stride(1),
-            NUM_SPLITS=splits, BLOCK_S=max(2, next_pow2(splits)), BLOCK_D=block_d, num_warps=4)
-    return out
+            NUM_SPLITS=splits, BLOCK_S=max(2, next_pow2(splits)), BLOCK_D=block_d, q8_ptr=q8, s8_ptr=s8,
+            QUANT=rows is not None, num_warps=4)
+    return out, rows

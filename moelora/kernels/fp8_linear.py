@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.args import DenseLoRAArgs
+from moelora.kernels.args import DenseLoRAArgs, FP8Rows
 from moelora.kernels.checks import cdiv, check_rows, need, output
 from moelora.kernels.dense_lora import planned, split
 from moelora.kernels.fp8_quant import GROUP, per_token_group_quant
@@ -160,14 +160,19 @@ def _check(x, weight, scale, bias, segments, block):
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, *,
                segments: tuple[int, ...], block: bool = True, quantize_activations: bool = False,
-               out: torch.Tensor | None = None, tiles: Tiles | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, tiles: Tiles | None = None,
+               x_fp8: FP8Rows | None = None) -> torch.Tensor:
     """y = x W^T (+ bias) on e4m3 W and its scale (module docstring); y new, or the caller's `out=`; `tiles`:
-    default `default_tiles`."""
+    default `default_tiles`; `x_fp8`: x already quantized (W8A8: its producer wrote it, `norm.norm_fp8`)."""
     T, n_in, n_out = _check(x, weight, scale, bias, segments, block)
     out = output(out, (T, n_out), x.dtype, x.device, (x, weight, scale, bias))
     if T == 0:
         return out
-    a, a_s = per_token_group_quant(x) if quantize_activations else (x, x)
+    a, a_s = (x, x) if not quantize_activations else x_fp8 if x_fp8 is not None else per_token_group_quant(x)
+    if quantize_activations and x_fp8 is not None:
+        need(a.shape == x.shape and a.dtype == FP8_DTYPE and tuple(a_s.shape) == (T, cdiv(n_in, GROUP)),
+             lambda: f"x_fp8 must be (q {tuple(x.shape)} e4m3, s ({T}, {cdiv(n_in, GROUP)}) fp32), got "
+             f"{tuple(a.shape)} {a.dtype}, {tuple(a_s.shape)}")
     gn = GROUP if block else 1
     bounds = [sum(segments[:i + 1]) for i in range(len(segments))] + [n_out] * (MAX_SEGMENTS - len(segments))
     grid_rows = [sum(cdiv(n, gn) for n in segments[:i + 1]) for i in range(len(segments))]
@@ -179,19 +184,20 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
 
 def fp8_lora_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                     lora: DenseLoRAArgs | None, *, segments: tuple[int, ...], block: bool = True,
-                    quantize_activations: bool = False, side_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+                    quantize_activations: bool = False, side_stream: torch.cuda.Stream | None = None,
+                    x_fp8: FP8Rows | None = None) -> torch.Tensor:
     """`fp8_linear` + the LoRA delta of `lora` (as `lora_linear` adds it, on x unrounded): y [T, N_out], new."""
     T, n_in = x.shape
     has_lora = lora is not None and lora.a.shape[0] > 0 and T > 0
     if not has_lora:
         return fp8_linear(x, weight, scale, bias, segments=segments, block=block,
-                          quantize_activations=quantize_activations)
+                          quantize_activations=quantize_activations, x_fp8=x_fp8)
     n_out = weight.shape[0]
     check_lora(lora, T, n_in, n_out)
     cfg = default_lora_linear_config(T, n_in=n_in, n_out=n_out, row_plan=lora.row_plan is not None)
     if cfg.mode == "planned":
         out = fp8_linear(x, weight, scale, bias, segments=segments, block=block,
-                         quantize_activations=quantize_activations)
+                         quantize_activations=quantize_activations, x_fp8=x_fp8)
         planned.add_delta(x, out, lora, cfg)
         return out
     if cfg.mode != "split":
@@ -199,7 +205,8 @@ def fp8_lora_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     # Fork (contract 2), as dense_lora.split: the side stream reads x, A, the slots and ranks and writes only xa
     # (allocated before the fork); the base GEMM reads x, W and its scale and writes only `out`.
     shrunk = split.shrink(x, lora, T, n_in, cfg, side_stream)
-    out = fp8_linear(x, weight, scale, bias, segments=segments, block=block, quantize_activations=quantize_activations)
+    out = fp8_linear(x, weight, scale, bias, segments=segments, block=block, quantize_activations=quantize_activations,
+                     x_fp8=x_fp8)
     join(side_stream, x.device)
     split.expand(out, lora, T, n_out, cfg, shrunk)
     return out

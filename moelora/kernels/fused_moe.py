@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from moelora.kernels.args import ExpertLoRAArgs, MoERoutingPlan
+from moelora.kernels.args import ExpertLoRAArgs, FP8Rows, MoERoutingPlan
 from moelora.kernels.checks import FLOAT_DTYPES, cdiv, lora_tile_rank, need, next_pow2, output
 from moelora.kernels.fp8_moe import FP8_DTYPE, FP8ExpertScales, check_fp8, fp8_launch_args, fp8_moe_config
 from moelora.kernels.moe_config import FusedMoEConfig, lora_paths, tuned_fused_moe_config
@@ -118,10 +118,11 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
               topk_ids: torch.Tensor, *, lora: ExpertLoRAArgs | None = None, out: torch.Tensor | None = None,
               config: FusedMoEConfig | None = None, side_stream: torch.cuda.Stream | None = None,
               table: str | None = None, route_rows: dict | None = None, expert_map: torch.Tensor | None = None,
-              fp8: FP8ExpertScales | None = None) -> torch.Tensor:
+              fp8: FP8ExpertScales | None = None, x_fp8: FP8Rows | None = None) -> torch.Tensor:
     """`fused_moe_ref` on the GPU -> out [T, H] (new, or `out=`). `side_stream`: the delta paths'; `table`: where
     `config` None is looked up; `route_rows`: the caller's cache of `per_route_plan`'s rows; `expert_map`
-    [E_global] int32: only this rank's routes; `fp8`: the scales of e4m3 weights and their activation mode."""
+    [E_global] int32: only this rank's routes; `fp8`: the scales of e4m3 weights and their activation mode, `x_fp8`
+    x already quantized for W8A8."""
     T, H, E, inter, K = _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids)
     block_r = _check_lora(lora, T, H, E, inter) if lora is not None else 16
     config = config or _config(x, w_gate_up, E, H, inter, T, K, table, fp8 is not None and fp8.quantize_activations)
@@ -142,7 +143,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
                   n_routes=T * K, top_k=K, H=H, inter=inter, num_blocks=plan.max_blocks, BM=config.block_m,
                   GROUP_M=GROUP_M, USE_TMA=config.use_tma)
     w_gu, w_dn, h_in = _tma_operands(w_gate_up, w_down, h, config) if config.use_tma else (w_gate_up, w_down, h)
-    fp8_gate_up = fp8_launch_args(fp8, "gate_up", inter, x)  # W8A8: x quantized (new buffers)
+    fp8_gate_up = fp8_launch_args(fp8, "gate_up", inter, x, a_fp8=x_fp8)  # W8A8: x quantized (or x_fp8)
     path.before_gate_up()
     gate_up_kernel[(plan.max_blocks * cdiv(inter, gu.block_n),)](  # gate_up (+ the activation, unless RAW_OUT)
         x, w_gu, gu_out, stride_xt=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),

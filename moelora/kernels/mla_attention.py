@@ -113,7 +113,7 @@ def _mla_split_kernel(qa_ptr, qr_ptr, cache_ptr, out_ptr, bt_ptr, seq_lens_ptr, 
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     store_split(out_ptr, m_ptr, l_ptr, acc_ptr, t64, heads, h_mask, offs_c, c_mask, m_i, l_i, acc, b, split, N,
-                stride_ot, stride_oh, NUM_SPLITS, BLOCK_C)
+                stride_ot, stride_oh, NUM_SPLITS, BLOCK_C, out_ptr, out_ptr, False)
 
 
 def _check(q_abs, q_rope, entries, cache, meta):
@@ -176,5 +176,6 @@ def mla_decode_attention(q_abs: torch.Tensor, q_rope: torch.Tensor, entries: tor
     if splits > 1:
         decode_reduce_kernel[(B, N)](
             m_part, l_part, acc_part, out, meta.query_start, C, N, out.stride(0), out.stride(1),
-            NUM_SPLITS=splits, BLOCK_S=max(2, next_pow2(splits)), BLOCK_D=block_c, num_warps=4)
+            NUM_SPLITS=splits, BLOCK_S=max(2, next_pow2(splits)), BLOCK_D=block_c, q8_ptr=out, s8_ptr=out,
+            QUANT=False, num_warps=4)
     return out

@@ -3,6 +3,7 @@
 Shape legend: T rows (tokens), D normalised dim (hidden, or a head / latent width).
   rms_norm(x [T, D], weight [D], eps)             -> y [T, D]          (x's dtype)
   add_rms_norm(x [T, D], delta [T, D], weight, eps) -> (h = x + delta, y = rms_norm(h))
+  norm_fp8(x, delta | None, weight, eps) -> (h, y, FP8Rows of y: q [T, D] e4m3, s [T, ceil(D/128)] fp32)
 Numerics are `rms_norm_ref` / `add_rms_norm_ref`'s; one program a row, any row stride, unit stride along D.
 """
 
@@ -12,12 +13,15 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.checks import check_rows, check_vector, need, next_pow2, output
+from moelora.kernels.args import FP8Rows
+from moelora.kernels.checks import cdiv, check_rows, check_vector, need, next_pow2, output
+from moelora.kernels.fp8_quant import GROUP, quant_tile
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, h_ptr, y_ptr, D, stride_x, stride_delta, stride_h, stride_y, eps,
-                     HAS_DELTA: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, h_ptr, y_ptr, q_ptr, s_ptr, D, stride_x, stride_delta, stride_h,
+                     stride_y, stride_q, stride_s, eps, HAS_DELTA: tl.constexpr, QUANT: tl.constexpr,
+                     BLOCK_D: tl.constexpr, GROUP_: tl.constexpr = GROUP):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -30,18 +34,26 @@ def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, h_ptr, y_ptr, D, stride_x, stride_
     scale = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
     normed = (xf * scale).to(y_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + offs, (w * normed).to(y_ptr.dtype.element_ty), mask=mask)
+    y = (w * normed).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_y + offs, y, mask=mask)
+    if QUANT:  # y as stored, in 1 x 128 groups: per_token_group_quant's bits
+        q, s = quant_tile(tl.reshape(tl.where(mask, y.to(tl.float32), 0.0), (BLOCK_D // GROUP_, GROUP_)))
+        tl.store(q_ptr + row * stride_q + offs, tl.reshape(q, (BLOCK_D,)), mask=mask)
+        g = tl.arange(0, BLOCK_D // GROUP_)
+        tl.store(s_ptr + row * stride_s + g, s, mask=g * GROUP_ < D)
 
 
-def _launch(x, delta, weight, eps, h, y) -> None:
+def _launch(x, delta, weight, eps, h, y, rows: FP8Rows | None = None) -> None:
     T, D = x.shape
     if T == 0 or D == 0:
         return
-    block_d = next_pow2(D)
+    block_d = max(next_pow2(D), GROUP) if rows is not None else next_pow2(D)
     num_warps = 1 if block_d <= 256 else 4 if block_d <= 4096 else 8
-    _rms_norm_kernel[(T,)](x, x if delta is None else delta, weight, y if h is None else h, y, D, x.stride(0),
+    q, s = rows if rows is not None else (y, y)
+    _rms_norm_kernel[(T,)](x, x if delta is None else delta, weight, y if h is None else h, y, q, s, D, x.stride(0),
                            0 if delta is None else delta.stride(0), 0 if h is None else h.stride(0), y.stride(0),
-                           float(eps), HAS_DELTA=delta is not None, BLOCK_D=block_d, num_warps=num_warps)
+                           q.stride(0), s.stride(0), float(eps), HAS_DELTA=delta is not None, QUANT=rows is not None,
+                           BLOCK_D=block_d, num_warps=num_warps)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
@@ -71,3 +83,19 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     y = output(y_out, (T, D), x.dtype, x.device, inputs + (h,), "out[1]")
     _launch(x, delta, weight, eps, h, y)
     return h, y
+
+
+def norm_fp8(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+             ) -> tuple[torch.Tensor, torch.Tensor, FP8Rows]:
+    """(h, y, rows): `add_rms_norm` (h = x when delta is None), and y quantized for the W8A8 GEMMs that read it,
+    bit for bit `per_token_group_quant(y)`, in the same launch. All new."""
+    T, D = _check(x, weight)
+    if delta is not None:
+        check_rows("delta", delta, (T, D), x.dtype)
+        need(delta.device == x.device, f"delta must be on {x.device}")
+    h = x if delta is None else torch.empty(T, D, dtype=x.dtype, device=x.device)
+    y = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    rows = FP8Rows(torch.empty(T, D, dtype=torch.float8_e4m3fn, device=x.device),
+                   torch.empty(T, cdiv(D, GROUP), dtype=torch.float32, device=x.device))
+    _launch(x, delta, weight, eps, None if delta is None else h, y, rows)
+    return h, y, rows

@@ -22,11 +22,13 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from moelora.kernels.args import FP8Rows
 from moelora.layers.linear import Linear, MergedLinear
 from moelora.layers.norm import RMSNorm
 from moelora.layers.options import DEFAULT_OPTIONS
 from moelora.layers.rotary import apply_rotary
 from moelora.lora.batch import LoRABatch
+from moelora.quant.storage import activation_quantizer
 
 
 class SeqSlice(NamedTuple):
@@ -68,6 +70,8 @@ class Attention(nn.Module):
         self.qk_norm, self.eps = qk_norm, eps
         self.options = kw.get("options", DEFAULT_OPTIONS)
         backend = self.options.kernel_backend
+        # W8A8 on the Triton kernels, heads of one 128-column group: decode attention writes o's input quantized
+        self.fp8_out = backend == "triton" and activation_quantizer(kw.get("quant")) is not None and head_dim == 128
         if qk_norm == "per_head":
             self.q_norm, self.k_norm = RMSNorm(head_dim, eps, backend), RMSNorm(head_dim, eps, backend)
         elif qk_norm == "whole":  # `make_norm(width)`: a norm over columns split across ranks (parallel_norm)
@@ -75,12 +79,14 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = make_norm(num_heads * head_dim), make_norm(num_kv_heads * head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
-                kv: tuple[torch.Tensor, torch.Tensor], lora: LoRABatch | None = None) -> torch.Tensor:
+                kv: tuple[torch.Tensor, torch.Tensor], lora: LoRABatch | None = None,
+                x_fp8: FP8Rows | None = None) -> torch.Tensor:
+        """x_fp8: x quantized for the W8A8 q/k/v by the norm that wrote it (`DecoderLayer`)."""
         T = x.shape[0]
         if self.options.merge_qkv:  # q, k, v: column views of one [T, N*D + 2*N_kv*D] output
-            q, k, v = self.qkv_proj(x, lora).split(self.qkv_proj.out_sizes, dim=-1)
+            q, k, v = self.qkv_proj(x, lora, x_fp8).split(self.qkv_proj.out_sizes, dim=-1)
         else:
-            q, k, v = self.q_proj(x, lora), self.k_proj(x, lora), self.v_proj(x, lora)
+            q, k, v = self.q_proj(x, lora, x_fp8), self.k_proj(x, lora, x_fp8), self.v_proj(x, lora, x_fp8)
         if self.qk_norm == "whole":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(T, self.num_heads, self.head_dim)
@@ -100,5 +106,11 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_cache, v_cache = kv
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.head_dim ** -0.5)
-        return self.o_proj(out.reshape(T, -1), lora)
+        rows = None
+        if self.fp8_out:
+            from moelora.kernels.attention import paged_attention_fp8
+
+            out, rows = paged_attention_fp8(q, k, v, k_cache, v_cache, meta, self.head_dim ** -0.5)
+        else:
+            out = paged_attention(q, k, v, k_cache, v_cache, meta, self.head_dim ** -0.5)
+        return self.o_proj(out.reshape(T, -1), lora, rows)

@@ -35,7 +35,7 @@ import weakref
 import torch
 from torch import nn
 
-from moelora.kernels.args import DenseLoRAArgs
+from moelora.kernels.args import DenseLoRAArgs, FP8Rows
 from moelora.kernels.dense_policy import DENSE_LORA_POLICY, DenseLoRAPolicy
 from moelora.kernels.reference import lora_linear_ref
 from moelora.layers.options import DEFAULT_OPTIONS, LayerOptions
@@ -69,8 +69,9 @@ class _FP8Weight:
         """(weight, scale, row segments) of this module's FP8 parameters (`quant.storage.fp8_weight_sites`)."""
         return [("weight", "weight_scale_inv", self.scale_segments)]
 
-    def _project(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
-        """x W^T + b + the LoRA delta of `lora` (its side stream, if any, runs the LoRA shrink)."""
+    def _project(self, x: torch.Tensor, lora: LoRABatch | None, x_fp8: FP8Rows | None = None) -> torch.Tensor:
+        """x W^T + b + the LoRA delta of `lora` (its side stream, if any, runs the LoRA shrink); `x_fp8`: x
+        quantized for W8A8 by the kernel that wrote it (read by the Triton FP8 path only)."""
         args, side = self.lora_args(lora), None if lora is None else lora.side_stream
         if self.quant is not None and self.options.kernel_backend == "triton":
             from moelora.kernels.fp8_linear import fp8_lora_linear
@@ -78,7 +79,7 @@ class _FP8Weight:
             return fp8_lora_linear(x, self.weight, self.weight_scale_inv, self.bias, args,
                                    segments=self.scale_segments, block=self.quant.weights == "block",
                                    quantize_activations=activation_quantizer(self.quant) is not None,
-                                   side_stream=side)
+                                   side_stream=side, x_fp8=x_fp8)
         return _project(self.options.kernel_backend, x, self.dense_weight(x.dtype), self.bias, args, side,
                         activation_quantizer(self.quant), self.options.dense_lora_policy)
 
@@ -111,8 +112,8 @@ class LinearSite(_FP8Weight, nn.Module):
         return DenseLoRAArgs(self.lora_a, self.lora_b, lora.token_slots, self.lora_ranks, lora.active,
                              row_plan=lora.row_plan, width=lora.max_rank)
 
-    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        return self._project(x, lora)
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None, x_fp8: FP8Rows | None = None) -> torch.Tensor:
+        return self._project(x, lora, x_fp8)
 
     def forward_one_slot(self, x: torch.Tensor, slot: torch.Tensor | None) -> torch.Tensor:
         """Rows that all belong to one adapter slot, given as a 0-d int device tensor (-1: none), so
@@ -183,8 +184,8 @@ class MergedLinear(_FP8Weight, nn.Module):
         return DenseLoRAArgs(self.lora_a, self.lora_b, lora.token_slots, self.lora_ranks, lora.active,
                              self.out_sizes, lora.row_plan, width=lora.max_rank)
 
-    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        return self._project(x, lora)
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None, x_fp8: FP8Rows | None = None) -> torch.Tensor:
+        return self._project(x, lora, x_fp8)
 
     # The segments save and load the weights under their own names.
     def _save_to_state_dict(self, destination, prefix, keep_vars):

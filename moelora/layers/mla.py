@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelora.errors import ConfigError
+from moelora.kernels.args import FP8Rows
 from moelora.layers.attention import AttnMetadata
 from moelora.layers.linear import Linear
 from moelora.layers.norm import RMSNorm
@@ -77,21 +78,23 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), **kw)
         self.o_proj = Linear(num_heads * v_head_dim, hidden, bias=bias, **kw)
 
-    def _query(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+    def _query(self, x: torch.Tensor, lora: LoRABatch | None, x_fp8: FP8Rows | None) -> torch.Tensor:
         if not self.q_lora:
-            return self.q_proj(x, lora)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x, lora)), lora)
+            return self.q_proj(x, lora, x_fp8)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x, lora, x_fp8)), lora)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
-                kv: tuple[torch.Tensor], lora: LoRABatch | None = None) -> torch.Tensor:
+                kv: tuple[torch.Tensor], lora: LoRABatch | None = None, x_fp8: FP8Rows | None = None
+                ) -> torch.Tensor:
+        """x_fp8: x quantized for the W8A8 projections of x by the norm that wrote it (`DecoderLayer`)."""
         T, N, C = x.shape[0], self.num_heads, self.kv_lora_rank
         absorbed = self.options.mla_absorbed_decode and meta.max_query_len == 1
         if not absorbed and x.is_cuda and torch.cuda.is_current_stream_capturing():
             raise ConfigError("MLA attention is graph-safe only for decode steps with mla_absorbed_decode on: "
                               "run this model with enforce_eager=True")
-        q = self._query(x, lora).view(T, N, self.nope + self.rope)
+        q = self._query(x, lora, x_fp8).view(T, N, self.nope + self.rope)
         q = torch.cat((q[..., :self.nope], self.rotate(q[..., self.nope:], cos, sin)), dim=-1)
-        compressed = self.kv_a_proj_with_mqa(x, lora)
+        compressed = self.kv_a_proj_with_mqa(x, lora, x_fp8)
         latent = self.kv_a_layernorm(compressed[:, :C])
         k_rot = self.rotate(compressed[:, None, C:], cos, sin)[:, 0]
         entries = torch.cat((latent, k_rot), dim=-1)

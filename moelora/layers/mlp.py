@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moelora.kernels.args import FP8Rows
 from moelora.layers.linear import Linear
 from moelora.lora.batch import LoRABatch
 
@@ -22,8 +23,9 @@ class DenseMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, **linear_kw)
         self.options = self.down_proj.options
 
-    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        gate, up = self.gate_proj(x, lora), self.up_proj(x, lora)
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None, x_fp8: FP8Rows | None = None) -> torch.Tensor:
+        """x_fp8: x quantized for the W8A8 gate and up projections by the norm that wrote it."""
+        gate, up = self.gate_proj(x, lora, x_fp8), self.up_proj(x, lora, x_fp8)
         if self.options.kernel_backend == "triton":
             from moelora.kernels.silu_mul import silu_mul
 

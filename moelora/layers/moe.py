@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moelora.kernels.args import ExpertLoRAArgs
+from moelora.kernels.args import ExpertLoRAArgs, FP8Rows
 from moelora.kernels.reference import fused_moe_ref
 from moelora.layers.linear import Linear
 from moelora.layers.mlp import DenseMLP
@@ -105,8 +105,10 @@ class Experts(nn.Module):
                                quantize_activations=activation_quantizer(q) is not None)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                lora: LoRABatch | None, expert_map: torch.Tensor | None = None) -> torch.Tensor:
-        """expert_map: expert parallelism's global -> local expert ids (`layers.parallel_experts`)."""
+                lora: LoRABatch | None, expert_map: torch.Tensor | None = None, x_fp8: FP8Rows | None = None
+                ) -> torch.Tensor:
+        """expert_map: expert parallelism's global -> local expert ids (`layers.parallel_experts`); x_fp8: x
+        quantized for the W8A8 gate_up by the norm that wrote it (the Triton path reads it)."""
         args = self.lora_args(lora)
         if self.options.kernel_backend == "triton":
             from moelora.kernels.fused_moe import fused_moe
@@ -114,7 +116,7 @@ class Experts(nn.Module):
             return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, lora=args,
                              side_stream=None if lora is None else lora.side_stream,
                              table=self.options.fused_moe_table, route_rows=self.route_rows, expert_map=expert_map,
-                             fp8=self.fp8_scales())
+                             fp8=self.fp8_scales(), x_fp8=x_fp8)
         w_gate_up, w_down = self.dense_weights(x.dtype)
         act_quant = activation_quantizer(self.quant)  # the W8A8 twin; None: the bf16 call as it always was
         extra = {k: v for k, v in (("act_quant", act_quant), ("expert_map", expert_map)) if v is not None}
@@ -151,12 +153,12 @@ class SparseMoE(nn.Module):
         self.shared_experts = DenseMLP(hidden, shared_experts_inter, **kw) if shared_experts_inter else None
         self.has_shared = self.shared_expert is not None or self.shared_experts is not None
 
-    def _shared(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+    def _shared(self, x: torch.Tensor, lora: LoRABatch | None, x_fp8: FP8Rows | None) -> torch.Tensor:
         if self.shared_experts is not None:
-            return self.shared_experts(x, lora)
-        return torch.sigmoid(self.shared_expert_gate(x, lora)) * self.shared_expert(x, lora)
+            return self.shared_experts(x, lora, x_fp8)
+        return torch.sigmoid(self.shared_expert_gate(x, lora)) * self.shared_expert(x, lora, x_fp8)
 
-    def _routed(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+    def _routed(self, x: torch.Tensor, lora: LoRABatch | None, x_fp8: FP8Rows | None) -> torch.Tensor:
         if self._one_launch_router(x, lora):  # decode: the router GEMM and its top k in one launch
             from moelora.kernels.router_topk import router_topk
 
@@ -164,7 +166,7 @@ class SparseMoE(nn.Module):
         else:
             bias = getattr(self.gate, "e_score_correction_bias", None)
             weights, ids = route(self.gate(x, lora), self.routing, bias, self.options.kernel_backend)
-        return self.experts(x, weights, ids, lora)
+        return self.experts(x, weights, ids, lora, x_fp8=x_fp8)
 
     def _one_launch_router(self, x: torch.Tensor, lora: LoRABatch | None) -> bool:
         """The Triton backend's softmax router on decode rows, with no LoRA live on the router (`router_topk`)."""
@@ -174,12 +176,13 @@ class SparseMoE(nn.Module):
 
         return router_topk_fits(x, self.gate.weight) and self.gate.lora_args(lora) is None
 
-    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None, x_fp8: FP8Rows | None = None) -> torch.Tensor:
+        """x_fp8: x quantized for the W8A8 experts and shared experts by the norm that wrote it."""
         if not self.has_shared:
-            return self._routed(x, lora)
+            return self._routed(x, lora, x_fp8)
         if not (self.options.overlap_shared_experts and x.is_cuda):
-            return self._routed(x, lora) + self._shared(x, lora)
-        # Fork. Side stream reads: x, the LoRABatch tensors, shared-expert(s) weights and LoRA slots;
+            return self._routed(x, lora, x_fp8) + self._shared(x, lora, x_fp8)
+        # Fork. Side stream reads: x (and x_fp8), the LoRABatch tensors, shared-expert(s) weights and LoRA slots;
         # writes: only `shared` (new tensors it allocates). Main stream reads the same inputs and
         # writes only new tensors (router logits, routed output). Nothing read across the fork is
         # written before the join: x is the caller's, never written in place (contract 2).
@@ -189,9 +192,10 @@ class SparseMoE(nn.Module):
         side = self._side_stream
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            shared = self._shared(x, lora)
-        routed = self._routed(x, lora)
+            shared = self._shared(x, lora, x_fp8)
+        routed = self._routed(x, lora, x_fp8)
         main.wait_stream(side)  # join: `shared` is complete before main reads it
         shared.record_stream(main)  # allocated on side, freed on main's timeline
-        x.record_stream(side)
+        for t in (x,) if x_fp8 is None else (x, *x_fp8):
+            t.record_stream(side)
         return routed + shared

@@ -48,3 +48,10 @@ class RMSNorm(nn.Module):
             return h.view(x.shape), y.view(x.shape)
         h = x + delta
         return h, rms_norm_ref(h, self.weight, self.eps)
+
+    def add_forward_fp8(self, x: torch.Tensor, delta: torch.Tensor | None):
+        """`add_forward` plus the normed rows quantized for W8A8 GEMMs in the same launch (`FP8Rows`; the Triton
+        backend, x [T, D]): (h, y, rows)."""
+        from moelora.kernels.norm import norm_fp8
+
+        return norm_fp8(x, None if delta is None else _rows(delta), self.weight, self.eps)

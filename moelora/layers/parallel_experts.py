@@ -26,5 +26,5 @@ class ExpertParallelExperts(Experts):
         self.register_buffer("expert_map", torch.where(mine, ids, torch.full_like(ids, -1)), persistent=False)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                lora: LoRABatch | None) -> torch.Tensor:
-        return super().forward(x, topk_weights, topk_ids, lora, expert_map=self.expert_map)
+                lora: LoRABatch | None, x_fp8=None) -> torch.Tensor:
+        return super().forward(x, topk_weights, topk_ids, lora, expert_map=self.expert_map, x_fp8=x_fp8)

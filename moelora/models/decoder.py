@@ -34,6 +34,7 @@ from moelora.lora.adapter import LoRAAdapter
 from moelora.lora.batch import LoRABatch
 from moelora.models.lora_targets import restrict_lora_sites
 from moelora.quant.config import FP8Config
+from moelora.quant.storage import activation_quantizer
 
 
 def gqa_attention(cfg: ModelConfig, shard=None, **kw) -> nn.Module:
@@ -73,6 +74,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         backend = kw["options"].kernel_backend
         self.shard = shard  # tensor parallelism: attention and MLP outputs are partial sums
+        # W8A8 on the Triton kernels: each norm also writes its rows quantized, for every FP8 GEMM reading them
+        self.fp8_inputs = backend == "triton" and activation_quantizer(kw.get("quant")) is not None
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.self_attn = make_attention(cfg, shard=shard, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
@@ -81,14 +84,18 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, **kw)
 
+    def _norm(self, norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None):
+        """(h, normed, its FP8Rows for the W8A8 GEMMs reading it, or None)."""
+        return norm.add_forward_fp8(x, delta) if self.fp8_inputs else (*norm.add_forward(x, delta), None)
+
     def forward(self, residual: torch.Tensor, delta: torch.Tensor | None, cos, sin, meta, kv, lora
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, normed = self.input_layernorm.add_forward(residual, delta)
-        attn = self.self_attn(normed, cos, sin, meta, kv, lora)
+        x, normed, rows = self._norm(self.input_layernorm, residual, delta)
+        attn = self.self_attn(normed, cos, sin, meta, kv, lora, x_fp8=rows)
         if self.shard is not None:
             attn = self.shard.all_reduce(attn)
-        h, normed = self.post_attention_layernorm.add_forward(x, attn)
-        out = self.mlp(normed, lora)
+        h, normed, rows = self._norm(self.post_attention_layernorm, x, attn)
+        out = self.mlp(normed, lora, x_fp8=rows)
         return h, out if self.shard is None else self.shard.all_reduce(out)
 
 

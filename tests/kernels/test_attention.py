@@ -221,3 +221,25 @@ def test_gpu_decode_cuda_graph_replay_after_in_place_update():
         assert whole <= 1e-2 and rows <= 3e-2, (lens, whole, rows)
         eager = paged_attention(q, k, v, kc, vc, m2, scale)
         assert torch.equal(out, eager)
+
+
+@kernel_test
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_writes_the_o_projections_fp8_rows(splits):
+    """`paged_attention_fp8` on a decode step with D = 128: paged_attention's output, and its rows [T, N * D]
+    quantized bit for bit as `per_token_group_quant` quantizes them (a group a head), by the writer (one split)
+    or by the reduce (three); a prefill step, or D != 128, gives None (the projection quantizes)."""
+    from moelora.kernels.attention import paged_attention_fp8
+    from moelora.kernels.fp8_quant import per_token_group_quant
+
+    def run(case, fn):
+        q, k, v, kc, vc, meta = case
+        return fn(q, k, v, kc.clone(), vc.clone(), meta, q.shape[-1] ** -0.5, config=TINY, num_splits=splits)
+
+    case = make_case([(0, 1), (40, 1), (13, 1)], 4, 2, 128, 16, dtype=torch.float16, device=DEV, seed=3)
+    out, rows = run(case, paged_attention_fp8)
+    assert torch.equal(out, run(case, paged_attention))
+    q8, s8 = per_token_group_quant(out.reshape(3, -1))
+    assert torch.equal(rows.s, s8) and torch.equal(rows.q.view(torch.uint8), q8.view(torch.uint8))
+    assert run(make_case([(0, 5), (3, 1)], 4, 2, 128, 16, device=DEV, seed=4), paged_attention_fp8)[1] is None
+    assert run(make_case([(5, 1)], 2, 1, 64, 16, device=DEV, seed=5), paged_attention_fp8)[1] is None

@@ -180,3 +180,35 @@ def test_router_topk_launches_compile_for_sm90(tmp_path, monkeypatch):
                 router_topk(x, w, K, True)
                 router_topk(x, w, K, False, splits=1)
     assert comp.failures == [] and len(comp.seen) >= 6
+
+
+def test_norm_fp8_launches_compile_for_sm90(tmp_path, monkeypatch):
+    """The decoder's RMSNorm writing W8A8 rows (`norm_fp8`), with and without the residual add, at the Qwen3 and
+    Qwen2-57B hidden sizes (one partial power-of-two block), compiles for the H200."""
+    from moelora.kernels.norm import norm_fp8
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    with Compiler(resources=False) as comp:
+        for D in (2048, 3584):
+            x, w = torch.randn(8, D, dtype=torch.bfloat16), torch.ones(D)
+            norm_fp8(x, None, w, 1e-6)
+            norm_fp8(x, x.clone(), w, 1e-6)
+    assert comp.failures == [] and len(comp.seen) >= 2
+
+
+def test_attention_fp8_rows_compile_for_sm90(tmp_path, monkeypatch):
+    """Decode attention writing the o projection's W8A8 rows (Qwen3's 32 / 4 heads of 128), from the split
+    kernel (one split) and from the reduce (several), compiles for the H200."""
+    from moelora.kernels.attention import paged_attention_fp8
+    from tests.helpers.attention_cases import build_meta
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    spec, tables = [(40, 1), (7, 1)], [[0, 1, 2], [3]]
+    meta = build_meta(spec, tables, 16, "cpu")
+    bf = torch.bfloat16
+    q, k, v = torch.randn(2, 32, 128, dtype=bf), torch.randn(2, 4, 128, dtype=bf), torch.randn(2, 4, 128, dtype=bf)
+    kc, vc = torch.randn(4, 16, 4, 128, dtype=bf), torch.randn(4, 16, 4, 128, dtype=bf)
+    with Compiler(resources=False) as comp:
+        for splits in (1, 4):
+            paged_attention_fp8(q, k, v, kc, vc, meta, 128 ** -0.5, num_splits=splits)
+    assert comp.failures == [] and {"_decode_split_kernel", "decode_reduce_kernel"} <= {n for n, _ in comp.seen}

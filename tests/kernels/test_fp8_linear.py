@@ -118,6 +118,26 @@ def test_group_quant_scales_and_values():
 
 
 @kernel_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("D,with_delta", [(300, True), (256, False), (64, True)])
+def test_norm_fp8_is_the_norm_then_the_group_quantization(D, with_delta, dtype):
+    """`norm_fp8` (the decoder's RMSNorm writing the W8A8 GEMMs' input already quantized): h and y as
+    add_rms_norm / rms_norm give them, and its q / s bit for bit per_token_group_quant(y) (a partial last group
+    at D = 300 and 64)."""
+    from moelora.kernels.norm import add_rms_norm, norm_fp8, rms_norm
+
+    g = torch.Generator().manual_seed(D)
+    x = (torch.randn(6, D, generator=g) * torch.logspace(-2, 1, D)).to(dtype).to(DEV)
+    delta = torch.randn(6, D, generator=g).to(dtype).to(DEV) if with_delta else None
+    w = (1 + 0.2 * torch.randn(D, generator=g)).to(DEV)
+    h, y, rows = norm_fp8(x, delta, w, 1e-6)
+    h_ref, y_ref = add_rms_norm(x, delta, w, 1e-6) if with_delta else (x, rms_norm(x, w, 1e-6))
+    assert torch.equal(h, h_ref) and torch.equal(y, y_ref)
+    q, s = per_token_group_quant(y)
+    assert torch.equal(rows.s, s) and torch.equal(rows.q.view(torch.uint8), q.view(torch.uint8))
+
+
+@kernel_test
 def test_fp8_linear_refusals():
     x, w, b, _ = make_case(3, 130, 64, (), 8, dtype=torch.float32, device=DEV)
     q, s, _ = fp8_weight(w, (64,), True)
