@@ -80,3 +80,12 @@ class MoERoutingPlan:
     @property
     def max_blocks(self) -> int:
         return self.expert_of_block.shape[0]
+
+
+FP8_DECODE_BLOCK_N = 64  # `fp8_linear`'s decode tile width: its split-K counts arrivals once a tile
+
+
+def split_k_counters(n_out: int) -> torch.Tensor:
+    """`fp8_linear`'s split-K arrival counters for an N_out-wide weight: int32 zeros, one a decode tile. Each
+    FP8 linear layer owns its buffer (a layer's calls never overlap); every call leaves it zero."""
+    return torch.zeros(-(-n_out // FP8_DECODE_BLOCK_N), dtype=torch.int32)

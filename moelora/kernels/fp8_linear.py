@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.args import DenseLoRAArgs
+from moelora.kernels.args import FP8_DECODE_BLOCK_N, DenseLoRAArgs
 from moelora.kernels.checks import cdiv, check_rows, need, output
 from moelora.kernels.dense_lora import planned, split
 from moelora.kernels.fp8_quant import GROUP, per_token_group_quant
@@ -111,42 +111,15 @@ def default_tiles(T: int, n_out: int, n_in: int) -> Tiles:
     issue 28: q/k/v 10.3 -> 8.1 us, o 16.0 -> 7.6 at T = 8); 32 x 64 to 128 rows, then prefill's 64 x 128."""
     if T <= 16:
         split = 1
-        while split < 8 and cdiv(n_out, 64) * split < 256 and split * GROUP < n_in:
+        while split < 8 and cdiv(n_out, FP8_DECODE_BLOCK_N) * split < 256 and split * GROUP < n_in:
             split *= 2
-        return Tiles(16, 64, 4, 3, split)
+        return Tiles(16, FP8_DECODE_BLOCK_N, 4, 3, split)
     if T <= 128:
         return Tiles(32, 64, 4)
     return Tiles(64, 128, 8)
 
 
-class _Semaphores:
-    """Split-K's per-tile arrival counters: one zeroed int32 pool a device, handed out round robin, so calls
-    that might overlap on two streams (a side stream's shared expert) count on different counters; each call
-    leaves its counters at zero. Allocated by the first eager split-K call (the engine's graph warm-up runs
-    one before any capture)."""
-
-    SIZE = 1 << 16
-
-    def __init__(self):
-        self.pools: dict[torch.device, torch.Tensor] = {}
-        self.next = 0
-
-    def take(self, device: torch.device, n: int) -> torch.Tensor:
-        pool = self.pools.get(device)
-        if pool is None:
-            need(not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()),
-                 "fp8_linear: the split-K counters are allocated by an eager call before any graph capture")
-            pool = self.pools[device] = torch.zeros(self.SIZE, dtype=torch.int32, device=device)
-        if self.next + n > self.SIZE:
-            self.next = 0
-        self.next += n
-        return pool[self.next - n:self.next]
-
-
-_SEMAPHORES = _Semaphores()
-
-
-def _launch(a, a_s, weight, scale, bias, out, bounds, grid_rows, gn, a_fp8, block, t: Tiles):
+def _launch(a, a_s, weight, scale, bias, out, bounds, grid_rows, gn, a_fp8, block, t: Tiles, counters):
     T, n_out, n_in = out.shape[0], out.shape[1], weight.shape[1]
     k_split = cdiv(cdiv(n_in, GROUP), t.split_k) * GROUP
     splits = cdiv(n_in, k_split)
@@ -154,7 +127,14 @@ def _launch(a, a_s, weight, scale, bias, out, bounds, grid_rows, gn, a_fp8, bloc
     part, sem = out, out
     if splits > 1:
         part = torch.empty(splits, T, n_out, dtype=torch.float32, device=out.device)
-        sem = _SEMAPHORES.take(out.device, grid[0] * grid[1])
+        tiles = grid[0] * grid[1]
+        if counters is None:
+            sem = torch.zeros(tiles, dtype=torch.int32, device=out.device)
+        else:
+            need(counters.dtype == torch.int32 and counters.numel() >= tiles and counters.device == out.device,
+                 lambda: f"counters must be int32 [>= {tiles}] on {out.device}, got {tuple(counters.shape)} "
+                 f"{counters.dtype} on {counters.device}")
+            sem = counters
     _fp8_linear_kernel[grid](
         a, a_s, weight, scale, out if bias is None else bias, out, part, sem, T, n_out, n_in, k_split,
         a.stride(0), a_s.stride(0), weight.stride(0), scale.stride(0), scale.stride(1) if block else 0,
@@ -186,9 +166,11 @@ def _check(x, weight, scale, bias, segments, block):
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, *,
                segments: tuple[int, ...], block: bool = True, quantize_activations: bool = False,
-               out: torch.Tensor | None = None, tiles: Tiles | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, tiles: Tiles | None = None,
+               counters: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ bias) on e4m3 W and its scale (module docstring); y new, or the caller's `out=`; `tiles`:
-    default `default_tiles`."""
+    default `default_tiles`; `counters`: the split-K arrival counters the caller owns (`args.split_k_counters`,
+    zero between calls; None: a zeroed buffer for this call)."""
     T, n_in, n_out = _check(x, weight, scale, bias, segments, block)
     out = output(out, (T, n_out), x.dtype, x.device, (x, weight, scale, bias))
     if T == 0:
@@ -199,25 +181,26 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     grid_rows = [sum(cdiv(n, gn) for n in segments[:i + 1]) for i in range(len(segments))]
     grid_rows += [grid_rows[-1]] * (MAX_SEGMENTS - len(segments))
     _launch(a, a_s, weight, scale, bias, out, bounds, grid_rows, gn, quantize_activations, block,
-            tiles or default_tiles(T, n_out, n_in))
+            tiles or default_tiles(T, n_out, n_in), counters)
     return out
 
 
 def fp8_lora_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                     lora: DenseLoRAArgs | None, *, segments: tuple[int, ...], block: bool = True,
-                    quantize_activations: bool = False, side_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+                    quantize_activations: bool = False, side_stream: torch.cuda.Stream | None = None,
+                    counters: torch.Tensor | None = None) -> torch.Tensor:
     """`fp8_linear` + the LoRA delta of `lora` (as `lora_linear` adds it, on x unrounded): y [T, N_out], new."""
     T, n_in = x.shape
     has_lora = lora is not None and lora.a.shape[0] > 0 and T > 0
     if not has_lora:
         return fp8_linear(x, weight, scale, bias, segments=segments, block=block,
-                          quantize_activations=quantize_activations)
+                          quantize_activations=quantize_activations, counters=counters)
     n_out = weight.shape[0]
     check_lora(lora, T, n_in, n_out)
     cfg = default_lora_linear_config(T, n_in=n_in, n_out=n_out, row_plan=lora.row_plan is not None)
     if cfg.mode == "planned":
         out = fp8_linear(x, weight, scale, bias, segments=segments, block=block,
-                         quantize_activations=quantize_activations)
+                         quantize_activations=quantize_activations, counters=counters)
         planned.add_delta(x, out, lora, cfg)
         return out
     if cfg.mode != "split":
@@ -225,7 +208,8 @@ def fp8_lora_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     # Fork (contract 2), as dense_lora.split: the side stream reads x, A, the slots and ranks and writes only xa
     # (allocated before the fork); the base GEMM reads x, W and its scale and writes only `out`.
     shrunk = split.shrink(x, lora, T, n_in, cfg, side_stream)
-    out = fp8_linear(x, weight, scale, bias, segments=segments, block=block, quantize_activations=quantize_activations)
+    out = fp8_linear(x, weight, scale, bias, segments=segments, block=block, quantize_activations=quantize_activations,
+                     counters=counters)
     join(side_stream, x.device)
     split.expand(out, lora, T, n_out, cfg, shrunk)
     return out

@@ -35,7 +35,7 @@ import weakref
 import torch
 from torch import nn
 
-from moelora.kernels.args import DenseLoRAArgs
+from moelora.kernels.args import DenseLoRAArgs, split_k_counters
 from moelora.kernels.dense_policy import DENSE_LORA_POLICY, DenseLoRAPolicy
 from moelora.kernels.reference import lora_linear_ref
 from moelora.layers.options import DEFAULT_OPTIONS, LayerOptions
@@ -78,7 +78,7 @@ class _FP8Weight:
             return fp8_lora_linear(x, self.weight, self.weight_scale_inv, self.bias, args,
                                    segments=self.scale_segments, block=self.quant.weights == "block",
                                    quantize_activations=activation_quantizer(self.quant) is not None,
-                                   side_stream=side)
+                                   side_stream=side, counters=self.split_k_counters)
         return _project(self.options.kernel_backend, x, self.dense_weight(x.dtype), self.bias, args, side,
                         activation_quantizer(self.quant), self.options.dense_lora_policy)
 
@@ -138,6 +138,7 @@ class Linear(LinearSite):
             self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         else:
             self.weight, self.weight_scale_inv = fp8_parameters(quant, self.scale_segments, in_features)
+            self.register_buffer("split_k_counters", split_k_counters(out_features), persistent=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
         self.has_lora = max_loras > 0 and max_rank > 0
         if self.has_lora:
@@ -166,6 +167,7 @@ class MergedLinear(_FP8Weight, nn.Module):
             self.weight = nn.Parameter(torch.empty(self.out_features, in_features, dtype=dtype))
         else:
             self.weight, self.weight_scale_inv = fp8_parameters(quant, self.out_sizes, in_features)
+            self.register_buffer("split_k_counters", split_k_counters(self.out_features), persistent=False)
         self.bias = nn.Parameter(torch.empty(self.out_features, dtype=dtype)) if bias else None
         self.has_lora = max_loras > 0 and max_rank > 0
         G = len(self.out_sizes)
@@ -227,6 +229,10 @@ class LinearSegment(LinearSite):
     @property
     def weight_scale_inv(self) -> torch.Tensor:
         return self.merged.weight_scale_inv[self._scale_rows]
+
+    @property
+    def split_k_counters(self) -> torch.Tensor:  # the merged projection's: its segments run one at a time
+        return self.merged.split_k_counters
 
     @property
     def bias(self) -> torch.Tensor | None:

@@ -87,19 +87,18 @@ def test_fp8_linear_equals_twin(block, segments, T, ranks, act):
 def test_split_k_equals_one_pass_and_repeats_bit_for_bit(split, act):
     """Decode's split-K (5 scale blocks in 3 splits leaves a short last one; 8 asks for more splits than blocks):
     one pass over K up to fp32 reassociation, and the same bits on every call into a NaN-filled output (the
-    last split sums the partials in split order); every arrival counter is back at zero after the calls (one
-    left behind would skip the sum of a later call on it, leaving its output unwritten)."""
-    from moelora.kernels.fp8_linear import _SEMAPHORES
-
+    last split sums the partials in split order); the caller's arrival counters, shared by the calls, are back
+    at zero after each (one left behind would skip the sum of the next call, leaving its output unwritten)."""
     x, w, b, _ = make_case(5, 520, 200, (), 8, dtype=torch.float32, device=DEV, seed=split)
     q, s, _ = fp8_weight(w, (136, 64), True)
-    kw = dict(segments=(136, 64), quantize_activations=act)
+    counters = torch.zeros(7, dtype=torch.int32, device=DEV)  # a counter a 32-column tile
+    kw = dict(segments=(136, 64), quantize_activations=act, counters=counters)
     one = fp8_linear(x, q, s, b, tiles=Tiles(16, 32, 4, 3, 1), **kw)
     got = [fp8_linear(x, q, s, b, out=torch.full_like(one, float("nan")), tiles=Tiles(16, 32, 4, 3, split), **kw)
            for _ in range(3)]
     assert rel_err(got[0], one) <= 1e-6
     assert all(torch.equal(g, got[0]) for g in got[1:])
-    assert _SEMAPHORES.pools[got[0].device].count_nonzero() == 0
+    assert counters.count_nonzero() == 0
 
 
 @kernel_test
