@@ -89,3 +89,13 @@ class FP8Rows(NamedTuple):
 
     q: torch.Tensor
     s: torch.Tensor
+
+
+FP8_DECODE_BLOCK_N = 64  # `fp8_linear`'s split-K tile width: its split-K counts arrivals once a tile
+FP8_SPLIT_K_ROW_TILES = 2  # `fp8_linear` splits K up to 128 rows, in row tiles of 16, 32 or 64 rows: at most 2
+
+
+def split_k_counters(n_out: int) -> torch.Tensor:
+    """`fp8_linear`'s split-K arrival counters for an N_out-wide weight: int32 zeros, one a split-K tile. Each
+    FP8 linear layer owns its buffer (a layer's calls never overlap); every call leaves it zero."""
+    return torch.zeros(FP8_SPLIT_K_ROW_TILES * -(-n_out // FP8_DECODE_BLOCK_N), dtype=torch.int32)

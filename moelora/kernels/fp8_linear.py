@@ -18,12 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.args import DenseLoRAArgs, FP8Rows
+from moelora.kernels.args import FP8_DECODE_BLOCK_N, DenseLoRAArgs, FP8Rows
 from moelora.kernels.checks import cdiv, check_rows, need, output
 from moelora.kernels.dense_lora import planned, split
 from moelora.kernels.fp8_quant import GROUP, per_token_group_quant
 from moelora.kernels.lora_linear import check_lora, default_lora_linear_config
-from moelora.kernels.semaphores import SEMAPHORES
 from moelora.kernels.side_stream import join
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -114,13 +113,13 @@ def default_tiles(T: int, n_out: int, n_in: int) -> Tiles:
     if T > 128:
         return Tiles(64, 128, 8)
     bm = 16 if T <= 16 else 32 if T <= 32 else 64
-    tiles, want, split = cdiv(T, bm) * cdiv(n_out, 64), 256 if T <= 16 else 128, 1
+    tiles, want, split = cdiv(T, bm) * cdiv(n_out, FP8_DECODE_BLOCK_N), 256 if T <= 16 else 128, 1
     while split < 8 and tiles * split < want and split * GROUP < n_in:
         split *= 2
-    return Tiles(bm, 64, 4, 3, split)
+    return Tiles(bm, FP8_DECODE_BLOCK_N, 4, 3, split)
 
 
-def _launch(a, a_s, weight, scale, bias, out, bounds, grid_rows, gn, a_fp8, block, t: Tiles):
+def _launch(a, a_s, weight, scale, bias, out, bounds, grid_rows, gn, a_fp8, block, t: Tiles, counters):
     T, n_out, n_in = out.shape[0], out.shape[1], weight.shape[1]
     k_split = cdiv(cdiv(n_in, GROUP), t.split_k) * GROUP
     splits = cdiv(n_in, k_split)
@@ -128,7 +127,14 @@ def _launch(a, a_s, weight, scale, bias, out, bounds, grid_rows, gn, a_fp8, bloc
     part, sem = out, out
     if splits > 1:
         part = torch.empty(splits, T, n_out, dtype=torch.float32, device=out.device)
-        sem = SEMAPHORES.take(out.device, grid[0] * grid[1])
+        tiles = grid[0] * grid[1]
+        if counters is None:
+            sem = torch.zeros(tiles, dtype=torch.int32, device=out.device)
+        else:
+            need(counters.dtype == torch.int32 and counters.numel() >= tiles and counters.device == out.device,
+                 lambda: f"counters must be int32 [>= {tiles}] on {out.device}, got {tuple(counters.shape)} "
+                 f"{counters.dtype} on {counters.device}")
+            sem = counters
     _fp8_linear_kernel[grid](
         a, a_s, weight, scale, out if bias is None else bias, out, part, sem, T, n_out, n_in, k_split,
         a.stride(0), a_s.stride(0), weight.stride(0), scale.stride(0), scale.stride(1) if block else 0,
@@ -161,9 +167,11 @@ def _check(x, weight, scale, bias, segments, block):
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, *,
                segments: tuple[int, ...], block: bool = True, quantize_activations: bool = False,
                out: torch.Tensor | None = None, tiles: Tiles | None = None,
-               x_fp8: FP8Rows | None = None) -> torch.Tensor:
+               x_fp8: FP8Rows | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ bias) on e4m3 W and its scale (module docstring); y new, or the caller's `out=`; `tiles`:
-    default `default_tiles`; `x_fp8`: x already quantized (W8A8: its producer wrote it, `norm.norm_fp8`)."""
+    default `default_tiles`; `x_fp8`: x already quantized (W8A8: its producer wrote it, `norm.norm_fp8`);
+    `counters`: the split-K arrival counters the caller owns (`args.split_k_counters`, zero between calls; None:
+    a zeroed buffer for this call)."""
     T, n_in, n_out = _check(x, weight, scale, bias, segments, block)
     out = output(out, (T, n_out), x.dtype, x.device, (x, weight, scale, bias))
     if T == 0:
@@ -178,26 +186,26 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     grid_rows = [sum(cdiv(n, gn) for n in segments[:i + 1]) for i in range(len(segments))]
     grid_rows += [grid_rows[-1]] * (MAX_SEGMENTS - len(segments))
     _launch(a, a_s, weight, scale, bias, out, bounds, grid_rows, gn, quantize_activations, block,
-            tiles or default_tiles(T, n_out, n_in))
+            tiles or default_tiles(T, n_out, n_in), counters)
     return out
 
 
 def fp8_lora_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                     lora: DenseLoRAArgs | None, *, segments: tuple[int, ...], block: bool = True,
                     quantize_activations: bool = False, side_stream: torch.cuda.Stream | None = None,
-                    x_fp8: FP8Rows | None = None) -> torch.Tensor:
+                    x_fp8: FP8Rows | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
     """`fp8_linear` + the LoRA delta of `lora` (as `lora_linear` adds it, on x unrounded): y [T, N_out], new."""
     T, n_in = x.shape
     has_lora = lora is not None and lora.a.shape[0] > 0 and T > 0
     if not has_lora:
         return fp8_linear(x, weight, scale, bias, segments=segments, block=block,
-                          quantize_activations=quantize_activations, x_fp8=x_fp8)
+                          quantize_activations=quantize_activations, x_fp8=x_fp8, counters=counters)
     n_out = weight.shape[0]
     check_lora(lora, T, n_in, n_out)
     cfg = default_lora_linear_config(T, n_in=n_in, n_out=n_out, row_plan=lora.row_plan is not None)
     if cfg.mode == "planned":
         out = fp8_linear(x, weight, scale, bias, segments=segments, block=block,
-                         quantize_activations=quantize_activations, x_fp8=x_fp8)
+                         quantize_activations=quantize_activations, x_fp8=x_fp8, counters=counters)
         planned.add_delta(x, out, lora, cfg)
         return out
     if cfg.mode != "split":
@@ -206,7 +214,7 @@ def fp8_lora_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     # (allocated before the fork); the base GEMM reads x, W and its scale and writes only `out`.
     shrunk = split.shrink(x, lora, T, n_in, cfg, side_stream)
     out = fp8_linear(x, weight, scale, bias, segments=segments, block=block, quantize_activations=quantize_activations,
-                     x_fp8=x_fp8)
+                     x_fp8=x_fp8, counters=counters)
     join(side_stream, x.device)
     split.expand(out, lora, T, n_out, cfg, shrunk)
     return out

@@ -5,9 +5,10 @@ Shape legend: T tokens (<= MAX_ROWS), H hidden, E experts (<= MAX_EXPERTS), K to
       -> (topk_weights [T, K] fp32, topk_ids [T, K] int32)
 Why: at decode the router GEMM (0.5 MB at Qwen3-30B-A3B's shape) and the top-k are two latency-bound launches
 (cuBLAS 5.2 + 4.0 us a layer at 8 requests on the H200). Here each of S programs takes a chunk of H for all E
-columns; the last to arrive (`semaphores`) sums the fp32 partials in split order, rounds the logits to x's dtype
-(as the unfused GEMM's output is) and picks the top k with `softmax_topk_rows`. Numerics: `softmax_topk_ref` of
-x W^T in x's dtype, up to the GEMM's summation order (as cuBLAS's own order differs by batch size).
+columns; the last to arrive (on an arrival counter the caller owns) sums the fp32 partials in split order, rounds
+the logits to x's dtype (as the unfused GEMM's output is) and picks the top k with `softmax_topk_rows`.
+Numerics: `softmax_topk_ref` of x W^T in x's dtype, up to the GEMM's summation order (as cuBLAS's own order
+differs by batch size).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.checks import cdiv, check_rows, need, next_pow2
-from moelora.kernels.semaphores import SEMAPHORES
 from moelora.kernels.softmax_topk import softmax_topk_rows
 
 MAX_ROWS = 16  # decode steps; more rows take the GEMM + `softmax_topk`
@@ -85,9 +85,10 @@ def router_topk_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, *,
-                splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                splits: int | None = None, counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_weights [T, K] fp32, topk_ids [T, K] int32) of softmax(x W^T); `splits`: of H (default: 2 steps of
-    BLOCK_H a program)."""
+    BLOCK_H a program); `counter`: the split arrival counter the caller owns (int32 [>= 1], zero between calls,
+    left zero; None: a zeroed one for this call)."""
     need(router_topk_fits(x, weight), lambda: f"router_topk takes x [T <= {MAX_ROWS}, H] fp16/bf16 and a router "
          f"weight [E <= {MAX_EXPERTS}, H] of x's dtype, unit last strides; got {tuple(x.shape)} {x.dtype}, "
          f"{tuple(weight.shape)} {weight.dtype}")
@@ -107,7 +108,13 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: 
     part, sem = weights, ids  # placeholders with one split
     if splits > 1:
         part = torch.empty(splits, MAX_ROWS, block_e, dtype=torch.float32, device=x.device)
-        sem = SEMAPHORES.take(x.device, 1)
+        if counter is None:
+            sem = torch.zeros(1, dtype=torch.int32, device=x.device)
+        else:
+            need(counter.dtype == torch.int32 and counter.numel() >= 1 and counter.device == x.device,
+                 lambda: f"counter must be int32 [>= 1] on {x.device}, got {tuple(counter.shape)} {counter.dtype} "
+                 f"on {counter.device}")
+            sem = counter
     _router_topk_kernel[(splits,)](
         x, weight, part, sem, weights, ids, T, E, H, chunk, x.stride(0), weight.stride(0), weights.stride(0),
         ids.stride(0), K=top_k, RENORMALIZE=bool(renormalize), SPLITS=splits, BLOCK_T=MAX_ROWS, BLOCK_E=block_e,

@@ -35,7 +35,7 @@ import weakref
 import torch
 from torch import nn
 
-from moelora.kernels.args import DenseLoRAArgs, FP8Rows
+from moelora.kernels.args import DenseLoRAArgs, FP8Rows, split_k_counters
 from moelora.kernels.dense_policy import DENSE_LORA_POLICY, DenseLoRAPolicy
 from moelora.kernels.reference import lora_linear_ref
 from moelora.layers.options import DEFAULT_OPTIONS, LayerOptions
@@ -79,7 +79,7 @@ class _FP8Weight:
             return fp8_lora_linear(x, self.weight, self.weight_scale_inv, self.bias, args,
                                    segments=self.scale_segments, block=self.quant.weights == "block",
                                    quantize_activations=activation_quantizer(self.quant) is not None,
-                                   side_stream=side, x_fp8=x_fp8)
+                                   side_stream=side, x_fp8=x_fp8, counters=self.split_k_counters)
         return _project(self.options.kernel_backend, x, self.dense_weight(x.dtype), self.bias, args, side,
                         activation_quantizer(self.quant), self.options.dense_lora_policy)
 
@@ -139,6 +139,7 @@ class Linear(LinearSite):
             self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         else:
             self.weight, self.weight_scale_inv = fp8_parameters(quant, self.scale_segments, in_features)
+            self.register_buffer("split_k_counters", split_k_counters(out_features), persistent=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
         self.has_lora = max_loras > 0 and max_rank > 0
         if self.has_lora:
@@ -167,6 +168,7 @@ class MergedLinear(_FP8Weight, nn.Module):
             self.weight = nn.Parameter(torch.empty(self.out_features, in_features, dtype=dtype))
         else:
             self.weight, self.weight_scale_inv = fp8_parameters(quant, self.out_sizes, in_features)
+            self.register_buffer("split_k_counters", split_k_counters(self.out_features), persistent=False)
         self.bias = nn.Parameter(torch.empty(self.out_features, dtype=dtype)) if bias else None
         self.has_lora = max_loras > 0 and max_rank > 0
         G = len(self.out_sizes)
@@ -228,6 +230,10 @@ class LinearSegment(LinearSite):
     @property
     def weight_scale_inv(self) -> torch.Tensor:
         return self.merged.weight_scale_inv[self._scale_rows]
+
+    @property
+    def split_k_counters(self) -> torch.Tensor:  # the merged projection's: its segments run one at a time
+        return self.merged.split_k_counters
 
     @property
     def bias(self) -> torch.Tensor | None:

@@ -146,6 +146,8 @@ class SparseMoE(nn.Module):
             self.gate = Router(hidden, num_experts, correction_bias=correction_bias, **plain)
         else:
             self.gate = Linear(hidden, num_experts, **plain)
+            # `router_topk`'s split arrival counter (decode's one-launch router; a layer's calls never overlap)
+            self.register_buffer("router_counter", torch.zeros(1, dtype=torch.int32), persistent=False)
         # `experts`: a rank's expert-parallel share (`layers.parallel_experts`); default all E experts
         self.experts = experts if experts is not None else Experts(num_experts, hidden, inter, **kw)
         self.shared_expert = DenseMLP(hidden, shared_inter, **kw) if shared_inter else None
@@ -162,7 +164,8 @@ class SparseMoE(nn.Module):
         if self._one_launch_router(x, lora):  # decode: the router GEMM and its top k in one launch
             from moelora.kernels.router_topk import router_topk
 
-            weights, ids = router_topk(x, self.gate.weight, self.routing.top_k, self.routing.renormalize)
+            weights, ids = router_topk(x, self.gate.weight, self.routing.top_k, self.routing.renormalize,
+                                       counter=self.router_counter)
         else:
             bias = getattr(self.gate, "e_score_correction_bias", None)
             weights, ids = route(self.gate(x, lora), self.routing, bias, self.options.kernel_backend)

@@ -18,7 +18,8 @@ import torch
 pytestmark = pytest.mark.interp  # `make test` runs it with TRITON_INTERPRET=1 (set before triton is imported)
 triton = pytest.importorskip("triton")
 
-from moelora.kernels.fp8_linear import Tiles, fp8_linear, fp8_lora_linear  # noqa: E402
+from moelora.kernels.args import split_k_counters  # noqa: E402
+from moelora.kernels.fp8_linear import Tiles, default_tiles, fp8_linear, fp8_lora_linear  # noqa: E402
 from moelora.kernels.fp8_quant import per_token_group_quant  # noqa: E402
 from moelora.kernels.reference import DenseLoRAArgs, lora_linear_ref  # noqa: E402
 from moelora.quant.fp8 import (  # noqa: E402
@@ -88,20 +89,19 @@ def test_fp8_linear_equals_twin(block, segments, T, ranks, act):
 def test_split_k_equals_one_pass_and_repeats_bit_for_bit(T, split, act):
     """Decode's split-K (5 scale blocks in 3 splits leaves a short last one; 8 asks for more splits than blocks):
     one pass over K up to fp32 reassociation, and the same bits on every call into a NaN-filled output (the
-    last split sums the partials in split order); every arrival counter is back at zero after the calls (one
-    left behind would skip the sum of a later call on it, leaving its output unwritten). 40 rows: three row
-    tiles, each with its own counters."""
-    from moelora.kernels.semaphores import SEMAPHORES
-
+    last split sums the partials in split order); the caller's arrival counters, shared by the calls, are back
+    at zero after each (one left behind would skip the sum of the next call, leaving its output unwritten). 40
+    rows: three row tiles, each with its own counters."""
     x, w, b, _ = make_case(T, 520, 200, (), 8, dtype=torch.float32, device=DEV, seed=split)
     q, s, _ = fp8_weight(w, (136, 64), True)
-    kw = dict(segments=(136, 64), quantize_activations=act)
+    counters = torch.zeros(3 * 7, dtype=torch.int32, device=DEV)  # a counter a 16 x 32 tile
+    kw = dict(segments=(136, 64), quantize_activations=act, counters=counters)
     one = fp8_linear(x, q, s, b, tiles=Tiles(16, 32, 4, 3, 1), **kw)
     got = [fp8_linear(x, q, s, b, out=torch.full_like(one, float("nan")), tiles=Tiles(16, 32, 4, 3, split), **kw)
            for _ in range(3)]
     assert rel_err(got[0], one) <= 1e-6
     assert all(torch.equal(g, got[0]) for g in got[1:])
-    assert SEMAPHORES.pools[got[0].device].count_nonzero() == 0
+    assert counters.count_nonzero() == 0
 
 
 @kernel_test
@@ -147,6 +147,21 @@ def test_fp8_linear_refusals():
         fp8_linear(x, q, s, b, segments=(32, 16))
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         fp8_linear(x, w, s, b, segments=(64,))
+    with pytest.raises(ValueError, match=r"counters must be int32 \[>= 2\]"):  # 2 tiles of 32 columns
+        fp8_linear(x, q, s, b, segments=(64,), tiles=Tiles(16, 32, 4, 3, 2),
+                   counters=torch.zeros(1, dtype=torch.int32, device=DEV))
+
+
+@pytest.mark.parametrize("n_out", [64, 200, 576, 5120, 6144])
+def test_layer_counters_cover_every_default_split_k_launch(n_out):
+    """A layer's `split_k_counters(n_out)` holds a counter for each tile of every split-K launch `default_tiles`
+    picks (a launch finding too few would refuse mid-decode)."""
+    have = split_k_counters(n_out).numel()
+    for T in range(1, 513):
+        for n_in in (128, 512, 2048, 4096):
+            t = default_tiles(T, n_out, n_in)
+            if t.split_k > 1 and n_in > 128:
+                assert -(-T // t.bm) * -(-n_out // t.bn) <= have, (T, n_in, t)
 
 
 QWEN3 = {"qkv": (2048, (4096, 512, 512)), "o": (4096, (2048,))}
