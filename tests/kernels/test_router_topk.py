@@ -29,35 +29,68 @@ def inputs(T, H, E, dtype, device, seed):
     return x, w
 
 
+def grid_inputs(T, H, E, dtype, device, seed):
+    """x small integers and w sparse in {-1, 0, 1} / 8: every product and partial sum is exact in fp32 and every
+    logit exact in x's dtype, whatever the summation order; the kernel's logits are then the twin's, bit for bit
+    (ties included, which this grid makes common)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-2, 3, (T, H), generator=g).to(dtype).to(device)
+    w = torch.randint(-1, 2, (E, H), generator=g) * (torch.rand(E, H, generator=g) < 32 / H) / 8
+    return x, w.to(dtype).to(device)
+
+
+def check_exact(x, w, K, renorm, got):
+    """`grid_inputs`: the experts' logits those of `softmax_topk_ref`'s (ids equal but for the order of tied
+    logits), the weights its own to fp32 rounding."""
+    logits = x.double() @ w.double().t()
+    assert torch.equal(logits.to(x.dtype).double(), logits)  # the grid holds: every logit exact
+    weights, ids = got
+    w_ref, ids_ref = softmax_topk_ref(logits.to(x.dtype), K, renorm)
+    lg = logits.cpu()
+    assert torch.equal(lg.gather(1, ids.long().cpu()), lg.gather(1, ids_ref.long().cpu()))
+    assert all(len(set(row.tolist())) == K for row in ids.cpu())
+    torch.testing.assert_close(weights.cpu(), w_ref.cpu(), rtol=1e-5, atol=1e-7)
+
+
 def check(x, w, K, renorm, got):
+    """Every row: K distinct experts that are a top k of the exact logits rounded once to x's dtype (up to one more
+    rounding of a logit: the kernel sums in another order), in descending order, weighted by their softmax
+    probabilities (renormalised); rows whose top k + 1 logits stand clear of each other: `softmax_topk_ref`'s
+    experts exactly."""
     logits = (x.double() @ w.double().t()).to(x.dtype)  # exact sum, one rounding
-    w_ref, ids_ref = softmax_topk_ref(logits, K, renorm)
     weights, ids = got
     assert ids.dtype == torch.int32 and weights.dtype == torch.float32
-    # the kernel sums in another order: a logit may round to the neighbour of the exact sum's rounding (1 ulp)
-    lg = logits.double().cpu()
-    top = lg.topk(min(K + 1, lg.shape[1]), dim=1).values
+    lg, picked = logits.double().cpu(), ids.long().cpu()
+    assert all(len(set(row.tolist())) == K for row in picked)
     slack = 2 * ULP[x.dtype] * lg.abs().amax(dim=1, keepdim=True).clamp(min=1)
+    chosen = lg.gather(1, picked)
+    rest = lg.scatter(1, picked, float("-inf")).amax(dim=1, keepdim=True)
+    assert (chosen >= rest - slack).all()  # no expert left out that beats a chosen one by more than a rounding
+    assert (chosen[:, :-1] >= chosen[:, 1:] - slack).all()  # descending, as torch.topk orders them
+    want = torch.softmax(lg, dim=1).gather(1, picked)
+    if renorm:
+        want = want / want.sum(dim=1, keepdim=True)
+    # each logit moved by at most slack / 2: a probability by at most slack relative, a renormalised one 2 slack
+    assert ((weights.double().cpu() - want).abs() <= 2 * slack * want + 1e-6).all()
+    top = lg.topk(min(K + 1, lg.shape[1]), dim=1).values
     clear = (top[:, :-1] - top[:, 1:] > slack).all(dim=1) if top.shape[1] > 1 else torch.ones(len(lg), dtype=bool)
-    assert clear.float().mean() >= 0.5, "too few rows to compare: the inputs tie too often"
-    clear = clear.to(ids.device)
-    assert torch.equal(ids[clear], ids_ref[clear])
-    tol = 8 * ULP[x.dtype]  # one logit's rounding moves each probability by about that, relative
-    torch.testing.assert_close(weights[clear], w_ref[clear], rtol=tol, atol=1e-6)
+    _, ids_ref = softmax_topk_ref(logits, K, renorm)
+    assert torch.equal(ids.cpu()[clear], ids_ref.cpu()[clear])
 
 
 @kernel_test
 @pytest.mark.parametrize("T,H,E,K,renorm,splits", [
     (5, 600, 64, 8, True, None), (16, 256, 128, 8, False, None), (4, 2048, 60, 4, True, 16), (9, 300, 6, 2, False, 2),
     (0, 128, 8, 2, True, None)])
-def test_router_topk_equals_twin(T, H, E, K, renorm, splits):
-    x, w = inputs(T, H, E, torch.float16, DEV, seed=T + H + E)
+@pytest.mark.parametrize("grid", [False, True], ids=["random", "grid"])
+def test_router_topk_equals_twin(T, H, E, K, renorm, splits, grid):
+    x, w = (grid_inputs if grid else inputs)(T, H, E, torch.float16, DEV, seed=T + H + E)
     x0 = x.clone()
     counter = torch.zeros(1, dtype=torch.int32, device=DEV)  # shared by both calls, as a layer's is
     got = router_topk(x, w, K, renorm, splits=splits, counter=counter)
     assert torch.equal(x, x0)
     if T:
-        check(x, w, K, renorm, got)
+        (check_exact if grid else check)(x, w, K, renorm, got)
     assert counter.item() == 0  # zero again: one left behind would skip the next call's sum
     again = router_topk(x, w, K, renorm, splits=splits, counter=counter)  # same bits: summed in split order
     assert torch.equal(again[0], got[0]) and torch.equal(again[1], got[1])
@@ -80,14 +113,15 @@ def test_router_topk_refusals():
 @pytest.mark.parametrize("T", [1, 8, 16])
 @pytest.mark.parametrize("H,E,K,renorm", [(2048, 128, 8, True), (3584, 64, 8, False), (2048, 64, 8, False)],
                          ids=["qwen3_30b", "qwen2_57b", "olmoe"])
-def test_gpu_router_topk(T, H, E, K, renorm):
-    x, w = inputs(T, H, E, torch.bfloat16, "cuda", seed=T)
+@pytest.mark.parametrize("grid", [False, True], ids=["random", "grid"])
+def test_gpu_router_topk(T, H, E, K, renorm, grid):
+    x, w = (grid_inputs if grid else inputs)(T, H, E, torch.bfloat16, "cuda", seed=T)
     torch.cuda.set_sync_debug_mode("error")  # contract 5
     try:
         got = router_topk(x, w, K, renorm)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    check(x, w, K, renorm, got)
+    (check_exact if grid else check)(x, w, K, renorm, got)
 
 
 @kernel_test
