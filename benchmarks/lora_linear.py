@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_bench_common import copy_gbps, write_rows  # noqa: E402
 
-from moelora.kernels.args import DenseLoRAArgs  # noqa: E402
+from moelora.kernels.args import DenseLoRAArgs, split_k_counters  # noqa: E402
 from moelora.kernels.dense_lora.planned import row_plan  # noqa: E402
 from moelora.kernels.dense_policy import DENSE_LORA_POLICY, PLAN_BLOCK_M  # noqa: E402
 from moelora.kernels.fp8_linear import fp8_lora_linear  # noqa: E402
@@ -79,6 +79,7 @@ def make_layers(n_in: int, n_out: int, n_layers: int, pool_ranks, seed=0, n_seg:
               for _ in range(n_layers)]
     for ly in layers if fp8_segments else ():
         ly["q"], ly["s"] = quantize_segments(ly["w"], fp8_segments)
+        ly["counters"] = split_k_counters(n_out).cuda()  # a layer's own, as the engine's FP8 linears hold them
     return layers
 
 
@@ -168,7 +169,8 @@ def _fp8_calls(layers, x, T, var, segments, n_out, quantize_activations, side):
     the engine groups them (17..1024 rows)."""
     plan_bm = PLAN_BLOCK_M if DENSE_LORA_POLICY.wants_row_plan(T) else 0
     return [partial(fp8_lora_linear, x, ly["q"], ly["s"], None, lora_args(ly, T, var, segments, plan_bm),
-                    segments=segments or (n_out,), quantize_activations=quantize_activations, side_stream=side)
+                    segments=segments or (n_out,), quantize_activations=quantize_activations, side_stream=side,
+                    counters=ly["counters"])
             for ly in layers]
 
 
