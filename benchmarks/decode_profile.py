@@ -49,7 +49,7 @@ CATEGORIES = (  # first match wins: Triton kernel names (exact or prefix), subst
     ("dense lora", ("^_lora_", "=planned_delta_kernel")),
     ("dense splitk: base GEMM + LoRA shrink, reduce + expand", ("^splitk_",)),
     ("moe gemm + plan + combine", ("=gate_up_kernel", "=down_kernel", "=combine_kernel", "^_plan_")),
-    ("attention", ("^_decode", "^_prefill", "^_store", "^_mla")),
+    ("attention", ("^_decode", "=decode_reduce_kernel", "^_prefill", "^_store", "^_mla")),
     ("fused norm/rotary/router/silu", ("=_rms_norm_kernel", "=_qk_norm_rope_kernel", "=_softmax_topk_kernel",
                                        "=_router_topk_kernel", "=_silu_mul_kernel")),
     ("cuBLAS GEMM", ("nvjet", "gemm", "cutlass", "xmma")),

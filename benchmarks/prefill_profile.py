@@ -32,7 +32,7 @@ import moelora.engine.engine as engine_module
 from moelora.bench import random_prompts, time_prefill
 
 CATEGORIES = (  # first match wins: exact Triton names (=), prefixes (^), substrings of cuBLAS / ATen names
-    ("attention", ("^_prefill", "^_decode", "^_store", "^_mla")),
+    ("attention", ("^_prefill", "^_decode", "=decode_reduce_kernel", "^_store", "^_mla")),
     ("MoE GEMMs", ("=gate_up_kernel", "=down_kernel")),
     ("MoE plan / routing / combine", ("^_plan_", "=combine_kernel", "=_softmax_topk_kernel", "topk", "sort")),
     ("MoE LoRA", ("=lora_shrink_kernel", "=lora_route_delta_kernel", "=lora_block_delta_kernel", "=act_delta_kernel",

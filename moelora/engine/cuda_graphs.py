@@ -35,7 +35,7 @@ import time
 import torch
 
 from moelora.engine.config import EngineConfig
-from moelora.engine.runner import StepInputs, decode_tiles
+from moelora.engine.runner import StepInputs
 from moelora.kernels.checks import lora_tile_rank
 from moelora.layers.attention import AttnMetadata, SeqSlice
 from moelora.lora.batch import NO_SLOT, LoRABatch, LoRANeeds, plan_step
@@ -80,7 +80,6 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(B, dtype=torch.int32, device=dev)
         self.query_start = torch.arange(B + 1, dtype=torch.int32, device=dev)
         self.token_slots = torch.full((B,), NO_SLOT, dtype=torch.int32, device=dev)
-        self.split_counters = torch.zeros(B * decode_tiles(model), dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.base_graphs, self.lora_sites = base_graphs, lora_sites
         self.base: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # the graphs without LoRA
@@ -94,7 +93,7 @@ class CudaGraphRunner:
     def _forward(self, B: int, with_lora: bool = True) -> torch.Tensor:
         meta = AttnMetadata(self.slot_mapping[:B], self.block_tables[:B], self.seq_lens[:B],
                             self.query_start[:B + 1], tuple(SeqSlice(i, 1, 1, i) for i in range(B)),
-                            max_seq_len=self.max_model_len, max_query_len=1, split_counters=self.split_counters)
+                            max_seq_len=self.max_model_len, max_query_len=1)
         # inside the capture: every replay groups its own rows
         lora = plan_step(self.token_slots[:B], None, self.lora_width, self.needs, self.lora_idle) if with_lora else None
         hidden = self.model(self.input_ids[:B], self.positions[:B], meta, self.cache.layers, lora)

@@ -60,18 +60,11 @@ def lora_needs(cfg: EngineConfig, model) -> LoRANeeds:
                      side_stream=torch.cuda.Stream(device) if cfg.overlap_lora and device.type == "cuda" else None)
 
 
-def decode_tiles(model) -> int:
-    """The most decode attention programs a sequence has on grid axis 1 (key/value heads, or MLA's head tiles):
-    at most the query heads this rank holds."""
-    return model.layer_config.num_heads
-
-
 class ModelRunner:
     def __init__(self, model, cache: PagedKVCache, device: torch.device, needs: LoRANeeds | None = None):
         """`needs`: what every step's `LoRABatch` carries (`lora_needs`; None: the twins' rows and the width)."""
         self.model, self.cache, self.device, self.needs = model, cache, device, needs or LoRANeeds()
         self.lora_idle: frozenset = frozenset()  # the engine's idle LoRA sites, carried by every LoRABatch
-        self.split_counters = torch.zeros(0, dtype=torch.int32, device=device)  # grown to the largest decode batch
 
     def _upload(self, *lists: list[int]) -> list[torch.Tensor]:
         """One host->device copy for all of a step's int vectors (each copy costs ~10 us of launch and
@@ -138,18 +131,12 @@ class ModelRunner:
         meta = AttnMetadata(
             slot_mapping=slot_map_t, block_tables=tables_t.view(len(seqs), max_blocks).to(torch.int32),
             seq_lens=seq_lens_t.to(torch.int32), query_start=starts_t.to(torch.int32), seqs=tuple(seqs),
-            max_seq_len=max(seq_lens), max_query_len=host.max_query_len, split_counters=self._counters(len(seqs)))
+            max_seq_len=max(seq_lens), max_query_len=host.max_query_len)
         lora = None
         if any(s != NO_SLOT for s in slots):
             lora = plan_step(*upload_slots(slots, host.slot_ranks, self.device, self.needs.rows), self.needs,
                              self.lora_idle)
         return StepInputs(ids_t, pos_t, meta, lora, rows_t, host.sample_index, host)
-
-    def _counters(self, B: int) -> torch.Tensor:
-        """`AttnMetadata.split_counters` for B sequences (zero between steps: every launch leaves them zero)."""
-        if self.split_counters.numel() < B * decode_tiles(self.model):
-            self.split_counters = torch.zeros(B * decode_tiles(self.model), dtype=torch.int32, device=self.device)
-        return self.split_counters
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs, all_logits: bool = False) -> torch.Tensor:

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.args import FP8Rows
-from moelora.kernels.checks import FLOAT_DTYPES, cdiv, need, need_pow2, next_pow2
+from moelora.kernels.checks import FLOAT_DTYPES, cdiv, need_pow2, next_pow2
 from moelora.kernels.fp8_quant import GROUP as FP8_GROUP
 from moelora.kernels.fp8_quant import quant_tile
 
@@ -168,65 +168,27 @@ def store_rows_fp8(q8_ptr, s8_ptr, t64, heads, h_mask, offs, o, N, BLOCK: tl.con
 
 
 @triton.jit
-def _store_out(out_ptr, t64, heads, h_mask, offs, o_mask, l_i, acc, N, stride_ot, stride_oh, BLOCK: tl.constexpr,
-               q8_ptr, s8_ptr, QUANT: tl.constexpr):
-    """The normalized output rows acc / l (QUANT: also quantized, `store_rows_fp8`)."""
-    o = (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + offs[None, :], o,
-             mask=h_mask[:, None] & o_mask[None, :])
-    if QUANT:
-        store_rows_fp8(q8_ptr, s8_ptr, t64, heads, h_mask, offs, o, N, BLOCK)
-
-
-@triton.jit
-def store_split(out_ptr, m_ptr, l_ptr, acc_ptr, sem_ptr, t64, heads, h_mask, offs, o_mask, m_i, l_i, acc, b, split,
-                N, stride_ot, stride_oh, NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr, q8_ptr, s8_ptr,
+def store_split(out_ptr, m_ptr, l_ptr, acc_ptr, t64, heads, h_mask, offs, o_mask, m_i, l_i, acc, b, split, N,
+                stride_ot, stride_oh, NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr, q8_ptr, s8_ptr,
                 QUANT: tl.constexpr):
-    """A decode program's result. One split: the output. Several: the split's (m, l, acc) partials; the split
-    arriving last at its (sequence, head tile) (an arrival counter at sem [b * tiles + tile], grid axis 1 the
-    tiles, zero between launches) merges every split's partials in split order, so the result does not depend on
-    which came last, stores the output and zeroes the counter: no second launch."""
+    """A decode program's result: the normalized output with one split (QUANT: also quantized, `store_rows_fp8`),
+    else (m, l, acc) partials for the reduce."""
     if NUM_SPLITS == 1:
-        _store_out(out_ptr, t64, heads, h_mask, offs, o_mask, l_i, acc, N, stride_ot, stride_oh, BLOCK, q8_ptr,
-                   s8_ptr, QUANT)
+        o = (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + offs[None, :], o,
+                 mask=h_mask[:, None] & o_mask[None, :])
+        if QUANT:
+            store_rows_fp8(q8_ptr, s8_ptr, t64, heads, h_mask, offs, o, N, BLOCK)
     else:
-        part = (b * N + heads).to(tl.int64) * NUM_SPLITS
-        tl.store(m_ptr + part + split, m_i, mask=h_mask)
-        tl.store(l_ptr + part + split, l_i, mask=h_mask)
-        tl.store(acc_ptr + (part + split)[:, None] * BLOCK + offs[None, :], acc, mask=h_mask[:, None])
-        tl.debug_barrier()  # every thread's partial is written before the release below publishes them
-        sem = sem_ptr + b * tl.num_programs(1) + tl.program_id(1)
-        if tl.atomic_add(sem, 1, sem="acq_rel") == NUM_SPLITS - 1:
-            m = tl.zeros_like(m_i) + NEG_INF
-            for s in tl.static_range(NUM_SPLITS):
-                m = tl.maximum(m, tl.load(m_ptr + part + s, mask=h_mask, other=NEG_INF, cache_modifier=".cg"))
-            total = tl.zeros_like(l_i)
-            merged = tl.zeros_like(acc)
-            for s in tl.static_range(NUM_SPLITS):  # empty splits have l = 0 and acc = 0: they add nothing
-                w = tl.exp2(tl.load(m_ptr + part + s, mask=h_mask, other=NEG_INF, cache_modifier=".cg") - m)
-                total += w * tl.load(l_ptr + part + s, mask=h_mask, other=0.0, cache_modifier=".cg")
-                merged += w[:, None] * tl.load(acc_ptr + (part + s)[:, None] * BLOCK + offs[None, :],
-                                               mask=h_mask[:, None], other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(sem, 0)  # zero again for the next launch (or graph replay) on these counters
-            _store_out(out_ptr, t64, heads, h_mask, offs, o_mask, total, merged, N, stride_ot, stride_oh, BLOCK,
-                       q8_ptr, s8_ptr, QUANT)
-
-
-def split_counters(meta, tiles: int, device: torch.device) -> torch.Tensor:
-    """The decode splits' arrival counters: `meta.split_counters` (the runner's, zero between launches), or a
-    zeroed buffer for this call where the caller has none."""
-    counters = getattr(meta, "split_counters", None)
-    if counters is None:
-        return torch.zeros(tiles, dtype=torch.int32, device=device)
-    need(counters.dtype == torch.int32 and counters.numel() >= tiles and counters.device == device,
-         lambda: f"meta.split_counters must be int32 [>= {tiles}] on {device}, got {tuple(counters.shape)} "
-         f"{counters.dtype} on {counters.device}")
-    return counters
+        part = (b * N + heads).to(tl.int64) * NUM_SPLITS + split
+        tl.store(m_ptr + part, m_i, mask=h_mask)
+        tl.store(l_ptr + part, l_i, mask=h_mask)
+        tl.store(acc_ptr + part[:, None] * BLOCK + offs[None, :], acc, mask=h_mask[:, None])
 
 
 @triton.jit
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, seq_lens_ptr, qstart_ptr,
-                         m_ptr, l_ptr, acc_ptr, sem_ptr, qk_scale, D: tl.constexpr, N,
+                         m_ptr, l_ptr, acc_ptr, qk_scale, D: tl.constexpr, N,
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
                          NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, BS: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, q8_ptr, s8_ptr,
@@ -253,8 +215,32 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, seq_lens_ptr, q
         s = _scores(q, kc_ptr, rows, j_mask, offs_d, d_mask, qk_scale, PRECISION)
         s = tl.where(j_mask[None, :], s, float("-inf"))
         m_i, l_i, acc = _softmax_update(s, vc_ptr, rows, j_mask, offs_d, d_mask, m_i, l_i, acc, PRECISION)
-    store_split(out_ptr, m_ptr, l_ptr, acc_ptr, sem_ptr, q0.to(tl.int64), heads, g_mask, offs_d, d_mask, m_i, l_i,
-                acc, b, split, N, stride_ot, stride_oh, NUM_SPLITS, BLOCK_D, q8_ptr, s8_ptr, QUANT)
+    store_split(out_ptr, m_ptr, l_ptr, acc_ptr, q0.to(tl.int64), heads, g_mask, offs_d, d_mask, m_i, l_i, acc, b,
+                split, N, stride_ot, stride_oh, NUM_SPLITS, BLOCK_D, q8_ptr, s8_ptr, QUANT)
+
+
+@triton.jit
+def decode_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, qstart_ptr, D: tl.constexpr, N, stride_ot, stride_oh,
+                          NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, q8_ptr, s8_ptr,
+                          QUANT: tl.constexpr):
+    b, h = tl.program_id(0), tl.program_id(1)
+    q0 = tl.load(qstart_ptr + b)
+    if tl.load(qstart_ptr + b + 1) == q0:
+        return
+    offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    part = (b * N + h).to(tl.int64) * NUM_SPLITS + offs_s
+    m = tl.load(m_ptr + part, mask=s_mask, other=NEG_INF)
+    l_s = tl.load(l_ptr + part, mask=s_mask, other=0.0)
+    acc = tl.load(acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))  # empty splits have l = 0 and acc = 0: they add nothing
+    total = tl.sum(w * l_s, 0)
+    o = (tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + q0.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o, mask=offs_d < D)
+    if QUANT:
+        head = h + tl.arange(0, 1)
+        store_rows_fp8(q8_ptr, s8_ptr, q0.to(tl.int64), head, head < N, offs_d, tl.reshape(o, (1, BLOCK_D)), N,
+                       BLOCK_D)
 
 
 def bad(name, t, want):
@@ -351,17 +337,21 @@ def _attention(q, k, v, k_cache, v_cache, meta, scale, config, num_splits, want_
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, GROUP=group, BS=BS,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, PRECISION=precision, **launch)
         return out, rows
-    m_part = l_part = acc_part = sem = out  # placeholders; unused when splits == 1
+    m_part = l_part = acc_part = out  # placeholders; unused when splits == 1
     if splits > 1:
         m_part = torch.empty(B, N, splits, dtype=torch.float32, device=q.device)
         l_part = torch.empty_like(m_part)
         acc_part = torch.empty(B, N, splits, block_d, dtype=torch.float32, device=q.device)
-        sem = split_counters(meta, B * n_kv, q.device)
     q8, s8 = rows if rows is not None else (out, out)
     _decode_split_kernel[(B, n_kv, splits)](
-        q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start, m_part, l_part, acc_part, sem,
+        q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start, m_part, l_part, acc_part,
         qk_scale, D, N, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
         NUM_SPLITS=splits, GROUP=group, G_PAD=max(16, next_pow2(group)), BS=BS,
         BLOCK_N=cfg.block_n, BLOCK_D=block_d, PRECISION=precision, q8_ptr=q8, s8_ptr=s8,
-        QUANT=rows is not None, **launch)
+        QUANT=rows is not None and splits == 1, **launch)
+    if splits > 1:
+        decode_reduce_kernel[(B, N)](
+            m_part, l_part, acc_part, out, meta.query_start, D, N, out.stride(0), out.stride(1),
+            NUM_SPLITS=splits, BLOCK_S=max(2, next_pow2(splits)), BLOCK_D=block_d, q8_ptr=q8, s8_ptr=s8,
+            QUANT=rows is not None, num_warps=4)
     return out, rows

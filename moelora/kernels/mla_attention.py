@@ -24,8 +24,8 @@ from moelora.kernels.attention import (
     NEG_INF,
     bad,
     check_meta,
+    decode_reduce_kernel,
     default_num_splits,
-    split_counters,
     split_range,
     store_split,
 )
@@ -71,7 +71,7 @@ def _store_latent_kernel(e_ptr, cache_ptr, slot_ptr, W, stride_et, stride_slot, 
 
 @triton.jit
 def _mla_split_kernel(qa_ptr, qr_ptr, cache_ptr, out_ptr, bt_ptr, seq_lens_ptr, qstart_ptr,
-                      m_ptr, l_ptr, acc_ptr, sem_ptr, qk_scale, N,
+                      m_ptr, l_ptr, acc_ptr, qk_scale, N,
                       stride_qat, stride_qah, stride_qrt, stride_qrh, stride_ot, stride_oh,
                       stride_cb, stride_ct, stride_bt,
                       C: tl.constexpr, DR: tl.constexpr, NUM_SPLITS: tl.constexpr, BS: tl.constexpr,
@@ -112,8 +112,8 @@ def _mla_split_kernel(qa_ptr, qr_ptr, cache_ptr, out_ptr, bt_ptr, seq_lens_ptr, 
         acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-    store_split(out_ptr, m_ptr, l_ptr, acc_ptr, sem_ptr, t64, heads, h_mask, offs_c, c_mask, m_i, l_i, acc, b,
-                split, N, stride_ot, stride_oh, NUM_SPLITS, BLOCK_C, out_ptr, out_ptr, False)
+    store_split(out_ptr, m_ptr, l_ptr, acc_ptr, t64, heads, h_mask, offs_c, c_mask, m_i, l_i, acc, b, split, N,
+                stride_ot, stride_oh, NUM_SPLITS, BLOCK_C, out_ptr, out_ptr, False)
 
 
 def _check(q_abs, q_rope, entries, cache, meta):
@@ -160,18 +160,22 @@ def mla_decode_attention(q_abs: torch.Tensor, q_rope: torch.Tensor, entries: tor
     _store_latent_kernel[(T, cdiv(W, store_block))](
         entries, cache, meta.slot_mapping, W, entries.stride(0), cache.stride(1), BLOCK=store_block)
     block_c = max(16, next_pow2(C))
-    m_part = l_part = acc_part = sem = out  # placeholders; unused when splits == 1
+    m_part = l_part = acc_part = out  # placeholders; unused when splits == 1
     if splits > 1:
         m_part = torch.empty(B, N, splits, dtype=torch.float32, device=q_abs.device)
         l_part = torch.empty_like(m_part)
         acc_part = torch.empty(B, N, splits, block_c, dtype=torch.float32, device=q_abs.device)
-        sem = split_counters(meta, B * head_blocks, q_abs.device)
     _mla_split_kernel[(B, head_blocks, splits)](
-        q_abs, q_rope, cache, out, meta.block_tables, meta.seq_lens, meta.query_start, m_part, l_part, acc_part, sem,
+        q_abs, q_rope, cache, out, meta.block_tables, meta.seq_lens, meta.query_start, m_part, l_part, acc_part,
         float(scale) * math.log2(math.e), N, q_abs.stride(0), q_abs.stride(1), q_rope.stride(0), q_rope.stride(1),
         out.stride(0), out.stride(1), cache.stride(0), cache.stride(1), meta.block_tables.stride(0),
         C=C, DR=Dr, NUM_SPLITS=splits, BS=cache.shape[1], BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
         BLOCK_C=block_c, BLOCK_R=max(16, next_pow2(Dr)),
         PRECISION="ieee" if q_abs.dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit inputs
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1:
+        decode_reduce_kernel[(B, N)](
+            m_part, l_part, acc_part, out, meta.query_start, C, N, out.stride(0), out.stride(1),
+            NUM_SPLITS=splits, BLOCK_S=max(2, next_pow2(splits)), BLOCK_D=block_c, q8_ptr=out, s8_ptr=out,
+            QUANT=False, num_warps=4)
     return out

@@ -46,9 +46,7 @@ class AttnMetadata:
     """Per-step paged-attention plan (built once by the runner, read by every layer).
 
     slot_mapping [T] int64: flat cache position (block * BS + offset) of each new token;
-    block_tables [B, MB] int32; seq_lens [B] int32; query_start [B + 1] int32; split_counters [>= B * heads]
-    int32 zeros or None: the decode kernels' split arrival counters (every launch leaves them zero; the layers run
-    one at a time, so all share them; None: each launch zeroes its own).
+    block_tables [B, MB] int32; seq_lens [B] int32; query_start [B + 1] int32.
     """
 
     slot_mapping: torch.Tensor
@@ -58,7 +56,6 @@ class AttnMetadata:
     seqs: tuple[SeqSlice, ...]
     max_seq_len: int
     max_query_len: int
-    split_counters: torch.Tensor | None = None
 
 
 class Attention(nn.Module):

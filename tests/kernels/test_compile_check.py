@@ -197,11 +197,9 @@ def test_norm_fp8_launches_compile_for_sm90(tmp_path, monkeypatch):
 
 
 def test_attention_fp8_rows_compile_for_sm90(tmp_path, monkeypatch):
-    """Decode attention (Qwen3's 32 / 4 heads of 128) compiles for the H200: one split, and several merged by the
-    last split to arrive (its atomics), each writing the o projection's W8A8 rows; MLA decode (16 heads of a 512
-    latent) with one split and several."""
+    """Decode attention writing the o projection's W8A8 rows (Qwen3's 32 / 4 heads of 128), from the split
+    kernel (one split) and from the reduce (several), compiles for the H200."""
     from moelora.kernels.attention import paged_attention_fp8
-    from moelora.kernels.mla_attention import mla_decode_attention
     from tests.helpers.attention_cases import build_meta
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
@@ -213,8 +211,4 @@ def test_attention_fp8_rows_compile_for_sm90(tmp_path, monkeypatch):
     with Compiler(resources=False) as comp:
         for splits in (1, 4):
             paged_attention_fp8(q, k, v, kc, vc, meta, 128 ** -0.5, num_splits=splits)
-            mla_decode_attention(torch.randn(2, 16, 512, dtype=bf), torch.randn(2, 16, 64, dtype=bf),
-                                 torch.randn(2, 576, dtype=bf), torch.randn(4, 16, 576, dtype=bf), meta, 0.1,
-                                 num_splits=splits)
-    names = [n for n, _ in comp.seen]
-    assert comp.failures == [] and names.count("_decode_split_kernel") == 2 and names.count("_mla_split_kernel") == 2
+    assert comp.failures == [] and {"_decode_split_kernel", "decode_reduce_kernel"} <= {n for n, _ in comp.seen}
