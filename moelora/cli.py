@@ -156,7 +156,7 @@ def serve_engine_config(args) -> EngineConfig:
                         enforce_eager=args.enforce_eager, kernel_backend=args.kernel_backend,
                         async_adapter_loading=not args.no_async_adapter_loading, async_scheduling=args.async_scheduling,
                         overlap_shared_experts=not args.no_overlap_shared_experts,
-                        overlap_lora=not args.no_overlap_lora,
+                        overlap_lora=not args.no_overlap_lora, pdl=not args.no_pdl,
                         lora_target_modules=tuple(args.lora_target_modules) if args.lora_target_modules else None,
                         enable_prefix_caching=args.enable_prefix_caching, fused_moe_table=args.fused_moe_table,
                         warmup=not args.skip_warmup, quantization=args.quantization,
@@ -243,6 +243,8 @@ def _serve_parser(sub) -> None:
                        help="launch each step before reading the previous one back (default: on with CUDA)")
     serve.add_argument("--no-overlap-shared-experts", action="store_true",
                        help="run shared experts on the main stream (off switch of the second stream)")
+    serve.add_argument("--no-pdl", action="store_true",
+                       help="launch the Triton kernels without programmatic dependent launch (its off switch)")
     serve.add_argument("--no-overlap-lora", action="store_true",
                        help="run the LoRA shrink / expert down delta on the main stream (off switch of the "
                             "LoRA side stream)")

@@ -82,6 +82,12 @@ class EngineConfig:
     overlap_lora: bool = True
     mla_absorbed_decode: bool = True  # off switch for MLA's absorbed decode (off: expanded path, no graphs)
     merge_qkv: bool = True  # off switch for the merged q/k/v projection (one GEMM, one LoRA pair)
+    # Programmatic dependent launch (`kernels/pdl.py`; CUDA, compute capability >= 9.0, Triton kernels): each
+    # kernel's launch and start-up overlap the end of the one before it, every kernel waiting for its inputs
+    # before its first access (results bit for bit). H200, Qwen3-30B shape, 1-64 requests: FP8 steps 4-5 %
+    # shorter with 8 adapters r16, up to 4 % without; bf16 1-4 %, but 4 % longer without LoRA at one request
+    # (docs/performance.md). Off switch.
+    pdl: bool = True
     # Write adapter slots on a side stream (CUDA) while other requests run; requests of a loading
     # adapter wait for its write (its GPU equivalence and sanitizer tests pass on the H200). The CPU
     # cache (max_cpu_loras adapters) then holds each adapter page-locked, in the slots' dtypes: with
@@ -137,12 +143,14 @@ class EngineConfig:
 
     def layer_options(self, base: LayerOptions = DEFAULT_OPTIONS) -> LayerOptions:
         """The options this (resolved) config builds its models' layers with: its kernel backend, fused-MoE
-        table, shared-expert overlap (CUDA only: ignored on the CPU), MLA absorbed decode, merged q/k/v and LoRA
-        target modules, over `base` for what it does not set (the dense LoRA policy)."""
+        table, shared-expert overlap (CUDA only: ignored on the CPU), MLA absorbed decode, merged q/k/v, LoRA
+        target modules and programmatic dependent launch, over `base` for what it does not set (the dense LoRA
+        policy)."""
         overlap = self.overlap_shared_experts and self.torch_device.type == "cuda"
         return dataclasses.replace(base, kernel_backend=self.kernel_backend, fused_moe_table=self.fused_moe_table,
                                    overlap_shared_experts=overlap, mla_absorbed_decode=self.mla_absorbed_decode,
-                                   merge_qkv=self.merge_qkv, lora_target_modules=self.lora_target_modules)
+                                   merge_qkv=self.merge_qkv, lora_target_modules=self.lora_target_modules,
+                                   pdl=self.pdl and self.torch_device.type == "cuda")
 
     def fp8_config(self, model: ModelConfig) -> FP8Config | None:
         """The model's FP8 scheme under this engine config (resolved: checked by `resolve`)."""

@@ -24,6 +24,7 @@ from moelora.kernels.args import FP8Rows
 from moelora.kernels.checks import FLOAT_DTYPES, cdiv, need_pow2, next_pow2
 from moelora.kernels.fp8_quant import GROUP as FP8_GROUP
 from moelora.kernels.fp8_quant import quant_tile
+from moelora.kernels.pdl import pdl_args, pdl_wait
 
 NEG_INF = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: keeps exp2(m_old - m_new) NaN-free
 _MAX_HEAD_DIM = 256
@@ -64,7 +65,9 @@ def default_num_splits(batch: int, num_kv_heads: int) -> int:
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, HD: tl.constexpr, D: tl.constexpr,
-                     stride_kt, stride_kh, stride_vt, stride_vh, stride_slot, stride_ch, BLOCK: tl.constexpr):
+                     stride_kt, stride_kh, stride_vt, stride_vh, stride_slot, stride_ch, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -109,7 +112,8 @@ def _softmax_update(s, vc_ptr, rows, j_mask, offs_d, d_mask, m_i, l_i, acc, PREC
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, seq_lens_ptr, qstart_ptr, qk_scale, D: tl.constexpr,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
                     GROUP: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     tile, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q0 = tl.load(qstart_ptr + b)
     q_len = tl.load(qstart_ptr + b + 1) - q0
@@ -192,7 +196,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, seq_lens_ptr, q
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
                          NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, BS: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, q8_ptr, s8_ptr,
-                         QUANT: tl.constexpr):
+                         QUANT: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q0 = tl.load(qstart_ptr + b)
     if tl.load(qstart_ptr + b + 1) == q0:  # a sequence with no query row this step
@@ -222,7 +227,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, seq_lens_ptr, q
 @triton.jit
 def decode_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, qstart_ptr, D: tl.constexpr, N, stride_ot, stride_oh,
                           NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, q8_ptr, s8_ptr,
-                          QUANT: tl.constexpr):
+                          QUANT: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     b, h = tl.program_id(0), tl.program_id(1)
     q0 = tl.load(qstart_ptr + b)
     if tl.load(qstart_ptr + b + 1) == q0:
@@ -293,20 +299,22 @@ def _check(q, k, v, k_cache, v_cache, meta):
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta, scale: float, *, config: AttentionConfig | None = None,
-                    num_splits: int | None = None) -> torch.Tensor:
-    """Store k/v at meta.slot_mapping, then causal paged attention -> new [T, N, D] (graphs: fixed `num_splits`)."""
-    return _attention(q, k, v, k_cache, v_cache, meta, scale, config, num_splits, False)[0]
+                    num_splits: int | None = None, pdl: bool = False) -> torch.Tensor:
+    """Store k/v at meta.slot_mapping, then causal paged attention -> new [T, N, D] (graphs: fixed `num_splits`);
+    `pdl`: programmatic dependent launch where the GPU has it (`kernels.pdl`)."""
+    return _attention(q, k, v, k_cache, v_cache, meta, scale, config, num_splits, False, pdl)[0]
 
 
 def paged_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, meta, scale: float, *, config: AttentionConfig | None = None,
-                        num_splits: int | None = None) -> tuple[torch.Tensor, FP8Rows | None]:
-    """`paged_attention` and, on a decode step with D = 128, its output rows [T, N * D] quantized for the W8A8 o
-    projection by the kernel that writes them (one group a head); None otherwise (the projection quantizes)."""
-    return _attention(q, k, v, k_cache, v_cache, meta, scale, config, num_splits, True)
+                        num_splits: int | None = None, pdl: bool = False) -> tuple[torch.Tensor, FP8Rows | None]:
+    """`paged_attention` (`pdl` as there) and, on a decode step with D = 128, its output rows [T, N * D] quantized
+    for the W8A8 o projection by the kernel that writes them (one group a head); None otherwise (the projection
+    quantizes)."""
+    return _attention(q, k, v, k_cache, v_cache, meta, scale, config, num_splits, True, pdl)
 
 
-def _attention(q, k, v, k_cache, v_cache, meta, scale, config, num_splits, want_rows: bool):
+def _attention(q, k, v, k_cache, v_cache, meta, scale, config, num_splits, want_rows: bool, pdl: bool = False):
     T, N, D, B, BS, n_kv = _check(q, k, v, k_cache, v_cache, meta)
     splits = default_num_splits(B, n_kv) if num_splits is None else num_splits
     if splits < 1:
@@ -322,14 +330,14 @@ def _attention(q, k, v, k_cache, v_cache, meta, scale, config, num_splits, want_
     store_block = min(1024, next_pow2(hd))
     _store_kv_kernel[(T, cdiv(hd, store_block))](
         k, v, k_cache, v_cache, meta.slot_mapping, hd, D, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(1), k_cache.stride(2), BLOCK=store_block)
+        k_cache.stride(1), k_cache.stride(2), BLOCK=store_block, **pdl_args(pdl, k))
     cfg = config or default_attention_config(D, meta.max_query_len, q.dtype)
     block_d = max(16, next_pow2(D))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     qk_scale = float(scale) * math.log2(math.e)
     group = N // n_kv
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0))
-    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(pdl, q))
     if meta.max_query_len > 1:
         grid = (cdiv(meta.max_query_len, cfg.block_m), B, N)
         _prefill_kernel[grid](
@@ -353,5 +361,5 @@ def _attention(q, k, v, k_cache, v_cache, meta, scale, config, num_splits, want_
         decode_reduce_kernel[(B, N)](
             m_part, l_part, acc_part, out, meta.query_start, D, N, out.stride(0), out.stride(1),
             NUM_SPLITS=splits, BLOCK_S=max(2, next_pow2(splits)), BLOCK_D=block_d, q8_ptr=q8, s8_ptr=s8,
-            QUANT=rows is not None, num_warps=4)
+            QUANT=rows is not None, num_warps=4, **pdl_args(pdl, q))
     return out, rows

@@ -23,6 +23,7 @@ from moelora.kernels.checks import cdiv, check_rows, need, output
 from moelora.kernels.dense_lora import planned, split
 from moelora.kernels.fp8_quant import GROUP, per_token_group_quant
 from moelora.kernels.lora_linear import check_lora, default_lora_linear_config
+from moelora.kernels.pdl import pdl_args, pdl_wait
 from moelora.kernels.side_stream import join
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -41,11 +42,12 @@ def _fp8_linear_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr
                        stride_a, stride_as, stride_w, stride_wsn, stride_wsk, stride_o,
                        B1: tl.constexpr, B2: tl.constexpr, G1: tl.constexpr, G2: tl.constexpr, GN: tl.constexpr,
                        A_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
     """Program (m, n, k): out[m BM.., n BN..] = a @ W^T (+ bias) over columns [k K_SPLIT, (k + 1) K_SPLIT); a e4m3
     with as [T, ceil(K/BK)] (A_FP8) or a float. SPLIT_K > 1: each split writes its fp32 partial to part
     [SPLIT_K, T, N]; the split arriving last at its tile (counted on sem [tiles] int32, zero between calls) sums
     them in split order and writes out: one launch, deterministic."""
+    pdl_wait(PDL)
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
@@ -119,7 +121,8 @@ def default_tiles(T: int, n_out: int, n_in: int) -> Tiles:
     return Tiles(bm, FP8_DECODE_BLOCK_N, 4, 3, split)
 
 
-def _launch(a, a_s, weight, scale, bias, out, bounds, grid_rows, gn, a_fp8, block, t: Tiles, counters):
+def _launch(a, a_s, weight, scale, bias, out, bounds, grid_rows, gn, a_fp8, block, t: Tiles, counters,
+            pdl: bool = False):
     T, n_out, n_in = out.shape[0], out.shape[1], weight.shape[1]
     k_split = cdiv(cdiv(n_in, GROUP), t.split_k) * GROUP
     splits = cdiv(n_in, k_split)
@@ -140,7 +143,7 @@ def _launch(a, a_s, weight, scale, bias, out, bounds, grid_rows, gn, a_fp8, bloc
         a.stride(0), a_s.stride(0), weight.stride(0), scale.stride(0), scale.stride(1) if block else 0,
         out.stride(0), B1=bounds[0], B2=bounds[1], G1=grid_rows[0], G2=grid_rows[1], GN=gn, A_FP8=a_fp8,
         HAS_BIAS=bias is not None, SPLIT_K=splits, BM=t.bm, BN=t.bn, BK=GROUP, num_warps=t.warps,
-        num_stages=t.stages)
+        num_stages=t.stages, **pdl_args(pdl, a))
 
 
 def _check(x, weight, scale, bias, segments, block):
@@ -167,16 +170,17 @@ def _check(x, weight, scale, bias, segments, block):
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, *,
                segments: tuple[int, ...], block: bool = True, quantize_activations: bool = False,
                out: torch.Tensor | None = None, tiles: Tiles | None = None,
-               x_fp8: FP8Rows | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+               x_fp8: FP8Rows | None = None, counters: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """y = x W^T (+ bias) on e4m3 W and its scale (module docstring); y new, or the caller's `out=`; `tiles`:
     default `default_tiles`; `x_fp8`: x already quantized (W8A8: its producer wrote it, `norm.norm_fp8`);
     `counters`: the split-K arrival counters the caller owns (`args.split_k_counters`, zero between calls; None:
-    a zeroed buffer for this call)."""
+    a zeroed buffer for this call); `pdl`: programmatic dependent launch where the GPU has it (`kernels.pdl`)."""
     T, n_in, n_out = _check(x, weight, scale, bias, segments, block)
     out = output(out, (T, n_out), x.dtype, x.device, (x, weight, scale, bias))
     if T == 0:
         return out
-    a, a_s = (x, x) if not quantize_activations else x_fp8 if x_fp8 is not None else per_token_group_quant(x)
+    a, a_s = ((x, x) if not quantize_activations else x_fp8 if x_fp8 is not None
+              else per_token_group_quant(x, pdl=pdl))
     if quantize_activations and x_fp8 is not None:
         need(a.shape == x.shape and a.dtype == FP8_DTYPE and tuple(a_s.shape) == (T, cdiv(n_in, GROUP)),
              lambda: f"x_fp8 must be (q {tuple(x.shape)} e4m3, s ({T}, {cdiv(n_in, GROUP)}) fp32), got "
@@ -186,35 +190,37 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     grid_rows = [sum(cdiv(n, gn) for n in segments[:i + 1]) for i in range(len(segments))]
     grid_rows += [grid_rows[-1]] * (MAX_SEGMENTS - len(segments))
     _launch(a, a_s, weight, scale, bias, out, bounds, grid_rows, gn, quantize_activations, block,
-            tiles or default_tiles(T, n_out, n_in), counters)
+            tiles or default_tiles(T, n_out, n_in), counters, pdl)
     return out
 
 
 def fp8_lora_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                     lora: DenseLoRAArgs | None, *, segments: tuple[int, ...], block: bool = True,
                     quantize_activations: bool = False, side_stream: torch.cuda.Stream | None = None,
-                    x_fp8: FP8Rows | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
-    """`fp8_linear` + the LoRA delta of `lora` (as `lora_linear` adds it, on x unrounded): y [T, N_out], new."""
+                    x_fp8: FP8Rows | None = None, counters: torch.Tensor | None = None,
+                    pdl: bool = False) -> torch.Tensor:
+    """`fp8_linear` + the LoRA delta of `lora` (as `lora_linear` adds it, on x unrounded): y [T, N_out], new;
+    `pdl`: programmatic dependent launch where the GPU has it (`kernels.pdl`)."""
     T, n_in = x.shape
     has_lora = lora is not None and lora.a.shape[0] > 0 and T > 0
     if not has_lora:
         return fp8_linear(x, weight, scale, bias, segments=segments, block=block,
-                          quantize_activations=quantize_activations, x_fp8=x_fp8, counters=counters)
+                          quantize_activations=quantize_activations, x_fp8=x_fp8, counters=counters, pdl=pdl)
     n_out = weight.shape[0]
     check_lora(lora, T, n_in, n_out)
-    cfg = default_lora_linear_config(T, n_in=n_in, n_out=n_out, row_plan=lora.row_plan is not None)
+    cfg = default_lora_linear_config(T, n_in=n_in, n_out=n_out, row_plan=lora.row_plan is not None, pdl=pdl)
     if cfg.mode == "planned":
         out = fp8_linear(x, weight, scale, bias, segments=segments, block=block,
-                         quantize_activations=quantize_activations, x_fp8=x_fp8, counters=counters)
+                         quantize_activations=quantize_activations, x_fp8=x_fp8, counters=counters, pdl=pdl)
         planned.add_delta(x, out, lora, cfg)
         return out
     if cfg.mode != "split":
-        cfg = default_lora_linear_config(T, mode="split")
+        cfg = default_lora_linear_config(T, mode="split", pdl=pdl)
     # Fork (contract 2), as dense_lora.split: the side stream reads x, A, the slots and ranks and writes only xa
     # (allocated before the fork); the base GEMM reads x, W and its scale and writes only `out`.
     shrunk = split.shrink(x, lora, T, n_in, cfg, side_stream)
     out = fp8_linear(x, weight, scale, bias, segments=segments, block=block, quantize_activations=quantize_activations,
-                     x_fp8=x_fp8, counters=counters)
+                     x_fp8=x_fp8, counters=counters, pdl=pdl)
     join(side_stream, x.device)
     split.expand(out, lora, T, n_out, cfg, shrunk)
     return out

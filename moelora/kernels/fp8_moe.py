@@ -94,16 +94,16 @@ def check_fp8(x: torch.Tensor, E: int, H: int, inter: int, scales: FP8ExpertScal
 
 
 def fp8_launch_args(scales: FP8ExpertScales | None, which: str, inter: int, a: torch.Tensor,
-                    rows: torch.Tensor | None = None, a_fp8: FP8Rows | None = None) -> dict:
+                    rows: torch.Tensor | None = None, a_fp8: FP8Rows | None = None, pdl: bool = False) -> dict:
     """The gate_up or down kernel's FP8 arguments ({} without FP8); `a` (rows below `rows`) quantized for W8A8,
-    unless its producer did (`a_fp8`)."""
+    unless its producer did (`a_fp8`); `pdl`: the quantization's (`kernels.pdl`)."""
     if scales is None:
         return {}
     s = getattr(scales, which)
     gn = GROUP if scales.block else 1
     gate_rows = cdiv(inter, gn) if which == "gate_up" else 0
     aq, aqs = (a, s) if not scales.quantize_activations else (  # W8A16: unused dummies
-        a_fp8 if a_fp8 is not None else per_token_group_quant(a, rows))
+        a_fp8 if a_fp8 is not None else per_token_group_quant(a, rows, pdl=pdl))
     return dict(ws_ptr=s, stride_wse=s.stride(0), stride_wsn=s.stride(1), stride_wsk=s.stride(2) if scales.block else 0,
                 ws_gate_rows=gate_rows, aq_ptr=aq, aqs_ptr=aqs, stride_aq=aq.stride(0), stride_aqs=aqs.stride(0),
                 B_FP8=True, A_FP8=scales.quantize_activations, SCALE_GN=gn)

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.checks import FLOAT_DTYPES, cdiv, next_pow2
+from moelora.kernels.pdl import pdl_args, pdl_wait
 
 GROUP = 128
 FP8_MAX = 448.0
@@ -47,8 +48,9 @@ def quant_tile(t, FP8_MAX_: tl.constexpr = 448.0):
 
 @triton.jit
 def _group_quant_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, K, n_groups, stride_x, stride_q, stride_s,
-                        GROUP_: tl.constexpr, GB: tl.constexpr, ROW_LIMIT: tl.constexpr):
+                        GROUP_: tl.constexpr, GB: tl.constexpr, ROW_LIMIT: tl.constexpr, PDL: tl.constexpr):
     """Program (row, j): groups [j GB, (j + 1) GB) of one row; ROW_LIMIT: rows from *rows_ptr on are left."""
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     if ROW_LIMIT:
         if row >= tl.load(rows_ptr):
@@ -62,9 +64,11 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, K, n_groups, stride_x, st
     tl.store(s_ptr + row * stride_s + g, s, mask=g < n_groups)
 
 
-def per_token_group_quant(x: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_group_quant(x: torch.Tensor, rows: torch.Tensor | None = None, *, pdl: bool = False
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> new (q [M, K] e4m3, s [M, ceil(K/128)] fp32); `rows` (device int32 [1], e.g. a plan's
-    `num_padded`): only rows below it are written."""
+    `num_padded`): only rows below it are written; `pdl`: programmatic dependent launch where the GPU has it
+    (`kernels.pdl`)."""
     if x.dim() != 2 or x.dtype not in FLOAT_DTYPES or x.stride(1) != 1:
         raise ValueError(f"x must be [M, K] fp16/bf16/fp32 with unit last stride, got {tuple(x.shape)} {x.dtype}")
     M, K = x.shape
@@ -76,5 +80,5 @@ def per_token_group_quant(x: torch.Tensor, rows: torch.Tensor | None = None) -> 
     gb = min(8, next_pow2(n_groups))
     _group_quant_kernel[(M, cdiv(n_groups, gb))](
         x, q, s, x if rows is None else rows, K, n_groups, x.stride(0), q.stride(0), s.stride(0), GROUP_=GROUP, GB=gb,
-        ROW_LIMIT=rows is not None, num_warps=4)
+        ROW_LIMIT=rows is not None, num_warps=4, **pdl_args(pdl, x))
     return q, s

@@ -20,6 +20,7 @@ from moelora.kernels.moe_config import FusedMoEConfig, lora_paths, tuned_fused_m
 from moelora.kernels.moe_gemm import combine_kernel, down_kernel, gate_up_kernel
 from moelora.kernels.moe_lora.base import MoECall, MoELoRAPath
 from moelora.kernels.moe_plan import build_routing_plan, per_route_plan
+from moelora.kernels.pdl import pdl_args
 
 GROUP_M = 8  # grouped tile order of both GEMMs: every tuned entry kept 8 (docs/performance.md, tried and removed)
 
@@ -107,22 +108,23 @@ def _config(x, w_gate_up, E, H, inter, T, K, table, act_quant: bool) -> FusedMoE
     return tuned_fused_moe_config(E, H, inter, T, K, x.dtype, name, table)
 
 
-def _plan(topk_ids, E, config: FusedMoEConfig, route_rows, expert_map) -> MoERoutingPlan:
+def _plan(topk_ids, E, config: FusedMoEConfig, route_rows, expert_map, pdl: bool) -> MoERoutingPlan:
     # under an expert map the sorted plan: a per-route block of another rank's route would still run its GEMM
     if config.plan_per_route and expert_map is None:
         return per_route_plan(topk_ids, E, config.block_m, route_rows)
-    return build_routing_plan(topk_ids, E, config.block_m, expert_map=expert_map)
+    return build_routing_plan(topk_ids, E, config.block_m, expert_map=expert_map, pdl=pdl)
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, lora: ExpertLoRAArgs | None = None, out: torch.Tensor | None = None,
               config: FusedMoEConfig | None = None, side_stream: torch.cuda.Stream | None = None,
               table: str | None = None, route_rows: dict | None = None, expert_map: torch.Tensor | None = None,
-              fp8: FP8ExpertScales | None = None, x_fp8: FP8Rows | None = None) -> torch.Tensor:
+              fp8: FP8ExpertScales | None = None, x_fp8: FP8Rows | None = None, pdl: bool = False) -> torch.Tensor:
     """`fused_moe_ref` on the GPU -> out [T, H] (new, or `out=`). `side_stream`: the delta paths'; `table`: where
     `config` None is looked up; `route_rows`: the caller's cache of `per_route_plan`'s rows; `expert_map`
     [E_global] int32: only this rank's routes; `fp8`: the scales of e4m3 weights and their activation mode, `x_fp8`
-    x already quantized for W8A8."""
+    x already quantized for W8A8; `pdl`: every launch with programmatic dependent launch where the GPU has it
+    (`kernels.pdl`)."""
     T, H, E, inter, K = _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids)
     block_r = _check_lora(lora, T, H, E, inter) if lora is not None else 16
     config = config or _config(x, w_gate_up, E, H, inter, T, K, table, fp8 is not None and fp8.quantize_activations)
@@ -131,26 +133,27 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     out = output(out, (T, H), x.dtype, x.device, (x, w_gate_up, w_down))
     if T == 0:
         return out
-    plan = _plan(topk_ids, E, config, route_rows, expert_map)
+    plan = _plan(topk_ids, E, config, route_rows, expert_map, pdl)
     ids = topk_ids if plan.local_ids is None else plan.local_ids  # local ids, -1: another rank's route
     cls, lora_cfg = lora_path(lora, config, block_r)
-    path = cls(MoECall(x, plan, ids, lora, block_r, inter, config.gate_up.block_n, side_stream), lora_cfg)
+    path = cls(MoECall(x, plan, ids, lora, block_r, inter, config.gate_up.block_n, side_stream, pdl), lora_cfg)
     gu, dn = config.gate_up, config.down
     h = torch.empty(plan.sorted_route_ids.shape[0], inter, dtype=x.dtype, device=x.device)
     y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
     gu_out = path.gate_up_out(h)
+    launch = pdl_args(pdl, x)
     common = dict(sorted_ids_ptr=plan.sorted_route_ids, eob_ptr=plan.expert_of_block, num_padded_ptr=plan.num_padded,
                   n_routes=T * K, top_k=K, H=H, inter=inter, num_blocks=plan.max_blocks, BM=config.block_m,
-                  GROUP_M=GROUP_M, USE_TMA=config.use_tma)
+                  GROUP_M=GROUP_M, USE_TMA=config.use_tma, **launch)
     w_gu, w_dn, h_in = _tma_operands(w_gate_up, w_down, h, config) if config.use_tma else (w_gate_up, w_down, h)
-    fp8_gate_up = fp8_launch_args(fp8, "gate_up", inter, x, a_fp8=x_fp8)  # W8A8: x quantized (or x_fp8)
+    fp8_gate_up = fp8_launch_args(fp8, "gate_up", inter, x, a_fp8=x_fp8, pdl=pdl)  # W8A8: x quantized (or x_fp8)
     path.before_gate_up()
     gate_up_kernel[(plan.max_blocks * cdiv(inter, gu.block_n),)](  # gate_up (+ the activation, unless RAW_OUT)
         x, w_gu, gu_out, stride_xt=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
         stride_hp=gu_out.stride(0), BN=gu.block_n, BK=gu.block_k, num_warps=gu.num_warps, num_stages=gu.num_stages,
         h_act_ptr=h, stride_act=h.stride(0), **common, **path.gate_up_args(), **fp8_gate_up)
     path.after_gate_up(gu_out, h)  # the activation of a raw gate_up output
-    fp8_down = fp8_launch_args(fp8, "down", inter, h, plan.num_padded)  # W8A8: h quantized (new buffers)
+    fp8_down = fp8_launch_args(fp8, "down", inter, h, plan.num_padded, pdl=pdl)  # W8A8: h quantized (new buffers)
     path.before_down(h)
     topk_w = topk_weights.contiguous()
     down_kernel[(plan.max_blocks * cdiv(H, dn.block_n),)](
@@ -161,5 +164,5 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     bt, bh = (1 if T < 64 else 4), min(1024, next_pow2(H))
     combine_kernel[(cdiv(T, bt), cdiv(H, bh))](
         y, out, topk_w, ids, T=T, H=H, stride_yr=y.stride(0), stride_ot=out.stride(0), TOP_K=K, BT=bt, BH=bh,
-        HAS_MAP=plan.local_ids is not None, num_warps=4, **path.combine_args())
+        HAS_MAP=plan.local_ids is not None, num_warps=4, **path.combine_args(), **launch)
     return out

@@ -7,7 +7,7 @@ The config, default picks and checks; the modes are `moelora.kernels.dense_lora`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -21,7 +21,8 @@ from moelora.kernels.dense_policy import DENSE_LORA_POLICY, PLAN_BLOCK_M, DenseL
 class LoRALinearConfig:
     """`mode` (a `MODES` name) and its tiles: block_m x block_n the expand's output tile, block_k the shrink's depth
     step, split_k its N_in chunks (0: from the shapes), slot_lanes programs a row block taking one distinct slot
-    each; gemm_*: splitk's base GEMM; plan_cols: planned's columns a program."""
+    each; gemm_*: splitk's base GEMM; plan_cols: planned's columns a program; pdl: the modes' launches with
+    programmatic dependent launch where the GPU has it (`kernels.pdl`; set from `lora_linear`'s `pdl`)."""
 
     mode: str = "split"
     block_m: int = 16
@@ -35,6 +36,7 @@ class LoRALinearConfig:
     gemm_block_k: int = 128
     gemm_split_k: int = 4
     plan_cols: int = 512
+    pdl: bool = False
 
     def __post_init__(self):
         need_one_of("LoRALinearConfig", "mode", self.mode, tuple(MODES))
@@ -47,19 +49,19 @@ class LoRALinearConfig:
 
 def default_lora_linear_config(num_tokens: int, mode: str | None = None, n_in: int = 0, n_out: int = 0,
                                has_lora: bool = True, row_plan: bool = False,
-                               policy: DenseLoRAPolicy = DENSE_LORA_POLICY) -> LoRALinearConfig:
+                               policy: DenseLoRAPolicy = DENSE_LORA_POLICY, pdl: bool = False) -> LoRALinearConfig:
     """The measured picks (docs/performance.md); `mode` None: `policy.mode` picks it."""
     if mode is None:
         mode = policy.mode(num_tokens, n_in, n_out, has_lora, row_plan)
     if mode == "splitk":
-        return LoRALinearConfig("splitk", 16, 64, 128, split_k=8)
+        return LoRALinearConfig("splitk", 16, 64, 128, split_k=8, pdl=pdl)
     if mode == "planned":
-        return LoRALinearConfig("planned", PLAN_BLOCK_M, 128, 256, num_stages=4)  # 512 columns a program
+        return LoRALinearConfig("planned", PLAN_BLOCK_M, 128, 256, num_stages=4, pdl=pdl)  # 512 columns a program
     if num_tokens <= 32:
         # 8 shrink splits, not the shapes' 16: half the partials to sum (docs/performance.md, dense tiles)
-        return LoRALinearConfig("split", 16, 64, 128, split_k=8)
+        return LoRALinearConfig("split", 16, 64, 128, split_k=8, pdl=pdl)
     # 4 warps, not 8 (docs/performance.md, dense tiles)
-    return LoRALinearConfig("split", 64, 128, 128)
+    return LoRALinearConfig("split", 64, 128, 128, pdl=pdl)
 
 
 def _check(x, weight, bias, lora):
@@ -108,14 +110,18 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 lora: DenseLoRAArgs | None, *, out: torch.Tensor | None = None,
                 config: LoRALinearConfig | None = None,
                 side_stream: torch.cuda.Stream | None = None,
-                policy: DenseLoRAPolicy = DENSE_LORA_POLICY) -> torch.Tensor:
-    """`lora_linear_ref` on the GPU -> y [T, N_out] (new, or `out=`); `side_stream`: for split's shrink."""
+                policy: DenseLoRAPolicy = DENSE_LORA_POLICY, pdl: bool = False) -> torch.Tensor:
+    """`lora_linear_ref` on the GPU -> y [T, N_out] (new, or `out=`); `side_stream`: for split's shrink; `pdl`:
+    programmatic dependent launch where the GPU has it (`kernels.pdl`; over `config.pdl`)."""
     T, n_in, n_out = _check(x, weight, bias, lora)
     out = output(out, (T, n_out), x.dtype, x.device, (x, weight, bias))
     if T == 0:
         return out
     has_lora = lora is not None and lora.a.shape[0] > 0
     cfg = config or default_lora_linear_config(T, n_in=n_in, n_out=n_out, has_lora=has_lora,
-                                               row_plan=has_lora and lora.row_plan is not None, policy=policy)
+                                               row_plan=has_lora and lora.row_plan is not None, policy=policy,
+                                               pdl=pdl)
+    if cfg.pdl != pdl:
+        cfg = replace(cfg, pdl=pdl)
     MODES[cfg.mode].run(x, weight, bias, lora if has_lora else None, out, cfg, side_stream)
     return out

@@ -30,6 +30,7 @@ from moelora.kernels.attention import (
     store_split,
 )
 from moelora.kernels.checks import FLOAT_DTYPES, cdiv, need_pow2, next_pow2
+from moelora.kernels.pdl import pdl_args, pdl_wait
 
 _MAX_LATENT = 1024
 _MAX_ROPE = 256
@@ -58,7 +59,9 @@ def default_mla_config(num_heads: int, latent: int, dtype: torch.dtype = torch.b
 
 
 @triton.jit
-def _store_latent_kernel(e_ptr, cache_ptr, slot_ptr, W, stride_et, stride_slot, BLOCK: tl.constexpr):
+def _store_latent_kernel(e_ptr, cache_ptr, slot_ptr, W, stride_et, stride_slot, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -76,7 +79,8 @@ def _mla_split_kernel(qa_ptr, qr_ptr, cache_ptr, out_ptr, bt_ptr, seq_lens_ptr, 
                       stride_cb, stride_ct, stride_bt,
                       C: tl.constexpr, DR: tl.constexpr, NUM_SPLITS: tl.constexpr, BS: tl.constexpr,
                       BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-                      PRECISION: tl.constexpr):
+                      PRECISION: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     b, hb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q0 = tl.load(qstart_ptr + b)
     if tl.load(qstart_ptr + b + 1) == q0:  # a sequence with no query row this step
@@ -144,8 +148,9 @@ def _check(q_abs, q_rope, entries, cache, meta):
 
 def mla_decode_attention(q_abs: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor, cache: torch.Tensor,
                          meta, scale: float, *, config: MLAConfig | None = None,
-                         num_splits: int | None = None) -> torch.Tensor:
-    """Store `entries` at meta.slot_mapping, then decode MLA over the latent cache -> new o_lat [T, N, C]."""
+                         num_splits: int | None = None, pdl: bool = False) -> torch.Tensor:
+    """Store `entries` at meta.slot_mapping, then decode MLA over the latent cache -> new o_lat [T, N, C];
+    `pdl`: programmatic dependent launch where the GPU has it (`kernels.pdl`)."""
     T, N, C, Dr, B = _check(q_abs, q_rope, entries, cache, meta)
     cfg = config or default_mla_config(N, C, q_abs.dtype, B)
     head_blocks = cdiv(N, cfg.block_h)
@@ -158,7 +163,8 @@ def mla_decode_attention(q_abs: torch.Tensor, q_rope: torch.Tensor, entries: tor
     W = C + Dr
     store_block = min(1024, next_pow2(W))
     _store_latent_kernel[(T, cdiv(W, store_block))](
-        entries, cache, meta.slot_mapping, W, entries.stride(0), cache.stride(1), BLOCK=store_block)
+        entries, cache, meta.slot_mapping, W, entries.stride(0), cache.stride(1), BLOCK=store_block,
+        **pdl_args(pdl, entries))
     block_c = max(16, next_pow2(C))
     m_part = l_part = acc_part = out  # placeholders; unused when splits == 1
     if splits > 1:
@@ -172,10 +178,10 @@ def mla_decode_attention(q_abs: torch.Tensor, q_rope: torch.Tensor, entries: tor
         C=C, DR=Dr, NUM_SPLITS=splits, BS=cache.shape[1], BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
         BLOCK_C=block_c, BLOCK_R=max(16, next_pow2(Dr)),
         PRECISION="ieee" if q_abs.dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit inputs
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(pdl, q_abs))
     if splits > 1:
         decode_reduce_kernel[(B, N)](
             m_part, l_part, acc_part, out, meta.query_start, C, N, out.stride(0), out.stride(1),
             NUM_SPLITS=splits, BLOCK_S=max(2, next_pow2(splits)), BLOCK_D=block_c, q8_ptr=out, s8_ptr=out,
-            QUANT=False, num_warps=4)
+            QUANT=False, num_warps=4, **pdl_args(pdl, q_abs))
     return out

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from moelora.kernels.checks import cdiv, lora_tile_rank
 from moelora.kernels.lora_tiles import rank_chunks
+from moelora.kernels.pdl import pdl_args, pdl_wait
 
 _HB = 16  # heads a program: the rows of the tl.dot
 _BC = 64  # latent columns a step
@@ -50,7 +51,8 @@ def _b_heads(b_s, rows, m, offs_r, rank, stride_bn):
 def _absorb_lora_kernel(q_ptr, qa_ptr, a_ptr, b_ptr, slots_ptr, ranks_ptr, N, C, stride_qt, stride_qn, stride_at,
                         stride_an, stride_as, stride_ar, stride_bs, stride_bn,
                         DN: tl.constexpr, DV: tl.constexpr, HB: tl.constexpr, BLOCK_R: tl.constexpr,
-                        DC: tl.constexpr, BC: tl.constexpr, PRECISION: tl.constexpr):
+                        DC: tl.constexpr, BC: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     t, s, rank, offs_h, h_ok, offs_r, r_ok = _program_rows(slots_ptr, ranks_ptr, N, HB, BLOCK_R)
     if rank > 0:
         b_s = b_ptr + s.to(tl.int64) * stride_bs
@@ -80,7 +82,8 @@ def _absorb_lora_kernel(q_ptr, qa_ptr, a_ptr, b_ptr, slots_ptr, ranks_ptr, N, C,
 def _expand_lora_kernel(ol_ptr, out_ptr, a_ptr, b_ptr, slots_ptr, ranks_ptr, N, C, stride_lt, stride_ln, stride_yt,
                         stride_yn, stride_as, stride_ar, stride_bs, stride_bn,
                         DN: tl.constexpr, DV: tl.constexpr, HB: tl.constexpr, BLOCK_R: tl.constexpr,
-                        DC: tl.constexpr, BC: tl.constexpr, PRECISION: tl.constexpr):
+                        DC: tl.constexpr, BC: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     t, s, rank, offs_h, h_ok, offs_r, r_ok = _program_rows(slots_ptr, ranks_ptr, N, HB, BLOCK_R)
     if rank > 0:
         a_s = a_ptr + s.to(tl.int64) * stride_as
@@ -125,8 +128,10 @@ def _check(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, r
 
 
 def mla_absorb_lora_(q_abs: torch.Tensor, q_nope: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                     ranks: torch.Tensor, token_slots: torch.Tensor, width: int | None = None) -> torch.Tensor:
-    """q_abs [T, N, C] += (q_nope B_s,uk) A_s in place, returned; `width`: `LoRABatch.max_rank`."""
+                     ranks: torch.Tensor, token_slots: torch.Tensor, width: int | None = None, *,
+                     pdl: bool = False) -> torch.Tensor:
+    """q_abs [T, N, C] += (q_nope B_s,uk) A_s in place, returned; `width`: `LoRABatch.max_rank`; `pdl`:
+    programmatic dependent launch where the GPU has it (`kernels.pdl`)."""
     nope = q_nope.shape[2]
     T, N, dv, precision = _check(q_nope, q_abs, a, b, ranks, token_slots, nope, latent_in=False)
     block_r = lora_tile_rank(a.shape[1], width)
@@ -134,18 +139,22 @@ def mla_absorb_lora_(q_abs: torch.Tensor, q_nope: torch.Tensor, a: torch.Tensor,
         _absorb_lora_kernel[(T, cdiv(N, _HB))](
             q_nope, q_abs, a, b, token_slots, ranks, N, a.shape[2], q_nope.stride(0), q_nope.stride(1),
             q_abs.stride(0), q_abs.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1), DN=nope, DV=dv,
-            HB=_HB, BLOCK_R=block_r, DC=_head_columns(block_r), BC=_BC, PRECISION=precision, num_warps=4)
+            HB=_HB, BLOCK_R=block_r, DC=_head_columns(block_r), BC=_BC, PRECISION=precision, num_warps=4,
+            **pdl_args(pdl, q_nope))
     return q_abs
 
 
 def mla_expand_lora_(out: torch.Tensor, o_lat: torch.Tensor, a: torch.Tensor, b: torch.Tensor, nope: int,
-                     ranks: torch.Tensor, token_slots: torch.Tensor, width: int | None = None) -> torch.Tensor:
-    """out [T, N, Dv] += (o_lat [T, N, C] A_s^T) B_s,uv^T in place (see the module docstring); returns out."""
+                     ranks: torch.Tensor, token_slots: torch.Tensor, width: int | None = None, *,
+                     pdl: bool = False) -> torch.Tensor:
+    """out [T, N, Dv] += (o_lat [T, N, C] A_s^T) B_s,uv^T in place (see the module docstring); returns out;
+    `pdl` as `mla_absorb_lora_`'s."""
     T, N, dv, precision = _check(o_lat, out, a, b, ranks, token_slots, nope, latent_in=True)
     block_r = lora_tile_rank(a.shape[1], width)
     if T:
         _expand_lora_kernel[(T, cdiv(N, _HB))](
             o_lat, out, a, b, token_slots, ranks, N, a.shape[2], o_lat.stride(0), o_lat.stride(1), out.stride(0),
             out.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1), DN=nope, DV=dv, HB=_HB,
-            BLOCK_R=block_r, DC=_head_columns(block_r), BC=_BC, PRECISION=precision, num_warps=4)
+            BLOCK_R=block_r, DC=_head_columns(block_r), BC=_BC, PRECISION=precision, num_warps=4,
+            **pdl_args(pdl, o_lat))
     return out

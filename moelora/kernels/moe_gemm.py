@@ -16,6 +16,7 @@ from moelora.kernels.moe_lora.separate import separate_epilogue
 from moelora.kernels.moe_lora.spread import spread_shrink
 from moelora.kernels.moe_lora.stacked import stacked_epilogue
 from moelora.kernels.moe_rows import delta_rows, plan_rows
+from moelora.kernels.pdl import pdl_wait
 
 
 @triton.jit
@@ -38,7 +39,7 @@ def gate_up_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_LORA: tl.constexpr, XA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
     LORA_BK: tl.constexpr, LORA_RC: tl.constexpr, USE_TMA: tl.constexpr, LORA_DELTA: tl.constexpr,
-    RAW_OUT: tl.constexpr, STACKED: tl.constexpr = False, S_P2: tl.constexpr = 1,
+    RAW_OUT: tl.constexpr, PDL: tl.constexpr, STACKED: tl.constexpr = False, S_P2: tl.constexpr = 1,
     SPREAD: tl.constexpr = False, spread_k=0, h_act_ptr=None, stride_act=0,
     ws_ptr=None, stride_wse=0, stride_wsn=0, stride_wsk=0, ws_gate_rows=0, aq_ptr=None, aqs_ptr=None, stride_aq=0,
     stride_aqs=0, B_FP8: tl.constexpr = False, A_FP8: tl.constexpr = False, SCALE_GN: tl.constexpr = 128,
@@ -46,6 +47,7 @@ def gate_up_kernel(
     """h[plan row] = silu(gate) * up of x[token] @ W_gu[e]^T (+ LoRA); RAW_OUT: gate and up unactivated into h
     [P, 2I] for a kernel after it; SPREAD: also the gate_up shrink of this tile's x columns into xa[n], rows
     with no gate_up delta activated here into h_act (bit for bit the no-LoRA value)."""
+    pdl_wait(PDL)
     pid_m, pid_n = _tile_ids(num_blocks, tl.cdiv(inter, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_padded_ptr):
         return
@@ -126,11 +128,12 @@ def down_kernel(
     stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_xa, n_slots,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_LORA: tl.constexpr, XA_SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
-    LORA_BK: tl.constexpr, LORA_RC: tl.constexpr, USE_TMA: tl.constexpr,
+    LORA_BK: tl.constexpr, LORA_RC: tl.constexpr, USE_TMA: tl.constexpr, PDL: tl.constexpr,
     STACKED: tl.constexpr = False, S_P2: tl.constexpr = 1,
     ws_ptr=None, stride_wse=0, stride_wsn=0, stride_wsk=0, ws_gate_rows=0, aq_ptr=None, aqs_ptr=None, stride_aq=0,
     stride_aqs=0, B_FP8: tl.constexpr = False, A_FP8: tl.constexpr = False, SCALE_GN: tl.constexpr = 128,
 ):
+    pdl_wait(PDL)
     pid_m, pid_n = _tile_ids(num_blocks, tl.cdiv(H, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_padded_ptr):
         return
@@ -176,9 +179,10 @@ def down_kernel(
 @triton.jit
 def combine_kernel(y_ptr, out_ptr, topk_w_ptr, ids_ptr, delta_ptr, slots_ptr, ranks_ptr, T, H, stride_yr, stride_ot,
                    stride_dr, TOP_K: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, HAS_DELTA: tl.constexpr,
-                   HAS_MAP: tl.constexpr):
+                   HAS_MAP: tl.constexpr, PDL: tl.constexpr):
     """out[t] = sum_k y[t*K + k] in fp32, fixed k order; HAS_DELTA: + each route's down delta x its weight;
     HAS_MAP: ids [T*K] are local expert ids, a route at -1 (another rank's: no y row) is skipped."""
+    pdl_wait(PDL)
     offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     t_ok = offs_t < T

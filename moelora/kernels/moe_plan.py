@@ -14,6 +14,7 @@ import triton.language as tl
 
 from moelora.kernels.args import MoERoutingPlan
 from moelora.kernels.checks import cdiv, next_pow2
+from moelora.kernels.pdl import pdl_args, pdl_wait
 from moelora.kernels.reference import local_expert_ids, plan_capacity
 
 # Up to this many routes, one launch of E programs (each re-counting all ids) beats three launches
@@ -49,9 +50,11 @@ def _layout(counts, sorted_ptr, eob_ptr, num_padded_ptr, n_routes, E, max_blocks
 
 @triton.jit
 def _plan_expert_kernel(ids_ptr, sorted_ptr, eob_ptr, num_padded_ptr, n_routes, E, max_blocks,
-                        BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+                        BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
+                        PDL: tl.constexpr):
     """Program e: histograms all n ids as one vector, then writes only expert e's routes, padding and blocks (and a
     share of the tail); no chunk loop (the chunked one-hot it replaced was 7x slower: docs/performance.md)."""
+    pdl_wait(PDL)
     e = tl.program_id(0)
     offs = tl.arange(0, BLOCK_N)
     valid = offs < n_routes
@@ -83,7 +86,8 @@ def _plan_expert_kernel(ids_ptr, sorted_ptr, eob_ptr, num_padded_ptr, n_routes, 
 
 
 @triton.jit
-def _plan_count_kernel(ids_ptr, counts_ptr, n_routes, C: tl.constexpr, BLOCK_E: tl.constexpr):
+def _plan_count_kernel(ids_ptr, counts_ptr, n_routes, C: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     c = tl.program_id(0)
     offs = c * C + tl.arange(0, C)
     valid = offs < n_routes
@@ -96,8 +100,9 @@ def _plan_count_kernel(ids_ptr, counts_ptr, n_routes, C: tl.constexpr, BLOCK_E: 
 @triton.jit
 def _plan_scan_kernel(counts_ptr, base_ptr, sorted_ptr, eob_ptr, num_padded_ptr, n_chunks, n_routes, E,
                       max_blocks, BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
-                      TILE_C: tl.constexpr):
+                      TILE_C: tl.constexpr, PDL: tl.constexpr):
     """One program: per-expert totals, the layout, each chunk's base (the counts read TILE_C chunks a load)."""
+    pdl_wait(PDL)
     cols = tl.arange(0, BLOCK_E)
     rows = tl.arange(0, TILE_C)
     counts = tl.zeros((BLOCK_E,), tl.int32)
@@ -114,8 +119,10 @@ def _plan_scan_kernel(counts_ptr, base_ptr, sorted_ptr, eob_ptr, num_padded_ptr,
 
 
 @triton.jit
-def _plan_scatter_kernel(ids_ptr, base_ptr, sorted_ptr, n_routes, C: tl.constexpr, BLOCK_E: tl.constexpr):
+def _plan_scatter_kernel(ids_ptr, base_ptr, sorted_ptr, n_routes, C: tl.constexpr, BLOCK_E: tl.constexpr,
+                         PDL: tl.constexpr):
     """Program c: route i goes to base[c, e_i] + the chunk's earlier routes on e_i (a [C, C] compare, whatever E)."""
+    pdl_wait(PDL)
     c = tl.program_id(0)
     j = tl.arange(0, C)
     offs = c * C + j
@@ -129,9 +136,10 @@ def _plan_scatter_kernel(ids_ptr, base_ptr, sorted_ptr, n_routes, C: tl.constexp
 
 
 def build_routing_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
-                       expert_map: torch.Tensor | None = None) -> MoERoutingPlan:
+                       expert_map: torch.Tensor | None = None, pdl: bool = False) -> MoERoutingPlan:
     """Expert-sorted, block_m-padded plan of topk_ids [T, K]; ValueError for a bad block_m or ids. `expert_map`
-    [E_global] int32: only the routes to this rank's experts, their local ids kept as `local_ids`."""
+    [E_global] int32: only the routes to this rank's experts, their local ids kept as `local_ids`; `pdl`:
+    programmatic dependent launch where the GPU has it (`kernels.pdl`)."""
     if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids must be [T, K] int32/int64, got {tuple(topk_ids.shape)} {topk_ids.dtype}")
     if block_m < 16 or block_m & (block_m - 1):
@@ -161,7 +169,7 @@ def build_routing_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int, *
         block_n = max(32 * warps, next_pow2(n))
         _plan_expert_kernel[(num_experts,)](ids, sorted_ids, eob, num_padded, n, num_experts, max_blocks,
                                             BM=block_m, BLOCK_N=block_n, BLOCK_E=block_e, BLOCK_B=block_b,
-                                            num_warps=warps)
+                                            num_warps=warps, **pdl_args(pdl, ids))
         return plan
     chunk = 128  # the scatter compares [chunk, chunk] pairs; the count's histogram wants >= 32 ids a warp
     n_chunks = cdiv(n, chunk)
@@ -169,10 +177,11 @@ def build_routing_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int, *
     tile_c = min(next_pow2(n_chunks), max(1, 8192 // block_e))
     counts = torch.empty(n_chunks, block_e, dtype=torch.int32, device=dev)
     bases = torch.empty_like(counts)
-    _plan_count_kernel[(n_chunks,)](ids, counts, n, C=chunk, BLOCK_E=block_e, num_warps=4)
+    launch = pdl_args(pdl, ids)
+    _plan_count_kernel[(n_chunks,)](ids, counts, n, C=chunk, BLOCK_E=block_e, num_warps=4, **launch)
     _plan_scan_kernel[(1,)](counts, bases, sorted_ids, eob, num_padded, n_chunks, n, num_experts, max_blocks,
-                            BM=block_m, BLOCK_E=block_e, BLOCK_B=block_b, TILE_C=tile_c, num_warps=8)
-    _plan_scatter_kernel[(n_chunks,)](ids, bases, sorted_ids, n, C=chunk, BLOCK_E=block_e, num_warps=4)
+                            BM=block_m, BLOCK_E=block_e, BLOCK_B=block_b, TILE_C=tile_c, num_warps=8, **launch)
+    _plan_scatter_kernel[(n_chunks,)](ids, bases, sorted_ids, n, C=chunk, BLOCK_E=block_e, num_warps=4, **launch)
     return plan
 
 

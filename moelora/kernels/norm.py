@@ -16,12 +16,14 @@ import triton.language as tl
 from moelora.kernels.args import FP8Rows
 from moelora.kernels.checks import cdiv, check_rows, check_vector, need, next_pow2, output
 from moelora.kernels.fp8_quant import GROUP, quant_tile
+from moelora.kernels.pdl import pdl_args, pdl_wait
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, h_ptr, y_ptr, q_ptr, s_ptr, D, stride_x, stride_delta, stride_h,
                      stride_y, stride_q, stride_s, eps, HAS_DELTA: tl.constexpr, QUANT: tl.constexpr,
-                     BLOCK_D: tl.constexpr, GROUP_: tl.constexpr = GROUP):
+                     BLOCK_D: tl.constexpr, PDL: tl.constexpr, GROUP_: tl.constexpr = GROUP):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -43,7 +45,7 @@ def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, h_ptr, y_ptr, q_ptr, s_ptr, D, str
         tl.store(s_ptr + row * stride_s + g, s, mask=g * GROUP_ < D)
 
 
-def _launch(x, delta, weight, eps, h, y, rows: FP8Rows | None = None) -> None:
+def _launch(x, delta, weight, eps, h, y, rows: FP8Rows | None = None, pdl: bool = False) -> None:
     T, D = x.shape
     if T == 0 or D == 0:
         return
@@ -53,7 +55,7 @@ def _launch(x, delta, weight, eps, h, y, rows: FP8Rows | None = None) -> None:
     _rms_norm_kernel[(T,)](x, x if delta is None else delta, weight, y if h is None else h, y, q, s, D, x.stride(0),
                            0 if delta is None else delta.stride(0), 0 if h is None else h.stride(0), y.stride(0),
                            q.stride(0), s.stride(0), float(eps), HAS_DELTA=delta is not None, QUANT=rows is not None,
-                           BLOCK_D=block_d, num_warps=num_warps)
+                           BLOCK_D=block_d, num_warps=num_warps, **pdl_args(pdl, x))
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
@@ -63,16 +65,19 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
     return x.shape[0], x.shape[1]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm of each row of x [T, D] -> `out` (x's dtype; new unless the caller passes its own)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None,
+             pdl: bool = False) -> torch.Tensor:
+    """RMSNorm of each row of x [T, D] -> `out` (x's dtype; new unless the caller passes its own); `pdl`: launched
+    with programmatic dependent launch where the GPU has it (`kernels.pdl`, as every launcher here)."""
     T, D = _check(x, weight)
     out = output(out, (T, D), x.dtype, x.device, (x, weight))
-    _launch(x, None, weight, eps, None, out)
+    _launch(x, None, weight, eps, None, out, pdl=pdl)
     return out
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
-                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, y): h = x + delta rounded to the dtype (the next residual), y = rms_norm(h); `out`: the caller's (h, y)."""
     T, D = _check(x, weight)
     check_rows("delta", delta, (T, D), x.dtype)
@@ -81,11 +86,11 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     inputs = (x, delta, weight)
     h = output(h_out, (T, D), x.dtype, x.device, inputs, "out[0]")
     y = output(y_out, (T, D), x.dtype, x.device, inputs + (h,), "out[1]")
-    _launch(x, delta, weight, eps, h, y)
+    _launch(x, delta, weight, eps, h, y, pdl=pdl)
     return h, y
 
 
-def norm_fp8(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+def norm_fp8(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, *, pdl: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor, FP8Rows]:
     """(h, y, rows): `add_rms_norm` (h = x when delta is None), and y quantized for the W8A8 GEMMs that read it,
     bit for bit `per_token_group_quant(y)`, in the same launch. All new."""
@@ -97,5 +102,5 @@ def norm_fp8(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, 
     y = torch.empty(T, D, dtype=x.dtype, device=x.device)
     rows = FP8Rows(torch.empty(T, D, dtype=torch.float8_e4m3fn, device=x.device),
                    torch.empty(T, cdiv(D, GROUP), dtype=torch.float32, device=x.device))
-    _launch(x, delta, weight, eps, None if delta is None else h, y, rows)
+    _launch(x, delta, weight, eps, None if delta is None else h, y, rows, pdl)
     return h, y, rows

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.checks import cdiv, check_rows, check_vector, need, next_pow2, output
+from moelora.kernels.pdl import pdl_args, pdl_wait
 
 
 @triton.jit
@@ -54,7 +55,8 @@ def _norm_rope_heads(x_ptr, o_ptr, w_ptr, cos_ptr, sin_ptr, t, hb, N, D, DR, str
 def _qk_norm_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, NQ, NK, D, DR,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
                          stride_ct, stride_st, eps, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
+                         BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     q_blocks = tl.cdiv(NQ, BLOCK_H)
@@ -87,8 +89,10 @@ def _check(q, k, cos, sin, q_weight, k_weight) -> tuple[int, int, int, int, int]
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, *,
-                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q_out, k_out): optional per-head RMSNorm, then rotary, of q and k (only read); `out`: the caller's buffers."""
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_out, k_out): optional per-head RMSNorm, then rotary, of q and k (only read); `out`: the caller's buffers;
+    `pdl`: programmatic dependent launch where the GPU has it (`kernels.pdl`)."""
     T, NQ, NK, D, DR = _check(q, k, cos, sin, q_weight, k_weight)
     qo_buf, ko_buf = out if out is not None else (None, None)
     inputs = (q, k, cos, sin, q_weight, k_weight)
@@ -105,5 +109,5 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         q, k, q_out, k_out, q_weight if has_norm else cos, k_weight if has_norm else cos, cos, sin, NQ, NK, D, DR,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1), k_out.stride(0),
         k_out.stride(1), cos.stride(0), sin.stride(0), float(eps), HAS_NORM=has_norm, BLOCK_H=block_h,
-        BLOCK_D=block_d, num_warps=4 if block_h * block_d >= 1024 else 1)
+        BLOCK_D=block_d, num_warps=4 if block_h * block_d >= 1024 else 1, **pdl_args(pdl, q))
     return q_out, k_out

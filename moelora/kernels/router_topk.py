@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.checks import cdiv, check_rows, need, next_pow2
+from moelora.kernels.pdl import pdl_args, pdl_wait
 from moelora.kernels.softmax_topk import softmax_topk_rows
 
 MAX_ROWS = 16  # decode steps; more rows take the GEMM + `softmax_topk`
@@ -30,9 +31,11 @@ STEPS_PER_SPLIT = 2  # H steps a program (the H200 at Qwen3's shape: 8 programs 
 def _router_topk_kernel(x_ptr, w_ptr, part_ptr, sem_ptr, wts_ptr, ids_ptr, T, E, H, H_CHUNK,
                         stride_x, stride_w, stride_wts, stride_ids,
                         K: tl.constexpr, RENORMALIZE: tl.constexpr, SPLITS: tl.constexpr,
-                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H_: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H_: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PDL: tl.constexpr):
     """Program s: partial logits over H [s H_CHUNK, (s + 1) H_CHUNK) -> part [S, BLOCK_T, BLOCK_E]; the last of
     the S programs to arrive (sem, one counter) sums them in split order and writes the top k."""
+    pdl_wait(PDL)
     split = tl.program_id(0)
     rows = tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -85,10 +88,11 @@ def router_topk_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, *,
-                splits: int | None = None, counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                splits: int | None = None, counter: torch.Tensor | None = None, pdl: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_weights [T, K] fp32, topk_ids [T, K] int32) of softmax(x W^T); `splits`: of H (default: 2 steps of
     BLOCK_H a program); `counter`: the split arrival counter the caller owns (int32 [>= 1], zero between calls,
-    left zero; None: a zeroed one for this call)."""
+    left zero; None: a zeroed one for this call); `pdl`: programmatic dependent launch where the GPU has it."""
     need(router_topk_fits(x, weight), lambda: f"router_topk takes x [T <= {MAX_ROWS}, H] fp16/bf16 and a router "
          f"weight [E <= {MAX_EXPERTS}, H] of x's dtype, unit last strides; got {tuple(x.shape)} {x.dtype}, "
          f"{tuple(weight.shape)} {weight.dtype}")
@@ -118,5 +122,5 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: 
     _router_topk_kernel[(splits,)](
         x, weight, part, sem, weights, ids, T, E, H, chunk, x.stride(0), weight.stride(0), weights.stride(0),
         ids.stride(0), K=top_k, RENORMALIZE=bool(renormalize), SPLITS=splits, BLOCK_T=MAX_ROWS, BLOCK_E=block_e,
-        BLOCK_H_=BLOCK_H, BLOCK_K=next_pow2(top_k), num_warps=4, num_stages=2)
+        BLOCK_H_=BLOCK_H, BLOCK_K=next_pow2(top_k), num_warps=4, num_stages=2, **pdl_args(pdl, x))
     return weights, ids

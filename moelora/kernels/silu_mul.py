@@ -12,10 +12,13 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.checks import cdiv, check_rows, need, next_pow2, output
+from moelora.kernels.pdl import pdl_args, pdl_wait
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, inter, stride_g, stride_u, stride_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, inter, stride_g, stride_u, stride_o, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -25,8 +28,10 @@ def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, inter, stride_g, stride_u, stride_o, B
     tl.store(o_ptr + row * stride_o + cols, (act * u).to(o_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(gate) * up -> [T, I] (new, or `out=`)."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, out: torch.Tensor | None = None,
+             pdl: bool = False) -> torch.Tensor:
+    """silu(gate) * up -> [T, I] (new, or `out=`); `pdl`: programmatic dependent launch where the GPU has it
+    (`kernels.pdl`)."""
     need(gate.dim() == 2, f"gate must be [T, I], got {tuple(gate.shape)}")
     check_rows("gate", gate)
     check_rows("up", up, tuple(gate.shape), gate.dtype)
@@ -38,5 +43,5 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, out: torch.Tensor | None =
     block = min(1024, next_pow2(inter))
     _silu_mul_kernel[(T, cdiv(inter, block))](
         gate, up, out, inter, gate.stride(0), up.stride(0), out.stride(0), BLOCK=block,
-        num_warps=4 if block >= 512 else 1)
+        num_warps=4 if block >= 512 else 1, **pdl_args(pdl, gate))
     return out

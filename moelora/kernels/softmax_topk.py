@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.checks import cdiv, check_rows, need, next_pow2, output
+from moelora.kernels.pdl import pdl_args, pdl_wait
 
 _MAX_EXPERTS = 1024
 
@@ -44,7 +45,8 @@ def softmax_topk_rows(logits, row_ok, mask, cols, K: tl.constexpr, RENORMALIZE: 
 @triton.jit
 def _softmax_topk_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_l, stride_w, stride_i,
                          K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok = rows < T
@@ -60,8 +62,10 @@ def _softmax_topk_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_l, stride_w, s
 
 
 def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, *,
-                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights [T, K] fp32, topk_ids [T, K] int32) of logits [T, E]; `out`: the caller's buffers."""
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights [T, K] fp32, topk_ids [T, K] int32) of logits [T, E]; `out`: the caller's buffers; `pdl`:
+    programmatic dependent launch where the GPU has it."""
     need(logits.dim() == 2, lambda: f"logits must be [T, E], got {tuple(logits.shape)}")
     check_rows("logits", logits)
     T, E = logits.shape
@@ -77,5 +81,5 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, *,
     _softmax_topk_kernel[(cdiv(T, block_t),)](
         logits, weights, ids, T, E, logits.stride(0), weights.stride(0), ids.stride(0), K=top_k,
         RENORMALIZE=bool(renormalize), BLOCK_T=block_t, BLOCK_E=block_e,
-        BLOCK_K=next_pow2(top_k), num_warps=4 if block_t * block_e >= 1024 else 1)
+        BLOCK_K=next_pow2(top_k), num_warps=4 if block_t * block_e >= 1024 else 1, **pdl_args(pdl, logits))
     return weights, ids

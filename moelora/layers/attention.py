@@ -73,9 +73,10 @@ class Attention(nn.Module):
         # W8A8 on the Triton kernels, heads of one 128-column group: decode attention writes o's input quantized
         self.fp8_out = backend == "triton" and activation_quantizer(kw.get("quant")) is not None and head_dim == 128
         if qk_norm == "per_head":
-            self.q_norm, self.k_norm = RMSNorm(head_dim, eps, backend), RMSNorm(head_dim, eps, backend)
+            pdl = self.options.pdl
+            self.q_norm, self.k_norm = RMSNorm(head_dim, eps, backend, pdl), RMSNorm(head_dim, eps, backend, pdl)
         elif qk_norm == "whole":  # `make_norm(width)`: a norm over columns split across ranks (parallel_norm)
-            make_norm = make_norm or (lambda width: RMSNorm(width, eps, backend))
+            make_norm = make_norm or (lambda width: RMSNorm(width, eps, backend, self.options.pdl))
             self.q_norm, self.k_norm = make_norm(num_heads * head_dim), make_norm(num_kv_heads * head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
@@ -92,13 +93,15 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
+        kernel_kw = {}  # the Triton launchers' (the torch twins take none)
         if self.options.kernel_backend == "triton":  # per-head norm (if any) and rotary of q and k: one launch
             from moelora.kernels.attention import paged_attention
             from moelora.kernels.rotary import qk_norm_rope
 
+            kernel_kw = {"pdl": self.options.pdl}
             per_head = self.qk_norm == "per_head"
             q, k = qk_norm_rope(q, k, cos, sin, self.q_norm.weight if per_head else None,
-                                self.k_norm.weight if per_head else None, self.eps)
+                                self.k_norm.weight if per_head else None, self.eps, **kernel_kw)
         else:
             from moelora.kernels.reference import paged_attention_ref as paged_attention
 
@@ -110,7 +113,7 @@ class Attention(nn.Module):
         if self.fp8_out:
             from moelora.kernels.attention import paged_attention_fp8
 
-            out, rows = paged_attention_fp8(q, k, v, k_cache, v_cache, meta, self.head_dim ** -0.5)
+            out, rows = paged_attention_fp8(q, k, v, k_cache, v_cache, meta, self.head_dim ** -0.5, **kernel_kw)
         else:
-            out = paged_attention(q, k, v, k_cache, v_cache, meta, self.head_dim ** -0.5)
+            out = paged_attention(q, k, v, k_cache, v_cache, meta, self.head_dim ** -0.5, **kernel_kw)
         return self.o_proj(out.reshape(T, -1), lora, rows)

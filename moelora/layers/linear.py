@@ -47,11 +47,11 @@ from moelora.quant.storage import activation_quantizer, dense_weight, fp8_parame
 
 def _project(backend: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
              args: DenseLoRAArgs | None, side_stream: torch.cuda.Stream | None, act_quant=None,
-             policy: DenseLoRAPolicy = DENSE_LORA_POLICY) -> torch.Tensor:
+             policy: DenseLoRAPolicy = DENSE_LORA_POLICY, pdl: bool = False) -> torch.Tensor:
     if backend == "triton":  # bf16 weights (FP8 ones: `_FP8Weight._project`)
         from moelora.kernels.lora_linear import lora_linear
 
-        return lora_linear(x, weight, bias, args, side_stream=side_stream, policy=policy)
+        return lora_linear(x, weight, bias, args, side_stream=side_stream, policy=policy, pdl=pdl)
     return lora_linear_ref(x, weight, bias, args, act_quant)
 
 
@@ -79,9 +79,10 @@ class _FP8Weight:
             return fp8_lora_linear(x, self.weight, self.weight_scale_inv, self.bias, args,
                                    segments=self.scale_segments, block=self.quant.weights == "block",
                                    quantize_activations=activation_quantizer(self.quant) is not None,
-                                   side_stream=side, x_fp8=x_fp8, counters=self.split_k_counters)
+                                   side_stream=side, x_fp8=x_fp8, counters=self.split_k_counters,
+                                   pdl=self.options.pdl)
         return _project(self.options.kernel_backend, x, self.dense_weight(x.dtype), self.bias, args, side,
-                        activation_quantizer(self.quant), self.options.dense_lora_policy)
+                        activation_quantizer(self.quant), self.options.dense_lora_policy, self.options.pdl)
 
 
 class LinearSite(_FP8Weight, nn.Module):

@@ -71,10 +71,10 @@ class MLAttention(nn.Module):
             self.q_proj = Linear(hidden, q_out, **kw)
         else:
             self.q_a_proj = Linear(hidden, q_lora_rank, bias=bias, **kw)
-            self.q_a_layernorm = RMSNorm(q_lora_rank, _INNER_NORM_EPS, backend)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, _INNER_NORM_EPS, backend, self.options.pdl)
             self.q_b_proj = Linear(q_lora_rank, q_out, **kw)
         self.kv_a_proj_with_mqa = Linear(hidden, kv_lora_rank + qk_rope_head_dim, bias=bias, **kw)
-        self.kv_a_layernorm = RMSNorm(kv_lora_rank, _INNER_NORM_EPS, backend)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, _INNER_NORM_EPS, backend, self.options.pdl)
         self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), **kw)
         self.o_proj = Linear(num_heads * v_head_dim, hidden, bias=bias, **kw)
 
@@ -116,14 +116,15 @@ class MLAttention(nn.Module):
             kv_b = self.kv_b_proj
             on = lora is not None and kv_b.has_lora and not lora.skips(kv_b)
             site = (kv_b.lora_a, kv_b.lora_b, kv_b.lora_ranks, lora.token_slots, lora.max_rank) if on else None
+            pdl = self.options.pdl
             q_abs = absorb_query(q_nope, kv_b, None)
             if site:
-                mla_absorb_lora_(q_abs, q_nope, *site)
-            o_lat = mla_decode_attention(q_abs, q_rope, entries, cache, meta, self.scale)
+                mla_absorb_lora_(q_abs, q_nope, *site, pdl=pdl)
+            o_lat = mla_decode_attention(q_abs, q_rope, entries, cache, meta, self.scale, pdl=pdl)
             out = expand_output(o_lat, kv_b, self.nope, None)
             if site:
                 a, b, ranks, token_slots, width = site
-                mla_expand_lora_(out, o_lat, a, b, self.nope, ranks, token_slots, width)
+                mla_expand_lora_(out, o_lat, a, b, self.nope, ranks, token_slots, width, pdl=pdl)
             return out
         from moelora.kernels.reference import mla_decode_attention_ref as mla_decode_attention
 

@@ -29,7 +29,7 @@ class DenseMLP(nn.Module):
         if self.options.kernel_backend == "triton":
             from moelora.kernels.silu_mul import silu_mul
 
-            h = silu_mul(gate, up)
+            h = silu_mul(gate, up, pdl=self.options.pdl)
         else:
             h = F.silu(gate) * up
         return self.down_proj(h, lora)

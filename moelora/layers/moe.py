@@ -116,7 +116,7 @@ class Experts(nn.Module):
             return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, lora=args,
                              side_stream=None if lora is None else lora.side_stream,
                              table=self.options.fused_moe_table, route_rows=self.route_rows, expert_map=expert_map,
-                             fp8=self.fp8_scales(), x_fp8=x_fp8)
+                             fp8=self.fp8_scales(), x_fp8=x_fp8, pdl=self.options.pdl)
         w_gate_up, w_down = self.dense_weights(x.dtype)
         act_quant = activation_quantizer(self.quant)  # the W8A8 twin; None: the bf16 call as it always was
         extra = {k: v for k, v in (("act_quant", act_quant), ("expert_map", expert_map)) if v is not None}
@@ -165,10 +165,11 @@ class SparseMoE(nn.Module):
             from moelora.kernels.router_topk import router_topk
 
             weights, ids = router_topk(x, self.gate.weight, self.routing.top_k, self.routing.renormalize,
-                                       counter=self.router_counter)
+                                       counter=self.router_counter, pdl=self.options.pdl)
         else:
             bias = getattr(self.gate, "e_score_correction_bias", None)
-            weights, ids = route(self.gate(x, lora), self.routing, bias, self.options.kernel_backend)
+            weights, ids = route(self.gate(x, lora), self.routing, bias, self.options.kernel_backend,
+                                 self.options.pdl)
         return self.experts(x, weights, ids, lora, x_fp8=x_fp8)
 
     def _one_launch_router(self, x: torch.Tensor, lora: LoRABatch | None) -> bool:

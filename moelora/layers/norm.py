@@ -24,17 +24,18 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, backend: str = "torch"):
+    def __init__(self, dim: int, eps: float, backend: str = "torch", pdl: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.backend = backend
+        self.pdl = pdl  # the Triton launches with programmatic dependent launch (`LayerOptions.pdl`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "triton":
             from moelora.kernels.norm import rms_norm
 
-            return rms_norm(_rows(x), self.weight, self.eps).view(x.shape)
+            return rms_norm(_rows(x), self.weight, self.eps, pdl=self.pdl).view(x.shape)
         return rms_norm_ref(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,7 +45,7 @@ class RMSNorm(nn.Module):
         if self.backend == "triton":
             from moelora.kernels.norm import add_rms_norm
 
-            h, y = add_rms_norm(_rows(x), _rows(delta), self.weight, self.eps)
+            h, y = add_rms_norm(_rows(x), _rows(delta), self.weight, self.eps, pdl=self.pdl)
             return h.view(x.shape), y.view(x.shape)
         h = x + delta
         return h, rms_norm_ref(h, self.weight, self.eps)
@@ -54,4 +55,4 @@ class RMSNorm(nn.Module):
         backend, x [T, D]): (h, y, rows)."""
         from moelora.kernels.norm import norm_fp8
 
-        return norm_fp8(x, None if delta is None else _rows(delta), self.weight, self.eps)
+        return norm_fp8(x, None if delta is None else _rows(delta), self.weight, self.eps, pdl=self.pdl)

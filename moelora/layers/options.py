@@ -32,6 +32,9 @@ class LayerOptions:
     mla_absorbed_decode: bool = True  # MLA decode in the absorbed form (off: the expanded torch path, eager)
     merge_qkv: bool = True  # q/k/v as one GEMM and one LoRA pair (off: three projections)
     dense_lora_policy: DenseLoRAPolicy = DENSE_LORA_POLICY  # which dense LoRA mode a call takes (Triton)
+    # Triton kernels launched with programmatic dependent launch (`kernels/pdl.py`: compute capability >= 9.0;
+    # elsewhere plain launches whatever this says)
+    pdl: bool = False
     # the modules that keep LoRA slots (None: every site): the model's constructor drops the others' slots
     # (`models.lora_targets`) before anyone holds the model
     lora_target_modules: tuple[str, ...] | None = None

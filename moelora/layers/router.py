@@ -82,14 +82,15 @@ def grouped_topk(logits: torch.Tensor, spec: RoutingSpec,
 
 
 def route(logits: torch.Tensor, spec: RoutingSpec, correction_bias: torch.Tensor | None = None,
-          backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+          backend: str = "torch", pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, K] fp32, ids [T, K]). Under backend "triton" the softmax router is one kernel
-    (`moelora.kernels.softmax_topk`, int32 ids); the grouped routers always run in torch (int64 ids)."""
+    (`moelora.kernels.softmax_topk`, int32 ids; `pdl` its launch's); the grouped routers always run in torch
+    (int64 ids)."""
     if spec.method == "softmax":
         if backend == "triton":
             from moelora.kernels.softmax_topk import softmax_topk as softmax_topk_kernel
 
-            return softmax_topk_kernel(logits, spec.top_k, spec.renormalize)
+            return softmax_topk_kernel(logits, spec.top_k, spec.renormalize, pdl=pdl)
         return softmax_topk(logits, spec.top_k, spec.renormalize)
     return grouped_topk(logits, spec, correction_bias)
 

@@ -59,13 +59,15 @@ class LoRANeeds:
     engine hold the same one): `rows`, the torch twins' per-slot rows (`active`); `width`, the rows'
     adapters' largest rank (`EngineConfig.lora_width_by_batch`); `group_slots` > 0, the rows grouped by slot
     over that many slots wherever `policy` may take "planned" (`EngineConfig.group_lora_rows`, Triton);
-    `side_stream`, the LoRA side stream (`EngineConfig.overlap_lora`, CUDA)."""
+    `side_stream`, the LoRA side stream (`EngineConfig.overlap_lora`, CUDA); `pdl`, that grouping's launch with
+    programmatic dependent launch where the GPU has it (`EngineConfig.pdl`, CUDA; `kernels.pdl`)."""
 
     rows: bool = True
     width: bool = True
     group_slots: int = 0
     policy: DenseLoRAPolicy = DENSE_LORA_POLICY
     side_stream: torch.cuda.Stream | None = None
+    pdl: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,5 +131,5 @@ def plan_step(token_slots: torch.Tensor, active: tuple[SlotRows, ...] | None, ma
     if needs.group_slots and needs.policy.wants_row_plan(token_slots.shape[0]):
         from moelora.kernels.dense_lora.planned import row_plan  # the Triton launch: only on that path
 
-        plan = row_plan(token_slots, needs.group_slots, PLAN_BLOCK_M)
+        plan = row_plan(token_slots, needs.group_slots, PLAN_BLOCK_M, pdl=needs.pdl)
     return LoRABatch(token_slots, active, idle, plan, max_rank if needs.width else None, needs.side_stream)

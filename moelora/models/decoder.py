@@ -72,13 +72,13 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, idx: int, make_attention=gqa_attention, shard=None, **kw):
         super().__init__()
-        backend = kw["options"].kernel_backend
+        backend, pdl = kw["options"].kernel_backend, kw["options"].pdl
         self.shard = shard  # tensor parallelism: attention and MLP outputs are partial sums
         # W8A8 on the Triton kernels: each norm also writes its rows quantized, for every FP8 GEMM reading them
         self.fp8_inputs = backend == "triton" and activation_quantizer(kw.get("quant")) is not None
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, pdl)
         self.self_attn = make_attention(cfg, shard=shard, **kw)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, pdl)
         if cfg.is_sparse(idx):
             self.mlp = sparse_moe(cfg, shard, **kw)
         else:
@@ -111,7 +111,7 @@ class Backbone(nn.Module):
             start, _, rows = shard.plan.vocab(cfg)
             self.embed_tokens = VocabParallelEmbedding(start, rows, cfg.hidden_size, shard, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, make_attention, shard, **kw) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kw["options"].kernel_backend)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kw["options"].kernel_backend, kw["options"].pdl)
 
 
 class MoECausalLM(nn.Module):

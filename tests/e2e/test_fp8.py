@@ -171,6 +171,25 @@ def test_demo_under_quantization_fp8_keeps_95_percent_exact(device):
         assert hits / len(inputs) >= 0.95, f"{task}: {hits}/{len(inputs)}"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="programmatic dependent launch needs CUDA compute capability >= 9.0")
+def test_demo_fp8_answers_equal_with_and_without_pdl():
+    """The W8A8 demo batch under CUDA graphs with programmatic dependent launch (the default) and without it:
+    the same kernels in the same order, so the same answers for every adapter."""
+    from moelora.demo.show import load_demo_llm, run_demo_batch
+    from moelora.demo.tasks import heldout_inputs
+
+    inputs = heldout_inputs(60)
+    answers = {}
+    for pdl in (True, False):
+        llm = load_demo_llm("cuda", quantization="fp8", fp8_activation_quant=True, num_kv_blocks=4096, pdl=pdl)
+        assert llm.engine.model.options.pdl == pdl
+        answers[pdl] = run_demo_batch(llm, inputs)
+        del llm
+    assert answers[True] == answers[False]
+
+
 def test_fp8_weight_bytes_of_the_qwen3_30b_shape():
     """Computed, not timed (README's table): the Qwen3-30B-A3B shape built on the meta device."""
     QWEN3_30B = load_script("benchmarks/decode.py").QWEN3_30B

@@ -241,6 +241,23 @@ def test_lora_side_stream_is_bit_exact(model_and_adapters):
         assert a.logprobs == b.logprobs, a.request_id
 
 
+def test_programmatic_dependent_launch_is_bit_exact(model_and_adapters):
+    """`pdl` (kernels/pdl.py): every Triton kernel waits for its inputs before its first access, so decode under
+    graphs with and without programmatic dependent launch gives the same tokens and logprobs, bit for bit (a
+    kernel reading before its wait reads its predecessor's half-written output: a race this catches as drift)."""
+    model, adapters = model_and_adapters
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
+    prompts, names = workload(n=24, seed=7)
+    on_engine = gpu_engine(model, adapters, pdl=True)
+    assert on_engine.model.options.pdl and on_engine.graphs is not None
+    on = generate(on_engine, prompts, names, 64)
+    off = generate(gpu_engine(model, adapters, pdl=False), prompts, names, 64)
+    for a, b in zip(on, off, strict=True):
+        assert a.output_ids == b.output_ids, a.request_id
+        assert a.logprobs == b.logprobs, a.request_id
+
+
 def test_overlapped_scheduling_matches_synchronous(model_and_adapters):
     """Step n+1 launched (graphs) before step n is read back, input ids gathered on the device."""
     model, adapters = model_and_adapters

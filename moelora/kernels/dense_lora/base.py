@@ -2,7 +2,8 @@
 
 Shape legend: T tokens, N_in / N_out features, S adapter slots, R pool rank per segment, G output segments
 (BLOCK_R = pow2 >= max(16, R)). A mode has a `name` and `run(x, weight, bias, lora, out, cfg, side_stream)`,
-writing out = x W^T (+ bias) (+ the delta of `lora`) for a call `lora_linear` has checked.
+writing out = x W^T (+ bias) (+ the delta of `lora`) for a call `lora_linear` has checked, its launches with
+programmatic dependent launch where `cfg.pdl` and the GPU has it (`kernels.pdl`).
 """
 
 from __future__ import annotations

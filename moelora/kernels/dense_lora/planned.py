@@ -16,6 +16,7 @@ from moelora.kernels.checks import cdiv
 from moelora.kernels.dense_lora.base import Segments, base_gemm
 from moelora.kernels.lora_tiles import lora_b_tile_cols, lora_shrink_rows
 from moelora.kernels.moe_plan import MoERoutingPlan, build_routing_plan
+from moelora.kernels.pdl import pdl_args, pdl_wait
 
 
 class Planned:
@@ -33,19 +34,20 @@ def add_delta(x, out, lora, cfg) -> None:
     (T, n_out), S = out.shape, lora.a.shape[0]
     plan = lora.row_plan
     if plan is None or plan.block_m != cfg.block_m:
-        plan = row_plan(lora.token_slots, S, cfg.block_m)
+        plan = row_plan(lora.token_slots, S, cfg.block_m, pdl=cfg.pdl)
     seg, a, b = Segments(lora), lora.a, lora.b
     bounds = seg.bounds or (0, n_out)
     planned_delta_kernel[(plan.max_blocks, cdiv(n_out, cfg.plan_cols))](
         x, out, a, b, lora.slot_ranks, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, T, a.shape[2],
         S, cfg.plan_cols, seg.r_seg, x.stride(0), out.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         BM=plan.block_m, BN=cfg.block_n, BK=cfg.block_k, BLOCK_R=seg.block_r, G=len(bounds) - 1,
-        SEG_BOUNDS=tuple(bounds), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SEG_BOUNDS=tuple(bounds), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(cfg.pdl, x))
 
 
-def row_plan(token_slots: torch.Tensor, n_slots: int, block_m: int) -> MoERoutingPlan:
-    """Slot-sorted, block_m-padded row plan of token_slots [T] int32 (-1: no slot, left out)."""
-    return build_routing_plan(token_slots.view(-1, 1), max(1, n_slots), block_m)
+def row_plan(token_slots: torch.Tensor, n_slots: int, block_m: int, *, pdl: bool = False) -> MoERoutingPlan:
+    """Slot-sorted, block_m-padded row plan of token_slots [T] int32 (-1: no slot, left out); `pdl`: programmatic
+    dependent launch where the GPU has it (`kernels.pdl`)."""
+    return build_routing_plan(token_slots.view(-1, 1), max(1, n_slots), block_m, pdl=pdl)
 
 
 @triton.jit
@@ -65,9 +67,10 @@ def planned_delta_kernel(
     src_ptr, y_ptr, a_ptr, b_ptr, ranks_ptr, sorted_ptr, bslot_ptr, num_padded_ptr,
     T, N_in, n_slots, n_per_split, R_SEG, stride_src, stride_yt, stride_as, stride_ar, stride_bs, stride_bn,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_R: tl.constexpr, G: tl.constexpr,
-    SEG_BOUNDS: tl.constexpr,
+    SEG_BOUNDS: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[rows of block program_id(0), columns of split program_id(1)] += their delta (x shrunk over the full N_in)."""
+    pdl_wait(PDL)
     pid_b = tl.program_id(0)
     if pid_b * BM >= tl.load(num_padded_ptr):
         return

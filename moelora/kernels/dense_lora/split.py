@@ -19,6 +19,7 @@ from moelora.kernels.args import DenseLoRAArgs
 from moelora.kernels.checks import cdiv, next_pow2
 from moelora.kernels.dense_lora.base import Segments, base_gemm
 from moelora.kernels.lora_tiles import dense_shrink_program, expand_tile, lane_rows
+from moelora.kernels.pdl import pdl_args, pdl_wait
 from moelora.kernels.side_stream import forked, join
 
 # Shrink programs to aim for with one slot per row block (split over N_in when T alone gives fewer):
@@ -86,7 +87,7 @@ def shrink(x, lora, T, n_in, cfg, side_stream=None) -> ShrinkLaunch:
             x, sh.xa, lora.a, lora.token_slots, lora.slot_ranks, T, n_in, lora.a.shape[0], sh.chunk, sh.lanes,
             sh.seg.r_seg, x.stride(0), sh.xa.stride(0), lora.a.stride(0), lora.a.stride(1), BM=sh.block_m,
             BLOCK_R=sh.seg.block_r, BK=sh.block_k, S_P2=sh.s_p2, G=sh.seg.G, num_warps=4,
-            num_stages=SHRINK_STAGES)
+            num_stages=SHRINK_STAGES, **pdl_args(cfg.pdl, x))
     return sh
 
 
@@ -97,7 +98,7 @@ def expand(out, lora, T, n_out, cfg, sh: ShrinkLaunch):
         sh.xa, out, lora.b, lora.token_slots, lora.slot_ranks, T, n_out, S, lanes, sh.xa.stride(0), out.stride(0),
         lora.b.stride(0), lora.b.stride(1), BM=cfg.block_m, BN=cfg.block_n, BLOCK_R=sh.seg.block_r,
         SPLIT=sh.n_split, S_P2=sh.s_p2, G=sh.seg.G, G_P2=sh.seg.g_p2, SEG_BOUNDS=sh.seg.bounds,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(cfg.pdl, out))
 
 
 @triton.jit
@@ -105,8 +106,10 @@ def _lora_shrink_kernel(
     x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, T, N_in, n_slots, k_chunk, n_lanes, R_SEG,
     stride_xt, stride_xap, stride_as, stride_ar,
     BM: tl.constexpr, BLOCK_R: tl.constexpr, BK: tl.constexpr, S_P2: tl.constexpr, G: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """xa[p, t, g] = x[t, chunk p] @ A_g,slot(t)[:rank_g, chunk p]^T (`dense_shrink_program`)."""
+    pdl_wait(PDL)
     dense_shrink_program(x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, tl.program_id(0), tl.program_id(1),
                          tl.program_id(2), T, N_in, n_slots, k_chunk, n_lanes, R_SEG, stride_xt, stride_xap,
                          stride_as, stride_ar, BM, BLOCK_R, BK, S_P2, G)
@@ -117,9 +120,10 @@ def _lora_expand_add_kernel(
     xa_ptr, y_ptr, b_ptr, slots_ptr, ranks_ptr, T, N_out, n_slots, n_lanes,
     stride_xap, stride_yt, stride_bs, stride_bn,
     BM: tl.constexpr, BN: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, S_P2: tl.constexpr,
-    G: tl.constexpr, G_P2: tl.constexpr, SEG_BOUNDS: tl.constexpr,
+    G: tl.constexpr, G_P2: tl.constexpr, SEG_BOUNDS: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[t, n tile] += (sum_p xa[p, t]) @ B_slot(t)[n tile, :rank]^T for the lane's rows (G > 1: `expand_segments`)."""
+    pdl_wait(PDL)
     offs_t = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     lane = tl.program_id(2)

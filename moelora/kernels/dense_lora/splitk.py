@@ -17,6 +17,7 @@ import triton.language as tl
 from moelora.kernels.checks import cdiv, next_pow2
 from moelora.kernels.dense_lora.split import ShrinkLaunch, Split, shrink_setup
 from moelora.kernels.lora_tiles import dense_shrink_program, expand_tile, lane_rows
+from moelora.kernels.pdl import pdl_args, pdl_wait
 
 # replaces cuBLAS for rows up to this many (decode), in fp16/bf16; beyond, or in fp32, "split"
 SPLITK_MAX_ROWS = 64
@@ -36,12 +37,12 @@ class SplitK:
 def splitk_linear(x, weight, bias, lora, out, cfg) -> None:
     """One launch of split-K partials (+ the shrink's programs), then one reduce that adds bias and the expand."""
     if lora is None:
-        splitk_reduce(splitk_partials(x, weight, cfg.gemm_split_k, cfg.gemm_block_n, cfg.gemm_block_k), out, bias,
-                      None, None, cfg.block_m, cfg.block_n, cfg.slot_lanes, cfg.num_warps)
+        splitk_reduce(splitk_partials(x, weight, cfg.gemm_split_k, cfg.gemm_block_n, cfg.gemm_block_k, pdl=cfg.pdl),
+                      out, bias, None, None, cfg.block_m, cfg.block_n, cfg.slot_lanes, cfg.num_warps, pdl=cfg.pdl)
         return
     sh = shrink_setup(x, lora, x.shape[0], x.shape[1], cfg)
-    ws = splitk_partials(x, weight, cfg.gemm_split_k, cfg.gemm_block_n, cfg.gemm_block_k, shrink=sh)
-    splitk_reduce(ws, out, bias, lora, sh, cfg.block_m, cfg.block_n, cfg.slot_lanes, cfg.num_warps)
+    ws = splitk_partials(x, weight, cfg.gemm_split_k, cfg.gemm_block_n, cfg.gemm_block_k, shrink=sh, pdl=cfg.pdl)
+    splitk_reduce(ws, out, bias, lora, sh, cfg.block_m, cfg.block_n, cfg.slot_lanes, cfg.num_warps, pdl=cfg.pdl)
 
 
 @triton.jit
@@ -50,10 +51,11 @@ def splitk_partial_kernel(
     xa_ptr, a_ptr, slots_ptr, ranks_ptr, n_slots, s_chunk, n_lanes, R_SEG, stride_xap, stride_as, stride_ar,
     n_shrink_pg, n_shrink,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_LORA: tl.constexpr, S_BM: tl.constexpr,
-    BLOCK_R: tl.constexpr, S_BK: tl.constexpr, S_P2: tl.constexpr, G: tl.constexpr,
+    BLOCK_R: tl.constexpr, S_BK: tl.constexpr, S_P2: tl.constexpr, G: tl.constexpr, PDL: tl.constexpr,
 ):
     """ws[p, t, n tile] = x[t, chunk p] @ W[n tile, chunk p]^T (fp32); with HAS_LORA the first n_shrink programs
     are the dense shrink's; then (n tile, p, m block), n fastest."""
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     if HAS_LORA:
         if pid < n_shrink:
@@ -89,9 +91,10 @@ def splitk_reduce_kernel(
     stride_wsp, stride_yt, stride_xap, stride_bs, stride_bn,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, SPLIT_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BLOCK_R: tl.constexpr, XA_SPLIT: tl.constexpr, S_P2: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
-    SEG_BOUNDS: tl.constexpr,
+    SEG_BOUNDS: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[rows of this lane, n tile] = sum_p ws[p] (+ bias) (+ LoRA expand); see the module docstring."""
+    pdl_wait(PDL)
     offs_t = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     lane = tl.program_id(2)
@@ -123,8 +126,9 @@ def splitk_reduce_kernel(
 
 
 def splitk_partials(x: torch.Tensor, weight: torch.Tensor, split_k: int, block_n: int, block_k: int,
-                    shrink: ShrinkLaunch | None = None) -> torch.Tensor:
-    """ws [P, T, N_out] fp32; with `shrink`, the same launch also fills shrink.xa."""
+                    shrink: ShrinkLaunch | None = None, *, pdl: bool = False) -> torch.Tensor:
+    """ws [P, T, N_out] fp32; with `shrink`, the same launch also fills shrink.xa; `pdl`: programmatic dependent
+    launch where the GPU has it (`kernels.pdl`, as `splitk_reduce`'s)."""
     T, n_in = x.shape
     n_out = weight.shape[0]
     chunk = cdiv(cdiv(n_in, split_k), block_k) * block_k
@@ -146,12 +150,12 @@ def splitk_partials(x: torch.Tensor, weight: torch.Tensor, split_k: int, block_n
                       G=sh.seg.G)
     splitk_partial_kernel[(lora[-1] + n_gemm,)](
         x, weight, ws, T, n_in, n_out, chunk, x.stride(0), weight.stride(0), ws.stride(0), n_tiles_n, n_split,
-        *lora, BM=bm, BN=block_n, BK=block_k, num_warps=4, num_stages=3, **consts)
+        *lora, BM=bm, BN=block_n, BK=block_k, num_warps=4, num_stages=3, **consts, **pdl_args(pdl, x))
     return ws
 
 
 def splitk_reduce(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, lora, shrink: ShrinkLaunch | None,
-                  block_m: int, block_n: int, slot_lanes: int, num_warps: int = 4) -> None:
+                  block_m: int, block_n: int, slot_lanes: int, num_warps: int = 4, *, pdl: bool = False) -> None:
     """out = sum of the partials (+ bias) (+ the expand of `lora` from `shrink`'s xa)."""
     T, n_out = out.shape
     if lora is not None:
@@ -169,4 +173,4 @@ def splitk_reduce(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None
     splitk_reduce_kernel[(cdiv(T, block_m), cdiv(n_out, block_n), 1 + lanes)](
         ws, out, ws if bias is None else bias, xa_, b_, slots_, ranks_, T, n_out, n_slots, n_lanes, ws.stride(0),
         out.stride(0), stride_xap, stride_bs, stride_bn, HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
-        SPLIT_K=ws.shape[0], BM=block_m, BN=block_n, num_warps=num_warps, **consts)
+        SPLIT_K=ws.shape[0], BM=block_m, BN=block_n, num_warps=num_warps, **consts, **pdl_args(pdl, ws))

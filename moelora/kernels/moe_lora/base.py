@@ -33,6 +33,7 @@ class MoECall:
     inter: int  # I
     gate_up_bn: int  # the gate_up GEMM's output columns a program
     side_stream: torch.cuda.Stream | None
+    pdl: bool = False  # every launch of the path with programmatic dependent launch (`kernels.pdl`)
 
     @property
     def n_slots(self) -> int:

@@ -19,6 +19,7 @@ from moelora.kernels.lora_tiles import drop_largest_slots, lora_b_tile, lora_shr
 from moelora.kernels.moe_lora.base import site
 from moelora.kernels.moe_lora.deltas import GATE_UP_DELTA_AT, DeltaPath
 from moelora.kernels.moe_rows import plan_rows, slot_base
+from moelora.kernels.pdl import pdl_args, pdl_wait
 
 BLOCK_TARGET_PROGRAMS = 264  # programs to aim for (2 per SM on a 132-SM H200): the N split fills the rest
 BLOCK_LANES = 8  # programs per plan block, one distinct slot each (the last: the rest)
@@ -74,7 +75,7 @@ class Block(DeltaPath):
             ranks, a, b, plan.num_routes, plan.top_k, k_dim, n_out, per_split, lanes, src.stride(0),
             delta.stride(0), a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
             BY_PLAN_ROW=which == "down", BM=plan.block_m, BLOCK_R=call.block_r, BK=cfg.block_k, BN=bn, SUB=sub,
-            PERSIST=persist, num_warps=4)
+            PERSIST=persist, num_warps=4, **pdl_args(call.pdl, src))
 
 
 @triton.jit
@@ -83,10 +84,11 @@ def lora_block_delta_kernel(
     n_routes, top_k, k_dim, n_out, n_per_split, n_lanes, stride_src, stride_d,
     stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn,
     BY_PLAN_ROW: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-    SUB: tl.constexpr = 1, PERSIST: tl.constexpr = False,
+    PDL: tl.constexpr, SUB: tl.constexpr = 1, PERSIST: tl.constexpr = False,
 ):
     """delta[route, n] for sub-block program_id(0) on its lane's slot, split program_id(2); PERSIST: fewer programs
     looping over the items; a slot of rank <= NARROW_R in a wider pool takes NARROW_R-column tiles."""
+    pdl_wait(PDL)
     BMS: tl.constexpr = BM // SUB
     live = tl.cdiv(tl.load(num_padded_ptr), BMS)  # sub-blocks holding plan rows
     if PERSIST:

@@ -15,6 +15,7 @@ import triton.language as tl
 from moelora.kernels.checks import cdiv, next_pow2
 from moelora.kernels.moe_lora.base import LORA_RC, MoELoRAPath
 from moelora.kernels.moe_rows import delta_rows, plan_rows
+from moelora.kernels.pdl import pdl_args, pdl_wait
 from moelora.kernels.side_stream import forked, join
 
 GATE_UP_DELTA_AT = ("epilogue", "activation")
@@ -61,7 +62,7 @@ class DeltaPath(MoELoRAPath):
         act_delta_kernel[(plan.max_blocks, cdiv(call.inter, bn))](
             gu_out, self.delta_gu, h, plan.sorted_route_ids, plan.num_padded, lora.token_slots, lora.gate_up_ranks,
             plan.num_routes, plan.top_k, call.inter, gu_out.stride(0), self.delta_gu.stride(0), h.stride(0),
-            BM=plan.block_m, BN=bn, num_warps=4)
+            BM=plan.block_m, BN=bn, num_warps=4, **pdl_args(call.pdl, gu_out))
 
     def before_down(self, h: torch.Tensor) -> None:
         # Fork (contract 2): the side stream reads h, the plan, topk_ids and the LoRA slots and writes only
@@ -82,9 +83,10 @@ class DeltaPath(MoELoRAPath):
 
 @triton.jit
 def act_delta_kernel(gu_ptr, delta_ptr, h_ptr, sorted_ids_ptr, num_padded_ptr, slots_ptr, ranks_ptr, n_routes, top_k,
-                     inter, stride_gu, stride_d, stride_h, BM: tl.constexpr, BN: tl.constexpr):
+                     inter, stride_gu, stride_d, stride_h, BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
     """h[p] = silu(gate + delta_g) * (up + delta_u) for block program_id(0)'s plan rows, columns of program_id(1);
     rows on no gate_up rank get no delta; padding rows are left unwritten."""
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     if pid_m * BM >= tl.load(num_padded_ptr):
         return

@@ -18,6 +18,7 @@ from moelora.kernels.checks import cdiv, need_one_of
 from moelora.kernels.lora_tiles import lora_b_tile
 from moelora.kernels.moe_lora.base import LORA_RC, site
 from moelora.kernels.moe_lora.deltas import GATE_UP_DELTA_AT, DeltaPath
+from moelora.kernels.pdl import pdl_args, pdl_wait
 
 ROUTE_PROGRAMS = 264  # programs a delta launch aims for: two per H200 SM (docs/performance.md)
 ROUTE_STEP = 4096 // LORA_RC  # [RC, 256] A / B loads, 4096 elements each (docs/performance.md)
@@ -64,7 +65,7 @@ class Route(DeltaPath):
             ranks, a, b, plan.num_routes, plan.top_k, k_dim, n_out, per_split, src.stride(0), delta.stride(0),
             a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2), BY_PLAN_ROW=by_row,
             SRC_BY_TOKEN=which == "gate_up", BM=plan.block_m, RC=LORA_RC, BK=ROUTE_STEP, BN=ROUTE_STEP,
-            WIDE_RC=max(LORA_RC, call.block_r), WIDE_MIN=2 * LORA_RC, num_warps=cfg.warps)
+            WIDE_RC=max(LORA_RC, call.block_r), WIDE_MIN=2 * LORA_RC, num_warps=cfg.warps, **pdl_args(call.pdl, src))
 
 
 @triton.jit
@@ -73,10 +74,11 @@ def lora_route_delta_kernel(
     n_routes, top_k, k_dim, n_out, n_per_split, stride_src, stride_d,
     stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn,
     BY_PLAN_ROW: tl.constexpr, BM: tl.constexpr, RC: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-    WIDE_RC: tl.constexpr, WIDE_MIN: tl.constexpr, SRC_BY_TOKEN: tl.constexpr,
+    WIDE_RC: tl.constexpr, WIDE_MIN: tl.constexpr, SRC_BY_TOKEN: tl.constexpr, PDL: tl.constexpr,
 ):
     """delta[route, n] for split program_id(1); BY_PLAN_ROW: program pid takes plan row pid (an expert's routes
     share their A/B in L2), else route pid."""
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     if BY_PLAN_ROW:
         if pid >= tl.load(num_padded_ptr):

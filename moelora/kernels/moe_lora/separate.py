@@ -18,6 +18,7 @@ from moelora.kernels.checks import cdiv, need_at_least, need_pow2
 from moelora.kernels.lora_tiles import add_expand, lora_shrink_rows
 from moelora.kernels.moe_lora.base import LORA_RC, ShrinkFirst, site
 from moelora.kernels.moe_rows import plan_rows, slot_base
+from moelora.kernels.pdl import pdl_args, pdl_wait
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class Separate(ShrinkFirst):
             src, xa, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots,
             ranks, a, plan.num_routes, plan.top_k, k_dim, k_split, xa.shape[1], src.stride(0),
             a.stride(0), a.stride(1), a.stride(2), GATHER_TOKENS=gather, BM=plan.block_m, BLOCK_R=call.block_r,
-            LORA_BK=cfg.block_k, LORA_RC=LORA_RC, num_warps=4, num_stages=2)
+            LORA_BK=cfg.block_k, LORA_RC=LORA_RC, num_warps=4, num_stages=2, **pdl_args(call.pdl, src))
 
 
 @triton.jit
@@ -68,9 +69,10 @@ def lora_shrink_kernel(
     src_ptr, xa_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr, slots_ptr, ranks_ptr, a_ptr,
     n_routes, top_k, k_dim, k_split, P, stride_src, stride_as, stride_ae, stride_ar,
     GATHER_TOKENS: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr, LORA_BK: tl.constexpr,
-    LORA_RC: tl.constexpr,
+    LORA_RC: tl.constexpr, PDL: tl.constexpr,
 ):
     """xa[sp, rows, :rank] = src rows @ A[s, e, :rank, k-split sp]^T, slot by slot; grid (blocks, SPLIT)."""
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     sp = tl.program_id(1)
     if pid_m * BM >= tl.load(num_padded_ptr):

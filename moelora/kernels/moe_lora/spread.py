@@ -20,6 +20,7 @@ from moelora.kernels.lora_tiles import lora_a_tile, lora_shrink_rows
 from moelora.kernels.moe_lora.base import LORA_RC, MoELoRAPath
 from moelora.kernels.moe_lora.separate import separate_epilogue
 from moelora.kernels.moe_rows import delta_rows, plan_rows, slot_base
+from moelora.kernels.pdl import pdl_args, pdl_wait
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class Spread(MoELoRAPath):
             lora.gate_up_ranks, gb, self.xa, lora.down_ranks, da, self.xa[self.gu_parts:], plan.num_routes,
             plan.top_k, call.inter, plan.max_blocks, gu_out.stride(0), h.stride(0), gb.stride(0), gb.stride(1),
             gb.stride(2), da.stride(0), da.stride(1), da.stride(2), BM=plan.block_m, BN=self.d_n,
-            BLOCK_R=call.block_r, GU_SPLIT=self.gu_parts, LORA_RC=LORA_RC, num_warps=4)
+            BLOCK_R=call.block_r, GU_SPLIT=self.gu_parts, LORA_RC=LORA_RC, num_warps=4, **pdl_args(call.pdl, gu_out))
 
     def down_args(self) -> dict:
         return {**super().down_args(), "xa_ptr": self.xa[self.gu_parts:], "XA_SPLIT": self.d_parts, "HAS_LORA": True,
@@ -100,9 +101,10 @@ def act_spread_kernel(gu_ptr, h_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr, sl
                       xa_gu_ptr, d_ranks_ptr, d_a_ptr, xa_d_ptr, n_routes, top_k, inter, num_blocks, stride_gu,
                       stride_h, stride_gbs, stride_gbe, stride_gbn, stride_das, stride_dae, stride_dar,
                       BM: tl.constexpr, BN: tl.constexpr, BLOCK_R: tl.constexpr, GU_SPLIT: tl.constexpr,
-                      LORA_RC: tl.constexpr):
+                      LORA_RC: tl.constexpr, PDL: tl.constexpr):
     """"spread": h = silu(gate + delta_g) * (up + delta_u) for the rows with a gate_up delta (columns of
     program_id(1)), the delta expanded from xa_gu; then this tile's share of the down shrink into xa_d[n]."""
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BM >= tl.load(num_padded_ptr):

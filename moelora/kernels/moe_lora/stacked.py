@@ -21,6 +21,7 @@ from moelora.kernels.lora_tiles import add_expand, rank_of, stacked_columns, sta
 from moelora.kernels.moe_lora.base import ShrinkFirst, site
 from moelora.kernels.moe_lora.separate import Separate, SeparateConfig
 from moelora.kernels.moe_rows import plan_rows, slot_base
+from moelora.kernels.pdl import pdl_args, pdl_wait
 
 STACK_MAX_COLS = 512  # up to this many slot columns (8 slots of rank 64; 32 of 16): 25 MB of xa at M=4096
 STACK_BK = 64  # shrink depth step ([128, 64] x [64, 128] tiles, 3 stages: 96 KB of shared memory)
@@ -69,7 +70,8 @@ class Stacked(ShrinkFirst):
             src, xa, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots, ranks, a,
             plan.num_routes, plan.top_k, a.shape[3], a.shape[0], src.stride(0), xa.stride(0), a.stride(0),
             a.stride(1), a.stride(2), GATHER_TOKENS=gather, BM=plan.block_m, BLOCK_R=call.block_r, CW=cw, BK=STACK_BK,
-            S_P2=next_pow2(a.shape[0]), num_warps=8 if plan.block_m * cw >= 8192 else 4, num_stages=3)
+            S_P2=next_pow2(a.shape[0]), num_warps=8 if plan.block_m * cw >= 8192 else 4, num_stages=3,
+            **pdl_args(call.pdl, src))
 
 
 @triton.jit
@@ -77,10 +79,11 @@ def lora_stacked_shrink_kernel(
     src_ptr, xa_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr, slots_ptr, ranks_ptr, a_ptr,
     n_routes, top_k, k_dim, n_slots, stride_src, stride_xa, stride_as, stride_ae, stride_ar,
     GATHER_TOKENS: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr, CW: tl.constexpr, BK: tl.constexpr,
-    S_P2: tl.constexpr,
+    S_P2: tl.constexpr, PDL: tl.constexpr,
 ):
     """xa_stacked[row, c] for program_id(1)'s CW columns and plan block program_id(0): src row @ A[slot, e]^T in
     the row's slot's lane, 0 elsewhere; one tl.dot a K step over all the block's slots."""
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     if pid_m * BM >= tl.load(num_padded_ptr):
         return
