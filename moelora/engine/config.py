@@ -85,7 +85,8 @@ class EngineConfig:
     # Programmatic dependent launch (`kernels/pdl.py`; CUDA, compute capability >= 9.0, Triton kernels): each
     # kernel's launch and start-up overlap the end of the one before it, every kernel waiting for its inputs
     # before its first access (results bit for bit). H200, Qwen3-30B shape, 1-64 requests: FP8 steps 4-5 %
-    # shorter with 8 adapters r16, up to 4 % without; bf16 1-4 %, but 4 % longer without LoRA at one request
+    # shorter with 8 adapters r16, up to 4 % without; bf16 1-4 % (DeepSeek-V2-Lite with 8 adapters 4-7 % at
+    # 1-8), but longer without LoRA at one request (+1-4 %) and for DSV2 with 8 adapters at 64 (+4 %)
     # (docs/performance.md). Off switch.
     pdl: bool = True
     # Write adapter slots on a side stream (CUDA) while other requests run; requests of a loading
