@@ -1,14 +1,16 @@
 """The softmax router of a decode step in one launch: the router GEMM split over H, then `softmax_topk`'s top k.
 
 Shape legend: T tokens (<= MAX_ROWS), H hidden, E experts (<= MAX_EXPERTS), K top-k, S splits of H.
-  router_topk(x [T, H] fp16/bf16, weight [E, H] x's dtype, K, renormalize)
+  router_topk(x [T, H] fp16/bf16, weight [E, H] x's dtype or fp32, K, renormalize, scaling=1.0)
       -> (topk_weights [T, K] fp32, topk_ids [T, K] int32)
+An fp32 weight is the DeepSeek-V2 "greedy" router (`layers.router.Router`: x upcast, logits in fp32, no
+renormalisation, weights * routed_scaling_factor): its dot runs in fp32 ("ieee", as the fp32 GEMM it replaces).
 Why: at decode the router GEMM (0.5 MB at Qwen3-30B-A3B's shape) and the top-k are two latency-bound launches
 (cuBLAS 5.2 + 4.0 us a layer at 8 requests on the H200). Here each of S programs takes a chunk of H for all E
 columns; the last to arrive (on an arrival counter the caller owns) sums the fp32 partials in split order, rounds
-the logits to x's dtype (as the unfused GEMM's output is) and picks the top k with `softmax_topk_rows`.
-Numerics: `softmax_topk_ref` of x W^T in x's dtype, up to the GEMM's summation order (as cuBLAS's own order
-differs by batch size).
+the logits to the weight's dtype (as the unfused GEMM's output is) and picks the top k with `softmax_topk_rows`.
+Numerics: `softmax_topk_ref` of x W^T in the weight's dtype, times `scaling`, up to the GEMM's summation order (as
+cuBLAS's own order differs by batch size).
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ from moelora.kernels.softmax_topk import softmax_topk_rows
 
 MAX_ROWS = 16  # decode steps; more rows take the GEMM + `softmax_topk`
 MAX_EXPERTS = 256
+MAX_FP32_EXPERTS = 128  # an fp32 router's [BLOCK_H, E] weight tile: 64 KB a stage at 128 experts
 BLOCK_H = 128
 STEPS_PER_SPLIT = 2  # H steps a program (the H200 at Qwen3's shape: 8 programs of 2 x 32 KB)
 
 
 @triton.jit
-def _router_topk_kernel(x_ptr, w_ptr, part_ptr, sem_ptr, wts_ptr, ids_ptr, T, E, H, H_CHUNK,
+def _router_topk_kernel(x_ptr, w_ptr, part_ptr, sem_ptr, wts_ptr, ids_ptr, T, E, H, H_CHUNK, scaling,
                         stride_x, stride_w, stride_wts, stride_ids,
                         K: tl.constexpr, RENORMALIZE: tl.constexpr, SPLITS: tl.constexpr,
                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H_: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -50,11 +53,14 @@ def _router_topk_kernel(x_ptr, w_ptr, part_ptr, sem_ptr, wts_ptr, ids_ptr, T, E,
         h_ok = (h0 + offs_h) < h_hi
         xt = tl.load(x_rows + h0, mask=row_ok[:, None] & h_ok[None, :], other=0.0)
         wt = tl.load(w_cols + h0, mask=col_ok[None, :] & h_ok[:, None], other=0.0)
-        acc = tl.dot(xt, wt, acc)
+        if w_ptr.dtype.element_ty == tl.float32:  # the fp32 router: x upcast, an fp32 dot (no TF32)
+            acc = tl.dot(xt.to(tl.float32), wt, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, wt, acc)
     tile_ok = row_ok[:, None] & col_ok[None, :]
     if SPLITS == 1:
-        _topk_out(acc, x_ptr, wts_ptr, ids_ptr, rows, cols, row_ok, tile_ok, stride_wts, stride_ids, K, RENORMALIZE,
-                  BLOCK_E, BLOCK_K)
+        _topk_out(acc, w_ptr, wts_ptr, ids_ptr, rows, cols, row_ok, tile_ok, stride_wts, stride_ids, scaling, K,
+                  RENORMALIZE, BLOCK_E, BLOCK_K)
     else:
         parts = part_ptr + rows[:, None] * BLOCK_E + cols[None, :]
         tl.store(parts + split * BLOCK_T * BLOCK_E, acc, mask=tile_ok)
@@ -64,15 +70,16 @@ def _router_topk_kernel(x_ptr, w_ptr, part_ptr, sem_ptr, wts_ptr, ids_ptr, T, E,
             for s in tl.static_range(SPLITS):  # in split order: the sum does not depend on who came last
                 acc += tl.load(parts + s * BLOCK_T * BLOCK_E, mask=tile_ok, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(sem_ptr, 0)
-            _topk_out(acc, x_ptr, wts_ptr, ids_ptr, rows, cols, row_ok, tile_ok, stride_wts, stride_ids, K,
+            _topk_out(acc, w_ptr, wts_ptr, ids_ptr, rows, cols, row_ok, tile_ok, stride_wts, stride_ids, scaling, K,
                       RENORMALIZE, BLOCK_E, BLOCK_K)
 
 
 @triton.jit
-def _topk_out(acc, x_ptr, wts_ptr, ids_ptr, rows, cols, row_ok, tile_ok, stride_wts, stride_ids, K: tl.constexpr,
-              RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    logits = tl.where(tile_ok, acc.to(x_ptr.dtype.element_ty).to(tl.float32), float("-inf"))  # the GEMM's dtype
+def _topk_out(acc, w_ptr, wts_ptr, ids_ptr, rows, cols, row_ok, tile_ok, stride_wts, stride_ids, scaling,
+              K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    logits = tl.where(tile_ok, acc.to(w_ptr.dtype.element_ty).to(tl.float32), float("-inf"))  # the GEMM's dtype
     weights, ids = softmax_topk_rows(logits, row_ok, tile_ok, cols, K, RENORMALIZE, BLOCK_E, BLOCK_K)
+    weights = weights * scaling  # routed_scaling_factor (1.0: exact)
     ks = tl.arange(0, BLOCK_K)
     out_ok = row_ok[:, None] & (ks < K)[None, :]
     rows64 = rows.to(tl.int64)
@@ -81,20 +88,24 @@ def _topk_out(acc, x_ptr, wts_ptr, ids_ptr, rows, cols, row_ok, tile_ok, stride_
 
 
 def router_topk_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `router_topk` takes this step: decode rows, a half-precision router of at most MAX_EXPERTS."""
+    """Whether `router_topk` takes this step: decode rows of half-precision x, a router of at most MAX_EXPERTS in
+    x's dtype or fp32."""
     return (x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16)
-            and weight.dtype == x.dtype and weight.dim() == 2 and weight.shape[1] == x.shape[1]
-            and weight.shape[0] <= MAX_EXPERTS and weight.stride(1) == 1 and x.stride(1) == 1)
+            and weight.dtype in (x.dtype, torch.float32) and weight.dim() == 2 and weight.shape[1] == x.shape[1]
+            and weight.shape[0] <= (MAX_EXPERTS if weight.dtype == x.dtype else MAX_FP32_EXPERTS)
+            and weight.stride(1) == 1 and x.stride(1) == 1)
 
 
-def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, *,
+def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, *, scaling: float = 1.0,
                 splits: int | None = None, counter: torch.Tensor | None = None, pdl: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights [T, K] fp32, topk_ids [T, K] int32) of softmax(x W^T); `splits`: of H (default: 2 steps of
-    BLOCK_H a program); `counter`: the split arrival counter the caller owns (int32 [>= 1], zero between calls,
-    left zero; None: a zeroed one for this call); `pdl`: programmatic dependent launch where the GPU has it."""
+    """(topk_weights [T, K] fp32, times `scaling`, topk_ids [T, K] int32) of softmax(x W^T); `splits`: of H
+    (default: 2 steps of BLOCK_H a program); `counter`: the split arrival counter the caller owns (int32 [>= 1],
+    zero between calls, left zero; None: a zeroed one for this call); `pdl`: programmatic dependent launch where
+    the GPU has it."""
     need(router_topk_fits(x, weight), lambda: f"router_topk takes x [T <= {MAX_ROWS}, H] fp16/bf16 and a router "
-         f"weight [E <= {MAX_EXPERTS}, H] of x's dtype, unit last strides; got {tuple(x.shape)} {x.dtype}, "
+         f"weight [E <= {MAX_EXPERTS}, H] of x's dtype or [E <= {MAX_FP32_EXPERTS}, H] fp32, unit last strides; "
+         f"got {tuple(x.shape)} {x.dtype}, "
          f"{tuple(weight.shape)} {weight.dtype}")
     check_rows("x", x)
     T, H = x.shape
@@ -120,7 +131,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: 
                  f"on {counter.device}")
             sem = counter
     _router_topk_kernel[(splits,)](
-        x, weight, part, sem, weights, ids, T, E, H, chunk, x.stride(0), weight.stride(0), weights.stride(0),
-        ids.stride(0), K=top_k, RENORMALIZE=bool(renormalize), SPLITS=splits, BLOCK_T=MAX_ROWS, BLOCK_E=block_e,
-        BLOCK_H_=BLOCK_H, BLOCK_K=next_pow2(top_k), num_warps=4, num_stages=2, **pdl_args(pdl, x))
+        x, weight, part, sem, weights, ids, T, E, H, chunk, float(scaling), x.stride(0), weight.stride(0),
+        weights.stride(0), ids.stride(0), K=top_k, RENORMALIZE=bool(renormalize), SPLITS=splits, BLOCK_T=MAX_ROWS,
+        BLOCK_E=block_e, BLOCK_H_=BLOCK_H, BLOCK_K=next_pow2(top_k), num_warps=4, num_stages=2, **pdl_args(pdl, x))
     return weights, ids

@@ -33,6 +33,9 @@ from moelora.lora.batch import LoRABatch
 from moelora.quant.config import FP8Config
 from moelora.quant.storage import activation_quantizer, dense_weight, fp8_parameters
 
+# routing methods whose decode rows may take `router_topk` (one launch: the GEMM and the top k)
+ONE_LAUNCH_METHODS = ("softmax", "greedy")
+
 
 class Experts(nn.Module):
     """Routed experts (Triton: `fused_moe` with `options.fused_moe_table`). The LoRA batch's side stream, if
@@ -146,6 +149,7 @@ class SparseMoE(nn.Module):
             self.gate = Router(hidden, num_experts, correction_bias=correction_bias, **plain)
         else:
             self.gate = Linear(hidden, num_experts, **plain)
+        if self.routing.method in ONE_LAUNCH_METHODS:
             # `router_topk`'s split arrival counter (decode's one-launch router; a layer's calls never overlap)
             self.register_buffer("router_counter", torch.zeros(1, dtype=torch.int32), persistent=False)
         # `experts`: a rank's expert-parallel share (`layers.parallel_experts`); default all E experts
@@ -164,8 +168,10 @@ class SparseMoE(nn.Module):
         if self._one_launch_router(x, lora):  # decode: the router GEMM and its top k in one launch
             from moelora.kernels.router_topk import router_topk
 
-            weights, ids = router_topk(x, self.gate.weight, self.routing.top_k, self.routing.renormalize,
-                                       counter=self.router_counter, pdl=self.options.pdl)
+            greedy = self.routing.method == "greedy"  # DeepSeek-V2's: never renormalised, then scaled
+            weights, ids = router_topk(x, self.gate.weight, self.routing.top_k, self.routing.renormalize and not greedy,
+                                       scaling=self.routing.scaling if greedy else 1.0, counter=self.router_counter,
+                                       pdl=self.options.pdl)
         else:
             bias = getattr(self.gate, "e_score_correction_bias", None)
             weights, ids = route(self.gate(x, lora), self.routing, bias, self.options.kernel_backend,
@@ -173,8 +179,10 @@ class SparseMoE(nn.Module):
         return self.experts(x, weights, ids, lora, x_fp8=x_fp8)
 
     def _one_launch_router(self, x: torch.Tensor, lora: LoRABatch | None) -> bool:
-        """The Triton backend's softmax router on decode rows, with no LoRA live on the router (`router_topk`)."""
-        if self.options.kernel_backend != "triton" or self.routing.method != "softmax" or self.gate.bias is not None:
+        """The Triton backend's softmax or greedy (DeepSeek-V2, fp32) router on decode rows, with no LoRA live on
+        the router (`router_topk`)."""
+        if (self.options.kernel_backend != "triton" or self.routing.method not in ONE_LAUNCH_METHODS
+                or self.gate.bias is not None):
             return False
         from moelora.kernels.router_topk import router_topk_fits
 

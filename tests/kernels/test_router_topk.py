@@ -1,4 +1,5 @@
-"""The one-launch decode router (`router_topk`) vs its twin, `softmax_topk_ref` of x W^T rounded to x's dtype.
+"""The one-launch decode router (`router_topk`) vs its twin, `softmax_topk_ref` of x W^T rounded to the weight's
+dtype (x's, or fp32: DeepSeek-V2's "greedy" router, its weights then times the routed scaling factor).
 
 Shape legend: T tokens, H hidden, E experts, K top-k. The interpreter runs fp16 at tiny sizes (H split in 1, 3
 and 16 programs, E off the power-of-two grid, T = 0..16); the `gpu` cases the Qwen3-30B-A3B, Qwen2-57B-A14B and
@@ -16,53 +17,62 @@ pytestmark = pytest.mark.interp  # `make test` runs it with TRITON_INTERPRET=1 (
 triton = pytest.importorskip("triton")
 
 from moelora.kernels.reference import softmax_topk_ref  # noqa: E402
-from moelora.kernels.router_topk import MAX_ROWS, router_topk, router_topk_fits  # noqa: E402
+from moelora.kernels.router_topk import MAX_FP32_EXPERTS, MAX_ROWS, router_topk, router_topk_fits  # noqa: E402
 from tests.helpers.kernel_env import DEV, gpu_only, kernel_test  # noqa: E402
 
 ULP = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
 
 
-def inputs(T, H, E, dtype, device, seed):
+def inputs(T, H, E, dtype, device, seed, w_dtype=None):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g).to(dtype).to(device)
-    w = (torch.randn(E, H, generator=g) * H ** -0.5 * 3).to(dtype).to(device)
+    w = (torch.randn(E, H, generator=g) * H ** -0.5 * 3).to(w_dtype or dtype).to(device)
     return x, w
 
 
-def grid_inputs(T, H, E, dtype, device, seed):
+def grid_inputs(T, H, E, dtype, device, seed, w_dtype=None):
     """x small integers and w sparse in {-1, 0, 1} / 8: every product and partial sum is exact in fp32 and every
-    logit exact in x's dtype, whatever the summation order; the kernel's logits are then the twin's, bit for bit
-    (ties included, which this grid makes common)."""
+    logit exact in the weight's dtype, whatever the summation order; the kernel's logits are then the twin's, bit
+    for bit (ties included, which this grid makes common). An fp32 weight is the grid times 1 + 2^-12, which no
+    16-bit format nor TF32 holds (a kernel rounding it moves every logit by 2^-12 relative) and fp32 still sums
+    exactly (~20 significant bits)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(-2, 3, (T, H), generator=g).to(dtype).to(device)
     w = torch.randint(-1, 2, (E, H), generator=g) * (torch.rand(E, H, generator=g) < 32 / H) / 8
-    return x, w.to(dtype).to(device)
+    if w_dtype == torch.float32:
+        w = w * (1 + 2.0 ** -12)
+    return x, w.to(w_dtype or dtype).to(device)
 
 
-def check_exact(x, w, K, renorm, got):
+def check_exact(x, w, K, renorm, got, scaling=1.0):
     """`grid_inputs`: the experts' logits those of `softmax_topk_ref`'s (ids equal but for the order of tied
-    logits), the weights its own to fp32 rounding."""
+    logits), the weights its own (times `scaling`) to fp32 rounding."""
     logits = x.double() @ w.double().t()
-    assert torch.equal(logits.to(x.dtype).double(), logits)  # the grid holds: every logit exact
+    assert torch.equal(logits.to(w.dtype).double(), logits)  # the grid holds: every logit exact
     weights, ids = got
-    w_ref, ids_ref = softmax_topk_ref(logits.to(x.dtype), K, renorm)
+    w_ref, ids_ref = softmax_topk_ref(logits.to(w.dtype), K, renorm)
+    w_ref = w_ref * scaling
     lg = logits.cpu()
     assert torch.equal(lg.gather(1, ids.long().cpu()), lg.gather(1, ids_ref.long().cpu()))
     assert all(len(set(row.tolist())) == K for row in ids.cpu())
     torch.testing.assert_close(weights.cpu(), w_ref.cpu(), rtol=1e-5, atol=1e-7)
 
 
-def check(x, w, K, renorm, got):
-    """Every row: K distinct experts that are a top k of the exact logits rounded once to x's dtype (up to one more
-    rounding of a logit: the kernel sums in another order), in descending order, weighted by their softmax
-    probabilities (renormalised); rows whose top k + 1 logits stand clear of each other: `softmax_topk_ref`'s
-    experts exactly."""
-    logits = (x.double() @ w.double().t()).to(x.dtype)  # exact sum, one rounding
+def check(x, w, K, renorm, got, scaling=1.0):
+    """Every row: K distinct experts that are a top k of the exact logits rounded once to the weight's dtype (up
+    to one more rounding of a logit: the kernel sums in another order; for an fp32 weight up to fp32 summation's
+    bound, H u sum |x w|), in descending order, weighted by their softmax probabilities (renormalised) times
+    `scaling`; rows whose top k + 1 logits stand clear of each other: `softmax_topk_ref`'s experts exactly."""
+    logits = (x.double() @ w.double().t()).to(w.dtype)  # exact sum, one rounding
     weights, ids = got
     assert ids.dtype == torch.int32 and weights.dtype == torch.float32
     lg, picked = logits.double().cpu(), ids.long().cpu()
     assert all(len(set(row.tolist())) == K for row in picked)
-    slack = 2 * ULP[x.dtype] * lg.abs().amax(dim=1, keepdim=True).clamp(min=1)
+    if w.dtype == torch.float32:
+        magnitude = (x.double().abs() @ w.double().abs().t()).amax(dim=1, keepdim=True).cpu()
+        slack = 2 * x.shape[1] * 2.0 ** -24 * magnitude
+    else:
+        slack = 2 * ULP[x.dtype] * lg.abs().amax(dim=1, keepdim=True).clamp(min=1)
     chosen = lg.gather(1, picked)
     rest = lg.scatter(1, picked, float("-inf")).amax(dim=1, keepdim=True)
     assert (chosen >= rest - slack).all()  # no expert left out that beats a chosen one by more than a rounding
@@ -70,6 +80,7 @@ def check(x, w, K, renorm, got):
     want = torch.softmax(lg, dim=1).gather(1, picked)
     if renorm:
         want = want / want.sum(dim=1, keepdim=True)
+    want = want * scaling
     # each logit moved by at most slack / 2: a probability by at most slack relative, a renormalised one 2 slack
     assert ((weights.double().cpu() - want).abs() <= 2 * slack * want + 1e-6).all()
     top = lg.topk(min(K + 1, lg.shape[1]), dim=1).values
@@ -98,10 +109,26 @@ def test_router_topk_equals_twin(T, H, E, K, renorm, splits, grid):
 
 
 @kernel_test
+@pytest.mark.parametrize("T,H,E,K,scaling,splits", [
+    (5, 600, 64, 6, 1.0, None), (16, 256, 64, 6, 2.5, None), (3, 2048, MAX_FP32_EXPERTS, 8, 16.0, 16),
+    (9, 300, 6, 2, 1.0, 2)])
+@pytest.mark.parametrize("grid", [False, True], ids=["random", "grid"])
+def test_router_topk_fp32_router_equals_twin(T, H, E, K, scaling, splits, grid):
+    """DeepSeek-V2's greedy router: an fp32 weight, fp32 logits, no renormalisation, weights times the routed
+    scaling factor."""
+    x, w = (grid_inputs if grid else inputs)(T, H, E, torch.float16, DEV, seed=T + H + E, w_dtype=torch.float32)
+    got = router_topk(x, w, K, False, scaling=scaling, splits=splits)
+    (check_exact if grid else check)(x, w, K, False, got, scaling)
+
+
+@kernel_test
 def test_router_topk_refusals():
     x, w = inputs(3, 64, 8, torch.float16, DEV, seed=0)
     assert router_topk_fits(x, w) and not router_topk_fits(x.float(), w.float())
     assert not router_topk_fits(torch.cat([x] * 6), w)  # more than MAX_ROWS rows
+    assert router_topk_fits(x, w.float()) and not router_topk_fits(x, w.double())
+    wide = torch.zeros(MAX_FP32_EXPERTS + 1, 64, device=DEV)  # its fp32 tile would not fit shared memory
+    assert router_topk_fits(x, wide.half()) and not router_topk_fits(x, wide)
     with pytest.raises(ValueError, match="router_topk takes"):
         router_topk(torch.cat([x] * (MAX_ROWS // 3 + 1)), w, 2, True)
     with pytest.raises(ValueError, match="top_k"):
@@ -124,20 +151,39 @@ def test_gpu_router_topk(T, H, E, K, renorm, grid):
     (check_exact if grid else check)(x, w, K, renorm, got)
 
 
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("T", [1, 8, 16])
+@pytest.mark.parametrize("grid", [False, True], ids=["random", "grid"])
+def test_gpu_router_topk_fp32_router(T, grid):
+    """DeepSeek-V2-Lite's router: H 2048, 64 experts, top 6, fp32 weight, bf16 x."""
+    x, w = (grid_inputs if grid else inputs)(T, 2048, 64, torch.bfloat16, "cuda", seed=T, w_dtype=torch.float32)
+    torch.cuda.set_sync_debug_mode("error")  # contract 5
+    try:
+        got = router_topk(x, w, 6, False, scaling=1.0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    (check_exact if grid else check)(x, w, 6, False, got)
+
+
 @kernel_test
 @pytest.mark.parametrize("T", [5, MAX_ROWS + 1])
-def test_sparse_moe_takes_it_on_decode_rows_and_matches_the_two_launches(T, monkeypatch):
+@pytest.mark.parametrize("method", ["softmax", "greedy"])
+def test_sparse_moe_takes_it_on_decode_rows_and_matches_the_two_launches(T, method, monkeypatch):
     """A SparseMoE on the Triton backend in fp16 routes decode rows (T <= MAX_ROWS) through `router_topk` and
-    gets the output of the router GEMM + `softmax_topk` (within fp16: a logit may round to its neighbour);
-    more rows take the two launches."""
+    gets the output of the router GEMM + `softmax_topk` (within fp16: a logit may round to its neighbour), or,
+    for DeepSeek-V2's greedy router, of the fp32 router GEMM + softmax, top k and the scaling factor in torch;
+    more rows take the unfused launches."""
     import moelora.kernels.router_topk as kernels
     from moelora.layers.moe import SparseMoE
     from moelora.layers.options import LayerOptions
-    from moelora.layers.router import route
+    from moelora.layers.router import RoutingSpec, route
 
     H, inter, E, K = 64, 32, 8, 2
+    routing = RoutingSpec("greedy", K, False, scaling=2.5) if method == "greedy" else None
     moe = SparseMoE(H, inter, E, K, True, max_loras=0, max_rank=0, options=LayerOptions(kernel_backend="triton"),
-                    dtype=torch.float16)
+                    dtype=torch.float16, routing=routing)
+    assert moe.gate.weight.dtype == (torch.float32 if method == "greedy" else torch.float16)
     g = torch.Generator().manual_seed(T)
     with torch.no_grad():
         for p in moe.parameters():
