@@ -270,7 +270,7 @@ def check_meta(meta, T: int, device: torch.device) -> int:
     return B
 
 
-def _check(q, k, v, k_cache, v_cache, meta):
+def _check(q, k, v, k_cache, v_cache, meta, stored: bool = False):
     if q.dim() != 3 or q.dtype not in FLOAT_DTYPES or q.stride(2) != 1:
         bad("q", q, "[T, N, D] fp16/bf16/fp32 with unit last stride")
     T, N, D = q.shape
@@ -287,6 +287,10 @@ def _check(q, k, v, k_cache, v_cache, meta):
             or v_cache.device != q.device:
         bad("v_cache", v_cache, f"contiguous {tuple(k_cache.shape)} {k_cache.dtype} on {q.device}")
     for name, t in (("k", k), ("v", v)):
+        if t is None:
+            if stored:
+                continue
+            raise ValueError(f"{name} must be [T={T}, N_kv={n_kv}, D={D}] {q.dtype}, got None (kv_stored=False)")
         if tuple(t.shape) != (T, n_kv, D) or t.dtype != q.dtype or t.stride(2) != 1 or t.device != q.device:
             bad(name, t, f"[T={T}, N_kv={n_kv}, D={D}] {q.dtype} with unit last stride on {q.device}")
     if k_cache.untyped_storage().data_ptr() == v_cache.untyped_storage().data_ptr():
@@ -299,23 +303,26 @@ def _check(q, k, v, k_cache, v_cache, meta):
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta, scale: float, *, config: AttentionConfig | None = None,
-                    num_splits: int | None = None, pdl: bool = False) -> torch.Tensor:
+                    num_splits: int | None = None, kv_stored: bool = False, pdl: bool = False) -> torch.Tensor:
     """Store k/v at meta.slot_mapping, then causal paged attention -> new [T, N, D] (graphs: fixed `num_splits`);
+    `kv_stored`: the step's k / v are in the cache already (`rotary.qk_norm_rope`'s kv_store; k, v may be None);
     `pdl`: programmatic dependent launch where the GPU has it (`kernels.pdl`)."""
-    return _attention(q, k, v, k_cache, v_cache, meta, scale, config, num_splits, False, pdl)[0]
+    return _attention(q, k, v, k_cache, v_cache, meta, scale, config, num_splits, False, kv_stored, pdl)[0]
 
 
 def paged_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, meta, scale: float, *, config: AttentionConfig | None = None,
-                        num_splits: int | None = None, pdl: bool = False) -> tuple[torch.Tensor, FP8Rows | None]:
-    """`paged_attention` (`pdl` as there) and, on a decode step with D = 128, its output rows [T, N * D] quantized
-    for the W8A8 o projection by the kernel that writes them (one group a head); None otherwise (the projection
-    quantizes)."""
-    return _attention(q, k, v, k_cache, v_cache, meta, scale, config, num_splits, True, pdl)
+                        num_splits: int | None = None, kv_stored: bool = False, pdl: bool = False
+                        ) -> tuple[torch.Tensor, FP8Rows | None]:
+    """`paged_attention` (`kv_stored`, `pdl` as there) and, on a decode step with D = 128, its output rows
+    [T, N * D] quantized for the W8A8 o projection by the kernel that writes them (one group a head); None
+    otherwise (the projection quantizes)."""
+    return _attention(q, k, v, k_cache, v_cache, meta, scale, config, num_splits, True, kv_stored, pdl)
 
 
-def _attention(q, k, v, k_cache, v_cache, meta, scale, config, num_splits, want_rows: bool, pdl: bool = False):
-    T, N, D, B, BS, n_kv = _check(q, k, v, k_cache, v_cache, meta)
+def _attention(q, k, v, k_cache, v_cache, meta, scale, config, num_splits, want_rows: bool, stored: bool,
+               pdl: bool):
+    T, N, D, B, BS, n_kv = _check(q, k, v, k_cache, v_cache, meta, stored)
     splits = default_num_splits(B, n_kv) if num_splits is None else num_splits
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {splits}")
@@ -326,11 +333,12 @@ def _attention(q, k, v, k_cache, v_cache, meta, scale, config, num_splits, want_
                        torch.empty(T, N, dtype=torch.float32, device=q.device))
     if T == 0 or B == 0:
         return out, rows
-    hd = n_kv * D
-    store_block = min(1024, next_pow2(hd))
-    _store_kv_kernel[(T, cdiv(hd, store_block))](
-        k, v, k_cache, v_cache, meta.slot_mapping, hd, D, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(1), k_cache.stride(2), BLOCK=store_block, **pdl_args(pdl, k))
+    if not stored:
+        hd = n_kv * D
+        store_block = min(1024, next_pow2(hd))
+        _store_kv_kernel[(T, cdiv(hd, store_block))](
+            k, v, k_cache, v_cache, meta.slot_mapping, hd, D, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(1), k_cache.stride(2), BLOCK=store_block, **pdl_args(pdl, q))
     cfg = config or default_attention_config(D, meta.max_query_len, q.dtype)
     block_d = max(16, next_pow2(D))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs

@@ -93,22 +93,25 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv
         kernel_kw = {}  # the Triton launchers' (the torch twins take none)
-        if self.options.kernel_backend == "triton":  # per-head norm (if any) and rotary of q and k: one launch
+        if self.options.kernel_backend == "triton":
             from moelora.kernels.attention import paged_attention
-            from moelora.kernels.rotary import qk_norm_rope
+            from moelora.kernels.rotary import KVStore, qk_norm_rope
 
-            kernel_kw = {"pdl": self.options.pdl}
+            # per-head norm (if any) and rotary of q and k, and k / v into the cache: one launch
+            kernel_kw = {"pdl": self.options.pdl, "kv_stored": True}
             per_head = self.qk_norm == "per_head"
             q, k = qk_norm_rope(q, k, cos, sin, self.q_norm.weight if per_head else None,
-                                self.k_norm.weight if per_head else None, self.eps, **kernel_kw)
+                                self.k_norm.weight if per_head else None, self.eps,
+                                kv_store=KVStore(v, k_cache, v_cache, meta.slot_mapping), pdl=self.options.pdl)
+            v = None  # stored
         else:
             from moelora.kernels.reference import paged_attention_ref as paged_attention
 
             if self.qk_norm == "per_head":
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        k_cache, v_cache = kv
         rows = None
         if self.fp8_out:
             from moelora.kernels.attention import paged_attention_fp8

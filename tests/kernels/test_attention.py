@@ -111,6 +111,24 @@ def test_padding_slot_is_not_stored():
 
 
 @kernel_test
+@pytest.mark.parametrize("spec", [[(6, 1), (0, 1), (9, 1)], [(0, 5), (4, 3)]], ids=["decode", "prefill"])
+def test_kv_stored_reads_the_cache_as_written(spec):
+    """`kv_stored=True` (`qk_norm_rope` wrote k / v into the cache): no store launch, k and v unread (None), and
+    the same output as the call that stores them itself, bit for bit."""
+    q, k, v, kc, vc, meta = make_case(spec, 4, 2, 16, 4, device=DEV, seed=13)
+    kc2, vc2 = kc.clone(), vc.clone()
+    want = paged_attention(q, k, v, kc, vc, meta, 0.25, config=TINY)
+    flat = lambda c: c.view(-1, *c.shape[2:])  # noqa: E731
+    flat(kc2)[meta.slot_mapping] = k  # what the store kernel writes (every slot here is >= 0)
+    flat(vc2)[meta.slot_mapping] = v
+    assert torch.equal(kc2, kc) and torch.equal(vc2, vc)
+    got = paged_attention(q, None, None, kc2, vc2, meta, 0.25, config=TINY, kv_stored=True)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="k must be"):
+        paged_attention(q, None, None, kc2, vc2, meta, 0.25, config=TINY)
+
+
+@kernel_test
 def test_zero_tokens():
     q, k, v, kc, vc, _ = make_case([(3, 1)], 2, 1, 16, 4, device=DEV, seed=12)
     meta = build_meta([], [], 4, DEV)

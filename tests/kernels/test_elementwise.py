@@ -131,6 +131,35 @@ def test_qk_norm_rope(dtype, T, NQ, NK, D, DR, norm, wide):
 
 
 @kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,NQ,NK,D,DR,norm,wide", [
+    (5, 4, 2, 16, 16, True, 0), (3, 6, 3, 24, 12, True, 7), (4, 5, 1, 20, 8, False, 0), (0, 4, 2, 16, 16, True, 0)])
+def test_qk_norm_rope_into_the_cache_equals_rope_then_store(dtype, T, NQ, NK, D, DR, norm, wide):
+    """`kv_store`: the rotated k and v land in the paged cache at each token's slot, bit for bit the k_out and v
+    the unfused path would store there; a slot < 0 stores nothing; every other cache row keeps its bits."""
+    from moelora.kernels.rotary import KVStore
+
+    q, k, cos, sin = rope_case(T, NQ, NK, D, DR, dtype, seed=T * 10 + D, wide=wide)
+    v = rand(T, NK * D, dtype=dtype, seed=T + 77, wide=wide).unflatten(1, (NK, D))
+    qw, kw = (near_one(D, 1), near_one(D, 2)) if norm else (None, None)
+    NB, BS = 3, 4
+    k_cache = rand(NB, BS, NK, D, dtype=dtype, seed=5)
+    v_cache = rand(NB, BS, NK, D, dtype=dtype, seed=6)
+    slots = torch.tensor([7, -1, 0, 11, 5][:T], dtype=torch.int64, device=DEV)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    wq, wk = qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6)  # the unfused path: rope, then the store kernel's copy
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            want_k.view(NB * BS, NK, D)[slot] = wk[t]
+            want_v.view(NB * BS, NK, D)[slot] = v[t]
+    q0, k0, v0 = q.clone(), k.clone(), v.clone()
+    gq, gk = qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6, kv_store=KVStore(v, k_cache, v_cache, slots))
+    assert gk is None and unchanged((q, q0), (k, k0), (v, v0))
+    assert torch.equal(gq, wq)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@kernel_test
 def test_qk_norm_rope_rejects_bad_arguments():
     q, k, cos, sin = rope_case(2, 2, 1, 16, 16, torch.float32, 0)
     with pytest.raises(ValueError, match="both"):
@@ -139,6 +168,16 @@ def test_qk_norm_rope_rejects_bad_arguments():
         qk_norm_rope(q, k, cos[:, :7], sin[:, :7], None, None, 1e-6)
     with pytest.raises(ValueError, match="cos"):
         qk_norm_rope(q, k, cos.half(), sin, None, None, 1e-6)
+    from moelora.kernels.rotary import KVStore
+
+    cache = torch.zeros(2, 4, 1, 16, device=DEV)
+    slots = torch.zeros(2, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match="share storage"):
+        qk_norm_rope(q, k, cos, sin, None, None, 1e-6, kv_store=KVStore(k, cache, cache, slots))
+    with pytest.raises(ValueError, match=r"kv_store.v_cache must be contiguous \[NB, BS, Nk=1, D=16\]"):
+        qk_norm_rope(q, k, cos, sin, None, None, 1e-6, kv_store=KVStore(k, cache, cache.half(), slots))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        qk_norm_rope(q, k, cos, sin, None, None, 1e-6, kv_store=KVStore(k, cache, cache.clone(), slots[:1]))
 
 
 # ---- softmax_topk -------------------------------------------------------------------------------------
