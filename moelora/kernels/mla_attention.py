@@ -120,7 +120,7 @@ def _mla_split_kernel(qa_ptr, qr_ptr, cache_ptr, out_ptr, bt_ptr, seq_lens_ptr, 
                 stride_ot, stride_oh, NUM_SPLITS, BLOCK_C, out_ptr, out_ptr, False)
 
 
-def _check(q_abs, q_rope, entries, cache, meta):
+def _check(q_abs, q_rope, entries, cache, meta, stored: bool = False):
     if q_abs.dim() != 3 or q_abs.dtype not in FLOAT_DTYPES or q_abs.stride(2) != 1:
         bad("q_abs", q_abs, "[T, N, C] fp16/bf16/fp32 with unit last stride")
     T, N, C = q_abs.shape
@@ -134,7 +134,10 @@ def _check(q_abs, q_rope, entries, cache, meta):
                          f"got C={C}, Dr={Dr}")
     if N < 1:
         raise ValueError(f"need at least one head, got N={N}")
-    if tuple(entries.shape) != (T, C + Dr) or entries.dtype != dt or entries.stride(1) != 1 or entries.device != dev:
+    if entries is None and not stored:
+        raise ValueError(f"entries must be [T={T}, C+Dr={C + Dr}] {dt}, got None (stored=False)")
+    if entries is not None and (tuple(entries.shape) != (T, C + Dr) or entries.dtype != dt or entries.stride(1) != 1
+                                or entries.device != dev):
         bad("entries", entries, f"[T={T}, C+Dr={C + Dr}] {dt} with unit last stride on {dev}")
     if cache.dim() != 3 or cache.shape[2] != C + Dr or cache.dtype != dt or not cache.is_contiguous() \
             or cache.device != dev:
@@ -146,12 +149,13 @@ def _check(q_abs, q_rope, entries, cache, meta):
     return T, N, C, Dr, B
 
 
-def mla_decode_attention(q_abs: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor, cache: torch.Tensor,
-                         meta, scale: float, *, config: MLAConfig | None = None,
-                         num_splits: int | None = None, pdl: bool = False) -> torch.Tensor:
+def mla_decode_attention(q_abs: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor | None,
+                         cache: torch.Tensor, meta, scale: float, *, config: MLAConfig | None = None,
+                         num_splits: int | None = None, stored: bool = False, pdl: bool = False) -> torch.Tensor:
     """Store `entries` at meta.slot_mapping, then decode MLA over the latent cache -> new o_lat [T, N, C];
-    `pdl`: programmatic dependent launch where the GPU has it (`kernels.pdl`)."""
-    T, N, C, Dr, B = _check(q_abs, q_rope, entries, cache, meta)
+    `stored`: the entries are in the cache already (`mla_rope.mla_rope_store`; entries may be None); `pdl`:
+    programmatic dependent launch where the GPU has it (`kernels.pdl`)."""
+    T, N, C, Dr, B = _check(q_abs, q_rope, entries, cache, meta, stored)
     cfg = config or default_mla_config(N, C, q_abs.dtype, B)
     head_blocks = cdiv(N, cfg.block_h)
     splits = default_num_splits(B, head_blocks) if num_splits is None else num_splits
@@ -160,11 +164,12 @@ def mla_decode_attention(q_abs: torch.Tensor, q_rope: torch.Tensor, entries: tor
     out = torch.empty(T, N, C, dtype=q_abs.dtype, device=q_abs.device)
     if T == 0 or B == 0:
         return out
-    W = C + Dr
-    store_block = min(1024, next_pow2(W))
-    _store_latent_kernel[(T, cdiv(W, store_block))](
-        entries, cache, meta.slot_mapping, W, entries.stride(0), cache.stride(1), BLOCK=store_block,
-        **pdl_args(pdl, entries))
+    if not stored:
+        W = C + Dr
+        store_block = min(1024, next_pow2(W))
+        _store_latent_kernel[(T, cdiv(W, store_block))](
+            entries, cache, meta.slot_mapping, W, entries.stride(0), cache.stride(1), BLOCK=store_block,
+            **pdl_args(pdl, entries))
     block_c = max(16, next_pow2(C))
     m_part = l_part = acc_part = out  # placeholders; unused when splits == 1
     if splits > 1:

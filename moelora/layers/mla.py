@@ -62,6 +62,7 @@ class MLAttention(nn.Module):
         self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
         self.nope, self.rope, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.scale = softmax_scale
+        self.interleave = interleave
         self.rotate = apply_rotary_interleaved if interleave else apply_rotary
         q_out = num_heads * (qk_nope_head_dim + qk_rope_head_dim)
         self.options = kw.get("options", DEFAULT_OPTIONS)  # absorbed decode off: the expanded torch path (eager)
@@ -93,22 +94,30 @@ class MLAttention(nn.Module):
             raise ConfigError("MLA attention is graph-safe only for decode steps with mla_absorbed_decode on: "
                               "run this model with enforce_eager=True")
         q = self._query(x, lora, x_fp8).view(T, N, self.nope + self.rope)
-        q = torch.cat((q[..., :self.nope], self.rotate(q[..., self.nope:], cos, sin)), dim=-1)
         compressed = self.kv_a_proj_with_mqa(x, lora, x_fp8)
+        (cache,) = kv
+        if absorbed and self.options.kernel_backend == "triton":  # rotations, latent norm and cache store: one launch
+            from moelora.kernels.mla_rope import mla_rope_store
+
+            norm = self.kv_a_layernorm
+            q_rope = mla_rope_store(q, compressed, cos, sin, norm.weight, norm.eps, cache, meta.slot_mapping,
+                                    interleave=self.interleave, pdl=self.options.pdl)
+            out = self._decode_absorbed(q[..., :self.nope], q_rope, None, cache, meta, lora)
+            return self.o_proj(out.reshape(T, N * self.v_dim), lora)
+        q = torch.cat((q[..., :self.nope], self.rotate(q[..., self.nope:], cos, sin)), dim=-1)
         latent = self.kv_a_layernorm(compressed[:, :C])
         k_rot = self.rotate(compressed[:, None, C:], cos, sin)[:, 0]
         entries = torch.cat((latent, k_rot), dim=-1)
-        (cache,) = kv
         if absorbed:
-            out = self._decode_absorbed(q, entries, cache, meta, lora)
+            out = self._decode_absorbed(q[..., :self.nope], q[..., self.nope:], entries, cache, meta, lora)
         else:
             out = mla_attention_ref(q, entries, cache, meta, self.kv_b_proj, lora, self.nope, self.v_dim, self.scale)
         return self.o_proj(out.reshape(T, N * self.v_dim), lora)
 
-    def _decode_absorbed(self, q: torch.Tensor, entries: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata,
-                         lora: LoRABatch | None) -> torch.Tensor:
-        """Decode step (one query per sequence) in the absorbed form -> new [T, N, Dv]."""
-        q_nope, q_rope = q[..., :self.nope], q[..., self.nope:]
+    def _decode_absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor | None,
+                         cache: torch.Tensor, meta: AttnMetadata, lora: LoRABatch | None) -> torch.Tensor:
+        """Decode step (one query per sequence) in the absorbed form -> new [T, N, Dv]; `entries` None: stored
+        already (Triton, `kernels.mla_rope`)."""
         if self.options.kernel_backend == "triton":  # the LoRA terms: one launch a side (`kernels.mla_lora`)
             from moelora.kernels.mla_attention import mla_decode_attention
             from moelora.kernels.mla_lora import mla_absorb_lora_, mla_expand_lora_
@@ -120,7 +129,8 @@ class MLAttention(nn.Module):
             q_abs = absorb_query(q_nope, kv_b, None)
             if site:
                 mla_absorb_lora_(q_abs, q_nope, *site, pdl=pdl)
-            o_lat = mla_decode_attention(q_abs, q_rope, entries, cache, meta, self.scale, pdl=pdl)
+            o_lat = mla_decode_attention(q_abs, q_rope, entries, cache, meta, self.scale, stored=entries is None,
+                                         pdl=pdl)
             out = expand_output(o_lat, kv_b, self.nope, None)
             if site:
                 a, b, ranks, token_slots, width = site
