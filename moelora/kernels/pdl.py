@@ -17,15 +17,24 @@ The off switch is `EngineConfig.pdl` (`LayerOptions.pdl`), given to every launch
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
+@functools.cache
+def _hopper_or_later(index: int) -> bool:
+    """A fact of the hardware, asked once a device: every launch asks (a properties query costs microseconds of
+    host time, and an eager prefill step makes hundreds of launches)."""
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
 def pdl_supported(t: torch.Tensor) -> bool:
     """Whether kernels on t's device can take PDL (a CUDA GPU of compute capability >= 9.0)."""
-    return t.is_cuda and torch.cuda.get_device_capability(t.device) >= (9, 0)
+    return t.is_cuda and _hopper_or_later(t.get_device())
 
 
 def pdl_args(on: bool, t: torch.Tensor) -> dict:
