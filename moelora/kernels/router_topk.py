@@ -3,8 +3,12 @@
 Shape legend: T tokens (<= MAX_ROWS), H hidden, E experts (<= MAX_EXPERTS), K top-k, S splits of H.
   router_topk(x [T, H] fp16/bf16, weight [E, H] x's dtype or fp32, K, renormalize, scaling=1.0)
       -> (topk_weights [T, K] fp32, topk_ids [T, K] int32)
-An fp32 weight is the DeepSeek-V2 "greedy" router (`layers.router.Router`: x upcast, logits in fp32, no
-renormalisation, weights * routed_scaling_factor): its dot runs in fp32 ("ieee", as the fp32 GEMM it replaces).
+An fp32 weight is DeepSeek's router (`layers.router.Router`: x upcast, logits in fp32): its dot runs in fp32
+("ieee", as the fp32 GEMM it replaces). Selection: softmax then top k (Qwen / Mixtral / OLMoE, and DeepSeek-V2's
+"greedy": renormalize False), or with `noaux=NoAux(bias, n_group, topk_group)` DeepSeek-V3's and GLM-4-MoE's
+"noaux_tc" (`layers.router.grouped_topk`): sigmoid scores, experts chosen on score + bias from the topk_group
+groups whose two best biased scores sum highest, weighted by their unbiased scores (renormalised plus 1e-20).
+Either way the weights are then times `scaling` (routed_scaling_factor).
 Why: at decode the router GEMM (0.5 MB at Qwen3-30B-A3B's shape) and the top-k are two latency-bound launches
 (cuBLAS 5.2 + 4.0 us a layer at 8 requests on the H200). Here each of S programs takes a chunk of H for all E
 columns; the last to arrive (on an arrival counter the caller owns) sums the fp32 partials in split order, rounds
@@ -15,27 +19,37 @@ cuBLAS's own order differs by batch size).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.checks import cdiv, check_rows, need, next_pow2
+from moelora.kernels.checks import cdiv, check_rows, check_vector, need, next_pow2
 from moelora.kernels.pdl import pdl_args, pdl_wait
 from moelora.kernels.softmax_topk import softmax_topk_rows
 
 MAX_ROWS = 16  # decode steps; more rows take the GEMM + `softmax_topk`
 MAX_EXPERTS = 256
-MAX_FP32_EXPERTS = 128  # an fp32 router's [BLOCK_H, E] weight tile: 64 KB a stage at 128 experts
+MAX_FP32_EXPERTS = 256  # an fp32 router's [BLOCK_H, E] weight tile: 64 KB a stage (BLOCK_H 64 past 128 experts)
 BLOCK_H = 128
+
+
+class NoAux(NamedTuple):
+    """DeepSeek-V3 / GLM-4-MoE's "noaux_tc" selection: the correction bias (fp32 [E], or None) and the groups."""
+    bias: torch.Tensor | None
+    n_group: int
+    topk_group: int
 STEPS_PER_SPLIT = 2  # H steps a program (the H200 at Qwen3's shape: 8 programs of 2 x 32 KB)
 
 
 @triton.jit
-def _router_topk_kernel(x_ptr, w_ptr, part_ptr, sem_ptr, wts_ptr, ids_ptr, T, E, H, H_CHUNK, scaling,
+def _router_topk_kernel(x_ptr, w_ptr, part_ptr, sem_ptr, wts_ptr, ids_ptr, bias_ptr, T, E, H, H_CHUNK, scaling,
                         stride_x, stride_w, stride_wts, stride_ids,
                         K: tl.constexpr, RENORMALIZE: tl.constexpr, SPLITS: tl.constexpr,
                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H_: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PDL: tl.constexpr):
+                        NOAUX: tl.constexpr, HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr,
+                        GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, PDL: tl.constexpr):
     """Program s: partial logits over H [s H_CHUNK, (s + 1) H_CHUNK) -> part [S, BLOCK_T, BLOCK_E]; the last of
     the S programs to arrive (sem, one counter) sums them in split order and writes the top k."""
     pdl_wait(PDL)
@@ -59,8 +73,9 @@ def _router_topk_kernel(x_ptr, w_ptr, part_ptr, sem_ptr, wts_ptr, ids_ptr, T, E,
             acc = tl.dot(xt, wt, acc)
     tile_ok = row_ok[:, None] & col_ok[None, :]
     if SPLITS == 1:
-        _topk_out(acc, w_ptr, wts_ptr, ids_ptr, rows, cols, row_ok, tile_ok, stride_wts, stride_ids, scaling, K,
-                  RENORMALIZE, BLOCK_E, BLOCK_K)
+        _topk_out(acc, w_ptr, wts_ptr, ids_ptr, bias_ptr, rows, cols, row_ok, col_ok, tile_ok, stride_wts,
+                  stride_ids, scaling, K, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K, NOAUX, HAS_BIAS, N_GROUP, GROUP_SIZE,
+                  TOPK_GROUP)
     else:
         parts = part_ptr + rows[:, None] * BLOCK_E + cols[None, :]
         tl.store(parts + split * BLOCK_T * BLOCK_E, acc, mask=tile_ok)
@@ -70,15 +85,67 @@ def _router_topk_kernel(x_ptr, w_ptr, part_ptr, sem_ptr, wts_ptr, ids_ptr, T, E,
             for s in tl.static_range(SPLITS):  # in split order: the sum does not depend on who came last
                 acc += tl.load(parts + s * BLOCK_T * BLOCK_E, mask=tile_ok, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(sem_ptr, 0)
-            _topk_out(acc, w_ptr, wts_ptr, ids_ptr, rows, cols, row_ok, tile_ok, stride_wts, stride_ids, scaling, K,
-                      RENORMALIZE, BLOCK_E, BLOCK_K)
+            _topk_out(acc, w_ptr, wts_ptr, ids_ptr, bias_ptr, rows, cols, row_ok, col_ok, tile_ok, stride_wts,
+                      stride_ids, scaling, K, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K, NOAUX, HAS_BIAS, N_GROUP,
+                      GROUP_SIZE, TOPK_GROUP)
 
 
 @triton.jit
-def _topk_out(acc, w_ptr, wts_ptr, ids_ptr, rows, cols, row_ok, tile_ok, stride_wts, stride_ids, scaling,
-              K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+def _noaux_rows(logits, bias_ptr, tile_ok, cols, col_ok, K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr):
+    """logits [BLOCK_T, BLOCK_E] fp32 -> (weights, ids) [BLOCK_T, BLOCK_K] of "noaux_tc" (module docstring); with
+    N_GROUP > 1 the groups are GROUP_SIZE = E // N_GROUP contiguous columns (a power of two, checked by the
+    launcher), the tile's columns past E whole groups of -inf, never kept before a real one."""
+    scores = 1.0 / (1.0 + tl.exp(-logits))
+    choice = scores
+    if HAS_BIAS:
+        choice = scores + tl.load(bias_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    choice = tl.where(tile_ok, choice, float("-inf"))
+    if N_GROUP > 1:
+        GS: tl.constexpr = GROUP_SIZE
+        NG: tl.constexpr = BLOCK_E // GROUP_SIZE  # N_GROUP real groups, then padding
+        c3 = tl.reshape(choice, (BLOCK_T, NG, GS))
+        member = tl.arange(0, GS)[None, None, :]
+        top1 = tl.max(c3, axis=2)
+        first = tl.min(tl.where(c3 == top1[:, :, None], member, GS), axis=2)  # one copy of the best out ...
+        top2 = tl.max(tl.where(member == first[:, :, None], float("-inf"), c3), axis=2)  # ... the second best
+        group_score = top1 + top2
+        g = tl.arange(0, NG)[None, :]
+        keep = tl.zeros((BLOCK_T, NG), tl.int32)
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.max(group_score, axis=1)
+            pick = tl.min(tl.where(group_score == best[:, None], g, NG), axis=1)
+            keep = tl.where(g == pick[:, None], 1, keep)
+            group_score = tl.where(g == pick[:, None], float("-inf"), group_score)
+        kept = tl.reshape(tl.broadcast_to(keep[:, :, None], (BLOCK_T, NG, GS)), (BLOCK_T, BLOCK_E))
+        choice = tl.where(kept != 0, choice, float("-inf"))
+    ks = tl.arange(0, BLOCK_K)
+    weights = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
+    ids = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
+    for i in tl.static_range(K):
+        best = tl.max(choice, axis=1)
+        pick = tl.min(tl.where(choice == best[:, None], cols[None, :], BLOCK_E), axis=1)  # lowest id on ties
+        chosen = cols[None, :] == pick[:, None]
+        weights = tl.where(ks[None, :] == i, tl.sum(tl.where(chosen, scores, 0.0), axis=1)[:, None], weights)
+        ids = tl.where(ks[None, :] == i, pick[:, None], ids)
+        choice = tl.where(chosen, float("-inf"), choice)
+    if RENORMALIZE:
+        weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20)
+    return weights, ids
+
+
+@triton.jit
+def _topk_out(acc, w_ptr, wts_ptr, ids_ptr, bias_ptr, rows, cols, row_ok, col_ok, tile_ok, stride_wts, stride_ids,
+              scaling, K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+              BLOCK_K: tl.constexpr, NOAUX: tl.constexpr, HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr,
+              GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr):
     logits = tl.where(tile_ok, acc.to(w_ptr.dtype.element_ty).to(tl.float32), float("-inf"))  # the GEMM's dtype
-    weights, ids = softmax_topk_rows(logits, row_ok, tile_ok, cols, K, RENORMALIZE, BLOCK_E, BLOCK_K)
+    if NOAUX:
+        weights, ids = _noaux_rows(logits, bias_ptr, tile_ok, cols, col_ok, K, RENORMALIZE, BLOCK_T, BLOCK_E,
+                                   BLOCK_K, HAS_BIAS, N_GROUP, GROUP_SIZE, TOPK_GROUP)
+    else:
+        weights, ids = softmax_topk_rows(logits, row_ok, tile_ok, cols, K, RENORMALIZE, BLOCK_E, BLOCK_K)
     weights = weights * scaling  # routed_scaling_factor (1.0: exact)
     ks = tl.arange(0, BLOCK_K)
     out_ok = row_ok[:, None] & (ks < K)[None, :]
@@ -96,30 +163,48 @@ def router_topk_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.stride(1) == 1 and x.stride(1) == 1)
 
 
+def noaux_fits(num_experts: int, n_group: int) -> bool:
+    """Whether the kernel's "noaux_tc" takes these groups: one group, or equal groups of a power-of-two size
+    (>= 2: a group's score is its two best)."""
+    size = num_experts // n_group
+    return n_group == 1 or (num_experts % n_group == 0 and size >= 2 and next_pow2(size) == size)
+
+
 def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, *, scaling: float = 1.0,
-                splits: int | None = None, counter: torch.Tensor | None = None, pdl: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights [T, K] fp32, times `scaling`, topk_ids [T, K] int32) of softmax(x W^T); `splits`: of H
-    (default: 2 steps of BLOCK_H a program); `counter`: the split arrival counter the caller owns (int32 [>= 1],
-    zero between calls, left zero; None: a zeroed one for this call); `pdl`: programmatic dependent launch where
-    the GPU has it."""
+                noaux: NoAux | None = None, splits: int | None = None, counter: torch.Tensor | None = None,
+                pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights [T, K] fp32, times `scaling`, topk_ids [T, K] int32) of softmax(x W^T), or of "noaux_tc"
+    with `noaux` (module docstring); `splits`: of H (default: 2 steps of BLOCK_H a program); `counter`: the split
+    arrival counter the caller owns (int32 [>= 1], zero between calls, left zero; None: a zeroed one for this
+    call); `pdl`: programmatic dependent launch where the GPU has it."""
     need(router_topk_fits(x, weight), lambda: f"router_topk takes x [T <= {MAX_ROWS}, H] fp16/bf16 and a router "
          f"weight [E <= {MAX_EXPERTS}, H] of x's dtype or [E <= {MAX_FP32_EXPERTS}, H] fp32, unit last strides; "
-         f"got {tuple(x.shape)} {x.dtype}, "
-         f"{tuple(weight.shape)} {weight.dtype}")
+         f"got {tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} {weight.dtype}")
     check_rows("x", x)
     T, H = x.shape
     E = weight.shape[0]
     need(0 < top_k <= E, f"top_k must be in [1, E={E}], got {top_k}")
+    bias = None
+    if noaux is not None:
+        bias = noaux.bias
+        need(noaux_fits(E, noaux.n_group), lambda: f"noaux_tc groups must be one, or equal groups of a power-of-two "
+             f"size >= 2: E={E}, n_group={noaux.n_group}")
+        need(1 <= noaux.topk_group <= noaux.n_group and top_k <= noaux.topk_group * E // noaux.n_group,
+             lambda: f"noaux_tc needs 1 <= topk_group <= n_group and top_k <= the kept groups' experts, got "
+             f"topk_group={noaux.topk_group}, n_group={noaux.n_group}, top_k={top_k}, E={E}")
+        if bias is not None:
+            check_vector("noaux.bias", bias, E, x.device)
+            need(bias.dtype == torch.float32, lambda: f"noaux.bias must be fp32, got {bias.dtype}")
     weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
     if T == 0:
         return weights, ids
-    steps = cdiv(H, BLOCK_H)
-    splits = splits or cdiv(steps, STEPS_PER_SPLIT)
-    chunk = cdiv(steps, splits) * BLOCK_H
-    splits = cdiv(H, chunk)
     block_e = max(16, next_pow2(E))
+    block_h = BLOCK_H if weight.dtype != torch.float32 or block_e <= 128 else BLOCK_H // 2
+    steps = cdiv(H, block_h)
+    splits = splits or cdiv(steps, STEPS_PER_SPLIT)
+    chunk = cdiv(steps, splits) * block_h
+    splits = cdiv(H, chunk)
     part, sem = weights, ids  # placeholders with one split
     if splits > 1:
         part = torch.empty(splits, MAX_ROWS, block_e, dtype=torch.float32, device=x.device)
@@ -131,7 +216,10 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: 
                  f"on {counter.device}")
             sem = counter
     _router_topk_kernel[(splits,)](
-        x, weight, part, sem, weights, ids, T, E, H, chunk, float(scaling), x.stride(0), weight.stride(0),
-        weights.stride(0), ids.stride(0), K=top_k, RENORMALIZE=bool(renormalize), SPLITS=splits, BLOCK_T=MAX_ROWS,
-        BLOCK_E=block_e, BLOCK_H_=BLOCK_H, BLOCK_K=next_pow2(top_k), num_warps=4, num_stages=2, **pdl_args(pdl, x))
+        x, weight, part, sem, weights, ids, weights if bias is None else bias, T, E, H, chunk, float(scaling),
+        x.stride(0), weight.stride(0), weights.stride(0), ids.stride(0), K=top_k, RENORMALIZE=bool(renormalize),
+        SPLITS=splits, BLOCK_T=MAX_ROWS, BLOCK_E=block_e, BLOCK_H_=block_h, BLOCK_K=next_pow2(top_k),
+        NOAUX=noaux is not None, HAS_BIAS=bias is not None, N_GROUP=noaux.n_group if noaux else 1,
+        GROUP_SIZE=E // noaux.n_group if noaux else 1, TOPK_GROUP=noaux.topk_group if noaux else 1, num_warps=4,
+        num_stages=2, **pdl_args(pdl, x))
     return weights, ids

@@ -34,7 +34,7 @@ from moelora.quant.config import FP8Config
 from moelora.quant.storage import activation_quantizer, dense_weight, fp8_parameters
 
 # routing methods whose decode rows may take `router_topk` (one launch: the GEMM and the top k)
-ONE_LAUNCH_METHODS = ("softmax", "greedy")
+ONE_LAUNCH_METHODS = ("softmax", "greedy", "noaux_tc")
 
 
 class Experts(nn.Module):
@@ -166,12 +166,16 @@ class SparseMoE(nn.Module):
 
     def _routed(self, x: torch.Tensor, lora: LoRABatch | None, x_fp8: FP8Rows | None) -> torch.Tensor:
         if self._one_launch_router(x, lora):  # decode: the router GEMM and its top k in one launch
-            from moelora.kernels.router_topk import router_topk
+            from moelora.kernels.router_topk import NoAux, router_topk
 
-            greedy = self.routing.method == "greedy"  # DeepSeek-V2's: never renormalised, then scaled
-            weights, ids = router_topk(x, self.gate.weight, self.routing.top_k, self.routing.renormalize and not greedy,
-                                       scaling=self.routing.scaling if greedy else 1.0, counter=self.router_counter,
-                                       pdl=self.options.pdl)
+            spec = self.routing
+            greedy = spec.method == "greedy"  # DeepSeek-V2's: never renormalised, then scaled
+            noaux = None
+            if spec.method == "noaux_tc":  # DeepSeek-V3 / GLM-4-MoE's
+                noaux = NoAux(getattr(self.gate, "e_score_correction_bias", None), spec.n_group, spec.topk_group)
+            weights, ids = router_topk(x, self.gate.weight, spec.top_k, spec.renormalize and not greedy,
+                                       scaling=1.0 if spec.method == "softmax" else spec.scaling, noaux=noaux,
+                                       counter=self.router_counter, pdl=self.options.pdl)
         else:
             bias = getattr(self.gate, "e_score_correction_bias", None)
             weights, ids = route(self.gate(x, lora), self.routing, bias, self.options.kernel_backend,
@@ -179,13 +183,15 @@ class SparseMoE(nn.Module):
         return self.experts(x, weights, ids, lora, x_fp8=x_fp8)
 
     def _one_launch_router(self, x: torch.Tensor, lora: LoRABatch | None) -> bool:
-        """The Triton backend's softmax or greedy (DeepSeek-V2, fp32) router on decode rows, with no LoRA live on
-        the router (`router_topk`)."""
+        """The Triton backend's softmax, greedy (DeepSeek-V2) or noaux_tc (DeepSeek-V3, GLM-4-MoE; groups the
+        kernel takes) router on decode rows, with no LoRA live on the router (`router_topk`)."""
         if (self.options.kernel_backend != "triton" or self.routing.method not in ONE_LAUNCH_METHODS
                 or self.gate.bias is not None):
             return False
-        from moelora.kernels.router_topk import router_topk_fits
+        from moelora.kernels.router_topk import noaux_fits, router_topk_fits
 
+        if self.routing.method == "noaux_tc" and not noaux_fits(self.gate.weight.shape[0], self.routing.n_group):
+            return False
         return router_topk_fits(x, self.gate.weight) and self.gate.lora_args(lora) is None
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None, x_fp8: FP8Rows | None = None) -> torch.Tensor:

@@ -17,7 +17,14 @@ pytestmark = pytest.mark.interp  # `make test` runs it with TRITON_INTERPRET=1 (
 triton = pytest.importorskip("triton")
 
 from moelora.kernels.reference import softmax_topk_ref  # noqa: E402
-from moelora.kernels.router_topk import MAX_FP32_EXPERTS, MAX_ROWS, router_topk, router_topk_fits  # noqa: E402
+from moelora.kernels.router_topk import (  # noqa: E402
+    MAX_EXPERTS,
+    MAX_FP32_EXPERTS,
+    MAX_ROWS,
+    NoAux,
+    router_topk,
+    router_topk_fits,
+)
 from tests.helpers.kernel_env import DEV, gpu_only, kernel_test  # noqa: E402
 
 ULP = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
@@ -121,18 +128,83 @@ def test_router_topk_fp32_router_equals_twin(T, H, E, K, scaling, splits, grid):
     (check_exact if grid else check)(x, w, K, False, got, scaling)
 
 
+def separated_inputs(T, H, E, dtype, device, seed, n_group, topk_group, K):
+    """x, an fp32 weight and a bias whose logits are exact (w holds an identity over x's first E columns) and whose
+    "noaux_tc" decisions stand clear of ties (every margin > 1e-3 in fp64, far past fp32 sums and sigmoids): the
+    kernel must pick the twin's experts in the twin's order. Seeds are tried from `seed` on until one is clear."""
+    from moelora.layers.router import RoutingSpec
+
+    assert H >= E
+    while True:
+        g = torch.Generator().manual_seed(seed)
+        logits = torch.stack([torch.randperm(2 * E, generator=g)[:E] for _ in range(T)]).double() / 8 - E / 8
+        bias = torch.randint(-64, 64, (E,), generator=g).double() / 256
+        x = torch.randn(T, H, generator=g).double()
+        x[:, :E] = logits
+        w = torch.zeros(E, H, dtype=torch.float64)
+        w[:, :E] = torch.eye(E, dtype=torch.float64)
+        spec = RoutingSpec("noaux_tc", K, True, n_group, topk_group, 1.0)
+        if _noaux_margin(logits, bias, spec) > 1e-3:
+            return x.to(dtype).to(device), w.float().to(device), bias.float().to(device)
+        seed += 1000
+
+
+def _noaux_margin(logits, bias, spec):
+    """The smallest gap, over rows, at the group cut and at the expert cut of "noaux_tc" (fp64)."""
+    T, E = logits.shape
+    choice = torch.sigmoid(logits) + bias
+    groups = choice.view(T, spec.n_group, -1).topk(min(2, E // spec.n_group), dim=-1).values.sum(-1)
+    margin = float("inf")
+    if spec.n_group > 1 and spec.topk_group < spec.n_group:
+        top = groups.topk(spec.topk_group + 1, dim=-1).values
+        margin = min(margin, (top[:, -2] - top[:, -1]).min().item())
+    best = groups.topk(spec.topk_group, dim=-1).indices
+    keep = torch.zeros_like(groups, dtype=torch.bool).scatter(1, best, True)
+    keep = keep[:, :, None].expand(T, spec.n_group, E // spec.n_group).reshape(T, E)
+    top = choice.masked_fill(~keep, float("-inf")).topk(min(spec.top_k + 1, E), dim=-1).values
+    gaps = top[:, :-1] - top[:, 1:]
+    return min(margin, gaps[torch.isfinite(gaps)].min().item())
+
+
+@kernel_test
+@pytest.mark.parametrize("T,H,E,K,n_group,topk_group,renorm,scaling,has_bias", [
+    (5, 300, 64, 6, 8, 3, True, 2.5, True), (16, 256, 32, 4, 1, 1, True, 1.0, True),
+    (3, 2048, 256, 8, 8, 4, True, 2.5, True), (4, 200, 16, 2, 4, 2, False, 1.0, False),
+    (6, 64, 12, 3, 3, 2, True, 1.0, True)])  # 12 experts in 3 groups of 4: padding groups in the tile
+def test_router_topk_noaux_equals_twin(T, H, E, K, n_group, topk_group, renorm, scaling, has_bias):
+    """DeepSeek-V3 / GLM-4-MoE's "noaux_tc" (fp32 router): the twin's experts in the twin's order, its weights
+    to fp32 rounding (`layers.router.grouped_topk`, logits clear of ties: `separated_inputs`)."""
+    from moelora.layers.router import RoutingSpec, grouped_topk
+
+    x, w, bias = separated_inputs(T, H, E, torch.float16, DEV, T + E, n_group, topk_group, K)
+    bias = bias if has_bias else None
+    got_w, got_ids = router_topk(x, w, K, renorm, scaling=scaling, noaux=NoAux(bias, n_group, topk_group))
+    spec = RoutingSpec("noaux_tc", K, renorm, n_group, topk_group, scaling)
+    want_w, want_ids = grouped_topk((x.float() @ w.t()).cpu(), spec, None if bias is None else bias.cpu())
+    assert torch.equal(got_ids.cpu().long(), want_ids)
+    torch.testing.assert_close(got_w.cpu(), want_w, rtol=2e-6, atol=1e-7)
+
+
 @kernel_test
 def test_router_topk_refusals():
     x, w = inputs(3, 64, 8, torch.float16, DEV, seed=0)
     assert router_topk_fits(x, w) and not router_topk_fits(x.float(), w.float())
     assert not router_topk_fits(torch.cat([x] * 6), w)  # more than MAX_ROWS rows
     assert router_topk_fits(x, w.float()) and not router_topk_fits(x, w.double())
-    wide = torch.zeros(MAX_FP32_EXPERTS + 1, 64, device=DEV)  # its fp32 tile would not fit shared memory
-    assert router_topk_fits(x, wide.half()) and not router_topk_fits(x, wide)
+    assert MAX_FP32_EXPERTS == MAX_EXPERTS  # an fp32 router takes half-deep H steps past 128 experts
+    wide = torch.zeros(MAX_EXPERTS + 1, 64, device=DEV)
+    assert not router_topk_fits(x, wide) and not router_topk_fits(x, wide.half())
     with pytest.raises(ValueError, match="router_topk takes"):
         router_topk(torch.cat([x] * (MAX_ROWS // 3 + 1)), w, 2, True)
     with pytest.raises(ValueError, match="top_k"):
         router_topk(x, w, 9, True)
+    w32 = w.float()
+    with pytest.raises(ValueError, match="noaux_tc groups"):
+        router_topk(x, w32[:6], 2, True, noaux=NoAux(None, 2, 1))  # groups of 3: not a power of two
+    with pytest.raises(ValueError, match="topk_group"):
+        router_topk(x, w32, 2, True, noaux=NoAux(None, 2, 3))
+    with pytest.raises(ValueError, match="noaux.bias"):
+        router_topk(x, w32, 2, True, noaux=NoAux(torch.zeros(7, device=DEV), 2, 1))
 
 
 @pytest.mark.gpu
@@ -166,9 +238,29 @@ def test_gpu_router_topk_fp32_router(T, grid):
     (check_exact if grid else check)(x, w, 6, False, got)
 
 
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("T", [1, 8, 16])
+@pytest.mark.parametrize("H,E,K,n_group,topk_group,scaling", [(7168, 256, 8, 8, 4, 2.5), (4096, 128, 8, 1, 1, 1.0)],
+                         ids=["deepseek_v3", "glm45_air"])
+def test_gpu_router_topk_noaux(T, H, E, K, n_group, topk_group, scaling):
+    from moelora.layers.router import RoutingSpec, grouped_topk
+
+    x, w, bias = separated_inputs(T, H, E, torch.bfloat16, "cuda", T, n_group, topk_group, K)
+    torch.cuda.set_sync_debug_mode("error")  # contract 5
+    try:
+        got_w, got_ids = router_topk(x, w, K, True, scaling=scaling, noaux=NoAux(bias, n_group, topk_group))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    spec = RoutingSpec("noaux_tc", K, True, n_group, topk_group, scaling)
+    want_w, want_ids = grouped_topk((x.double() @ w.double().t()).float(), spec, bias)
+    assert torch.equal(got_ids.long(), want_ids)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+
+
 @kernel_test
 @pytest.mark.parametrize("T", [5, MAX_ROWS + 1])
-@pytest.mark.parametrize("method", ["softmax", "greedy"])
+@pytest.mark.parametrize("method", ["softmax", "greedy", "noaux_tc"])
 def test_sparse_moe_takes_it_on_decode_rows_and_matches_the_two_launches(T, method, monkeypatch):
     """A SparseMoE on the Triton backend in fp16 routes decode rows (T <= MAX_ROWS) through `router_topk` and
     gets the output of the router GEMM + `softmax_topk` (within fp16: a logit may round to its neighbour), or,
@@ -180,10 +272,11 @@ def test_sparse_moe_takes_it_on_decode_rows_and_matches_the_two_launches(T, meth
     from moelora.layers.router import RoutingSpec, route
 
     H, inter, E, K = 64, 32, 8, 2
-    routing = RoutingSpec("greedy", K, False, scaling=2.5) if method == "greedy" else None
+    routing = {"softmax": None, "greedy": RoutingSpec("greedy", K, False, scaling=2.5),
+               "noaux_tc": RoutingSpec("noaux_tc", K, True, n_group=2, topk_group=1, scaling=2.5)}[method]
     moe = SparseMoE(H, inter, E, K, True, max_loras=0, max_rank=0, options=LayerOptions(kernel_backend="triton"),
-                    dtype=torch.float16, routing=routing)
-    assert moe.gate.weight.dtype == (torch.float32 if method == "greedy" else torch.float16)
+                    dtype=torch.float16, routing=routing, correction_bias=method == "noaux_tc")
+    assert moe.gate.weight.dtype == (torch.float16 if method == "softmax" else torch.float32)
     g = torch.Generator().manual_seed(T)
     with torch.no_grad():
         for p in moe.parameters():
@@ -194,7 +287,7 @@ def test_sparse_moe_takes_it_on_decode_rows_and_matches_the_two_launches(T, meth
     monkeypatch.setattr(kernels, "router_topk", lambda *a, **kw: calls.append(1) or router_topk(*a, **kw))
     got = moe(x)
     assert len(calls) == (T <= MAX_ROWS)
-    weights, ids = route(moe.gate(x), moe.routing, None, "triton")
+    weights, ids = route(moe.gate(x), moe.routing, getattr(moe.gate, "e_score_correction_bias", None), "triton")
     want = moe.experts(x, weights, ids, None)
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)
 
