@@ -136,17 +136,17 @@ def test_serve_flags_reach_the_engine_config():
                                       "--kernel-backend", "torch",
                                       "--no-overlap-shared-experts", "--no-enable-prefix-caching", "--enforce-eager",
                                       "--no-overlap-lora", "--max-loras", "3", "--lora-target-modules", "q_proj",
-                                      "experts", "--fused-moe-table", "mine.json"])
+                                      "experts", "--fused-moe-table", "mine.json", "--no-pdl"])
     cfg = serve_engine_config(args)
     assert (cfg.async_adapter_loading, cfg.async_scheduling, cfg.kernel_backend, cfg.overlap_shared_experts,
-            cfg.overlap_lora, cfg.enable_prefix_caching, cfg.enforce_eager, cfg.max_loras) == (
-                False, True, "torch", False, False, False, True, 3)
+            cfg.overlap_lora, cfg.enable_prefix_caching, cfg.enforce_eager, cfg.max_loras, cfg.pdl) == (
+                False, True, "torch", False, False, False, True, 3, False)
     assert cfg.lora_target_modules == ("q_proj", "experts")
     assert cfg.fused_moe_table == "mine.json"
     default = serve_engine_config(build_parser().parse_args(["serve"]))
     assert (default.async_adapter_loading, default.async_scheduling, default.kernel_backend,
-            default.overlap_shared_experts, default.overlap_lora, default.enable_prefix_caching) == (
-                True, None, None, True, True, True)
+            default.overlap_shared_experts, default.overlap_lora, default.enable_prefix_caching, default.pdl) == (
+                True, None, None, True, True, True, True)
     assert default.lora_target_modules is None and default.fused_moe_table is None
     assert serve_engine_config(build_parser().parse_args(["serve", "--no-async-scheduling"])).async_scheduling is False
 
