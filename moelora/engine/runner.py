@@ -51,15 +51,15 @@ class StepInputs:
 def lora_needs(cfg: EngineConfig, model) -> LoRANeeds:
     """What `model`'s LoRA paths need in every step's batch under `cfg` (resolved), for both runners: the
     torch twins' per-slot rows, the width, the rows grouped by slot over the model's slots (Triton, as its
-    dense policy wants them), a LoRA side stream (a new CUDA stream: this runner's, `overlap_lora`) and `pdl`
-    (CUDA)."""
+    dense policy wants them), a LoRA side stream (a new CUDA stream: this runner's, `overlap_lora`) and the
+    model's `pdl` (its layer options', as `cfg.layer_options` set them)."""
     device = cfg.torch_device
     triton = cfg.kernel_backend == "triton"
     return LoRANeeds(rows=not triton, width=cfg.lora_width_by_batch,
                      group_slots=model.max_loras if cfg.group_lora_rows and triton else 0,
                      policy=model.options.dense_lora_policy,
                      side_stream=torch.cuda.Stream(device) if cfg.overlap_lora and device.type == "cuda" else None,
-                     pdl=cfg.pdl and device.type == "cuda")
+                     pdl=model.options.pdl)
 
 
 class ModelRunner:

@@ -7,9 +7,7 @@ depends on have finished and their writes are visible, then `griddepcontrol.laun
 kernel launch. So what overlaps is the next launch and its programs' start-up, never a load or a store: results
 are bit for bit those of plain launches, and since every program waits before it can finish, a kernel's end still
 implies its predecessors' (the order stays transitive through a chain). A decode step is ~14 dependent launches a
-layer, latency-bound at small batches (H200, Qwen3-30B-A3B shape, 1-64 requests: FP8 8 adapters -4..-5 % step time,
-bf16 -1..-4 %; DeepSeek-V2-Lite 8 adapters -4..-7 % at 1-8; losses: bf16 without LoRA at one request +1..4 %,
-DSV2 8 adapters at 64 requests +4 %: docs/performance.md's decision table).
+layer, latency-bound at small batches: what it gains and where it loses, docs/performance.md's decision table.
 
 The off switch is `EngineConfig.pdl` (`LayerOptions.pdl`), given to every launcher as `pdl=`; a launcher passes
 `**pdl_args(pdl, tensor)`, off on the CPU, under the interpreter and before Hopper.
