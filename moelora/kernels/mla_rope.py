@@ -19,12 +19,7 @@ import triton.language as tl
 
 from moelora.kernels.checks import FLOAT_DTYPES, cdiv, check_vector, need, next_pow2
 from moelora.kernels.pdl import pdl_args, pdl_wait
-
-
-@triton.jit
-def _rd(v, like_ptr):
-    """v (fp32) rounded to the dtype `like_ptr` points to, back in fp32."""
-    return v.to(like_ptr.dtype.element_ty).to(tl.float32)
+from moelora.kernels.rounding import round_to
 
 
 @triton.jit
@@ -37,18 +32,18 @@ def _rotate(x_rows, cs_ptr, sn_ptr, d, ok, out_ptr, DR, INTERLEAVE: tl.constexpr
         i = tl.where(d < half, d, d - half)
         a = tl.load(x_rows + 2 * i, mask=ok, other=0.0).to(tl.float32)
         b = tl.load(x_rows + 2 * i + 1, mask=ok, other=0.0).to(tl.float32)
-        c = _rd(tl.load(cs_ptr + i, mask=d < DR, other=0.0), out_ptr)
-        s = _rd(tl.load(sn_ptr + i, mask=d < DR, other=0.0), out_ptr)
-        first = _rd(_rd(a * c, out_ptr) - _rd(b * s, out_ptr), out_ptr)
-        second = _rd(_rd(b * c, out_ptr) + _rd(a * s, out_ptr), out_ptr)
+        c = round_to(tl.load(cs_ptr + i, mask=d < DR, other=0.0), out_ptr)
+        s = round_to(tl.load(sn_ptr + i, mask=d < DR, other=0.0), out_ptr)
+        first = round_to(round_to(a * c, out_ptr) - round_to(b * s, out_ptr), out_ptr)
+        second = round_to(round_to(b * c, out_ptr) + round_to(a * s, out_ptr), out_ptr)
         return tl.where(d < half, first, second)
     partner = tl.where(d < half, d + half, d - half)
     a = tl.load(x_rows + d, mask=ok, other=0.0).to(tl.float32)
     p = tl.load(x_rows + partner, mask=ok, other=0.0).to(tl.float32)
-    c = _rd(tl.load(cs_ptr + d, mask=d < DR, other=0.0), out_ptr)
-    s = _rd(tl.load(sn_ptr + d, mask=d < DR, other=0.0), out_ptr)
+    c = round_to(tl.load(cs_ptr + d, mask=d < DR, other=0.0), out_ptr)
+    s = round_to(tl.load(sn_ptr + d, mask=d < DR, other=0.0), out_ptr)
     rot = tl.where(d < half, -p, p)
-    return _rd(_rd(a * c, out_ptr) + _rd(rot * s, out_ptr), out_ptr)
+    return round_to(round_to(a * c, out_ptr) + round_to(rot * s, out_ptr), out_ptr)
 
 
 @triton.jit
@@ -71,7 +66,7 @@ def _mla_rope_store_kernel(q_ptr, ckv_ptr, cos_ptr, sin_ptr, w_ptr, cache_ptr, s
             x = tl.load(ckv_ptr + t * stride_ct + offs, mask=offs < C, other=0.0).to(tl.float32)
             scale = tl.rsqrt(tl.sum(x * x, axis=0) / C + eps)
             w = tl.load(w_ptr + offs, mask=offs < C, other=0.0).to(tl.float32)
-            tl.store(dst + offs, (w * _rd(x * scale, cache_ptr)).to(cache_ptr.dtype.element_ty), mask=offs < C)
+            tl.store(dst + offs, (w * round_to(x * scale, cache_ptr)).to(cache_ptr.dtype.element_ty), mask=offs < C)
             k = _rotate(ckv_ptr + t * stride_ct + C, cs, sn, d, d < DR, cache_ptr, DR, INTERLEAVE)
             tl.store(dst + C + d, k.to(cache_ptr.dtype.element_ty), mask=d < DR)
     else:

@@ -20,12 +20,7 @@ import triton.language as tl
 
 from moelora.kernels.checks import cdiv, check_rows, check_vector, need, next_pow2, output
 from moelora.kernels.pdl import pdl_args, pdl_wait
-
-
-@triton.jit
-def _round(v, like_ptr):
-    """v (fp32) rounded to the dtype `like_ptr` points to, back in fp32."""
-    return v.to(like_ptr.dtype.element_ty).to(tl.float32)
+from moelora.kernels.rounding import round_to
 
 
 class KVStore(NamedTuple):
@@ -55,12 +50,12 @@ def _norm_rope_heads(x_ptr, o_ptr, w_ptr, cos_ptr, sin_ptr, t, t_out, hb, N, D, 
         scale = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
         w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)[None, :]
         wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)[None, :]
-        x = _round(w * _round(x * scale, o_ptr), o_ptr)
-        xp = _round(wp * _round(xp * scale, o_ptr), o_ptr)
-    c = _round(tl.load(cos_ptr + t * stride_ct + d, mask=rot, other=0.0), o_ptr)[None, :]
-    s = _round(tl.load(sin_ptr + t * stride_st + d, mask=rot, other=0.0), o_ptr)[None, :]
+        x = round_to(w * round_to(x * scale, o_ptr), o_ptr)
+        xp = round_to(wp * round_to(xp * scale, o_ptr), o_ptr)
+    c = round_to(tl.load(cos_ptr + t * stride_ct + d, mask=rot, other=0.0), o_ptr)[None, :]
+    s = round_to(tl.load(sin_ptr + t * stride_st + d, mask=rot, other=0.0), o_ptr)[None, :]
     xp = tl.where((d < half)[None, :], -xp, xp)
-    y = _round(_round(x * c, o_ptr) + _round(xp * s, o_ptr), o_ptr)
+    y = round_to(round_to(x * c, o_ptr) + round_to(xp * s, o_ptr), o_ptr)
     y = tl.where(rot[None, :], y, x)
     out = o_ptr + t_out * stride_ot + heads[:, None].to(tl.int64) * stride_oh + d[None, :]
     tl.store(out, y.to(o_ptr.dtype.element_ty), mask=mask)
