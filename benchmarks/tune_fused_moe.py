@@ -5,9 +5,7 @@ moelora/kernels/configs/fused_moe_<gpu>.json (and a copy plus all timings under 
 Shape legend: M tokens, H hidden, I expert intermediate, E experts, K top-k.
 Per (shape, M): time the LoRA-off layer (CUDA-graph replay, L2 flushed, median) over a short
 candidate list of tiles chosen by routes per expert, keep the fastest; then try TMA on it, and where
-M * K <= E the plan with a block per route and no sort (plan_per_route), and for W8A8 h quantized in the gate_up
-epilogue on a 128-column gate_up tile (h_quant_in_gate_up: timed without LoRA only, the tile then also the LoRA
-steps'; each kept if 2 % faster); then pick the routed-LoRA path
+M * K <= E the plan with a block per route and no sort (plan_per_route); then pick the routed-LoRA path
 (`lora`) by the summed time of one adapter and of 8 adapters, rank 16 (--score; a graph serves both kinds
 of batch, and the best path differs between them: H200, Qwen3 M=256, scored on 8 alone the route path won,
 on both the block path, which then decoded faster with 1 adapter AND with 8): every registered path's
@@ -182,15 +180,8 @@ def tune_one(layer, M, log, side=None, score=("1ad_r16", "8ad_r16"), lora_from: 
         log.append(dict(M=M, what="plan_per_route", config=json.dumps(pr.to_dict()), ms=t_pr))
         if t_pr < 0.98 * t_best:
             best, t_best = pr, t_pr
-    t_hq = float("nan")
-    if layer.fp8 is not None and layer.fp8.quantize_activations:  # W8A8: h quantized by the gate_up epilogue
-        hq = dataclasses.replace(best, gate_up=dataclasses.replace(best.gate_up, block_n=128), h_quant_in_gate_up=True)
-        t_hq = timed(layer, x, wts, ids, None, hq)
-        log.append(dict(M=M, what="h_quant_in_gate_up", config=json.dumps(hq.to_dict()), ms=t_hq))
-        if t_hq < 0.98 * t_best:
-            best, t_best = hq, t_hq
-    print(f"  M={M:5d} off {t_best * 1e3:8.1f} us (tma {t_tma * 1e3:8.1f}, plan per route {t_pr * 1e3:8.1f}, h quant "
-          f"in gate_up {t_hq * 1e3:8.1f}) -> {best}", flush=True)
+    print(f"  M={M:5d} off {t_best * 1e3:8.1f} us (tma {t_tma * 1e3:8.1f}, plan per route {t_pr * 1e3:8.1f}) -> {best}",
+          flush=True)
     log.append(dict(M=M, what="best_off", config=json.dumps(best.to_dict()), ms=t_best))
     if lora_from is not None:
         return dataclasses.replace(best, **lora_fields_from(lora_from))
