@@ -16,7 +16,6 @@ import torch
 from moelora.kernels.args import ExpertLoRAArgs, FP8Rows, MoERoutingPlan
 from moelora.kernels.checks import FLOAT_DTYPES, cdiv, lora_tile_rank, need, next_pow2, output
 from moelora.kernels.fp8_moe import FP8_DTYPE, FP8ExpertScales, check_fp8, fp8_launch_args, fp8_moe_config
-from moelora.kernels.fp8_quant import GROUP
 from moelora.kernels.moe_config import FusedMoEConfig, lora_paths, tuned_fused_moe_config
 from moelora.kernels.moe_gemm import combine_kernel, down_kernel, gate_up_kernel
 from moelora.kernels.moe_lora.base import MoECall, MoELoRAPath
@@ -116,18 +115,6 @@ def _plan(topk_ids, E, config: FusedMoEConfig, route_rows, expert_map, pdl: bool
     return build_routing_plan(topk_ids, E, config.block_m, expert_map=expert_map, pdl=pdl)
 
 
-def _h_quant_rows(h: torch.Tensor, config: FusedMoEConfig, fp8: FP8ExpertScales | None,
-                  lora: ExpertLoRAArgs | None) -> FP8Rows | None:
-    """Buffers for h quantized by the gate_up epilogue (`FusedMoEConfig.h_quant_in_gate_up`), where that holds:
-    W8A8 on block-FP8 weights and no LoRA (a LoRA path may change h after gate_up); else None."""
-    if not (config.h_quant_in_gate_up and fp8 is not None and fp8.block and fp8.quantize_activations
-            and lora is None):
-        return None
-    P, inter = h.shape
-    return FP8Rows(torch.empty(P, inter, dtype=FP8_DTYPE, device=h.device),
-                   torch.empty(P, cdiv(inter, GROUP), dtype=torch.float32, device=h.device))
-
-
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, lora: ExpertLoRAArgs | None = None, out: torch.Tensor | None = None,
               config: FusedMoEConfig | None = None, side_stream: torch.cuda.Stream | None = None,
@@ -160,18 +147,13 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
                   GROUP_M=GROUP_M, USE_TMA=config.use_tma, **launch)
     w_gu, w_dn, h_in = _tma_operands(w_gate_up, w_down, h, config) if config.use_tma else (w_gate_up, w_down, h)
     fp8_gate_up = fp8_launch_args(fp8, "gate_up", inter, x, a_fp8=x_fp8, pdl=pdl)  # W8A8: x quantized (or x_fp8)
-    h_rows = _h_quant_rows(h, config, fp8, lora)  # W8A8 without LoRA: the gate_up epilogue quantizes h
-    if h_rows is not None:
-        fp8_gate_up.update(hq_ptr=h_rows.q, hqs_ptr=h_rows.s, stride_hq=h_rows.q.stride(0),
-                           stride_hqs=h_rows.s.stride(0), H_QUANT=True)
     path.before_gate_up()
     gate_up_kernel[(plan.max_blocks * cdiv(inter, gu.block_n),)](  # gate_up (+ the activation, unless RAW_OUT)
         x, w_gu, gu_out, stride_xt=x.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
         stride_hp=gu_out.stride(0), BN=gu.block_n, BK=gu.block_k, num_warps=gu.num_warps, num_stages=gu.num_stages,
         h_act_ptr=h, stride_act=h.stride(0), **common, **path.gate_up_args(), **fp8_gate_up)
     path.after_gate_up(gu_out, h)  # the activation of a raw gate_up output
-    # W8A8: h quantized (new buffers; or by the gate_up epilogue)
-    fp8_down = fp8_launch_args(fp8, "down", inter, h, plan.num_padded, a_fp8=h_rows, pdl=pdl)
+    fp8_down = fp8_launch_args(fp8, "down", inter, h, plan.num_padded, pdl=pdl)  # W8A8: h quantized (new buffers)
     path.before_down(h)
     topk_w = topk_weights.contiguous()
     down_kernel[(plan.max_blocks * cdiv(H, dn.block_n),)](

@@ -21,7 +21,7 @@ import torch
 from moelora.kernels.checks import need_pow2
 
 CONFIG_DIR = Path(__file__).parent / "configs"
-_TILE_KEYS = ("block_m", "gate_up", "down", "use_tma", "plan_per_route", "h_quant_in_gate_up")
+_TILE_KEYS = ("block_m", "gate_up", "down", "use_tma", "plan_per_route")
 
 
 def lora_paths() -> dict:
@@ -48,16 +48,13 @@ class GemmTile:
 @dataclass(frozen=True)
 class FusedMoEConfig:
     """One table entry: block_m (the plan's block), gate_up / down tiles, use_tma (contract-6 off switch),
-    plan_per_route (a block per route, no launch), h_quant_in_gate_up (W8A8 on block-FP8 weights without LoRA: the
-    gate_up epilogue writes h already quantized for the down GEMM, one 1 x 128 group a tile, so gate_up's block_n
-    is 128; no `per_token_group_quant` launch), lora (path config for BLOCK_R <= 16), lora_wide (None: lora)."""
+    plan_per_route (a block per route, no launch), lora (path config for BLOCK_R <= 16), lora_wide (None: lora)."""
 
     block_m: int = 16
     gate_up: GemmTile = field(default_factory=GemmTile)
     down: GemmTile = field(default_factory=GemmTile)
     use_tma: bool = False
     plan_per_route: bool = False
-    h_quant_in_gate_up: bool = False
     lora: object = field(default_factory=_separate)
     lora_wide: object | None = None
 
@@ -65,9 +62,6 @@ class FusedMoEConfig:
         need_pow2("FusedMoEConfig", block_m=self.block_m, gate_up_block_n=self.gate_up.block_n,
                   gate_up_block_k=self.gate_up.block_k, down_block_n=self.down.block_n,
                   down_block_k=self.down.block_k)
-        if self.h_quant_in_gate_up and self.gate_up.block_n != 128:
-            raise ValueError(f"FusedMoEConfig.h_quant_in_gate_up needs gate_up.block_n 128 (one 1 x 128 group a "
-                             f"tile), got {self.gate_up.block_n}")
         paths = lora_paths()
         for name, cfg in (("lora", self.lora), ("lora_wide", self.lora_wide)):
             path = paths.get(getattr(cfg, "path", None))

@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.fp8_moe import fp8_down_steps, fp8_gate_up_steps
-from moelora.kernels.fp8_quant import quant_tile
 from moelora.kernels.moe_lora.separate import separate_epilogue
 from moelora.kernels.moe_lora.spread import spread_shrink
 from moelora.kernels.moe_lora.stacked import stacked_epilogue
@@ -44,13 +43,10 @@ def gate_up_kernel(
     SPREAD: tl.constexpr = False, spread_k=0, h_act_ptr=None, stride_act=0,
     ws_ptr=None, stride_wse=0, stride_wsn=0, stride_wsk=0, ws_gate_rows=0, aq_ptr=None, aqs_ptr=None, stride_aq=0,
     stride_aqs=0, B_FP8: tl.constexpr = False, A_FP8: tl.constexpr = False, SCALE_GN: tl.constexpr = 128,
-    hq_ptr=None, hqs_ptr=None, stride_hq=0, stride_hqs=0, H_QUANT: tl.constexpr = False,
 ):
     """h[plan row] = silu(gate) * up of x[token] @ W_gu[e]^T (+ LoRA); RAW_OUT: gate and up unactivated into h
     [P, 2I] for a kernel after it; SPREAD: also the gate_up shrink of this tile's x columns into xa[n], rows
-    with no gate_up delta activated here into h_act (bit for bit the no-LoRA value); H_QUANT (BN = 128): h as
-    stored, quantized (one 1 x 128 group a tile: `per_token_group_quant`'s bits) into hq [P, I] e4m3 and its
-    scales hqs [P, ceil(I / 128)], the down GEMM's W8A8 input."""
+    with no gate_up delta activated here into h_act (bit for bit the no-LoRA value)."""
     pdl_wait(PDL)
     pid_m, pid_n = _tile_ids(num_blocks, tl.cdiv(inter, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_padded_ptr):
@@ -119,13 +115,8 @@ def gate_up_kernel(
         tl.store(h_rows, acc_g.to(h_ptr.dtype.element_ty), mask=h_mask)
         tl.store(h_rows + inter, acc_u.to(h_ptr.dtype.element_ty), mask=h_mask)
     else:
-        hv = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(h_ptr.dtype.element_ty)
-        tl.store(h_rows, hv, mask=h_mask)
-        if H_QUANT:  # the stored values, the tile's other columns 0 (a partial last group, as the separate quant)
-            hq, hs = quant_tile(tl.where(h_mask, hv.to(tl.float32), 0.0))
-            rows64 = offs_m[:, None].to(tl.int64)
-            tl.store(hq_ptr + rows64 * stride_hq + offs_n[None, :], hq, mask=h_mask)
-            tl.store(hqs_ptr + offs_m.to(tl.int64) * stride_hqs + pid_n, hs, mask=valid)
+        hv = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(h_rows, hv.to(h_ptr.dtype.element_ty), mask=h_mask)
 
 
 @triton.jit

@@ -193,43 +193,6 @@ def test_fp8_config_from_the_table(tmp_path):
     assert fp8_moe_config(8, 256, 128, 64, 2, torch.bfloat16, "x", str(table2)) == fp8
 
 
-def h_quant_pair(config):
-    """`config` with a 128-column gate_up tile, without and with `h_quant_in_gate_up`."""
-    wide = replace(config, gate_up=replace(config.gate_up, block_n=128))
-    return wide, replace(wide, h_quant_in_gate_up=True)
-
-
-def count_group_quants(monkeypatch) -> list:
-    import moelora.kernels.fp8_moe as fp8_moe
-
-    calls, real = [], fp8_moe.per_token_group_quant
-    monkeypatch.setattr(fp8_moe, "per_token_group_quant", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    return calls
-
-
-@kernel_test
-@pytest.mark.parametrize("ranks", [(), (8, 0, 3, 8)], ids=["base", "lora"])
-def test_h_quant_in_gate_up_equals_the_separate_quantization(ranks, monkeypatch):
-    """W8A8 on block scales: the gate_up epilogue quantizing h (I = 136: a full group and a partial one) gives the
-    separate `per_token_group_quant` launch's result, bit for bit, and makes no launch of it; with LoRA (a path
-    may change h after gate_up) the switch does nothing."""
-    case = make_case(9, 200, 136, 5, 2, ranks=ranks, R=8, dtype=torch.float32, device=DEV, seed=13)
-    off, on = h_quant_pair(tiny_fp8_config())
-    calls = count_group_quants(monkeypatch)
-    want, _, _ = run_fp8(case, off, True, True)
-    assert len(calls) == 2  # x, then h
-    got, _, _ = run_fp8(case, on, True, True)
-    assert len(calls) == 2 + (2 if ranks else 1)
-    assert torch.equal(got, want)
-    w8a16, _, _ = run_fp8(case, on, True, False)  # W8A16: nothing to quantize, the switch ignored
-    assert torch.equal(w8a16, run_fp8(case, off, True, False)[0])
-
-
-def test_h_quant_in_gate_up_needs_a_128_column_tile():
-    with pytest.raises(ValueError, match="h_quant_in_gate_up needs gate_up.block_n 128"):
-        replace(tiny_fp8_config(), h_quant_in_gate_up=True)
-
-
 QWEN3 = dict(H=2048, I=768, E=128, K=8)
 DSV2_LITE = dict(H=2048, I=1408, E=64, K=6)
 
@@ -274,21 +237,6 @@ def test_gpu_fp8_w8a8_within_bound(T, shape, lora):
     got, deq_gu, deq_d = run_fp8(case, gpu_config(sh, T, act=True), True, True, no_sync=True)
     assert rel_err(got, dequantized_twin(case, deq_gu, deq_d, True, torch.float32)) <= 2e-2
     check_w8a8_within_bound(got, case, deq_gu, deq_d, 1e-2)
-
-
-@pytest.mark.gpu
-@gpu_only
-@pytest.mark.parametrize("T", [1, 8, 64, 512])
-@pytest.mark.parametrize("shape", ["qwen3", "dsv2_lite"])
-def test_gpu_h_quant_in_gate_up_equals_the_separate_quantization(T, shape):
-    """The table's W8A8 entry with a 128-column gate_up tile, h quantized in its epilogue or by the separate launch:
-    the same output, bit for bit (E scaled down to 32)."""
-    sh = QWEN3 if shape == "qwen3" else DSV2_LITE
-    case = gpu_case(sh, T, seed=T + 5, lora=False, E=32)
-    off, on = h_quant_pair(gpu_config(sh, T, act=True))
-    want, _, _ = run_fp8(case, off, True, True)
-    got, _, _ = run_fp8(case, on, True, True, no_sync=True)
-    assert torch.equal(got, want)
 
 
 @pytest.mark.gpu
