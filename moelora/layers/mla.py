@@ -78,6 +78,7 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, _INNER_NORM_EPS, backend, self.options.pdl)
         self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), **kw)
         self.o_proj = Linear(num_heads * v_head_dim, hidden, bias=bias, **kw)
+        self.kv_b_dense = DenseKVB()
 
     def _query(self, x: torch.Tensor, lora: LoRABatch | None, x_fp8: FP8Rows | None) -> torch.Tensor:
         if not self.q_lora:
@@ -90,6 +91,8 @@ class MLAttention(nn.Module):
         """x_fp8: x quantized for the W8A8 projections of x by the norm that wrote it (`DecoderLayer`)."""
         T, N, C = x.shape[0], self.num_heads, self.kv_lora_rank
         absorbed = self.options.mla_absorbed_decode and meta.max_query_len == 1
+        # the absorbed decode's kv_b weight, asked for on a prefill too (`DenseKVB`: made before the KV pool is sized)
+        w_kv_b = self.kv_b_dense(self.kv_b_proj, x.dtype) if self.options.mla_absorbed_decode else None
         if not absorbed and x.is_cuda and torch.cuda.is_current_stream_capturing():
             raise ConfigError("MLA attention is graph-safe only for decode steps with mla_absorbed_decode on: "
                               "run this model with enforce_eager=True")
@@ -102,22 +105,25 @@ class MLAttention(nn.Module):
             norm = self.kv_a_layernorm
             q_rope = mla_rope_store(q, compressed, cos, sin, norm.weight, norm.eps, cache, meta.slot_mapping,
                                     interleave=self.interleave, pdl=self.options.pdl)
-            out = self._decode_absorbed(q[..., :self.nope], q_rope, None, cache, meta, lora)
+            out = self._decode_absorbed(q[..., :self.nope], q_rope, None, cache, meta, lora, w_kv_b)
             return self.o_proj(out.reshape(T, N * self.v_dim), lora)
         q = torch.cat((q[..., :self.nope], self.rotate(q[..., self.nope:], cos, sin)), dim=-1)
         latent = self.kv_a_layernorm(compressed[:, :C])
         k_rot = self.rotate(compressed[:, None, C:], cos, sin)[:, 0]
         entries = torch.cat((latent, k_rot), dim=-1)
         if absorbed:
-            out = self._decode_absorbed(q[..., :self.nope], q[..., self.nope:], entries, cache, meta, lora)
+            out = self._decode_absorbed(q[..., :self.nope], q[..., self.nope:], entries, cache, meta, lora,
+                                         w_kv_b)
         else:
             out = mla_attention_ref(q, entries, cache, meta, self.kv_b_proj, lora, self.nope, self.v_dim, self.scale)
         return self.o_proj(out.reshape(T, N * self.v_dim), lora)
 
     def _decode_absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor | None,
-                         cache: torch.Tensor, meta: AttnMetadata, lora: LoRABatch | None) -> torch.Tensor:
+                         cache: torch.Tensor, meta: AttnMetadata, lora: LoRABatch | None, w_kv_b: torch.Tensor
+                         ) -> torch.Tensor:
         """Decode step (one query per sequence) in the absorbed form -> new [T, N, Dv]; `entries` None: stored
-        already (Triton, `kernels.mla_rope`)."""
+        already (Triton, `kernels.mla_rope`); w_kv_b: kv_b_proj's weight, dense (`DenseKVB`)."""
+        assert self.kv_b_proj.bias is None  # DeepSeek's has none; the absorbed forms assume it
         if self.options.kernel_backend == "triton":  # the LoRA terms: one launch a side (`kernels.mla_lora`)
             from moelora.kernels.mla_attention import mla_decode_attention
             from moelora.kernels.mla_lora import mla_absorb_lora_, mla_expand_lora_
@@ -126,12 +132,12 @@ class MLAttention(nn.Module):
             on = lora is not None and kv_b.has_lora and not lora.skips(kv_b)
             site = (kv_b.lora_a, kv_b.lora_b, kv_b.lora_ranks, lora.token_slots, lora.max_rank) if on else None
             pdl = self.options.pdl
-            q_abs = absorb_query(q_nope, kv_b, None)
+            q_abs = absorb_query(q_nope, w_kv_b, None)
             if site:
                 mla_absorb_lora_(q_abs, q_nope, *site, pdl=pdl)
             o_lat = mla_decode_attention(q_abs, q_rope, entries, cache, meta, self.scale, stored=entries is None,
                                          pdl=pdl)
-            out = expand_output(o_lat, kv_b, self.nope, None)
+            out = expand_output(o_lat, w_kv_b, self.nope, None)
             if site:
                 a, b, ranks, token_slots, width = site
                 mla_expand_lora_(out, o_lat, a, b, self.nope, ranks, token_slots, width, pdl=pdl)
@@ -139,9 +145,9 @@ class MLAttention(nn.Module):
         from moelora.kernels.reference import mla_decode_attention_ref as mla_decode_attention
 
         slots = _SlotSelect.of(self.kv_b_proj, lora)
-        q_abs = absorb_query(q_nope, self.kv_b_proj, slots)
+        q_abs = absorb_query(q_nope, w_kv_b, slots)
         o_lat = mla_decode_attention(q_abs, q_rope, entries, cache, meta, self.scale)
-        return expand_output(o_lat, self.kv_b_proj, self.nope, slots)
+        return expand_output(o_lat, w_kv_b, self.nope, slots)
 
 
 @dataclass(frozen=True)
@@ -165,18 +171,40 @@ class _SlotSelect:
         return _SlotSelect(onehot, a.index_select(0, slots.clamp(min=0)).to(dtype), b.to(dtype))
 
 
-def _kv_b_weight(kv_b_proj: Linear, dtype: torch.dtype) -> torch.Tensor:
-    """kv_b_proj's weight as the absorbed products read it: an FP8 one dequantized (W8A16 in every mode)."""
-    return kv_b_proj.weight if getattr(kv_b_proj, "quant", None) is None else kv_b_proj.dense_weight(dtype)
+class DenseKVB:
+    """kv_b_proj's weight [N(Dn + Dv), C] as the absorbed products read it: the parameter itself, or an FP8 one
+    dequantized once (W8A16 in every mode) and kept, not at every decode step (two dequantizations of N(Dn + Dv)
+    C elements a layer, ~5 torch launches each). The copy is made again when the weight or its scale changes
+    (their storage or version counter: a checkpoint or a test writing them in place); `MLAttention.forward`
+    asks for it on every step, prefill included, so the engine's profiling prefill makes it before the KV
+    pool is sized (its bytes count as the profile's activations)."""
+
+    def __init__(self):
+        self._key, self._dense = None, None
+
+    def __call__(self, kv_b_proj: Linear, dtype: torch.dtype) -> torch.Tensor:
+        if getattr(kv_b_proj, "quant", None) is None:
+            return kv_b_proj.weight
+        w, s = kv_b_proj.weight, kv_b_proj.weight_scale_inv
+        key = (w.data_ptr(), _version(w), s.data_ptr(), _version(s), dtype)
+        if key != self._key:
+            self._dense, self._key = None, None  # the old copy freed before the new one is made
+            self._dense, self._key = kv_b_proj.dense_weight(dtype), key
+        return self._dense
 
 
-def absorb_query(q_nope: torch.Tensor, kv_b_proj: Linear, slots: _SlotSelect | None) -> torch.Tensor:
+def _version(t: torch.Tensor) -> int | None:
+    """t's in-place write counter; None for an inference tensor (made under inference_mode: it keeps none)."""
+    return None if t.is_inference() else t._version
+
+
+def absorb_query(q_nope: torch.Tensor, w_kv_b: torch.Tensor, slots: _SlotSelect | None) -> torch.Tensor:
     """q_nope [T, N, Dn] -> q_abs [T, N, C] = q_nope W_uk (+ (q_nope B_s,uk) A_s). W_uk, W_uv are views of
-    kv_b_proj.weight [N(Dn + Dv), C]; it has no bias (DeepSeek's has none; the absorbed forms assume it)."""
-    assert kv_b_proj.bias is None
+    kv_b_proj's weight w_kv_b [N(Dn + Dv), C] (`DenseKVB`); kv_b_proj has no bias (DeepSeek's has none; the
+    absorbed forms assume it)."""
     T, N, nope = q_nope.shape
-    C = kv_b_proj.in_features
-    w = _kv_b_weight(kv_b_proj, q_nope.dtype).view(N, -1, C)
+    C = w_kv_b.shape[1]
+    w = w_kv_b.view(N, -1, C)
     qn = q_nope.transpose(0, 1)  # [N, T, Dn]
     q_abs = torch.bmm(qn, w[:, :nope]).transpose(0, 1)  # [T, N, C]
     if slots is None:
@@ -188,10 +216,10 @@ def absorb_query(q_nope: torch.Tensor, kv_b_proj: Linear, slots: _SlotSelect | N
     return q_abs + torch.bmm(u.transpose(0, 1), slots.a_tok)
 
 
-def expand_output(o_lat: torch.Tensor, kv_b_proj: Linear, nope: int, slots: _SlotSelect | None) -> torch.Tensor:
+def expand_output(o_lat: torch.Tensor, w_kv_b: torch.Tensor, nope: int, slots: _SlotSelect | None) -> torch.Tensor:
     """o_lat [T, N, C] -> out [T, N, Dv] = o_lat W_uv^T (+ (o_lat A_s^T) B_s,uv^T)."""
     T, N, C = o_lat.shape
-    w = _kv_b_weight(kv_b_proj, o_lat.dtype).view(N, -1, C)
+    w = w_kv_b.view(N, -1, C)
     out = torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)  # [T, N, Dv]
     if slots is None:
         return out

@@ -45,11 +45,11 @@ def twin(q_nope, o_lat, kv_b, lora, nope, dtype=None):
                                   "weight": up(kv_b.weight)})
         q_nope, o_lat = up(q_nope), up(o_lat)
     sel = _SlotSelect.of(kv_b, lora)
-    return absorb_query(q_nope, kv_b, sel), expand_output(o_lat, kv_b, nope, sel)
+    return absorb_query(q_nope, kv_b.weight, sel), expand_output(o_lat, kv_b.weight, nope, sel)
 
 
 def kernels(q_nope, o_lat, kv_b, lora, ranks, nope, width=None):
-    q_abs, out = absorb_query(q_nope, kv_b, None), expand_output(o_lat, kv_b, nope, None)
+    q_abs, out = absorb_query(q_nope, kv_b.weight, None), expand_output(o_lat, kv_b.weight, nope, None)
     base = q_abs.clone(), out.clone()
     assert mla_absorb_lora_(q_abs, q_nope, kv_b.lora_a, kv_b.lora_b, ranks, lora.token_slots, width) is q_abs
     assert mla_expand_lora_(out, o_lat, kv_b.lora_a, kv_b.lora_b, nope, ranks, lora.token_slots, width) is out

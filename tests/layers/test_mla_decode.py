@@ -13,7 +13,7 @@ import torch
 from moelora.engine.request import SamplingParams
 from moelora.layers.mla import MLAttention
 from moelora.layers.options import LayerOptions, adopt_tensors
-from tests.helpers.mla import SIZES, decode_step, mla_layer, run, set_slot
+from tests.helpers.mla import SIZES, decode_step, mla_layer, new_mla, run, set_slot
 from tests.helpers.models import build_from_architecture, engine, random_adapter
 from tests.helpers.oracle import tiny_hf_model
 from tests.helpers.runs import prompts
@@ -108,3 +108,38 @@ def test_engine_decode_absorbed_equals_expanded(monkeypatch):
     assert tokens == ref_tokens
     assert len(logits) == len(ref_logits)
     assert max((a - b).abs().max().item() for a, b in zip(logits, ref_logits, strict=True)) <= 1e-4
+
+
+def test_fp8_kv_b_is_dequantized_once_and_again_when_rewritten(monkeypatch):
+    """An FP8 kv_b_proj: the absorbed decode reads one dense copy across steps (not a dequantization a step),
+    equal to the one the expanded path uses; writing the weight or its scale in place (a checkpoint load) makes
+    the next step use the new values."""
+    from moelora.layers.linear import Linear
+    from moelora.quant.config import FP8Config
+    from moelora.quant.fp8 import quantize_segments
+
+    fp8 = FP8Config(method="fp8", weights="block", activations="group", block=(8, 8))
+    layer = mla_layer(seed=4, quant=fp8)
+    calls = []
+    dense = Linear.dense_weight
+    monkeypatch.setattr(Linear, "dense_weight", lambda self, dtype: calls.append(self) or dense(self, dtype))
+    kv_b = layer.kv_b_proj
+    step = decode_step(layer, [5, 1, 8], [0, 1, -1], seed=6)
+    first, _ = run(layer, step, absorbed=True)
+    again, _ = run(layer, step, absorbed=True)
+    assert torch.equal(first, again) and sum(c is kv_b for c in calls) == 1
+    with torch.device("meta"):  # the expanded twin (`twin` builds bf16 sites)
+        expanded = adopt_tensors(new_mla(LayerOptions(mla_absorbed_decode=False), quant=fp8), layer)
+    assert (first - run(expanded, step, absorbed=False)[0]).abs().max() <= 1e-4
+    g = torch.Generator().manual_seed(7)
+    q, s = quantize_segments(0.15 * torch.randn(kv_b.weight.shape, generator=g), kv_b.scale_segments, fp8.block)
+    with torch.no_grad():
+        kv_b.weight.copy_(q)
+    new_weight, _ = run(layer, step, absorbed=True)
+    with torch.no_grad():
+        kv_b.weight_scale_inv.copy_(s * 2)
+    new_scale, _ = run(layer, step, absorbed=True)
+    assert sum(c is kv_b for c in calls) == 3
+    for got in (new_weight, new_scale):
+        assert (got - first).abs().max() > 1e-2
+    assert (new_scale - run(expanded, step, absorbed=False)[0]).abs().max() <= 1e-4
