@@ -16,6 +16,7 @@ import torch
 pytestmark = pytest.mark.interp  # `make test` runs it with TRITON_INTERPRET=1 (set before triton is imported)
 triton = pytest.importorskip("triton")
 
+from moelora.kernels.checks import next_pow2  # noqa: E402
 from moelora.kernels.reference import softmax_topk_ref  # noqa: E402
 from moelora.kernels.router_topk import (  # noqa: E402
     MAX_EXPERTS,
@@ -130,21 +131,25 @@ def test_router_topk_fp32_router_equals_twin(T, H, E, K, scaling, splits, grid):
 
 def separated_inputs(T, H, E, dtype, device, seed, n_group, topk_group, K):
     """x, an fp32 weight and a bias whose logits are exact (w holds an identity over x's first E columns) and whose
-    "noaux_tc" decisions stand clear of ties (every margin > 1e-3 in fp64, far past fp32 sums and sigmoids): the
-    kernel must pick the twin's experts in the twin's order. Seeds are tried from `seed` on until one is clear."""
+    "noaux_tc" decisions stand clear of ties (every margin > 1e-5 in fp64: ~100x what fp32 sigmoids, bias adds and
+    top-2 sums can move a score): the kernel must pick the twin's experts in the twin's order. Seeds are tried from
+    `seed` on until one is clear. The logits are distinct multiples of a power-of-two step in [-4, 4), where the
+    sigmoid is not flat (at DeepSeek-V3's 256 experts over [-32, 32) most scores sat within 1e-3 of 0 or 1, and
+    a margin of 1e-3 over 8 or 16 rows was never met: the GPU test hung in this loop)."""
     from moelora.layers.router import RoutingSpec
 
     assert H >= E
+    step = 8 / next_pow2(2 * E)
     while True:
         g = torch.Generator().manual_seed(seed)
-        logits = torch.stack([torch.randperm(2 * E, generator=g)[:E] for _ in range(T)]).double() / 8 - E / 8
+        logits = (torch.stack([torch.randperm(2 * E, generator=g)[:E] for _ in range(T)]).double() - E) * step
         bias = torch.randint(-64, 64, (E,), generator=g).double() / 256
         x = torch.randn(T, H, generator=g).double()
         x[:, :E] = logits
         w = torch.zeros(E, H, dtype=torch.float64)
         w[:, :E] = torch.eye(E, dtype=torch.float64)
         spec = RoutingSpec("noaux_tc", K, True, n_group, topk_group, 1.0)
-        if _noaux_margin(logits, bias, spec) > 1e-3:
+        if _noaux_margin(logits, bias, spec) > 1e-5:
             return x.to(dtype).to(device), w.float().to(device), bias.float().to(device)
         seed += 1000
 
