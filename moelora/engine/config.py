@@ -82,6 +82,7 @@ class EngineConfig:
     overlap_lora: bool = True
     mla_absorbed_decode: bool = True  # off switch for MLA's absorbed decode (off: expanded path, no graphs)
     merge_qkv: bool = True  # off switch for the merged q/k/v projection (one GEMM, one LoRA pair)
+    merge_gate_up: bool = True  # off switch for a dense MLP's (and shared experts') merged gate / up projection
     # Programmatic dependent launch (`kernels/pdl.py`; CUDA, compute capability >= 9.0, Triton kernels): each
     # kernel's launch and start-up overlap the end of the one before it, every kernel waiting for its inputs
     # before its first access (results bit for bit). H200, Qwen3-30B shape, 1-64 requests: FP8 steps 4-5 %
@@ -150,7 +151,8 @@ class EngineConfig:
         overlap = self.overlap_shared_experts and self.torch_device.type == "cuda"
         return dataclasses.replace(base, kernel_backend=self.kernel_backend, fused_moe_table=self.fused_moe_table,
                                    overlap_shared_experts=overlap, mla_absorbed_decode=self.mla_absorbed_decode,
-                                   merge_qkv=self.merge_qkv, lora_target_modules=self.lora_target_modules,
+                                   merge_qkv=self.merge_qkv, merge_gate_up=self.merge_gate_up,
+                                   lora_target_modules=self.lora_target_modules,
                                    pdl=self.pdl and self.torch_device.type == "cuda")
 
     def fp8_config(self, model: ModelConfig) -> FP8Config | None:

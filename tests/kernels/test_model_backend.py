@@ -18,6 +18,7 @@ import moelora.kernels.norm as norm_kernels  # noqa: E402
 import moelora.kernels.rotary as rotary_kernels  # noqa: E402
 import moelora.kernels.silu_mul as silu_kernels  # noqa: E402
 import moelora.kernels.softmax_topk as router_kernels  # noqa: E402
+from moelora.layers.mlp import DenseMLP  # noqa: E402
 from tests.helpers.kernel_env import DEV, kernel_test, planned_everywhere, record_planned_sites  # noqa: E402
 from tests.helpers.models import build, engine, random_adapter  # noqa: E402
 from tests.helpers.oracle import tiny_hf_model  # noqa: E402
@@ -80,7 +81,11 @@ def test_triton_backend_logits_equal_torch_backend(family, fused, monkeypatch):
     assert calls["softmax_topk"] >= 1 and all(calls[name] >= 1 for name in fused), calls
     c = model.config
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    assert [call for call in lora_calls if call[1]] == [(q + 2 * kv, (q, kv, kv))] * layers  # q/k/v: one launch
+    # q/k/v: one launch a layer; gate/up of a dense MLP or shared expert: one launch (DenseMLP's gate_up_proj)
+    merged = [[(q + 2 * kv, (q, kv, kv))] + [(2 * m.intermediate, (m.intermediate,) * 2) for m in layer.modules()
+                                             if isinstance(m, DenseMLP)] for layer in model.model.layers]
+    assert any(len(calls) > 1 for calls in merged) == (family != "olmoe")  # OLMoE has no dense MLP
+    assert [call for call in lora_calls if call[1]] == [call for calls in merged for call in calls]
 
 
 def compare_backends(model, adapters, vocab, lengths, seed, monkeypatch):
@@ -120,8 +125,9 @@ def test_triton_backend_logits_equal_torch_backend_glm_deepseek(family, fused, m
 
 @kernel_test
 def test_unmerged_qkv_equals_torch_backend_with_two_more_launches_a_layer(monkeypatch):
-    """The off switch (`merge_qkv=False`): q, k and v each through their own segment (views of the merged
-    weight, bias and LoRA buffers); the same logits as the merged torch path, two more launches a layer."""
+    """The off switches (`merge_qkv=False`, `merge_gate_up=False`): q, k and v each through their own segment
+    (views of the merged weight, bias and LoRA buffers), gate and up likewise; the same logits as the merged
+    torch path, two more launches a layer for q/k/v and one more a dense MLP or shared expert."""
     hf = tiny_hf_model("qwen2_moe", seed=24)  # q/k/v bias
     model = build(hf, max_loras=2, max_rank=4).to(DEV)
     adapters = {"a": random_adapter(model, seed=25, rank=4), "b": random_adapter(model, seed=26, rank=3, frac=0.5)}
@@ -131,12 +137,14 @@ def test_unmerged_qkv_equals_torch_backend_with_two_more_launches_a_layer(monkey
     for merge in (True, False):
         lora_calls = record_lora_linear(monkeypatch)
         got = engine(model, adapters, max_loras=2, device=DEV, kernel_backend="triton",
-                     merge_qkv=merge).prompt_logits(seqs, names)
+                     merge_qkv=merge, merge_gate_up=merge).prompt_logits(seqs, names)
         assert_close(got, want)
         counts[merge] = (len(lora_calls), sum(bool(segs) for _, segs in lora_calls))
     layers = hf.config.num_hidden_layers
-    assert counts[True][1] == layers and counts[False][1] == 0
-    assert counts[False][0] == counts[True][0] + 2 * layers
+    mlps = sum(isinstance(m, DenseMLP) for m in model.modules())  # qwen2_moe: a shared expert a MoE layer
+    assert mlps >= layers
+    assert counts[True][1] == layers + mlps and counts[False][1] == 0
+    assert counts[False][0] == counts[True][0] + 2 * layers + mlps
 
 
 @kernel_test

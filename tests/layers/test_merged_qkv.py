@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from moelora.errors import CheckpointError
 from moelora.layers.linear import LinearSegment, MergedLinear
+from moelora.layers.mlp import DenseMLP
 from moelora.lora.adapter import LoRAAdapter, LoRAWeights
 from moelora.lora.batch import LoRABatch
 from moelora.models.decoder import MoECausalLM
@@ -197,3 +198,28 @@ def test_gpu_triton_merged_and_unmerged_equal_torch(hf):
         for g, w in zip(got, want, strict=True):
             # Triton's fp32 dots (attention, LoRA) run in TF32
             assert (g - w).abs().max() <= 5e-3 * max(1.0, w.abs().max().item()), merge
+
+
+def test_unmerged_gate_up_equals_merged(hf):
+    """A dense MLP's (and Qwen2-MoE's shared expert's) gate / up: one `MergedLinear` by default, two projections
+    with `merge_gate_up=False`; the same logits for a batch mixing an adapter on gate and up (different ranks),
+    one on gate alone, and no adapter; the gate-only adapter equals transformers with its delta merged."""
+    model = build(hf, max_loras=SLOTS, max_rank=RANK)
+    mlps = {name: m for name, m in model.named_modules() if isinstance(m, DenseMLP)}
+    assert len(mlps) >= hf.config.num_hidden_layers and all(isinstance(m.gate_up_proj, MergedLinear)
+                                                            for m in mlps.values())
+    both = {f"{name}.{proj}": site_weights(getattr(m, proj), r, 60 + 2 * i + j) for i, (name, m) in
+            enumerate(mlps.items()) for j, (proj, r) in enumerate((("gate_proj", 4), ("up_proj", 2)))}
+    gate = {k: w for k, w in both.items() if k.endswith("gate_proj")}
+    adapters = {"both": LoRAAdapter("both", "", both), "gate": LoRAAdapter("gate", "", gate)}
+    seqs, names = [[5, 6, 7, 8], [9, 10], [11, 12, 13]], ["both", None, "gate"]
+    merged = engine(model, adapters, max_loras=SLOTS).prompt_logits(seqs, names)
+    split_eng = engine(model, adapters, max_loras=SLOTS, merge_gate_up=False)
+    assert all(not m.options.merge_gate_up for m in split_eng.model.modules() if isinstance(m, DenseMLP))
+    split = split_eng.prompt_logits(seqs, names)
+    for m, s in zip(merged, split, strict=True):
+        assert (m - s).abs().max() < 1e-5
+    assert (merged[0] - engine(model, {}, max_loras=SLOTS).prompt_logits(seqs[:1], [None])[0]).abs().max() > 1e-3
+    with torch.no_grad():
+        ref = merged_hf(hf, adapters["gate"])(torch.tensor([seqs[2]])).logits[0]
+    assert (merged[2] - ref).abs().max() < 1e-4
