@@ -8,6 +8,9 @@ Projections (transformers 5 names, each an ordinary LoRA `Linear` site): `q_proj
 `q_a_proj` [H -> Q] + `q_a_layernorm` + `q_b_proj` [Q -> N(Dn+Dr)] when q_lora_rank is set;
 `kv_a_proj_with_mqa` [H -> C+Dr] + `kv_a_layernorm` (over C); `kv_b_proj` [C -> N(Dn+Dv)];
 `o_proj` [N Dv -> H]. The two inner norms use eps 1e-6 whatever rms_norm_eps says, as transformers.
+The two projections of x (`q_proj` or `q_a_proj`, and `kv_a_proj_with_mqa`) are one `MergedLinear` (`q_kv_a_proj`:
+one GEMM and one LoRA shrink + expand, each still a site and checkpoint name as a segment) unless their biases
+differ (attention_bias without q_lora: q_proj has none); `LayerOptions.merge_qkv` False runs them apart.
 
 The cache (`kv = (latent [NB, BS, C + Dr],)`, owned by the engine) stores per token the normalised
 latent and the rotated single-head key: C + Dr values (576 for DeepSeek-V3) instead of the
@@ -45,7 +48,7 @@ from torch import nn
 from moelora.errors import ConfigError
 from moelora.kernels.args import FP8Rows
 from moelora.layers.attention import AttnMetadata
-from moelora.layers.linear import Linear
+from moelora.layers.linear import Linear, MergedLinear
 from moelora.layers.norm import RMSNorm
 from moelora.layers.options import DEFAULT_OPTIONS
 from moelora.layers.rotary import apply_rotary, apply_rotary_interleaved
@@ -68,22 +71,37 @@ class MLAttention(nn.Module):
         self.options = kw.get("options", DEFAULT_OPTIONS)  # absorbed decode off: the expanded torch path (eager)
         backend = self.options.kernel_backend
         self.q_lora = q_lora_rank is not None
-        if not self.q_lora:
-            self.q_proj = Linear(hidden, q_out, **kw)
+        # the projections of x (q_proj or q_a_proj, and kv_a_proj_with_mqa) as one MergedLinear when their biases
+        # agree (q_proj has none): `q_kv_a_proj`, its segments the two sites; `merge_qkv` picks the forward
+        q_first = q_lora_rank if self.q_lora else q_out
+        kv_a = kv_lora_rank + qk_rope_head_dim
+        self.q_kv_a_proj = MergedLinear(hidden, (q_first, kv_a), bias=bias, **kw) if self.q_lora or not bias else None
+        if self.q_kv_a_proj is not None:
+            first, self.kv_a_proj_with_mqa = self.q_kv_a_proj.segments
         else:
-            self.q_a_proj = Linear(hidden, q_lora_rank, bias=bias, **kw)
+            first, self.kv_a_proj_with_mqa = Linear(hidden, q_out, **kw), Linear(hidden, kv_a, bias=bias, **kw)
+        if not self.q_lora:
+            self.q_proj = first
+        else:
+            self.q_a_proj = first
             self.q_a_layernorm = RMSNorm(q_lora_rank, _INNER_NORM_EPS, backend, self.options.pdl)
             self.q_b_proj = Linear(q_lora_rank, q_out, **kw)
-        self.kv_a_proj_with_mqa = Linear(hidden, kv_lora_rank + qk_rope_head_dim, bias=bias, **kw)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, _INNER_NORM_EPS, backend, self.options.pdl)
         self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), **kw)
         self.o_proj = Linear(num_heads * v_head_dim, hidden, bias=bias, **kw)
         self.kv_b_dense = DenseKVB()
 
-    def _query(self, x: torch.Tensor, lora: LoRABatch | None, x_fp8: FP8Rows | None) -> torch.Tensor:
-        if not self.q_lora:
-            return self.q_proj(x, lora, x_fp8)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x, lora, x_fp8)), lora)
+    def _project_x(self, x: torch.Tensor, lora: LoRABatch | None, x_fp8: FP8Rows | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [T, N(Dn + Dr)], compressed [T, C + Dr]): one GEMM for both when merged (column views of its
+        output), else two."""
+        if self.q_kv_a_proj is not None and self.options.merge_qkv:
+            first, compressed = self.q_kv_a_proj(x, lora, x_fp8).split(self.q_kv_a_proj.out_sizes, dim=-1)
+        else:
+            first = (self.q_a_proj if self.q_lora else self.q_proj)(x, lora, x_fp8)
+            compressed = self.kv_a_proj_with_mqa(x, lora, x_fp8)
+        q = self.q_b_proj(self.q_a_layernorm(first), lora) if self.q_lora else first
+        return q, compressed
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
                 kv: tuple[torch.Tensor], lora: LoRABatch | None = None, x_fp8: FP8Rows | None = None
@@ -96,8 +114,8 @@ class MLAttention(nn.Module):
         if not absorbed and x.is_cuda and torch.cuda.is_current_stream_capturing():
             raise ConfigError("MLA attention is graph-safe only for decode steps with mla_absorbed_decode on: "
                               "run this model with enforce_eager=True")
-        q = self._query(x, lora, x_fp8).view(T, N, self.nope + self.rope)
-        compressed = self.kv_a_proj_with_mqa(x, lora, x_fp8)
+        q, compressed = self._project_x(x, lora, x_fp8)
+        q = q.view(T, N, self.nope + self.rope)
         (cache,) = kv
         if absorbed and self.options.kernel_backend == "triton":  # rotations, latent norm and cache store: one launch
             from moelora.kernels.mla_rope import mla_rope_store

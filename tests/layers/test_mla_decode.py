@@ -143,3 +143,24 @@ def test_fp8_kv_b_is_dequantized_once_and_again_when_rewritten(monkeypatch):
     for got in (new_weight, new_scale):
         assert (got - first).abs().max() > 1e-2
     assert (new_scale - run(expanded, step, absorbed=False)[0]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_merged_q_and_kv_a_projection_equals_two(family):
+    """q_proj (DeepSeek-V2-Lite: no q_lora) or q_a_proj (V3), and kv_a_proj_with_mqa, all reading x: one
+    `MergedLinear` (`q_kv_a_proj`, its segments the two sites and checkpoint names) by default; `merge_qkv=False`
+    runs them as two projections: the same prompt logits with adapters on every MLA projection."""
+    hf = tiny_hf_model(family, seed=19)
+    model = build_from_architecture(hf, max_loras=2, max_rank=8)
+    mla = [m for m in model.modules() if isinstance(m, MLAttention)]
+    first = "q_a_proj" if family == "deepseek_v3" else "q_proj"
+    assert mla and all(m.q_kv_a_proj is not None and m.q_kv_a_proj.segments == (getattr(m, first),
+                                                                               m.kv_a_proj_with_mqa) for m in mla)
+    adapters = {"x": random_adapter(model, 33, 8), "y": random_adapter(model, 34, 4)}
+    assert all(f"model.layers.1.self_attn.{site}" in adapters["x"].sites for site in (first, "kv_a_proj_with_mqa"))
+    seqs = prompts(3, model.config.vocab_size, seed=9)
+    names = ["x", None, "y"]
+    merged = engine(model, adapters).prompt_logits(seqs, names)
+    split = engine(model, adapters, merge_qkv=False).prompt_logits(seqs, names)
+    for m, s in zip(merged, split, strict=True):
+        assert (m - s).abs().max() <= 1e-5
