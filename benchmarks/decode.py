@@ -22,7 +22,8 @@ and norms are left out (< 1%).
 default), or W8A16 with --no-fp8-activation-quant.
 
 --model qwen3_30b (default), dsv2_lite (DeepSeek-V2-Lite: 27 layers, MLA with C 512, 64 experts top-6,
-2 shared experts, first layer dense) or all (both, one after the other).
+2 shared experts, first layer dense), dsv3 (DeepSeek-V3: cut short, --layers 8 --quantization fp8 on one H200) or
+all (the first two, one after the other).
 
 usage: python benchmarks/decode.py OUT.csv [--model qwen3_30b|dsv2_lite|all] [--layers N]
        [--conc 1,8,32,64,128,256] [--steps 20] [--repeats 2] [--no-async-scheduling] [--no-overlap-lora]
@@ -69,7 +70,17 @@ DSV2_LITE = dict(family="deepseek_v2", vocab_size=102400, hidden_size=2048, num_
                  qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, topk_method="greedy",
                  routed_scaling_factor=1.0, n_shared_experts=2, first_k_dense_replace=1, rope_interleave=True,
                  max_position_embeddings=4096, dtype="bfloat16")
-MODELS = {"qwen3_30b": QWEN3_30B, "dsv2_lite": DSV2_LITE}
+# DeepSeek-V3's config.json (noaux_tc router in 8 groups of 32, top-4 groups; q_lora 1536; one shared expert;
+# layers 0-2 dense). 671B parameters: one H200 holds it only cut short and in FP8 (--layers 8 --quantization fp8:
+# ~11 GB an MoE layer), so `--model all` leaves it out.
+DSV3 = dict(family="deepseek_v3", vocab_size=129280, hidden_size=7168, num_layers=61, num_heads=128,
+            num_kv_heads=128, head_dim=128 + 64, intermediate_size=18432, moe_intermediate_size=2048,
+            num_experts=256, top_k=8, norm_topk_prob=True, attention="mla", q_lora_rank=1536, kv_lora_rank=512,
+            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, topk_method="noaux_tc", n_group=8,
+            topk_group=4, routed_scaling_factor=2.5, router_correction_bias=True, n_shared_experts=1,
+            first_k_dense_replace=3, rope_interleave=True, max_position_embeddings=4096, dtype="bfloat16")
+MODELS = {"qwen3_30b": QWEN3_30B, "dsv2_lite": DSV2_LITE, "dsv3": DSV3}
+ALL = ("qwen3_30b", "dsv2_lite")  # `--model all`
 TRITON = LayerOptions(kernel_backend="triton")
 
 
@@ -380,7 +391,7 @@ def main() -> None:
     bw = copy_gbps() * 1e9  # bytes/s
     print(f"GPU {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = []
-    for name in (list(MODELS) if args.model == "all" else [args.model]):
+    for name in (ALL if args.model == "all" else [args.model]):
         rows += run_model(name, args.layers, concs, args.steps, args.rank, bw, repeats=args.repeats,
                           ab=parse_ab(args.ab), ab_table=args.ab_table, pool_rank=args.pool_rank,
                           quant=quant, engine_kw=
