@@ -241,3 +241,40 @@ def test_fp8_decode_forward_has_no_host_sync(w8a8):
     for i, name in enumerate([None, *ADAPTER_NAMES]):
         eng.add_request([5 + i, 9, 11, 40 + i], SamplingParams(max_tokens=4, ignore_eos=True), name)
     decode_step_without_host_sync(eng)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("w8a8", [False, True], ids=["w8a16", "w8a8"])
+def test_gpu_deepseek_fp8_graph_decode_matches_eager(w8a8, tmp_path, monkeypatch):
+    """DeepSeek-V3 from a block-FP8 checkpoint on the GPU (Triton, bf16): CUDA-graph decode gives the eager
+    engine's tokens, with an adapter on every MLA projection and rows on none. MLA's absorbed decode reads one
+    dense copy of each FP8 kv_b_proj (`layers.mla.DenseKVB`): made before the graphs are captured, so no step of the
+    graphed engine dequantizes it, and the eager engine makes it once a layer, at its first prefill."""
+    from moelora.layers.linear import Linear
+    from moelora.layers.mla import MLAttention
+    from tests.helpers.gpu_engine import generate, logprob_diff
+
+    hf = fp8_model("deepseek_v3", seed=8)
+    write_fp8_checkpoint(hf, tmp_path / "model", "block", "fused")
+    peft_dir = build_peft_adapter(hf, tmp_path / "peft", seed=1, target_modules=SITES["deepseek_v3"] + MLP)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist() for n in (5, 12, 3, 9)]
+    names = ["b", None, "b", None]
+    dense = Linear.dense_weight
+    runs = {}
+    for eager in (False, True):
+        llm = LLM(tmp_path / "model", {"b": peft_dir}, device="cuda", dtype="bfloat16", max_lora_rank=8, max_loras=1,
+                  fp8_activation_quant=w8a8, enforce_eager=eager, num_kv_blocks=256, block_size=16)
+        assert (llm.engine.graphs is None) == eager
+        kv_b = {id(m.kv_b_proj) for m in llm.engine.model.modules() if isinstance(m, MLAttention)}
+        assert kv_b and all(getattr(m, "quant", None) is not None for m in llm.engine.model.modules()
+                            if id(m) in kv_b)
+        calls = []
+        monkeypatch.setattr(Linear, "dense_weight",
+                            lambda self, dtype, calls=calls: calls.append(id(self)) or dense(self, dtype))
+        runs[eager] = generate(llm.engine, prompts, names, 16)
+        monkeypatch.setattr(Linear, "dense_weight", dense)
+        assert sorted(calls) == ([] if not eager else sorted(kv_b))
+        del llm
+    assert logprob_diff(runs[False], runs[True]) <= 0.05
