@@ -376,6 +376,9 @@ def main() -> None:
     ap.add_argument("--enable-expert-parallel", action="store_true", help="with --tensor-parallel-size: EP experts")
     args = ap.parse_args()
     quant = quant_from_args(ap, args)
+    if args.model == "dsv3" and args.tensor_parallel_size == 1 and (not args.layers or quant is None):
+        ap.error("--model dsv3 (671 B parameters) fits one GPU only cut short and in FP8: --layers 8 "
+                 "--quantization fp8 on an H200")
     concs = [int(c) for c in args.conc.split(",")]
     if args.tensor_parallel_size > 1:
         from decode_parallel import run_parallel
