@@ -97,13 +97,17 @@ def random_model(cfg: ModelConfig, max_loras: int, rank: int, quant: FP8Config |
                 q, sc = quantize_segments(draw, segments)
                 dest_w.copy_(q)
                 dest_s.copy_(sc)
+        # The router: logits of std ~14 (0.3 x sqrt(H)) pick uniformly under softmax; DeepSeek-V3's sigmoid
+        # saturates there (scores 1.0, the correction bias choosing the same experts for every token: 40 distinct
+        # of 256 at 64 tokens, uniform routing touches ~222), so a sigmoid router's logits get std ~1 (225 distinct)
+        router_std = cfg.hidden_size ** -0.5 if cfg.topk_method == "noaux_tc" else 0.3
         for name, p in model.named_parameters():
             if p.dtype == torch.float8_e4m3fn or name.endswith("_scale_inv"):
                 continue
             if "norm" in name:
                 p.fill_(1.0)
             else:
-                p.normal_(0, 0.3 if name.endswith("mlp.gate.weight") else 0.02)
+                p.normal_(0, router_std if name.endswith("mlp.gate.weight") else 0.02)
     return model.eval()
 
 
