@@ -196,6 +196,21 @@ def test_norm_fp8_launches_compile_for_sm90(tmp_path, monkeypatch):
     assert comp.failures == [] and len(comp.seen) >= 2
 
 
+def test_silu_mul_fp8_launches_compile_for_sm90(tmp_path, monkeypatch):
+    """A dense MLP's activation writing the W8A8 down projection's rows (`silu_mul_fp8`) at DeepSeek-V2-Lite's
+    widths (1024-column programs; 64: one partial group) compiles for the H200 with no local memory."""
+    from moelora.kernels.silu_mul import silu_mul_fp8
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    with Compiler(resources=True) as comp:
+        for inter in (2816, 64):
+            gate_up = torch.randn(8, 2 * inter, dtype=torch.bfloat16)
+            silu_mul_fp8(gate_up[:, :inter], gate_up[:, inter:])
+    assert comp.failures == [] and len(comp.seen) == 2
+    for key, res in comp.seen.items():
+        assert " stack 0" in res and " local 0" in res, f"{key}: {res}"
+
+
 def test_attention_fp8_rows_compile_for_sm90(tmp_path, monkeypatch):
     """Decode attention writing the o projection's W8A8 rows (Qwen3's 32 / 4 heads of 128), from the split
     kernel (one split) and from the reduce (several), compiles for the H200."""
