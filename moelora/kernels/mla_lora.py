@@ -5,8 +5,12 @@ Shape legend: T tokens, N heads, Dn qk_nope_head_dim, Dv v_head_dim, C kv_lora_r
   uk, + [Dn, Dn + Dv) the value half uv), ranks [S] int32 (this site's own), token_slots [T] int32 (-1: none)
   absorb: q_abs[t, n] += (q_nope[t, n] B_s,uk[n]) A_s        q_nope [T, N, Dn], q_abs [T, N, C]
   expand: out[t, n]   += (o_lat[t, n] A_s^T) B_s,uv[n]^T     o_lat [T, N, C],   out [T, N, Dv]
-Added in place into the caller's fresh q_abs / out, program (t, HB heads), the [HB, R] intermediate rounded
-as the torch path rounds it: one launch a side instead of the torch path's ~8.
+Added in place into the caller's fresh q_abs / out, program (t, HB heads, output chunk), the [HB, R] intermediate
+rounded as the torch path rounds it: one launch a side instead of the torch path's ~8. Few rows (T x head blocks
+under ~128 programs: decode at 1-64 requests) split each side's output columns (absorb: C, expand: Dv) over up to
+4 programs, each computing the small [HB, R] intermediate again: a one-request DeepSeek-V2-Lite step otherwise
+runs each side as one program walking C in 8 dependent steps (the H200 profile: 14 / 9 us a layer for ~1 MB of
+bytes). The split changes no sum: every output column is computed as without it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,14 @@ from moelora.kernels.pdl import pdl_args, pdl_wait
 
 _HB = 16  # heads a program: the rows of the tl.dot
 _BC = 64  # latent columns a step
+_BCW = 256  # latent columns a step of the expand side's o_lat A^T (2 steps at C = 512; 128 past rank tile 32)
+_MAX_SPLITS = 4  # output chunks of one (t, head block)
+_FILL = 128  # programs in flight below which the output columns split (~ the H200's 132 SMs)
+
+
+def default_splits(T: int, N: int) -> int:
+    """Output chunks a (token, head block) program pair splits into: enough to put ~_FILL programs in flight."""
+    return max(1, min(_MAX_SPLITS, _FILL // max(1, T * cdiv(N, _HB))))
 
 
 def _head_columns(block_r: int) -> int:
@@ -48,8 +60,8 @@ def _b_heads(b_s, rows, m, offs_r, rank, stride_bn):
 
 
 @triton.jit
-def _absorb_lora_kernel(q_ptr, qa_ptr, a_ptr, b_ptr, slots_ptr, ranks_ptr, N, C, stride_qt, stride_qn, stride_at,
-                        stride_an, stride_as, stride_ar, stride_bs, stride_bn,
+def _absorb_lora_kernel(q_ptr, qa_ptr, a_ptr, b_ptr, slots_ptr, ranks_ptr, N, C, C_CHUNK, stride_qt, stride_qn,
+                        stride_at, stride_an, stride_as, stride_ar, stride_bs, stride_bn,
                         DN: tl.constexpr, DV: tl.constexpr, HB: tl.constexpr, BLOCK_R: tl.constexpr,
                         DC: tl.constexpr, BC: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
@@ -67,7 +79,8 @@ def _absorb_lora_kernel(q_ptr, qa_ptr, a_ptr, b_ptr, slots_ptr, ranks_ptr, N, C,
             u += tl.sum(q.to(tl.float32)[:, :, None] * bt.to(tl.float32), axis=1)
         u = u.to(qa_ptr.dtype.element_ty)
         a_s = a_ptr + s.to(tl.int64) * stride_as
-        for c0 in range(0, C, BC):
+        c_lo = tl.program_id(2) * C_CHUNK  # this program's latent columns [c_lo, c_lo + C_CHUNK)
+        for c0 in range(c_lo, tl.minimum(C, c_lo + C_CHUNK), BC):
             offs_c = c0 + tl.arange(0, BC)
             c_ok = offs_c < C
             at = tl.load(a_s + offs_r[:, None] * stride_ar + offs_c[None, :], mask=r_ok[:, None] & c_ok[None, :],
@@ -82,13 +95,14 @@ def _absorb_lora_kernel(q_ptr, qa_ptr, a_ptr, b_ptr, slots_ptr, ranks_ptr, N, C,
 def _expand_lora_kernel(ol_ptr, out_ptr, a_ptr, b_ptr, slots_ptr, ranks_ptr, N, C, stride_lt, stride_ln, stride_yt,
                         stride_yn, stride_as, stride_ar, stride_bs, stride_bn,
                         DN: tl.constexpr, DV: tl.constexpr, HB: tl.constexpr, BLOCK_R: tl.constexpr,
-                        DC: tl.constexpr, BC: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                        DC: tl.constexpr, BC: tl.constexpr, V_CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+                        PDL: tl.constexpr):
     pdl_wait(PDL)
     t, s, rank, offs_h, h_ok, offs_r, r_ok = _program_rows(slots_ptr, ranks_ptr, N, HB, BLOCK_R)
     if rank > 0:
         a_s = a_ptr + s.to(tl.int64) * stride_as
         w = tl.zeros((HB, BLOCK_R), tl.float32)
-        for c0 in range(0, C, BC):  # w[n] = o_lat[t, n] A_s^T
+        for c0 in range(0, C, BC):  # w[n] = o_lat[t, n] A_s^T (BC: the launcher's wider step, fewer in a row)
             offs_c = c0 + tl.arange(0, BC)
             c_ok = offs_c < C
             o = tl.load(ol_ptr + t.to(tl.int64) * stride_lt + offs_h[:, None] * stride_ln + offs_c[None, :],
@@ -98,8 +112,9 @@ def _expand_lora_kernel(ol_ptr, out_ptr, a_ptr, b_ptr, slots_ptr, ranks_ptr, N, 
             w = tl.dot(o, at.to(o.dtype), w, input_precision=PRECISION)
         w = w.to(out_ptr.dtype.element_ty).to(tl.float32)
         b_s = b_ptr + s.to(tl.int64) * stride_bs
-        for v0 in tl.static_range(0, DV, DC):  # out[t, n] += w[n] B_s,uv[n]^T: a [DC, R] tile of each head
-            offs_v = v0 + tl.arange(0, DC)
+        v_lo = tl.program_id(2) * V_CHUNK  # this program's value columns [v_lo, v_lo + V_CHUNK)
+        for v0 in tl.static_range(0, V_CHUNK, DC):  # out[t, n] += w[n] B_s,uv[n]^T: a [DC, R] tile of each head
+            offs_v = v_lo + v0 + tl.arange(0, DC)
             m = h_ok[:, None] & (offs_v < DV)[None, :]
             rows = offs_h[:, None] * (DN + DV) + DN + offs_v[None, :]
             bt = _b_heads(b_s, rows, m, offs_r, rank, stride_bn)
@@ -129,15 +144,18 @@ def _check(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, r
 
 def mla_absorb_lora_(q_abs: torch.Tensor, q_nope: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                      ranks: torch.Tensor, token_slots: torch.Tensor, width: int | None = None, *,
-                     pdl: bool = False) -> torch.Tensor:
-    """q_abs [T, N, C] += (q_nope B_s,uk) A_s in place, returned; `width`: `LoRABatch.max_rank`; `pdl`:
-    programmatic dependent launch where the GPU has it (`kernels.pdl`)."""
+                     splits: int | None = None, pdl: bool = False) -> torch.Tensor:
+    """q_abs [T, N, C] += (q_nope B_s,uk) A_s in place, returned; `width`: `LoRABatch.max_rank`; `splits`: of C
+    (default `default_splits`; the result does not depend on it); `pdl`: programmatic dependent launch where the
+    GPU has it (`kernels.pdl`)."""
     nope = q_nope.shape[2]
     T, N, dv, precision = _check(q_nope, q_abs, a, b, ranks, token_slots, nope, latent_in=False)
     block_r = lora_tile_rank(a.shape[1], width)
+    C = a.shape[2]
+    chunk = cdiv(cdiv(C, splits or default_splits(T, N)), _BC) * _BC
     if T:
-        _absorb_lora_kernel[(T, cdiv(N, _HB))](
-            q_nope, q_abs, a, b, token_slots, ranks, N, a.shape[2], q_nope.stride(0), q_nope.stride(1),
+        _absorb_lora_kernel[(T, cdiv(N, _HB), cdiv(C, chunk))](
+            q_nope, q_abs, a, b, token_slots, ranks, N, C, chunk, q_nope.stride(0), q_nope.stride(1),
             q_abs.stride(0), q_abs.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1), DN=nope, DV=dv,
             HB=_HB, BLOCK_R=block_r, DC=_head_columns(block_r), BC=_BC, PRECISION=precision, num_warps=4,
             **pdl_args(pdl, q_nope))
@@ -146,15 +164,17 @@ def mla_absorb_lora_(q_abs: torch.Tensor, q_nope: torch.Tensor, a: torch.Tensor,
 
 def mla_expand_lora_(out: torch.Tensor, o_lat: torch.Tensor, a: torch.Tensor, b: torch.Tensor, nope: int,
                      ranks: torch.Tensor, token_slots: torch.Tensor, width: int | None = None, *,
-                     pdl: bool = False) -> torch.Tensor:
+                     splits: int | None = None, pdl: bool = False) -> torch.Tensor:
     """out [T, N, Dv] += (o_lat [T, N, C] A_s^T) B_s,uv^T in place (see the module docstring); returns out;
-    `pdl` as `mla_absorb_lora_`'s."""
+    `splits`: of Dv, `pdl`: as `mla_absorb_lora_`'s."""
     T, N, dv, precision = _check(o_lat, out, a, b, ranks, token_slots, nope, latent_in=True)
     block_r = lora_tile_rank(a.shape[1], width)
+    dc = _head_columns(block_r)
+    chunk = cdiv(cdiv(dv, splits or default_splits(T, N)), dc) * dc
     if T:
-        _expand_lora_kernel[(T, cdiv(N, _HB))](
+        _expand_lora_kernel[(T, cdiv(N, _HB), cdiv(dv, chunk))](
             o_lat, out, a, b, token_slots, ranks, N, a.shape[2], o_lat.stride(0), o_lat.stride(1), out.stride(0),
             out.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1), DN=nope, DV=dv, HB=_HB,
-            BLOCK_R=block_r, DC=_head_columns(block_r), BC=_BC, PRECISION=precision, num_warps=4,
-            **pdl_args(pdl, o_lat))
+            BLOCK_R=block_r, DC=dc, BC=_BCW if block_r <= 32 else _BCW // 2, V_CHUNK=chunk, PRECISION=precision,
+            num_warps=4, **pdl_args(pdl, o_lat))
     return out

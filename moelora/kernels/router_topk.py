@@ -3,8 +3,11 @@
 Shape legend: T tokens (<= MAX_ROWS), H hidden, E experts (<= MAX_EXPERTS), K top-k, S splits of H.
   router_topk(x [T, H] fp16/bf16, weight [E, H] x's dtype or fp32, K, renormalize, scaling=1.0)
       -> (topk_weights [T, K] fp32, topk_ids [T, K] int32)
-An fp32 weight is DeepSeek's router (`layers.router.Router`: x upcast, logits in fp32): its dot runs in fp32
-("ieee", as the fp32 GEMM it replaces). Selection: softmax then top k (Qwen / Mixtral / OLMoE, and DeepSeek-V2's
+An fp32 weight is DeepSeek's router (`layers.router.Router`: x upcast, logits in fp32): its dot runs as three TF32
+MMAs ("tf32x3": x is exact in TF32, the weight two TF32 parts, 22 of its 24 bits; every product exact in fp32), an
+fp32 dot up to 2^-22 of sum |x w| and the summation order. The "ieee" dot it replaced ran on the FMA units: 1024
+fma a thread a step at DeepSeek-V2-Lite's tile, against 48 mma.sync here at 8 warps (sm_90 PTX, counted).
+Selection: softmax then top k (Qwen / Mixtral / OLMoE, and DeepSeek-V2's
 "greedy": renormalize False), or with `noaux=NoAux(bias, n_group, topk_group)` DeepSeek-V3's and GLM-4-MoE's
 "noaux_tc" (`layers.router.grouped_topk`): sigmoid scores, experts chosen on score + bias from the topk_group
 groups whose two best biased scores sum highest, weighted by their unbiased scores (renormalised plus 1e-20).
@@ -67,8 +70,8 @@ def _router_topk_kernel(x_ptr, w_ptr, part_ptr, sem_ptr, wts_ptr, ids_ptr, bias_
         h_ok = (h0 + offs_h) < h_hi
         xt = tl.load(x_rows + h0, mask=row_ok[:, None] & h_ok[None, :], other=0.0)
         wt = tl.load(w_cols + h0, mask=col_ok[None, :] & h_ok[:, None], other=0.0)
-        if w_ptr.dtype.element_ty == tl.float32:  # the fp32 router: x upcast, an fp32 dot (no TF32)
-            acc = tl.dot(xt.to(tl.float32), wt, acc, input_precision="ieee")
+        if w_ptr.dtype.element_ty == tl.float32:  # the fp32 router: x upcast, 3xTF32 (module docstring)
+            acc = tl.dot(xt.to(tl.float32), wt, acc, input_precision="tf32x3")
         else:
             acc = tl.dot(xt, wt, acc)
     tile_ok = row_ok[:, None] & col_ok[None, :]
@@ -220,6 +223,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: 
         x.stride(0), weight.stride(0), weights.stride(0), ids.stride(0), K=top_k, RENORMALIZE=bool(renormalize),
         SPLITS=splits, BLOCK_T=MAX_ROWS, BLOCK_E=block_e, BLOCK_H_=block_h, BLOCK_K=next_pow2(top_k),
         NOAUX=noaux is not None, HAS_BIAS=bias is not None, N_GROUP=noaux.n_group if noaux else 1,
-        GROUP_SIZE=E // noaux.n_group if noaux else 1, TOPK_GROUP=noaux.topk_group if noaux else 1, num_warps=4,
+        GROUP_SIZE=E // noaux.n_group if noaux else 1, TOPK_GROUP=noaux.topk_group if noaux else 1,
+        num_warps=8 if weight.dtype == torch.float32 else 4,
         num_stages=2, **pdl_args(pdl, x))
     return weights, ids

@@ -182,6 +182,29 @@ def test_router_topk_launches_compile_for_sm90(tmp_path, monkeypatch):
     assert comp.failures == [] and len(comp.seen) >= 6
 
 
+def test_fp32_routers_compile_to_tensor_core_dots(tmp_path, monkeypatch):
+    """DeepSeek-V2-Lite's (64 experts of 2048) and DeepSeek-V3's (256 noaux_tc experts of 7168) fp32 routers compile
+    for the H200 with their dot on the tensor cores (3xTF32: mma.sync on operands split in two TF32 parts, which
+    one-pass TF32 (10 bits of the weight) lacks; no fma.rn.f32 of an FMA-unit dot, which the "ieee" dot was: 1024
+    and 2048 a thread) and no local memory."""
+    import re
+
+    from moelora.kernels.router_topk import NoAux, router_topk
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    with Compiler(resources=True) as comp:
+        router_topk(torch.randn(8, 2048, dtype=torch.bfloat16), torch.randn(64, 2048), 6, False)
+        router_topk(torch.randn(8, 7168, dtype=torch.bfloat16), torch.randn(256, 7168), 8, True, scaling=2.5,
+                    noaux=NoAux(torch.zeros(256), 8, 4))
+    assert comp.failures == [] and len(comp.kernels) == 2
+    for key, kernel in comp.kernels.items():
+        ptx = kernel.asm["ptx"]
+        assert re.search(r"\bmma\.sync\S*\.tf32", ptx) and not re.search(r"fma\.rn\.f32", ptx), dict(key[1])
+        assert re.search(r"cvt\.rna\.tf32\.f32", ptx), dict(key[1])  # the operands split in two TF32 parts
+    for key, res in comp.seen.items():
+        assert " local 0" in res, f"{key}: {res}"
+
+
 def test_norm_fp8_launches_compile_for_sm90(tmp_path, monkeypatch):
     """The decoder's RMSNorm writing W8A8 rows (`norm_fp8`), with and without the residual add, at the Qwen3 and
     Qwen2-57B hidden sizes (one partial power-of-two block), compiles for the H200."""
@@ -194,6 +217,21 @@ def test_norm_fp8_launches_compile_for_sm90(tmp_path, monkeypatch):
             norm_fp8(x, None, w, 1e-6)
             norm_fp8(x, x.clone(), w, 1e-6)
     assert comp.failures == [] and len(comp.seen) >= 2
+
+
+def test_silu_mul_fp8_launches_compile_for_sm90(tmp_path, monkeypatch):
+    """A dense MLP's activation writing the W8A8 down projection's rows (`silu_mul_fp8`) at DeepSeek-V2-Lite's
+    widths (1024-column programs; 64: one partial group) compiles for the H200 with no local memory."""
+    from moelora.kernels.silu_mul import silu_mul_fp8
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    with Compiler(resources=True) as comp:
+        for inter in (2816, 64):
+            gate_up = torch.randn(8, 2 * inter, dtype=torch.bfloat16)
+            silu_mul_fp8(gate_up[:, :inter], gate_up[:, inter:])
+    assert comp.failures == [] and len(comp.seen) == 2
+    for key, res in comp.seen.items():
+        assert " stack 0" in res and " local 0" in res, f"{key}: {res}"
 
 
 def test_attention_fp8_rows_compile_for_sm90(tmp_path, monkeypatch):

@@ -138,6 +138,29 @@ def test_norm_fp8_is_the_norm_then_the_group_quantization(D, with_delta, dtype):
 
 
 @kernel_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("T,inter", [(5, 300), (3, 2816), (2, 64), (0, 128)])
+def test_silu_mul_fp8_is_silu_mul_then_the_group_quantization(T, inter, dtype):
+    """`silu_mul_fp8` (a dense MLP's activation writing the W8A8 down projection's input already quantized): h as
+    silu_mul gives it, and its q / s bit for bit per_token_group_quant(h): partial last groups (300, 64), a
+    program of 1024 columns ending inside a group (2816), gate and up the halves of one gate_up tensor."""
+    check_silu_mul_fp8(T, inter, dtype, DEV)
+
+
+def check_silu_mul_fp8(T: int, inter: int, dtype: torch.dtype, device) -> None:
+    from moelora.kernels.silu_mul import silu_mul, silu_mul_fp8
+
+    g = torch.Generator().manual_seed(inter + T)
+    gate_up = (torch.randn(T, 2 * inter, generator=g) * 3 * torch.logspace(-2, 1, 2 * inter)).to(dtype).to(device)
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    h, rows = silu_mul_fp8(gate, up)
+    assert torch.equal(h, silu_mul(gate, up))
+    q, s = per_token_group_quant(h)
+    assert rows.s.shape == s.shape and torch.equal(rows.s, s)
+    assert torch.equal(rows.q.view(torch.uint8), q.view(torch.uint8))
+
+
+@kernel_test
 def test_fp8_linear_refusals():
     x, w, b, _ = make_case(3, 130, 64, (), 8, dtype=torch.float32, device=DEV)
     q, s, _ = fp8_weight(w, (64,), True)
@@ -168,6 +191,16 @@ QWEN3 = {"qkv": (2048, (4096, 512, 512)), "o": (4096, (2048,))}
 DSV2_LITE = {"q": (2048, (3072,)), "kv_a": (2048, (576,)), "kv_b": (512, (4096,)), "o": (2048, (2048,)),
              "shared_gate_up": (2048, (2816, 2816)), "shared_down": (2816, (2048,))}
 SHAPES = [(f"qwen3_{k}", *v) for k, v in QWEN3.items()] + [(f"dsv2_lite_{k}", *v) for k, v in DSV2_LITE.items()]
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("T", [1, 8, 64, 512])
+@pytest.mark.parametrize("inter", [1408, 2816, 10944])  # DeepSeek-V2-Lite: an expert, the shared two, layer 0
+def test_gpu_silu_mul_fp8_bf16(T, inter):
+    """`silu_mul_fp8` compiled for the GPU, bf16: h is silu_mul's and q / s per_token_group_quant(h)'s, bit for
+    bit (the compiler must not fold h's rounding away before the quantization reads it)."""
+    check_silu_mul_fp8(T, inter, torch.bfloat16, "cuda")
 
 
 @pytest.mark.gpu

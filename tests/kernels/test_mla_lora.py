@@ -87,6 +87,28 @@ def test_narrow_width_and_zero_tokens():
     assert empty[0].shape == (0, 3, 16) and empty[1].shape == (0, 3, 8)
 
 
+@kernel_test
+@pytest.mark.parametrize("splits", [2, 3, 4])
+def test_output_splits_change_no_column(splits):
+    """Each side's output columns split over programs (C for absorb, Dv for expand; uneven last chunks) give the
+    unsplit result bit for bit, and the default split of a one-row step is one of them."""
+    from moelora.kernels.mla_lora import default_splits
+
+    slots = [1, 0, -1]
+    q_nope, o_lat, kv_b, lora, ranks = make_case(3, 5, 24, 40, 200, (8, 5), 8, slots, torch.float32, DEV, seed=7)
+    base_q, base_out = absorb_query(q_nope, kv_b.weight, None), expand_output(o_lat, kv_b.weight, 24, None)
+    results = []
+    for n in (1, splits):
+        q_abs, out = base_q.clone(), base_out.clone()
+        mla_absorb_lora_(q_abs, q_nope, kv_b.lora_a, kv_b.lora_b, ranks, lora.token_slots, splits=n)
+        mla_expand_lora_(out, o_lat, kv_b.lora_a, kv_b.lora_b, 24, ranks, lora.token_slots, splits=n)
+        results.append((q_abs, out))
+    (q1, o1), (qn, on) = results
+    assert torch.equal(q1, qn) and torch.equal(o1, on)
+    assert not torch.equal(q1[:2], base_q[:2]) and not torch.equal(o1[:2], base_out[:2])
+    assert default_splits(1, 16) == 4 and default_splits(64, 16) == 2 and default_splits(256, 128) == 1
+
+
 def test_validation_errors():
     q_nope, o_lat, kv_b, lora, ranks = make_case(2, 3, 8, 8, 16, (8,), 8, [0, -1], torch.float32, "cpu")
     q_abs = torch.zeros(2, 3, 16)
@@ -103,10 +125,11 @@ def test_validation_errors():
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("R", [16, 32, 64])  # every rank tile (`mla_lora._head_columns`)
-def test_gpu_deepseek_v2_lite_sizes_bf16(R):
-    slots = torch.randint(-1, 8, (256,), generator=torch.Generator().manual_seed(5)).tolist()
+@pytest.mark.parametrize("T", [1, 8, 256])  # the output columns split in 4 / 4 / 1 (`default_splits`)
+def test_gpu_deepseek_v2_lite_sizes_bf16(R, T):
+    slots = [0] if T == 1 else torch.randint(-1, 8, (T,), generator=torch.Generator().manual_seed(5)).tolist()
     ranks = (R, 8, R, 0, 4, 16, 12, 8)
-    q_nope, o_lat, kv_b, lora, r = make_case(256, 16, 128, 128, 512, ranks, R, slots, torch.bfloat16, "cuda")
+    q_nope, o_lat, kv_b, lora, r = make_case(T, 16, 128, 128, 512, ranks, R, slots, torch.bfloat16, "cuda")
     torch.cuda.set_sync_debug_mode("error")  # contract 5: no host sync
     try:
         q_abs, out, _ = kernels(q_nope, o_lat, kv_b, lora, r, 128, width=R)
