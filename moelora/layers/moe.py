@@ -26,6 +26,7 @@ from moelora.kernels.args import ExpertLoRAArgs, FP8Rows
 from moelora.kernels.reference import fused_moe_ref
 from moelora.layers.linear import Linear
 from moelora.layers.mlp import DenseMLP
+from moelora.layers.norm import settle
 from moelora.layers.options import DEFAULT_OPTIONS, LayerOptions
 from moelora.layers.router import Router, RoutingSpec, route
 from moelora.lora.adapter import LoRAWeights
@@ -196,10 +197,15 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None, x_fp8: FP8Rows | None = None) -> torch.Tensor:
         """x_fp8: x quantized for the W8A8 experts and shared experts by the norm that wrote it."""
+        return settle(self.forward_parts(x, lora, x_fp8))
+
+    def forward_parts(self, x: torch.Tensor, lora: LoRABatch | None = None, x_fp8: FP8Rows | None = None):
+        """`forward` before its last add: routed alone, or the pair (routed, shared), which the next norm adds
+        into the residual in its launch (`RMSNorm.add_forward`; `settle` sums it for any other reader)."""
         if not self.has_shared:
             return self._routed(x, lora, x_fp8)
         if not (self.options.overlap_shared_experts and x.is_cuda):
-            return self._routed(x, lora, x_fp8) + self._shared(x, lora, x_fp8)
+            return self._routed(x, lora, x_fp8), self._shared(x, lora, x_fp8)
         # Fork. Side stream reads: x (and x_fp8), the LoRABatch tensors, shared-expert(s) weights and LoRA slots;
         # writes: only `shared` (new tensors it allocates). Main stream reads the same inputs and
         # writes only new tensors (router logits, routed output). Nothing read across the fork is
@@ -216,4 +222,4 @@ class SparseMoE(nn.Module):
         shared.record_stream(main)  # allocated on side, freed on main's timeline
         for t in (x,) if x_fp8 is None else (x, *x_fp8):
             t.record_stream(side)
-        return routed + shared
+        return routed, shared

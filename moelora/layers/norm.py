@@ -2,7 +2,8 @@
 
 Shape legend: [..., D] -> [..., D]; computed in fp32, returned in the input dtype.
 `forward(x)` -> rms_norm(x); `add_forward(x, delta)` -> (h = x + delta, rms_norm(h)), the residual
-stream of the decoder (delta None: h = x). Under backend "triton" either is one kernel launch
+stream of the decoder (delta None: h = x; a pair (a, b): h = x + (a + b), an MoE block's routed and shared
+outputs, summed in the dtype first, in the same launch). Under backend "triton" either is one kernel launch
 (`moelora.kernels.norm`); the torch path is `rms_norm_ref`, the semantics that kernel reproduces.
 
 The weight stays fp32 whatever the model dtype; the product is cast back to the input dtype, which
@@ -14,6 +15,13 @@ import torch
 from torch import nn
 
 from moelora.kernels.reference import rms_norm_ref
+
+Delta = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None
+
+
+def settle(delta: Delta) -> torch.Tensor | None:
+    """A pair (a, b) as the one tensor a + b (what a consumer of one tensor reads); a tensor or None as it is."""
+    return delta[0] + delta[1] if isinstance(delta, tuple) else delta
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -38,21 +46,26 @@ class RMSNorm(nn.Module):
             return rms_norm(_rows(x), self.weight, self.eps, pdl=self.pdl).view(x.shape)
         return rms_norm_ref(x, self.weight, self.eps)
 
-    def add_forward(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h, rms_norm(h)) with h = x + delta rounded to the dtype (x itself when delta is None)."""
+    def add_forward(self, x: torch.Tensor, delta: Delta) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, rms_norm(h)) with h = x + delta rounded to the dtype (x itself when delta is None; a pair (a, b):
+        x + (a + b), a + b rounded first)."""
         if delta is None:
             return x, self(x)
         if self.backend == "triton":
             from moelora.kernels.norm import add_rms_norm
 
-            h, y = add_rms_norm(_rows(x), _rows(delta), self.weight, self.eps, pdl=self.pdl)
+            d, d2 = delta if isinstance(delta, tuple) else (delta, None)
+            h, y = add_rms_norm(_rows(x), _rows(d), self.weight, self.eps, pdl=self.pdl,
+                                delta2=None if d2 is None else _rows(d2))
             return h.view(x.shape), y.view(x.shape)
-        h = x + delta
+        h = x + settle(delta)
         return h, rms_norm_ref(h, self.weight, self.eps)
 
-    def add_forward_fp8(self, x: torch.Tensor, delta: torch.Tensor | None):
+    def add_forward_fp8(self, x: torch.Tensor, delta: Delta):
         """`add_forward` plus the normed rows quantized for W8A8 GEMMs in the same launch (`FP8Rows`; the Triton
         backend, x [T, D]): (h, y, rows)."""
         from moelora.kernels.norm import norm_fp8
 
-        return norm_fp8(x, None if delta is None else _rows(delta), self.weight, self.eps, pdl=self.pdl)
+        d, d2 = delta if isinstance(delta, tuple) else (delta, None)
+        return norm_fp8(x, None if d is None else _rows(d), self.weight, self.eps, pdl=self.pdl,
+                        delta2=None if d2 is None else _rows(d2))

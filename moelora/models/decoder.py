@@ -26,7 +26,7 @@ from moelora.layers.attention import Attention, AttnMetadata
 from moelora.layers.linear import LinearSite
 from moelora.layers.mlp import DenseMLP
 from moelora.layers.moe import Experts, SparseMoE
-from moelora.layers.norm import RMSNorm
+from moelora.layers.norm import Delta, RMSNorm
 from moelora.layers.options import DEFAULT_OPTIONS, LayerOptions, adopt_tensors
 from moelora.layers.rotary import RotaryEmbedding
 from moelora.layers.router import RoutingSpec
@@ -68,7 +68,9 @@ class DecoderLayer(nn.Module):
     """One pre-norm block. The residual stream enters as (residual, delta) -- the layer input is
     residual + delta, delta None for the first layer -- and leaves as (h, mlp_out), the next layer's
     pair: the add before each norm is fused into that norm (`RMSNorm.add_forward`), two launches a
-    layer under the Triton backend, with the torch backend's sums and roundings unchanged."""
+    layer under the Triton backend, with the torch backend's sums and roundings unchanged. An MoE block
+    with shared experts hands on (routed, shared) unsummed (`SparseMoE.forward_parts`): the next norm
+    adds both, rounding their sum first as `routed + shared` did, one launch a layer fewer."""
 
     def __init__(self, cfg: ModelConfig, idx: int, make_attention=gqa_attention, shard=None, **kw):
         super().__init__()
@@ -84,19 +86,20 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, **kw)
 
-    def _norm(self, norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None):
+    def _norm(self, norm: RMSNorm, x: torch.Tensor, delta: Delta):
         """(h, normed, its FP8Rows for the W8A8 GEMMs reading it, or None)."""
         return norm.add_forward_fp8(x, delta) if self.fp8_inputs else (*norm.add_forward(x, delta), None)
 
-    def forward(self, residual: torch.Tensor, delta: torch.Tensor | None, cos, sin, meta, kv, lora
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, residual: torch.Tensor, delta: Delta, cos, sin, meta, kv, lora) -> tuple[torch.Tensor, Delta]:
         x, normed, rows = self._norm(self.input_layernorm, residual, delta)
         attn = self.self_attn(normed, cos, sin, meta, kv, lora, x_fp8=rows)
         if self.shard is not None:
             attn = self.shard.all_reduce(attn)
         h, normed, rows = self._norm(self.post_attention_layernorm, x, attn)
-        out = self.mlp(normed, lora, x_fp8=rows)
-        return h, out if self.shard is None else self.shard.all_reduce(out)
+        if self.shard is not None:
+            return h, self.shard.all_reduce(self.mlp(normed, lora, x_fp8=rows))
+        block = self.mlp.forward_parts if isinstance(self.mlp, SparseMoE) else self.mlp  # (routed, shared): summed
+        return h, block(normed, lora, x_fp8=rows)                                        # by the next norm
 
 
 class Backbone(nn.Module):

@@ -84,12 +84,39 @@ def test_add_rms_norm(dtype, T, D, wide):
 
 
 @kernel_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("T,D,wide", [(9, 48, 0), (3, 130, 4), (0, 16, 0)])
+def test_add_rms_norm_with_two_deltas_rounds_their_sum_first(dtype, T, D, wide):
+    """delta2 (an MoE block's routed and shared outputs, added by the next norm): h and y equal the one-delta launch
+    on torch's d + d2 (the inner sum rounded to the dtype first), and h torch's x + (d + d2). The inputs are scaled
+    so that adding the three in fp32 and rounding once differs from that (checked): a kernel skipping the inner
+    rounding fails."""
+    x = rand(T, D, dtype=dtype, seed=4, scale=4.0, wide=wide)
+    d = rand(T, D, dtype=dtype, seed=5, scale=1.0, wide=wide)
+    d2 = rand(T, D, dtype=dtype, seed=6, scale=1e-2)
+    w = near_one(D, 7)
+    x0, d0, d20 = x.clone(), d.clone(), d2.clone()
+    out = (poisoned(T, D, dtype=dtype), poisoned(T, D, dtype=dtype))
+    h, y = add_rms_norm(x, d, w, 1e-5, out=out, delta2=d2)
+    assert h is out[0] and y is out[1] and unchanged((x, x0), (d, d0), (d2, d20))
+    settled = d + d2
+    h1, y1 = add_rms_norm(x, settled, w, 1e-5)  # the one-delta kernel on torch's rounded sum
+    assert torch.equal(h, h1) and torch.equal(y, y1)
+    if dtype != torch.bfloat16 or DEV == "cuda":  # the interpreter's bf16 casts do not round to nearest
+        assert torch.equal(h, x + settled)
+    if dtype != torch.float32 and T:  # the inner rounding matters on these inputs
+        assert not torch.equal(x + settled, (x.float() + d.float() + d2.float()).to(dtype))
+
+
+@kernel_test
 def test_norm_launchers_reject_bad_arguments():
     x, w = rand(4, 8), near_one(8, 0)
     with pytest.raises(ValueError, match="weight"):
         rms_norm(x, near_one(9, 0), 1e-6)
     with pytest.raises(ValueError, match="delta"):
         add_rms_norm(x, rand(4, 8, dtype=torch.float16), w, 1e-6)
+    with pytest.raises(ValueError, match="delta2"):
+        add_rms_norm(x, x.clone(), w, 1e-6, delta2=rand(4, 9))
     with pytest.raises(ValueError, match="storage"):
         rms_norm(x, w, 1e-6, out=x)  # contract 2: never into an input
     with pytest.raises(ValueError, match="unit stride"):

@@ -135,6 +135,12 @@ def test_norm_fp8_is_the_norm_then_the_group_quantization(D, with_delta, dtype):
     assert torch.equal(h, h_ref) and torch.equal(y, y_ref)
     q, s = per_token_group_quant(y)
     assert torch.equal(rows.s, s) and torch.equal(rows.q.view(torch.uint8), q.view(torch.uint8))
+    if with_delta:  # two deltas (routed, shared): the one-delta call on their sum, rounded to the dtype first
+        d2 = (torch.randn(6, D, generator=g) * 0.01).to(dtype).to(DEV)
+        h2, y2, rows2 = norm_fp8(x, delta, w, 1e-6, delta2=d2)
+        h_ref, y_ref, rows_ref = norm_fp8(x, delta + d2, w, 1e-6)
+        assert torch.equal(h2, h_ref) and torch.equal(y2, y_ref) and torch.equal(rows2.s, rows_ref.s)
+        assert torch.equal(rows2.q.view(torch.uint8), rows_ref.q.view(torch.uint8))
 
 
 @kernel_test

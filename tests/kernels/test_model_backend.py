@@ -19,6 +19,7 @@ import moelora.kernels.rotary as rotary_kernels  # noqa: E402
 import moelora.kernels.silu_mul as silu_kernels  # noqa: E402
 import moelora.kernels.softmax_topk as router_kernels  # noqa: E402
 from moelora.layers.mlp import DenseMLP  # noqa: E402
+from moelora.layers.moe import SparseMoE  # noqa: E402
 from tests.helpers.kernel_env import DEV, kernel_test, planned_everywhere, record_planned_sites  # noqa: E402
 from tests.helpers.models import build, engine, random_adapter  # noqa: E402
 from tests.helpers.oracle import tiny_hf_model  # noqa: E402
@@ -29,12 +30,14 @@ LAUNCHERS = [(norm_kernels, "rms_norm"), (norm_kernels, "add_rms_norm"), (rotary
 
 def count_launches(monkeypatch) -> dict[str, int]:
     """Wrap each launcher so the test knows the Triton path really ran (layers import them per call)."""
-    calls = {name: 0 for _, name in LAUNCHERS}
+    calls = {name: 0 for _, name in LAUNCHERS} | {"add_rms_norm+delta2": 0}
     for module, name in LAUNCHERS:
         fn = getattr(module, name)
 
         def counted(*args, _fn=fn, _name=name, **kw):
             calls[_name] += 1
+            if kw.get("delta2") is not None:  # an MoE block's (routed, shared) summed by the next norm
+                calls[_name + "+delta2"] += 1
             return _fn(*args, **kw)
 
         monkeypatch.setattr(module, name, counted)
@@ -78,6 +81,7 @@ def test_triton_backend_logits_equal_torch_backend(family, fused, monkeypatch):
     calls, lora_calls = compare_backends(model, adapters, hf.config.vocab_size, (6, 1, 9), 23, monkeypatch)
     layers = hf.config.num_hidden_layers
     assert calls["add_rms_norm"] == 2 * layers  # one add + norm per layer and step, and the final one
+    assert calls["add_rms_norm+delta2"] == (shared_moe_layers(model) if family == "qwen2_moe" else 0)
     assert calls["softmax_topk"] >= 1 and all(calls[name] >= 1 for name in fused), calls
     c = model.config
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -86,6 +90,11 @@ def test_triton_backend_logits_equal_torch_backend(family, fused, monkeypatch):
                                              if isinstance(m, DenseMLP)] for layer in model.model.layers]
     assert any(len(calls) > 1 for calls in merged) == (family != "olmoe")  # OLMoE has no dense MLP
     assert [call for call in lora_calls if call[1]] == [call for calls in merged for call in calls]
+
+
+def shared_moe_layers(model) -> int:
+    """Layers whose MoE block has shared experts: each hands (routed, shared) to the next norm (one forward)."""
+    return sum(isinstance(layer.mlp, SparseMoE) and layer.mlp.has_shared for layer in model.model.layers)
 
 
 def compare_backends(model, adapters, vocab, lengths, seed, monkeypatch):
@@ -121,6 +130,7 @@ def test_triton_backend_logits_equal_torch_backend_glm_deepseek(family, fused, m
     adapters = {"a": random_adapter(model, seed=32, rank=4, frac=0.7)}
     calls, _ = compare_backends(model, adapters, hf.config.vocab_size, (5, 1, 8), 33, monkeypatch)
     assert calls["add_rms_norm"] == 2 * hf.config.num_hidden_layers
+    assert calls["add_rms_norm+delta2"] == shared_moe_layers(model) >= 1  # routed + shared added by the next norm
     assert calls["softmax_topk"] == 0 and all(calls[name] >= 1 for name in fused), calls
 
 @kernel_test
