@@ -24,6 +24,12 @@ def settle(delta: Delta) -> torch.Tensor | None:
     return delta[0] + delta[1] if isinstance(delta, tuple) else delta
 
 
+def _parts(delta: Delta) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(first delta, second or None) as [T, D] rows: a pair's two parts, a tensor alone, or (None, None)."""
+    d, d2 = delta if isinstance(delta, tuple) else (delta, None)
+    return (None if d is None else _rows(d)), (None if d2 is None else _rows(d2))
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as [T, D] with unit stride along D (a view where possible)."""
     if x.dim() == 2 and (x.stride(-1) == 1 or x.numel() == 0):
@@ -54,9 +60,8 @@ class RMSNorm(nn.Module):
         if self.backend == "triton":
             from moelora.kernels.norm import add_rms_norm
 
-            d, d2 = delta if isinstance(delta, tuple) else (delta, None)
-            h, y = add_rms_norm(_rows(x), _rows(d), self.weight, self.eps, pdl=self.pdl,
-                                delta2=None if d2 is None else _rows(d2))
+            d, d2 = _parts(delta)
+            h, y = add_rms_norm(_rows(x), d, self.weight, self.eps, pdl=self.pdl, delta2=d2)
             return h.view(x.shape), y.view(x.shape)
         h = x + settle(delta)
         return h, rms_norm_ref(h, self.weight, self.eps)
@@ -66,6 +71,5 @@ class RMSNorm(nn.Module):
         backend, x [T, D]): (h, y, rows)."""
         from moelora.kernels.norm import norm_fp8
 
-        d, d2 = delta if isinstance(delta, tuple) else (delta, None)
-        return norm_fp8(x, None if d is None else _rows(d), self.weight, self.eps, pdl=self.pdl,
-                        delta2=None if d2 is None else _rows(d2))
+        d, d2 = _parts(delta)
+        return norm_fp8(x, d, self.weight, self.eps, pdl=self.pdl, delta2=d2)

@@ -98,8 +98,9 @@ class DecoderLayer(nn.Module):
         h, normed, rows = self._norm(self.post_attention_layernorm, x, attn)
         if self.shard is not None:
             return h, self.shard.all_reduce(self.mlp(normed, lora, x_fp8=rows))
-        block = self.mlp.forward_parts if isinstance(self.mlp, SparseMoE) else self.mlp  # (routed, shared): summed
-        return h, block(normed, lora, x_fp8=rows)                                        # by the next norm
+        if isinstance(self.mlp, SparseMoE):  # (routed, shared) unsummed: the next norm adds them
+            return h, self.mlp.forward_parts(normed, lora, x_fp8=rows)
+        return h, self.mlp(normed, lora, x_fp8=rows)
 
 
 class Backbone(nn.Module):
