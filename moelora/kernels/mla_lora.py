@@ -6,11 +6,14 @@ Shape legend: T tokens, N heads, Dn qk_nope_head_dim, Dv v_head_dim, C kv_lora_r
   absorb: q_abs[t, n] += (q_nope[t, n] B_s,uk[n]) A_s        q_nope [T, N, Dn], q_abs [T, N, C]
   expand: out[t, n]   += (o_lat[t, n] A_s^T) B_s,uv[n]^T     o_lat [T, N, C],   out [T, N, Dv]
 Added in place into the caller's fresh q_abs / out, program (t, HB heads, output chunk), the [HB, R] intermediate
-rounded as the torch path rounds it: one launch a side instead of the torch path's ~8. Few rows (T x head blocks
-under ~128 programs: decode at 1-64 requests) split each side's output columns (absorb: C, expand: Dv) over up to
-4 programs, each computing the small [HB, R] intermediate again: a one-request DeepSeek-V2-Lite step otherwise
-runs each side as one program walking C in 8 dependent steps (the H200 profile: 14 / 9 us a layer for ~1 MB of
-bytes). The split changes no sum: every output column is computed as without it.
+rounded as the torch path rounds it: one launch a side instead of the torch path's ~8.
+
+Tiles (`tiles`): decode's few rows take 1, 2 or 4 heads a program, the products summed in registers, the fewest
+heads that keep the grid within 512 programs (DeepSeek-V2-Lite: 1 head up to 32 rows, 2 at 64, 4 at 128); more
+rows take 16 heads a program on the tensor cores (tl.dot), their output columns (absorb: C, expand: Dv) split
+over up to 4 programs below ~128 programs. A 16-head program at one row walks C in 8 dependent steps: 8.95 /
+3.38 us a side on the H200 where 1 head a program takes 2.57 / 2.54 (docs/performance.md). Neither the heads a
+program nor the split changes a column's sum order (each step's width follows the rank tile and the heads only).
 """
 
 from __future__ import annotations
@@ -23,21 +26,37 @@ from moelora.kernels.checks import cdiv, lora_tile_rank
 from moelora.kernels.lora_tiles import rank_chunks
 from moelora.kernels.pdl import pdl_args, pdl_wait
 
-_HB = 16  # heads a program: the rows of the tl.dot
-_BC = 64  # latent columns a step
+_HB = 16  # heads a program on the tensor cores: the rows of the tl.dot
+_REG_HEADS = (1, 2, 4)  # heads a program summed in registers, the fewest within _PROGRAMS
+_PROGRAMS = 512  # the register-sum grids' limit (the H200 sweep: past it 16 heads with dots win)
+_BC = 64  # latent columns a step (16 heads)
 _BCW = 256  # latent columns a step of the expand side's o_lat A^T (2 steps at C = 512; 128 past rank tile 32)
 _MAX_SPLITS = 4  # output chunks of one (t, head block)
 _FILL = 128  # programs in flight below which the output columns split (~ the H200's 132 SMs)
 
 
 def default_splits(T: int, N: int) -> int:
-    """Output chunks a (token, head block) program pair splits into: enough to put ~_FILL programs in flight."""
+    """Output chunks a (token, 16-head block) program pair splits into: enough to put ~_FILL programs in flight."""
     return max(1, min(_MAX_SPLITS, _FILL // max(1, T * cdiv(N, _HB))))
+
+
+def tiles(T: int, N: int) -> tuple[int, int]:
+    """(heads a program, output splits) for T rows of N heads (module docstring)."""
+    for hb in _REG_HEADS:
+        if T * cdiv(N, hb) <= _PROGRAMS:
+            return hb, 1
+    return _HB, default_splits(T, N)
 
 
 def _head_columns(block_r: int) -> int:
     """Dn / Dv columns a step: 32 at rank tile 16, else the widest not spilling on sm_90 (docs/performance.md)."""
     return 32 if block_r <= 16 else max(1, 256 // block_r)
+
+
+def _reg_columns(hb: int, block_r: int, cols: int) -> int:
+    """Columns a register-sum step of hb heads: the [hb, step, R] product as large as 16 heads' (`_head_columns`),
+    at most the next power of two of `cols`."""
+    return min(triton.next_power_of_2(max(cols, 1)), _head_columns(block_r) * _HB // hb)
 
 
 @triton.jit
@@ -63,7 +82,8 @@ def _b_heads(b_s, rows, m, offs_r, rank, stride_bn):
 def _absorb_lora_kernel(q_ptr, qa_ptr, a_ptr, b_ptr, slots_ptr, ranks_ptr, N, C, C_CHUNK, stride_qt, stride_qn,
                         stride_at, stride_an, stride_as, stride_ar, stride_bs, stride_bn,
                         DN: tl.constexpr, DV: tl.constexpr, HB: tl.constexpr, BLOCK_R: tl.constexpr,
-                        DC: tl.constexpr, BC: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                        DC: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+                        PDL: tl.constexpr):
     pdl_wait(PDL)
     t, s, rank, offs_h, h_ok, offs_r, r_ok = _program_rows(slots_ptr, ranks_ptr, N, HB, BLOCK_R)
     if rank > 0:
@@ -87,7 +107,11 @@ def _absorb_lora_kernel(q_ptr, qa_ptr, a_ptr, b_ptr, slots_ptr, ranks_ptr, N, C,
                          other=0.0)
             ptrs = qa_ptr + t.to(tl.int64) * stride_at + offs_h[:, None] * stride_an + offs_c[None, :]
             mc = h_ok[:, None] & c_ok[None, :]
-            y = tl.load(ptrs, mask=mc, other=0.0).to(tl.float32) + tl.dot(u, at.to(u.dtype), input_precision=PRECISION)
+            if DOT:
+                d = tl.dot(u, at.to(u.dtype), input_precision=PRECISION)
+            else:  # [HB, R, BC] in registers: too few heads for a dot's 16 rows
+                d = tl.sum(u.to(tl.float32)[:, :, None] * at.to(tl.float32)[None, :, :], axis=1)
+            y = tl.load(ptrs, mask=mc, other=0.0).to(tl.float32) + d
             tl.store(ptrs, y.to(qa_ptr.dtype.element_ty), mask=mc)
 
 
@@ -95,8 +119,8 @@ def _absorb_lora_kernel(q_ptr, qa_ptr, a_ptr, b_ptr, slots_ptr, ranks_ptr, N, C,
 def _expand_lora_kernel(ol_ptr, out_ptr, a_ptr, b_ptr, slots_ptr, ranks_ptr, N, C, stride_lt, stride_ln, stride_yt,
                         stride_yn, stride_as, stride_ar, stride_bs, stride_bn,
                         DN: tl.constexpr, DV: tl.constexpr, HB: tl.constexpr, BLOCK_R: tl.constexpr,
-                        DC: tl.constexpr, BC: tl.constexpr, V_CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-                        PDL: tl.constexpr):
+                        DC: tl.constexpr, BC: tl.constexpr, V_CHUNK: tl.constexpr, DOT: tl.constexpr,
+                        PRECISION: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     t, s, rank, offs_h, h_ok, offs_r, r_ok = _program_rows(slots_ptr, ranks_ptr, N, HB, BLOCK_R)
     if rank > 0:
@@ -109,7 +133,10 @@ def _expand_lora_kernel(ol_ptr, out_ptr, a_ptr, b_ptr, slots_ptr, ranks_ptr, N, 
                         mask=h_ok[:, None] & c_ok[None, :], other=0.0)
             at = tl.load(a_s + offs_r[None, :] * stride_ar + offs_c[:, None], mask=r_ok[None, :] & c_ok[:, None],
                          other=0.0)
-            w = tl.dot(o, at.to(o.dtype), w, input_precision=PRECISION)
+            if DOT:
+                w = tl.dot(o, at.to(o.dtype), w, input_precision=PRECISION)
+            else:  # [HB, BC, R] in registers
+                w += tl.sum(o.to(tl.float32)[:, :, None] * at.to(tl.float32)[None, :, :], axis=1)
         w = w.to(out_ptr.dtype.element_ty).to(tl.float32)
         b_s = b_ptr + s.to(tl.int64) * stride_bs
         v_lo = tl.program_id(2) * V_CHUNK  # this program's value columns [v_lo, v_lo + V_CHUNK)
@@ -144,37 +171,51 @@ def _check(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, r
 
 def mla_absorb_lora_(q_abs: torch.Tensor, q_nope: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                      ranks: torch.Tensor, token_slots: torch.Tensor, width: int | None = None, *,
-                     splits: int | None = None, pdl: bool = False) -> torch.Tensor:
-    """q_abs [T, N, C] += (q_nope B_s,uk) A_s in place, returned; `width`: `LoRABatch.max_rank`; `splits`: of C
-    (default `default_splits`; the result does not depend on it); `pdl`: programmatic dependent launch where the
-    GPU has it (`kernels.pdl`)."""
+                     heads: int | None = None, splits: int | None = None, pdl: bool = False) -> torch.Tensor:
+    """q_abs [T, N, C] += (q_nope B_s,uk) A_s in place, returned; `width`: `LoRABatch.max_rank`; `heads` a
+    program (1, 2, 4 or 16) and `splits` of C: default `tiles`' (the result does not depend on either); `pdl`:
+    programmatic dependent launch where the GPU has it (`kernels.pdl`)."""
     nope = q_nope.shape[2]
     T, N, dv, precision = _check(q_nope, q_abs, a, b, ranks, token_slots, nope, latent_in=False)
     block_r = lora_tile_rank(a.shape[1], width)
     C = a.shape[2]
-    chunk = cdiv(cdiv(C, splits or default_splits(T, N)), _BC) * _BC
+    hb, splits = _pick(T, N, heads, splits)
+    dc, bc = (_head_columns(block_r), _BC) if hb == _HB else (_reg_columns(hb, block_r, nope),
+                                                              _reg_columns(hb, block_r, C))
+    chunk = cdiv(cdiv(C, splits), bc) * bc
     if T:
-        _absorb_lora_kernel[(T, cdiv(N, _HB), cdiv(C, chunk))](
+        _absorb_lora_kernel[(T, cdiv(N, hb), cdiv(C, chunk))](
             q_nope, q_abs, a, b, token_slots, ranks, N, C, chunk, q_nope.stride(0), q_nope.stride(1),
             q_abs.stride(0), q_abs.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1), DN=nope, DV=dv,
-            HB=_HB, BLOCK_R=block_r, DC=_head_columns(block_r), BC=_BC, PRECISION=precision, num_warps=4,
+            HB=hb, BLOCK_R=block_r, DC=dc, BC=bc, DOT=hb == _HB, PRECISION=precision, num_warps=4,
             **pdl_args(pdl, q_nope))
     return q_abs
 
 
 def mla_expand_lora_(out: torch.Tensor, o_lat: torch.Tensor, a: torch.Tensor, b: torch.Tensor, nope: int,
                      ranks: torch.Tensor, token_slots: torch.Tensor, width: int | None = None, *,
-                     splits: int | None = None, pdl: bool = False) -> torch.Tensor:
+                     heads: int | None = None, splits: int | None = None, pdl: bool = False) -> torch.Tensor:
     """out [T, N, Dv] += (o_lat [T, N, C] A_s^T) B_s,uv^T in place (see the module docstring); returns out;
-    `splits`: of Dv, `pdl`: as `mla_absorb_lora_`'s."""
+    `heads`, `splits` (of Dv) and `pdl`: as `mla_absorb_lora_`'s."""
     T, N, dv, precision = _check(o_lat, out, a, b, ranks, token_slots, nope, latent_in=True)
     block_r = lora_tile_rank(a.shape[1], width)
-    dc = _head_columns(block_r)
-    chunk = cdiv(cdiv(dv, splits or default_splits(T, N)), dc) * dc
+    C = a.shape[2]
+    hb, splits = _pick(T, N, heads, splits)
+    dc, bc = (_head_columns(block_r), _BCW if block_r <= 32 else _BCW // 2) if hb == _HB else \
+        (_reg_columns(hb, block_r, dv), _reg_columns(hb, block_r, C))
+    chunk = cdiv(cdiv(dv, splits), dc) * dc
     if T:
-        _expand_lora_kernel[(T, cdiv(N, _HB), cdiv(dv, chunk))](
-            o_lat, out, a, b, token_slots, ranks, N, a.shape[2], o_lat.stride(0), o_lat.stride(1), out.stride(0),
-            out.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1), DN=nope, DV=dv, HB=_HB,
-            BLOCK_R=block_r, DC=dc, BC=_BCW if block_r <= 32 else _BCW // 2, V_CHUNK=chunk, PRECISION=precision,
-            num_warps=4, **pdl_args(pdl, o_lat))
+        _expand_lora_kernel[(T, cdiv(N, hb), cdiv(dv, chunk))](
+            o_lat, out, a, b, token_slots, ranks, N, C, o_lat.stride(0), o_lat.stride(1), out.stride(0),
+            out.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1), DN=nope, DV=dv, HB=hb,
+            BLOCK_R=block_r, DC=dc, BC=bc, V_CHUNK=chunk, DOT=hb == _HB, PRECISION=precision, num_warps=4,
+            **pdl_args(pdl, o_lat))
     return out
+
+
+def _pick(T: int, N: int, heads: int | None, splits: int | None) -> tuple[int, int]:
+    """(heads a program, splits): the caller's where given, else `tiles`' (register sums: no split)."""
+    if heads is not None and heads not in (*_REG_HEADS, _HB):
+        raise ValueError(f"heads a program must be one of {(*_REG_HEADS, _HB)}, got {heads}")
+    hb = heads or tiles(T, N)[0]
+    return hb, splits or (default_splits(T, N) if hb == _HB else 1)

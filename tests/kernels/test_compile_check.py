@@ -73,8 +73,11 @@ def _mla_lora_launches(R: int) -> None:
     bf = torch.bfloat16
     a, b = torch.randn(4, R, 512, dtype=bf), torch.randn(4, 16 * 256, R, dtype=bf)
     ranks, slots = torch.tensor([R, 8, 0, 4], dtype=torch.int32), torch.tensor([0, -1, 3], dtype=torch.int32)
-    mla_absorb_lora_(torch.randn(3, 16, 512, dtype=bf), torch.randn(3, 16, 128, dtype=bf), a, b, ranks, slots)
-    mla_expand_lora_(torch.randn(3, 16, 128, dtype=bf), torch.randn(3, 16, 512, dtype=bf), a, b, 128, ranks, slots)
+    for heads in (1, 2, 4, 16):  # every tile `mla_lora.tiles` picks
+        mla_absorb_lora_(torch.randn(3, 16, 512, dtype=bf), torch.randn(3, 16, 128, dtype=bf), a, b, ranks, slots,
+                         heads=heads)
+        mla_expand_lora_(torch.randn(3, 16, 128, dtype=bf), torch.randn(3, 16, 512, dtype=bf), a, b, 128, ranks,
+                         slots, heads=heads)
 
 
 def test_lora_b_tiles_are_vector_loads(tmp_path, monkeypatch):
@@ -133,15 +136,17 @@ def test_lora_b_tiles_are_vector_loads(tmp_path, monkeypatch):
 
 def test_mla_lora_kernels_do_not_spill_at_any_rank_tile(tmp_path, monkeypatch):
     """MLA's kv_b_proj LoRA kernels at DeepSeek-V2-Lite sizes (N 16, Dn = Dv 128, C 512) compile for sm_90
-    with no local memory at rank tiles 16, 32 and 64 (`mla_lora._head_columns`; a fixed 32-column step
+    with no local memory at rank tiles 16, 32 and 64 and 1, 2, 4, 16 heads a program (`mla_lora._head_columns`,
+    `_reg_columns`; a fixed 32-column step
     spilled 32-1824 bytes a thread at tiles 32 and 64). Resources come from the local ptxas."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     with Compiler(resources=True) as comp:
         for R in (16, 32, 64):
             _mla_lora_launches(R)
     assert comp.failures == []
-    found = {(name, dict(c)["BLOCK_R"]): res for (name, c), res in comp.seen.items()}
-    assert set(found) == {(k, r) for k in ("_absorb_lora_kernel", "_expand_lora_kernel") for r in (16, 32, 64)}
+    found = {(name, dict(c)["BLOCK_R"], dict(c)["HB"]): res for (name, c), res in comp.seen.items()}
+    assert set(found) == {(k, r, h) for k in ("_absorb_lora_kernel", "_expand_lora_kernel") for r in (16, 32, 64)
+                          for h in (1, 2, 4, 16)}
     for key, res in found.items():
         assert " stack 0" in res and " local 0" in res, f"{key}: {res}"
 

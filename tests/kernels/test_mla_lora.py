@@ -88,8 +88,38 @@ def test_narrow_width_and_zero_tokens():
 
 
 @kernel_test
+@pytest.mark.parametrize("heads", [1, 2, 4, 16])
+def test_every_head_tile_equals_twin(heads):
+    """Register sums of 1, 2 or 4 heads a program and 16 heads on dots (heads past one block, uneven sizes)."""
+    slots = [0, -1, 1, 2, 0, 1]
+    q_nope, o_lat, kv_b, lora, ranks = make_case(6, 19, 40, 24, 72, (24, 3, 0), 24, slots, torch.float32, DEV,
+                                                 seed=11)
+    q_abs, out = absorb_query(q_nope, kv_b.weight, None), expand_output(o_lat, kv_b.weight, 40, None)
+    base = q_abs.clone(), out.clone()
+    mla_absorb_lora_(q_abs, q_nope, kv_b.lora_a, kv_b.lora_b, ranks, lora.token_slots, heads=heads)
+    mla_expand_lora_(out, o_lat, kv_b.lora_a, kv_b.lora_b, 40, ranks, lora.token_slots, heads=heads)
+    want_q, want_out = twin(q_nope, o_lat, kv_b, lora, 40, torch.float64)
+    for got, want in ((q_abs, want_q), (out, want_out)):
+        assert ((got.double() - want).norm() / want.norm()).item() <= 1e-5
+    untouched = torch.tensor([s in (-1, 2) for s in slots], device=q_abs.device)
+    assert torch.equal(q_abs[untouched], base[0][untouched]) and torch.equal(out[untouched], base[1][untouched])
+
+
+def test_tiles_pick_the_fewest_register_heads_within_the_grid_limit():
+    from moelora.kernels.mla_lora import tiles
+
+    # DeepSeek-V2-Lite's 16 heads: 1 head a program up to 32 rows, 2 at 64, 4 at 128, then 16 on dots
+    assert [tiles(T, 16) for T in (1, 8, 32, 64, 128, 256)] == [(1, 1)] * 3 + [(2, 1), (4, 1), (16, 1)]
+    assert tiles(8, 128) == (2, 1) and tiles(2048, 128) == (16, 1)  # V3's 128 heads
+    with pytest.raises(ValueError, match="heads a program"):
+        mla_absorb_lora_(torch.zeros(1, 2, 8), torch.zeros(1, 2, 4), torch.zeros(1, 8, 8), torch.zeros(1, 16, 8),
+                         torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), heads=8)
+
+
+@kernel_test
+@pytest.mark.parametrize("heads", [1, 16])
 @pytest.mark.parametrize("splits", [2, 3, 4])
-def test_output_splits_change_no_column(splits):
+def test_output_splits_change_no_column(heads, splits):
     """Each side's output columns split over programs (C for absorb, Dv for expand; uneven last chunks) give the
     unsplit result bit for bit, and the default split of a one-row step is one of them."""
     from moelora.kernels.mla_lora import default_splits
@@ -100,8 +130,8 @@ def test_output_splits_change_no_column(splits):
     results = []
     for n in (1, splits):
         q_abs, out = base_q.clone(), base_out.clone()
-        mla_absorb_lora_(q_abs, q_nope, kv_b.lora_a, kv_b.lora_b, ranks, lora.token_slots, splits=n)
-        mla_expand_lora_(out, o_lat, kv_b.lora_a, kv_b.lora_b, 24, ranks, lora.token_slots, splits=n)
+        mla_absorb_lora_(q_abs, q_nope, kv_b.lora_a, kv_b.lora_b, ranks, lora.token_slots, heads=heads, splits=n)
+        mla_expand_lora_(out, o_lat, kv_b.lora_a, kv_b.lora_b, 24, ranks, lora.token_slots, heads=heads, splits=n)
         results.append((q_abs, out))
     (q1, o1), (qn, on) = results
     assert torch.equal(q1, qn) and torch.equal(o1, on)
@@ -125,7 +155,7 @@ def test_validation_errors():
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("R", [16, 32, 64])  # every rank tile (`mla_lora._head_columns`)
-@pytest.mark.parametrize("T", [1, 8, 256])  # the output columns split in 4 / 4 / 1 (`default_splits`)
+@pytest.mark.parametrize("T", [1, 64, 128, 256])  # 1 / 2 / 4 heads a program in registers, 16 on dots (`tiles`)
 def test_gpu_deepseek_v2_lite_sizes_bf16(R, T):
     slots = [0] if T == 1 else torch.randint(-1, 8, (T,), generator=torch.Generator().manual_seed(5)).tolist()
     ranks = (R, 8, R, 0, 4, 16, 12, 8)
