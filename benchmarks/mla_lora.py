@@ -3,7 +3,7 @@
 Shape legend: T tokens (one a request in decode), N = 16 heads, Dn = Dv = 128, C = 512 latent columns, 8 adapter
 slots of rank 16 (pool width 16), row t on slot t % 8. For each T, each side (absorb: q_abs += (q_nope B_uk) A,
 expand: out += (o_lat A^T) B_uv^T) is timed at every tile: 1, 2, 4 heads a program (register sums) and 16 (dots),
-each with 1, 2 and 4 output splits, and at the default pick (`mla_lora.tiles`, marked "*").
+each with 1, 2 and 4 output splits; "default" marks `mla_lora.tiles`' pick.
 
 Timing as decode runs it: one CUDA graph of `--layers` launches, each layer on its own LoRA pool (HBM, not L2),
 replayed under triton's do_bench (median); the per-launch us is the replay over the launches.
@@ -53,9 +53,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rows = []
     for T in (int(t) for t in args.ts.split(",")):
-        pick = tiles(T, N)
         for side in ("absorb", "expand"):
-            times = {}
+            pick, times = tiles(T, N, side), {}
             for heads, splits in TILES:
                 us = graph_time_ms(side_call(side, T, args.layers, heads, splits)) * 1e3 / args.layers
                 times[(heads, splits)] = us

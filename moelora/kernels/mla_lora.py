@@ -8,12 +8,12 @@ Shape legend: T tokens, N heads, Dn qk_nope_head_dim, Dv v_head_dim, C kv_lora_r
 Added in place into the caller's fresh q_abs / out, program (t, HB heads, output chunk), the [HB, R] intermediate
 rounded as the torch path rounds it: one launch a side instead of the torch path's ~8.
 
-Tiles (`tiles`): decode's few rows take 1, 2 or 4 heads a program, the products summed in registers, the fewest
-heads that keep the grid within 512 programs (DeepSeek-V2-Lite: 1 head up to 32 rows, 2 at 64, 4 at 128); more
-rows take 16 heads a program on the tensor cores (tl.dot), their output columns (absorb: C, expand: Dv) split
-over up to 4 programs below ~128 programs. A 16-head program at one row walks C in 8 dependent steps: 8.95 /
-3.38 us a side on the H200 where 1 head a program takes 2.57 / 2.54 (docs/performance.md). Neither the heads a
-program nor the split changes a column's sum order (each step's width follows the rank tile and the heads only).
+Tiles (`tiles`, a table per side): decode's few rows take 1, 2 or 4 heads a program, the products summed in
+registers, the fewest heads that keep the grid within the table's programs; more rows take 16 heads a program on
+the tensor cores (tl.dot), their output columns (absorb: C, expand: Dv) split over up to 4 programs below ~128
+programs. A 16-head program at one row walks C in 8 dependent steps: 10.6 / 4.6 us a side on the H200 where 1
+head a program takes 3.1 / 3.5 (docs/performance.md). Neither the heads a program nor the split changes a
+column's sum order (each step's width follows the rank tile and the heads only).
 """
 
 from __future__ import annotations
@@ -27,8 +27,11 @@ from moelora.kernels.lora_tiles import rank_chunks
 from moelora.kernels.pdl import pdl_args, pdl_wait
 
 _HB = 16  # heads a program on the tensor cores: the rows of the tl.dot
-_REG_HEADS = (1, 2, 4)  # heads a program summed in registers, the fewest within _PROGRAMS
-_PROGRAMS = 512  # the register-sum grids' limit (the H200 sweep: past it 16 heads with dots win)
+_REG_HEADS = (1, 2, 4)  # heads a program summed in registers
+# (heads a program, most programs in the grid): the first row that fits, else 16 heads on dots. The H200 sweep
+# (benchmarks/mla_lora.py, DeepSeek-V2-Lite, docs/performance.md): 1 head up to 32 rows, 2 at 64; then the absorb
+# side's 4 heads beat 16 up to 256 rows (14.4 vs 19.3 us), the expand side's 16 from 128 rows (8.1 vs 9.5 us).
+_TILES = {"absorb": ((1, 512), (2, 512), (4, 1024)), "expand": ((1, 512), (2, 512))}
 _BC = 64  # latent columns a step (16 heads)
 _BCW = 256  # latent columns a step of the expand side's o_lat A^T (2 steps at C = 512; 128 past rank tile 32)
 _MAX_SPLITS = 4  # output chunks of one (t, head block)
@@ -40,10 +43,10 @@ def default_splits(T: int, N: int) -> int:
     return max(1, min(_MAX_SPLITS, _FILL // max(1, T * cdiv(N, _HB))))
 
 
-def tiles(T: int, N: int) -> tuple[int, int]:
-    """(heads a program, output splits) for T rows of N heads (module docstring)."""
-    for hb in _REG_HEADS:
-        if T * cdiv(N, hb) <= _PROGRAMS:
+def tiles(T: int, N: int, side: str) -> tuple[int, int]:
+    """(heads a program, output splits) of `side` ("absorb" / "expand") for T rows of N heads (`_TILES`)."""
+    for hb, programs in _TILES[side]:
+        if T * cdiv(N, hb) <= programs:
             return hb, 1
     return _HB, default_splits(T, N)
 
@@ -179,7 +182,7 @@ def mla_absorb_lora_(q_abs: torch.Tensor, q_nope: torch.Tensor, a: torch.Tensor,
     T, N, dv, precision = _check(q_nope, q_abs, a, b, ranks, token_slots, nope, latent_in=False)
     block_r = lora_tile_rank(a.shape[1], width)
     C = a.shape[2]
-    hb, splits = _pick(T, N, heads, splits)
+    hb, splits = _pick(T, N, "absorb", heads, splits)
     dc, bc = (_head_columns(block_r), _BC) if hb == _HB else (_reg_columns(hb, block_r, nope),
                                                               _reg_columns(hb, block_r, C))
     chunk = cdiv(cdiv(C, splits), bc) * bc
@@ -200,7 +203,7 @@ def mla_expand_lora_(out: torch.Tensor, o_lat: torch.Tensor, a: torch.Tensor, b:
     T, N, dv, precision = _check(o_lat, out, a, b, ranks, token_slots, nope, latent_in=True)
     block_r = lora_tile_rank(a.shape[1], width)
     C = a.shape[2]
-    hb, splits = _pick(T, N, heads, splits)
+    hb, splits = _pick(T, N, "expand", heads, splits)
     dc, bc = (_head_columns(block_r), _BCW if block_r <= 32 else _BCW // 2) if hb == _HB else \
         (_reg_columns(hb, block_r, dv), _reg_columns(hb, block_r, C))
     chunk = cdiv(cdiv(dv, splits), dc) * dc
@@ -213,9 +216,9 @@ def mla_expand_lora_(out: torch.Tensor, o_lat: torch.Tensor, a: torch.Tensor, b:
     return out
 
 
-def _pick(T: int, N: int, heads: int | None, splits: int | None) -> tuple[int, int]:
+def _pick(T: int, N: int, side: str, heads: int | None, splits: int | None) -> tuple[int, int]:
     """(heads a program, splits): the caller's where given, else `tiles`' (register sums: no split)."""
     if heads is not None and heads not in (*_REG_HEADS, _HB):
         raise ValueError(f"heads a program must be one of {(*_REG_HEADS, _HB)}, got {heads}")
-    hb = heads or tiles(T, N)[0]
+    hb = heads or tiles(T, N, side)[0]
     return hb, splits or (default_splits(T, N) if hb == _HB else 1)

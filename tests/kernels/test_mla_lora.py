@@ -108,9 +108,12 @@ def test_every_head_tile_equals_twin(heads):
 def test_tiles_pick_the_fewest_register_heads_within_the_grid_limit():
     from moelora.kernels.mla_lora import tiles
 
-    # DeepSeek-V2-Lite's 16 heads: 1 head a program up to 32 rows, 2 at 64, 4 at 128, then 16 on dots
-    assert [tiles(T, 16) for T in (1, 8, 32, 64, 128, 256)] == [(1, 1)] * 3 + [(2, 1), (4, 1), (16, 1)]
-    assert tiles(8, 128) == (2, 1) and tiles(2048, 128) == (16, 1)  # V3's 128 heads
+    # DeepSeek-V2-Lite's 16 heads: 1 head a program up to 32 rows, 2 at 64, then the absorb side 4 up to 256 rows
+    # and the expand side 16 on dots
+    Ts = (1, 8, 32, 64, 128, 256, 512)
+    assert [tiles(T, 16, "absorb") for T in Ts] == [(1, 1)] * 3 + [(2, 1), (4, 1), (4, 1), (16, 1)]
+    assert [tiles(T, 16, "expand") for T in Ts] == [(1, 1)] * 3 + [(2, 1), (16, 1), (16, 1), (16, 1)]
+    assert tiles(8, 128, "expand") == (2, 1) and tiles(2048, 128, "absorb") == (16, 1)  # V3's 128 heads
     with pytest.raises(ValueError, match="heads a program"):
         mla_absorb_lora_(torch.zeros(1, 2, 8), torch.zeros(1, 2, 4), torch.zeros(1, 8, 8), torch.zeros(1, 16, 8),
                          torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), heads=8)
@@ -155,7 +158,7 @@ def test_validation_errors():
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("R", [16, 32, 64])  # every rank tile (`mla_lora._head_columns`)
-@pytest.mark.parametrize("T", [1, 64, 128, 256])  # 1 / 2 / 4 heads a program in registers, 16 on dots (`tiles`)
+@pytest.mark.parametrize("T", [1, 64, 128, 512])  # 1 / 2 / 4 heads a program in registers, 16 on dots (`tiles`)
 def test_gpu_deepseek_v2_lite_sizes_bf16(R, T):
     slots = [0] if T == 1 else torch.randint(-1, 8, (T,), generator=torch.Generator().manual_seed(5)).tolist()
     ranks = (R, 8, R, 0, 4, 16, 12, 8)
