@@ -12,7 +12,7 @@ rank 16:
     and the top kernels by total time.
 Prints tables and writes them to OUT.txt.
 
-usage: python benchmarks/decode_profile.py OUT.txt [--layers 48] [--conc 1,64] [--top 20] [--trace DIR]
+usage: python benchmarks/decode_profile.py OUT.txt [--layers 0 (the model's own)] [--conc 1,64] [--top 20] [--trace DIR]
 (--trace: Chrome traces of each point's graph replay and eager forward, kernel by kernel with their
 streams, for chrome://tracing or Perfetto; and the middle layer of each graph replay printed kernel
 by kernel, `layer_timeline`)
@@ -194,7 +194,7 @@ def _trace_path(trace_dir: str | None, conc: int, label: str) -> str | None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    add_model_args(ap, 48)
+    add_model_args(ap, 0)  # the model's own layer count (DeepSeek-V2-Lite 27), as decode.py builds it
     ap.add_argument("--conc", default="1,64")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=20)

@@ -214,10 +214,12 @@ class SparseMoE(nn.Module):
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream(x.device)
         side = self._side_stream
-        side.wait_stream(main)
+        side.wait_stream(main)  # the fork point, before the routed launches
+        # Routed first: captured in a graph, the router then follows the norm on its stream (with its programmatic
+        # dependent launch), where the shared experts' first launch took both when enqueued first (H200 trace).
+        routed = self._routed(x, lora, x_fp8)
         with torch.cuda.stream(side):
             shared = self._shared(x, lora, x_fp8)
-        routed = self._routed(x, lora, x_fp8)
         main.wait_stream(side)  # join: `shared` is complete before main reads it
         shared.record_stream(main)  # allocated on side, freed on main's timeline
         for t in (x,) if x_fp8 is None else (x, *x_fp8):
