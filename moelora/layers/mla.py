@@ -238,11 +238,14 @@ def expand_output(o_lat: torch.Tensor, w_kv_b: torch.Tensor, nope: int, slots: _
     """o_lat [T, N, C] -> out [T, N, Dv] = o_lat W_uv^T (+ (o_lat A_s^T) B_s,uv^T)."""
     T, N, C = o_lat.shape
     w = w_kv_b.view(N, -1, C)
-    out = torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)  # [T, N, Dv]
+    v_dim = w.shape[1] - nope
+    # the per-head products written straight into [T, N, Dv] rows (cuBLAS's strided output), so o_proj's
+    # [T, N Dv] input is a view, not a transposing copy of an [N, T, Dv] product
+    out = torch.empty(T, N, v_dim, dtype=o_lat.dtype, device=o_lat.device)
+    torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2), out=out.transpose(0, 1))
     if slots is None:
         return out
     S, _, R = slots.b.shape
-    v_dim = w.shape[1] - nope
     w_rank = torch.bmm(o_lat, slots.a_tok.transpose(1, 2))  # [T, N, R] with the token's A_s
     w_rank = w_rank[:, :, None, :] * slots.onehot[:, None, :, None]  # [T, N, S, R]: only the token's slot
     b_uv = slots.b.view(S, N, -1, R)[:, :, nope:].permute(1, 0, 3, 2).reshape(N, S * R, v_dim)
