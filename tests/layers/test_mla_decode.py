@@ -164,3 +164,18 @@ def test_merged_q_and_kv_a_projection_equals_two(family):
     split = engine(model, adapters, merge_qkv=False).prompt_logits(seqs, names)
     for m, s in zip(merged, split, strict=True):
         assert (m - s).abs().max() <= 1e-5
+
+
+def test_expand_output_writes_rows_o_proj_reads_as_a_view():
+    """The absorbed output bmm lands in [T, N, Dv] rows (no transposing copy before o_proj: its [T, N Dv] input is
+    a view of them), each head's o_lat W_uv^T."""
+    from moelora.layers.mla import expand_output
+
+    g = torch.Generator().manual_seed(0)
+    T, N, C, nope, dv = 5, 3, 16, 8, 6
+    o_lat, w = torch.randn(T, N, C, generator=g), torch.randn(N * (nope + dv), C, generator=g)
+    out = expand_output(o_lat, w, nope, None)
+    assert out.shape == (T, N, dv) and out.is_contiguous()
+    assert out.reshape(T, N * dv).data_ptr() == out.data_ptr()
+    want = torch.stack([o_lat[:, n] @ w.view(N, -1, C)[n, nope:].T for n in range(N)], dim=1)
+    assert torch.allclose(out, want, atol=1e-5)
