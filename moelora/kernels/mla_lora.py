@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.checks import cdiv, lora_tile_rank
+from moelora.kernels.checks import cdiv, lora_tile_rank, next_pow2
 from moelora.kernels.lora_tiles import rank_chunks
 from moelora.kernels.pdl import pdl_args, pdl_wait
 
@@ -59,7 +59,7 @@ def _head_columns(block_r: int) -> int:
 def _reg_columns(hb: int, block_r: int, cols: int) -> int:
     """Columns a register-sum step of hb heads: the [hb, step, R] product as large as 16 heads' (`_head_columns`),
     at most the next power of two of `cols`."""
-    return min(triton.next_power_of_2(max(cols, 1)), _head_columns(block_r) * _HB // hb)
+    return min(next_pow2(max(cols, 1)), _head_columns(block_r) * _HB // hb)
 
 
 @triton.jit
