@@ -58,8 +58,17 @@ def lora_needs(cfg: EngineConfig, model) -> LoRANeeds:
     return LoRANeeds(rows=not triton, width=cfg.lora_width_by_batch,
                      group_slots=model.max_loras if cfg.group_lora_rows and triton else 0,
                      policy=model.options.dense_lora_policy,
-                     side_stream=torch.cuda.Stream(device) if cfg.overlap_lora and device.type == "cuda" else None,
+                     side_stream=_lora_stream(device) if cfg.overlap_lora and device.type == "cuda" else None,
                      pdl=model.options.pdl)
+
+
+def _lora_stream(device: torch.device) -> torch.cuda.Stream:
+    """The LoRA side stream at CUDA's highest priority: its shrinks and deltas sit on the critical path (the GEMM
+    that adds them waits), so their programs take SM slots ahead of the waiting base GEMM's next wave. A captured
+    graph keeps it (kernel nodes record the capturing stream's priority; torch instantiates with node priority).
+    Also a pool of its own: torch hands out 32 streams a priority round robin, so a priority-0 LoRA stream could be
+    the same CUDA stream as a layer's shared-expert stream."""
+    return torch.cuda.Stream(device, priority=-1)  # above every other stream here (all at 0)
 
 
 class ModelRunner:
