@@ -90,6 +90,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), **kw)
         self.o_proj = Linear(num_heads * v_head_dim, hidden, bias=bias, **kw)
         self.kv_b_dense = DenseKVB()
+        self._side_stream: torch.cuda.Stream | None = None  # the Triton decode's absorb, beside the rope kernel
 
     def _project_x(self, x: torch.Tensor, lora: LoRABatch | None, x_fp8: FP8Rows | None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,13 +118,8 @@ class MLAttention(nn.Module):
         q, compressed = self._project_x(x, lora, x_fp8)
         q = q.view(T, N, self.nope + self.rope)
         (cache,) = kv
-        if absorbed and self.options.kernel_backend == "triton":  # rotations, latent norm and cache store: one launch
-            from moelora.kernels.mla_rope import mla_rope_store
-
-            norm = self.kv_a_layernorm
-            q_rope = mla_rope_store(q, compressed, cos, sin, norm.weight, norm.eps, cache, meta.slot_mapping,
-                                    interleave=self.interleave, pdl=self.options.pdl)
-            out = self._decode_absorbed(q[..., :self.nope], q_rope, None, cache, meta, lora, w_kv_b)
+        if absorbed and self.options.kernel_backend == "triton":
+            out = self._decode_triton(q, compressed, cos, sin, cache, meta, lora, w_kv_b)
             return self.o_proj(out.reshape(T, N * self.v_dim), lora)
         q = torch.cat((q[..., :self.nope], self.rotate(q[..., self.nope:], cos, sin)), dim=-1)
         latent = self.kv_a_layernorm(compressed[:, :C])
@@ -136,30 +132,48 @@ class MLAttention(nn.Module):
             out = mla_attention_ref(q, entries, cache, meta, self.kv_b_proj, lora, self.nope, self.v_dim, self.scale)
         return self.o_proj(out.reshape(T, N * self.v_dim), lora)
 
-    def _decode_absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor | None,
-                         cache: torch.Tensor, meta: AttnMetadata, lora: LoRABatch | None, w_kv_b: torch.Tensor
-                         ) -> torch.Tensor:
-        """Decode step (one query per sequence) in the absorbed form -> new [T, N, Dv]; `entries` None: stored
-        already (Triton, `kernels.mla_rope`); w_kv_b: kv_b_proj's weight, dense (`DenseKVB`)."""
-        assert self.kv_b_proj.bias is None  # DeepSeek's has none; the absorbed forms assume it
-        if self.options.kernel_backend == "triton":  # the LoRA terms: one launch a side (`kernels.mla_lora`)
-            from moelora.kernels.mla_attention import mla_decode_attention
-            from moelora.kernels.mla_lora import mla_absorb_lora_, mla_expand_lora_
+    def _decode_triton(self, q: torch.Tensor, compressed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       cache: torch.Tensor, meta: AttnMetadata, lora: LoRABatch | None, w_kv_b: torch.Tensor
+                       ) -> torch.Tensor:
+        """Decode step on the Triton kernels -> new [T, N, Dv]: q_abs (the absorb GEMM and its LoRA term, one
+        launch `kernels.mla_lora`) on a side stream beside the rope kernel (rotations, latent norm and cache store:
+        one launch, `kernels.mla_rope`), both reading only q (and compressed); then attention and the output."""
+        from moelora.kernels.mla_attention import mla_decode_attention
+        from moelora.kernels.mla_lora import mla_absorb_lora_, mla_expand_lora_
+        from moelora.kernels.mla_rope import mla_rope_store
+        from moelora.kernels.side_stream import forked, join
 
-            kv_b = self.kv_b_proj
-            on = lora is not None and kv_b.has_lora and not lora.skips(kv_b)
-            site = (kv_b.lora_a, kv_b.lora_b, kv_b.lora_ranks, lora.token_slots, lora.max_rank) if on else None
-            pdl = self.options.pdl
-            q_abs = absorb_query(q_nope, w_kv_b, None)
+        assert self.kv_b_proj.bias is None  # DeepSeek's has none; the absorbed forms assume it
+        kv_b, pdl, norm = self.kv_b_proj, self.options.pdl, self.kv_a_layernorm
+        on = lora is not None and kv_b.has_lora and not lora.skips(kv_b)
+        site = (kv_b.lora_a, kv_b.lora_b, kv_b.lora_ranks, lora.token_slots, lora.max_rank) if on else None
+        q_nope = q[..., :self.nope]
+        q_abs = torch.empty(*q.shape[:2], self.kv_lora_rank, dtype=q.dtype, device=q.device)
+        # Fork (contract 2). Side stream reads q (its nope part), kv_b's weight and LoRA slots and writes only q_abs;
+        # main reads q and compressed and writes only q_rope (new) and the step's cache slots, which the side stream
+        # never reads. q_abs was allocated here before the fork and is read after the join.
+        if self._side_stream is None and q.is_cuda:
+            self._side_stream = torch.cuda.Stream(q.device)
+        with forked(self._side_stream, q.device):
+            absorb_query(q_nope, w_kv_b, None, out=q_abs)
             if site:
                 mla_absorb_lora_(q_abs, q_nope, *site, pdl=pdl)
-            o_lat = mla_decode_attention(q_abs, q_rope, entries, cache, meta, self.scale, stored=entries is None,
-                                         pdl=pdl)
-            out = expand_output(o_lat, w_kv_b, self.nope, None)
-            if site:
-                a, b, ranks, token_slots, width = site
-                mla_expand_lora_(out, o_lat, a, b, self.nope, ranks, token_slots, width, pdl=pdl)
-            return out
+        q_rope = mla_rope_store(q, compressed, cos, sin, norm.weight, norm.eps, cache, meta.slot_mapping,
+                                interleave=self.interleave, pdl=pdl)
+        join(self._side_stream, q.device)  # q_abs is complete
+        o_lat = mla_decode_attention(q_abs, q_rope, None, cache, meta, self.scale, stored=True, pdl=pdl)
+        out = expand_output(o_lat, w_kv_b, self.nope, None)
+        if site:
+            a, b, ranks, token_slots, width = site
+            mla_expand_lora_(out, o_lat, a, b, self.nope, ranks, token_slots, width, pdl=pdl)
+        return out
+
+    def _decode_absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor,
+                         cache: torch.Tensor, meta: AttnMetadata, lora: LoRABatch | None, w_kv_b: torch.Tensor
+                         ) -> torch.Tensor:
+        """Decode step (one query per sequence) in the absorbed form, in torch -> new [T, N, Dv]; w_kv_b:
+        kv_b_proj's weight, dense (`DenseKVB`)."""
+        assert self.kv_b_proj.bias is None  # DeepSeek's has none; the absorbed forms assume it
         from moelora.kernels.reference import mla_decode_attention_ref as mla_decode_attention
 
         slots = _SlotSelect.of(self.kv_b_proj, lora)
@@ -216,14 +230,18 @@ def _version(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
-def absorb_query(q_nope: torch.Tensor, w_kv_b: torch.Tensor, slots: _SlotSelect | None) -> torch.Tensor:
+def absorb_query(q_nope: torch.Tensor, w_kv_b: torch.Tensor, slots: _SlotSelect | None, *,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """q_nope [T, N, Dn] -> q_abs [T, N, C] = q_nope W_uk (+ (q_nope B_s,uk) A_s). W_uk, W_uv are views of
     kv_b_proj's weight w_kv_b [N(Dn + Dv), C] (`DenseKVB`); kv_b_proj has no bias (DeepSeek's has none; the
-    absorbed forms assume it)."""
+    absorbed forms assume it). `out` (slots None only): a [T, N, C] buffer the product is written into."""
     T, N, nope = q_nope.shape
     C = w_kv_b.shape[1]
     w = w_kv_b.view(N, -1, C)
     qn = q_nope.transpose(0, 1)  # [N, T, Dn]
+    if out is not None:
+        assert slots is None
+        return torch.bmm(qn, w[:, :nope], out=out.transpose(0, 1)).transpose(0, 1)
     q_abs = torch.bmm(qn, w[:, :nope]).transpose(0, 1)  # [T, N, C]
     if slots is None:
         return q_abs
