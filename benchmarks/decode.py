@@ -333,7 +333,7 @@ def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank:
 
 # EngineConfig keys the engine applies to the model's modules (or, lora_target_modules, to its LoRA
 # buffers): the A and B engines share one model, so B's value would silently become A's too.
-MODULE_LEVEL_KEYS = frozenset({"overlap_lora", "overlap_shared_experts",
+MODULE_LEVEL_KEYS = frozenset({"overlap_lora", "overlap_shared_experts", "overlap_mla_absorb",
                                "mla_absorbed_decode", "merge_qkv", "kernel_backend", "lora_target_modules",
                                "max_loras", "max_lora_rank", "dtype", "fused_moe_table"})
 

@@ -81,6 +81,10 @@ class EngineConfig:
     # the dense LoRA shrink next to cuBLAS, the routed experts' down delta next to the down GEMM.
     overlap_lora: bool = True
     mla_absorbed_decode: bool = True  # off switch for MLA's absorbed decode (off: expanded path, no graphs)
+    # MLA's absorbed decode (Triton, CUDA): the absorb GEMM and its LoRA term on a second stream beside the rope
+    # kernel (both read only the projection's output). H200, DeepSeek-V2-Lite shape, no LoRA at one request: 2.66
+    # -> 2.57 ms a step (docs/performance.md). Off switch.
+    overlap_mla_absorb: bool = True
     merge_qkv: bool = True  # off switch for the merged q/k/v projection (one GEMM, one LoRA pair)
     merge_gate_up: bool = True  # off switch for a dense MLP's (and shared experts') merged gate / up projection
     # Programmatic dependent launch (`kernels/pdl.py`; CUDA, compute capability >= 9.0, Triton kernels): each
@@ -145,15 +149,17 @@ class EngineConfig:
 
     def layer_options(self, base: LayerOptions = DEFAULT_OPTIONS) -> LayerOptions:
         """The options this (resolved) config builds its models' layers with: its kernel backend, fused-MoE
-        table, shared-expert overlap (CUDA only: ignored on the CPU), MLA absorbed decode, merged q/k/v, LoRA
-        target modules and programmatic dependent launch, over `base` for what it does not set (the dense LoRA
-        policy)."""
-        overlap = self.overlap_shared_experts and self.torch_device.type == "cuda"
+        table, shared-expert and MLA absorb overlap (CUDA only: ignored on the CPU), MLA absorbed decode, merged
+        q/k/v, LoRA target modules and programmatic dependent launch, over `base` for what it does not set (the
+        dense LoRA policy)."""
+        cuda = self.torch_device.type == "cuda"
         return dataclasses.replace(base, kernel_backend=self.kernel_backend, fused_moe_table=self.fused_moe_table,
-                                   overlap_shared_experts=overlap, mla_absorbed_decode=self.mla_absorbed_decode,
+                                   overlap_shared_experts=self.overlap_shared_experts and cuda,
+                                   overlap_mla_absorb=self.overlap_mla_absorb and cuda,
+                                   mla_absorbed_decode=self.mla_absorbed_decode,
                                    merge_qkv=self.merge_qkv, merge_gate_up=self.merge_gate_up,
                                    lora_target_modules=self.lora_target_modules,
-                                   pdl=self.pdl and self.torch_device.type == "cuda")
+                                   pdl=self.pdl and cuda)
 
     def fp8_config(self, model: ModelConfig) -> FP8Config | None:
         """The model's FP8 scheme under this engine config (resolved: checked by `resolve`)."""

@@ -63,11 +63,13 @@ def lora_needs(cfg: EngineConfig, model) -> LoRANeeds:
 
 
 def _lora_stream(device: torch.device) -> torch.cuda.Stream:
-    """The LoRA side stream at CUDA's highest priority: its shrinks and deltas sit on the critical path (the GEMM
-    that adds them waits), so their programs take SM slots ahead of the waiting base GEMM's next wave. A captured
-    graph keeps it (kernel nodes record the capturing stream's priority; torch instantiates with node priority).
-    Also a pool of its own: torch hands out 32 streams a priority round robin, so a priority-0 LoRA stream could be
-    the same CUDA stream as a layer's shared-expert stream."""
+    """The LoRA side stream, at high CUDA priority: its shrinks and deltas sit on the critical path (the GEMM that
+    adds them waits), so their programs take SM slots ahead of a base GEMM's next wave; a captured graph keeps it
+    (kernel nodes record the capturing stream's priority; torch instantiates graphs with node priority). It is
+    also a stream of another pool: torch hands out its 32 streams a priority round robin, so a priority-0 LoRA
+    stream can be the very CUDA stream of some layer's shared experts (DeepSeek-V2-Lite makes 26). H200, DSV2
+    shape, 8 adapters r16, 64 requests: 11.88 -> 11.17 ms a step; Qwen3 shape (no shared experts) within 1 %
+    (docs/performance.md)."""
     return torch.cuda.Stream(device, priority=-1)  # above every other stream here (all at 0)
 
 

@@ -136,8 +136,9 @@ class MLAttention(nn.Module):
                        cache: torch.Tensor, meta: AttnMetadata, lora: LoRABatch | None, w_kv_b: torch.Tensor
                        ) -> torch.Tensor:
         """Decode step on the Triton kernels -> new [T, N, Dv]: q_abs (the absorb GEMM and its LoRA term, one
-        launch `kernels.mla_lora`) on a side stream beside the rope kernel (rotations, latent norm and cache store:
-        one launch, `kernels.mla_rope`), both reading only q (and compressed); then attention and the output."""
+        launch `kernels.mla_lora`), on a second stream where `options.overlap_mla_absorb`, beside the rope kernel
+        (rotations, latent norm and cache store: one launch, `kernels.mla_rope`), both reading only q (and
+        compressed); then attention and the output."""
         from moelora.kernels.mla_attention import mla_decode_attention
         from moelora.kernels.mla_lora import mla_absorb_lora_, mla_expand_lora_
         from moelora.kernels.mla_rope import mla_rope_store
@@ -152,7 +153,7 @@ class MLAttention(nn.Module):
         # Fork (contract 2). Side stream reads q (its nope part), kv_b's weight and LoRA slots and writes only q_abs;
         # main reads q and compressed and writes only q_rope (new) and the step's cache slots, which the side stream
         # never reads. q_abs was allocated here before the fork and is read after the join.
-        if self._side_stream is None and q.is_cuda:
+        if self._side_stream is None and q.is_cuda and self.options.overlap_mla_absorb:
             self._side_stream = torch.cuda.Stream(q.device)
         with forked(self._side_stream, q.device):
             absorb_query(q_nope, w_kv_b, None, out=q_abs)

@@ -29,6 +29,7 @@ class LayerOptions:
     kernel_backend: str = "torch"  # "torch": the twins (kernels/reference.py); "triton": the kernels
     fused_moe_table: str | None = None  # routed experts: a tuned table file (None: the package's for the GPU)
     overlap_shared_experts: bool = False  # shared expert(s) on a second CUDA stream (ignored on the CPU)
+    overlap_mla_absorb: bool = False  # MLA decode's absorb beside its rope on a second CUDA stream (ignored on the CPU)
     mla_absorbed_decode: bool = True  # MLA decode in the absorbed form (off: the expanded torch path, eager)
     merge_qkv: bool = True  # q/k/v (MLA: q and kv_a) as one GEMM and one LoRA pair (off: separate projections)
     merge_gate_up: bool = True  # a dense MLP's gate / up as one GEMM and one LoRA pair (off: two projections)

@@ -17,6 +17,7 @@ import torch
 
 from moelora.engine.request import SamplingParams
 from moelora.kernels.dense_policy import DenseLoRAPolicy
+from moelora.layers.mla import MLAttention
 from moelora.lora.adapter import LoRAAdapter
 from tests.helpers.gpu_engine import (
     FAMILIES,
@@ -221,11 +222,14 @@ def test_dense_planned_decode_graph_matches_eager(model_and_adapters, monkeypatc
 
 
 def test_two_streams_match_one(model_and_adapters):
-    """Shared experts and LoRA work on their side streams (graphs) vs everything on one stream (eager)."""
+    """Shared experts, LoRA work and MLA's absorb on their side streams (graphs) vs everything on one stream
+    (eager)."""
     model, adapters = model_and_adapters
     prompts, names = workload(seed=1)
-    two = generate(gpu_engine(model, adapters, overlap_shared_experts=True, overlap_lora=True), prompts, names, 64)
-    one_engine = gpu_engine(model, adapters, overlap_shared_experts=False, overlap_lora=False, enforce_eager=True)
+    two = generate(gpu_engine(model, adapters, overlap_shared_experts=True, overlap_lora=True, overlap_mla_absorb=True),
+                   prompts, names, 64)
+    one_engine = gpu_engine(model, adapters, overlap_shared_experts=False, overlap_lora=False, overlap_mla_absorb=False,
+                            enforce_eager=True)
     assert forced_logprob_diff(one_engine, two) <= 0.05
 
 
@@ -236,6 +240,23 @@ def test_lora_side_stream_is_bit_exact(model_and_adapters):
     prompts, names = workload(n=16, seed=6)
     on = generate(gpu_engine(model, adapters, overlap_lora=True), prompts, names, 48)
     off = generate(gpu_engine(model, adapters, overlap_lora=False), prompts, names, 48)
+    for a, b in zip(on, off, strict=True):
+        assert a.output_ids == b.output_ids, a.request_id
+        assert a.logprobs == b.logprobs, a.request_id
+
+
+def test_mla_absorb_stream_is_bit_exact(model_and_adapters):
+    """`overlap_mla_absorb`: MLA decode's absorb GEMM and LoRA term on a second stream run the same launches, so
+    graph decode with and without it gives the same tokens and logprobs, bit for bit (a race between the absorb
+    and the rope kernel or the attention after the join shows as drift)."""
+    model, adapters = model_and_adapters
+    if not any(isinstance(m, MLAttention) for m in model.modules()):
+        pytest.skip("no MLA layer in this family")
+    prompts, names = workload(n=16, seed=8)
+    on_engine = gpu_engine(model, adapters, overlap_mla_absorb=True)
+    assert on_engine.model.options.overlap_mla_absorb
+    on = generate(on_engine, prompts, names, 48)
+    off = generate(gpu_engine(model, adapters, overlap_mla_absorb=False), prompts, names, 48)
     for a, b in zip(on, off, strict=True):
         assert a.output_ids == b.output_ids, a.request_id
         assert a.logprobs == b.logprobs, a.request_id
