@@ -1,4 +1,5 @@
-"""Fork and join of the LoRA side stream (`EngineConfig.overlap_lora`) inside a launcher; `side` None: no-ops.
+"""Fork and join of a side stream inside a launcher or a layer (the LoRA side stream, `EngineConfig.overlap_lora`;
+MLA decode's absorb stream, `overlap_mla_absorb`); `side` None: no-ops.
 
 Every buffer the forked kernels write is allocated on the current stream before `forked`, kept until after
 `join` and read only after it, so no block is reused while the side stream uses it (contract 2).
