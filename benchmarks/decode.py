@@ -331,23 +331,23 @@ def run_model(name: str, layers: int | None, concs: list[int], steps: int, rank:
     return rows
 
 
-# EngineConfig keys the engine applies to the model's modules (or, lora_target_modules, to its LoRA
-# buffers): the A and B engines share one model, so B's value would silently become A's too.
-MODULE_LEVEL_KEYS = frozenset({"overlap_lora", "overlap_shared_experts", "overlap_mla_absorb",
-                               "mla_absorbed_decode", "merge_qkv", "kernel_backend", "lora_target_modules",
-                               "max_loras", "max_lora_rank", "dtype", "fused_moe_table"})
+# EngineConfig keys that shape the model itself (its LoRA slots and the sites keeping them, its dtype): the A and
+# B engines share its tensors, so B cannot differ there. Layer options (overlap_shared_experts, overlap_mla_absorb,
+# mla_absorbed_decode, merge_qkv, kernel_backend, pdl, ...) can: `engine` gives B a twin built with them over the
+# same tensors. The MoE table has its own flag (--ab-table, which checks the file).
+MODULE_LEVEL_KEYS = frozenset({"lora_target_modules", "max_loras", "max_lora_rank", "dtype", "fused_moe_table"})
 
 
 def parse_ab(spec: str) -> dict:
     """"async_scheduling=1,skip_idle_lora_sites=0" -> EngineConfig keyword values (0/1 as booleans; a
-    value with "+" a tuple). Keys that set the shared model's modules are refused (MODULE_LEVEL_KEYS):
-    compare those in separate runs."""
+    value with "+" a tuple). Keys that shape the shared model are refused (MODULE_LEVEL_KEYS): compare those in
+    separate runs."""
     out = {}
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
         if key in MODULE_LEVEL_KEYS:
-            raise SystemExit(f"--ab {key}: it sets the model's modules, which the A and B engines share; "
-                             "measure it in separate runs (e.g. DECODE_VARIANTS of make gpu-check)")
+            hint = "--ab-table" if key == "fused_moe_table" else "separate runs (DECODE_VARIANTS of make gpu-check)"
+            raise SystemExit(f"--ab {key}: it shapes the model, whose tensors the A and B engines share; use {hint}")
         out[key] = (tuple(value.split("+")) if "+" in value
                     else {"0": False, "1": True, "false": False, "true": True}.get(value.lower(), value))
     return out
@@ -372,8 +372,8 @@ def main() -> None:
     ap.add_argument("--ab-table", default=None, help="A/B in the same turns: a fused-MoE table file (as "
                     "tune_fused_moe.py writes) the B engines use, against the package's (A); with --ab, B has both")
     ap.add_argument("--ab", default="", help="A/B in the same turns: engine settings of a second engine pair, "
-                    "e.g. async_scheduling=1 or skip_idle_lora_sites=0 (B/A: its step time over the first's); "
-                    "keys that set the shared model's modules are refused")
+                    "e.g. async_scheduling=1, overlap_mla_absorb=0 or pdl=0 (B/A: its step time over the first's); "
+                    "keys that shape the shared model (slots, dtype) are refused")
     add_quant_args(ap)
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="N > 1: time 1 rank against N ranks "
                     "(needs N GPUs; benchmarks/decode_parallel.py)")
