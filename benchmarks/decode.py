@@ -240,9 +240,9 @@ def engine_config(cfg: ModelConfig, max_loras: int, rank: int, max_seqs: int, de
     """By default 16 KV blocks (256 tokens) a sequence: room for a prompt and up to ~200 steps without
     preemption, small enough that the no-LoRA and LoRA engines both fit next to the weights."""
     blocks = max_seqs * 16 + 64 if num_kv_blocks is None else num_kv_blocks
-    return EngineConfig(device=device, dtype="bfloat16", kernel_backend="triton", max_loras=max_loras,
-                        max_lora_rank=rank, max_num_seqs=max_seqs, max_model_len=max_model_len, num_kv_blocks=blocks,
-                        block_size=16, **engine_kw).resolve(cfg)
+    base = dict(device=device, dtype="bfloat16", kernel_backend="triton", max_loras=max_loras, max_lora_rank=rank,
+                max_num_seqs=max_seqs, max_model_len=max_model_len, num_kv_blocks=blocks, block_size=16)
+    return EngineConfig(**{**base, **engine_kw}).resolve(cfg)  # engine_kw may override (an --ab kernel_backend)
 
 
 def engine(model, cfg: ModelConfig, max_loras: int, rank: int, max_seqs: int, adapters: dict,

@@ -66,3 +66,5 @@ def test_ab_engine_of_a_layer_option_is_a_twin_sharing_the_weights():
     assert {m.options.mla_absorbed_decode for m in mla(a)} == {True}
     assert {m.options.mla_absorbed_decode for m in mla(b)} == {False}
     assert all(x.data_ptr() == y.data_ptr() for x, y in zip(a.model.parameters(), b.model.parameters(), strict=True))
+    torch_b = decode.engine(model, model.config, 2, 8, 4, {}, device="cpu", **decode.parse_ab("kernel_backend=torch"))
+    assert torch_b.cfg.kernel_backend == "torch" and a.cfg.kernel_backend == "triton"
