@@ -1,7 +1,8 @@
 """A whole tiny model on the Triton backend equals the torch backend (under TRITON_INTERPRET=1 on the
 CPU, or on CUDA): every family's wiring of the fused norm / residual, q/k norm + rotary, softmax
 router and SiLU·up kernels, next to the attention, MoE and LoRA kernels, with a mixed-adapter batch; q/k/v as one
-merged projection (one `lora_linear` launch with segments per layer) and, with `merge_qkv=False`, as three.
+merged projection (one `lora_linear` launch with segments per layer) and, with `merge_qkv=False`, as three; and
+DeepSeek-V3's decode steps (MLA absorbed on the Triton kernels), also from a block-FP8 checkpoint.
 Shape legend: T tokens of the step, V vocab.
 """
 
