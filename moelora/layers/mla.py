@@ -110,6 +110,7 @@ class MLAttention(nn.Module):
         """x_fp8: x quantized for the W8A8 projections of x by the norm that wrote it (`DecoderLayer`)."""
         T, N, C = x.shape[0], self.num_heads, self.kv_lora_rank
         absorbed = self.options.mla_absorbed_decode and meta.max_query_len == 1
+        assert not absorbed or self.kv_b_proj.bias is None  # DeepSeek's has none; the absorbed forms assume it
         # the absorbed decode's kv_b weight, asked for on a prefill too (`DenseKVB`: made before the KV pool is sized)
         w_kv_b = self.kv_b_dense(self.kv_b_proj, x.dtype) if self.options.mla_absorbed_decode else None
         if not absorbed and x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -144,7 +145,6 @@ class MLAttention(nn.Module):
         from moelora.kernels.mla_rope import mla_rope_store
         from moelora.kernels.side_stream import forked, join
 
-        assert self.kv_b_proj.bias is None  # DeepSeek's has none; the absorbed forms assume it
         kv_b, pdl, norm = self.kv_b_proj, self.options.pdl, self.kv_a_layernorm
         on = lora is not None and kv_b.has_lora and not lora.skips(kv_b)
         site = (kv_b.lora_a, kv_b.lora_b, kv_b.lora_ranks, lora.token_slots, lora.max_rank) if on else None
@@ -174,7 +174,6 @@ class MLAttention(nn.Module):
                          ) -> torch.Tensor:
         """Decode step (one query per sequence) in the absorbed form, in torch -> new [T, N, Dv]; w_kv_b:
         kv_b_proj's weight, dense (`DenseKVB`)."""
-        assert self.kv_b_proj.bias is None  # DeepSeek's has none; the absorbed forms assume it
         from moelora.kernels.reference import mla_decode_attention_ref as mla_decode_attention
 
         slots = _SlotSelect.of(self.kv_b_proj, lora)
