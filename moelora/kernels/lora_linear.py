@@ -14,7 +14,7 @@ import torch
 from moelora.kernels.args import DenseLoRAArgs
 from moelora.kernels.checks import check_rows, need, need_at_least, need_one_of, need_pow2, output
 from moelora.kernels.dense_lora import MODES
-from moelora.kernels.dense_policy import DENSE_LORA_POLICY, PLAN_BLOCK_M, DenseLoRAPolicy
+from moelora.kernels.dense_policy import DENSE_LORA_POLICY, PLAN_BLOCK_M, PLANNED_MAX_ROWS, DenseLoRAPolicy
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,9 @@ def default_lora_linear_config(num_tokens: int, mode: str | None = None, n_in: i
     if num_tokens <= 32:
         # 8 shrink splits, not the shapes' 16: half the partials to sum (docs/performance.md, dense tiles)
         return LoRALinearConfig("split", 16, 64, 128, split_k=8, pdl=pdl)
-    # 4 warps, not 8 (docs/performance.md, dense tiles)
-    return LoRALinearConfig("split", 64, 128, 128, pdl=pdl)
+    # 4 warps, not 8 (docs/performance.md, dense tiles). Above "planned"'s rows a call is prefill, its rows a prompt
+    # (one slot) at a time: one slot lane, where 8 lanes left 7 programs of each row block with nothing to do
+    return LoRALinearConfig("split", 64, 128, 128, slot_lanes=1 if num_tokens > PLANNED_MAX_ROWS else 8, pdl=pdl)
 
 
 def _check(x, weight, bias, lora):
