@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 from moelora.kernels.args import DenseLoRAArgs  # noqa: E402
 from moelora.kernels.dense_lora import MODES as DENSE_MODES  # noqa: E402
 from moelora.kernels.dense_lora.planned import row_plan  # noqa: E402
-from moelora.kernels.dense_policy import DenseLoRAPolicy  # noqa: E402
+from moelora.kernels.dense_policy import PLANNED_MAX_ROWS, DenseLoRAPolicy  # noqa: E402
 from moelora.kernels.lora_linear import LoRALinearConfig, default_lora_linear_config, lora_linear  # noqa: E402
 from moelora.kernels.reference import lora_linear_ref  # noqa: E402
 from tests.helpers.kernel_env import CUDA, DEV, INTERP, gpu_only, graph_replayed, kernel_test, rel_err  # noqa: E402,F401
@@ -148,18 +148,6 @@ def test_default_mode_by_shape():
     assert default_lora_linear_config(64, n_in=2048, n_out=2816, **grouped).mode == "planned"
     assert default_lora_linear_config(16, n_in=2048, n_out=5120, **grouped).mode == "splitk"
     assert default_lora_linear_config(256, n_in=2048, n_out=512, **grouped).mode == "split"  # narrower: not measured
-
-
-def test_default_split_lanes_by_rows():
-    """"split" takes one slot lane above "planned"'s rows (prefill: a prompt's rows share a slot; 8 lanes measured
-    slower there, docs/performance.md) and 8 lanes up to them (decode's rows interleave slots)."""
-    from moelora.kernels.dense_policy import PLANNED_MAX_ROWS
-    for n_in, n_out in ((2048, 5120), (4096, 2048)):
-        big = default_lora_linear_config(PLANNED_MAX_ROWS + 1, n_in=n_in, n_out=n_out, row_plan=True)
-        assert (big.mode, big.slot_lanes) == ("split", 1)
-        assert default_lora_linear_config(8192, n_in=n_in, n_out=n_out).slot_lanes == 1
-        small = default_lora_linear_config(PLANNED_MAX_ROWS, n_in=n_in, n_out=n_out)  # rows not grouped: "split"
-        assert (small.mode, small.slot_lanes) == ("split", 8)
     assert default_lora_linear_config(8, n_in=4096, n_out=2048, has_lora=False).mode == "split"  # cuBLAS
     assert default_lora_linear_config(64, n_in=2048, n_out=128).mode == "splitk"  # bf16 router
     assert default_lora_linear_config(65, n_in=2048, n_out=128).mode == "split"
@@ -168,6 +156,17 @@ def test_default_split_lanes_by_rows():
     assert default_lora_linear_config(8, n_in=2048, n_out=1536).mode == "splitk"  # wide, T <= 16
     assert default_lora_linear_config(32, n_in=2048, n_out=1536).mode == "split"  # neither o-like nor T <= 16
     assert default_lora_linear_config(8).mode == "split"
+
+
+def test_default_split_lanes_by_rows():
+    """"split" takes one slot lane above "planned"'s rows (prefill: a prompt's rows share a slot; 8 lanes measured
+    slower there, docs/performance.md) and 8 lanes up to them (decode's rows interleave slots)."""
+    for n_in, n_out in ((2048, 5120), (4096, 2048)):
+        big = default_lora_linear_config(PLANNED_MAX_ROWS + 1, n_in=n_in, n_out=n_out, row_plan=True)
+        assert (big.mode, big.slot_lanes) == ("split", 1)
+        assert default_lora_linear_config(8192, n_in=n_in, n_out=n_out).slot_lanes == 1
+        small = default_lora_linear_config(PLANNED_MAX_ROWS, n_in=n_in, n_out=n_out)  # rows not grouped: "split"
+        assert (small.mode, small.slot_lanes) == ("split", 8)
 
 
 class _SplitKEverywhere(DenseLoRAPolicy):
