@@ -132,12 +132,12 @@ def cfg_name(cfg: LoRALinearConfig | FP8Run | None) -> str:
         return (f"splitk/gbn{cfg.gemm_block_n}/gbk{cfg.gemm_block_k}/gsk{cfg.gemm_split_k}/bm{cfg.block_m}"
                 f"/bn{cfg.block_n}/sk{cfg.split_k}")
     return (f"split/bm{cfg.block_m}/bn{cfg.block_n}/w{cfg.num_warps}/sk{cfg.split_k}/lanes{cfg.slot_lanes}"
-            f"/sbk{cfg.block_k}")
+            f"/sbk{cfg.block_k}" + ("/first" if cfg.expand_first else ""))
 
 
 def sweep_configs(T: int, mode: str) -> list[LoRALinearConfig]:
-    """Candidates for --sweep. "split": expand tile x warps x shrink split, and one-lane (serial slots);
-    "splitk": the split-K GEMM's tile x K chunks (the shrink and the reduce as the default), then the
+    """Candidates for --sweep. "split": expand tile x warps x shrink split, one-lane (serial slots), expand-first
+    tiles; "splitk": the split-K GEMM's tile x K chunks (the shrink and the reduce as the default), then the
     reduce's tiles (the GEMM as the default)."""
     if mode == "splitk":
         base = default_lora_linear_config(T, "splitk")
@@ -155,7 +155,9 @@ def sweep_configs(T: int, mode: str) -> list[LoRALinearConfig]:
             for bm, bn, w in ((16, 64, 4), (16, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4),
                               (64, 128, 8), (128, 128, 8))
             for sk in (0, 2, 8)]
-    return cfgs + [replace(base, slot_lanes=1), replace(base, block_k=64)]
+    first = [replace(base, block_m=bm, block_n=bn, num_warps=w, slot_lanes=1, expand_first=True)
+             for bm, bn, w in ((64, 128, 4), (64, 128, 8), (128, 128, 8), (64, 256, 8))]
+    return cfgs + [replace(base, slot_lanes=1), replace(base, block_k=64)] + first
 
 
 class FP8Run(NamedTuple):

@@ -12,6 +12,7 @@ dense modes' "split" (its shrink on the side stream during the GEMM) or "planned
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -214,8 +215,8 @@ def fp8_lora_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
                          quantize_activations=quantize_activations, x_fp8=x_fp8, counters=counters, pdl=pdl)
         planned.add_delta(x, out, lora, cfg)
         return out
-    if cfg.mode != "split":
-        cfg = default_lora_linear_config(T, mode="split", pdl=pdl)
+    if cfg.mode != "split" or cfg.expand_first:  # the delta added after the FP8 GEMM (no beta = 1 GEMM here)
+        cfg = replace(default_lora_linear_config(T, mode="split", pdl=pdl), expand_first=False)
     # Fork (contract 2), as dense_lora.split: the side stream reads x, A, the slots and ranks and writes only xa
     # (allocated before the fork); the base GEMM reads x, W and its scale and writes only `out`.
     shrunk = split.shrink(x, lora, T, n_in, cfg, side_stream)

@@ -21,7 +21,9 @@ from moelora.kernels.dense_policy import DENSE_LORA_POLICY, PLAN_BLOCK_M, PLANNE
 class LoRALinearConfig:
     """`mode` (a `MODES` name) and its tiles: block_m x block_n the expand's output tile, block_k the shrink's depth
     step, split_k its N_in chunks (0: from the shapes), slot_lanes programs a row block taking one distinct slot
-    each; gemm_*: splitk's base GEMM; plan_cols: planned's columns a program; pdl: the modes' launches with
+    each; gemm_*: splitk's base GEMM; plan_cols: planned's columns a program; expand_first: split's expand writes
+    the delta (+ bias) into the output before the GEMM, which adds onto it (cuBLAS beta = 1; one slot lane): the
+    output is written twice and read once, not written, read and written again; pdl: the modes' launches with
     programmatic dependent launch where the GPU has it (`kernels.pdl`; set from `lora_linear`'s `pdl`)."""
 
     mode: str = "split"
@@ -36,6 +38,7 @@ class LoRALinearConfig:
     gemm_block_k: int = 128
     gemm_split_k: int = 4
     plan_cols: int = 512
+    expand_first: bool = False
     pdl: bool = False
 
     def __post_init__(self):
@@ -45,6 +48,9 @@ class LoRALinearConfig:
         need_at_least("LoRALinearConfig", 1, gemm_split_k=self.gemm_split_k, slot_lanes=self.slot_lanes,
                       plan_cols=self.plan_cols)
         need_at_least("LoRALinearConfig", 0, split_k=self.split_k)
+        need(not self.expand_first or (self.mode == "split" and self.slot_lanes == 1),
+             lambda: f"LoRALinearConfig: expand_first is split's with one slot lane, got mode {self.mode!r} and "
+                     f"slot_lanes={self.slot_lanes}")
 
 
 def default_lora_linear_config(num_tokens: int, mode: str | None = None, n_in: int = 0, n_out: int = 0,
@@ -61,8 +67,11 @@ def default_lora_linear_config(num_tokens: int, mode: str | None = None, n_in: i
         # 8 shrink splits, not the shapes' 16: half the partials to sum (docs/performance.md, dense tiles)
         return LoRALinearConfig("split", 16, 64, 128, split_k=8, pdl=pdl)
     # 4 warps, not 8 (docs/performance.md, dense tiles). Above "planned"'s rows a call is prefill, its rows a prompt
-    # (one slot) at a time: one slot lane, where 8 lanes left 7 programs of each row block with nothing to do
-    return LoRALinearConfig("split", 64, 128, 128, slot_lanes=1 if num_tokens > PLANNED_MAX_ROWS else 8, pdl=pdl)
+    # (one slot) at a time: one slot lane, where 8 lanes left 7 programs of each row block with nothing to do, and
+    # the delta written before the GEMM, which adds onto it (no pass over the output after it)
+    if num_tokens > PLANNED_MAX_ROWS:
+        return LoRALinearConfig("split", 64, 128, 128, slot_lanes=1, expand_first=True, pdl=pdl)
+    return LoRALinearConfig("split", 64, 128, 128, pdl=pdl)
 
 
 def _check(x, weight, bias, lora):

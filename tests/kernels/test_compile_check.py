@@ -118,6 +118,8 @@ def test_lora_b_tiles_are_vector_loads(tmp_path, monkeypatch):
         xd, w = torch.randn(T, n_in, dtype=torch.bfloat16), torch.randn(n_out, n_in, dtype=torch.bfloat16)
         for mode in DENSE_MODES:
             lora_linear(xd, w, None, dense, config=default_lora_linear_config(T, mode))
+        first = dataclasses.replace(default_lora_linear_config(T, "split"), slot_lanes=1, expand_first=True)
+        lora_linear(xd, w, torch.randn(n_out, dtype=torch.bfloat16), dense, config=first)  # prefill's pick, + bias
         _mla_lora_launches(16)
     assert comp.failures == []
     names = {key[0] for key in comp.kernels}
@@ -133,6 +135,8 @@ def test_lora_b_tiles_are_vector_loads(tmp_path, monkeypatch):
         want = next(iter(down_base)) if name == "down_kernel" else 0
         if name in ("_absorb_lora_kernel", "_expand_lora_kernel") and dict(consts)["HB"] == 1:
             want = 1  # a 1-head program's q_nope / out row: 128 elements over 128 threads, one each (B: vectors)
+        if name == "_lora_expand_add_kernel" and dict(consts)["HAS_BIAS"]:
+            want = 1  # expand_first's bias row: BN = 128 elements over 128 threads, one each (B: vectors)
         assert _element_loads(kernel) == want, f"{name} {dict(consts)}: {_element_loads(kernel)} element loads"
 
 

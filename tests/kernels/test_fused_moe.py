@@ -306,7 +306,8 @@ def test_stacked_column_steps(stack_n, R):
     """"stacked" with shrink programs narrower and wider than a slot's lane of R columns: 12 slots
     (one empty, ranks 1..R) in one block over a 32-row plan block, so a shrink program holds part of a
     lane, one lane or several; then a batch on the low slots only, whose higher lanes are never read; then two
-    "prompts" on high slots (rows 0-8 on slot 10, 10-19 on 7), prefill's layout: lanes below them hold zeros."""
+    "prompts" on high slots (rows 0-8 on slot 10, 10-19 on 7), prefill's layout: lanes below them hold zeros; then
+    prompts on slots 1 and 6 (a program of two lanes sees one slot, the other lane's columns zeros) and on one."""
     ranks = (R, 3, 8, 0, 16, 5, 12, R, 1, 7, 16, 4)
     slots = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, -1, 11, 0, 7, 9, 9, 2, -1]
     case = make_case(20, 32, 24, 3, 2, ranks=ranks, R=R, device=DEV, seed=15, slots=slots)
@@ -316,6 +317,8 @@ def test_stacked_column_steps(stack_n, R):
     run_checked(low, cfg, 1e-4)
     prompts = make_case(20, 32, 24, 3, 2, ranks=ranks, R=R, device=DEV, seed=17, slots=[10] * 9 + [-1] + [7] * 10)
     run_checked(prompts, cfg, 1e-4)
+    for seed, slots in ((18, [1] * 10 + [6] * 9 + [-1]), (19, [-1] + [4] * 19)):
+        run_checked(make_case(20, 32, 24, 3, 2, ranks=ranks, R=R, device=DEV, seed=seed, slots=slots), cfg, 1e-4)
 
 
 @kernel_test

@@ -5,6 +5,8 @@ Shape legend: `base`'s, and P shrink splits over N_in.
   expand: y[t] += (sum_p xa[p, t]) @ B_slot(t)[:, :rank]^T
 Programs (m, ., lane) take the lane-th distinct slot of their rows (the last lane the rest): lanes touch
 disjoint rows, so no atomics, and each program's chain of dependent loads stays short.
+`expand_first` (one lane; the prefill default): shrink, then the expand writes y = delta (+ bias) on every row,
+then cuBLAS adds x W^T onto it (beta = 1), all on the current stream.
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ class Split:
     @staticmethod
     def run(x, weight, bias, lora, out, cfg, side_stream=None) -> None:
         T, n_in = x.shape
+        if lora is not None and cfg.expand_first:
+            # the delta (+ bias) written first, the GEMM adding onto it: no read-modify-write pass over the output
+            # after the GEMM (the shrink cannot overlap the GEMM here, so no side stream)
+            expand(out, lora, T, out.shape[1], cfg, shrink(x, lora, T, n_in, cfg), bias=bias)
+            out.addmm_(x, weight.t())
+            return
         shrunk = None
         if lora is not None and side_stream is not None:
             # Fork (contract 2): the side stream reads x, A, the slots and ranks and writes only xa; the
@@ -91,14 +99,16 @@ def shrink(x, lora, T, n_in, cfg, side_stream=None) -> ShrinkLaunch:
     return sh
 
 
-def expand(out, lora, T, n_out, cfg, sh: ShrinkLaunch):
+def expand(out, lora, T, n_out, cfg, sh: ShrinkLaunch, bias=None):
+    """out += the delta; `cfg.expand_first`: out = the delta (+ `bias`), every row (zero where no slot)."""
     S = lora.a.shape[0]
-    lanes = min(S, cfg.block_m, cfg.slot_lanes)
+    lanes = 1 if cfg.expand_first else min(S, cfg.block_m, cfg.slot_lanes)
     _lora_expand_add_kernel[(cdiv(T, cfg.block_m), cdiv(n_out, cfg.block_n), lanes)](
-        sh.xa, out, lora.b, lora.token_slots, lora.slot_ranks, T, n_out, S, lanes, sh.xa.stride(0), out.stride(0),
-        lora.b.stride(0), lora.b.stride(1), BM=cfg.block_m, BN=cfg.block_n, BLOCK_R=sh.seg.block_r,
-        SPLIT=sh.n_split, S_P2=sh.s_p2, G=sh.seg.G, G_P2=sh.seg.g_p2, SEG_BOUNDS=sh.seg.bounds,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(cfg.pdl, out))
+        sh.xa, out, bias if bias is not None else out, lora.b, lora.token_slots, lora.slot_ranks, T, n_out, S, lanes,
+        sh.xa.stride(0), out.stride(0), lora.b.stride(0), lora.b.stride(1), BM=cfg.block_m, BN=cfg.block_n,
+        BLOCK_R=sh.seg.block_r, SPLIT=sh.n_split, S_P2=sh.s_p2, G=sh.seg.G, G_P2=sh.seg.g_p2,
+        SEG_BOUNDS=sh.seg.bounds, WRITE=cfg.expand_first, HAS_BIAS=bias is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_args(cfg.pdl, out))
 
 
 @triton.jit
@@ -117,17 +127,27 @@ def _lora_shrink_kernel(
 
 @triton.jit
 def _lora_expand_add_kernel(
-    xa_ptr, y_ptr, b_ptr, slots_ptr, ranks_ptr, T, N_out, n_slots, n_lanes,
+    xa_ptr, y_ptr, bias_ptr, b_ptr, slots_ptr, ranks_ptr, T, N_out, n_slots, n_lanes,
     stride_xap, stride_yt, stride_bs, stride_bn,
     BM: tl.constexpr, BN: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, S_P2: tl.constexpr,
-    G: tl.constexpr, G_P2: tl.constexpr, SEG_BOUNDS: tl.constexpr, PDL: tl.constexpr,
+    G: tl.constexpr, G_P2: tl.constexpr, SEG_BOUNDS: tl.constexpr, WRITE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """y[t, n tile] += (sum_p xa[p, t]) @ B_slot(t)[n tile, :rank]^T for the lane's rows (G > 1: `expand_segments`)."""
+    """y[t, n tile] += (sum_p xa[p, t]) @ B_slot(t)[n tile, :rank]^T for the lane's rows (G > 1: `expand_segments`);
+    WRITE (one lane): y[t, n tile] = that (+ bias[n tile]) for every row of the tile, zero where no slot."""
     pdl_wait(PDL)
     offs_t = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     lane = tl.program_id(2)
     slot, s, mine, ranks = lane_rows(slots_ptr, ranks_ptr, offs_t, T, n_slots, lane, n_lanes, S_P2, G, G_P2)
+    if WRITE:
+        acc = expand_tile(xa_ptr, y_ptr, b_ptr, slot, s, ranks, offs_t, offs_n, mine, lane, n_lanes, N_out,
+                          stride_xap, stride_bs, stride_bn, BM, BN, BLOCK_R, SPLIT, S_P2, G, G_P2, SEG_BOUNDS)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N_out, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_t[:, None] < T) & (offs_n[None, :] < N_out))
+        return
     if s < 0:
         return
     # Everything whose address is known is loaded before the slot loop: y, and the P partials
