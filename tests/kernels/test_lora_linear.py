@@ -315,7 +315,7 @@ def test_gpu_mixed_ranks_bf16(T):
 @pytest.mark.parametrize("layout", ["prompts", "interleaved"])
 def test_gpu_prefill_rows_expand_first_bf16(bias, layout):
     """Above "planned"'s rows the default is one lane, expand first: prompts' runs of one slot (and a run on none)
-    or slots interleaved, q/k/v's merged width."""
+    or slots interleaved, at q/k/v's width as one segment (segments: test_lora_segments)."""
     T = 2 * PLANNED_MAX_ROWS + 37
     slots = ([3] * 700 + [-1] * 300 + [0] * 900 + [5] * (T - 1900)) if layout == "prompts" else gpu_slots(T, 8, 70)
     case = make_case(T, 2048, 5120, (16, 8, 16, 4, 16, 16, 2, 16), 16, dtype=torch.bfloat16, device="cuda",
