@@ -131,6 +131,16 @@ def test_expand_first_writes_every_row(dtype, tol, bias):
     check(make_case(20, 40, 24, (), 0, dtype=dtype, device=DEV, seed=2, bias=bias), tol, cfg)
 
 
+@kernel_test
+def test_prefill_rows_default_config():
+    """Above "planned"'s rows: the default config (one lane, expand first) on prompt runs of one slot, a run on
+    none, and an interleaved ragged tail."""
+    T = PLANNED_MAX_ROWS + 45
+    slots = [2] * 300 + [-1] * 200 + [0] * 520 + [0, 1, 2, -1] * 12 + [1]
+    case = make_case(T, 40, 72, (16, 5, 9), 16, device=DEV, seed=12, slots=slots)
+    check(case, 1e-4, default_lora_linear_config(T, n_in=40, n_out=72), delta_tol=5e-4)
+
+
 def test_expand_first_is_splits_one_lane():
     for bad in (dict(slot_lanes=2), dict(mode="planned", slot_lanes=1)):
         with pytest.raises(ValueError, match="expand_first"):
