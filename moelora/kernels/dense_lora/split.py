@@ -102,7 +102,7 @@ def shrink(x, lora, T, n_in, cfg, side_stream=None) -> ShrinkLaunch:
 def expand(out, lora, T, n_out, cfg, sh: ShrinkLaunch, bias=None):
     """out += the delta; `cfg.expand_first`: out = the delta (+ `bias`), every row (zero where no slot)."""
     S = lora.a.shape[0]
-    lanes = 1 if cfg.expand_first else min(S, cfg.block_m, cfg.slot_lanes)
+    lanes = min(S, cfg.block_m, cfg.slot_lanes)  # one under expand_first (its config holds one lane)
     _lora_expand_add_kernel[(cdiv(T, cfg.block_m), cdiv(n_out, cfg.block_n), lanes)](
         sh.xa, out, bias if bias is not None else out, lora.b, lora.token_slots, lora.slot_ranks, T, n_out, S, lanes,
         sh.xa.stride(0), out.stride(0), lora.b.stride(0), lora.b.stride(1), BM=cfg.block_m, BN=cfg.block_n,
@@ -140,19 +140,18 @@ def _lora_expand_add_kernel(
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     lane = tl.program_id(2)
     slot, s, mine, ranks = lane_rows(slots_ptr, ranks_ptr, offs_t, T, n_slots, lane, n_lanes, S_P2, G, G_P2)
+    y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
     if WRITE:
         acc = expand_tile(xa_ptr, y_ptr, b_ptr, slot, s, ranks, offs_t, offs_n, mine, lane, n_lanes, N_out,
                           stride_xap, stride_bs, stride_bn, BM, BN, BLOCK_R, SPLIT, S_P2, G, G_P2, SEG_BOUNDS)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=offs_n < N_out, other=0.0).to(tl.float32)[None, :]
-        y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_t[:, None] < T) & (offs_n[None, :] < N_out))
         return
     if s < 0:
         return
     # Everything whose address is known is loaded before the slot loop: y, and the P partials
     # (unrolled, all in flight at once), so the chain is slots -> {y, xa, B} -> store.
-    y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
     mask = mine[:, None] & (offs_n[None, :] < N_out)
     y = tl.load(y_ptrs, mask=mask, other=0.0)
     acc = expand_tile(xa_ptr, y_ptr, b_ptr, slot, s, ranks, offs_t, offs_n, mine, lane, n_lanes, N_out, stride_xap,
