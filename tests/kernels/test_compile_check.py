@@ -94,6 +94,7 @@ def test_lora_b_tiles_are_vector_loads(tmp_path, monkeypatch):
 
     from moelora.kernels.args import DenseLoRAArgs
     from moelora.kernels.dense_lora import MODES as DENSE_MODES
+    from moelora.kernels.dense_policy import PLANNED_MAX_ROWS
     from moelora.kernels.fused_moe import fused_moe
     from moelora.kernels.lora_linear import default_lora_linear_config, lora_linear
     from moelora.kernels.moe_config import tuned_fused_moe_config
@@ -118,8 +119,9 @@ def test_lora_b_tiles_are_vector_loads(tmp_path, monkeypatch):
         xd, w = torch.randn(T, n_in, dtype=torch.bfloat16), torch.randn(n_out, n_in, dtype=torch.bfloat16)
         for mode in DENSE_MODES:
             lora_linear(xd, w, None, dense, config=default_lora_linear_config(T, mode))
-        first = dataclasses.replace(default_lora_linear_config(T, "split"), slot_lanes=1, expand_first=True)
-        lora_linear(xd, w, torch.randn(n_out, dtype=torch.bfloat16), dense, config=first)  # prefill's pick, + bias
+        tp = PLANNED_MAX_ROWS + 1  # prefill's pick (one lane, expand first, 64-row shrink blocks), + bias
+        lora_linear(torch.randn(tp, n_in, dtype=torch.bfloat16), w, torch.randn(n_out, dtype=torch.bfloat16),
+                    dataclasses.replace(dense, token_slots=torch.arange(tp, dtype=torch.int32) % S))
         _mla_lora_launches(16)
     assert comp.failures == []
     names = {key[0] for key in comp.kernels}

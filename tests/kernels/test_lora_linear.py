@@ -133,8 +133,8 @@ def test_expand_first_writes_every_row(dtype, tol, bias):
 
 @kernel_test
 def test_prefill_rows_default_config():
-    """Above "planned"'s rows: the default config (one lane, expand first) on prompt runs of one slot, a run on
-    none, and an interleaved ragged tail."""
+    """Above "planned"'s rows: the default config (one lane, expand first, 64-row shrink blocks) on prompt runs
+    of one slot, a run on none, and an interleaved ragged tail."""
     T = PLANNED_MAX_ROWS + 45
     slots = [2] * 300 + [-1] * 200 + [0] * 520 + [0, 1, 2, -1] * 12 + [1]
     case = make_case(T, 40, 72, (16, 5, 9), 16, device=DEV, seed=12, slots=slots)

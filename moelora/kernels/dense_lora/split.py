@@ -20,6 +20,7 @@ import triton.language as tl
 from moelora.kernels.args import DenseLoRAArgs
 from moelora.kernels.checks import cdiv, next_pow2
 from moelora.kernels.dense_lora.base import Segments, base_gemm
+from moelora.kernels.dense_policy import PLANNED_MAX_ROWS
 from moelora.kernels.lora_tiles import dense_shrink_program, expand_tile, lane_rows
 from moelora.kernels.pdl import pdl_args, pdl_wait
 from moelora.kernels.side_stream import forked, join
@@ -28,6 +29,7 @@ from moelora.kernels.side_stream import forked, join
 # about one per SM on an H200 (132); more slots multiply them through the slot lanes.
 SHRINK_TARGET_PROGRAMS = 128
 SHRINK_BLOCK_M, SHRINK_STAGES = 16, 3  # the shrink's row block and pipeline stages: no default ever moved them
+PREFILL_SHRINK_BLOCK_M = 64  # above PLANNED_MAX_ROWS (prefill): A read from L2 once a 64-row block, not a 16-row one
 
 
 class Split:
@@ -83,8 +85,8 @@ def shrink_setup(x, lora, T, n_in, cfg) -> ShrinkLaunch:
     chunk = cdiv(n_kb, max(1, min(want, n_kb))) * cfg.block_k
     n_split = max(1, cdiv(n_in, chunk))
     xa = torch.empty(n_split, T, seg.G * seg.block_r, dtype=torch.float32, device=x.device)
-    return ShrinkLaunch(xa, lora, seg, n_split, chunk, min(S, SHRINK_BLOCK_M, cfg.slot_lanes), SHRINK_BLOCK_M,
-                        cfg.block_k, next_pow2(S))
+    bm = PREFILL_SHRINK_BLOCK_M if T > PLANNED_MAX_ROWS else SHRINK_BLOCK_M
+    return ShrinkLaunch(xa, lora, seg, n_split, chunk, min(S, bm, cfg.slot_lanes), bm, cfg.block_k, next_pow2(S))
 
 
 def shrink(x, lora, T, n_in, cfg, side_stream=None) -> ShrinkLaunch:
