@@ -1,15 +1,15 @@
 """Whole-engine prefill throughput of a Qwen3-30B-A3B- or DeepSeek-V2-Lite-shaped model (random bf16 weights).
 
-The model of `benchmarks/decode.py` (`model_with_adapters`; --layers N keeps a run short) and its no-LoRA twin
-over the same weights, each in an engine with prefix caching off and no decode graphs (a prefill never
-replays one). At each prompt length (--prompts, default 512 / 2048 / 8192), `--tokens` prompt tokens a run
-(--tokens / length random prompts, fresh ones every run) are prefilled with one token each, chunked as the
-scheduler chunks them (--chunk: max_num_batched_tokens, default the engine's 2048; a list: an engine pair
-each, over the same weights): no LoRA, 1 adapter, and 8 adapters of rank 16 spread over the requests. After
-an untimed warm-up run of each, the three run in turns for --repeats rounds (median;
-`moelora.bench.time_prefill`: wall clock from adding the requests to the last token, one device sync at the
-end). Prints tokens/s, the % of the bf16 matmul peak measured here, and LoRA's
-ratio to no LoRA; writes a CSV.
+The model of `benchmarks/decode.py` (`model_with_adapters`; --layers N keeps a run short; --quantization fp8
+[--no-fp8-activation-quant]: its projections in FP8, as decode.py's) and its no-LoRA twin over the same weights,
+each in an engine with prefix caching off and no decode graphs (a prefill never replays one). At each prompt length
+(--prompts, default 512 / 2048 / 8192), `--tokens` prompt tokens a run (--tokens / length random prompts, fresh ones
+every run) are prefilled with one token each, chunked as the scheduler chunks them (--chunk: max_num_batched_tokens,
+default the engine's 2048; a list: an engine pair each, over the same weights): no LoRA, 1 adapter, and 8 adapters
+of rank 16 spread over the requests. After an untimed warm-up run of each, the three run in turns for --repeats
+rounds (median; `moelora.bench.time_prefill`: wall clock from adding the requests to the last token, one device sync
+at the end). Prints tokens/s, the % of the bf16 matmul peak measured here, and LoRA's ratio to no LoRA; writes a
+CSV.
 
 FLOPs of a prompt token (`prefill_flops`, the base model only, so a LoRA run's % is lower by what LoRA
 costs): per layer the attention projections (`decode.attention_shapes`), attention itself (a token at
@@ -27,8 +27,9 @@ tokens/s beside them, no LoRA and 8 adapters (the default chunk size's evidence;
 kernel category, host time vs GPU time per forward, syncs, the middle layer kernel by kernel, the host's hot
 functions.
 
-usage: python benchmarks/prefill.py OUT.csv [--model qwen3_30b|dsv2_lite] [--layers N] [--prompts 512,2048,8192]
-       [--tokens 16384] [--chunk 2048[,8192]] [--repeats 2] [--no-async-scheduling] [--no-overlap-lora]
+usage: python benchmarks/prefill.py OUT.csv [--model qwen3_30b|dsv2_lite] [--layers N] [--quantization fp8]
+       [--prompts 512,2048,8192] [--tokens 16384] [--chunk 2048[,8192]] [--repeats 2] [--no-async-scheduling]
+       [--no-overlap-lora]
        [--moe-table TABLE.json] [--plan-max-routes 16384]
        [--itl 32 [--itl-chunk 2048,4096,8192] [--itl-len 8192] [--itl-prompts 4] [--itl-decode-len 256]
        [--itl-quiet 10]]
@@ -48,7 +49,17 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from decode import MODELS, attention_shapes, engine, model_with_adapters, no_lora_twin, tee  # noqa: E402
+from decode import (  # noqa: E402
+    MODELS,
+    add_quant_args,
+    attention_shapes,
+    engine,
+    model_with_adapters,
+    no_lora_twin,
+    quant_from_args,
+    quant_name,
+    tee,
+)
 from moe_bench_common import matmul_tflops, write_rows  # noqa: E402
 
 from moelora.bench import random_prompts, time_prefill  # noqa: E402
@@ -85,17 +96,18 @@ def plan_runs(prompts: list[int], tokens: int) -> dict[int, int]:
 
 
 def build_engines(name: str, layers: int | None, runs: dict[int, int], chunks: list[int],
-                  extra: tuple[int, int] = (0, 0), **engine_kw):
+                  extra: tuple[int, int] = (0, 0), quant=None, **engine_kw):
     """(model config, chunk -> [(workload, engine, adapter names)]): per chunk size (max_num_batched_tokens)
     the LoRA engine (8 slots of rank 16) and the no-LoRA twin's engine, over one model's weights, each with
     room for the largest run's KV blocks and no decode graphs. (The LoRA engines of two chunk sizes write the
     same slots of the one model: a1..a7 carry a0's tensors, and every engine fills its slots in the same
     order, so each slot holds the same values whichever engine wrote it last.) `extra`: (sequences, KV blocks)
-    beyond the largest run (the --itl run's)."""
+    beyond the largest run (the --itl run's); `quant`: an FP8 scheme (--quantization fp8) or None."""
     longest = max(runs)
     max_len = longest + 16
-    cfg, model, adapters = model_with_adapters(name, layers, 8, RANK, max_positions=max_len, distinct=False)
-    twin = no_lora_twin(model, cfg)
+    cfg, model, adapters = model_with_adapters(name, layers, 8, RANK, max_positions=max_len, distinct=False,
+                                               quant=quant)
+    twin = no_lora_twin(model, cfg, quant)
     blocks = max(n * -(-(p + 1) // 16) for p, n in runs.items()) + 64 + extra[1]
     seqs = max(runs.values()) + extra[0]
     out = {}
@@ -172,7 +184,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--profile-tokens", type=int, default=4096, help="prompt tokens a profiled run")
     ap.add_argument("--profile-out", default=None, help="the profile's text (default: OUT.csv's stem + _profile.txt)")
     ap.add_argument("--trace", default=None, help="--profile: a directory for Chrome traces of the profiled steps")
-    return ap.parse_args()
+    add_quant_args(ap)
+    args = ap.parse_args()
+    args.quant = quant_from_args(ap, args)
+    return args
 
 
 def main() -> None:
@@ -203,11 +218,13 @@ def main() -> None:
     t0 = time.perf_counter()
     peak = matmul_tflops()
     cfg, by_chunk = build_engines(args.model, args.layers or None, runs, sorted(set(chunks + itl_chunks)), extra,
-                                  async_scheduling=not args.no_async_scheduling, overlap_lora=not args.no_overlap_lora,
+                                  quant=args.quant, async_scheduling=not args.no_async_scheduling,
+                                  overlap_lora=not args.no_overlap_lora,
                                   fused_moe_table=args.moe_table)
     print(f"# model and engines built in {time.perf_counter() - t0:.0f} s", flush=True)
     log(f"GPU {torch.cuda.get_device_name()}, bf16 matmul peak {peak:.0f} TFLOP/s; {args.model} shape, "
-        f"{cfg.num_layers} layers, bf16; chunk (max_num_batched_tokens) {args.chunk}, prefix caching off, "
+        f"{cfg.num_layers} layers, {quant_name(args.quant)}; chunk (max_num_batched_tokens) {args.chunk}, "
+        f"prefix caching off, "
         f"{args.repeats} rounds" + (", overlap_lora off" if args.no_overlap_lora else "")
         + (f", fused-MoE table {args.moe_table}" if args.moe_table else "")
         + (f", one-launch routing plan up to {args.plan_max_routes} routes" if args.plan_max_routes else ""))

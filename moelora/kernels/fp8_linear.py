@@ -5,13 +5,16 @@ Shape legend: T tokens, N_in / N_out features, G row segments of the weight (mer
   (block: each segment blocked on its own, `quant.fp8`) or [N_out, 1] (channel / tensor), bias [N_out] | None,
   lora: DenseLoRAArgs | None                                                            -> y [T, N_out]
 K steps of one 128-column scale block, W8A8 (x quantized first, `fp8_quant`) or W8A16 (as `fp8_moe`'s); in decode
-the K steps split over programs, summed by the last split of each tile in the same launch. The LoRA delta is the
-dense modes' "split" (its shrink on the side stream during the GEMM) or "planned", on x unrounded; never
-"splitk", which fuses the bf16 GEMM. Twin: `lora_linear_ref` on the dequantized weight.
+the K steps split over programs, summed by the last split of each tile in the same launch. Block-scaled W8A8 from
+CUBLAS_MIN_ROWS rows (prefill) runs on cuBLAS's 1 x 128 / 128 x 128 block-scaled GEMM (`torch._scaled_mm`, CUDA >=
+12.9 on sm_90) where the shapes allow it (`use_cublas`): 1.4-2.2x faster there on the H200 (docs/performance.md).
+The LoRA delta is the dense modes' "split" (its shrink on the side stream during the GEMM) or "planned", on x
+unrounded; never "splitk", which fuses the bf16 GEMM. Twin: `lora_linear_ref` on the dequantized weight.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -29,6 +32,8 @@ from moelora.kernels.side_stream import join
 
 FP8_DTYPE = torch.float8_e4m3fn
 MAX_SEGMENTS = 3
+CUBLAS_MIN_ROWS = 129  # W8A8 block-scaled rows from which cuBLAS runs the GEMM (the Triton kernel's prefill tiles)
+CUBLAS_ROW_MULTIPLE = 4  # cuBLAS's block-scaled GEMM takes rows in multiples of 4 (others: NOT_SUPPORTED, CUDA 13.0)
 
 
 @triton.jit
@@ -168,6 +173,47 @@ def _check(x, weight, scale, bias, segments, block):
     return x.shape[0], n_in, n_out
 
 
+@functools.cache
+def _block_scaled_cublas(index: int) -> bool:
+    """cuBLAS has the 1 x 128 (activations) / 128 x 128 (weights) block-scaled FP8 GEMM: CUDA >= 12.9 on sm_90 (on
+    other GPUs it is not measured here)."""
+    version = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    return version >= (12, 9) and torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def cublas_shapes(T: int, n_in: int, n_out: int, segments: tuple[int, ...], block: bool, quantize_activations: bool,
+                  dtype: torch.dtype) -> bool:
+    """The shapes and modes cuBLAS's block-scaled GEMM serves here: W8A8 on 128 x 128 block scales, bf16 x of >=
+    CUBLAS_MIN_ROWS rows, N_in a multiple of 4 x 128 (the weight scales' leading dimension a multiple of 4, as the
+    activation scales' is (CUBLAS_ROW_MULTIPLE): with N_in 576 or 2816 cuBLAS (CUDA 13.0, H200) returned wrong
+    sums and no error), N_out a multiple of 16, every segment but the last whole 128-row blocks (the merged
+    weight's block grid is then the segments')."""
+    return (block and quantize_activations and dtype == torch.bfloat16 and T >= CUBLAS_MIN_ROWS
+            and n_in % (CUBLAS_ROW_MULTIPLE * GROUP) == 0 and n_out % 16 == 0
+            and all(n % GROUP == 0 for n in segments[:-1]))
+
+
+def use_cublas(x: torch.Tensor, n_out: int, segments: tuple[int, ...], block: bool, quantize_activations: bool) -> bool:
+    """Whether `fp8_linear` runs x W^T on cuBLAS: `cublas_shapes`, on a GPU that has the GEMM."""
+    return (x.is_cuda and cublas_shapes(x.shape[0], x.shape[1], n_out, segments, block, quantize_activations, x.dtype)
+            and _block_scaled_cublas(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+
+
+def _cublas_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                   out: torch.Tensor | None, x_fp8: FP8Rows | None, pdl: bool) -> torch.Tensor:
+    """`fp8_linear` on cuBLAS (`use_cublas`): x quantized with column-major scales (its producer's rows, their
+    scales transposed, where T is a multiple of CUBLAS_ROW_MULTIPLE; else quantized again, padded to one: the same
+    bits, `norm_fp8`), y written to `out` or to a padded buffer whose first T rows are returned."""
+    T = x.shape[0]
+    if x_fp8 is not None and T % CUBLAS_ROW_MULTIPLE == 0:
+        a, a_s = x_fp8.q, x_fp8.s.t().contiguous().t()
+    else:
+        a, a_s = per_token_group_quant(x, row_multiple=CUBLAS_ROW_MULTIPLE, col_major_scales=True, pdl=pdl)
+    y = out if out is not None else torch.empty(a.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    torch._scaled_mm(a, weight.t(), a_s, scale.t(), bias=bias, out_dtype=x.dtype, out=y)
+    return y[:T]
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, *,
                segments: tuple[int, ...], block: bool = True, quantize_activations: bool = False,
                out: torch.Tensor | None = None, tiles: Tiles | None = None,
@@ -175,8 +221,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     """y = x W^T (+ bias) on e4m3 W and its scale (module docstring); y new, or the caller's `out=`; `tiles`:
     default `default_tiles`; `x_fp8`: x already quantized (W8A8: its producer wrote it, `norm.norm_fp8`);
     `counters`: the split-K arrival counters the caller owns (`args.split_k_counters`, zero between calls; None:
-    a zeroed buffer for this call); `pdl`: programmatic dependent launch where the GPU has it (`kernels.pdl`)."""
+    a zeroed buffer for this call); `pdl`: programmatic dependent launch where the GPU has it (`kernels.pdl`).
+    Without `tiles`, on cuBLAS where `use_cublas` says so (with `out=`, only at a multiple of CUBLAS_ROW_MULTIPLE
+    rows into a contiguous `out`)."""
     T, n_in, n_out = _check(x, weight, scale, bias, segments, block)
+    if tiles is None and use_cublas(x, n_out, segments, block, quantize_activations) and (
+            out is None or (T % CUBLAS_ROW_MULTIPLE == 0 and out.is_contiguous())):
+        if out is not None:
+            out = output(out, (T, n_out), x.dtype, x.device, (x, weight, scale, bias))
+        return _cublas_linear(x, weight, scale, bias, out, x_fp8, pdl)
     out = output(out, (T, n_out), x.dtype, x.device, (x, weight, scale, bias))
     if T == 0:
         return out

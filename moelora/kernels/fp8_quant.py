@@ -47,9 +47,10 @@ def quant_tile(t, FP8_MAX_: tl.constexpr = 448.0):
 
 
 @triton.jit
-def _group_quant_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, K, n_groups, stride_x, stride_q, stride_s,
+def _group_quant_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, M, K, n_groups, stride_x, stride_q, stride_s, stride_sg,
                         GROUP_: tl.constexpr, GB: tl.constexpr, ROW_LIMIT: tl.constexpr, PDL: tl.constexpr):
-    """Program (row, j): groups [j GB, (j + 1) GB) of one row; ROW_LIMIT: rows from *rows_ptr on are left."""
+    """Program (row, j): groups [j GB, (j + 1) GB) of one row; ROW_LIMIT: rows from *rows_ptr on are left; rows
+    from M on (padding) are written as an all-zero row's (q 0, s 1)."""
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     if ROW_LIMIT:
@@ -58,27 +59,30 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, K, n_groups, stride_x, st
     g = tl.program_id(1) * GB + tl.arange(0, GB)
     cols = g[:, None] * GROUP_ + tl.arange(0, GROUP_)[None, :]
     ok = (g[:, None] < n_groups) & (cols < K)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < tl.where(row < M, K, 0), other=0.0)
     q, s = quant_tile(x)
     tl.store(q_ptr + row * stride_q + cols, q, mask=ok)
-    tl.store(s_ptr + row * stride_s + g, s, mask=g < n_groups)
+    tl.store(s_ptr + row * stride_s + g * stride_sg, s, mask=g < n_groups)
 
 
-def per_token_group_quant(x: torch.Tensor, rows: torch.Tensor | None = None, *, pdl: bool = False
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> new (q [M, K] e4m3, s [M, ceil(K/128)] fp32); `rows` (device int32 [1], e.g. a plan's
-    `num_padded`): only rows below it are written; `pdl`: programmatic dependent launch where the GPU has it
-    (`kernels.pdl`)."""
+def per_token_group_quant(x: torch.Tensor, rows: torch.Tensor | None = None, *, pdl: bool = False,
+                          row_multiple: int = 1, col_major_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> new (q [M', K] e4m3, s [M', ceil(K/128)] fp32), M' = M rounded up to `row_multiple` (the padding
+    rows an all-zero row's: q 0, s 1); `col_major_scales`: s column-major (stride (1, M')), the layout cuBLAS's
+    block-scaled GEMM reads; `rows` (device int32 [1], e.g. a plan's `num_padded`): only rows below it are
+    written; `pdl`: programmatic dependent launch where the GPU has it (`kernels.pdl`)."""
     if x.dim() != 2 or x.dtype not in FLOAT_DTYPES or x.stride(1) != 1:
         raise ValueError(f"x must be [M, K] fp16/bf16/fp32 with unit last stride, got {tuple(x.shape)} {x.dtype}")
     M, K = x.shape
     n_groups = cdiv(K, GROUP)
-    q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(M, n_groups, dtype=torch.float32, device=x.device)
-    if M == 0 or K == 0:
+    padded = cdiv(M, row_multiple) * row_multiple
+    q = torch.empty(padded, K, dtype=torch.float8_e4m3fn, device=x.device)
+    s = (torch.empty(n_groups, padded, dtype=torch.float32, device=x.device).t() if col_major_scales
+         else torch.empty(padded, n_groups, dtype=torch.float32, device=x.device))
+    if padded == 0 or K == 0:
         return q, s
     gb = min(8, next_pow2(n_groups))
-    _group_quant_kernel[(M, cdiv(n_groups, gb))](
-        x, q, s, x if rows is None else rows, K, n_groups, x.stride(0), q.stride(0), s.stride(0), GROUP_=GROUP, GB=gb,
-        ROW_LIMIT=rows is not None, num_warps=4, **pdl_args(pdl, x))
+    _group_quant_kernel[(padded, cdiv(n_groups, gb))](
+        x, q, s, x if rows is None else rows, M, K, n_groups, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
+        GROUP_=GROUP, GB=gb, ROW_LIMIT=rows is not None, num_warps=4, **pdl_args(pdl, x))
     return q, s

@@ -46,7 +46,7 @@ def test_flops_of_a_deepseek_v2_lite_prompt_token_count_mla_and_its_dense_layer(
 
 def test_a_run_times_every_workload_and_profiles_them(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(prefill, "model_with_adapters", tiny_model)
-    monkeypatch.setattr(prefill, "no_lora_twin", lambda model, cfg: decode.no_lora_twin(model, cfg))
+    monkeypatch.setattr(prefill, "no_lora_twin", lambda model, cfg, quant=None: decode.no_lora_twin(model, cfg, quant))
     monkeypatch.setattr(prefill, "engine", cpu_engine)
     monkeypatch.setattr(prefill, "matmul_tflops", lambda: 1.0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "cpu")

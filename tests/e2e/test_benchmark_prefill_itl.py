@@ -25,7 +25,7 @@ def test_percentile_interpolates_between_ranks():
 
 def test_an_itl_run_gives_every_decode_a_token_each_step_while_the_prompts_last(tmp_path, monkeypatch):
     monkeypatch.setattr(prefill, "model_with_adapters", tiny_model)
-    monkeypatch.setattr(prefill, "no_lora_twin", lambda model, cfg: decode.no_lora_twin(model, cfg))
+    monkeypatch.setattr(prefill, "no_lora_twin", lambda model, cfg, quant=None: decode.no_lora_twin(model, cfg, quant))
     monkeypatch.setattr(prefill, "engine", cpu_engine)
     monkeypatch.setattr(prefill, "matmul_tflops", lambda: 1.0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "cpu")

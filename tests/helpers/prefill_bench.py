@@ -18,7 +18,8 @@ TINY = dict(family="qwen3_moe", vocab_size=512, hidden_size=64, num_layers=2, nu
             qk_norm="per_head", max_position_embeddings=64, dtype="float32")
 
 
-def tiny_model(name, layers, n, rank, max_positions=None, distinct=True):
+def tiny_model(name, layers, n, rank, max_positions=None, distinct=True, quant=None):
+    assert quant is None, "the tiny CPU model is fp32, never FP8 (--quantization needs the GPU)"
     cfg = ModelConfig(**{**TINY, "max_position_embeddings": max(64, max_positions or 0)}).resolve()
     torch.manual_seed(0)
     model = model_class(cfg)(cfg, max_loras=n, max_rank=rank, dtype=torch.float32)

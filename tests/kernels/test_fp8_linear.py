@@ -18,8 +18,15 @@ import torch
 pytestmark = pytest.mark.interp  # `make test` runs it with TRITON_INTERPRET=1 (set before triton is imported)
 triton = pytest.importorskip("triton")
 
-from moelora.kernels.args import split_k_counters  # noqa: E402
-from moelora.kernels.fp8_linear import Tiles, default_tiles, fp8_linear, fp8_lora_linear  # noqa: E402
+from moelora.kernels.args import FP8Rows, split_k_counters  # noqa: E402
+from moelora.kernels.fp8_linear import (  # noqa: E402
+    Tiles,
+    cublas_shapes,
+    default_tiles,
+    fp8_linear,
+    fp8_lora_linear,
+    use_cublas,
+)
 from moelora.kernels.fp8_quant import per_token_group_quant  # noqa: E402
 from moelora.kernels.reference import DenseLoRAArgs, lora_linear_ref  # noqa: E402
 from moelora.quant.fp8 import (  # noqa: E402
@@ -118,6 +125,33 @@ def test_group_quant_scales_and_values():
 
 
 @kernel_test
+def test_group_quant_padded_rows_and_column_major_scales():
+    """cuBLAS's layout (`fp8_linear`'s cuBLAS path): rows padded to a multiple as all-zero rows (q 0, s 1), scales
+    column-major; the real rows bit for bit the plain call's."""
+    g = torch.Generator(device=DEV).manual_seed(1)
+    x = torch.randn(7, 300, generator=g, device=DEV) * 5
+    q, s = per_token_group_quant(x)
+    qp, sp = per_token_group_quant(x, row_multiple=4, col_major_scales=True)
+    assert qp.shape == (8, 300) and sp.shape == (8, 3) and sp.stride() == (1, 8)
+    assert torch.equal(qp[:7].view(torch.uint8), q.view(torch.uint8)) and torch.equal(sp[:7], s)
+    assert qp[7].view(torch.uint8).count_nonzero() == 0 and torch.equal(sp[7], torch.ones(3, device=DEV))
+
+
+def test_cublas_shapes():
+    """The rule `fp8_linear` routes to cuBLAS by: block-scaled W8A8 bf16 prefill rows, whole 128-column K blocks,
+    segment bounds on 128-row blocks."""
+    ok = dict(T=129, n_in=2048, n_out=5120, segments=(4096, 512, 512), block=True, quantize_activations=True,
+              dtype=torch.bfloat16)
+    assert cublas_shapes(**ok)
+    assert cublas_shapes(**{**ok, "n_out": 2112, "segments": (1536, 576)})  # the last segment may be partial
+    assert cublas_shapes(**{**ok, "n_in": 512}) and cublas_shapes(**{**ok, "n_in": 7168})
+    for change in (dict(T=128), dict(n_in=576), dict(n_in=2816), dict(n_out=200, segments=(200,)),
+                   dict(segments=(4000, 608, 512)), dict(block=False), dict(quantize_activations=False),
+                   dict(dtype=torch.float16)):
+        assert not cublas_shapes(**{**ok, **change}), change
+
+
+@kernel_test
 # fp32 bit for bit under the interpreter only: on the H200 the two kernels' fp32 y differed (D = 64 and 256; the
 # size of the difference not examined); fp16 stayed bit for bit there
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=interp_only), torch.float16])
@@ -213,7 +247,7 @@ def test_gpu_silu_mul_fp8_bf16(T, inter):
 
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.parametrize("T", [1, 8, 64, 512])
+@pytest.mark.parametrize("T", [1, 8, 64, 131, 512])  # 131, 512: cuBLAS's W8A8 (131 rows padded to 132)
 @pytest.mark.parametrize("name,n_in,segments", SHAPES, ids=[s[0] for s in SHAPES])
 @pytest.mark.parametrize("act", [False, True], ids=["w8a16", "w8a8"])
 def test_gpu_fp8_linear(T, name, n_in, segments, act):
@@ -230,6 +264,32 @@ def test_gpu_fp8_linear(T, name, n_in, segments, act):
     bound = gemm_bound(case[0].float(), w_deq.float(), 128)
     excess = ((got.float() - exact).abs() - bound).clamp(min=0)
     assert excess.norm() / exact.norm() <= 1e-2
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("T", [129, 130, 131, 132, 1003, 4096])
+@pytest.mark.parametrize("name,n_in,segments", [SHAPES[0], SHAPES[3]], ids=[SHAPES[0][0], SHAPES[3][0]])
+@pytest.mark.parametrize("given", [False, True], ids=["quantized_here", "x_fp8"])
+def test_gpu_fp8_linear_cublas_equals_triton(T, name, n_in, segments, given):
+    """The cuBLAS path (no tiles: `use_cublas` holds for these) against the Triton kernel (its tiles named) on the
+    same rows, bias on q/k/v: the same sums but for their order; x_fp8 from the producer (transposed scales at a
+    multiple of 4 rows, quantized again, padded, elsewhere) or quantized here."""
+    g = torch.Generator(device="cuda").manual_seed(T)
+    n_out = sum(segments)
+    x = torch.randn(T, n_in, generator=g, device="cuda").to(torch.bfloat16)
+    q, s = quantize_segments(torch.randn(n_out, n_in, generator=g, device="cuda") * 0.02, segments)
+    b = torch.randn(n_out, generator=g, device="cuda").to(torch.bfloat16) if name.endswith("qkv") else None
+    kw = dict(segments=segments, quantize_activations=True, x_fp8=FP8Rows(*per_token_group_quant(x)) if given else None)
+    assert use_cublas(x, n_out, segments, True, True)
+    got = fp8_linear(x, q, s.contiguous(), b, **kw)
+    want = fp8_linear(x, q, s.contiguous(), b, tiles=default_tiles(T, n_out, n_in), **kw)
+    assert got.shape == (T, n_out) and got.is_contiguous() and not torch.isnan(got).any()
+    assert rel_err(got, want) <= 1e-3
+    if T % 4 == 0:  # into the caller's out
+        out = torch.full_like(want, float("nan"))
+        assert fp8_linear(x, q, s.contiguous(), b, out=out, **kw).data_ptr() == out.data_ptr()
+        assert torch.equal(out, got)
 
 
 @pytest.mark.gpu
