@@ -22,6 +22,8 @@ usage: python benchmarks/lora_linear.py [OUT.csv] [--ts 1,8,64,256,1024] [--shap
        [--no-side-stream]   (by default the shrink gets a side stream, as the engine's overlap_lora gives it)
        [--fp8 fp8,fp8a8]   (also every variant on the weights in e4m3 with 128 x 128 block scales, `fp8_lora_linear`:
        W8A16 "fp8", W8A8 "fp8a8"; the LoRA its default split / planned delta; bytes count W at 1 byte)
+       [--pdl]   (every Triton launch with programmatic dependent launch, as the engine's default `pdl`: the FP8
+       decode GEMM then prefetches its weight before the wait; cuBLAS launches stay plain)
 With "splitk" in --modes, "off" also runs through the split-K GEMM (mode splitk), next to cuBLAS.
 Writes the CSV to the path, else $OUT/lora_linear.csv, else ./lora_linear.csv.
 """
@@ -166,17 +168,18 @@ class FP8Run(NamedTuple):
     mode: str
 
 
-def _fp8_calls(layers, x, T, var, segments, n_out, quantize_activations, side):
+def _fp8_calls(layers, x, T, var, segments, n_out, quantize_activations, side, pdl):
     """One `fp8_lora_linear` call per layer (W8A8 if quantize_activations), with the rows grouped by slot where
     the engine groups them (17..1024 rows)."""
     plan_bm = PLAN_BLOCK_M if DENSE_LORA_POLICY.wants_row_plan(T) else 0
     return [partial(fp8_lora_linear, x, ly["q"], ly["s"], None, lora_args(ly, T, var, segments, plan_bm),
-                    segments=segments or (n_out,), quantize_activations=quantize_activations, side_stream=side,
+                    segments=segments or (n_out,), quantize_activations=quantize_activations, side_stream=side, pdl=pdl,
                     counters=ly["counters"])
             for ly in layers]
 
 
-def bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep=(), side=None, sweep_mode="split", fp8=()):
+def bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep=(), side=None, sweep_mode="split", fp8=(),
+                pdl=False):
     n_in, n_out = SHAPES[sname]
     segments = SEGMENTS.get(sname, ())
     x = torch.randn(T, n_in, device="cuda").to(torch.bfloat16)
@@ -193,12 +196,12 @@ def bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep=(), side=None,
     for var, cfg, swept in runs:
         # LoRA args built once, before capture (fixed-address buffers, as the runner's step plan)
         if isinstance(cfg, str):
-            calls = _fp8_calls(layers, x, T, var, segments, n_out, cfg == "fp8a8", side)
+            calls = _fp8_calls(layers, x, T, var, segments, n_out, cfg == "fp8a8", side, pdl)
             cfg = FP8Run(cfg)
         else:
             plan_bm = cfg.block_m if cfg.mode == "planned" else 0
             calls = [partial(lora_linear, x, ly["w"], None, lora_args(ly, T, var, segments, plan_bm), out=out,
-                             config=cfg, side_stream=side)
+                             config=replace(cfg, pdl=pdl), side_stream=side)
                      for ly in layers]
         try:
             t_chain = graph_ms(calls) / len(calls)
@@ -272,6 +275,7 @@ def main(argv=None):
     ap.add_argument("--sweep-mode", default="split", choices=("split", "splitk", "planned"),
                     help="which path --sweep varies")
     ap.add_argument("--no-side-stream", action="store_true", help="the shrink on the main stream (overlap_lora off)")
+    ap.add_argument("--pdl", action="store_true", help="Triton launches with programmatic dependent launch")
     ap.add_argument("--fp8", default="", help="also on FP8 weights: fp8 (W8A16), fp8a8 (W8A8), or both")
     args = ap.parse_args(argv)
     side = None if args.no_side_stream else torch.cuda.Stream()
@@ -294,7 +298,8 @@ def main(argv=None):
         layers = make_layers(n_in, n_out, n_layers, pool_ranks, n_seg=max(1, len(SEGMENTS.get(sname, ()))),
                              fp8_segments=(SEGMENTS.get(sname) or (n_out,)) if fp8 else None)
         for T in map(int, args.ts.split(",")):
-            rows += bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep, side, args.sweep_mode, fp8)
+            rows += bench_shape(sname, T, layers, variants, modes, bw, gpu, sweep, side, args.sweep_mode, fp8,
+                                args.pdl)
         del layers
         torch.cuda.empty_cache()
     write_rows(path, rows)
