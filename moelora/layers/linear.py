@@ -72,7 +72,11 @@ class _FP8Weight:
     def _project(self, x: torch.Tensor, lora: LoRABatch | None, x_fp8: FP8Rows | None = None) -> torch.Tensor:
         """x W^T + b + the LoRA delta of `lora` (its side stream, if any, runs the LoRA shrink); `x_fp8`: x
         quantized for W8A8 by the kernel that wrote it (read by the Triton FP8 path only)."""
-        args, side = self.lora_args(lora), None if lora is None else lora.side_stream
+        return self._project_args(x, self.lora_args(lora), None if lora is None else lora.side_stream, x_fp8)
+
+    def _project_args(self, x: torch.Tensor, args: DenseLoRAArgs | None, side: torch.cuda.Stream | None,
+                      x_fp8: FP8Rows | None = None) -> torch.Tensor:
+        """`_project` on LoRA arguments given (`lora_args`, or rows' own slots: `LinearSite.forward_rows`)."""
         if self.quant is not None and self.options.kernel_backend == "triton":
             from moelora.kernels.fp8_linear import fp8_lora_linear
 
@@ -116,17 +120,22 @@ class LinearSite(_FP8Weight, nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None, x_fp8: FP8Rows | None = None) -> torch.Tensor:
         return self._project(x, lora, x_fp8)
 
-    def forward_one_slot(self, x: torch.Tensor, slot: torch.Tensor | None) -> torch.Tensor:
-        """Rows that all belong to one adapter slot, given as a 0-d int device tensor (-1: none), so
-        rows outside the step (an MLA layer's cached latents) get their request's LoRA with no host
-        sync. The slot's full R columns are used: a lower-rank slot is zero beyond its rank."""
-        y = self.forward(x)
-        if slot is None or not self.has_lora:
-            return y
-        index = slot.clamp(min=0).long().view(1)
-        a = self.lora_a.index_select(0, index)[0].to(x.dtype)  # [R, N_in]
-        b = self.lora_b.index_select(0, index)[0].to(x.dtype)  # [N_out, R]
-        return y + ((x @ a.t()) @ b.t()) * (slot >= 0).to(x.dtype)
+    def forward_rows(self, x: torch.Tensor, slots: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        """x W^T + b + each row's LoRA delta, row i on adapter slot `slots[i]` ([rows] int32 on x's device, -1:
+        none): rows outside the step that carry a request's adapter (an MLA layer's cached latents, expanded
+        through kv_b_proj at read time), with no host sync; `lora`: the step's batch (None or skipping this site:
+        no delta). Triton: the dense LoRA kernels on these rows' slots (bounded by the step's ranks); torch (the
+        twin): every slot's delta in one matmul a side, the row's own kept by a one-hot mask (columns beyond a
+        slot's rank are zero)."""
+        if lora is None or not self.has_lora or lora.skips(self.lora_owner):
+            return self.forward(x)
+        if self.options.kernel_backend == "triton":
+            args = DenseLoRAArgs(self.lora_a, self.lora_b, slots, self.lora_ranks, None, width=lora.max_rank)
+            return self._project_args(x, args, None)
+        S, R, n_in = self.lora_a.shape
+        onehot = (slots[:, None] == torch.arange(S, device=slots.device)).to(x.dtype)  # [rows, S]
+        xa = (x @ self.lora_a.reshape(S * R, n_in).t().to(x.dtype)).view(-1, S, R) * onehot[:, :, None]
+        return self.forward(x) + xa.view(-1, S * R) @ self.lora_b.transpose(1, 2).reshape(S * R, -1).to(x.dtype)
 
 
 class Linear(LinearSite):

@@ -17,9 +17,9 @@ latent and the rotated single-head key: C + Dr values (576 for DeepSeek-V3) inst
 N(Dn + Dr + Dv) of expanded K/V (40960). The step writes its entries at `slot_mapping` (an `out=`
 buffer the caller owns, contract 2) and attends in one of two forms:
 
-- expanded (prefill and extend, and decode when `LayerOptions.mla_absorbed_decode` is off; eager only): per sequence,
-  gather its latents, expand them through `kv_b_proj` with that sequence's adapter
-  (`Linear.forward_one_slot`: LoRA on kv_b_proj changes the K/V derived from the cached latent, so it
+- expanded (prefill and extend, and decode when `LayerOptions.mla_absorbed_decode` is off; eager only): gather
+  every sequence's latents, expand them through `kv_b_proj` at once, each row with its sequence's adapter
+  (`Linear.forward_rows`: LoRA on kv_b_proj changes the K/V derived from the cached latent, so it
   is applied at read time; the latent itself already carries LoRA of kv_a_proj_with_mqa and of every
   earlier layer, which is why the prefix cache keys blocks by adapter) and attend causally.
 - absorbed (decode steps, meta.max_query_len == 1; no host loop or sync, CUDA-graph safe): with
@@ -53,6 +53,7 @@ from moelora.layers.norm import RMSNorm
 from moelora.layers.options import DEFAULT_OPTIONS
 from moelora.layers.rotary import apply_rotary, apply_rotary_interleaved
 from moelora.lora.batch import LoRABatch
+from moelora.upload import upload
 
 _INNER_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the default eps
 
@@ -280,25 +281,43 @@ def mla_attention_ref(q: torch.Tensor, entries: torch.Tensor, cache: torch.Tenso
                       kv_b_proj: Linear, lora: LoRABatch | None, nope: int, v_dim: int, scale: float) -> torch.Tensor:
     """Causal MLA of the step's queries q [T, N, Dn + Dr] (rope part rotated) over each sequence's
     cached latents. Writes `entries` [T, C + Dr] first; query i of a sequence sits at position
-    seq_len - q_len + i. Returns a new [T, N, Dv] tensor."""
+    seq_len - q_len + i. Every sequence's latents are gathered and expanded through kv_b_proj at once (each
+    row with its sequence's adapter, `LinearSite.forward_rows`), then attended sequence by sequence. Returns a
+    new [T, N, Dv] tensor."""
     write_latent_ref(entries, cache, meta.slot_mapping)
     T, N, _ = q.shape
-    bs, width = cache.shape[1], cache.shape[2]
-    C = kv_b_proj.in_features
+    width, C = cache.shape[2], kv_b_proj.in_features
+    rows, seq_of_row, q_offsets = context_rows(meta, cache.shape[1])
+    ctx = cache.view(-1, width).index_select(0, rows).to(q.dtype)  # [sum L, C + Dr]
+    slots = None if lora is None else lora.token_slots.index_select(0, q_offsets).index_select(0, seq_of_row)
+    kv = kv_b_proj.forward_rows(ctx[:, :C], slots, lora).view(-1, N, nope + v_dim)
+    keys = torch.cat((kv[..., :nope], ctx[:, None, C:].expand(-1, N, width - C)), dim=-1)  # [sum L, N, Dn + Dr]
+    positions = torch.arange(meta.max_seq_len, device=q.device)
     out = q.new_empty(T, N, v_dim)
+    start = 0
     for s in meta.seqs:
-        blocks = meta.block_tables[s.table_row, : -(-s.seq_len // bs)].long()
-        ctx = cache.index_select(0, blocks).reshape(-1, width)[: s.seq_len].to(q.dtype)  # [L, C + Dr]
-        slot = None if lora is None or lora.skips(kv_b_proj) else lora.token_slots[s.q_offset]
-        kv = kv_b_proj.forward_one_slot(ctx[:, :C], slot).view(s.seq_len, N, nope + v_dim)
-        k_rot = ctx[:, None, C:].expand(s.seq_len, N, width - C)
-        keys = torch.cat((kv[..., :nope], k_rot), dim=-1).transpose(0, 1)  # [N, L, Dn + Dr]
-        vals = kv[..., nope:].transpose(0, 1)  # [N, L, Dv]
+        end = start + s.seq_len
+        mask = positions[None, :s.seq_len] <= positions[s.seq_len - s.q_len:s.seq_len, None]
         qs = q[s.q_offset:s.q_offset + s.q_len].transpose(0, 1)  # [N, n, Dn + Dr]
-        q_pos = torch.arange(s.seq_len - s.q_len, s.seq_len, device=q.device)[:, None]
-        mask = torch.arange(s.seq_len, device=q.device)[None, :] <= q_pos
-        out[s.q_offset:s.q_offset + s.q_len] = attend(qs, keys, vals, mask, scale).transpose(0, 1)
+        o = attend(qs, keys[start:end].transpose(0, 1), kv[start:end, :, nope:].transpose(0, 1), mask, scale)
+        out[s.q_offset:s.q_offset + s.q_len] = o.transpose(0, 1)
+        start = end
     return out
+
+
+def context_rows(meta: AttnMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(flat cache rows [sum L] int64 of every sequence's positions 0 .. seq_len - 1, sequence after sequence;
+    each row's sequence index [sum L]; each sequence's first query row [B]), built on the device from one
+    upload of the sequences' host ints, queued without waiting (`torch.tensor(.., device=)` would wait for the
+    stream: a host sync a layer, 4-5 % of an 8192-token prefill step on the H200)."""
+    dev = meta.block_tables.device
+    info = upload([v for s in meta.seqs for v in (s.table_row, s.seq_len, s.q_offset)], torch.int64, dev).view(-1, 3)
+    lens = info[:, 1]
+    seq = torch.repeat_interleave(torch.arange(len(meta.seqs), device=dev), lens,
+                                  output_size=sum(s.seq_len for s in meta.seqs))
+    pos = torch.arange(seq.shape[0], device=dev) - (torch.cumsum(lens, 0) - lens).index_select(0, seq)
+    blocks = meta.block_tables[info[:, 0].index_select(0, seq), pos // block_size].long()
+    return blocks * block_size + pos % block_size, seq, info[:, 2]
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""MLA prefill's attention core (`layers.mla.attend`, the expanded form's SDPA given as a batch of one so torch
-takes its fused kernels) against the same causal attention in float64 and against the 3-D call it replaced (SDPA's
-math kernel): the mask's bottom-right alignment (a chunk after a cached prefix), heads, and DeepSeek's head
-widths (q / k 192, v 128)."""
+"""MLA prefill, the expanded form's pieces: its attention core (`layers.mla.attend`, SDPA given as a batch of one
+so torch takes its fused kernels) against the same causal attention in float64 and against the 3-D call it
+replaced (SDPA's math kernel): the mask's bottom-right alignment (a chunk after a cached prefix), heads, and
+DeepSeek's head widths (q / k 192, v 128); and kv_b_proj's expansion of every sequence's latents at once, each row
+with its own adapter slot (`LinearSite.forward_rows`), on both backends, against the delta written out per row."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moelora.layers.linear import Linear
 from moelora.layers.mla import attend
-from tests.helpers.kernel_env import rel_err
+from moelora.layers.options import LayerOptions
+from moelora.lora.adapter import LoRAWeights
+from moelora.lora.batch import LoRABatch
+from tests.helpers.kernel_env import CUDA, DEV, INTERP, kernel_test, rel_err
 
 
 def case(N: int, n: int, L: int, dtype: torch.dtype, device: str, seed: int = 0):
@@ -47,3 +52,48 @@ def test_gpu_attend_bf16_within_the_math_kernels_rounding(N, n, L):
     fused = rel_err(attend(q, k, v, mask, 192 ** -0.5), want)
     math = rel_err(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=192 ** -0.5), want)
     assert fused <= 2 * math + 1e-3 and fused < 1e-2, (fused, math)
+
+
+def rows_case(backend: str, device: str, dtype: torch.dtype):
+    """A Linear 40 -> 24 (bias) with slots of rank 8, 3 and 5 (slot 3 empty), 37 rows on slots -1..3 in no order,
+    and the step's batch naming slots 0..2: (layer, x, row slots, batch, the per-row result in float64)."""
+    g = torch.Generator().manual_seed(5)
+    layer = Linear(40, 24, bias=True, max_loras=4, max_rank=8, options=LayerOptions(kernel_backend=backend),
+                   dtype=torch.float32)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(24, 40, generator=g) * 0.2)
+        layer.bias.copy_(torch.randn(24, generator=g))
+    deltas = {}
+    for slot, rank in enumerate((8, 3, 5)):
+        a, b = torch.randn(rank, 40, generator=g) * 0.3, torch.randn(24, rank, generator=g) * 0.3
+        layer.set_lora_slot(slot, LoRAWeights(a, b))
+        deltas[slot] = (a.double(), b.double())
+    x = torch.randn(37, 40, generator=g)
+    slots = torch.randint(-1, 4, (37,), generator=g, dtype=torch.int32)
+    want = x.double() @ layer.weight.double().t() + layer.bias.double()
+    for i, s in enumerate(slots.tolist()):
+        if s in deltas:
+            a, b = deltas[s]
+            want[i] += b @ (a @ x[i].double())
+    layer = layer.to(device=device, dtype=dtype)
+    batch = LoRABatch.build([0, 1, 2, -1], [8, 3, 5, 0], device, rows=backend == "torch")
+    return layer, x.to(device, dtype), slots.to(device), batch, want
+
+
+def test_forward_rows_gives_each_row_its_slots_delta_torch():
+    layer, x, slots, batch, want = rows_case("torch", "cpu", torch.float32)
+    torch.testing.assert_close(layer.forward_rows(x, slots, batch).double(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(layer.forward_rows(x, slots, None), layer(x))  # no batch: no delta
+
+
+@kernel_test
+def test_forward_rows_gives_each_row_its_slots_delta_triton():
+    """Under the interpreter in fp32 (1e-4); on CUDA in bf16 (the kernels' rounding)."""
+    dtype = torch.float32 if INTERP or not CUDA else torch.bfloat16
+    layer, x, slots, batch, want = rows_case("triton", DEV, dtype)
+    with torch.no_grad():
+        got = layer.forward_rows(x, slots, batch)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double().cpu(), want, atol=1e-4, rtol=1e-4)
+    else:
+        assert rel_err(got.cpu(), want) < 1e-2
