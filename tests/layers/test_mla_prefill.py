@@ -97,3 +97,30 @@ def test_forward_rows_gives_each_row_its_slots_delta_triton():
         torch.testing.assert_close(got.double().cpu(), want, atol=1e-4, rtol=1e-4)
     else:
         assert rel_err(got.cpu(), want) < 1e-2
+
+
+def test_context_rows_follow_each_sequences_table_row():
+    """`context_rows`: every position of every sequence, sequence after sequence, through the block table row the
+    sequence names (here not its index: rows stored in reverse), blocks scattered; each row's sequence; each
+    sequence's first query row."""
+    from moelora.layers.attention import AttnMetadata, SeqSlice
+    from moelora.layers.mla import context_rows
+    from tests.helpers.attention_cases import scattered_tables
+
+    bs, g = 4, torch.Generator().manual_seed(3)
+    spec = [(0, 5), (7, 2), (3, 9)]  # (cached, new) a sequence
+    tables, _, pad = scattered_tables([c + n for c, n in spec], bs, 3, g)
+    mb, B = max(len(t) for t in tables), len(spec)
+    seqs, off = [], 0
+    for i, (c, n) in enumerate(spec):
+        seqs.append(SeqSlice(off, n, c + n, B - 1 - i))
+        off += n
+    stored = [t + [pad] * (mb - len(t)) for t in reversed(tables)]  # row B - 1 - i holds sequence i's blocks
+    meta = AttnMetadata(torch.zeros(off, dtype=torch.int64), torch.tensor(stored, dtype=torch.int32),
+                        torch.tensor([s.seq_len for s in seqs], dtype=torch.int32),
+                        torch.tensor([0, 5, 7, 16], dtype=torch.int32), tuple(seqs), 12, 9)
+    rows, seq_of_row, q_offsets = context_rows(meta, bs)
+    want = [tables[i][p // bs] * bs + p % bs for i, s in enumerate(seqs) for p in range(s.seq_len)]
+    assert rows.tolist() == want and rows.dtype == torch.int64
+    assert seq_of_row.tolist() == [i for i, s in enumerate(seqs) for _ in range(s.seq_len)]
+    assert q_offsets.tolist() == [0, 5, 7]
