@@ -22,8 +22,8 @@ usage: python benchmarks/lora_linear.py [OUT.csv] [--ts 1,8,64,256,1024] [--shap
        [--no-side-stream]   (by default the shrink gets a side stream, as the engine's overlap_lora gives it)
        [--fp8 fp8,fp8a8]   (also every variant on the weights in e4m3 with 128 x 128 block scales, `fp8_lora_linear`:
        W8A16 "fp8", W8A8 "fp8a8"; the LoRA its default split / planned delta; bytes count W at 1 byte)
-       [--pdl]   (every Triton launch with programmatic dependent launch, as the engine's default `pdl`: the FP8
-       decode GEMM then prefetches its weight before the wait; cuBLAS launches stay plain)
+       [--pdl]   (every Triton launch with programmatic dependent launch, as the engine's default `pdl`; cuBLAS
+       launches stay plain)
 With "splitk" in --modes, "off" also runs through the split-K GEMM (mode splitk), next to cuBLAS.
 Writes the CSV to the path, else $OUT/lora_linear.csv, else ./lora_linear.csv.
 """

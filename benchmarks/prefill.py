@@ -224,8 +224,7 @@ def main() -> None:
     print(f"# model and engines built in {time.perf_counter() - t0:.0f} s", flush=True)
     log(f"GPU {torch.cuda.get_device_name()}, bf16 matmul peak {peak:.0f} TFLOP/s; {args.model} shape, "
         f"{cfg.num_layers} layers, {quant_name(args.quant)}; chunk (max_num_batched_tokens) {args.chunk}, "
-        f"prefix caching off, "
-        f"{args.repeats} rounds" + (", overlap_lora off" if args.no_overlap_lora else "")
+        f"prefix caching off, {args.repeats} rounds" + (", overlap_lora off" if args.no_overlap_lora else "")
         + (f", fused-MoE table {args.moe_table}" if args.moe_table else "")
         + (f", one-launch routing plan up to {args.plan_max_routes} routes" if args.plan_max_routes else ""))
     timed = {p: n for p, n in runs.items() if p in prompts}

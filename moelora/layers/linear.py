@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -126,12 +127,12 @@ class LinearSite(_FP8Weight, nn.Module):
         through kv_b_proj at read time), with no host sync; `lora`: the step's batch (None or skipping this site:
         no delta). Triton: the dense LoRA kernels on these rows' slots (bounded by the step's ranks); torch (the
         twin): every slot's delta in one matmul a side, the row's own kept by a one-hot mask (columns beyond a
-        slot's rank are zero)."""
+        slot's rank are zero; a one-segment site, as kv_b_proj)."""
         if lora is None or not self.has_lora or lora.skips(self.lora_owner):
             return self.forward(x)
         if self.options.kernel_backend == "triton":
-            args = DenseLoRAArgs(self.lora_a, self.lora_b, slots, self.lora_ranks, None, width=lora.max_rank)
-            return self._project_args(x, args, None)
+            return self._project_args(x, replace(self.lora_args(lora), token_slots=slots, active=None, row_plan=None),
+                                      None)
         S, R, n_in = self.lora_a.shape
         onehot = (slots[:, None] == torch.arange(S, device=slots.device)).to(x.dtype)  # [rows, S]
         xa = (x @ self.lora_a.reshape(S * R, n_in).t().to(x.dtype)).view(-1, S, R) * onehot[:, :, None]
