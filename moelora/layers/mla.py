@@ -281,23 +281,30 @@ def mla_attention_ref(q: torch.Tensor, entries: torch.Tensor, cache: torch.Tenso
                       kv_b_proj: Linear, lora: LoRABatch | None, nope: int, v_dim: int, scale: float) -> torch.Tensor:
     """Causal MLA of the step's queries q [T, N, Dn + Dr] (rope part rotated) over each sequence's
     cached latents. Writes `entries` [T, C + Dr] first; query i of a sequence sits at position
-    seq_len - q_len + i. Every sequence's latents are gathered and expanded through kv_b_proj at once (each
-    row with its sequence's adapter, `LinearSite.forward_rows`), then attended sequence by sequence. Returns a
-    new [T, N, Dv] tensor."""
+    seq_len - q_len + i. Every sequence's latents are expanded through kv_b_proj at once, then attended sequence
+    by sequence. Where no sequence has a cached prefix (a fresh prefill) its latents are the step's own entries,
+    in the step's row order, and the step's LoRA batch is theirs; else they are gathered from the cache, each row
+    with its sequence's adapter (`LinearSite.forward_rows`). Returns a new [T, N, Dv] tensor."""
     write_latent_ref(entries, cache, meta.slot_mapping)
     T, N, _ = q.shape
     width, C = cache.shape[2], kv_b_proj.in_features
-    rows, seq_of_row, q_offsets = context_rows(meta, cache.shape[1])
-    ctx = cache.view(-1, width).index_select(0, rows).to(q.dtype)  # [sum L, C + Dr]
-    slots = None if lora is None else lora.token_slots.index_select(0, q_offsets).index_select(0, seq_of_row)
-    kv = kv_b_proj.forward_rows(ctx[:, :C], slots, lora).view(-1, N, nope + v_dim)
+    if cache.dtype == q.dtype and all(s.seq_len == s.q_len for s in meta.seqs):  # the cache holds entries as is
+        ctx = entries
+        kv = kv_b_proj(ctx[:, :C], lora)
+    else:
+        rows, seq_of_row, q_offsets = context_rows(meta, cache.shape[1])
+        ctx = cache.view(-1, width).index_select(0, rows).to(q.dtype)  # [sum L, C + Dr]
+        slots = None if lora is None else lora.token_slots.index_select(0, q_offsets).index_select(0, seq_of_row)
+        kv = kv_b_proj.forward_rows(ctx[:, :C], slots, lora)
+    kv = kv.view(-1, N, nope + v_dim)
     keys = torch.cat((kv[..., :nope], ctx[:, None, C:].expand(-1, N, width - C)), dim=-1)  # [sum L, N, Dn + Dr]
     positions = torch.arange(meta.max_seq_len, device=q.device)
     out = q.new_empty(T, N, v_dim)
     start = 0
     for s in meta.seqs:
         end = start + s.seq_len
-        mask = positions[None, :s.seq_len] <= positions[s.seq_len - s.q_len:s.seq_len, None]
+        q_pos = positions[s.seq_len - s.q_len:s.seq_len, None]  # a view: the mask is one launch, or none
+        mask = None if s.q_len == s.seq_len else positions[None, :s.seq_len] <= q_pos
         qs = q[s.q_offset:s.q_offset + s.q_len].transpose(0, 1)  # [N, n, Dn + Dr]
         o = attend(qs, keys[start:end].transpose(0, 1), kv[start:end, :, nope:].transpose(0, 1), mask, scale)
         out[s.q_offset:s.q_offset + s.q_len] = o.transpose(0, 1)
@@ -320,9 +327,13 @@ def context_rows(meta: AttnMetadata, block_size: int) -> tuple[torch.Tensor, tor
     return blocks * block_size + pos % block_size, seq, info[:, 2]
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor | None,
+           scale: float) -> torch.Tensor:
     """Attention of one sequence's heads, q [N, n, Dn + Dr] over keys [N, L, Dn + Dr] and vals [N, L, Dv] with
-    mask [n, L] (True: attend) -> [N, n, Dv], given to SDPA as a batch of one: on 3-D inputs torch runs only its
-    math kernel (scores materialized in fp32), on 4-D ones its fused kernels (cuDNN / flash / memory-efficient on
-    CUDA): 1.94 -> 0.14 ms at DeepSeek-V2-Lite's 16 heads and 2048-token prompts on the H200."""
-    return F.scaled_dot_product_attention(q[None], keys[None], vals[None], attn_mask=mask, scale=scale)[0]
+    mask [n, L] (True: attend; None: n == L, causal, SDPA's `is_causal`, whose kernels skip the masked half)
+    -> [N, n, Dv], given to SDPA as a batch of one: on 3-D inputs torch runs only its math kernel (scores
+    materialized in fp32), on 4-D ones its fused kernels (cuDNN / flash / memory-efficient on CUDA): 1.94 -> 0.14
+    ms at DeepSeek-V2-Lite's 16 heads and 2048-token prompts on the H200 with the mask (0.094 causal, probed)."""
+    assert mask is not None or q.shape[1] == keys.shape[1], "is_causal aligns the queries top-left: n must be L"
+    return F.scaled_dot_product_attention(q[None], keys[None], vals[None], attn_mask=mask, is_causal=mask is None,
+                                          scale=scale)[0]

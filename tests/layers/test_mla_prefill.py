@@ -33,12 +33,16 @@ def exact(q, k, v, mask, scale):
     return torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1) @ v.double()
 
 
-@pytest.mark.parametrize("N,n,L", [(2, 5, 5), (3, 4, 11), (2, 1, 9), (1, 17, 40)])
+@pytest.mark.parametrize("N,n,L", [(2, 5, 5), (3, 4, 11), (2, 1, 9), (1, 17, 40), (2, 9, 9)])
 def test_attend_is_causal_attention_bottom_right(N, n, L):
     q, k, v, mask = case(N, n, L, torch.float32, "cpu")
-    got = attend(q, k, v, mask, 192 ** -0.5)
-    assert got.shape == (N, n, 128)
-    torch.testing.assert_close(got.double(), exact(q, k, v, mask, 192 ** -0.5), atol=1e-5, rtol=1e-5)
+    want = exact(q, k, v, mask, 192 ** -0.5)
+    for given in (mask, None) if n == L else (mask,):  # None: is_causal, for a sequence with no cached prefix
+        got = attend(q, k, v, given, 192 ** -0.5)
+        assert got.shape == (N, n, 128)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(AssertionError, match="n must be L"):
+        attend(q[:, :-1] if n == L else q, k, v, None, 1.0)  # is_causal would align n < L queries top-left
 
 
 @pytest.mark.gpu
@@ -49,9 +53,10 @@ def test_gpu_attend_bf16_within_the_math_kernels_rounding(N, n, L):
     (+1e-3), which it replaced; both within bf16's rounding."""
     q, k, v, mask = case(N, n, L, torch.bfloat16, "cuda")
     want = exact(q, k, v, mask, 192 ** -0.5)
-    fused = rel_err(attend(q, k, v, mask, 192 ** -0.5), want)
     math = rel_err(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=192 ** -0.5), want)
-    assert fused <= 2 * math + 1e-3 and fused < 1e-2, (fused, math)
+    for given in (mask, None) if n == L else (mask,):  # None: is_causal
+        fused = rel_err(attend(q, k, v, given, 192 ** -0.5), want)
+        assert fused <= 2 * math + 1e-3 and fused < 1e-2, (given is None, fused, math)
 
 
 def rows_case(backend: str, device: str, dtype: torch.dtype):
