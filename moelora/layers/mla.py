@@ -21,7 +21,8 @@ buffer the caller owns, contract 2) and attends in one of two forms:
   every sequence's latents, expand them through `kv_b_proj` at once, each row with its sequence's adapter
   (`Linear.forward_rows`: LoRA on kv_b_proj changes the K/V derived from the cached latent, so it
   is applied at read time; the latent itself already carries LoRA of kv_a_proj_with_mqa and of every
-  earlier layer, which is why the prefix cache keys blocks by adapter) and attend causally.
+  earlier layer, which is why the prefix cache keys blocks by adapter) and attend causally; on the Triton
+  backend the rotations, the latent norm and the cache store are `kernels.mla_rope`'s one launch, as in decode.
 - absorbed (decode steps, meta.max_query_len == 1; no host loop or sync, CUDA-graph safe): with
   W_kv_b viewed [N, Dn + Dv, C], W_uk = [:, :Dn], W_uv = [:, Dn:], and the token's slot s (A_s [R, C],
   B_s viewed [N, Dn + Dv, R], zero beyond the slot's rank, scaling folded in):
@@ -122,6 +123,15 @@ class MLAttention(nn.Module):
         (cache,) = kv
         if absorbed and self.options.kernel_backend == "triton":
             out = self._decode_triton(q, compressed, cos, sin, cache, meta, lora, w_kv_b)
+            return self.o_proj(out.reshape(T, N * self.v_dim), lora)
+        if not absorbed and self.options.kernel_backend == "triton":  # rotations, latent norm, store: one launch
+            from moelora.kernels.mla_rope import mla_rope_store
+
+            norm = self.kv_a_layernorm
+            q_rope = mla_rope_store(q, compressed, cos, sin, norm.weight, norm.eps, cache, meta.slot_mapping,
+                                    interleave=self.interleave, pdl=self.options.pdl)
+            q = torch.cat((q[..., :self.nope], q_rope), dim=-1)
+            out = mla_attention_ref(q, None, cache, meta, self.kv_b_proj, lora, self.nope, self.v_dim, self.scale)
             return self.o_proj(out.reshape(T, N * self.v_dim), lora)
         q = torch.cat((q[..., :self.nope], self.rotate(q[..., self.nope:], cos, sin)), dim=-1)
         latent = self.kv_a_layernorm(compressed[:, :C])
@@ -277,19 +287,21 @@ def write_latent_ref(entries: torch.Tensor, cache: torch.Tensor, slot_mapping: t
     cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, entries.to(cache.dtype))
 
 
-def mla_attention_ref(q: torch.Tensor, entries: torch.Tensor, cache: torch.Tensor, meta: AttnMetadata,
+def mla_attention_ref(q: torch.Tensor, entries: torch.Tensor | None, cache: torch.Tensor, meta: AttnMetadata,
                       kv_b_proj: Linear, lora: LoRABatch | None, nope: int, v_dim: int, scale: float) -> torch.Tensor:
     """Causal MLA of the step's queries q [T, N, Dn + Dr] (rope part rotated) over each sequence's
-    cached latents. Writes `entries` [T, C + Dr] first; query i of a sequence sits at position
+    cached latents. Writes `entries` [T, C + Dr] first (None: in the cache already, `kernels.mla_rope`'s store,
+    the Triton backend's prefill); query i of a sequence sits at position
     seq_len - q_len + i. Every sequence's latents are expanded through kv_b_proj at once, then attended sequence
     by sequence. Where no sequence has a cached prefix (a fresh prefill) its latents are the step's own entries,
     in the step's row order, and the step's LoRA batch is theirs; else they are gathered from the cache, each row
     with its sequence's adapter (`LinearSite.forward_rows`). Returns a new [T, N, Dv] tensor."""
-    write_latent_ref(entries, cache, meta.slot_mapping)
+    if entries is not None:
+        write_latent_ref(entries, cache, meta.slot_mapping)
     T, N, _ = q.shape
     width, C = cache.shape[2], kv_b_proj.in_features
     if cache.dtype == q.dtype and all(s.seq_len == s.q_len for s in meta.seqs):  # the cache holds entries as is
-        ctx = entries
+        ctx = entries if entries is not None else cache.view(-1, width).index_select(0, meta.slot_mapping)
         kv = kv_b_proj(ctx[:, :C], lora)
     else:
         rows, seq_of_row, q_offsets = context_rows(meta, cache.shape[1])

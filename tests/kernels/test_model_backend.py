@@ -214,7 +214,8 @@ def test_mla_decode_on_triton_equals_torch_backend(monkeypatch):
     """DeepSeek-V3's decode steps in the absorbed form on the Triton kernels (the rope + cache-store launch, the
     absorb GEMM into its [T, N, C] buffer with the kv_b LoRA term, latent attention, the output and its LoRA term;
     awkward MLA widths C 80, Dn 32, Dv 24) against the torch backend's absorbed twins: a mixed batch decoding
-    greedily, the same tokens and logprobs within 1e-4 (the prompt-logits tests run prefill only)."""
+    greedily, the same tokens and logprobs within 1e-4 (the prompt-logits tests run prefill only; prefill takes the
+    rope + cache-store launch too)."""
     import moelora.kernels.mla_rope as mla_rope_module
     from tests.helpers.gpu_engine import DSV3_SIZES, generate
     from tests.helpers.models import build_from_architecture
@@ -233,7 +234,7 @@ def test_mla_decode_on_triton_equals_torch_backend(monkeypatch):
     monkeypatch.setattr(mla_rope_module, "mla_rope_store", lambda *a, **kw: stores.append(1) or real(*a, **kw))
     got = generate(engine(model, adapters, max_loras=2, device=DEV, kernel_backend="triton"), prompts, names, 4)
     layers = hf.config.num_hidden_layers
-    assert len(stores) == 3 * layers, len(stores)  # decode steps 2..4 of the batch, each layer once
+    assert len(stores) == 4 * layers, len(stores)  # the prefill step, decode steps 2..4: each layer once
     for a, b in zip(got, want, strict=True):
         assert a.output_ids == b.output_ids, a.request_id
         assert max(abs(x[0] - y[0]) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-4
