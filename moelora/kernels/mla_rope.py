@@ -3,7 +3,8 @@ through kv_a_layernorm, the rotated single-head key) written at their slots.
 
 Shape legend: T tokens, N heads, Dn / Dr nope / rope widths, C kv_lora_rank, NB x BS cache slots.
   mla_rope_store(q [T, N, Dn + Dr], compressed [T, C + Dr], cos [T, Dr] fp32, sin [T, Dr] fp32, norm_weight [C],
-                 eps, cache [NB, BS, C + Dr], slot_mapping [T], interleave)       -> q_rope [T, N, Dr] (new)
+                 eps, cache [NB, BS, C + Dr], slot_mapping [T], interleave, in_place=False)
+      -> q_rope [T, N, Dr] (new; in_place: q[..., Dn:] itself, rotated where it is, prefill's path)
 What it replaces on the absorbed decode path (`layers.mla`): two rotary calls in torch (`layers.rotary`'s
 `apply_rotary_interleaved` or `apply_rotary`: ~9 launches each in bf16), two concatenations, the latent's RMSNorm
 launch and the attention's store of the entries (`mla_attention`, then called with `stored=True`). Numerics: those
@@ -50,9 +51,10 @@ def _rotate(x_rows, cs_ptr, sn_ptr, d, ok, out_ptr, DR, INTERLEAVE: tl.constexpr
 def _mla_rope_store_kernel(q_ptr, ckv_ptr, cos_ptr, sin_ptr, w_ptr, cache_ptr, slot_ptr, qr_ptr, N, C, DR, NOPE,
                            stride_qt, stride_qh, stride_ct, stride_cos, stride_sin, stride_slot, stride_qrt,
                            stride_qrh, eps, INTERLEAVE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
-                           BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_R: tl.constexpr, IN_PLACE: tl.constexpr, PDL: tl.constexpr):
     """Program (t, 0): token t's cache entry (normed latent, rotated key) at its slot; (t, b > 0): the rope part
-    of heads [(b - 1) BLOCK_H, b BLOCK_H) of its query into qr."""
+    of heads [(b - 1) BLOCK_H, b BLOCK_H) of its query into qr. IN_PLACE (qr is q's rope columns): a barrier
+    between the loads and the store, as a thread's pair partner sits in another thread."""
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
@@ -74,15 +76,19 @@ def _mla_rope_store_kernel(q_ptr, ckv_ptr, cos_ptr, sin_ptr, w_ptr, cache_ptr, s
         ok = (heads < N)[:, None] & (d < DR)[None, :]
         rows = q_ptr + t * stride_qt + heads[:, None].to(tl.int64) * stride_qh + NOPE
         y = _rotate(rows, cs, sn, d[None, :], ok, qr_ptr, DR, INTERLEAVE)
+        if IN_PLACE:
+            tl.debug_barrier()
         out = qr_ptr + t * stride_qrt + heads[:, None].to(tl.int64) * stride_qrh + d[None, :]
         tl.store(out, y.to(qr_ptr.dtype.element_ty), mask=ok)
 
 
 def mla_rope_store(q: torch.Tensor, compressed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    norm_weight: torch.Tensor, eps: float, cache: torch.Tensor, slot_mapping: torch.Tensor, *,
-                   interleave: bool, pdl: bool = False) -> torch.Tensor:
-    """q_rope [T, N, Dr] (new) and the step's cache entries written (module docstring); q and compressed only
-    read; `pdl`: programmatic dependent launch where the GPU has it (`kernels.pdl`)."""
+                   interleave: bool, in_place: bool = False, pdl: bool = False) -> torch.Tensor:
+    """q_rope [T, N, Dr] and the step's cache entries written (module docstring); compressed only read, q too
+    unless `in_place`: then q_rope is q's own rope columns q[..., Dn:], rotated where they are (prefill's q then
+    needs no concatenation); else a new tensor. `pdl`: programmatic dependent launch where the GPU has it
+    (`kernels.pdl`)."""
     need(q.dim() == 3 and q.dtype in FLOAT_DTYPES and q.stride(2) == 1,
          lambda: f"q must be [T, N, Dn + Dr] fp16/bf16/fp32 with unit last stride, got {tuple(q.shape)} {q.dtype}")
     T, N, width = q.shape
@@ -105,7 +111,7 @@ def mla_rope_store(q: torch.Tensor, compressed: torch.Tensor, cos: torch.Tensor,
          lambda: f"slot_mapping must be [T={T}] int32/int64, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}")
     need(all(t.device == q.device for t in (compressed, cos, sin, cache, slot_mapping)),
          f"all inputs must be on {q.device}")
-    q_rope = torch.empty(T, N, DR, dtype=q.dtype, device=q.device)
+    q_rope = q[..., width - DR:] if in_place else torch.empty(T, N, DR, dtype=q.dtype, device=q.device)
     if T == 0:
         return q_rope
     block_r = max(2, next_pow2(DR))
@@ -114,5 +120,5 @@ def mla_rope_store(q: torch.Tensor, compressed: torch.Tensor, cos: torch.Tensor,
         q, compressed, cos, sin, norm_weight, cache, slot_mapping, q_rope, N, C, DR, width - DR, q.stride(0),
         q.stride(1), compressed.stride(0), cos.stride(0), sin.stride(0), cache.stride(1), q_rope.stride(0),
         q_rope.stride(1), float(eps), INTERLEAVE=bool(interleave), BLOCK_H=block_h, BLOCK_C=next_pow2(C),
-        BLOCK_R=block_r, num_warps=4, **pdl_args(pdl, q))
+        BLOCK_R=block_r, IN_PLACE=bool(in_place), num_warps=4, **pdl_args(pdl, q))
     return q_rope

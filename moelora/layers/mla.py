@@ -49,6 +49,7 @@ from torch import nn
 from moelora.errors import ConfigError
 from moelora.kernels.args import FP8Rows
 from moelora.layers.attention import AttnMetadata
+from moelora.layers.derived import Derived
 from moelora.layers.linear import Linear, MergedLinear
 from moelora.layers.norm import RMSNorm
 from moelora.layers.options import DEFAULT_OPTIONS
@@ -128,10 +129,11 @@ class MLAttention(nn.Module):
             from moelora.kernels.mla_rope import mla_rope_store
 
             norm = self.kv_a_layernorm
-            q_rope = mla_rope_store(q, compressed, cos, sin, norm.weight, norm.eps, cache, meta.slot_mapping,
-                                    interleave=self.interleave, pdl=self.options.pdl)
-            q = torch.cat((q[..., :self.nope], q_rope), dim=-1)
-            out = mla_attention_ref(q, None, cache, meta, self.kv_b_proj, lora, self.nope, self.v_dim, self.scale)
+            # q's rope columns rotated in place: q is the projection's own output, read by nothing else
+            mla_rope_store(q, compressed, cos, sin, norm.weight, norm.eps, cache, meta.slot_mapping,
+                           interleave=self.interleave, in_place=True, pdl=self.options.pdl)
+            out = mla_attention_ref(q, None, cache, meta, self.kv_b_proj, lora, self.nope, self.v_dim, self.scale,
+                                    keys_kernel=True)
             return self.o_proj(out.reshape(T, N * self.v_dim), lora)
         q = torch.cat((q[..., :self.nope], self.rotate(q[..., self.nope:], cos, sin)), dim=-1)
         latent = self.kv_a_layernorm(compressed[:, :C])
@@ -217,28 +219,18 @@ class _SlotSelect:
 class DenseKVB:
     """kv_b_proj's weight [N(Dn + Dv), C] as the absorbed products read it: the parameter itself, or an FP8 one
     dequantized once (W8A16 in every mode) and kept, not at every decode step (two dequantizations of N(Dn + Dv)
-    C elements a layer, ~5 torch launches each). The copy is made again when the weight or its scale changes
-    (their storage or version counter: a checkpoint or a test writing them in place); `MLAttention.forward`
-    asks for it on every step, prefill included, so the engine's profiling prefill makes it before the KV
-    pool is sized (its bytes count as the profile's activations)."""
+    C elements a layer, ~5 torch launches each), made again when the weight or its scale changes
+    (`layers.derived`); `MLAttention.forward` asks for it on every step, prefill included (its bytes count as
+    the profile's activations)."""
 
     def __init__(self):
-        self._key, self._dense = None, None
+        self._dense = Derived()
 
     def __call__(self, kv_b_proj: Linear, dtype: torch.dtype) -> torch.Tensor:
         if getattr(kv_b_proj, "quant", None) is None:
             return kv_b_proj.weight
-        w, s = kv_b_proj.weight, kv_b_proj.weight_scale_inv
-        key = (w.data_ptr(), _version(w), s.data_ptr(), _version(s), dtype)
-        if key != self._key:
-            self._dense, self._key = None, None  # the old copy freed before the new one is made
-            self._dense, self._key = kv_b_proj.dense_weight(dtype), key
-        return self._dense
-
-
-def _version(t: torch.Tensor) -> int | None:
-    """t's in-place write counter; None for an inference tensor (made under inference_mode: it keeps none)."""
-    return None if t.is_inference() else t._version
+        return self._dense.get((kv_b_proj.weight, kv_b_proj.weight_scale_inv),
+                               lambda: kv_b_proj.dense_weight(dtype), dtype)
 
 
 def absorb_query(q_nope: torch.Tensor, w_kv_b: torch.Tensor, slots: _SlotSelect | None, *,
@@ -288,14 +280,16 @@ def write_latent_ref(entries: torch.Tensor, cache: torch.Tensor, slot_mapping: t
 
 
 def mla_attention_ref(q: torch.Tensor, entries: torch.Tensor | None, cache: torch.Tensor, meta: AttnMetadata,
-                      kv_b_proj: Linear, lora: LoRABatch | None, nope: int, v_dim: int, scale: float) -> torch.Tensor:
+                      kv_b_proj: Linear, lora: LoRABatch | None, nope: int, v_dim: int, scale: float, *,
+                      keys_kernel: bool = False) -> torch.Tensor:
     """Causal MLA of the step's queries q [T, N, Dn + Dr] (rope part rotated) over each sequence's
     cached latents. Writes `entries` [T, C + Dr] first (None: in the cache already, `kernels.mla_rope`'s store,
     the Triton backend's prefill); query i of a sequence sits at position
     seq_len - q_len + i. Every sequence's latents are expanded through kv_b_proj at once, then attended sequence
     by sequence. Where no sequence has a cached prefix (a fresh prefill) its latents are the step's own entries,
     in the step's row order, and the step's LoRA batch is theirs; else they are gathered from the cache, each row
-    with its sequence's adapter (`LinearSite.forward_rows`). Returns a new [T, N, Dv] tensor."""
+    with its sequence's adapter (`LinearSite.forward_rows`). `keys_kernel`: the keys built by
+    `kernels.mla_keys` (the Triton backend), else by torch.cat, the same bits. Returns a new [T, N, Dv] tensor."""
     if entries is not None:
         write_latent_ref(entries, cache, meta.slot_mapping)
     T, N, _ = q.shape
@@ -309,7 +303,12 @@ def mla_attention_ref(q: torch.Tensor, entries: torch.Tensor | None, cache: torc
         slots = None if lora is None else lora.token_slots.index_select(0, q_offsets).index_select(0, seq_of_row)
         kv = kv_b_proj.forward_rows(ctx[:, :C], slots, lora)
     kv = kv.view(-1, N, nope + v_dim)
-    keys = torch.cat((kv[..., :nope], ctx[:, None, C:].expand(-1, N, width - C)), dim=-1)  # [sum L, N, Dn + Dr]
+    if keys_kernel:
+        from moelora.kernels.mla_keys import mla_prefill_keys
+
+        keys = mla_prefill_keys(kv, ctx[:, C:], nope)
+    else:
+        keys = torch.cat((kv[..., :nope], ctx[:, None, C:].expand(-1, N, width - C)), dim=-1)  # [sum L, N, Dn + Dr]
     positions = torch.arange(meta.max_seq_len, device=q.device)
     out = q.new_empty(T, N, v_dim)
     start = 0

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from moelora.layers.derived import Derived
 from moelora.layers.linear import Linear
 from moelora.lora.batch import LoRABatch
 
@@ -97,12 +98,42 @@ def route(logits: torch.Tensor, spec: RoutingSpec, correction_bias: torch.Tensor
 
 class Router(Linear):
     """The fp32 router of DeepSeek / GLM (`gate.weight` [E, H] and optional `gate.e_score_correction_bias`
-    [E], both fp32 whatever the model dtype; its LoRA slots are fp32 too). x [T, H] -> logits [T, E] fp32."""
+    [E], both fp32 whatever the model dtype; its LoRA slots are fp32 too). x [T, H] -> logits [T, E] fp32.
+    On the Triton backend, bf16 x on a GPU and no LoRA live on the router: `bf16_parts_logits` (the same fp32 dot
+    on the bf16 tensor cores, no fp32 copy of x); else x upcast and an fp32 GEMM."""
 
     def __init__(self, hidden: int, num_experts: int, *, correction_bias: bool, **kw):
         super().__init__(hidden, num_experts, **dict(kw, dtype=torch.float32))
         self.e_score_correction_bias = nn.Parameter(
             torch.zeros(num_experts, dtype=torch.float32)) if correction_bias else None
+        self._parts = Derived()
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        if (x.is_cuda and x.dtype == torch.bfloat16 and self.options.kernel_backend == "triton"
+                and self.bias is None and self.lora_args(lora) is None):
+            return bf16_parts_logits(x, self._parts.get((self.weight,), lambda: bf16_parts(self.weight)))
         return super().forward(x.float(), lora)
+
+
+def bf16_parts(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 weight [E, H] as P bf16 parts [P, E, H] (P <= 3) whose sum is the weight: each part the rounding of
+    what the ones before left (8 of the 24 bits a part, so three hold any fp32 value of bf16's range exactly,
+    subnormal remainders aside). A part left all zero ends the split: a checkpoint's bf16 router (DeepSeek's,
+    GLM's) is one part."""
+    rest, parts = weight.float(), []
+    for _ in range(3):
+        part = rest.to(torch.bfloat16)
+        parts.append(part)
+        rest = rest - part.float()
+        if not rest.any():
+            break
+    return torch.stack(parts)
+
+
+def bf16_parts_logits(x: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
+    """x [T, H] bf16 times the weight that `parts` [P, E, H] splits, in fp32 -> [T, E]: one bf16 GEMM with fp32
+    output (every product exact in fp32, as in an fp32 GEMM of x upcast), then the P partial logits summed. Equal
+    to x.float() @ weight.t() up to the order of the fp32 sums."""
+    P, E, H = parts.shape
+    out = torch.mm(x, parts.view(P * E, H).t(), out_dtype=torch.float32)
+    return out if P == 1 else out.view(-1, P, E).sum(1)

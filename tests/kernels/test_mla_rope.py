@@ -89,3 +89,40 @@ def test_gpu_mla_rope_store_at_deepseek_widths(T, interleave):
     assert torch.equal(cache[..., 512:], want_cache[..., 512:])  # the rotated keys
     latent, want_latent = cache[..., :512].float(), want_cache[..., :512].float()
     assert ((latent - want_latent).abs() <= want_latent.abs() * 2.0 ** -7).all()  # one bf16 rounding apart
+
+
+def _in_place_case(T, N, nope, rope, C, dtype, device, seed, interleave):
+    """(q after an in-place call, the returned view, q_rope of an out-of-place call on a copy, both caches)."""
+    q, compressed, cos, sin, w, cache, slots = case(T, N, nope, rope, C, dtype, device, seed, NB=T // 16 + 2, BS=16)
+    q2, cache2 = q.clone(), cache.clone()
+    want = mla_rope_store(q2, compressed, cos, sin, w, 1e-6, cache2, slots, interleave=interleave)
+    got = mla_rope_store(q, compressed, cos, sin, w, 1e-6, cache, slots, interleave=interleave, in_place=True)
+    return q, q2, got, want, cache, cache2
+
+
+@kernel_test
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "halves"])
+@pytest.mark.parametrize("T,N,nope,rope,C", [(3, 5, 8, 8, 24), (4, 16, 4, 16, 64)])
+def test_mla_rope_store_in_place_rotates_q_rope_columns(interleave, T, N, nope, rope, C):
+    """in_place: the returned q_rope is q[..., Dn:] itself, holding what a separate q_rope would; the nope
+    columns and the cache as out of place."""
+    q, q_before, got, want, cache, cache2 = _in_place_case(T, N, nope, rope, C, torch.float32, DEV, T + N,
+                                                             interleave)
+    assert got.data_ptr() == q[..., nope:].data_ptr() and got.stride() == q.stride()
+    assert torch.equal(q[..., nope:], want)
+    assert torch.equal(q[..., :nope], q_before[..., :nope])
+    assert torch.equal(cache, cache2)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("T,N", [(1, 16), (2048, 16), (1024, 128)], ids=["dsv2_1", "dsv2_2048", "dsv3_1024"])
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "halves"])
+def test_gpu_mla_rope_store_in_place_at_deepseek_widths(T, N, interleave):
+    """In place on the GPU (a pair's partner sits in another thread: the kernel's barrier) equals out of place
+    bit for bit at DeepSeek-V2-Lite's 16 and DeepSeek-V3's 128 heads, bf16, nope 128, rope 64, C 512."""
+    q, q_before, got, want, cache, cache2 = _in_place_case(T, N, 128, 64, 512, torch.bfloat16, "cuda", T,
+                                                             interleave)
+    assert torch.equal(q[..., 128:], want)
+    assert torch.equal(q[..., :128], q_before[..., :128])
+    assert torch.equal(cache, cache2)
