@@ -109,10 +109,15 @@ class Router(Linear):
         self._parts = Derived()
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        if (x.is_cuda and x.dtype == torch.bfloat16 and self.options.kernel_backend == "triton"
+        if (x.is_cuda and x.dtype == torch.bfloat16 and self.options.kernel_backend == "triton" and _MM_OUT_DTYPE
                 and self.bias is None and self.lora_args(lora) is None):
             return bf16_parts_logits(x, self._parts.get((self.weight,), lambda: bf16_parts(self.weight)))
         return super().forward(x.float(), lora)
+
+
+# torch.mm(.., out_dtype=): bf16 operands, an fp32 result (cuBLAS; torch's `aten::mm.dtype`, not in every torch
+# the package accepts): without it the router takes the fp32 GEMM
+_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
 
 
 def bf16_parts(weight: torch.Tensor) -> torch.Tensor:

@@ -44,11 +44,16 @@ def _routers(E, H, weight):
 @gpu_only
 @pytest.mark.parametrize("T", [17, 64, 8192])
 @pytest.mark.parametrize("kind", ["fp32", "bf16"])
-def test_gpu_router_logits_on_bf16_parts_equal_the_fp32_gemm(T, kind):
+def test_gpu_router_logits_on_bf16_parts_equal_the_fp32_gemm(T, kind, monkeypatch):
     """DeepSeek-V2-Lite's router (H 2048, 64 experts), bf16 x: the Triton backend's logits (one bf16 GEMM with
     fp32 output over the parts) within 2^-20 of sum |x w| of the torch backend's fp32 GEMM of x upcast (TF32 off);
     a weight written in place is split again."""
+    import moelora.layers.router as router_module
+
     assert not torch.backends.cuda.matmul.allow_tf32
+    calls = []
+    real = router_module.bf16_parts_logits
+    monkeypatch.setattr(router_module, "bf16_parts_logits", lambda *a: calls.append(1) or real(*a))
     g = torch.Generator().manual_seed(T)
     w = torch.randn(64, 2048, generator=g) * 0.02
     if kind == "bf16":
@@ -65,3 +70,4 @@ def test_gpu_router_logits_on_bf16_parts_equal_the_fp32_gemm(T, kind):
             plain.weight.copy_(w2)
             fast.weight.copy_(w2)
         bound = bound * 1.5
+    assert len(calls) == 2  # the fast path ran (this torch has mm's out_dtype), the torch backend's never
