@@ -309,13 +309,16 @@ def mla_attention_ref(q: torch.Tensor, entries: torch.Tensor | None, cache: torc
         keys = mla_prefill_keys(kv, ctx[:, C:], nope)
     else:
         keys = torch.cat((kv[..., :nope], ctx[:, None, C:].expand(-1, N, width - C)), dim=-1)  # [sum L, N, Dn + Dr]
-    positions = torch.arange(meta.max_seq_len, device=q.device)
+    # positions for the masks of sequences with a prefix (a fresh prefill has none: no launch)
+    positions = None if all(s.q_len == s.seq_len for s in meta.seqs) else torch.arange(meta.max_seq_len,
+                                                                                        device=q.device)
     out = q.new_empty(T, N, v_dim)
     start = 0
     for s in meta.seqs:
         end = start + s.seq_len
-        q_pos = positions[s.seq_len - s.q_len:s.seq_len, None]  # a view: the mask is one launch, or none
-        mask = None if s.q_len == s.seq_len else positions[None, :s.seq_len] <= q_pos
+        # the mask: one launch over views of `positions`, or none (is_causal)
+        mask = None if s.q_len == s.seq_len else (positions[None, :s.seq_len]
+                                                  <= positions[s.seq_len - s.q_len:s.seq_len, None])
         qs = q[s.q_offset:s.q_offset + s.q_len].transpose(0, 1)  # [N, n, Dn + Dr]
         o = attend(qs, keys[start:end].transpose(0, 1), kv[start:end, :, nope:].transpose(0, 1), mask, scale)
         out[s.q_offset:s.q_offset + s.q_len] = o.transpose(0, 1)

@@ -96,6 +96,11 @@ def route(logits: torch.Tensor, spec: RoutingSpec, correction_bias: torch.Tensor
     return grouped_topk(logits, spec, correction_bias)
 
 
+# torch.mm(.., out_dtype=): bf16 operands, an fp32 result (cuBLAS; torch's `aten::mm.dtype`, not in every torch
+# the package accepts): without it the router takes the fp32 GEMM
+_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
+
+
 class Router(Linear):
     """The fp32 router of DeepSeek / GLM (`gate.weight` [E, H] and optional `gate.e_score_correction_bias`
     [E], both fp32 whatever the model dtype; its LoRA slots are fp32 too). x [T, H] -> logits [T, E] fp32.
@@ -113,11 +118,6 @@ class Router(Linear):
                 and self.bias is None and self.lora_args(lora) is None):
             return bf16_parts_logits(x, self._parts.get((self.weight,), lambda: bf16_parts(self.weight)))
         return super().forward(x.float(), lora)
-
-
-# torch.mm(.., out_dtype=): bf16 operands, an fp32 result (cuBLAS; torch's `aten::mm.dtype`, not in every torch
-# the package accepts): without it the router takes the fp32 GEMM
-_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
 
 
 def bf16_parts(weight: torch.Tensor) -> torch.Tensor:
