@@ -95,7 +95,8 @@ class CudaGraphRunner:
                             self.query_start[:B + 1], tuple(SeqSlice(i, 1, 1, i) for i in range(B)),
                             max_seq_len=self.max_model_len, max_query_len=1)
         # inside the capture: every replay groups its own rows
-        lora = plan_step(self.token_slots[:B], None, self.lora_width, self.needs, self.lora_idle) if with_lora else None
+        lora = plan_step(self.token_slots[:B], None, self.lora_width, None, self.needs,
+                         self.lora_idle) if with_lora else None
         hidden = self.model(self.input_ids[:B], self.positions[:B], meta, self.cache.layers, lora)
         return self.model.logits(hidden).float()
 

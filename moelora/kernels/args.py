@@ -37,6 +37,7 @@ class DenseLoRAArgs:
     segments: tuple[int, ...] = ()
     row_plan: MoERoutingPlan | None = None  # the rows grouped by slot (Triton "planned" mode; built if None)
     width: int | None = None  # Triton: a host bound on the rows' slots' ranks (checks.lora_tile_rank); None: R
+    slots: torch.Tensor | None = None  # [n] int32: the rows' slots of rank > 0, ascending (`LoRABatch.slots`)
 
 
 @dataclass(frozen=True)

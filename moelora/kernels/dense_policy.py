@@ -15,7 +15,8 @@ PLANNED_MAX_ROWS = 1024  # the largest row count "planned" is the default for (n
 
 @dataclass(frozen=True)
 class DenseLoRAPolicy:
-    """The H200 picks: "splitk" for few LoRA rows on wide shapes, "planned" for 17..1024 grouped, else "split"."""
+    """The H200 picks: "splitk" for few LoRA rows on wide shapes, "planned" for 17..1024 grouped, "concat" above on
+    shapes at least as wide as deep, else "split"."""
 
     def prefers_splitk(self, num_tokens: int, n_in: int, n_out: int, has_lora: bool) -> bool:
         """LoRA rows, T <= 16 on shapes >= 1024 wide; T <= 64 on o-like ones (N_in >= 2 N_out, N_out >= 128)."""
@@ -34,10 +35,17 @@ class DenseLoRAPolicy:
         """Whether a step of this many rows may take "planned" at some site (the runner then groups them by slot)."""
         return 16 < num_tokens <= PLANNED_MAX_ROWS
 
+    def prefers_concat(self, num_tokens: int, n_in: int, n_out: int, has_lora: bool) -> bool:
+        """LoRA rows above PLANNED_MAX_ROWS (prefill) on shapes at least as wide as deep: concat copies x (N_in) to
+        spare split's two passes over y (N_out)."""
+        return has_lora and num_tokens > PLANNED_MAX_ROWS and n_out >= n_in
+
     def mode(self, num_tokens: int, n_in: int, n_out: int, has_lora: bool, grouped: bool) -> str:
         """The mode of a call of T rows on an [N_out, N_in] weight; `grouped`: `DenseLoRAArgs.row_plan` given."""
         if self.prefers_splitk(num_tokens, n_in, n_out, has_lora):
             return "splitk"
+        if self.prefers_concat(num_tokens, n_in, n_out, has_lora):
+            return "concat"
         if has_lora and grouped and self.prefers_planned(num_tokens, n_in, n_out):
             return "planned"
         return "split"

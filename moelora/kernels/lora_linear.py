@@ -21,11 +21,12 @@ from moelora.kernels.dense_policy import DENSE_LORA_POLICY, PLAN_BLOCK_M, PLANNE
 @dataclass(frozen=True)
 class LoRALinearConfig:
     """`mode` (a `MODES` name) and its tiles: block_m x block_n the expand's output tile, block_k the shrink's depth
-    step, split_k its N_in chunks (0: from the shapes), slot_lanes programs a row block taking one distinct slot
-    each; gemm_*: splitk's base GEMM; plan_cols: planned's columns a program; expand_first: split's expand writes
-    the delta (+ bias) into the output before the GEMM, which adds onto it (cuBLAS beta = 1; one slot lane): the
-    output is written twice and read once, not written, read and written again; pdl: the modes' launches with
-    programmatic dependent launch where the GPU has it (`kernels.pdl`; set from `lora_linear`'s `pdl`)."""
+    step (concat: block_m x block_k its shrink's step, block_n x plan_cols its weight copy's tile), split_k its N_in
+    chunks (0: from the shapes), slot_lanes programs a row block taking one distinct slot each; gemm_*: splitk's base
+    GEMM; plan_cols: planned's columns a program; expand_first: split's expand writes the delta (+ bias) into the
+    output before the GEMM, which adds onto it (cuBLAS beta = 1; one slot lane): the output is written twice and read
+    once, not written, read and written again; pdl: the modes' launches with programmatic dependent launch where the
+    GPU has it (`kernels.pdl`; set from `lora_linear`'s `pdl`)."""
 
     mode: str = "split"
     block_m: int = 16
@@ -67,6 +68,9 @@ def default_lora_linear_config(num_tokens: int, mode: str | None = None, n_in: i
         return LoRALinearConfig("splitk", 16, 64, 128, split_k=8, pdl=pdl)
     if mode == "planned":
         return LoRALinearConfig("planned", PLAN_BLOCK_M, 128, 256, num_stages=4, pdl=pdl)  # 512 columns a program
+    if mode == "concat":  # the H200 sweep's best at T = 8192 (docs/performance.md): 64 x 128 shrink steps, 8 warps,
+        # 4 stages; the weight copied in 32 x 64 tiles
+        return LoRALinearConfig("concat", 64, 32, 128, num_warps=8, num_stages=4, plan_cols=64, pdl=pdl)
     if num_tokens <= 32:
         # 8 shrink splits, not the shapes' 16: half the partials to sum (docs/performance.md, dense tiles)
         return LoRALinearConfig("split", 16, 64, 128, split_k=8, pdl=pdl)
@@ -109,6 +113,8 @@ def check_lora(lora: DenseLoRAArgs, T: int, n_in: int, n_out: int) -> None:
     if tuple(lora.token_slots.shape) != (T,) or lora.token_slots.dtype != torch.int32:
         raise ValueError(f"lora.token_slots must be [T={T}] int32, got {tuple(lora.token_slots.shape)} "
                          f"{lora.token_slots.dtype}")
+    if lora.slots is not None and (lora.slots.dim() != 1 or lora.slots.dtype != torch.int32):
+        raise ValueError(f"lora.slots must be [n] int32, got {tuple(lora.slots.shape)} {lora.slots.dtype}")
     plan = lora.row_plan
     if plan is not None and (plan.num_tokens != T or plan.top_k != 1 or plan.num_experts != max(1, S)):
         raise ValueError(f"lora.row_plan must group T={T} rows over S={S} slots, got one of {plan.num_tokens} rows "

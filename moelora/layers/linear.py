@@ -116,7 +116,7 @@ class LinearSite(_FP8Weight, nn.Module):
         if lora is None or not self.has_lora or lora.skips(self.lora_owner):
             return None
         return DenseLoRAArgs(self.lora_a, self.lora_b, lora.token_slots, self.lora_ranks, lora.active,
-                             row_plan=lora.row_plan, width=lora.max_rank)
+                             row_plan=lora.row_plan, width=lora.max_rank, slots=lora.slots)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None, x_fp8: FP8Rows | None = None) -> torch.Tensor:
         return self._project(x, lora, x_fp8)
@@ -131,7 +131,8 @@ class LinearSite(_FP8Weight, nn.Module):
         if lora is None or not self.has_lora or lora.skips(self.lora_owner):
             return self.forward(x)
         if self.options.kernel_backend == "triton":
-            return self._project_args(x, replace(self.lora_args(lora), token_slots=slots, active=None, row_plan=None),
+            return self._project_args(x, replace(self.lora_args(lora), token_slots=slots, active=None, row_plan=None,
+                                                    slots=None),
                                       None)
         S, R, n_in = self.lora_a.shape
         onehot = (slots[:, None] == torch.arange(S, device=slots.device)).to(x.dtype)  # [rows, S]
@@ -195,7 +196,7 @@ class MergedLinear(_FP8Weight, nn.Module):
         if lora is None or not self.has_lora or lora.skips(self):
             return None
         return DenseLoRAArgs(self.lora_a, self.lora_b, lora.token_slots, self.lora_ranks, lora.active,
-                             self.out_sizes, lora.row_plan, width=lora.max_rank)
+                             self.out_sizes, lora.row_plan, width=lora.max_rank, slots=lora.slots)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None, x_fp8: FP8Rows | None = None) -> torch.Tensor:
         return self._project(x, lora, x_fp8)

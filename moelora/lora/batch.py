@@ -30,6 +30,10 @@ registered adapter has weights (every slot's rank 0 there, so their delta is exa
 whose module is in it skips LoRA altogether (`skips`): no kernel launches, not even ones that would
 exit at once.
 
+`slots` (eager steps): the slots the rows name with an adapter of rank > 0, ascending, on the device (from the
+same copy as `token_slots`), so a kernel can lay out one lane per slot of the step (dense LoRA's "concat"
+mode) knowing their number on the host; None in the graph runner's batches.
+
 `max_rank` (`build`): the largest adapter-level rank among the slots the rows name, a host int, so
 the Triton kernels tile at that width rather than the pool's (`kernels.checks.lora_tile_rank`): a
 batch of rank-8 adapters in a rank-64 pool runs rank-8 tiles, buffers and stacked columns. It is a
@@ -78,6 +82,7 @@ class LoRABatch:
     row_plan: MoERoutingPlan | None = None  # the rows grouped by slot (a routing plan over the model's slots)
     max_rank: int | None = None  # the rows' slots' largest adapter rank (host); None: the pool's width
     side_stream: torch.cuda.Stream | None = None  # the runner's LoRA side stream (None: one stream)
+    slots: torch.Tensor | None = None  # [n] int32: the slots the rows name with rank > 0, ascending (eager steps)
 
     def skips(self, module) -> bool:
         """Whether `module` (the module owning a site's slot buffers) has no LoRA work in this batch."""
@@ -97,17 +102,20 @@ class LoRABatch:
 
 
 def upload_slots(token_slots: Sequence[int], slot_ranks: Sequence[int], device: torch.device | str,
-                 rows: bool = True) -> tuple[torch.Tensor, tuple[SlotRows, ...] | None, int]:
-    """An eager step's slots on the device (one copy), its per-slot rows (`active`; None when not `rows`)
-    and the largest adapter rank among the slots its rows name (0: none)."""
+                 rows: bool = True) -> tuple[torch.Tensor, tuple[SlotRows, ...] | None, int, torch.Tensor]:
+    """An eager step's slots on the device, its per-slot rows (`active`; None when not `rows`), the largest
+    adapter rank among the slots its rows name (0: none), and those slots of rank > 0 ascending on the device
+    (`LoRABatch.slots`; one copy with the token slots)."""
     named = set(token_slots) - {NO_SLOT}
     bad = [s for s in named if not 0 <= s < len(slot_ranks)]
     if bad:
         raise ValueError(f"tokens name slot {bad[0]}, but there are {len(slot_ranks)} slots")
     max_rank = max((int(slot_ranks[s]) for s in named), default=0)
-    token_slots_t = upload(list(token_slots), torch.int32, device)
+    live_slots = sorted(s for s in named if slot_ranks[s] > 0)
+    both = upload(list(token_slots) + live_slots, torch.int32, device)
+    token_slots_t, slots_t = both[:len(token_slots)], both[len(token_slots):]
     if not rows:
-        return token_slots_t, None, max_rank
+        return token_slots_t, None, max_rank, slots_t
     by_slot: dict[int, list[int]] = {}
     for t, s in enumerate(token_slots):
         if s != NO_SLOT:
@@ -117,14 +125,14 @@ def upload_slots(token_slots: Sequence[int], slot_ranks: Sequence[int], device: 
     flat = upload([t for _, r in live for t in r], torch.long, device)
     active = tuple(SlotRows(slot=s, rank=int(slot_ranks[s]), rows=part)
                    for (s, _), part in zip(live, flat.split([len(r) for _, r in live]), strict=True))
-    return token_slots_t, active, max_rank
+    return token_slots_t, active, max_rank, slots_t
 
 
 def plan_step(token_slots: torch.Tensor, active: tuple[SlotRows, ...] | None, max_rank: int | None,
-              needs: LoRANeeds, idle: frozenset = frozenset()) -> LoRABatch:
+              slots: torch.Tensor | None, needs: LoRANeeds, idle: frozenset = frozenset()) -> LoRABatch:
     """A step's `LoRABatch`, the one builder of both runners: the eager runner's from `upload_slots`, the
-    graph runner's inside each captured forward from its static slot buffer (`active` None, `max_rank` its
-    capture width), so every replay regroups its own rows. It carries the `idle` sites, the width
+    graph runner's inside each captured forward from its static slot buffer (`active` and `slots` None,
+    `max_rank` its capture width), so every replay regroups its own rows. It carries the `idle` sites, the width
     (`max_rank`, None unless `needs.width`), the side stream, and the rows grouped by slot when `needs` asks
     for them at this many rows (one launch on the device, never a host sync)."""
     plan = None
@@ -132,4 +140,4 @@ def plan_step(token_slots: torch.Tensor, active: tuple[SlotRows, ...] | None, ma
         from moelora.kernels.dense_lora.planned import row_plan  # the Triton launch: only on that path
 
         plan = row_plan(token_slots, needs.group_slots, PLAN_BLOCK_M, pdl=needs.pdl)
-    return LoRABatch(token_slots, active, idle, plan, max_rank if needs.width else None, needs.side_stream)
+    return LoRABatch(token_slots, active, idle, plan, max_rank if needs.width else None, needs.side_stream, slots)

@@ -122,12 +122,16 @@ def test_lora_b_tiles_are_vector_loads(tmp_path, monkeypatch):
         tp = PLANNED_MAX_ROWS + 1  # prefill's pick (one lane, expand first, 64-row shrink blocks), + bias
         lora_linear(torch.randn(tp, n_in, dtype=torch.bfloat16), w, torch.randn(n_out, dtype=torch.bfloat16),
                     dataclasses.replace(dense, token_slots=torch.arange(tp, dtype=torch.int32) % S))
+        # "concat" with the step's slots (the call above has none: split's fallback)
+        lora_linear(torch.randn(tp, n_in, dtype=torch.bfloat16), w, None,
+                    dataclasses.replace(dense, token_slots=torch.arange(tp, dtype=torch.int32) % 2,
+                                        slots=torch.arange(2, dtype=torch.int32), width=16))
         _mla_lora_launches(16)
     assert comp.failures == []
     names = {key[0] for key in comp.kernels}
     assert {"lora_block_delta_kernel", "lora_route_delta_kernel", "lora_stacked_shrink_kernel", "act_spread_kernel",
             "planned_delta_kernel", "_lora_expand_add_kernel", "_absorb_lora_kernel",
-            "_expand_lora_kernel"} <= names, names
+            "_expand_lora_kernel", "_concat_shrink_kernel", "_concat_weight_kernel"} <= names, names
     down_base = {_element_loads(k) for (name, c), k in comp.kernels.items()
                  if name == "down_kernel" and not dict(c)["HAS_LORA"] and not dict(c)["STACKED"]}
     assert len(down_base) == 1
@@ -139,6 +143,9 @@ def test_lora_b_tiles_are_vector_loads(tmp_path, monkeypatch):
             want = 1  # a 1-head program's q_nope / out row: 128 elements over 128 threads, one each (B: vectors)
         if name == "_lora_expand_add_kernel" and dict(consts)["HAS_BIAS"]:
             want = 1  # expand_first's bias row: BN = 128 elements over 128 threads, one each (B: vectors)
+        if name == "_concat_weight_kernel":
+            want = 16  # a thread's 16 elements of the [32, 64] tile: B's lane columns gathered one by one (its lanes
+            # start at runtime columns); not the weight copy's bound (11.6 vs 7.1 us of bytes at DSV2's q + kv_a)
         assert _element_loads(kernel) == want, f"{name} {dict(consts)}: {_element_loads(kernel)} element loads"
 
 

@@ -16,12 +16,13 @@ triton = pytest.importorskip("triton")
 
 from moelora.kernels.args import DenseLoRAArgs  # noqa: E402
 from moelora.kernels.dense_lora import MODES as DENSE_MODES  # noqa: E402
+from moelora.kernels.dense_lora.concat import split_prefill_config  # noqa: E402
 from moelora.kernels.dense_lora.planned import row_plan  # noqa: E402
 from moelora.kernels.dense_policy import PLANNED_MAX_ROWS, DenseLoRAPolicy  # noqa: E402
 from moelora.kernels.lora_linear import LoRALinearConfig, default_lora_linear_config, lora_linear  # noqa: E402
 from moelora.kernels.reference import lora_linear_ref  # noqa: E402
 from tests.helpers.kernel_env import CUDA, DEV, INTERP, gpu_only, graph_replayed, kernel_test, rel_err  # noqa: E402,F401
-from tests.helpers.linear_cases import TINY, make_case, named_config  # noqa: E402
+from tests.helpers.linear_cases import TINY, call_without_sync, make_case, named_config, rows_off_exact  # noqa: E402
 
 MODES = tuple(DENSE_MODES)
 assert set(TINY) == set(MODES), "every registered dense mode needs its tiny config here"
@@ -50,9 +51,9 @@ def check(case, tol, config=None, ref_dtype=torch.float64, delta_tol=None):
         assert rel_err(got.to(ref_dtype) - base.to(ref_dtype), want - want_base) <= delta_tol
     rows_off = (lora.token_slots < 0) if lora is not None else torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
     if bool(rows_off.any()):
-        if config is not None and config.expand_first and lora is not None:
-            # the GEMM adds onto the written zero (+ bias) rows (beta = 1): another GEMM call than the base's,
-            # so these rows are held to the reference, not to the base's bits
+        if not rows_off_exact(config) and lora is not None:
+            # the GEMM carries the delta (beta = 1 onto written zeros, or concat's longer K): another GEMM call
+            # than the base's, so these rows are held to the reference, not to the base's bits
             assert rel_err(got[rows_off], want[rows_off]) <= tol
         else:  # rows on no adapter get exactly the base GEMM
             assert torch.equal(got[rows_off], base[rows_off])
@@ -133,8 +134,8 @@ def test_expand_first_writes_every_row(dtype, tol, bias):
 
 @kernel_test
 def test_prefill_rows_default_config():
-    """Above "planned"'s rows: the default config (one lane, expand first, 64-row shrink blocks) on prompt runs
-    of one slot, a run on none, and an interleaved ragged tail."""
+    """Above "planned"'s rows: the default config ("concat") on prompt runs of one slot, a run on none, and an
+    interleaved ragged tail."""
     T = PLANNED_MAX_ROWS + 45
     slots = [2] * 300 + [-1] * 200 + [0] * 520 + [0, 1, 2, -1] * 12 + [1]
     case = make_case(T, 40, 72, (16, 5, 9), 16, device=DEV, seed=12, slots=slots)
@@ -164,7 +165,8 @@ def test_splitk_mode_fp16(slot_lanes):
 
 def test_default_mode_by_shape():
     """The default takes "splitk" only where it measured faster: LoRA rows, T <= 16 on wide shapes,
-    T <= 64 on o-like ones (the router's 2048->128 included)."""
+    T <= 64 on o-like ones (the router's 2048->128 included); "concat" for LoRA rows above PLANNED_MAX_ROWS on
+    shapes at least as wide as deep."""
     assert default_lora_linear_config(8, n_in=4096, n_out=2048).mode == "splitk"
     assert default_lora_linear_config(16, n_in=2048, n_out=5120).mode == "splitk"  # merged q/k/v
     assert default_lora_linear_config(1, n_in=4096, n_out=2048).mode == "splitk"
@@ -174,7 +176,9 @@ def test_default_mode_by_shape():
     grouped = dict(row_plan=True)  # the caller grouped the rows by slot (the engine)
     assert default_lora_linear_config(17, n_in=2048, n_out=5120, **grouped).mode == "planned"
     assert default_lora_linear_config(1024, n_in=2048, n_out=5120, **grouped).mode == "planned"
-    assert default_lora_linear_config(1025, n_in=2048, n_out=5120, **grouped).mode == "split"  # not measured
+    assert default_lora_linear_config(1025, n_in=2048, n_out=5120, **grouped).mode == "concat"  # prefill
+    assert default_lora_linear_config(1025, n_in=2048, n_out=5120, has_lora=False).mode == "split"
+    assert default_lora_linear_config(1025, n_in=4096, n_out=2048, **grouped).mode == "split"  # deeper than wide
     assert default_lora_linear_config(256, n_in=2048, n_out=5120, has_lora=False, **grouped).mode == "split"
     assert default_lora_linear_config(128, n_in=4096, n_out=2048, **grouped).mode == "split"  # o: from 129 rows
     assert default_lora_linear_config(129, n_in=4096, n_out=2048, **grouped).mode == "planned"
@@ -192,14 +196,32 @@ def test_default_mode_by_shape():
     assert default_lora_linear_config(8).mode == "split"
 
 
+@kernel_test
+def test_concat_falls_back_to_split_expand_first():
+    """"concat" without the step's slots (`lora.slots` None) or with more lane columns than CONCAT_MAX_COLS (8
+    slots of rank 64 at two segments) runs split's expand_first: the same bits."""
+    cfg = LoRALinearConfig("concat", 16, 16, 16)
+    first = split_prefill_config(40, 24, 40, False)
+    assert (first.mode, first.slot_lanes, first.expand_first) == ("split", 1, True)
+    x, w, b, lora = make_case(40, 24, 40, (16, 3, 9), 16, device=DEV, seed=13, slots=[0, 1, 2, -1] * 10)
+    no_slots = replace(lora, slots=None)
+    assert torch.equal(lora_linear(x, w, b, no_slots, config=cfg), lora_linear(x, w, b, no_slots, config=first))
+    x, w, b, lora = make_case(40, 24, 40, (64,) * 8, 64, device=DEV, seed=14, slots=list(range(8)) * 5)
+    wide = replace(lora, a=torch.cat([lora.a, lora.a], 1), segments=(24, 16),
+                   slot_ranks=torch.stack([lora.slot_ranks, lora.slot_ranks]))
+    assert torch.equal(lora_linear(x, w, b, wide, config=cfg), lora_linear(x, w, b, wide, config=first))
+
+
 def test_default_split_lanes_by_rows():
-    """"split" takes one slot lane above "planned"'s rows (prefill: a prompt's rows share a slot; 8 lanes measured
-    slower there, docs/performance.md), its expand first (measured faster there), and 8 lanes up to them (decode's
-    rows interleave slots)."""
+    """Above "planned"'s rows LoRA takes "concat", and "split" (its fallback) one slot lane (prefill: a prompt's rows
+    share a slot; 8 lanes measured slower there, docs/performance.md) with its expand first (measured faster
+    there); 8 lanes up to them (decode's rows interleave slots)."""
     for n_in, n_out in ((2048, 5120), (4096, 2048)):
-        big = default_lora_linear_config(PLANNED_MAX_ROWS + 1, n_in=n_in, n_out=n_out, row_plan=True)
+        wide = "concat" if n_out >= n_in else "split"  # o-like shapes: split (concat would copy the wider x)
+        assert default_lora_linear_config(PLANNED_MAX_ROWS + 1, n_in=n_in, n_out=n_out, row_plan=True).mode == wide
+        assert default_lora_linear_config(8192, n_in=n_in, n_out=n_out).mode == wide
+        big = default_lora_linear_config(PLANNED_MAX_ROWS + 1, "split", n_in=n_in, n_out=n_out)
         assert (big.mode, big.slot_lanes, big.expand_first) == ("split", 1, True)
-        assert default_lora_linear_config(8192, n_in=n_in, n_out=n_out).expand_first
         small = default_lora_linear_config(PLANNED_MAX_ROWS, n_in=n_in, n_out=n_out)  # rows not grouped: "split"
         assert (small.mode, small.slot_lanes, small.expand_first) == ("split", 8, False)
 
@@ -323,15 +345,20 @@ def test_gpu_mixed_ranks_bf16(T):
 @gpu_only
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("layout", ["prompts", "interleaved"])
-def test_gpu_prefill_rows_expand_first_bf16(bias, layout):
-    """Above "planned"'s rows the default is one lane, expand first: prompts' runs of one slot (and a run on none)
-    or slots interleaved, at q/k/v's width as one segment (segments: test_lora_segments)."""
+@pytest.mark.parametrize("mode,n_in,n_out", [("concat", 2048, 5120), ("concat", 512, 4096), ("concat", 1408, 2048),
+                                             ("split", 2048, 5120)])
+def test_gpu_prefill_rows_bf16(bias, layout, mode, n_in, n_out):
+    """Above "planned"'s rows: "concat" (the default; q/k/v's, DeepSeek's kv_b and shared down's widths) and split's
+    one lane, expand first: prompts' runs of one slot (and a run on none) or 8 slots interleaved, as one segment
+    (segments: test_lora_segments); no host sync."""
     T = 2 * PLANNED_MAX_ROWS + 37
     slots = ([3] * 700 + [-1] * 300 + [0] * 900 + [5] * (T - 1900)) if layout == "prompts" else gpu_slots(T, 8, 70)
-    case = make_case(T, 2048, 5120, (16, 8, 16, 4, 16, 16, 2, 16), 16, dtype=torch.bfloat16, device="cuda",
+    case = make_case(T, n_in, n_out, (16, 8, 16, 4, 16, 16, 2, 16), 16, dtype=torch.bfloat16, device="cuda",
                      seed=71, slots=slots, bias=bias)
-    cfg = default_lora_linear_config(T, n_in=2048, n_out=5120)
-    assert cfg.expand_first
+    cfg = default_lora_linear_config(T, mode, n_in=n_in, n_out=n_out)
+    assert cfg.mode == mode and (mode == "concat" or cfg.expand_first)
+    assert mode != "concat" or default_lora_linear_config(T, n_in=n_in, n_out=n_out) == cfg
+    call_without_sync(case, cfg)
     check(case, 1e-2, cfg, ref_dtype=torch.float32, delta_tol=3e-2)
 
 

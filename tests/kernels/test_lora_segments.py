@@ -20,11 +20,12 @@ pytestmark = pytest.mark.interp  # `make test` runs it with TRITON_INTERPRET=1 (
 triton = pytest.importorskip("triton")
 
 from moelora.kernels.args import DenseLoRAArgs, SlotRows  # noqa: E402
+from moelora.kernels.dense_policy import PLANNED_MAX_ROWS  # noqa: E402
 from moelora.kernels.lora_linear import LoRALinearConfig, default_lora_linear_config, lora_linear  # noqa: E402
 from moelora.kernels.reference import lora_linear_ref  # noqa: E402
 from tests.helpers.kernel_env import DEV, gpu_only, kernel_test, rel_err  # noqa: E402
 from tests.helpers.linear_cases import TINY as LINEAR_TINY  # noqa: E402
-from tests.helpers.linear_cases import named_config  # noqa: E402
+from tests.helpers.linear_cases import call_without_sync, named_config, rows_off_exact, step_slots  # noqa: E402
 
 # fp32 relative tolerance: exact-ish under the interpreter; on CUDA Triton's fp32 dots run in TF32.
 F32_TOL = 1e-5 if DEV == "cpu" else 2e-3
@@ -61,7 +62,8 @@ def make_case(T, n_in, segs, ranks, R, *, slots=None, dtype=torch.float32, devic
     active = tuple(SlotRows(s, top[s], (slots == s).nonzero().squeeze(1).to(device))
                    for s in range(S) if top[s] > 0 and bool((slots == s).any()))
     lora = DenseLoRAArgs(a.to(device), bb.to(device), slots.to(device),
-                         torch.tensor(ranks, dtype=torch.int32, device=device), active, tuple(segs))
+                         torch.tensor(ranks, dtype=torch.int32, device=device), active, tuple(segs),
+                         slots=step_slots(active, device))
     clean = replace(lora, a=lora.a.nan_to_num(0.0), b=lora.b.nan_to_num(0.0))
     return x.to(device), w.to(device), None if b is None else b.to(device), lora, clean
 
@@ -73,7 +75,7 @@ def segment_alone(x, w, b, lora, seg):
     lo = sum(lora.segments[:seg])
     rows = slice(lo, lo + lora.segments[seg])
     args = DenseLoRAArgs(lora.a[:, seg * R:(seg + 1) * R], lora.b[:, rows], lora.token_slots, lora.slot_ranks[seg],
-                         lora.active)
+                         lora.active, slots=lora.slots)
     return rows, w[rows], None if b is None else b[rows], args
 
 
@@ -91,9 +93,9 @@ def check(case, tol, config, ref_dtype=torch.float64, alone_tol=None):
     slots = lora.token_slots.long()
 
     def same_as_base(rows, cols=slice(None)):
-        """rows on no adapter: exactly the base GEMM; expand_first's GEMM adds onto the written zeros (+ bias)
-        (beta = 1, another GEMM call than the base's): within `tol` of the reference"""
-        if config is not None and config.expand_first:
+        """rows on no adapter: exactly the base GEMM; where the GEMM carries the delta (`rows_off_exact`):
+        within `tol` of the reference"""
+        if not rows_off_exact(config):
             return rel_err(got[rows][:, cols], want[rows][:, cols]) <= tol
         return torch.equal(got[rows][:, cols], base[rows][:, cols])
 
@@ -194,6 +196,31 @@ QKV = (4096, 512, 512)
 
 @pytest.mark.gpu
 @gpu_only
+@pytest.mark.parametrize("segs,n_slots", [((3072, 576), 4), (QKV, 2), (QKV, 1), ((1408, 1408), 1)],
+                         ids=["mla_q_kva_4", "qkv_2", "qkv_1", "gate_up_1"])
+def test_gpu_prefill_concat_lanes_bf16(segs, n_slots, monkeypatch):
+    """Prefill rows, prompts' runs of one slot each (and a run on none), through "concat" itself (up to its 128 lane
+    columns: the widest accumulator it launches) at DeepSeek-V2-Lite's q + kv_a and shared gate_up and Qwen3's
+    q/k/v widths, against the reference; no host sync."""
+    import moelora.kernels.dense_lora.concat as concat
+
+    def no_fallback(*a, **k):
+        raise AssertionError("concat fell back to split")
+
+    monkeypatch.setattr(concat.Split, "run", no_fallback)
+    T = 2 * PLANNED_MAX_ROWS + 37
+    run = T // (n_slots + 1)
+    slots = sum(([s] * run for s in range(n_slots)), []) + [-1] * (T - n_slots * run)
+    ranks = [[16, 8, 16, 4][:n_slots] + [0] * (8 - n_slots)] * len(segs)
+    case = make_case(T, 2048, segs, ranks, 16, slots=slots, dtype=torch.bfloat16, device="cuda", seed=n_slots)
+    cfg = default_lora_linear_config(T, n_in=2048, n_out=sum(segs))
+    assert cfg.mode == "concat"
+    call_without_sync(case, cfg)
+    check(case, 1e-2, cfg, ref_dtype=torch.float32, alone_tol=1e-2)
+
+
+@pytest.mark.gpu
+@gpu_only
 @pytest.mark.parametrize("mode", ["split", "splitk", "planned"])
 @pytest.mark.parametrize("T", [1, 64, 256])
 def test_gpu_qkv_bf16(mode, T):
@@ -203,11 +230,7 @@ def test_gpu_qkv_bf16(mode, T):
         slots[torch.randperm(T, generator=torch.Generator().manual_seed(T))[: T // 8]] = -1
     case = make_case(T, 2048, QKV, [[16] * 8] * 3, 16, slots=slots, dtype=torch.bfloat16, device="cuda", seed=T)
     cfg = named_config(T, mode)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        lora_linear(*case[:4], config=cfg)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    call_without_sync(case, cfg)
     check(case, 1e-2, cfg, ref_dtype=torch.float32, alone_tol=1e-2)
 
 

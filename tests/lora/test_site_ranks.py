@@ -131,13 +131,30 @@ def test_batch_width_is_its_slots_largest_rank(hf):
     assert LoRABatch.build([-1, -1], [8, 64, 4], "cpu").max_rank == 0
     assert LoRABatch.build([1, 1], [8, 64, 4], "cpu", width=False).max_rank is None  # lora_width_by_batch off
     batch = LoRABatch.build([1, -1, 1], [0, 5, 0], "cpu")
-    assert plan_step(batch.token_slots, batch.active, batch.max_rank, LoRANeeds(group_slots=SLOTS)).max_rank == 5
+    needs = LoRANeeds(group_slots=SLOTS)
+    assert plan_step(batch.token_slots, batch.active, batch.max_rank, None, needs).max_rank == 5
     model = build(hf, max_loras=SLOTS, max_rank=RANK)
     layer = model.model.layers[0]
     assert layer.self_attn.o_proj.lora_args(batch).width == 5
     assert layer.mlp.experts.lora_args(batch).width == 5
     unknown = LoRABatch(batch.token_slots, batch.active)
     assert unknown.max_rank is None and layer.mlp.experts.lora_args(unknown).width is None
+
+
+def test_batch_slots_are_the_named_slots_with_weights(hf):
+    """`LoRABatch.slots` (dense LoRA's "concat" lanes): the slots the rows name whose adapter has a rank, ascending,
+    from the same copy as the token slots, whether or not the twins' rows are built; every dense site passes them
+    on, and rows given their own slots (`forward_rows`) drop them."""
+    for rows in (True, False):
+        batch = LoRABatch.build([3, -1, 0, 3, 2, 0], [4, 8, 0, 16], "cpu", rows=rows)
+        assert batch.slots.dtype == torch.int32 and batch.slots.tolist() == [0, 3]  # slot 2: rank 0
+        assert batch.token_slots.tolist() == [3, -1, 0, 3, 2, 0]
+    assert LoRABatch.build([-1, -1], [4, 8], "cpu").slots.tolist() == []
+    model = build(hf, max_loras=SLOTS, max_rank=RANK)
+    batch = LoRABatch.build([1, -1, 1], [0, 5, 0], "cpu")
+    attn = model.model.layers[0].self_attn
+    assert attn.o_proj.lora_args(batch).slots is batch.slots
+    assert LoRABatch(batch.token_slots, batch.active).slots is None  # a graph runner's batch: unknown
 
 
 class NeverGrouped(DenseLoRAPolicy):
@@ -151,12 +168,12 @@ def test_plan_step_gives_each_batch_what_the_runner_needs():
     and the dense policy wants it at this many rows."""
     slots = torch.tensor([1, -1, 1] * 7, dtype=torch.int32)
     idle = frozenset({"a site"})
-    batch = plan_step(slots[:3], None, 5, LoRANeeds(rows=False, group_slots=SLOTS), idle)
+    batch = plan_step(slots[:3], None, 5, None, LoRANeeds(rows=False, group_slots=SLOTS), idle)
     assert batch.idle is idle and batch.max_rank == 5 and batch.active is None
     assert batch.row_plan is None and batch.side_stream is None  # 3 rows: the shipped policy groups none
-    assert plan_step(slots, None, 5, LoRANeeds(width=False), idle).max_rank is None
-    assert plan_step(slots, None, 5, LoRANeeds(group_slots=SLOTS, policy=NeverGrouped())).row_plan is None
-    assert plan_step(slots, None, 5, LoRANeeds(group_slots=0)).row_plan is None  # group_lora_rows off
+    assert plan_step(slots, None, 5, None, LoRANeeds(width=False), idle).max_rank is None
+    assert plan_step(slots, None, 5, None, LoRANeeds(group_slots=SLOTS, policy=NeverGrouped())).row_plan is None
+    assert plan_step(slots, None, 5, None, LoRANeeds(group_slots=0)).row_plan is None  # group_lora_rows off
 
 
 def test_engine_steps_carry_their_width_unless_switched_off(hf):

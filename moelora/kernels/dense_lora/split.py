@@ -5,8 +5,8 @@ Shape legend: `base`'s, and P shrink splits over N_in.
   expand: y[t] += (sum_p xa[p, t]) @ B_slot(t)[:, :rank]^T
 Programs (m, ., lane) take the lane-th distinct slot of their rows (the last lane the rest): lanes touch
 disjoint rows, so no atomics, and each program's chain of dependent loads stays short.
-`expand_first` (one lane; the prefill default): shrink, then the expand writes y = delta (+ bias) on every row,
-then cuBLAS adds x W^T onto it (beta = 1), all on the current stream.
+`expand_first` (one lane; prefill's where "concat" does not run): shrink, then the expand writes y = delta (+ bias)
+on every row, then cuBLAS adds x W^T onto it (beta = 1), all on the current stream.
 """
 
 from __future__ import annotations
