@@ -132,8 +132,8 @@ class MLAttention(nn.Module):
             # q's rope columns rotated in place: q is the projection's own output, read by nothing else
             mla_rope_store(q, compressed, cos, sin, norm.weight, norm.eps, cache, meta.slot_mapping,
                            interleave=self.interleave, in_place=True, pdl=self.options.pdl)
-            out = mla_attention_ref(q, None, cache, meta, self.kv_b_proj, lora, self.nope, self.v_dim, self.scale,
-                                    keys_kernel=True)
+            out = mla_attention_expanded(q, None, cache, meta, self.kv_b_proj, lora, self.nope, self.v_dim,
+                                         self.scale, keys_kernel=True)
             return self.o_proj(out.reshape(T, N * self.v_dim), lora)
         q = torch.cat((q[..., :self.nope], self.rotate(q[..., self.nope:], cos, sin)), dim=-1)
         latent = self.kv_a_layernorm(compressed[:, :C])
@@ -143,7 +143,8 @@ class MLAttention(nn.Module):
             out = self._decode_absorbed(q[..., :self.nope], q[..., self.nope:], entries, cache, meta, lora,
                                          w_kv_b)
         else:
-            out = mla_attention_ref(q, entries, cache, meta, self.kv_b_proj, lora, self.nope, self.v_dim, self.scale)
+            out = mla_attention_expanded(q, entries, cache, meta, self.kv_b_proj, lora, self.nope, self.v_dim,
+                                         self.scale)
         return self.o_proj(out.reshape(T, N * self.v_dim), lora)
 
     def _decode_triton(self, q: torch.Tensor, compressed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -279,17 +280,18 @@ def write_latent_ref(entries: torch.Tensor, cache: torch.Tensor, slot_mapping: t
     cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, entries.to(cache.dtype))
 
 
-def mla_attention_ref(q: torch.Tensor, entries: torch.Tensor | None, cache: torch.Tensor, meta: AttnMetadata,
-                      kv_b_proj: Linear, lora: LoRABatch | None, nope: int, v_dim: int, scale: float, *,
-                      keys_kernel: bool = False) -> torch.Tensor:
+def mla_attention_expanded(q: torch.Tensor, entries: torch.Tensor | None, cache: torch.Tensor, meta: AttnMetadata,
+                           kv_b_proj: Linear, lora: LoRABatch | None, nope: int, v_dim: int, scale: float, *,
+                           keys_kernel: bool = False) -> torch.Tensor:
     """Causal MLA of the step's queries q [T, N, Dn + Dr] (rope part rotated) over each sequence's
-    cached latents. Writes `entries` [T, C + Dr] first (None: in the cache already, `kernels.mla_rope`'s store,
-    the Triton backend's prefill); query i of a sequence sits at position
-    seq_len - q_len + i. Every sequence's latents are expanded through kv_b_proj at once, then attended sequence
-    by sequence. Where no sequence has a cached prefix (a fresh prefill) its latents are the step's own entries,
-    in the step's row order, and the step's LoRA batch is theirs; else they are gathered from the cache, each row
-    with its sequence's adapter (`LinearSite.forward_rows`). `keys_kernel`: the keys built by
-    `kernels.mla_keys` (the Triton backend), else by torch.cat, the same bits. Returns a new [T, N, Dv] tensor."""
+    cached latents, in the expanded form (prefill's; decode absorbs kv_b instead), on either backend. Writes
+    `entries` [T, C + Dr] first (None: in the cache already, `kernels.mla_rope`'s store, the Triton backend's
+    prefill); query i of a sequence sits at position seq_len - q_len + i. Every sequence's latents are expanded
+    through kv_b_proj at once, then attended sequence by sequence. Where no sequence has a cached prefix (a fresh
+    prefill) its latents are the step's own entries, in the step's row order, and the step's LoRA batch is theirs;
+    else they are gathered from the cache, each row with its sequence's adapter (`LinearSite.forward_rows`).
+    `keys_kernel`: the keys built by `kernels.mla_keys` (the Triton backend), else by torch.cat, the same bits.
+    Returns a new [T, N, Dv] tensor."""
     if entries is not None:
         write_latent_ref(entries, cache, meta.slot_mapping)
     T, N, _ = q.shape
