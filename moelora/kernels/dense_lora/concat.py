@@ -25,6 +25,13 @@ from moelora.kernels.dense_lora.base import Segments, base_gemm
 from moelora.kernels.dense_lora.split import Split
 from moelora.kernels.pdl import pdl_args, pdl_wait
 
+# The shrink's one [BM, CW] accumulator: at most this many lane columns. At 256 (q/k/v, 4 slots) with 64-row blocks,
+# 64-deep steps and 2-3 stages the lane columns came out wrong on the H200 (Triton 3.6; right with one stage,
+# 32-deep steps or 32-row blocks): never launched until that is understood.
+CONCAT_MAX_COLS = 128
+K_MULTIPLE = 64  # the extended depth rounded up to this (zero columns past C): cuBLAS's tiles and row alignment
+MAX_SEGMENTS = 3
+
 
 def split_prefill_config(T: int, n_in: int, n_out: int, pdl: bool):
     """The config concat's fallback runs: split's own at T rows (one lane, expand first), not concat's tiles."""
@@ -32,13 +39,6 @@ def split_prefill_config(T: int, n_in: int, n_out: int, pdl: bool):
 
     return replace(default_lora_linear_config(T, "split", n_in=n_in, n_out=n_out, pdl=pdl), slot_lanes=1,
                    expand_first=True)
-
-# The shrink's one [BM, CW] accumulator: at most this many lane columns. At 256 (q/k/v, 4 slots) with 64-row blocks,
-# 64-deep steps and 2-3 stages the lane columns came out wrong on the H200 (Triton 3.6; right with one stage,
-# 32-deep steps or 32-row blocks): never launched until that is understood.
-CONCAT_MAX_COLS = 128
-K_MULTIPLE = 64  # the extended depth rounded up to this (zero columns past C): cuBLAS's tiles and row alignment
-MAX_SEGMENTS = 3
 
 
 class Concat:
