@@ -296,7 +296,8 @@ def mla_attention_expanded(q: torch.Tensor, entries: torch.Tensor | None, cache:
         write_latent_ref(entries, cache, meta.slot_mapping)
     T, N, _ = q.shape
     width, C = cache.shape[2], kv_b_proj.in_features
-    if cache.dtype == q.dtype and all(s.seq_len == s.q_len for s in meta.seqs):  # the cache holds entries as is
+    fresh = all(s.seq_len == s.q_len for s in meta.seqs)  # no sequence has a cached prefix
+    if cache.dtype == q.dtype and fresh:  # the cache holds entries as is
         ctx = entries if entries is not None else cache.view(-1, width).index_select(0, meta.slot_mapping)
         kv = kv_b_proj(ctx[:, :C], lora)
     else:
@@ -312,8 +313,7 @@ def mla_attention_expanded(q: torch.Tensor, entries: torch.Tensor | None, cache:
     else:
         keys = torch.cat((kv[..., :nope], ctx[:, None, C:].expand(-1, N, width - C)), dim=-1)  # [sum L, N, Dn + Dr]
     # positions for the masks of sequences with a prefix (a fresh prefill has none: no launch)
-    positions = None if all(s.q_len == s.seq_len for s in meta.seqs) else torch.arange(meta.max_seq_len,
-                                                                                        device=q.device)
+    positions = None if fresh else torch.arange(meta.max_seq_len, device=q.device)
     out = q.new_empty(T, N, v_dim)
     start = 0
     for s in meta.seqs:
