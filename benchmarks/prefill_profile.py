@@ -37,7 +37,7 @@ CATEGORIES = (  # first match wins: exact Triton names (=), prefixes (^), substr
     ("MoE plan / routing / combine", ("^_plan_", "=combine_kernel", "=_softmax_topk_kernel", "topk", "sort")),
     ("MoE LoRA", ("=lora_shrink_kernel", "=lora_route_delta_kernel", "=lora_block_delta_kernel", "=act_delta_kernel",
                   "=act_spread_kernel", "=lora_stacked_shrink_kernel")),
-    ("dense LoRA", ("^_lora_", "=planned_delta_kernel", "^_expand_lora", "^_absorb_lora")),
+    ("dense LoRA", ("^_lora_", "=planned_delta_kernel", "^_expand_lora", "^_absorb_lora", "^_concat_")),
     ("dense splitk GEMM + LoRA", ("^splitk_",)),
     ("dense GEMMs (cuBLAS)", ("nvjet", "gemm", "cutlass", "xmma", "sm90_")),
     ("norms / rotary / silu", ("=_rms_norm_kernel", "=_qk_norm_rope_kernel", "=_silu_mul_kernel")),

@@ -11,12 +11,14 @@ from dataclasses import dataclass
 
 PLAN_BLOCK_M = 16  # rows of one slot per block of the row grouping ("planned" reads it block by block)
 PLANNED_MAX_ROWS = 1024  # the largest row count "planned" is the default for (not measured above)
+# "concat" above this many rows; from PLANNED_MAX_ROWS + 1 on kv_b-like shapes (N_out >= 4 N_in)
+CONCAT_MIN_ROWS = 4096
 
 
 @dataclass(frozen=True)
 class DenseLoRAPolicy:
-    """The H200 picks: "splitk" for few LoRA rows on wide shapes, "planned" for 17..1024 grouped, "concat" above on
-    shapes at least as wide as deep, else "split"."""
+    """The H200 picks: "splitk" for few LoRA rows on wide shapes, "planned" for 17..1024 grouped, "concat" above
+    4096 on shapes at least as wide as deep (above 1024 on those 4x as wide), else "split"."""
 
     def prefers_splitk(self, num_tokens: int, n_in: int, n_out: int, has_lora: bool) -> bool:
         """LoRA rows, T <= 16 on shapes >= 1024 wide; T <= 64 on o-like ones (N_in >= 2 N_out, N_out >= 128)."""
@@ -36,9 +38,12 @@ class DenseLoRAPolicy:
         return 16 < num_tokens <= PLANNED_MAX_ROWS
 
     def prefers_concat(self, num_tokens: int, n_in: int, n_out: int, has_lora: bool) -> bool:
-        """LoRA rows above PLANNED_MAX_ROWS (prefill) on shapes at least as wide as deep: concat copies x (N_in) to
-        spare split's two passes over y (N_out)."""
-        return has_lora and num_tokens > PLANNED_MAX_ROWS and n_out >= n_in
+        """LoRA rows above CONCAT_MIN_ROWS on shapes at least as wide as deep, above PLANNED_MAX_ROWS (prefill) on
+        those at least 4x as wide (DeepSeek's kv_b): concat copies x (T N_in) and W (N_out N_in) to spare split's
+        second pass over y (T N_out); W's copy, fixed per call, outweighs it at fewer rows (docs/performance.md)."""
+        if not (has_lora and num_tokens > PLANNED_MAX_ROWS and n_out >= n_in):
+            return False
+        return num_tokens > CONCAT_MIN_ROWS or n_out >= 4 * n_in
 
     def mode(self, num_tokens: int, n_in: int, n_out: int, has_lora: bool, grouped: bool) -> str:
         """The mode of a call of T rows on an [N_out, N_in] weight; `grouped`: `DenseLoRAArgs.row_plan` given."""

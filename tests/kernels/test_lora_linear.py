@@ -18,7 +18,7 @@ from moelora.kernels.args import DenseLoRAArgs  # noqa: E402
 from moelora.kernels.dense_lora import MODES as DENSE_MODES  # noqa: E402
 from moelora.kernels.dense_lora.concat import split_prefill_config  # noqa: E402
 from moelora.kernels.dense_lora.planned import row_plan  # noqa: E402
-from moelora.kernels.dense_policy import PLANNED_MAX_ROWS, DenseLoRAPolicy  # noqa: E402
+from moelora.kernels.dense_policy import CONCAT_MIN_ROWS, PLANNED_MAX_ROWS, DenseLoRAPolicy  # noqa: E402
 from moelora.kernels.lora_linear import LoRALinearConfig, default_lora_linear_config, lora_linear  # noqa: E402
 from moelora.kernels.reference import lora_linear_ref  # noqa: E402
 from tests.helpers.kernel_env import CUDA, DEV, INTERP, gpu_only, graph_replayed, kernel_test, rel_err  # noqa: E402,F401
@@ -134,12 +134,15 @@ def test_expand_first_writes_every_row(dtype, tol, bias):
 
 @kernel_test
 def test_prefill_rows_default_config():
-    """Above "planned"'s rows: the default config ("concat") on prompt runs of one slot, a run on none, and an
-    interleaved ragged tail."""
+    """Above "planned"'s rows: the default config on prompt runs of one slot, a run on none, and an interleaved
+    ragged tail: "concat" on a shape 4x as wide as deep (kv_b-like), split's expand first on one less wide."""
     T = PLANNED_MAX_ROWS + 45
     slots = [2] * 300 + [-1] * 200 + [0] * 520 + [0, 1, 2, -1] * 12 + [1]
-    case = make_case(T, 40, 72, (16, 5, 9), 16, device=DEV, seed=12, slots=slots)
-    check(case, 1e-4, default_lora_linear_config(T, n_in=40, n_out=72), delta_tol=5e-4)
+    for n_in, mode in ((18, "concat"), (40, "split")):
+        case = make_case(T, n_in, 72, (16, 5, 9), 16, device=DEV, seed=12, slots=slots)
+        cfg = default_lora_linear_config(T, n_in=n_in, n_out=72)
+        assert cfg.mode == mode
+        check(case, 1e-4, cfg, delta_tol=5e-4)
 
 
 def test_expand_first_is_splits_one_lane():
@@ -165,8 +168,8 @@ def test_splitk_mode_fp16(slot_lanes):
 
 def test_default_mode_by_shape():
     """The default takes "splitk" only where it measured faster: LoRA rows, T <= 16 on wide shapes,
-    T <= 64 on o-like ones (the router's 2048->128 included); "concat" for LoRA rows above PLANNED_MAX_ROWS on
-    shapes at least as wide as deep."""
+    T <= 64 on o-like ones (the router's 2048->128 included); "concat" for LoRA rows above CONCAT_MIN_ROWS on
+    shapes at least as wide as deep, above PLANNED_MAX_ROWS on those 4x as wide."""
     assert default_lora_linear_config(8, n_in=4096, n_out=2048).mode == "splitk"
     assert default_lora_linear_config(16, n_in=2048, n_out=5120).mode == "splitk"  # merged q/k/v
     assert default_lora_linear_config(1, n_in=4096, n_out=2048).mode == "splitk"
@@ -176,7 +179,12 @@ def test_default_mode_by_shape():
     grouped = dict(row_plan=True)  # the caller grouped the rows by slot (the engine)
     assert default_lora_linear_config(17, n_in=2048, n_out=5120, **grouped).mode == "planned"
     assert default_lora_linear_config(1024, n_in=2048, n_out=5120, **grouped).mode == "planned"
-    assert default_lora_linear_config(1025, n_in=2048, n_out=5120, **grouped).mode == "concat"  # prefill
+    assert default_lora_linear_config(1025, n_in=2048, n_out=5120, **grouped).mode == "split"  # prefill, fewer rows
+    assert default_lora_linear_config(CONCAT_MIN_ROWS, n_in=2048, n_out=5120).mode == "split"
+    assert default_lora_linear_config(CONCAT_MIN_ROWS + 1, n_in=2048, n_out=5120).mode == "concat"
+    assert default_lora_linear_config(CONCAT_MIN_ROWS + 1, n_in=2048, n_out=2048).mode == "concat"  # as wide
+    assert default_lora_linear_config(1025, n_in=512, n_out=4096).mode == "concat"  # kv_b: 4x as wide
+    assert default_lora_linear_config(1025, n_in=1024, n_out=4095).mode == "split"
     assert default_lora_linear_config(1025, n_in=2048, n_out=5120, has_lora=False).mode == "split"
     assert default_lora_linear_config(1025, n_in=4096, n_out=2048, **grouped).mode == "split"  # deeper than wide
     assert default_lora_linear_config(256, n_in=2048, n_out=5120, has_lora=False, **grouped).mode == "split"
@@ -218,7 +226,7 @@ def test_default_split_lanes_by_rows():
     there); 8 lanes up to them (decode's rows interleave slots)."""
     for n_in, n_out in ((2048, 5120), (4096, 2048)):
         wide = "concat" if n_out >= n_in else "split"  # o-like shapes: split (concat would copy the wider x)
-        assert default_lora_linear_config(PLANNED_MAX_ROWS + 1, n_in=n_in, n_out=n_out, row_plan=True).mode == wide
+        assert default_lora_linear_config(PLANNED_MAX_ROWS + 1, n_in=n_in, n_out=n_out, row_plan=True).mode == "split"
         assert default_lora_linear_config(8192, n_in=n_in, n_out=n_out).mode == wide
         big = default_lora_linear_config(PLANNED_MAX_ROWS + 1, "split", n_in=n_in, n_out=n_out)
         assert (big.mode, big.slot_lanes, big.expand_first) == ("split", 1, True)
@@ -351,7 +359,7 @@ def test_gpu_prefill_rows_bf16(bias, layout, mode, n_in, n_out):
     """Above "planned"'s rows: "concat" (the default; q/k/v's, DeepSeek's kv_b and shared down's widths) and split's
     one lane, expand first: prompts' runs of one slot (and a run on none) or 8 slots interleaved, as one segment
     (segments: test_lora_segments); no host sync."""
-    T = 2 * PLANNED_MAX_ROWS + 37
+    T = CONCAT_MIN_ROWS + 37
     slots = ([3] * 700 + [-1] * 300 + [0] * 900 + [5] * (T - 1900)) if layout == "prompts" else gpu_slots(T, 8, 70)
     case = make_case(T, n_in, n_out, (16, 8, 16, 4, 16, 16, 2, 16), 16, dtype=torch.bfloat16, device="cuda",
                      seed=71, slots=slots, bias=bias)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.interp  # `make test` runs it with TRITON_INTERPRET=1 (
 triton = pytest.importorskip("triton")
 
 from moelora.kernels.args import DenseLoRAArgs, SlotRows  # noqa: E402
-from moelora.kernels.dense_policy import PLANNED_MAX_ROWS  # noqa: E402
+from moelora.kernels.dense_policy import CONCAT_MIN_ROWS  # noqa: E402
 from moelora.kernels.lora_linear import LoRALinearConfig, default_lora_linear_config, lora_linear  # noqa: E402
 from moelora.kernels.reference import lora_linear_ref  # noqa: E402
 from tests.helpers.kernel_env import DEV, gpu_only, kernel_test, rel_err  # noqa: E402
@@ -208,7 +208,7 @@ def test_gpu_prefill_concat_lanes_bf16(segs, n_slots, monkeypatch):
         raise AssertionError("concat fell back to split")
 
     monkeypatch.setattr(concat.Split, "run", no_fallback)
-    T = 2 * PLANNED_MAX_ROWS + 37
+    T = CONCAT_MIN_ROWS + 37
     run = T // (n_slots + 1)
     slots = sum(([s] * run for s in range(n_slots)), []) + [-1] * (T - n_slots * run)
     ranks = [[16, 8, 16, 4][:n_slots] + [0] * (8 - n_slots)] * len(segs)
