@@ -22,15 +22,13 @@ cuBLAS's own order differs by batch size).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.checks import cdiv, check_rows, check_vector, need, next_pow2
+from moelora.kernels.checks import cdiv, check_rows, need, next_pow2
 from moelora.kernels.pdl import pdl_args, pdl_wait
-from moelora.kernels.softmax_topk import softmax_topk_rows
+from moelora.kernels.softmax_topk import NoAux, check_noaux, noaux_args, noaux_rows, softmax_topk_rows
 
 MAX_ROWS = 16  # decode steps; more rows take the GEMM + `softmax_topk`
 MAX_EXPERTS = 256
@@ -38,11 +36,6 @@ MAX_FP32_EXPERTS = 256  # an fp32 router's [BLOCK_H, E] weight tile: 64 KB a sta
 BLOCK_H = 128
 
 
-class NoAux(NamedTuple):
-    """DeepSeek-V3 / GLM-4-MoE's "noaux_tc" selection: the correction bias (fp32 [E], or None) and the groups."""
-    bias: torch.Tensor | None
-    n_group: int
-    topk_group: int
 STEPS_PER_SPLIT = 2  # H steps a program (the H200 at Qwen3's shape: 8 programs of 2 x 32 KB)
 
 
@@ -94,58 +87,13 @@ def _router_topk_kernel(x_ptr, w_ptr, part_ptr, sem_ptr, wts_ptr, ids_ptr, bias_
 
 
 @triton.jit
-def _noaux_rows(logits, bias_ptr, tile_ok, cols, col_ok, K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr):
-    """logits [BLOCK_T, BLOCK_E] fp32 -> (weights, ids) [BLOCK_T, BLOCK_K] of "noaux_tc" (module docstring); with
-    N_GROUP > 1 the groups are GROUP_SIZE = E // N_GROUP contiguous columns (a power of two, checked by the
-    launcher), the tile's columns past E whole groups of -inf, never kept before a real one."""
-    scores = 1.0 / (1.0 + tl.exp(-logits))
-    choice = scores
-    if HAS_BIAS:
-        choice = scores + tl.load(bias_ptr + cols, mask=col_ok, other=0.0)[None, :]
-    choice = tl.where(tile_ok, choice, float("-inf"))
-    if N_GROUP > 1:
-        GS: tl.constexpr = GROUP_SIZE
-        NG: tl.constexpr = BLOCK_E // GROUP_SIZE  # N_GROUP real groups, then padding
-        c3 = tl.reshape(choice, (BLOCK_T, NG, GS))
-        member = tl.arange(0, GS)[None, None, :]
-        top1 = tl.max(c3, axis=2)
-        first = tl.min(tl.where(c3 == top1[:, :, None], member, GS), axis=2)  # one copy of the best out ...
-        top2 = tl.max(tl.where(member == first[:, :, None], float("-inf"), c3), axis=2)  # ... the second best
-        group_score = top1 + top2
-        g = tl.arange(0, NG)[None, :]
-        keep = tl.zeros((BLOCK_T, NG), tl.int32)
-        for _ in tl.static_range(TOPK_GROUP):
-            best = tl.max(group_score, axis=1)
-            pick = tl.min(tl.where(group_score == best[:, None], g, NG), axis=1)
-            keep = tl.where(g == pick[:, None], 1, keep)
-            group_score = tl.where(g == pick[:, None], float("-inf"), group_score)
-        kept = tl.reshape(tl.broadcast_to(keep[:, :, None], (BLOCK_T, NG, GS)), (BLOCK_T, BLOCK_E))
-        choice = tl.where(kept != 0, choice, float("-inf"))
-    ks = tl.arange(0, BLOCK_K)
-    weights = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
-    ids = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
-    for i in tl.static_range(K):
-        best = tl.max(choice, axis=1)
-        pick = tl.min(tl.where(choice == best[:, None], cols[None, :], BLOCK_E), axis=1)  # lowest id on ties
-        chosen = cols[None, :] == pick[:, None]
-        weights = tl.where(ks[None, :] == i, tl.sum(tl.where(chosen, scores, 0.0), axis=1)[:, None], weights)
-        ids = tl.where(ks[None, :] == i, pick[:, None], ids)
-        choice = tl.where(chosen, float("-inf"), choice)
-    if RENORMALIZE:
-        weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20)
-    return weights, ids
-
-
-@triton.jit
 def _topk_out(acc, w_ptr, wts_ptr, ids_ptr, bias_ptr, rows, cols, row_ok, col_ok, tile_ok, stride_wts, stride_ids,
               scaling, K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
               BLOCK_K: tl.constexpr, NOAUX: tl.constexpr, HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr,
               GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr):
     logits = tl.where(tile_ok, acc.to(w_ptr.dtype.element_ty).to(tl.float32), float("-inf"))  # the GEMM's dtype
     if NOAUX:
-        weights, ids = _noaux_rows(logits, bias_ptr, tile_ok, cols, col_ok, K, RENORMALIZE, BLOCK_T, BLOCK_E,
+        weights, ids = noaux_rows(logits, bias_ptr, tile_ok, cols, col_ok, K, RENORMALIZE, BLOCK_T, BLOCK_E,
                                    BLOCK_K, HAS_BIAS, N_GROUP, GROUP_SIZE, TOPK_GROUP)
     else:
         weights, ids = softmax_topk_rows(logits, row_ok, tile_ok, cols, K, RENORMALIZE, BLOCK_E, BLOCK_K)
@@ -166,13 +114,6 @@ def router_topk_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.stride(1) == 1 and x.stride(1) == 1)
 
 
-def noaux_fits(num_experts: int, n_group: int) -> bool:
-    """Whether the kernel's "noaux_tc" takes these groups: one group, or equal groups of a power-of-two size
-    (>= 2: a group's score is its two best)."""
-    size = num_experts // n_group
-    return n_group == 1 or (num_experts % n_group == 0 and size >= 2 and next_pow2(size) == size)
-
-
 def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, *, scaling: float = 1.0,
                 noaux: NoAux | None = None, splits: int | None = None, counter: torch.Tensor | None = None,
                 pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,17 +128,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: 
     T, H = x.shape
     E = weight.shape[0]
     need(0 < top_k <= E, f"top_k must be in [1, E={E}], got {top_k}")
-    bias = None
-    if noaux is not None:
-        bias = noaux.bias
-        need(noaux_fits(E, noaux.n_group), lambda: f"noaux_tc groups must be one, or equal groups of a power-of-two "
-             f"size >= 2: E={E}, n_group={noaux.n_group}")
-        need(1 <= noaux.topk_group <= noaux.n_group and top_k <= noaux.topk_group * E // noaux.n_group,
-             lambda: f"noaux_tc needs 1 <= topk_group <= n_group and top_k <= the kept groups' experts, got "
-             f"topk_group={noaux.topk_group}, n_group={noaux.n_group}, top_k={top_k}, E={E}")
-        if bias is not None:
-            check_vector("noaux.bias", bias, E, x.device)
-            need(bias.dtype == torch.float32, lambda: f"noaux.bias must be fp32, got {bias.dtype}")
+    bias = check_noaux(noaux, E, top_k, x.device)
     weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
     if T == 0:
@@ -222,8 +153,6 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: 
         x, weight, part, sem, weights, ids, weights if bias is None else bias, T, E, H, chunk, float(scaling),
         x.stride(0), weight.stride(0), weights.stride(0), ids.stride(0), K=top_k, RENORMALIZE=bool(renormalize),
         SPLITS=splits, BLOCK_T=MAX_ROWS, BLOCK_E=block_e, BLOCK_H_=block_h, BLOCK_K=next_pow2(top_k),
-        NOAUX=noaux is not None, HAS_BIAS=bias is not None, N_GROUP=noaux.n_group if noaux else 1,
-        GROUP_SIZE=E // noaux.n_group if noaux else 1, TOPK_GROUP=noaux.topk_group if noaux else 1,
-        num_warps=8 if weight.dtype == torch.float32 else 4,
+        **noaux_args(noaux, E), num_warps=8 if weight.dtype == torch.float32 else 4,
         num_stages=2, **pdl_args(pdl, x))
     return weights, ids

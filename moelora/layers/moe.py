@@ -189,7 +189,8 @@ class SparseMoE(nn.Module):
         if (self.options.kernel_backend != "triton" or self.routing.method not in ONE_LAUNCH_METHODS
                 or self.gate.bias is not None):
             return False
-        from moelora.kernels.router_topk import noaux_fits, router_topk_fits
+        from moelora.kernels.router_topk import router_topk_fits
+        from moelora.kernels.softmax_topk import noaux_fits
 
         if self.routing.method == "noaux_tc" and not noaux_fits(self.gate.weight.shape[0], self.routing.n_group):
             return False

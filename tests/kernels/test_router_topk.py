@@ -191,6 +191,50 @@ def test_router_topk_noaux_equals_twin(T, H, E, K, n_group, topk_group, renorm, 
 
 
 @kernel_test
+@pytest.mark.parametrize("T,E,K,n_group,topk_group,renorm,scaling,has_bias", [
+    (37, 64, 6, 8, 3, True, 2.5, True), (5, 32, 4, 1, 1, True, 1.0, True), (20, 256, 8, 8, 4, True, 2.5, True),
+    (9, 12, 3, 3, 2, True, 1.0, False)])
+def test_softmax_topk_noaux_on_logits_equals_twin(T, E, K, n_group, topk_group, renorm, scaling, has_bias):
+    """Prefill's "noaux_tc" (the kernel on logits the router GEMM wrote, more rows than `router_topk` takes, in
+    tiles of several rows): `grouped_topk`'s experts in its order, its weights to fp32 rounding."""
+    from moelora.kernels.softmax_topk import softmax_topk
+    from moelora.layers.router import RoutingSpec, grouped_topk
+
+    x, w, bias = separated_inputs(T, E, E, torch.float16, DEV, T + E, n_group, topk_group, K)
+    bias = bias if has_bias else None
+    logits = x.float() @ w.t()
+    got_w, got_ids = softmax_topk(logits, K, renorm, scaling=scaling, noaux=NoAux(bias, n_group, topk_group))
+    spec = RoutingSpec("noaux_tc", K, renorm, n_group, topk_group, scaling)
+    want_w, want_ids = grouped_topk(logits.cpu(), spec, None if bias is None else bias.cpu())
+    assert got_ids.dtype == torch.int32 and torch.equal(got_ids.cpu().long(), want_ids)
+    torch.testing.assert_close(got_w.cpu(), want_w, rtol=2e-6, atol=1e-7)
+
+
+@kernel_test
+@pytest.mark.parametrize("method", ["softmax", "greedy", "noaux_tc", "noaux_tc_odd_groups", "group_limited_greedy"])
+def test_route_takes_the_kernel_where_it_fits(method):
+    """`route` on the Triton backend: softmax, DeepSeek-V2's greedy (scaled, never renormalised) and noaux_tc in
+    groups the kernel takes run `softmax_topk` (int32 ids), the others torch (int64); either way the torch
+    backend's experts, and its weights to fp32 rounding (distinct logits: no ties)."""
+    from moelora.layers.router import RoutingSpec, route
+
+    T, E, K = 40, 24, 4
+    spec = {"softmax": RoutingSpec("softmax", K, True), "greedy": RoutingSpec("greedy", K, True, scaling=2.5),
+            "noaux_tc": RoutingSpec("noaux_tc", K, True, 3, 2, 2.5),  # 3 groups of 8
+            "noaux_tc_odd_groups": RoutingSpec("noaux_tc", K, True, 4, 2, 2.5),  # groups of 6: torch
+            "group_limited_greedy": RoutingSpec("group_limited_greedy", K, False, 4, 2, 1.5)}[method]
+    g = torch.Generator().manual_seed(7)
+    logits = (torch.randperm(T * E, generator=g).view(T, E).float() / (T * E) * 8 - 4).to(DEV)
+    bias = (torch.randint(-64, 64, (E,), generator=g).float() / 256).to(DEV)
+    got_w, got_ids = route(logits, spec, bias, "triton")
+    want_w, want_ids = route(logits.cpu(), spec, bias.cpu(), "torch")
+    kernel = method in ("softmax", "greedy", "noaux_tc")
+    assert got_ids.dtype == (torch.int32 if kernel else torch.int64)
+    assert torch.equal(got_ids.cpu().long(), want_ids.long())
+    torch.testing.assert_close(got_w.cpu(), want_w, rtol=2e-6, atol=1e-7)
+
+
+@kernel_test
 def test_router_topk_refusals():
     x, w = inputs(3, 64, 8, torch.float16, DEV, seed=0)
     assert router_topk_fits(x, w) and not router_topk_fits(x.float(), w.float())
@@ -260,6 +304,34 @@ def test_gpu_router_topk_noaux(T, H, E, K, n_group, topk_group, scaling):
     spec = RoutingSpec("noaux_tc", K, True, n_group, topk_group, scaling)
     want_w, want_ids = grouped_topk((x.double() @ w.double().t()).float(), spec, bias)
     assert torch.equal(got_ids.long(), want_ids)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("method", ["greedy", "noaux_tc"], ids=["deepseek_v2_lite", "deepseek_v3"])
+def test_gpu_route_prefill_rows(method):
+    """A prefill step's routing (4096 rows) on the Triton backend: DeepSeek-V2-Lite's greedy (64 experts, top 6)
+    and DeepSeek-V3's noaux_tc (256 experts, 8 groups, top 4 groups, top 8) equal the torch twin's experts, and its
+    weights to fp32 rounding; no host sync."""
+    from moelora.layers.router import RoutingSpec, route
+
+    T = 4096
+    if method == "greedy":
+        spec, E, bias = RoutingSpec("greedy", 6, False, scaling=1.0), 64, None
+        g = torch.Generator().manual_seed(3)
+        logits = (torch.stack([torch.randperm(E, generator=g) for _ in range(T)]).float() / 8 - 4).cuda()
+    else:
+        spec, E = RoutingSpec("noaux_tc", 8, True, 8, 4, 2.5), 256
+        x, w, bias = separated_inputs(64, E, E, torch.bfloat16, "cuda", 5, 8, 4, 8)  # 64 rows clear of ties ...
+        logits = (x.double() @ w.double().t()).float().repeat(T // 64, 1)  # ... in every tile of the 4096
+    torch.cuda.set_sync_debug_mode("error")  # contract 5
+    try:
+        got_w, got_ids = route(logits, spec, bias, "triton")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want_w, want_ids = route(logits, spec, bias, "torch")
+    assert got_ids.dtype == torch.int32 and torch.equal(got_ids.long(), want_ids)
     torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
 
 
