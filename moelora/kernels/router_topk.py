@@ -94,7 +94,7 @@ def _topk_out(acc, w_ptr, wts_ptr, ids_ptr, bias_ptr, rows, cols, row_ok, col_ok
     logits = tl.where(tile_ok, acc.to(w_ptr.dtype.element_ty).to(tl.float32), float("-inf"))  # the GEMM's dtype
     if NOAUX:
         weights, ids = noaux_rows(logits, bias_ptr, tile_ok, cols, col_ok, K, RENORMALIZE, BLOCK_T, BLOCK_E,
-                                   BLOCK_K, HAS_BIAS, N_GROUP, GROUP_SIZE, TOPK_GROUP)
+                                  BLOCK_K, HAS_BIAS, N_GROUP, GROUP_SIZE, TOPK_GROUP)
     else:
         weights, ids = softmax_topk_rows(logits, row_ok, tile_ok, cols, K, RENORMALIZE, BLOCK_E, BLOCK_K)
     weights = weights * scaling  # routed_scaling_factor (1.0: exact)
