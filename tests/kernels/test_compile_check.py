@@ -122,10 +122,11 @@ def test_lora_b_tiles_are_vector_loads(tmp_path, monkeypatch):
         tp = PLANNED_MAX_ROWS + 1  # prefill's pick (one lane, expand first, 64-row shrink blocks), + bias
         lora_linear(torch.randn(tp, n_in, dtype=torch.bfloat16), w, torch.randn(n_out, dtype=torch.bfloat16),
                     dataclasses.replace(dense, token_slots=torch.arange(tp, dtype=torch.int32) % S))
-        # "concat" with the step's slots (the call above has none: split's fallback)
+        # "concat" with the step's slots (named: at these rows and widths the policy takes split)
         lora_linear(torch.randn(tp, n_in, dtype=torch.bfloat16), w, None,
                     dataclasses.replace(dense, token_slots=torch.arange(tp, dtype=torch.int32) % 2,
-                                        slots=torch.arange(2, dtype=torch.int32), width=16))
+                                        slots=torch.arange(2, dtype=torch.int32), width=16),
+                    config=default_lora_linear_config(tp, "concat", n_in=n_in, n_out=n_out))
         _mla_lora_launches(16)
     assert comp.failures == []
     names = {key[0] for key in comp.kernels}
