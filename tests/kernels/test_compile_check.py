@@ -226,6 +226,24 @@ def test_fp32_routers_compile_to_tensor_core_dots(tmp_path, monkeypatch):
         assert " local 0" in res, f"{key}: {res}"
 
 
+def test_topk_on_logits_compiles_for_sm90(tmp_path, monkeypatch):
+    """The routers' top k on logits (prefill rows; decode past `router_topk`'s 256 experts) compiles for the H200
+    with no local memory: softmax (Qwen3), DeepSeek-V2-Lite's greedy (scaled), DeepSeek-V3's noaux_tc (256 experts in
+    8 groups, 4 kept), GLM-4.5's (160 experts, one group) and a Kimi-K2-like router (384 experts, one group)."""
+    from moelora.kernels.softmax_topk import NoAux, softmax_topk
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    with Compiler(resources=True) as comp:
+        softmax_topk(torch.randn(64, 128), 8, True)
+        softmax_topk(torch.randn(64, 64), 6, False, scaling=16.0)
+        softmax_topk(torch.randn(64, 256), 8, True, scaling=2.5, noaux=NoAux(torch.zeros(256), 8, 4))
+        softmax_topk(torch.randn(64, 160), 8, True, scaling=2.5, noaux=NoAux(torch.zeros(160), 1, 1))
+        softmax_topk(torch.randn(64, 384), 8, True, scaling=2.827, noaux=NoAux(torch.zeros(384), 1, 1))
+    assert comp.failures == [] and len(comp.seen) == 5
+    for key, res in comp.seen.items():
+        assert " local 0" in res, f"{key}: {res}"
+
+
 def test_norm_fp8_launches_compile_for_sm90(tmp_path, monkeypatch):
     """The decoder's RMSNorm writing W8A8 rows (`norm_fp8`), with and without the residual add, at the Qwen3 and
     Qwen2-57B hidden sizes (one partial power-of-two block), compiles for the H200."""
