@@ -28,7 +28,7 @@ from moelora.layers.linear import Linear
 from moelora.layers.mlp import DenseMLP
 from moelora.layers.norm import settle
 from moelora.layers.options import DEFAULT_OPTIONS, LayerOptions
-from moelora.layers.router import Router, RoutingSpec, route
+from moelora.layers.router import Router, RoutingSpec, kernel_selection, route
 from moelora.lora.adapter import LoRAWeights
 from moelora.lora.batch import LoRABatch
 from moelora.quant.config import FP8Config
@@ -167,15 +167,10 @@ class SparseMoE(nn.Module):
 
     def _routed(self, x: torch.Tensor, lora: LoRABatch | None, x_fp8: FP8Rows | None) -> torch.Tensor:
         if self._one_launch_router(x, lora):  # decode: the router GEMM and its top k in one launch
-            from moelora.kernels.router_topk import NoAux, router_topk
+            from moelora.kernels.router_topk import router_topk
 
-            spec = self.routing
-            greedy = spec.method == "greedy"  # DeepSeek-V2's: never renormalised, then scaled
-            noaux = None
-            if spec.method == "noaux_tc":  # DeepSeek-V3 / GLM-4-MoE's
-                noaux = NoAux(getattr(self.gate, "e_score_correction_bias", None), spec.n_group, spec.topk_group)
-            weights, ids = router_topk(x, self.gate.weight, spec.top_k, spec.renormalize and not greedy,
-                                       scaling=1.0 if spec.method == "softmax" else spec.scaling, noaux=noaux,
+            selection = kernel_selection(self.routing, getattr(self.gate, "e_score_correction_bias", None))
+            weights, ids = router_topk(x, self.gate.weight, self.routing.top_k, **selection,
                                        counter=self.router_counter, pdl=self.options.pdl)
         else:
             bias = getattr(self.gate, "e_score_correction_bias", None)

@@ -82,22 +82,28 @@ def grouped_topk(logits: torch.Tensor, spec: RoutingSpec,
     return weights * spec.scaling, ids
 
 
+def kernel_selection(spec: RoutingSpec, correction_bias: torch.Tensor | None) -> dict:
+    """The Triton top k's selection arguments of a softmax, greedy or noaux_tc `spec` (`kernels.softmax_topk`, and
+    decode's `router_topk`): renormalize, scaling and noaux."""
+    from moelora.kernels.softmax_topk import NoAux
+
+    greedy = spec.method == "greedy"  # DeepSeek-V2's: never renormalised, then scaled
+    noaux = NoAux(correction_bias, spec.n_group, spec.topk_group) if spec.method == "noaux_tc" else None
+    return dict(renormalize=spec.renormalize and not greedy, scaling=1.0 if spec.method == "softmax" else spec.scaling,
+                noaux=noaux)
+
+
 def route(logits: torch.Tensor, spec: RoutingSpec, correction_bias: torch.Tensor | None = None,
           backend: str = "torch", pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, K] fp32, ids [T, K]). Under backend "triton" the softmax, greedy and noaux_tc routers (groups
     `noaux_fits` takes) are one kernel (`moelora.kernels.softmax_topk`, int32 ids; `pdl` its launch's); in torch
     (int64 ids) the rest, and every router of the torch backend."""
     if backend == "triton" and spec.method in ("softmax", "greedy", "noaux_tc"):
-        from moelora.kernels.softmax_topk import NoAux, noaux_fits
+        from moelora.kernels.softmax_topk import noaux_fits
         from moelora.kernels.softmax_topk import softmax_topk as topk_kernel
 
-        if spec.method != "noaux_tc":  # greedy: softmax, top k, never renormalised, then scaled
-            greedy = spec.method == "greedy"
-            return topk_kernel(logits, spec.top_k, spec.renormalize and not greedy,
-                               scaling=spec.scaling if greedy else 1.0, pdl=pdl)
-        if noaux_fits(logits.shape[1], spec.n_group):
-            return topk_kernel(logits, spec.top_k, spec.renormalize, scaling=spec.scaling,
-                               noaux=NoAux(correction_bias, spec.n_group, spec.topk_group), pdl=pdl)
+        if spec.method != "noaux_tc" or noaux_fits(logits.shape[1], spec.n_group):
+            return topk_kernel(logits, spec.top_k, **kernel_selection(spec, correction_bias), pdl=pdl)
     if spec.method == "softmax":
         return softmax_topk(logits, spec.top_k, spec.renormalize)
     return grouped_topk(logits, spec, correction_bias)
