@@ -294,7 +294,7 @@ def mla_attention_expanded(q: torch.Tensor, entries: torch.Tensor | None, cache:
     Returns a new [T, N, Dv] tensor."""
     if entries is not None:
         write_latent_ref(entries, cache, meta.slot_mapping)
-    T, N, _ = q.shape
+    N = q.shape[1]
     width, C = cache.shape[2], kv_b_proj.in_features
     fresh = all(s.seq_len == s.q_len for s in meta.seqs)  # no sequence has a cached prefix
     if cache.dtype == q.dtype and fresh:  # the cache holds entries as is
@@ -312,9 +312,18 @@ def mla_attention_expanded(q: torch.Tensor, entries: torch.Tensor | None, cache:
         keys = mla_prefill_keys(kv, ctx[:, C:], nope)
     else:
         keys = torch.cat((kv[..., :nope], ctx[:, None, C:].expand(-1, N, width - C)), dim=-1)  # [sum L, N, Dn + Dr]
+    return attend_by_sequence(q, keys, kv[..., nope:], meta, scale)
+
+
+def attend_by_sequence(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, meta: AttnMetadata, scale: float
+                       ) -> torch.Tensor:
+    """q [T, N, Dn + Dr] over keys [sum L, N, Dn + Dr] and vals [sum L, N, Dv], each sequence's context rows
+    after the previous one's (`context_rows`' order; a fresh prefill's are the step's rows), one SDPA a sequence
+    (`attend`) -> a new [T, N, Dv]."""
     # positions for the masks of sequences with a prefix (a fresh prefill has none: no launch)
+    fresh = all(s.seq_len == s.q_len for s in meta.seqs)
     positions = None if fresh else torch.arange(meta.max_seq_len, device=q.device)
-    out = q.new_empty(T, N, v_dim)
+    out = q.new_empty(q.shape[0], q.shape[1], vals.shape[2])
     start = 0
     for s in meta.seqs:
         end = start + s.seq_len
@@ -322,7 +331,7 @@ def mla_attention_expanded(q: torch.Tensor, entries: torch.Tensor | None, cache:
         mask = None if s.q_len == s.seq_len else (positions[None, :s.seq_len]
                                                   <= positions[s.seq_len - s.q_len:s.seq_len, None])
         qs = q[s.q_offset:s.q_offset + s.q_len].transpose(0, 1)  # [N, n, Dn + Dr]
-        o = attend(qs, keys[start:end].transpose(0, 1), kv[start:end, :, nope:].transpose(0, 1), mask, scale)
+        o = attend(qs, keys[start:end].transpose(0, 1), vals[start:end].transpose(0, 1), mask, scale)
         out[s.q_offset:s.q_offset + s.q_len] = o.transpose(0, 1)
         start = end
     return out

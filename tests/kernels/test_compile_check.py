@@ -290,3 +290,27 @@ def test_attention_fp8_rows_compile_for_sm90(tmp_path, monkeypatch):
         for splits in (1, 4):
             paged_attention_fp8(q, k, v, kc, vc, meta, 128 ** -0.5, num_splits=splits)
     assert comp.failures == [] and {"_decode_split_kernel", "decode_reduce_kernel"} <= {n for n, _ in comp.seen}
+
+
+def test_mla_prefill_attention_compiles_without_local_memory(tmp_path, monkeypatch):
+    """MLA prefill attention at DeepSeek's widths (Dn 128, Dr 64, Dv 128; bf16): every tile the default picks
+    (16 .. 64 rows for short steps, 128 past 256) compiles for sm_90 with no local memory, on wgmma from 64 rows
+    (Hopper's tensor-core MMA; below it Triton takes mma.sync). Resources come from the local ptxas."""
+    from moelora.kernels.mla_prefill import mla_prefill_attention
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    bf, i32 = torch.bfloat16, dict(dtype=torch.int32)
+    q, kv = torch.randn(8, 16, 192, dtype=bf), torch.randn(8, 16, 256, dtype=bf)
+    k_rope = torch.randn(8, 576, dtype=bf)[:, 512:]
+    meta = torch.tensor([8], **i32), torch.tensor([0, 8], **i32), torch.tensor([0], **i32)
+    with Compiler(resources=True) as comp:
+        for max_query_len in (1, 32, 64, 2048):
+            mla_prefill_attention(q, kv, k_rope, *meta, 128, 0.1, max_query_len)
+    assert comp.failures == []
+    found = {dict(c)["BLOCK_M"]: res for (name, c), res in comp.seen.items() if name == "_mla_prefill_kernel"}
+    assert set(found) == {16, 32, 64, 128}
+    for block_m, res in found.items():
+        assert " stack 0" in res and " local 0" in res, f"BLOCK_M {block_m}: {res}"
+    wgmma = {dict(c)["BLOCK_M"]: "wgmma.mma_async" in k.asm["ptx"] for (name, c), k in comp.kernels.items()
+             if name == "_mla_prefill_kernel"}
+    assert wgmma == {16: False, 32: False, 64: True, 128: True}
