@@ -88,3 +88,29 @@ def run(layer: MLAttention, step, absorbed: bool, lora=True):
     with torch.no_grad():
         out = layer(x, cos, sin, meta, (cache,), batch if lora else None)
     return out, cache
+
+
+def extend_step(layer: MLAttention, cached: list[int], q_lens: list[int], slots: list[int], bs: int = 4,
+                seed: int = 0, device: str = "cpu"):
+    """Inputs of one prefill / extend step: sequence i has cached[i] tokens (random cache entries) and q_lens[i] new
+    ones on adapter slot slots[i] (-1: none); the step's rows sequence after sequence."""
+    g = torch.Generator().manual_seed(seed)
+    tables, NB, pad = scattered_tables([c + n for c, n in zip(cached, q_lens, strict=True)], bs, 2, g)
+    mb = max(len(t) for t in tables)
+    seqs, positions, slot_map, starts = [], [], [], [0]
+    for i, (c, n) in enumerate(zip(cached, q_lens, strict=True)):
+        seqs.append(SeqSlice(starts[-1], n, c + n, i))
+        positions += list(range(c, c + n))
+        slot_map += [tables[i][p // bs] * bs + p % bs for p in range(c, c + n)]
+        starts.append(starts[-1] + n)
+    i32 = dict(dtype=torch.int32, device=device)
+    meta = AttnMetadata(slot_mapping=torch.tensor(slot_map, device=device),
+                        block_tables=torch.tensor([t + [pad] * (mb - len(t)) for t in tables], **i32),
+                        seq_lens=torch.tensor([c + n for c, n in zip(cached, q_lens, strict=True)], **i32),
+                        query_start=torch.tensor(starts, **i32), seqs=tuple(seqs),
+                        max_seq_len=max(s.seq_len for s in seqs), max_query_len=max(q_lens))
+    cache = torch.randn(NB, bs, layer.kv_lora_rank + layer.rope, generator=g)
+    x = torch.randn(starts[-1], SIZES["hidden"], generator=g)
+    cos, sin = RotaryEmbedding(layer.rope, 10000.0)(torch.tensor(positions))
+    lora = LoRABatch.build([s for s, n in zip(slots, q_lens, strict=True) for _ in range(n)], [8, 3, 5, 0], device)
+    return x.to(device), cos.to(device), sin.to(device), meta, cache.to(device), lora

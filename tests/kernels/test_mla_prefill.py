@@ -1,6 +1,7 @@
 """`mla_prefill_attention` (MLA prefill in one launch) against causal attention written out in float64: under the
 interpreter at awkward widths, sequences with and without a cached prefix, one-row sequences, context rows out of
-sequence order; on the GPU at DeepSeek's widths in bf16."""
+sequence order; on the GPU at DeepSeek's widths in bf16. And the MLA layer's whole prefill on the Triton backend
+against the torch backend's, fresh and after cached prefixes."""
 
 from __future__ import annotations
 
@@ -131,3 +132,22 @@ def test_gpu_deepseek_widths_bf16(N):
     got, want = run(case, spec, 128, scale=192 ** -0.5)
     whole, rows = rel_errors(got.float().cpu(), want)
     assert whole <= 1e-2 and rows <= 3e-2, (whole, rows)
+
+
+@kernel_test
+@pytest.mark.parametrize("cached,q_lens,slots", [([0, 0, 0], [9, 23, 1], [0, -1, 2]),
+                                                 ([0, 7, 30, 4], [17, 5, 21, 1], [1, 0, -1, 2])],
+                         ids=["fresh", "extends"])
+def test_layer_prefill_on_the_kernel_equals_torch_backend(cached, q_lens, slots):
+    """MLAttention's expanded prefill on the Triton backend (a twin of the layer: its projections' kernels,
+    `mla_rope`'s store, its attention) equals the torch backend's (SDPA a sequence): fresh prompts (the context
+    is the step's rows) and extends after cached prefixes (gathered from the cache, sequence after sequence), with
+    LoRA in slots of different ranks and rows on none."""
+    from tests.helpers.mla import extend_step, mla_layer, run, twin
+
+    layer = mla_layer(seed=8).to(DEV)
+    step = extend_step(layer, cached, q_lens, slots, seed=9, device=DEV)
+    want, cache_want = run(layer, step, absorbed=False)
+    got, cache_got = run(twin(layer, kernel_backend="triton"), step, absorbed=False)
+    torch.testing.assert_close(cache_got, cache_want, rtol=1e-5, atol=1e-5)
+    assert (got - want).abs().max() <= 1e-4 * max(1.0, want.abs().max().item())
