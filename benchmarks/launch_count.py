@@ -4,13 +4,14 @@ and per step, with no LoRA, 1 adapter and 8 adapters.
 A prefill step of the whole engine at 2048-token chunks is bound by the host (docs/performance.md): each
 Triton launch costs ~50-100 us of Python on the host, each ATen op ~5-20 us. The counts are the same on the
 CPU under the Triton interpreter as on the GPU, so this measures them where no GPU is: a tiny Qwen3-MoE-shaped
-model (random weights, fp32) on `kernel_backend="triton"`, one engine with 8 adapter slots of rank `--rank`
+model (`--model dsv2`: DeepSeek-V2-Lite-shaped, MLA and shared experts; random weights, fp32) on
+`kernel_backend="triton"`, one engine with 8 adapter slots of rank `--rank`
 and its no-LoRA twin; `--prompts` prompts of `--len` tokens prefilled in one chunk. The rows are not grouped by
 slot (`group_lora_rows=False`: a 2048-row step is past the 1024 rows the dense policy groups, and the tiny
 shapes take the "split" dense mode as the real ones do at 2048 rows), so a few rows launch what 2048 do on the
 GPU and the interpreter stays quick. The MoE takes the H200
-table's pick for Qwen3-30B-A3B at `--moe-m` tokens (a table for the tiny shape is written with that entry), so
-the routed-LoRA path is the one the GPU runs.
+table's pick for Qwen3-30B-A3B (DeepSeek-V2-Lite) at `--moe-m` tokens (a table for the tiny shape is written with
+that entry), so the routed-LoRA path is the one the GPU runs.
 
 Counted inside `runner.run` of the prefill's forward (the first step): Triton launches by kernel
 (`JITFunction.run`, or the interpreter's `InterpretedFunction.run`), ATen ops by name outside those launches
@@ -19,8 +20,8 @@ the launches (under the interpreter the launches themselves run the kernels: tha
 split between the decoder layers (per layer: the mean over layers) and the rest of the step (embedding, the
 step's LoRA plan, the LM head).
 
-usage: TRITON_INTERPRET=1 python benchmarks/launch_count.py [--prompts 4] [--len 40] [--layers 2]
-       [--rank 16] [--moe-m 4096] [--top 12] [--json OUT.json]
+usage: TRITON_INTERPRET=1 python benchmarks/launch_count.py [--model qwen3|dsv2] [--prompts 4] [--len 40]
+       [--layers 2] [--rank 16] [--moe-m 4096] [--top 12] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -49,10 +50,21 @@ from moelora.engine.request import SamplingParams  # noqa: E402
 from moelora.kernels.moe_config import CONFIG_DIR, shape_key  # noqa: E402
 from moelora.models.registry import model_class  # noqa: E402
 
-TINY = dict(family="qwen3_moe", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-            head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=8, top_k=2,
-            norm_topk_prob=True, qk_norm="per_head", max_position_embeddings=4096, dtype="float32")
-QWEN3_KEY = "E=128,H=2048,I=768,dtype=bfloat16"  # the H200 table's Qwen3-30B-A3B shape
+# --model: the tiny model (random weights, fp32) and the H200 table's shape whose entry its MoE takes
+TINY = {
+    "qwen3": (dict(family="qwen3_moe", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=8, top_k=2,
+                   norm_topk_prob=True, qk_norm="per_head", max_position_embeddings=4096, dtype="float32"),
+              "E=128,H=2048,I=768,dtype=bfloat16"),
+    # DeepSeek-V2-Lite's layout: MLA without q_lora, greedy top k, two shared experts; every layer MoE
+    "dsv2": (dict(family="deepseek_v2", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4,
+                  head_dim=24, intermediate_size=128, moe_intermediate_size=32, num_experts=8, top_k=2,
+                  norm_topk_prob=False, attention="mla", q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+                  qk_rope_head_dim=8, v_head_dim=16, topk_method="greedy", routed_scaling_factor=1.0,
+                  n_shared_experts=2, first_k_dense_replace=0, rope_interleave=True, max_position_embeddings=4096,
+                  dtype="float32"),
+             "E=64,H=2048,I=1408,dtype=bfloat16"),
+}
 WORKLOADS = ("no LoRA", "1 adapter", "8 adapters")
 
 
@@ -173,13 +185,15 @@ def count_forward(eng, prompts, names, run_kernels: bool = True, ops: bool = Tru
     return tally
 
 
-def tiny_engines(layers: int, rank: int, moe_m: int, table_dir: str, max_seqs: int, max_len: int):
+def tiny_engines(layers: int, rank: int, moe_m: int, table_dir: str, max_seqs: int, max_len: int,
+                 model_name: str = "qwen3"):
     """The LoRA engine (8 slots of `rank`, adapters a0..a7 on every site) and its no-LoRA twin (same weights)."""
     from decode import no_lora_twin, random_adapter
 
-    cfg = ModelConfig(**{**TINY, "num_layers": layers}).resolve()
+    tiny, table_key = TINY[model_name]
+    cfg = ModelConfig(**{**tiny, "num_layers": layers}).resolve()
     table = json.loads((CONFIG_DIR / "fused_moe_nvidia_h200.json").read_text())
-    entry = table["configs"][QWEN3_KEY][str(moe_m)]
+    entry = table["configs"][table_key][str(moe_m)]
     entry["tiles"]["use_tma"] = False  # the interpreter has no TMA; the same launches either way
     path = Path(table_dir) / "tiny_table.json"
     path.write_text(json.dumps({"device": "tiny", "configs": {shape_key(8, 64, 32, torch.float32): {"1": entry}}}))
@@ -232,12 +246,13 @@ def report(label: str, tally: Tally, layers: int, top: int, log) -> dict:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3", choices=tuple(TINY))
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--len", type=int, default=40, help="tokens a prompt (all prefilled in one step)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--moe-m", type=int, default=4096, choices=(1, 8, 32, 128, 256, 512, 4096),
-                    help="the H200 table's Qwen3 entry the tiny MoE takes")
+                    help="the H200 table's entry (the --model's shape) the tiny MoE takes")
     ap.add_argument("--top", type=int, default=12, help="ATen ops listed a scope")
     ap.add_argument("--host-runs", type=int, default=5, help="forwards timed with the kernels skipped (0: none)")
     ap.add_argument("--json", default=None)
@@ -246,10 +261,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit("run under TRITON_INTERPRET=1 on the CPU")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        cfg, base, lora, names = tiny_engines(args.layers, args.rank, args.moe_m, tmp, args.prompts, args.len + 8)
+        cfg, base, lora, names = tiny_engines(args.layers, args.rank, args.moe_m, tmp, args.prompts, args.len + 8,
+                                              args.model)
         g = torch.Generator().manual_seed(1)
-        print(f"{args.prompts} prompts of {args.len} tokens in one prefill forward ({args.prompts * args.len} rows), "
-              f"{args.layers} layers, rank {args.rank}, MoE entry M={args.moe_m}")
+        print(f"{args.model}: {args.prompts} prompts of {args.len} tokens in one prefill forward "
+              f"({args.prompts * args.len} rows), {args.layers} layers, rank {args.rank}, MoE entry M={args.moe_m}")
         for label, eng, ads in (("no LoRA", base, [None]), ("1 adapter", lora, names[:1]), ("8 adapters", lora, names)):
             count_forward(eng, torch.randint(0, 500, (args.prompts, args.len), generator=g).tolist(), ads)  # warm
             prompts = torch.randint(0, 500, (args.prompts, args.len), generator=g).tolist()

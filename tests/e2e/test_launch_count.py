@@ -39,3 +39,23 @@ def test_a_prefill_layer_launches_these_kernels(tmp_path):
         assert r["launches"]["step"] == {"_rms_norm_kernel": 1}
         assert r["layer_ops"] > 0 and r["layer_calls"] > 0 and r["step_ops"] > 0
     assert (tmp_path / "counts.json").read_text().startswith("[")
+
+
+# DeepSeek-V2-Lite's layer: MLA (rotations, latent norm and cache store in one launch; the keys by `mla_keys`, then
+# SDPA a sequence: no launch), the greedy top k, shared experts (one SiLU·up, their output summed by the next norm)
+DSV2_BASE = Counter({"_rms_norm_kernel": 2, "_mla_rope_store_kernel": 1, "_mla_keys_kernel": 1,
+                     "_softmax_topk_kernel": 1, "_plan_expert_kernel": 1, "gate_up_kernel": 1, "down_kernel": 1,
+                     "combine_kernel": 1, "_silu_mul_kernel": 1})
+# q + kv_a (one merged site), kv_b, o, the shared experts' gate_up and down: a shrink and an expand each
+DSV2_LORA = Counter({"_lora_shrink_kernel": 5, "_lora_expand_add_kernel": 5, "lora_stacked_shrink_kernel": 2})
+
+
+@pytest.mark.skipif(not INTERP, reason="counts a CPU forward under TRITON_INTERPRET=1")
+def test_a_deepseek_v2_prefill_layer_launches_these_kernels():
+    rows = launch_count.main(["--model", "dsv2", "--prompts", "2", "--len", "8", "--layers", "1", "--host-runs",
+                              "0"])
+    got = {r["workload"]: r for r in rows}
+    assert Counter(got["no LoRA"]["launches"]["layer"]) == DSV2_BASE
+    for label in ("1 adapter", "8 adapters"):
+        assert Counter(got[label]["launches"]["layer"]) == DSV2_BASE + DSV2_LORA, label
+    assert got["no LoRA"]["ops"]["layer"]["scaled_dot_product_attention"] == 2  # one a sequence
