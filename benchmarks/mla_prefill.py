@@ -9,7 +9,7 @@ The inputs are what the layer hands attention: q [T, N, 192], kv_b's output [sum
 Timing, per path: "device", a CUDA graph of `--calls` calls (distinct inputs) replayed 25 times, the median replay
 over the calls (`dense_lora_prefill.graph_us`); "eager", `--calls` calls launched back to back from the host, 5
 rounds, the median over the calls: what an eager prefill step pays, the host's launches included (the SDPA loop's
-~25 ATen ops a sequence). Each kernel config (`--configs`, BLOCK_M x BLOCK_N x warps x stages; "default": the
+~15 ATen ops a sequence). Each kernel config (`--configs`, BLOCK_M x BLOCK_N x warps x stages; "default": the
 launcher's pick) prints its device µs, and its error against the SDPA path (max |diff| over max |sdpa|).
 
 usage: python benchmarks/mla_prefill.py [--heads 16,128] [--mixes 4x2048,16x512,1x8192,2x1024+3072]

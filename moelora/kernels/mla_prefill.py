@@ -12,10 +12,10 @@ Query row i of sequence b sits at position seq_lens[b] - q_len_b + i and sees co
 its sequence: score = scale (q_nope . k_nope + q_rope . k_rope), two tensor-core dots into one accumulator.
 
 Why: the expanded MLA prefill built each head's keys by a copy (`kernels.mla_keys`, 22.7 us a DeepSeek-V2-Lite
-layer at 8192 rows) and attended by a host loop over the sequences, torch's SDPA each time: ~25 ATen ops a sequence
-a layer (a 2048-token prompt: 4 sequences an 8192-row step, 109 ops a layer in `benchmarks/launch_count.py`'s
-DeepSeek-V2-shaped count, against 30 for Qwen3's layer whose paged attention is one launch). This kernel is one
-launch a layer whatever the number of sequences, and reads the shared rotated key once a row instead of N times.
+layer at 8192 rows) and attended by a host loop over the sequences, torch's SDPA each time: ~15 ATen ops a sequence
+a layer (`benchmarks/launch_count.py --model dsv2`, 4 prompts: 109 ops a layer, 49 with this kernel; Qwen3's layer,
+whose paged attention is one launch, 32). This kernel is one launch a layer whatever the number of sequences, and
+reads the shared rotated key once a row instead of writing it N times and reading it back.
 
 Program (query tile, sequence, head), the first axis walked from its last tile: under the causal mask the last
 tiles of a sequence see the most keys, so they start first. Flash attention (online softmax in the log2 domain);
