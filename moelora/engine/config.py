@@ -8,6 +8,7 @@ what is left becomes KV blocks, so loading adapters later can never run out of m
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -195,6 +196,11 @@ class EngineConfig:
         backend = self.kernel_backend or ("triton" if torch.device(device).type == "cuda" else "torch")
         if backend not in ("torch", "triton"):
             raise ConfigError(f"kernel_backend must be 'torch' or 'triton', got {backend!r}")
+        if backend == "triton" and torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            # else Triton's launcher fails at the first kernel with "Pointer argument ... (cpu tensor?)"
+            raise ConfigError(f"kernel_backend='triton' runs its kernels on a CUDA device, not on device={device!r}: "
+                              "use kernel_backend='torch' there (Triton's interpreter, TRITON_INTERPRET=1, runs them "
+                              "on the CPU for tests)")
         max_len = self.max_model_len or model.max_position_embeddings
         batched = self.max_num_batched_tokens
         if batched is None:

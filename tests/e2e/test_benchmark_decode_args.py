@@ -21,6 +21,7 @@ def test_run_model_gives_the_lora_engine_a_slot_rank(monkeypatch, pool_rank, wan
 
     from moelora.config import ModelConfig
 
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the benchmark's Triton backend on this CPU: the interpreter's
     cfg = ModelConfig(**{**decode.QWEN3_30B, "num_layers": 1}).resolve()
     built = []
 
@@ -49,7 +50,7 @@ def test_ab_takes_layer_options_and_refuses_what_shapes_the_model():
             decode.parse_ab(key)
 
 
-def test_ab_engine_of_a_layer_option_is_a_twin_sharing_the_weights():
+def test_ab_engine_of_a_layer_option_is_a_twin_sharing_the_weights(monkeypatch):
     """The B engine of `--ab mla_absorbed_decode=0` runs a twin of the model holding B's option in its MLA layers
     while A's keeps its own, over the same weight tensors (no copy): the A/B of such a switch in one run (the
     stream overlaps are CUDA-only options, off on this CPU in both)."""
@@ -58,6 +59,7 @@ def test_ab_engine_of_a_layer_option_is_a_twin_sharing_the_weights():
     from tests.helpers.models import build_from_architecture
     from tests.helpers.oracle import tiny_hf_model
 
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the benchmark's Triton backend on the CPU: the interpreter's
     model = build_from_architecture(tiny_hf_model("deepseek_v3", seed=3, **DSV3_SIZES), 2, 8)
     a = decode.engine(model, model.config, 2, 8, 4, {}, device="cpu")
     b = decode.engine(model, model.config, 2, 8, 4, {}, device="cpu", **decode.parse_ab("mla_absorbed_decode=0"))

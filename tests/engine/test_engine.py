@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from moelora.engine.config import EngineConfig
 from moelora.engine.request import SamplingParams
 from moelora.errors import ConfigError, RequestError
 from moelora.layers.moe import Experts
@@ -119,6 +120,19 @@ def test_fused_moe_table_reaches_the_routed_experts(setup, tmp_path):
     with pytest.raises(ConfigError, match="fused_moe_table: no fused-MoE table file"):
         engine(model, adapters, fused_moe_table=str(tmp_path / "missing.json"))
     assert engine(model, adapters).model is model
+
+
+def test_triton_backend_off_cuda_is_refused_unless_interpreted(setup, monkeypatch):
+    """kernel_backend "triton" on a CPU device is a ConfigError naming the fix (Triton's launcher would fail at the
+    first kernel on a CPU tensor), unless Triton's interpreter runs the kernels (TRITON_INTERPRET=1: the tests)."""
+    model, _ = setup
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match=r"kernel_backend='triton' runs its kernels on a CUDA device, not on "
+                                          r"device='cpu': use kernel_backend='torch'"):
+        EngineConfig(device="cpu", kernel_backend="triton").resolve(model.config)
+    assert EngineConfig(device="cpu").resolve(model.config).kernel_backend == "torch"  # the CPU's default
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert EngineConfig(device="cpu", kernel_backend="triton").resolve(model.config).kernel_backend == "triton"
 
 
 def test_a_dropped_engine_and_model_are_freed_without_the_cycle_collector():

@@ -157,7 +157,7 @@ def test_ignored_projection_is_refused(fp8_dir, tmp_path):
         _load(bad)
 
 
-def test_engine_quantization_settings_are_checked(fp8_dir):
+def test_engine_quantization_settings_are_checked(fp8_dir, monkeypatch):
     fp8 = ModelConfig.from_hf(fp8_dir)
     plain = ModelConfig.from_dict({k: v for k, v in json.loads((fp8_dir / "config.json").read_text()).items()
                                    if k != "quantization_config"})
@@ -171,6 +171,7 @@ def test_engine_quantization_settings_are_checked(fp8_dir):
     assert EngineConfig(device="cpu", quantization="fp8").resolve(fp8).fp8_config(fp8).method == "fp8"
     assert EngineConfig(device="cpu", quantization="fp8").resolve(plain).fp8_config(plain).on_load
     assert EngineConfig(device="cpu").resolve(plain).fp8_config(plain) is None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton backend on the CPU: the interpreter's
     w8a8 = EngineConfig(device="cpu", kernel_backend="triton", fp8_activation_quant=True).resolve(fp8)
     assert w8a8.fp8_config(fp8).quantize_activations  # the W8A8 kernels
 
@@ -207,6 +208,7 @@ def test_fp8_activation_quant_defaults_to_w8a8_on_the_gpu_kernels_only(fp8_dir, 
     assert w8a8(plain, device="cuda", quantization="fp8") == (True, True)  # quantized while loading
     assert w8a8(fp8, device="cuda", kernel_backend="torch") == (False, False)
     assert w8a8(fp8, device="cpu") == (False, False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton backend on the CPU is the interpreter's
     assert w8a8(fp8, device="cpu", kernel_backend="triton") == (False, False)  # the interpreter: no FP8 MMA
     assert w8a8(plain, device="cuda") == (False, None)
     assert w8a8(fp8, device="cuda", fp8_activation_quant=False) == (False, False)
