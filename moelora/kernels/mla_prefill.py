@@ -53,6 +53,8 @@ def _key_block(q_nope, q_rope, kv_head, kr_ptr, k0, j0, end, pos, m_i, l_i, acc,
     offs_j = j0 + tl.arange(0, BLOCK_N)
     rows = k0 + offs_j  # int64: k0 is
     j_mask = offs_j < end
+    if not MASKED:  # every key of the block is in the sequence: the loads mask the widths' padding only
+        j_mask = tl.full((BLOCK_N,), True, tl.int1)
     kn = tl.load(kv_head + rows[None, :] * stride_kvl + dn[:, None], mask=j_mask[None, :] & dn_mask[:, None],
                  other=0.0)
     kr = tl.load(kr_ptr + rows[None, :] * stride_krl + dr[:, None], mask=j_mask[None, :] & dr_mask[:, None],
