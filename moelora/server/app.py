@@ -191,11 +191,13 @@ async def _unless_disconnected(request: Request, work):
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        watcher.cancel()
         if not task.done():
             task.cancel()
-        watcher.cancel()
+            # a cancelled task is done only once its cancellation has run (its cleanup aborts the request): until
+            # then `task.cancelled()` is False and `task.result()` raises InvalidStateError (a 500 a disconnect)
+            await asyncio.gather(task, return_exceptions=True)
     if task.cancelled():
-        await asyncio.gather(task, return_exceptions=True)
         return None
     return task.result()
 

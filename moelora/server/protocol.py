@@ -94,6 +94,9 @@ _SAMPLING_OFF = {
 
 
 class StreamOptions(_Body):
+    # OpenAI's: random padding on each chunk against length side channels; the chunks' content is the same
+    accepted_at = {"include_obfuscation": (ANY,)}
+
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False  # vLLM: usage on every chunk (with include_usage)
 
@@ -148,9 +151,21 @@ class CompletionRequest(_Sampling):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: NonNegInt | None = 16  # 0 only with echo (prompt logprobs alone)
+    # chat's newer name, which load generators (guidellm) send here beside max_tokens: max_tokens' value
+    max_completion_tokens: NonNegInt | None = None
     logprobs: NonNegInt | None = None
     echo: bool | None = False
     add_special_tokens: bool | None = True  # vLLM: what tokenizer.json adds around a prompt (e.g. BOS)
+
+    @model_validator(mode="after")
+    def _max_completion_tokens_is_max_tokens(self):
+        if self.max_completion_tokens is not None:
+            if "max_tokens" in self.model_fields_set and self.max_tokens != self.max_completion_tokens:
+                raise ApiError(400, f"max_tokens ({self.max_tokens}) and max_completion_tokens "
+                               f"({self.max_completion_tokens}) differ: give one, or the same value",
+                               "max_completion_tokens")
+            self.max_tokens = self.max_completion_tokens
+        return self
 
 
 class TextPart(_Body):
@@ -238,4 +253,6 @@ class LoadLoRAAdapterRequest(_Body):
 
 
 class UnloadLoRAAdapterRequest(_Body):
+    accepted_at = {"lora_int_id": (ANY,)}  # vLLM's schema has it; the adapter is the one lora_name names
+
     lora_name: Annotated[str, Field(min_length=1)]

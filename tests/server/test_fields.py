@@ -189,6 +189,21 @@ def test_continuous_usage_stats_puts_usage_on_every_chunk(url):
     assert all(ch["usage"] is not None for ch in chat_chunks) and chat_chunks[-1]["usage"]["completion_tokens"] == 5
 
 
+def test_completions_take_max_completion_tokens_as_max_tokens(url):
+    """guidellm sends max_completion_tokens (chat's newer name) beside max_tokens to /v1/completions: alone it is the
+    completion's length, beside an equal max_tokens it changes nothing, beside a different one it is a 400 naming
+    it; OpenAI's stream_options.include_obfuscation (padding against length side channels) is accepted."""
+    body = {"model": BASE, "prompt": "count", "temperature": 0, "ignore_eos": True}
+    for fields in ({"max_completion_tokens": 5}, {"max_completion_tokens": 5, "max_tokens": 5}):
+        r = post(url, "/v1/completions", {**body, **fields})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5, r.text
+    r = post(url, "/v1/completions", {**body, "max_tokens": 4, "max_completion_tokens": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
+    chunks = sse_chunks(url, "/v1/completions", {**body, "max_tokens": 3, "stream_options": {
+        "include_usage": True, "include_obfuscation": True}})
+    assert chunks[-1]["usage"]["completion_tokens"] == 3
+
+
 def test_skip_special_tokens(url):
     forced = dict(prompt="sp", max_tokens=3, ignore_eos=True, logit_bias={str(IM_START): 100}, logprobs=0)
     skipped = completion(url, **forced)["choices"][0]

@@ -298,13 +298,19 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server):
 
 
 def test_client_disconnect_while_waiting_for_whole_response_aborts(server):
+    """A client that gives up on a whole (non-streamed) response: its request is aborted, and the server records no
+    error of its own (the handler once read the cancelled task's result before the cancellation had run: a 500)."""
     url, app = server
-    aborted = metric(metrics(url), "moelora:requests_total", model=BASE, outcome="abort")
+    before = metrics(url)
+    aborted = metric(before, "moelora:requests_total", model=BASE, outcome="abort")
+    errors = metric(before, "moelora:request_errors_total", status="500")
     body = {"model": BASE, "prompt": PROMPTS[2], "max_tokens": 240, "ignore_eos": True, "n": 4}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(TIMEOUT, read=0.3))
     wait_idle(app)
-    assert metric(metrics(url), "moelora:requests_total", model=BASE, outcome="abort") == aborted + 4
+    after = metrics(url)
+    assert metric(after, "moelora:requests_total", model=BASE, outcome="abort") == aborted + 4
+    assert metric(after, "moelora:request_errors_total", status="500") == errors
 
 
 # ---------------------------------------------------------------------------------------- metrics
