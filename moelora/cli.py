@@ -174,7 +174,9 @@ def serve_options(args) -> dict:
                 enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                 return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                 enable_log_requests=args.enable_log_requests and not args.disable_log_requests,
-                log_stats_interval_s=0.0 if args.disable_log_stats else 10.0)
+                log_stats_interval_s=0.0 if args.disable_log_stats else 10.0,
+                allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
+                allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials)
 
 
 def serve_adapters(args) -> tuple[str, dict[str, str]]:
@@ -205,7 +207,8 @@ def cmd_serve(args) -> int:
     app = build_server(model, adapters, serve_engine_config(args), names, args.max_waiting_requests, progress=True,
                        load_format=args.load_format, tokenizer=args.tokenizer, chat_template=args.chat_template,
                        seed=args.seed or 0, generation_config=args.generation_config, **serve_options(args))
-    run_server(app, args.host, args.port, args.uvicorn_log_level)
+    run_server(app, args.host, args.port, args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
+               root_path=args.root_path)
     return 0
 
 
@@ -310,6 +313,22 @@ def _serve_vllm_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
     serve.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default="auto",
                        help="dummy: random weights of config.json's shapes (no checkpoint needed)")
+    serve.add_argument("--allowed-origins", type=types.json_strings, default=["*"], metavar="JSON",
+                       help='CORS: origins a browser client may call from, a JSON list (default ["*"])')
+    serve.add_argument("--allowed-methods", type=types.json_strings, default=["*"], metavar="JSON",
+                       help='CORS: allowed methods, a JSON list (default ["*"])')
+    serve.add_argument("--allowed-headers", type=types.json_strings, default=["*"], metavar="JSON",
+                       help='CORS: allowed headers, a JSON list (default ["*"])')
+    serve.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    serve.add_argument("--disable-uvicorn-access-log", action="store_true", help="no uvicorn access log line a request")
+    serve.add_argument("--root-path", default="", help="the ASGI root path behind a path-based proxy (uvicorn's)")
+    serve.add_argument("--trust-remote-code", action="store_true",
+                       help="accepted for vLLM compatibility: moelora builds its model classes itself and never runs "
+                            "a checkpoint's code")
+    serve.add_argument("--enable-chunked-prefill", action="store_true",
+                       help="accepted for vLLM compatibility (always on: --max-num-batched-tokens a step)")
+    serve.add_argument("--kv-cache-dtype", choices=["auto"], default="auto",
+                       help="the KV cache's dtype: auto, the model's (the only one served)")
 
 
 def build_parser() -> argparse.ArgumentParser:

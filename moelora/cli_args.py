@@ -79,6 +79,19 @@ def lora_pair(text: str) -> tuple[str, str]:
     return name, path
 
 
+def json_strings(text: str) -> list[str]:
+    """A JSON list of strings (vLLM's --allowed-origins and its siblings)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f'expected a JSON list of strings such as \'["*"]\', got {text!r}')
+    return value
+
+
 def env_true(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in TRUE
 

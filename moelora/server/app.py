@@ -29,6 +29,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -83,6 +84,9 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     if cfg.api_keys:
         app.add_middleware(ApiKeyMiddleware, api_keys=cfg.api_keys,
                            on_refused=lambda: metrics.errors.labels("401").inc())
+    # added last, so outermost: a preflight (OPTIONS, no credentials) is answered before the key check
+    app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins), allow_methods=list(cfg.allowed_methods),
+                       allow_headers=list(cfg.allowed_headers), allow_credentials=cfg.allow_credentials)
 
     async def respond(request: Request, handler, body) -> Response:
         if cfg.enable_log_requests:

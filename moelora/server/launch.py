@@ -88,7 +88,9 @@ def build_server(model: str | Path, adapters: dict[str, str], engine_cfg: Engine
     return build_app(async_engine, cfg)
 
 
-def run_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
+def run_server(app: FastAPI, host: str, port: int, log_level: str = "info", *, access_log: bool = True,
+               root_path: str = "") -> None:
     import uvicorn
 
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, access_log=access_log,
+                root_path=root_path)

@@ -44,6 +44,12 @@ class ServerConfig:
     enable_log_requests: bool = False  # log each request's fields (at info)
     log_stats_interval_s: float = 10.0  # throughput / queue / cache log line while busy (0: off)
     default_sampling: tuple[tuple[str, object], ...] = ()  # --generation-config defaults, for unset fields
+    # CORS, vLLM's flags and defaults (--allowed-origins / -methods / -headers, --allow-credentials): a browser
+    # client's preflight is answered before authentication, which every other request still meets
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
 
 @dataclass(frozen=True)

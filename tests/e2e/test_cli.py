@@ -110,11 +110,12 @@ def test_max_loras_0_with_adapters_and_missing_adapters_are_refused_before_loadi
     one_error_line(capsys, "'a'", "/no/such/adapter")
 
 
-def test_the_real_command_exits_2_with_one_error_line():
+@pytest.mark.parametrize("module", ["moelora", "moelora.cli"])  # `python -m moelora` is the command too
+def test_the_real_command_exits_2_with_one_error_line(module):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "moelora.cli", "serve", "--port", "99999"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", module, "serve", "--port", "99999"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and r.stdout == ""
     lines = [line for line in r.stderr.splitlines() if "error:" in line]
@@ -163,15 +164,16 @@ def test_vllm_serve_flags_reach_the_configs(monkeypatch):
     for var in ("MOELORA_API_KEY", "VLLM_API_KEY", "VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
         monkeypatch.delenv(var, raising=False)
     default = serve_options(parse())
+    cors = dict(allowed_origins=("*",), allowed_methods=("*",), allowed_headers=("*",), allow_credentials=False)
     assert default == dict(api_keys=(), allow_runtime_lora_updating=False, lora_roots=(), max_logprobs=20,
                            enable_tokenizer_info_endpoint=False, return_tokens_as_token_ids=False,
-                           enable_log_requests=False, log_stats_interval_s=10.0)
+                           enable_log_requests=False, log_stats_interval_s=10.0, **cors)
     opts = serve_options(parse("--api-key", "a", "b", "--allow-runtime-lora-updating", "--lora-root", "/x",
                                "--lora-root", "/y", "--max-logprobs", "5", "--enable-tokenizer-info-endpoint",
                                "--return-tokens-as-token-ids", "--enable-log-requests", "--disable-log-stats"))
     assert opts == dict(api_keys=("a", "b"), allow_runtime_lora_updating=True, lora_roots=("/x", "/y"),
                         max_logprobs=5, enable_tokenizer_info_endpoint=True, return_tokens_as_token_ids=True,
-                        enable_log_requests=True, log_stats_interval_s=0.0)
+                        enable_log_requests=True, log_stats_interval_s=0.0, **cors)
     monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
     assert serve_options(parse())["api_keys"] == ("from-vllm",)
     monkeypatch.setenv("MOELORA_API_KEY", "from-moelora")

@@ -70,6 +70,23 @@ def test_every_route_but_the_probes_needs_a_key(server):
         assert errors and float(errors[0]) >= len(calls) * len(bad_headers)
 
 
+def test_cors_preflight_is_answered_before_the_key_check(server):
+    """vLLM's CORS defaults (every origin, method and header; no credentials): a browser's preflight, which carries
+    no credentials, gets its Access-Control headers, while the request itself still needs the key."""
+    url, _ = server
+    origin = {"Origin": "http://dashboard.example"}
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as http:
+        r = http.options("/v1/completions", headers={**origin, "Access-Control-Request-Method": "POST",
+                                                     "Access-Control-Request-Headers": "authorization,content-type"})
+        assert r.status_code == 200, r.text
+        assert r.headers["access-control-allow-origin"] == "*"
+        assert "POST" in r.headers["access-control-allow-methods"]
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        r = http.get("/v1/models", headers=origin)
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "*"
+        assert http.get("/v1/models", headers={**origin, **auth(KEYS[0])}).status_code == 200
+
+
 def test_the_openai_client_with_and_without_the_key(server):
     url, _ = server
     with pytest.raises(openai.AuthenticationError):

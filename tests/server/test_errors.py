@@ -280,14 +280,21 @@ def test_cli_serve_builds_the_configured_server(assets, monkeypatch):
 
     model_dir, adapters = assets
     seen = {}
-    monkeypatch.setattr(launch, "run_server", lambda app, host, port, level: seen.update(app=app, host=host, port=port))
+    monkeypatch.setattr(launch, "run_server",
+                        lambda app, host, port, level, **kw: seen.update(app=app, host=host, port=port, **kw))
     spec = json.dumps({"name": "beta", "path": str(adapters["beta"])})
+    # vLLM's serve flags a command line carries over: CORS, uvicorn's access log and root path, and the accepted
+    # no-ops (--trust-remote-code, --enable-chunked-prefill, --kv-cache-dtype auto)
     rc = cli.main(["serve", str(model_dir), "--lora", f"alpha={adapters['alpha']}", "--lora-modules",
                    f"gamma={adapters['gamma']}", spec, "--served-model-name", "base-a", "base-b",
                    "--device", "cpu", "--max-loras", "2", "--max-lora-rank", "8", "--max-model-len", "64",
-                   "--max-num-seqs", "4", "--enforce-eager", "--port", "0"])
+                   "--max-num-seqs", "4", "--enforce-eager", "--port", "0", "--trust-remote-code",
+                   "--enable-chunked-prefill", "--kv-cache-dtype", "auto", "--disable-uvicorn-access-log",
+                   "--root-path", "/llm", "--allowed-origins", '["http://a.example"]', "--allow-credentials"])
     assert rc == 0 and seen["host"] == "127.0.0.1" and seen["port"] == 0
+    assert seen["access_log"] is False and seen["root_path"] == "/llm"
     serving = seen["app"].state.serving
+    assert serving.cfg.allowed_origins == ("http://a.example",) and serving.cfg.allow_credentials
     assert serving.cfg.served_model_names == ("base-a", "base-b")
     assert [n for n, _ in seen["app"].state.engine.stats.adapters] == ["alpha", "gamma", "beta"]
     cfg = seen["app"].state.engine.engine.cfg
@@ -313,7 +320,7 @@ def test_serve_without_model_serves_the_bundled_demo(monkeypatch):
     if not (demo.model_dir() / "model.safetensors").is_file():
         pytest.skip("the bundled demo model is not built yet")
     seen = {}
-    monkeypatch.setattr(launch, "run_server", lambda app, host, port, level: seen.update(app=app))
+    monkeypatch.setattr(launch, "run_server", lambda app, host, port, level, **kw: seen.update(app=app))
     assert cli.main(["serve", "--device", "cpu", "--port", "0"]) == 0
     with serving(seen["app"]) as url:
         client = make_client(url)

@@ -35,7 +35,7 @@ def serve(monkeypatch, *argv):
     from moelora.server import launch
 
     seen = {}
-    monkeypatch.setattr(launch, "run_server", lambda app, host, port, level: seen.update(app=app))
+    monkeypatch.setattr(launch, "run_server", lambda app, host, port, level, **kw: seen.update(app=app))
     assert cli.main(["serve", *argv, "--device", "cpu", "--max-model-len", "128", "--max-loras", "1",
                      "--max-lora-rank", "4", "--served-model-name", "dummy"]) == 0
     return seen["app"]
