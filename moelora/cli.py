@@ -329,6 +329,10 @@ def _serve_vllm_flags(serve: argparse.ArgumentParser) -> None:
                        help="accepted for vLLM compatibility (always on: --max-num-batched-tokens a step)")
     serve.add_argument("--kv-cache-dtype", choices=["auto"], default="auto",
                        help="the KV cache's dtype: auto, the model's (the only one served)")
+    serve.add_argument("--swap-space", type=float, default=None, metavar="GIB",
+                       help="accepted for vLLM compatibility: a preempted request's KV is recomputed, never swapped")
+    serve.add_argument("--download-dir", default=None, metavar="DIR",
+                       help="accepted for vLLM compatibility: MODEL is a local directory, nothing is downloaded")
 
 
 def build_parser() -> argparse.ArgumentParser:

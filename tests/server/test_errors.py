@@ -284,13 +284,14 @@ def test_cli_serve_builds_the_configured_server(assets, monkeypatch):
                         lambda app, host, port, level, **kw: seen.update(app=app, host=host, port=port, **kw))
     spec = json.dumps({"name": "beta", "path": str(adapters["beta"])})
     # vLLM's serve flags a command line carries over: CORS, uvicorn's access log and root path, and the accepted
-    # no-ops (--trust-remote-code, --enable-chunked-prefill, --kv-cache-dtype auto)
+    # no-ops (--trust-remote-code, --enable-chunked-prefill, --kv-cache-dtype auto, --swap-space, --download-dir)
     rc = cli.main(["serve", str(model_dir), "--lora", f"alpha={adapters['alpha']}", "--lora-modules",
                    f"gamma={adapters['gamma']}", spec, "--served-model-name", "base-a", "base-b",
                    "--device", "cpu", "--max-loras", "2", "--max-lora-rank", "8", "--max-model-len", "64",
                    "--max-num-seqs", "4", "--enforce-eager", "--port", "0", "--trust-remote-code",
                    "--enable-chunked-prefill", "--kv-cache-dtype", "auto", "--disable-uvicorn-access-log",
-                   "--root-path", "/llm", "--allowed-origins", '["http://a.example"]', "--allow-credentials"])
+                   "--root-path", "/llm", "--allowed-origins", '["http://a.example"]', "--allow-credentials",
+                   "--swap-space", "4", "--download-dir", "/tmp"])
     assert rc == 0 and seen["host"] == "127.0.0.1" and seen["port"] == 0
     assert seen["access_log"] is False and seen["root_path"] == "/llm"
     serving = seen["app"].state.serving
