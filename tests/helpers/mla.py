@@ -57,25 +57,7 @@ def set_slot(layer: MLAttention, slot: int, rank: int, seed: int) -> None:
 def decode_step(layer: MLAttention, cached: list[int], slots: list[int], bs: int = 4, seed: int = 0,
                 device: str = "cpu"):
     """Inputs of one decode step: sequence i has cached[i] tokens (random cache entries) plus one new token."""
-    g = torch.Generator().manual_seed(seed)
-    tables, NB, pad = scattered_tables([n + 1 for n in cached], bs, 2, g)
-    mb = max(len(t) for t in tables)
-    B = len(cached)
-    meta = AttnMetadata(
-        slot_mapping=torch.tensor([t[n // bs] * bs + n % bs for t, n in zip(tables, cached, strict=True)]),
-        block_tables=torch.tensor([t + [pad] * (mb - len(t)) for t in tables], dtype=torch.int32),
-        seq_lens=torch.tensor([n + 1 for n in cached], dtype=torch.int32),
-        query_start=torch.arange(B + 1, dtype=torch.int32),
-        seqs=tuple(SeqSlice(i, 1, n + 1, i) for i, n in enumerate(cached)), max_seq_len=max(cached) + 1,
-        max_query_len=1)
-    width = layer.kv_lora_rank + layer.rope
-    cache = torch.randn(NB, bs, width, generator=g)
-    x = torch.randn(B, SIZES["hidden"], generator=g)
-    cos, sin = RotaryEmbedding(layer.rope, 10000.0)(torch.tensor(cached))
-    lora = LoRABatch.build(slots, [8, 3, 5, 0], device)
-    meta = AttnMetadata(*(t.to(device) for t in (meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                                                 meta.query_start)), meta.seqs, meta.max_seq_len, 1)
-    return x.to(device), cos.to(device), sin.to(device), meta, cache.to(device), lora
+    return extend_step(layer, cached, [1] * len(cached), slots, bs, seed, device)
 
 
 def run(layer: MLAttention, step, absorbed: bool, lora=True):
