@@ -12,9 +12,10 @@ gets one token a step and its ITL is the step's length with a chunk of prompt be
 ITL: the wall time between two tokens of one decode request, read on the host after each `step()` (the token
 has reached the host by then: with overlapped scheduling a step returns the previous step's tokens, which is
 what a streaming client sees). p50 / p99 over every decode request and every gap in the window; prefill
-tokens/s = prompt tokens / (from adding the prompts until the last has its token). Mixed steps run eagerly
-(no CUDA graph covers a prefill chunk); the quiet steps too (the benchmark's engines are eager), so the quiet
-ITL is an eager decode's, above what the captured decode graphs give in serving.
+tokens/s = prompt tokens / (from adding the prompts until the last has its token). The engines are prefill.py's:
+eager by default (mixed and quiet steps; the quiet ITL is then an eager decode's, above what the decode graphs give
+in serving); with its --cuda-graphs decode the quiet steps replay decode graphs, with piecewise the mixed steps of
+up to 512 tokens replay the piecewise graphs too.
 """
 
 from __future__ import annotations

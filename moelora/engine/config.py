@@ -76,7 +76,12 @@ class EngineConfig:
     # vs 326.3, 256: 388.5 vs 358.3). Off switch.
     base_decode_graphs: bool = True
     enable_prefix_caching: bool = True
-    enforce_eager: bool = False  # off switch for CUDA-graph decode
+    enforce_eager: bool = False  # off switch for CUDA graphs (decode, and the piecewise graphs below)
+    # Steps with prompt rows (a prefill chunk, alone or beside decodes) of up to this many tokens replay
+    # piecewise CUDA graphs (`engine/piecewise_graphs.py`): each layer's attention eager, everything else
+    # captured at token buckets, where such a step otherwise launches every kernel from the host. One device
+    # (not under tensor parallelism), with the decode graphs (`enforce_eager` turns both off). 0: off switch.
+    piecewise_graph_tokens: int = 512
     overlap_shared_experts: bool = True  # off switch for the shared expert's second stream
     # LoRA work on a second stream, concurrent with the base GEMM reading the same input (CUDA, Triton):
     # the dense LoRA shrink next to cuBLAS, the routed experts' down delta next to the down GEMM.
@@ -216,6 +221,8 @@ class EngineConfig:
                               f"{model.max_position_embeddings}")
         if self.max_loras < 0 or self.max_lora_rank < 0:
             raise ConfigError("max_loras and max_lora_rank must be >= 0")
+        if self.piecewise_graph_tokens < 0:
+            raise ConfigError(f"piecewise_graph_tokens must be >= 0 (0: off), got {self.piecewise_graph_tokens}")
         targets = ("auto",) if self.lora_target_modules == "auto" else self.lora_target_modules
         if targets is not None:
             if isinstance(targets, str) or not all(isinstance(t, str) and t.strip(".") for t in targets):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -43,6 +44,20 @@ from moelora.lora.batch import NO_SLOT, LoRABatch, LoRANeeds, plan_step
 log = logging.getLogger(__name__)
 
 
+@contextmanager
+def collection_off():
+    """No garbage collection inside a capture: a collected cycle holding another engine's graphs destroys them
+    (cudaGraphExecDestroy), which is not permitted while a stream captures and invalidates it. Collects first."""
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def default_buckets(max_num_seqs: int) -> list[int]:
     small = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
     return small + list(range(16, max_num_seqs, 16)) + [max_num_seqs]
@@ -53,15 +68,59 @@ def graph_reserve(cfg: EngineConfig, vocab: int, activations: int, profile_token
     bucket's logits [B, vocab] fp32, once per graph set (two with `base_decode_graphs` when there are
     LoRA slots: the sets share the pool's activations, not their outputs), and one decode forward's
     activations at the largest bucket, taken as the profile forward's peak (`activations`, at
-    `profile_tokens` rows) scaled to max_num_seqs rows. 0 without CUDA graphs."""
+    `profile_tokens` rows) scaled to max_num_seqs rows; with piecewise graphs (`piecewise_graphs.py`) twice the
+    peak scaled to their largest bucket: their pool (one piece's transients) and their static buffers (the
+    residual, attention state and output, hidden rows at that many rows). 0 without CUDA graphs."""
+    from moelora.engine.piecewise_graphs import piecewise_tokens
+
     if not cfg.use_cuda_graphs:
         return 0
     sets = 2 if cfg.base_decode_graphs and cfg.has_lora_slots else 1
     logits = sum(set(default_buckets(cfg.max_num_seqs))) * vocab * 4 * sets
-    return logits + int(activations * min(1.0, cfg.max_num_seqs / max(1, profile_tokens)))
+    pieces = 2 * activations * min(1.0, piecewise_tokens(cfg) / max(1, profile_tokens))
+    return logits + int(activations * min(1.0, cfg.max_num_seqs / max(1, profile_tokens)) + pieces)
 
 
-class CudaGraphRunner:
+class GraphSet:
+    """What both graph runners share: the padding of their static per-row inputs (`input_ids`, `positions`,
+    `slot_mapping`, `token_slots`, `dummy_slot`: the subclass's), what their graphs hold of LoRA -- the sites
+    left out (`lora_idle`) and the width (`lora_width`: None, the pool's) -- and the re-capture a step needs
+    when its batch wants more; `capture(lora_idle, lora_width)` is the subclass's."""
+
+    what = "decode graphs"
+    lora_idle: frozenset = frozenset()
+    lora_width: int | None = None
+
+    def holds(self, max_rank: int | None) -> bool:
+        """Whether the graphs serve a step whose rows' adapters reach rank `max_rank` (None: unknown)."""
+        return self.lora_width is None or (max_rank is not None and max_rank <= self.lora_width)
+
+    @staticmethod
+    def width_class(max_rank: int | None) -> int | None:
+        """The width to capture at for adapters up to `max_rank`: its tile width (a power of two >= 16),
+        so every rank of one class shares the graphs."""
+        return None if max_rank is None else lora_tile_rank(max_rank, None)
+
+    def _pad_rows(self, lo: int, hi: int) -> None:
+        """Rows [lo, hi) of the static inputs become padding: token 0 at position 0, no adapter, the dummy KV
+        block."""
+        self.input_ids[lo:hi].zero_()
+        self.positions[lo:hi].zero_()
+        self.slot_mapping[lo:hi].fill_(self.dummy_slot)
+        self.token_slots[lo:hi].fill_(NO_SLOT)
+
+    def ensure_captured(self, lora: LoRABatch | None) -> None:
+        """Re-capture first when a step's LoRA batch needs sites the graphs left out or a wider LoRA width
+        (decided from the step's inputs alone: every tensor-parallel rank decides the same)."""
+        if lora is not None and (lora.idle != self.lora_idle or not self.holds(lora.max_rank)):
+            why = "LoRA sites turned on" if self.holds(lora.max_rank) else f"LoRA rank {lora.max_rank}"
+            width = None if lora.max_rank is None or self.lora_width is None else max(lora.max_rank, self.lora_width)
+            self.capture(lora.idle, width)
+            log.info("%s: %s re-captured at LoRA width %s (%d buckets, %.2f s)", why, self.what,
+                     self.lora_width or "of the pool", len(self.buckets), self.capture_s)
+
+
+class CudaGraphRunner(GraphSet):
     def __init__(self, model, cache, max_num_seqs: int, max_model_len: int, dummy_block: int, needs: LoRANeeds,
                  base_graphs: bool = False, lora_sites: frozenset = frozenset()):
         """`needs`: the eager runner's (`runner.lora_needs`; the captured forward builds its batch by the
@@ -85,8 +144,6 @@ class CudaGraphRunner:
         self.base: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # the graphs without LoRA
         self.replays = self.base_replays = 0
         self.pool = None
-        self.lora_idle: frozenset = frozenset()  # the idle LoRA sites the graphs were captured with
-        self.lora_width: int | None = None  # the LoRA width they were captured at (None: the pool's)
         self.captures = 0
         self.capture_s = 0.0  # wall time of the last capture, warm-up included
 
@@ -99,16 +156,6 @@ class CudaGraphRunner:
                          self.lora_idle) if with_lora else None
         hidden = self.model(self.input_ids[:B], self.positions[:B], meta, self.cache.layers, lora)
         return self.model.logits(hidden).float()
-
-    def holds(self, max_rank: int | None) -> bool:
-        """Whether the graphs serve a step whose rows' adapters reach rank `max_rank` (None: unknown)."""
-        return self.lora_width is None or (max_rank is not None and max_rank <= self.lora_width)
-
-    @staticmethod
-    def width_class(max_rank: int | None) -> int | None:
-        """The width to capture at for adapters up to `max_rank`: its tile width (a power of two >= 16),
-        so every rank of one class shares the graphs."""
-        return None if max_rank is None else lora_tile_rank(max_rank, None)
 
     @torch.inference_mode()
     def capture(self, lora_idle: frozenset = frozenset(), lora_width: int | None = None) -> None:
@@ -137,12 +184,7 @@ class CudaGraphRunner:
                 for B in self.buckets:
                     self._forward(B, with_lora)
         torch.cuda.current_stream().wait_stream(side)
-        # No garbage collection inside a capture: a collected cycle holding another engine's graphs destroys
-        # them (cudaGraphExecDestroy), which is not permitted while a stream captures and invalidates it.
-        gc.collect()
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
+        with collection_off():
             for graphs, with_lora in sets:  # one pool: a replay at a time, and each step reads its logits first
                 for B in reversed(self.buckets):
                     graph = torch.cuda.CUDAGraph()
@@ -151,20 +193,14 @@ class CudaGraphRunner:
                     if self.pool is None:
                         self.pool = graph.pool()
                     graphs[B] = (graph, logits)
-        finally:
-            if collecting:
-                gc.enable()
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - t0
 
     def _pad(self, lo: int, hi: int) -> None:
         """Rows [lo, hi) become padding: no adapter, the dummy KV block, context of 1."""
-        self.input_ids[lo:hi].zero_()
-        self.positions[lo:hi].zero_()
-        self.slot_mapping[lo:hi].fill_(self.dummy_slot)
+        self._pad_rows(lo, hi)
         self.block_tables[lo:hi, 0].fill_(self.dummy_slot // self.cache.block_size)
         self.seq_lens[lo:hi].fill_(1)
-        self.token_slots[lo:hi].fill_(NO_SLOT)
 
     def graph_for(self, B: int, lora: LoRABatch | None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """The bucket-B graph (and its logits) a step whose LoRA batch is `lora` replays: the base set's
@@ -173,16 +209,6 @@ class CudaGraphRunner:
 
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.buckets[-1]
-
-    def ensure_captured(self, lora: LoRABatch | None) -> None:
-        """Re-capture first when a step's LoRA batch needs sites the graphs left out or a wider LoRA width
-        (decided from the step's inputs alone: every tensor-parallel rank decides the same)."""
-        if lora is not None and (lora.idle != self.lora_idle or not self.holds(lora.max_rank)):
-            why = "LoRA sites turned on" if self.holds(lora.max_rank) else f"LoRA rank {lora.max_rank}"
-            width = None if lora.max_rank is None or self.lora_width is None else max(lora.max_rank, self.lora_width)
-            self.capture(lora.idle, width)
-            log.info("%s: decode graphs re-captured at LoRA width %s (%d buckets, %.2f s)", why,
-                     self.lora_width or "of the pool", len(self.buckets), self.capture_s)
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:

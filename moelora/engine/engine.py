@@ -21,6 +21,7 @@ from moelora.engine.config import EngineConfig
 from moelora.engine.cuda_graphs import CudaGraphRunner
 from moelora.engine.detokenize import StopStrings, first_stop
 from moelora.engine.kv_cache import PagedKVCache
+from moelora.engine.piecewise_graphs import PiecewiseGraphs, piecewise_tokens
 from moelora.engine.readback import ReadBack
 from moelora.engine.request import Request, SamplingParams, Status
 from moelora.engine.runner import ModelRunner, lora_needs
@@ -90,7 +91,7 @@ class LLMEngine:
         self.runner.lora_idle = frozenset(self._site_owners.values()) if cfg.skip_idle_lora_sites else frozenset()
         for name, path in (adapters or {}).items():
             self.pool.add(name, path)
-        self.graphs = None
+        self.graphs = self.pieces = None
         # MLA's expanded decode loops over sequences on the host: graphs need the absorbed form
         graph_safe = cfg.mla_absorbed_decode or not any(isinstance(m, MLAttention) for m in model.modules())
         if cfg.use_cuda_graphs and graph_safe and getattr(model, "supports_cuda_graphs", False):
@@ -99,6 +100,10 @@ class LLMEngine:
                                             needs, cfg.base_decode_graphs,
                                             frozenset(self._site_owners.values()))
             self.graphs.capture(self.lora_idle, self._graph_width)
+            tokens = piecewise_tokens(cfg)
+            if tokens:
+                self.pieces = PiecewiseGraphs(model, self.cache, tokens, pad, needs)
+                self.pieces.capture(self.lora_idle, self._graph_width)
         self.requests: dict[str, Request] = {}
         eos = set(model.config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -145,9 +150,9 @@ class LLMEngine:
         """Re-capture the decode graphs now if the idle LoRA sites changed since their capture, or a
         registered adapter is wider than their LoRA width (so the first request after adding adapters at
         run time does not pay for it)."""
-        g = self.graphs
-        if g is not None and (g.lora_idle != self.lora_idle or not g.holds(self._graph_width)):
-            self.graphs.capture(self.lora_idle, self._graph_width)
+        for g in (self.graphs, self.pieces):
+            if g is not None and (g.lora_idle != self.lora_idle or not g.holds(self._graph_width)):
+                g.capture(self.lora_idle, self._graph_width)
 
     def _turn_on(self, adapter: LoRAAdapter) -> None:
         """Every site `adapter` has LoRA at is no longer idle (monotone: the next LoRA batch carries the
@@ -286,6 +291,8 @@ class LLMEngine:
         decode_only = len(inputs.sample_index) == len(step.requests) == step.num_tokens
         if self.graphs is not None and decode_only and self.graphs.can_run(len(step.requests)):
             logits = self.graphs.run(inputs)
+        elif self.pieces is not None and self.pieces.can_run(step.num_tokens):
+            logits = self.pieces.run(inputs)
         else:
             logits = self.runner.run(inputs)
         reqs = [step.requests[i] for i in inputs.sample_index]

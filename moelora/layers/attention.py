@@ -83,6 +83,14 @@ class Attention(nn.Module):
                 kv: tuple[torch.Tensor, torch.Tensor], lora: LoRABatch | None = None,
                 x_fp8: FP8Rows | None = None) -> torch.Tensor:
         """x_fp8: x quantized for the W8A8 q/k/v by the norm that wrote it (`DecoderLayer`)."""
+        return self.output(*self.attend(self.project(x, cos, sin, meta, kv, lora, x_fp8), meta, kv), lora)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
+                kv: tuple[torch.Tensor, torch.Tensor], lora: LoRABatch | None = None,
+                x_fp8: FP8Rows | None = None) -> tuple[torch.Tensor, ...]:
+        """q/k/v projections, q/k norm and rotary -> what `attend` reads: (q [T, N, D],) under backend
+        "triton" (k / v stored in the cache here, at meta.slot_mapping, the one field of `meta` read), else
+        (q, k, v). Never reads the step's sequences: a piecewise graph captures it (`engine.piecewise_graphs`)."""
         T = x.shape[0]
         if self.options.merge_qkv:  # q, k, v: column views of one [T, N*D + 2*N_kv*D] output
             q, k, v = self.qkv_proj(x, lora, x_fp8).split(self.qkv_proj.out_sizes, dim=-1)
@@ -93,25 +101,34 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv
-        kernel_kw = {}  # the Triton launchers' (the torch twins take none)
         if self.options.kernel_backend == "triton":
-            from moelora.kernels.attention import paged_attention
             from moelora.kernels.rotary import KVStore, qk_norm_rope
 
             # per-head norm (if any) and rotary of q and k, and k / v into the cache: one launch
-            kernel_kw = {"pdl": self.options.pdl, "kv_stored": True}
             per_head = self.qk_norm == "per_head"
-            q, k = qk_norm_rope(q, k, cos, sin, self.q_norm.weight if per_head else None,
+            q, _ = qk_norm_rope(q, k, cos, sin, self.q_norm.weight if per_head else None,
                                 self.k_norm.weight if per_head else None, self.eps,
-                                kv_store=KVStore(v, k_cache, v_cache, meta.slot_mapping), pdl=self.options.pdl)
-            v = None  # stored
+                                kv_store=KVStore(v, kv[0], kv[1], meta.slot_mapping), pdl=self.options.pdl)
+            return (q,)
+        if self.qk_norm == "per_head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def attend(self, state: tuple[torch.Tensor, ...], meta: AttnMetadata, kv: tuple[torch.Tensor, torch.Tensor],
+               lora: LoRABatch | None = None) -> tuple[torch.Tensor, FP8Rows | None]:
+        """Causal paged attention of `project`'s state over each sequence's cache (the torch backend stores k / v
+        first) -> (out [T, N*D], its rows quantized for the W8A8 o_proj where the kernel writes them, else None).
+        Its launches depend on the step's sequences: eager between a piecewise graph's pieces."""
+        k_cache, v_cache = kv
+        if self.options.kernel_backend == "triton":
+            from moelora.kernels.attention import paged_attention
+
+            (q,), k, v = state, None, None
+            kernel_kw = {"pdl": self.options.pdl, "kv_stored": True}
         else:
             from moelora.kernels.reference import paged_attention_ref as paged_attention
 
-            if self.qk_norm == "per_head":
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            (q, k, v), kernel_kw = state, {}  # the torch twins take no launch options
         rows = None
         if self.fp8_out:
             from moelora.kernels.attention import paged_attention_fp8
@@ -119,4 +136,8 @@ class Attention(nn.Module):
             out, rows = paged_attention_fp8(q, k, v, k_cache, v_cache, meta, self.head_dim ** -0.5, **kernel_kw)
         else:
             out = paged_attention(q, k, v, k_cache, v_cache, meta, self.head_dim ** -0.5, **kernel_kw)
-        return self.o_proj(out.reshape(T, -1), lora, rows)
+        return out.reshape(q.shape[0], -1), rows
+
+    def output(self, out: torch.Tensor, rows: FP8Rows | None, lora: LoRABatch | None = None) -> torch.Tensor:
+        """o_proj of `attend`'s output [T, N*D] -> [T, H]."""
+        return self.o_proj(out, lora, rows)

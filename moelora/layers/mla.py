@@ -111,41 +111,72 @@ class MLAttention(nn.Module):
                 kv: tuple[torch.Tensor], lora: LoRABatch | None = None, x_fp8: FP8Rows | None = None
                 ) -> torch.Tensor:
         """x_fp8: x quantized for the W8A8 projections of x by the norm that wrote it (`DecoderLayer`)."""
-        T, N, C = x.shape[0], self.num_heads, self.kv_lora_rank
-        absorbed = self.options.mla_absorbed_decode and meta.max_query_len == 1
-        assert not absorbed or self.kv_b_proj.bias is None  # DeepSeek's has none; the absorbed forms assume it
-        # the absorbed decode's kv_b weight, asked for on a prefill too (`DenseKVB`: made before the KV pool is sized)
-        w_kv_b = self.kv_b_dense(self.kv_b_proj, x.dtype) if self.options.mla_absorbed_decode else None
-        if not absorbed and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        if self._absorbed(meta):
+            assert self.kv_b_proj.bias is None  # DeepSeek's has none; the absorbed forms assume it
+        elif x.is_cuda and torch.cuda.is_current_stream_capturing():
             raise ConfigError("MLA attention is graph-safe only for decode steps with mla_absorbed_decode on: "
                               "run this model with enforce_eager=True")
+        # the absorbed decode's kv_b weight, asked for on a prefill too (`DenseKVB`: made before the KV pool is sized)
+        w_kv_b = self.kv_b_dense(self.kv_b_proj, x.dtype) if self.options.mla_absorbed_decode else None
+        if self._absorbed(meta):
+            T, N = x.shape[0], self.num_heads
+            q, compressed = self._project_x(x, lora, x_fp8)
+            q = q.view(T, N, self.nope + self.rope)
+            (cache,) = kv
+            if self.options.kernel_backend == "triton":
+                out = self._decode_triton(q, compressed, cos, sin, cache, meta, lora, w_kv_b)
+            else:
+                q, entries = self._rotate_torch(q, compressed, cos, sin)
+                out = self._decode_absorbed(q[..., :self.nope], q[..., self.nope:], entries, cache, meta, lora,
+                                            w_kv_b)
+            return self.output(out.reshape(T, N * self.v_dim), None, lora)
+        return self.output(*self.attend(self.project(x, cos, sin, meta, kv, lora, x_fp8), meta, kv, lora), lora)
+
+    def _absorbed(self, meta: AttnMetadata) -> bool:
+        return self.options.mla_absorbed_decode and meta.max_query_len == 1
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
+                kv: tuple[torch.Tensor], lora: LoRABatch | None = None, x_fp8: FP8Rows | None = None
+                ) -> tuple[torch.Tensor, ...]:
+        """The expanded form's first half (a step with prompt rows): the projections of x and the rotations ->
+        what `attend` reads: under backend "triton" (q [T, N, Dn + Dr],) with the latent normed and stored in the
+        cache at meta.slot_mapping (`kernels.mla_rope`: one launch, q's rope columns rotated in place: q is the
+        projection's own output, read by nothing else), else (q, entries [T, C + Dr]) for `attend` to store.
+        Reads no other field of `meta`: a piecewise graph captures it (`engine.piecewise_graphs`)."""
+        T, N = x.shape[0], self.num_heads
         q, compressed = self._project_x(x, lora, x_fp8)
         q = q.view(T, N, self.nope + self.rope)
-        (cache,) = kv
-        if absorbed and self.options.kernel_backend == "triton":
-            out = self._decode_triton(q, compressed, cos, sin, cache, meta, lora, w_kv_b)
-            return self.o_proj(out.reshape(T, N * self.v_dim), lora)
-        if not absorbed and self.options.kernel_backend == "triton":  # rotations, latent norm, store: one launch
+        if self.options.kernel_backend == "triton":
             from moelora.kernels.mla_rope import mla_rope_store
 
             norm = self.kv_a_layernorm
-            # q's rope columns rotated in place: q is the projection's own output, read by nothing else
-            mla_rope_store(q, compressed, cos, sin, norm.weight, norm.eps, cache, meta.slot_mapping,
+            mla_rope_store(q, compressed, cos, sin, norm.weight, norm.eps, kv[0], meta.slot_mapping,
                            interleave=self.interleave, in_place=True, pdl=self.options.pdl)
-            out = mla_attention_expanded(q, None, cache, meta, self.kv_b_proj, lora, self.nope, self.v_dim,
-                                         self.scale, keys_kernel=True)
-            return self.o_proj(out.reshape(T, N * self.v_dim), lora)
+            return (q,)
+        return self._rotate_torch(q, compressed, cos, sin)
+
+    def _rotate_torch(self, q: torch.Tensor, compressed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q with its rope part rotated, the cache entries [T, C + Dr]: the normed latent and rotated key), torch."""
+        C = self.kv_lora_rank
         q = torch.cat((q[..., :self.nope], self.rotate(q[..., self.nope:], cos, sin)), dim=-1)
         latent = self.kv_a_layernorm(compressed[:, :C])
         k_rot = self.rotate(compressed[:, None, C:], cos, sin)[:, 0]
-        entries = torch.cat((latent, k_rot), dim=-1)
-        if absorbed:
-            out = self._decode_absorbed(q[..., :self.nope], q[..., self.nope:], entries, cache, meta, lora,
-                                         w_kv_b)
-        else:
-            out = mla_attention_expanded(q, entries, cache, meta, self.kv_b_proj, lora, self.nope, self.v_dim,
-                                         self.scale)
-        return self.o_proj(out.reshape(T, N * self.v_dim), lora)
+        return q, torch.cat((latent, k_rot), dim=-1)
+
+    def attend(self, state: tuple[torch.Tensor, ...], meta: AttnMetadata, kv: tuple[torch.Tensor],
+               lora: LoRABatch | None = None) -> tuple[torch.Tensor, None]:
+        """The expanded attention of `project`'s state over each sequence's latents (kv_b with each row's
+        adapter) -> (out [T, N * Dv], None). Host loops over the step's sequences: eager, between a piecewise
+        graph's pieces."""
+        q, entries = (state[0], None) if len(state) == 1 else state
+        out = mla_attention_expanded(q, entries, kv[0], meta, self.kv_b_proj, lora, self.nope, self.v_dim,
+                                     self.scale, keys_kernel=entries is None)
+        return out.reshape(q.shape[0], self.num_heads * self.v_dim), None
+
+    def output(self, out: torch.Tensor, rows: None, lora: LoRABatch | None = None) -> torch.Tensor:
+        """o_proj of the attention's output [T, N * Dv] -> [T, H]."""
+        return self.o_proj(out, lora)
 
     def _decode_triton(self, q: torch.Tensor, compressed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        cache: torch.Tensor, meta: AttnMetadata, lora: LoRABatch | None, w_kv_b: torch.Tensor

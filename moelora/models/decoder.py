@@ -91,8 +91,16 @@ class DecoderLayer(nn.Module):
         return norm.add_forward_fp8(x, delta) if self.fp8_inputs else (*norm.add_forward(x, delta), None)
 
     def forward(self, residual: torch.Tensor, delta: Delta, cos, sin, meta, kv, lora) -> tuple[torch.Tensor, Delta]:
-        x, normed, rows = self._norm(self.input_layernorm, residual, delta)
-        attn = self.self_attn(normed, cos, sin, meta, kv, lora, x_fp8=rows)
+        x, normed, rows = self.attention_input(residual, delta)
+        return self.after_attention(x, self.self_attn(normed, cos, sin, meta, kv, lora, x_fp8=rows), lora)
+
+    def attention_input(self, residual: torch.Tensor, delta: Delta):
+        """The layer input residual + delta and the attention's input: (x, normed, its FP8Rows or None)."""
+        return self._norm(self.input_layernorm, residual, delta)
+
+    def after_attention(self, x: torch.Tensor, attn: torch.Tensor, lora) -> tuple[torch.Tensor, Delta]:
+        """From the attention's output [T, H] (o_proj's; a partial sum under tensor parallelism) to the next
+        layer's pair (h, mlp_out)."""
         if self.shard is not None:
             attn = self.shard.all_reduce(attn)
         h, normed, rows = self._norm(self.post_attention_layernorm, x, attn)

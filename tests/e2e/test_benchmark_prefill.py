@@ -73,3 +73,18 @@ def test_a_run_times_every_workload_and_profiles_them(tmp_path, monkeypatch, cap
         for _, eng, _ in engines:
             assert not eng.requests and eng.cache.allocator.num_free == eng.cache.allocator.num_blocks
             assert not eng.cfg.enable_prefix_caching and eng.cfg.max_num_batched_tokens == chunk
+
+
+@pytest.mark.parametrize("graphs,want", [("off", dict(enforce_eager=True)),
+                                         ("decode", dict(enforce_eager=False, piecewise_graph_tokens=0)),
+                                         ("piecewise", dict(enforce_eager=False, piecewise_graph_tokens=512))])
+def test_cuda_graphs_choice_reaches_every_engine(graphs, want, monkeypatch):
+    """--cuda-graphs: the engine configs it asks for (the CPU has no graphs to capture: the configs are checked)."""
+    monkeypatch.setattr(prefill, "model_with_adapters", tiny_model)
+    monkeypatch.setattr(prefill, "no_lora_twin", lambda model, cfg, quant=None: decode.no_lora_twin(model, cfg, quant))
+    monkeypatch.setattr(prefill, "engine", cpu_engine)
+    _, by_chunk = prefill.build_engines("qwen3_30b", None, {20: 2}, [32], **prefill.GRAPHS[graphs])
+    engines = [eng for _, eng, _ in by_chunk[32]]
+    assert len(engines) == 3
+    for eng in engines:
+        assert {k: getattr(eng.cfg, k) for k in want} == want

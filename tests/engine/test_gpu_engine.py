@@ -27,8 +27,10 @@ from tests.helpers.gpu_engine import (
     gpu_engine,
     logprob_diff,
     racy_and_safe,
+    staggered,
     tiny_adapters,
     tiny_model,
+    without_host_sync,
     workload,
 )
 from tests.helpers.kernel_env import planned_everywhere, record_planned_sites
@@ -53,6 +55,42 @@ def test_cuda_graph_decode_matches_eager(model_and_adapters):
     reqs = generate(graphed, prompts, names, 256)
     assert all(len(r.output_ids) == 256 for r in reqs)
     assert forced_logprob_diff(gpu_engine(model, adapters, enforce_eager=True), reqs) <= 0.05
+
+
+def test_piecewise_graphs_match_eager(model_and_adapters):
+    """Steps with prompt rows replay the piecewise graphs (`EngineConfig.piecewise_graph_tokens`): prompts arriving
+    two at a time while others decode, chunked at 96 tokens a step (buckets 16..96: padded steps and exact ones),
+    on every adapter and on none; the same greedy tokens as the engine with the pieces off (decode graphs in both,
+    the same steps), logprobs within 0.05."""
+    model, adapters = model_and_adapters
+    prompts, names = workload()
+    eng = gpu_engine(model, adapters, max_num_batched_tokens=96)
+    assert eng.pieces is not None and eng.pieces.buckets == [16, 32, 64, 96]
+    reqs = staggered(eng, prompts, names, 32)
+    assert eng.pieces.replays >= len(prompts) // 2  # every arrival's prefill at least
+    off = gpu_engine(model, adapters, max_num_batched_tokens=96, piecewise_graph_tokens=0)
+    assert off.pieces is None
+    assert logprob_diff(reqs, staggered(off, prompts, names, 32)) <= 0.05
+
+
+def test_piecewise_step_has_no_host_sync(model_and_adapters):
+    """Contract 5 for a step replaying the pieces: two prompts prefilled, then a step of their decodes beside two new
+    prompts, prepared by hand and run (a second time: the first may re-capture for the adapters' sites) under
+    `torch.cuda.set_sync_debug_mode("error")`, the eager attention between the pieces included."""
+    model, adapters = model_and_adapters
+    eng = gpu_engine(model, adapters, max_num_batched_tokens=96, async_scheduling=False)
+    prompts, names = workload(n=4)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for p, a in zip(prompts[:2], names[:2], strict=True):
+        eng.add_request(p, params, a)
+    eng.step()
+    for p, a in zip(prompts[2:], ["a0", "a2"], strict=True):
+        eng.add_request(p, params, a)
+    step = eng.scheduler.schedule()
+    assert step.num_tokens > len(step.requests) > 2 and eng.pieces.can_run(step.num_tokens)
+    inputs = eng.runner.prepare(step, eng.pool.acquire(r.adapter for r in step.requests), eng.pool.slot_ranks)
+    eng.pieces.run(inputs)
+    without_host_sync(lambda: eng.pieces.run(inputs))
 
 
 def test_base_only_steps_replay_graphs_without_lora(model_and_adapters):

@@ -71,6 +71,20 @@ def generate(eng, prompts, names, max_tokens):
     return reqs
 
 
+def staggered(eng, prompts, names, max_tokens: int, every: int = 2):
+    """Greedy requests added two at a time, every `every` steps, so prompts prefill beside decodes (steps with
+    prompt rows: the piecewise graphs' steps)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0)
+    reqs, todo, n = [], list(zip(prompts, names, strict=True)), 0
+    while todo or eng.has_unfinished():
+        if todo and n % every == 0:
+            reqs += [eng.add_request(p, params, a) for p, a in todo[:2]]
+            todo = todo[2:]
+        eng.step()
+        n += 1
+    return reqs
+
+
 def racy_and_safe(x: torch.Tensor, w: torch.Tensor, inplace: bool) -> torch.Tensor:
     """Side stream reads x after a delay; main overwrites x in place (wrong) or writes a new tensor."""
     main, side = torch.cuda.current_stream(), torch.cuda.Stream()
@@ -112,9 +126,14 @@ def decode_step_without_host_sync(eng) -> None:
     eng.step()  # prefill
     step = eng.scheduler.schedule()
     inputs = eng.runner.prepare(step, eng.pool.acquire(r.adapter for r in step.requests), eng.pool.slot_ranks)
+    without_host_sync(lambda: eng.runner.run(inputs))
+
+
+def without_host_sync(fn) -> None:
+    """Runs fn() under `torch.cuda.set_sync_debug_mode("error")` (after a device sync): any host sync raises."""
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        eng.runner.run(inputs)
+        fn()
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -1,0 +1,105 @@
+"""Piecewise graphs (`engine/piecewise_graphs.py`): the buckets, when they are on, and, under Triton's interpreter
+on the CPU, a whole engine whose steps with prompt rows replay the pieces equal the eager engine.
+
+The CPU has no CUDA graphs: the interpreter tests capture each piece with `ReplayByCall`, which runs the piece
+once when captured and again at every replay. What it checks is what a graph's replay depends on: every input
+of a step reaches the pieces through the static buffers (ids, positions, slot mapping, adapter slots: a step
+whose values did not would replay the capture's), padding rows change nothing, the eager attention between
+pieces reads the state the piece before left and hands its output to the next one, and the LoRA plan is the
+step's own. What it cannot check -- a host branch frozen at capture, an allocation or sync inside one -- the GPU
+tests (`test_gpu_engine.py`) check with real graphs.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moelora.engine.config import EngineConfig
+from moelora.engine.piecewise_graphs import PiecewiseGraphs, piecewise_tokens, token_buckets
+from moelora.errors import ConfigError
+from tests.helpers.gpu_engine import staggered
+from tests.helpers.kernel_env import interp_only
+from tests.helpers.models import build, build_from_architecture, config_of, engine, random_adapter
+from tests.helpers.oracle import randomize_, tiny_hf_model
+
+
+def test_buckets():
+    assert token_buckets(512) == [16, 32, 64, 128, 256, 512]
+    assert token_buckets(1000) == [16, 32, 64, 128, 256, 512, 768, 1000]
+    assert token_buckets(96) == [16, 32, 64, 96]
+    assert token_buckets(16) == [16]
+    assert token_buckets(5) == [5]
+
+
+def test_piecewise_tokens_follow_the_config():
+    on = dict(use_cuda_graphs=True, tensor_parallel_size=1, piecewise_graph_tokens=512, max_num_batched_tokens=300)
+    assert piecewise_tokens(SimpleNamespace(**on)) == 300  # within the step budget
+    assert piecewise_tokens(SimpleNamespace(**{**on, "max_num_batched_tokens": 8192})) == 512
+    for off in (dict(use_cuda_graphs=False), dict(piecewise_graph_tokens=0), dict(tensor_parallel_size=2)):
+        assert piecewise_tokens(SimpleNamespace(**{**on, **off})) == 0, off
+
+
+def test_negative_piecewise_tokens_are_refused():
+    cfg = config_of(tiny_hf_model("qwen3_moe", seed=1))
+    with pytest.raises(ConfigError, match="piecewise_graph_tokens must be >= 0"):
+        EngineConfig(device="cpu", piecewise_graph_tokens=-1).resolve(cfg)
+    assert piecewise_tokens(EngineConfig(device="cpu").resolve(cfg)) == 0  # the CPU has no CUDA graphs
+
+
+class ReplayByCall:
+    """A capturer standing in for CUDA graphs on the CPU: `capturer(fn)` runs fn once and returns (a graph whose
+    `replay()` runs fn again, fn's outputs)."""
+
+    def __call__(self, fn):
+        class Graph:
+            def replay(self):
+                fn()
+        return Graph(), fn()
+
+
+@pytest.mark.interp
+@interp_only
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_pieces_equal_the_eager_engine(family, monkeypatch):
+    """Prompts arriving two at a time while others decode (chunked at 24 tokens a step), on two adapters of
+    different ranks and on none: every step with prompt rows replays the pieces (buckets 16 and 24: padded
+    and exact), with the same greedy tokens as the eager engine and logprobs within 1e-4 (fp32)."""
+    if family == "qwen3_moe":
+        model = build(tiny_hf_model(family, seed=51), max_loras=2, max_rank=8)
+    else:
+        hf = tiny_hf_model(family, seed=51)
+        randomize_(hf, seed=51)
+        model = build_from_architecture(hf, 2, 8, torch.float32)
+    adapters = {"a": random_adapter(model, seed=52, rank=8), "b": random_adapter(model, seed=53, rank=4, frac=0.6)}
+    g = torch.Generator().manual_seed(54)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (11, 7, 17, 6, 9, 2)]
+    names = ["a", None, "b", "a", None, "b"]
+    kw = dict(kernel_backend="triton", max_num_batched_tokens=24, async_scheduling=False)
+
+    eager = engine(model, adapters, max_loras=2, **kw)
+    want = staggered(eager, prompts, names, 6)
+
+    eng = engine(model, adapters, max_loras=2, **kw)
+    pad = eng.cache.allocator.reserve()
+    eng.pieces = PiecewiseGraphs(eng.model, eng.cache, 24, pad, eng.runner.needs, capture=ReplayByCall)
+    assert eng.pieces.buckets == [16, 24]
+    eng.pieces.capture(eng.lora_idle, eng._graph_width)
+    sizes = []
+    run = eng.pieces.run
+
+    def recorded(inputs):
+        sizes.append(inputs.input_ids.shape[0])
+        return run(inputs)
+
+    monkeypatch.setattr(eng.pieces, "run", recorded)
+    got = staggered(eng, prompts, names, 6)
+
+    assert eng.pieces.replays == len(sizes) and any(n < 16 for n in sizes) and 24 in sizes
+    assert any(16 < n < 24 for n in sizes), sizes  # a step padded to 24
+    for a, b in zip(got, want, strict=True):
+        assert a.output_ids == b.output_ids, (a.request_id, a.adapter)
+        assert max(abs(x[0] - y[0]) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-4
+    eng.check_blocks()
