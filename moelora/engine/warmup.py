@@ -16,6 +16,8 @@ from them, and a step's block tables as their row stride (its longest sequence i
             with block tables of each row-stride class (1 block, a multiple of 16 blocks, neither);
   decode    eager (no graphs): the same token-count classes as rows of one token; with graphs, one
             replay of each bucket, on the base and the LoRA graphs;
+  pieces    with piecewise graphs, one prefill of each bucket's size through them, on no adapter and at the
+            widest LoRA width they hold;
 each with rows on no adapter and rows on an adapter slot at every LoRA tile width up to the widest
 registered adapter's; then the sampler's paths (greedy, temperature, top-k/p, seeded, logprobs,
 penalties, logit_bias, min_tokens) and the read-back. Torch kernels compile nothing, so on the torch
@@ -111,9 +113,10 @@ class _Scratch:
 @contextmanager
 def _untouched(engine) -> Iterator[_Scratch]:
     """A scratch space whose every trace is undone on the way out (see the module docstring)."""
-    alloc, graphs = engine.cache.allocator, engine.graphs
+    alloc, graphs, pieces = engine.cache.allocator, engine.graphs, engine.pieces
     free_order, used = list(alloc._free), alloc.num_used
     replays = (graphs.replays, graphs.base_replays) if graphs is not None else None
+    piece_replays = pieces.replays if pieces is not None else None
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state(engine.device) if engine.device.type == "cuda" else None
     scratch = _Scratch(engine)
@@ -126,14 +129,18 @@ def _untouched(engine) -> Iterator[_Scratch]:
         scratch.release()
         if replays is not None:
             graphs.replays, graphs.base_replays = replays
+        if piece_replays is not None:
+            pieces.replays = piece_replays
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng, engine.device)
 
 
-def _step(scratch: _Scratch, seqs: list[tuple[int, int]], width: int | None, graphs: bool = False):
+def _step(scratch: _Scratch, seqs: list[tuple[int, int]], width: int | None, graphs: bool = False,
+          pieces: bool = False):
     """One forward of sequences (cached context, new tokens), all on no adapter (width None) or on a slot
-    of LoRA width `width`; None (skipped) when the cache cannot hold it now. Blocks are freed after."""
+    of LoRA width `width`, eager or replaying the decode graphs or the piecewise graphs; None (skipped) when the
+    cache cannot hold it now. Blocks are freed after."""
     eng = scratch.engine
     need = sum(-(-(c + n) // scratch.alloc.block_size) for c, n in seqs)
     if need > scratch.blocks_free() or max(c + n for c, n in seqs) > eng.cfg.max_model_len:
@@ -143,7 +150,7 @@ def _step(scratch: _Scratch, seqs: list[tuple[int, int]], width: int | None, gra
     step = ScheduledStep(reqs, [n for _, n in seqs], [])
     ranks = [min(width or 0, eng.cfg.max_lora_rank)] * eng.cfg.max_loras  # tiles round it up to `width`
     inputs = eng.runner.prepare(step, {_WARMUP_ADAPTER: 0} if width is not None else {}, ranks)
-    logits = eng.graphs.run(inputs) if graphs else eng.runner.run(inputs)
+    logits = eng.graphs.run(inputs) if graphs else eng.pieces.run(inputs) if pieces else eng.runner.run(inputs)
     scratch.release()
     return logits
 
@@ -190,6 +197,11 @@ def _forwards(engine, scratch: _Scratch, widths: list[int | None], small: bool) 
         for width in graph_widths:
             for b in engine.graphs.buckets:
                 runs += _step(scratch, [(bs - 1, 1)] * b, width, graphs=True) is not None
+    if engine.pieces is not None:  # each bucket's pieces replayed once (their kernels compiled at the capture)
+        piece_widths = [None] + ([w for w in widths if w is not None and engine.pieces.holds(w)][-1:])
+        for width in piece_widths:
+            for t in engine.pieces.buckets:
+                runs += _step(scratch, _split(t, longest), width, pieces=True) is not None
     return runs
 
 

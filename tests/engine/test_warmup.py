@@ -84,6 +84,30 @@ def test_warm_up_runs_every_shape_and_leaves_no_trace(setup):
         assert ids == want_ids and lps == pytest.approx(want_lps, abs=1e-5)
 
 
+def test_warm_up_replays_each_piecewise_bucket_once_a_width(setup):
+    """With piecewise graphs (a stand-in recording its runs: the CPU has no graphs), each bucket runs one prefill
+    of its size through them on no adapter and at the widest width they hold; their replay count is put back."""
+    model, adapters = setup
+    eng = engine(model, adapters, max_loras=2, max_lora_rank=32, max_num_batched_tokens=40, max_model_len=96,
+                 num_kv_blocks=200)
+
+    class Pieces:
+        buckets, replays, seen = [16, 40], 7, []
+
+        def holds(self, width):
+            return width <= 16
+
+        def run(self, inputs):
+            self.seen.append((inputs.input_ids.shape[0], inputs.lora.max_rank if inputs.lora is not None else None))
+            self.replays += 1
+            return eng.runner.run(inputs)
+
+    eng.pieces = Pieces()
+    warm_up(eng, small=True)
+    assert eng.pieces.seen == [(16, None), (40, None), (16, 16), (40, 16)] and eng.pieces.replays == 7
+    eng.check_blocks()
+
+
 def test_warm_up_refuses_a_busy_engine(setup):
     model, adapters = setup
     eng = engine(model, adapters)
