@@ -3,11 +3,11 @@
 The model of `benchmarks/decode.py` (`model_with_adapters`; --layers N keeps a run short; --quantization fp8
 [--no-fp8-activation-quant]: its projections in FP8, as decode.py's) and its no-LoRA twin over the same weights,
 each in an engine with prefix caching off and, by default, eager (--cuda-graphs decode: the decode graphs, which
-the --itl decodes replay; piecewise: also the piecewise graphs, which replay steps of up to 512 tokens, chunk
-included). At each prompt length (--prompts, default 512 / 2048 / 8192), `--tokens` prompt tokens a run (--tokens /
-length random prompts, fresh ones every run) are prefilled with one token each, chunked as the scheduler chunks them
-(--chunk: max_num_batched_tokens, default the engine's 2048; a list: an engine pair each, over the same weights): no
-LoRA, 1 adapter, and 8 adapters
+the --itl decodes replay; piecewise: also the piecewise graphs, which replay steps of up to --piecewise-tokens,
+default 512, within the chunk). At each prompt length (--prompts, default 512 / 2048 / 8192), `--tokens` prompt
+tokens a run (--tokens / length random prompts, fresh ones every run) are prefilled with one token each, chunked as
+the scheduler chunks them (--chunk: max_num_batched_tokens, default the engine's 2048; a list: an engine pair each,
+over the same weights): no LoRA, 1 adapter, and 8 adapters
 of rank 16 spread over the requests. After an untimed warm-up run of each, the three run in turns for --repeats
 rounds (median; `moelora.bench.time_prefill`: wall clock from adding the requests to the last token, one device sync
 at the end). Prints tokens/s, the % of the bf16 matmul peak measured here, and LoRA's ratio to no LoRA; writes a
@@ -31,7 +31,7 @@ functions.
 
 usage: python benchmarks/prefill.py OUT.csv [--model qwen3_30b|dsv2_lite] [--layers N] [--quantization fp8]
        [--prompts 512,2048,8192] [--tokens 16384] [--chunk 2048[,8192]] [--repeats 2] [--no-async-scheduling]
-       [--no-overlap-lora] [--cuda-graphs off|decode|piecewise]
+       [--no-overlap-lora] [--cuda-graphs off|decode|piecewise [--piecewise-tokens 512]]
        [--moe-table TABLE.json] [--plan-max-routes 16384]
        [--itl 32 [--itl-chunk 2048,4096,8192] [--itl-len 8192] [--itl-prompts 4] [--itl-decode-len 256]
        [--itl-quiet 10]]
@@ -98,8 +98,14 @@ def plan_runs(prompts: list[int], tokens: int) -> dict[int, int]:
 
 
 # --cuda-graphs: what the engines capture (off: eager, as the prefill measurements before piecewise graphs)
-GRAPHS = {"off": dict(enforce_eager=True), "decode": dict(enforce_eager=False, piecewise_graph_tokens=0),
-          "piecewise": dict(enforce_eager=False)}
+GRAPHS = ("off", "decode", "piecewise")
+
+
+def graphs_kw(graphs: str, piecewise_tokens: int = 512) -> dict:
+    """The engine config fields of a --cuda-graphs choice."""
+    if graphs == "off":
+        return dict(enforce_eager=True)
+    return dict(enforce_eager=False, piecewise_graph_tokens=piecewise_tokens if graphs == "piecewise" else 0)
 
 
 def build_engines(name: str, layers: int | None, runs: dict[int, int], chunks: list[int],
@@ -176,8 +182,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--no-async-scheduling", action="store_true")
     ap.add_argument("--no-overlap-lora", action="store_true", help="EngineConfig.overlap_lora=False")
     ap.add_argument("--cuda-graphs", default="off", choices=list(GRAPHS),
-                    help="the engines' CUDA graphs: off (eager), decode graphs only, or decode and piecewise graphs "
-                         "(steps up to min(chunk, 512) tokens)")
+                    help="the engines' CUDA graphs: off (eager), decode graphs only, or decode and piecewise graphs")
+    ap.add_argument("--piecewise-tokens", type=int, default=512,
+                    help="--cuda-graphs piecewise: EngineConfig.piecewise_graph_tokens (steps up to min(chunk, N))")
     ap.add_argument("--moe-table", default=None, help="EngineConfig.fused_moe_table: a fused-MoE table file")
     ap.add_argument("--plan-max-routes", type=int, default=0, help="A/B hook: the most routes the routing plan "
                     "builds in one launch (kernels.moe_plan; 0: as shipped)")
@@ -230,13 +237,14 @@ def main() -> None:
     cfg, by_chunk = build_engines(args.model, args.layers or None, runs, sorted(set(chunks + itl_chunks)), extra,
                                   quant=args.quant, async_scheduling=not args.no_async_scheduling,
                                   overlap_lora=not args.no_overlap_lora,
-                                  fused_moe_table=args.moe_table, **GRAPHS[args.cuda_graphs])
+                                  fused_moe_table=args.moe_table, **graphs_kw(args.cuda_graphs, args.piecewise_tokens))
     print(f"# model and engines built in {time.perf_counter() - t0:.0f} s", flush=True)
     log(f"GPU {torch.cuda.get_device_name()}, bf16 matmul peak {peak:.0f} TFLOP/s; {args.model} shape, "
         f"{cfg.num_layers} layers, {quant_name(args.quant)}; chunk (max_num_batched_tokens) {args.chunk}, "
         f"prefix caching off, {args.repeats} rounds" + (", overlap_lora off" if args.no_overlap_lora else "")
         + (f", fused-MoE table {args.moe_table}" if args.moe_table else "")
         + (f", CUDA graphs {args.cuda_graphs}" if args.cuda_graphs != "off" else "")
+        + (f" up to {args.piecewise_tokens} tokens" if args.cuda_graphs == "piecewise" else "")
         + (f", one-launch routing plan up to {args.plan_max_routes} routes" if args.plan_max_routes else ""))
     timed = {p: n for p, n in runs.items() if p in prompts}
     vocab = min(1000, cfg.vocab_size)

@@ -77,13 +77,13 @@ def test_a_run_times_every_workload_and_profiles_them(tmp_path, monkeypatch, cap
 
 @pytest.mark.parametrize("graphs,want", [("off", dict(enforce_eager=True)),
                                          ("decode", dict(enforce_eager=False, piecewise_graph_tokens=0)),
-                                         ("piecewise", dict(enforce_eager=False, piecewise_graph_tokens=512))])
+                                         ("piecewise", dict(enforce_eager=False, piecewise_graph_tokens=96))])
 def test_cuda_graphs_choice_reaches_every_engine(graphs, want, monkeypatch):
     """--cuda-graphs: the engine configs it asks for (the CPU has no graphs to capture: the configs are checked)."""
     monkeypatch.setattr(prefill, "model_with_adapters", tiny_model)
     monkeypatch.setattr(prefill, "no_lora_twin", lambda model, cfg, quant=None: decode.no_lora_twin(model, cfg, quant))
     monkeypatch.setattr(prefill, "engine", cpu_engine)
-    _, by_chunk = prefill.build_engines("qwen3_30b", None, {20: 2}, [32], **prefill.GRAPHS[graphs])
+    _, by_chunk = prefill.build_engines("qwen3_30b", None, {20: 2}, [32], **prefill.graphs_kw(graphs, 96))
     engines = [eng for _, eng, _ in by_chunk[32]]
     assert len(engines) == 3
     for eng in engines:
