@@ -78,11 +78,15 @@ def test_pieces_equal_the_eager_engine(family, monkeypatch):
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (11, 7, 17, 6, 9, 2)]
     names = ["a", None, "b", "a", None, "b"]
     kw = dict(kernel_backend="triton", max_num_batched_tokens=24, async_scheduling=False)
-
     eager = engine(model, adapters, max_loras=2, **kw)
-    want = staggered(eager, prompts, names, 6)
+    pieced = engine(model, adapters, max_loras=2, **kw)
+    assert_pieces_equal_eager(pieced, eager, prompts, names, monkeypatch)
 
-    eng = engine(model, adapters, max_loras=2, **kw)
+
+def assert_pieces_equal_eager(eng, eager, prompts, names, monkeypatch):
+    """`eng` given piecewise graphs of up to 24 tokens (`ReplayByCall`) runs the staggered requests with the same
+    greedy tokens as `eager` and logprobs within 1e-4, through buckets padded and exact."""
+    want = staggered(eager, prompts, names, 6)
     pad = eng.cache.allocator.reserve()
     eng.pieces = PiecewiseGraphs(eng.model, eng.cache, 24, pad, eng.runner.needs, capture=ReplayByCall)
     assert eng.pieces.buckets == [16, 24]
@@ -103,3 +107,31 @@ def test_pieces_equal_the_eager_engine(family, monkeypatch):
         assert a.output_ids == b.output_ids, (a.request_id, a.adapter)
         assert max(abs(x[0] - y[0]) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-4
     eng.check_blocks()
+
+
+@pytest.mark.interp
+@interp_only
+def test_pieces_equal_the_eager_engine_on_w8a8_fp8(tmp_path, monkeypatch):
+    """A block-FP8 Qwen3-MoE checkpoint under W8A8 with 128-wide heads: the norms inside the pieces write the
+    quantized rows the projections read, the o projection (captured) quantizes the eager attention's output
+    itself; the same tokens and logprobs as the eager engine."""
+    from moelora import LLM
+    from tests.helpers.fp8_models import QWEN_SIZES, SITES
+    from tests.helpers.fp8_oracle import write_fp8_checkpoint
+    from tests.helpers.oracle_lora import MLP, build_peft_adapter
+
+    hf = tiny_hf_model("qwen3_moe", seed=8, **dict(QWEN_SIZES, head_dim=128))
+    write_fp8_checkpoint(hf, tmp_path / "model", "block", "per_expert")
+    peft = build_peft_adapter(hf, tmp_path / "peft", seed=2, target_modules=SITES["qwen3_moe"] + MLP)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in (11, 7, 17, 6)]
+    names = ["b", None, "b", None]
+
+    def make():
+        return LLM(tmp_path / "model", {"b": peft}, device="cpu", dtype="float32", max_lora_rank=8, max_loras=1,
+                   kernel_backend="triton", fp8_activation_quant=True, max_num_batched_tokens=24,
+                   async_scheduling=False).engine
+
+    eng = make()
+    assert eng.model.model.layers[0].fp8_inputs and eng.model.model.layers[0].self_attn.fp8_out
+    assert_pieces_equal_eager(eng, make(), prompts, names, monkeypatch)
