@@ -86,7 +86,7 @@ def test_pieces_equal_the_eager_engine(family, monkeypatch):
 def assert_pieces_equal_eager(eng, eager, prompts, names, monkeypatch):
     """`eng` given piecewise graphs of up to 24 tokens (`ReplayByCall`) runs the staggered requests with the same
     greedy tokens as `eager` and logprobs within 1e-4, through buckets padded and exact."""
-    want = staggered(eager, prompts, names, 6)
+    want = staggered(eager, prompts, names, 4)
     pad = eng.cache.allocator.reserve()
     eng.pieces = PiecewiseGraphs(eng.model, eng.cache, 24, pad, eng.runner.needs, capture=ReplayByCall)
     assert eng.pieces.buckets == [16, 24]
@@ -99,7 +99,7 @@ def assert_pieces_equal_eager(eng, eager, prompts, names, monkeypatch):
         return run(inputs)
 
     monkeypatch.setattr(eng.pieces, "run", recorded)
-    got = staggered(eng, prompts, names, 6)
+    got = staggered(eng, prompts, names, 4)
 
     assert eng.pieces.replays == len(sizes) and any(n < 16 for n in sizes) and 24 in sizes
     assert any(16 < n < 24 for n in sizes), sizes  # a step padded to 24
