@@ -42,6 +42,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     """The engine flags `serve` and `bench` share (vLLM's names)."""
     p.add_argument("--gpu-memory-utilization", type=types.fraction, default=0.9)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--max-cudagraph-capture-size", type=types.non_negative, default=512,
+                   help="the largest step with prompt rows replayed as piecewise CUDA graphs, in tokens (0: such "
+                        "steps run eagerly; decode graphs cover up to --max-num-seqs sequences either way)")
     p.add_argument("--kernel-backend", choices=["triton", "torch"], default=None,
                    help="default: triton on CUDA, torch on the CPU")
     # several devices (moelora.parallel, docs/parallel.md)
@@ -122,7 +125,8 @@ def cmd_bench(args) -> int:
     model, adapters = _model_and_adapters(args)
     concs = args.conc
     eng = _llm(args, model, adapters, kernel_backend=args.kernel_backend, max_num_seqs=max(concs, default=1),
-               enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization, **_parallel(args),
+               enforce_eager=args.enforce_eager, piecewise_graph_tokens=args.max_cudagraph_capture_size,
+               gpu_memory_utilization=args.gpu_memory_utilization, **_parallel(args),
                progress=True).engine
     where = torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else "cpu"
     graphs = eng.graphs is not None
@@ -153,8 +157,9 @@ def serve_engine_config(args) -> EngineConfig:
                         max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-                        enforce_eager=args.enforce_eager, kernel_backend=args.kernel_backend,
-                        async_adapter_loading=not args.no_async_adapter_loading, async_scheduling=args.async_scheduling,
+                        enforce_eager=args.enforce_eager, piecewise_graph_tokens=args.max_cudagraph_capture_size,
+                        kernel_backend=args.kernel_backend, async_adapter_loading=not args.no_async_adapter_loading,
+                        async_scheduling=args.async_scheduling,
                         overlap_shared_experts=not args.no_overlap_shared_experts,
                         overlap_lora=not args.no_overlap_lora, pdl=not args.no_pdl,
                         lora_target_modules=tuple(args.lora_target_modules) if args.lora_target_modules else None,
