@@ -20,8 +20,12 @@ the launches (under the interpreter the launches themselves run the kernels: tha
 split between the decoder layers (per layer: the mean over layers) and the rest of the step (embedding, the
 step's LoRA plan, the LM head).
 
+--piecewise: the same step also through the piecewise graphs (`engine/piecewise_graphs.py`, their replays stubbed):
+the launches the host still makes (each layer's attention, eager between the pieces) and its host time beside the
+eager runner's on that step.
+
 usage: TRITON_INTERPRET=1 python benchmarks/launch_count.py [--model qwen3|dsv2] [--prompts 4] [--len 40]
-       [--layers 2] [--rank 16] [--moe-m 4096] [--top 12] [--json OUT.json]
+       [--layers 2] [--rank 16] [--moe-m 4096] [--top 12] [--piecewise] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -227,6 +231,61 @@ def host_times(eng, prompts, names, runs: int, layers: int) -> dict:
                 py_step_ms=statistics.median(t.host_s["step"] for t in tallies) * 1e3)
 
 
+class _NoReplay:
+    """A captured piece that replays nothing (`--piecewise`: the host's work around the replays is measured)."""
+
+    def replay(self) -> None:
+        pass
+
+
+def _stubbed_capture():
+    return lambda fn: (_NoReplay(), fn())
+
+
+def piecewise_host(eng, prompts, names, runs: int) -> dict:
+    """The prefill step of `prompts` (adapters `names` in turn) through the piecewise graphs (one bucket, the step's
+    tokens; `engine/piecewise_graphs.py`) with their replays stubbed and the Triton kernels skipped: the launches
+    the host still makes a forward (each layer's attention) and, over `runs` forwards, the median host ms of it
+    and of the eager runner on the same step (graph replays, ~10 us of host each on a GPU, not included)."""
+    from moelora.engine.piecewise_graphs import PiecewiseGraphs
+    from moelora.engine.request import Request, Status
+    from moelora.engine.scheduler import ScheduledStep
+
+    alloc, bs = eng.cache.allocator, eng.cache.block_size
+    reqs = [Request(f"pw{i}", p, SamplingParams(), names[i % len(names)], status=Status.RUNNING)
+            for i, p in enumerate(prompts)]
+    for r in reqs:
+        r.block_ids = [alloc.allocate() for _ in range(-(-len(r.prompt_ids) // bs))]
+    pad = alloc.reserve()
+    skipped, counted = Tally(), Tally()  # every launch skipped (an active tally's); one forward's counted
+    skipped.active = counted.active = True
+    try:
+        with counting_launches(skipped, run_kernels=False):
+            pieces = PiecewiseGraphs(eng.model, eng.cache, sum(map(len, prompts)), pad, eng.runner.needs,
+                                     capture=_stubbed_capture)
+            pieces.capture(eng.lora_idle, eng._graph_width)
+            inputs = eng.runner.prepare(ScheduledStep(reqs, [len(p) for p in prompts], []),
+                                        eng.pool.acquire(r.adapter for r in reqs), eng.pool.slot_ranks)
+        with counting_launches(counted, run_kernels=False):
+            pieces.run(inputs)
+        with counting_launches(skipped, run_kernels=False):
+            ms = {}
+            for name, fn in (("eager", lambda: eng.runner.run(inputs)), ("piecewise", lambda: pieces.run(inputs))):
+                fn()
+                times = []
+                for _ in range(runs):
+                    t0 = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - t0)
+                ms[name] = statistics.median(times) * 1e3
+    finally:
+        for r in reqs:
+            for b in r.block_ids:
+                alloc.free(b)
+    return dict(piecewise_launches=dict(counted.launches["step"]), eager_ms=ms["eager"],
+                piecewise_ms=ms["piecewise"])
+
+
 def report(label: str, tally: Tally, layers: int, top: int, log) -> dict:
     per_layer = {k: sum(c.values()) / layers for k, c in (("launches", tally.launches["layer"]),
                                                           ("ops", tally.ops["layer"]))}
@@ -255,6 +314,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="the H200 table's entry (the --model's shape) the tiny MoE takes")
     ap.add_argument("--top", type=int, default=12, help="ATen ops listed a scope")
     ap.add_argument("--host-runs", type=int, default=5, help="forwards timed with the kernels skipped (0: none)")
+    ap.add_argument("--piecewise", action="store_true",
+                    help="also the step through piecewise graphs (replays stubbed): its launches and host ms")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
@@ -274,6 +335,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 row.update(host_times(eng, prompts, ads, args.host_runs, cfg.num_layers))
                 print(f"  host Python with the kernels skipped (median of {args.host_runs}): a layer "
                       f"{row['py_layer_ms']:.3f} ms, the rest of the forward {row['py_step_ms']:.3f} ms")
+            if args.piecewise:
+                row.update(piecewise_host(eng, prompts, ads, max(1, args.host_runs)))
+                print(f"  piecewise graphs (replays stubbed): launches a forward {row['piecewise_launches']}; host ms "
+                      f"a forward with the kernels skipped: eager {row['eager_ms']:.3f}, piecewise "
+                      f"{row['piecewise_ms']:.3f}")
             rows.append(row)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

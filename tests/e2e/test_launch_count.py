@@ -59,3 +59,19 @@ def test_a_deepseek_v2_prefill_layer_launches_these_kernels():
     for label in ("1 adapter", "8 adapters"):
         assert Counter(got[label]["launches"]["layer"]) == DSV2_BASE + DSV2_LORA, label
     assert got["no LoRA"]["ops"]["layer"]["scaled_dot_product_attention"] == 2  # one a sequence
+
+
+@pytest.mark.skipif(not INTERP, reason="counts a CPU forward under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("model,attention,lora", [
+    ("qwen3", {"_prefill_kernel": 1}, {}),
+    # MLA's attention expands the context's latents through kv_b, each row with its sequence's adapter
+    ("dsv2", {"_mla_keys_kernel": 1}, {"_lora_shrink_kernel": 1, "_lora_expand_add_kernel": 1})])
+def test_a_piecewise_step_launches_only_each_layers_attention(model, attention, lora):
+    """--piecewise: through the piecewise graphs (replays stubbed) the host launches each layer's attention and
+    nothing else (the rest of every layer, its LoRA included, is in the graphs)."""
+    rows = launch_count.main(["--model", model, "--prompts", "2", "--len", "8", "--layers", "1", "--host-runs", "1",
+                              "--piecewise"])
+    for r in rows:
+        want = Counter(attention) + (Counter(lora) if r["workload"] != "no LoRA" else Counter())
+        assert Counter(r["piecewise_launches"]) == want, r["workload"]
+        assert r["eager_ms"] > 0 and r["piecewise_ms"] > 0
