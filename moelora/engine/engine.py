@@ -147,9 +147,9 @@ class LLMEngine:
         return self._registered_rank if self.cfg.lora_width_by_batch else None
 
     def capture_graphs(self) -> None:
-        """Re-capture the decode graphs now if the idle LoRA sites changed since their capture, or a
-        registered adapter is wider than their LoRA width (so the first request after adding adapters at
-        run time does not pay for it)."""
+        """Re-capture the decode graphs and the piecewise graphs now if the idle LoRA sites changed since their
+        capture, or a registered adapter is wider than their LoRA width (so the first request after adding
+        adapters at run time does not pay for it)."""
         for g in (self.graphs, self.pieces):
             if g is not None and (g.lora_idle != self.lora_idle or not g.holds(self._graph_width)):
                 g.capture(self.lora_idle, self._graph_width)
