@@ -66,6 +66,7 @@ from moe_bench_common import matmul_tflops, write_rows  # noqa: E402
 
 from moelora.bench import random_prompts, time_prefill  # noqa: E402
 from moelora.config import ModelConfig  # noqa: E402
+from moelora.engine.config import EngineConfig  # noqa: E402
 
 RANK = 16
 WORKLOADS = ("no LoRA", "1 adapter", "8 adapters")
@@ -101,7 +102,7 @@ def plan_runs(prompts: list[int], tokens: int) -> dict[int, int]:
 GRAPHS = ("off", "decode", "piecewise")
 
 
-def graphs_kw(graphs: str, piecewise_tokens: int = 512) -> dict:
+def graphs_kw(graphs: str, piecewise_tokens: int = EngineConfig.piecewise_graph_tokens) -> dict:
     """The engine config fields of a --cuda-graphs choice."""
     if graphs == "off":
         return dict(enforce_eager=True)
@@ -183,7 +184,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--no-overlap-lora", action="store_true", help="EngineConfig.overlap_lora=False")
     ap.add_argument("--cuda-graphs", default="off", choices=list(GRAPHS),
                     help="the engines' CUDA graphs: off (eager), decode graphs only, or decode and piecewise graphs")
-    ap.add_argument("--piecewise-tokens", type=int, default=512,
+    ap.add_argument("--piecewise-tokens", type=int, default=EngineConfig.piecewise_graph_tokens,
                     help="--cuda-graphs piecewise: EngineConfig.piecewise_graph_tokens (steps up to min(chunk, N))")
     ap.add_argument("--moe-table", default=None, help="EngineConfig.fused_moe_table: a fused-MoE table file")
     ap.add_argument("--plan-max-routes", type=int, default=0, help="A/B hook: the most routes the routing plan "

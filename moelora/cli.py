@@ -42,7 +42,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     """The engine flags `serve` and `bench` share (vLLM's names)."""
     p.add_argument("--gpu-memory-utilization", type=types.fraction, default=0.9)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--max-cudagraph-capture-size", type=types.non_negative, default=512,
+    p.add_argument("--max-cudagraph-capture-size", type=types.non_negative, default=2048,
                    help="the largest step with prompt rows replayed as piecewise CUDA graphs, in tokens (0: such "
                         "steps run eagerly; decode graphs cover up to --max-num-seqs sequences either way)")
     p.add_argument("--kernel-backend", choices=["triton", "torch"], default=None,

@@ -81,7 +81,9 @@ class EngineConfig:
     # piecewise CUDA graphs (`engine/piecewise_graphs.py`): each layer's attention eager, everything else
     # captured at token buckets, where such a step otherwise launches every kernel from the host. One device
     # (not under tensor parallelism), with the decode graphs (`enforce_eager` turns both off). 0: off switch.
-    piecewise_graph_tokens: int = 512
+    # 2048: H200, Qwen3 shape, 1.35-2.9x at steps of 512-2048 tokens, 0.95-0.97x at 4096-8192 (device-bound
+    # there; docs/performance.md "Steps with prompt rows").
+    piecewise_graph_tokens: int = 2048
     overlap_shared_experts: bool = True  # off switch for the shared expert's second stream
     # LoRA work on a second stream, concurrent with the base GEMM reading the same input (CUDA, Triton):
     # the dense LoRA shrink next to cuBLAS, the routed experts' down delta next to the down GEMM.

@@ -150,7 +150,7 @@ def test_serve_flags_reach_the_engine_config():
                 True, None, None, True, True, True, True)
     assert default.lora_target_modules is None and default.fused_moe_table is None
     assert serve_engine_config(build_parser().parse_args(["serve", "--no-async-scheduling"])).async_scheduling is False
-    assert default.piecewise_graph_tokens == 512
+    assert default.piecewise_graph_tokens == 2048
     assert serve_engine_config(build_parser().parse_args(
         ["serve", "--max-cudagraph-capture-size", "0"])).piecewise_graph_tokens == 0  # vLLM's name
 

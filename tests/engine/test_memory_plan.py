@@ -31,7 +31,7 @@ def test_graph_reserve_counts_the_piecewise_graphs_pool_and_buffers():
     """Piecewise graphs: twice the profile's peak scaled to their largest bucket (min(piecewise_graph_tokens, the
     step budget) rows, at most the peak) on top of the decode graphs' reserve."""
     cfg = EngineConfig(device="cuda", kernel_backend="triton", max_num_seqs=64, max_loras=4, max_lora_rank=16,
-                       max_num_batched_tokens=8192)
+                       max_num_batched_tokens=8192, piecewise_graph_tokens=512)
     decode = graph_reserve(replace(cfg, piecewise_graph_tokens=0), VOCAB, ACTS, PROFILE_ROWS)
     assert graph_reserve(cfg, VOCAB, ACTS, PROFILE_ROWS) == decode + 2 * ACTS * 512 // PROFILE_ROWS
     small = replace(cfg, max_num_batched_tokens=256)  # the step budget bounds the buckets
