@@ -28,7 +28,7 @@ LORA = Counter({"_lora_shrink_kernel": 2, "_lora_expand_add_kernel": 2, "lora_st
 
 @pytest.mark.skipif(not INTERP, reason="counts a CPU forward under TRITON_INTERPRET=1")
 def test_a_prefill_layer_launches_these_kernels(tmp_path):
-    rows = launch_count.main(["--prompts", "2", "--len", "8", "--layers", "1", "--host-runs", "0",
+    rows = launch_count.main(["--prompts", "2", "--len", "8", "--layers", "1", "--host-runs", "1", "--piecewise",
                               "--json", str(tmp_path / "counts.json")])
     got = {r["workload"]: r for r in rows}
     assert list(got) == list(launch_count.WORKLOADS)
@@ -39,6 +39,7 @@ def test_a_prefill_layer_launches_these_kernels(tmp_path):
         assert r["launches"]["step"] == {"_rms_norm_kernel": 1}
         assert r["layer_ops"] > 0 and r["layer_calls"] > 0 and r["step_ops"] > 0
     assert (tmp_path / "counts.json").read_text().startswith("[")
+    assert_piecewise_launches(rows, {"_prefill_kernel": 1}, {})
 
 
 # DeepSeek-V2-Lite's layer: MLA (rotations, latent norm and cache store in one launch; the keys by `mla_keys`, then
@@ -53,24 +54,19 @@ DSV2_LORA = Counter({"_lora_shrink_kernel": 5, "_lora_expand_add_kernel": 5, "lo
 @pytest.mark.skipif(not INTERP, reason="counts a CPU forward under TRITON_INTERPRET=1")
 def test_a_deepseek_v2_prefill_layer_launches_these_kernels():
     rows = launch_count.main(["--model", "dsv2", "--prompts", "2", "--len", "8", "--layers", "1", "--host-runs",
-                              "0"])
+                              "1", "--piecewise"])
     got = {r["workload"]: r for r in rows}
     assert Counter(got["no LoRA"]["launches"]["layer"]) == DSV2_BASE
     for label in ("1 adapter", "8 adapters"):
         assert Counter(got[label]["launches"]["layer"]) == DSV2_BASE + DSV2_LORA, label
     assert got["no LoRA"]["ops"]["layer"]["scaled_dot_product_attention"] == 2  # one a sequence
-
-
-@pytest.mark.skipif(not INTERP, reason="counts a CPU forward under TRITON_INTERPRET=1")
-@pytest.mark.parametrize("model,attention,lora", [
-    ("qwen3", {"_prefill_kernel": 1}, {}),
     # MLA's attention expands the context's latents through kv_b, each row with its sequence's adapter
-    ("dsv2", {"_mla_keys_kernel": 1}, {"_lora_shrink_kernel": 1, "_lora_expand_add_kernel": 1})])
-def test_a_piecewise_step_launches_only_each_layers_attention(model, attention, lora):
+    assert_piecewise_launches(rows, {"_mla_keys_kernel": 1}, {"_lora_shrink_kernel": 1, "_lora_expand_add_kernel": 1})
+
+
+def assert_piecewise_launches(rows: list[dict], attention: dict, lora: dict) -> None:
     """--piecewise: through the piecewise graphs (replays stubbed) the host launches each layer's attention and
     nothing else (the rest of every layer, its LoRA included, is in the graphs)."""
-    rows = launch_count.main(["--model", model, "--prompts", "2", "--len", "8", "--layers", "1", "--host-runs", "1",
-                              "--piecewise"])
     for r in rows:
         want = Counter(attention) + (Counter(lora) if r["workload"] != "no LoRA" else Counter())
         assert Counter(r["piecewise_launches"]) == want, r["workload"]
