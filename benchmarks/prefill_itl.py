@@ -15,7 +15,7 @@ what a streaming client sees). p50 / p99 over every decode request and every gap
 tokens/s = prompt tokens / (from adding the prompts until the last has its token). The engines are prefill.py's:
 eager by default (mixed and quiet steps; the quiet ITL is then an eager decode's, above what the decode graphs give
 in serving); with its --cuda-graphs decode the quiet steps replay decode graphs, with piecewise the mixed steps of
-up to 512 tokens replay the piecewise graphs too.
+up to --piecewise-tokens tokens replay the piecewise graphs too.
 """
 
 from __future__ import annotations

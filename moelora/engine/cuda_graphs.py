@@ -109,6 +109,21 @@ class GraphSet:
         self.slot_mapping[lo:hi].fill_(self.dummy_slot)
         self.token_slots[lo:hi].fill_(NO_SLOT)
 
+    def _load_rows(self, inputs: StepInputs) -> tuple[int, int]:
+        """A step's n rows into the static inputs (ids, positions, slot mapping, adapter slots), after any
+        re-capture the step needs (a capture pads every row) -> (n, its bucket B); rows n..B are the caller's."""
+        n = inputs.input_ids.shape[0]
+        B = next(b for b in self.buckets if b >= n)
+        self.ensure_captured(inputs.lora)
+        self.input_ids[:n].copy_(inputs.input_ids, non_blocking=True)
+        self.positions[:n].copy_(inputs.positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(inputs.meta.slot_mapping, non_blocking=True)
+        if inputs.lora is None:
+            self.token_slots[:n].fill_(NO_SLOT)
+        else:
+            self.token_slots[:n].copy_(inputs.lora.token_slots, non_blocking=True)
+        return n, B
+
     def ensure_captured(self, lora: LoRABatch | None) -> None:
         """Re-capture first when a step's LoRA batch needs sites the graphs left out or a wider LoRA width
         (decided from the step's inputs alone: every tensor-parallel rank decides the same)."""
@@ -213,23 +228,13 @@ class CudaGraphRunner(GraphSet):
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """Replay the bucket graph for a decode step (one token per sequence) -> logits [n, V]."""
-        n = inputs.input_ids.shape[0]
-        B = next(b for b in self.buckets if b >= n)
-        lora = inputs.lora
-        self.ensure_captured(lora)
+        n, B = self._load_rows(inputs)
         meta = inputs.meta
-        self.input_ids[:n].copy_(inputs.input_ids, non_blocking=True)
-        self.positions[:n].copy_(inputs.positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
         self.block_tables[:n, : meta.block_tables.shape[1]].copy_(meta.block_tables, non_blocking=True)
         self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
-        if inputs.lora is None:
-            self.token_slots[:n].fill_(NO_SLOT)
-        else:
-            self.token_slots[:n].copy_(inputs.lora.token_slots, non_blocking=True)
         if n < B:
             self._pad(n, B)
-        entry = self.graph_for(B, lora)
+        entry = self.graph_for(B, inputs.lora)
         self.replays += 1
         self.base_replays += entry is self.base.get(B)
         graph, logits = entry

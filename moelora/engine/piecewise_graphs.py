@@ -193,17 +193,8 @@ class PiecewiseGraphs(GraphSet):
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """A step of T <= the largest bucket tokens -> the logits of its sampled rows [n, V] (fp32)."""
-        T = inputs.input_ids.shape[0]
-        B = next(b for b in self.buckets if b >= T)
-        self.ensure_captured(inputs.lora)
+        T, B = self._load_rows(inputs)
         meta = inputs.meta
-        self.input_ids[:T].copy_(inputs.input_ids, non_blocking=True)
-        self.positions[:T].copy_(inputs.positions, non_blocking=True)
-        self.slot_mapping[:T].copy_(meta.slot_mapping, non_blocking=True)
-        if inputs.lora is None:
-            self.token_slots[:T].fill_(NO_SLOT)
-        else:
-            self.token_slots[:T].copy_(inputs.lora.token_slots, non_blocking=True)
         if T < B:
             self._pad_rows(T, B)
         graphs = self.graphs[B]
