@@ -20,6 +20,10 @@ is sent alone, untimed, as vLLM's benchmark probes: the first one's TTFT is prin
 ready"), to compare with the loaded median (the start-up warm-up should keep it within a few times that).
 `--json FILE` writes every run.
 
+`--score`: the requests of an evaluation harness's loglikelihood tasks instead (lm-eval's `local-completions`:
+`echo`, `logprobs: 1`, `max_tokens: 1`): each prompt is scored (its tokens' logprobs, the first streamed chunk:
+TTFT) and one token generated; request throughput is prompts scored a second.
+
 Target: a running server (`--base-url`), or one started here from a model directory (`--model DIR
 [--lora-modules NAME=PATH ...]`; every argument after `--` goes to `moelora serve` as it is, e.g.
 `-- --load-format dummy --max-num-seqs 256`), stopped at the end.
@@ -27,7 +31,7 @@ Target: a running server (`--base-url`), or one started here from a model direct
 usage: python benchmarks/serve.py (--base-url URL | --model DIR [--lora-modules N=P ...]) [--models a,b ...]
        [--num-prompts 200] [--request-rate 1,4,16,inf] [--burstiness 1] [--max-concurrency N]
        [--input-len 256] [--output-len 128] [--range-ratio 0] [--model-order round-robin|random] [--seed 0]
-       [--vocab-size V] [--json FILE] [-- SERVE ARGS]
+       [--vocab-size V] [--score] [--json FILE] [-- SERVE ARGS]
 """
 
 from __future__ import annotations
@@ -71,10 +75,11 @@ class Plan:
     models: list[str]
     prompts: list[list[int]]
     output_lens: list[int]
+    score: bool = False  # loglikelihood requests (`--score`)
 
 
 def make_plan(models: list[str], n: int, input_len: int, output_len: int, vocab: int, seed: int,
-              range_ratio: float = 0.0, order: str = "round-robin") -> Plan:
+              range_ratio: float = 0.0, order: str = "round-robin", score: bool = False) -> Plan:
     rng = random.Random(seed)
 
     def length(mean: int) -> int:
@@ -82,13 +87,17 @@ def make_plan(models: list[str], n: int, input_len: int, output_len: int, vocab:
 
     names = [models[i % len(models)] if order == "round-robin" else rng.choice(models) for i in range(n)]
     prompts = [[rng.randrange(vocab) for _ in range(length(input_len))] for _ in range(n)]
-    return Plan(names, prompts, [length(output_len) for _ in range(n)])
+    return Plan(names, prompts, [1 if score else length(output_len) for _ in range(n)], score)
 
 
-async def send(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int) -> RequestResult:
-    """One streamed completion; TTFT at its first chunk with choices, ITL between the later ones."""
+async def send(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int,
+               score: bool = False) -> RequestResult:
+    """One streamed completion; TTFT at its first chunk with choices, ITL between the later ones. `score`: the
+    prompt echoed with its logprobs (the first chunk, after the prompt is scored) before the generated tokens."""
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+    if score:
+        body.update(echo=True, logprobs=1)
     out = RequestResult(model, len(prompt))
     start = last = time.perf_counter()
     try:
@@ -138,9 +147,9 @@ async def run_load(url: str, plan: Plan, rate: float, burstiness: float = 1.0, m
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30), limits=limits) as client:
         async def one(i: int) -> RequestResult:
             if gate is None:
-                return await send(client, url, plan.models[i], plan.prompts[i], plan.output_lens[i])
+                return await send(client, url, plan.models[i], plan.prompts[i], plan.output_lens[i], plan.score)
             async with gate:
-                return await send(client, url, plan.models[i], plan.prompts[i], plan.output_lens[i])
+                return await send(client, url, plan.models[i], plan.prompts[i], plan.output_lens[i], plan.score)
 
         tasks = []
         start = time.perf_counter()
@@ -220,11 +229,11 @@ def report(run: dict, percentiles: list[float]) -> str:
 def benchmark(url: str, models: list[str], rates: list[float], num_prompts: int, input_len: int, output_len: int,
               vocab: int, *, burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
               range_ratio: float = 0.0, order: str = "round-robin", percentiles: tuple[float, ...] = (99,),
-              first: bool = True, print_fn=print) -> dict:
+              first: bool = True, score: bool = False, print_fn=print) -> dict:
     """The probe requests (`first`: the first since the server became ready), then one run per rate;
     returns {"models", "probe_ttft_ms", "runs": [...]}."""
     pct = list(percentiles)
-    probe = make_plan(models, len(models), input_len, output_len, vocab, seed - 1, range_ratio)
+    probe = make_plan(models, len(models), input_len, output_len, vocab, seed - 1, range_ratio, score=score)
     firsts, _ = asyncio.run(run_load(url, probe, float("inf"), max_concurrency=1))
     bad = [r.error for r in firsts if not r.ok]
     if bad:
@@ -233,7 +242,7 @@ def benchmark(url: str, models: list[str], rates: list[float], num_prompts: int,
              + f": TTFT {firsts[0].ttft * 1e3:.1f} ms ({firsts[0].model})")
     runs = []
     for k, rate in enumerate(rates):
-        plan = make_plan(models, num_prompts, input_len, output_len, vocab, seed + k, range_ratio, order)
+        plan = make_plan(models, num_prompts, input_len, output_len, vocab, seed + k, range_ratio, order, score)
         results, duration = asyncio.run(run_load(url, plan, rate, burstiness, max_concurrency, seed + k))
         run = {"request_rate": "inf" if rate == float("inf") else rate, "burstiness": burstiness,
                "max_concurrency": max_concurrency, **summarize(results, duration, pct)}
@@ -319,6 +328,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--metric-percentiles", default="99")
     ap.add_argument("--server-timeout", type=float, default=1800.0, help="seconds to wait for --model's server")
+    ap.add_argument("--score", action="store_true", help="loglikelihood requests as evaluation harnesses send "
+                    "them: echo, logprobs 1, max_tokens 1 (--output-len ignored)")
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args(argv)
     if args.vocab_size is None:
@@ -342,11 +353,12 @@ def main(argv: list[str] | None = None) -> dict:
         workloads = [benchmark(url, models, args.request_rate, args.num_prompts, args.input_len, args.output_len,
                                args.vocab_size, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
                                seed=args.seed, range_ratio=args.range_ratio, order=args.model_order,
-                               percentiles=percentiles, first=i == 0) for i, models in enumerate(groups)]
+                               percentiles=percentiles, first=i == 0, score=args.score)
+                     for i, models in enumerate(groups)]
     result = {"target": args.base_url or args.model, "serve_args": serve_args,
               "first_request_ttft_ms": workloads[0]["probe_ttft_ms"], "workloads": workloads,
               "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-              "range_ratio": args.range_ratio, "seed": args.seed}
+              "range_ratio": args.range_ratio, "seed": args.seed, "score": args.score}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result

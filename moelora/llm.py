@@ -72,7 +72,7 @@ class LLM:
 
     def logits(self, token_ids: list[list[int]], adapter: str | None | Sequence[str | None] = None
                ) -> list[torch.Tensor]:
-        """float32 logits [T, V] of every position of each sequence, run as one mixed batch."""
+        """float32 logits [T, V] of every position of each sequence, run in mixed batches of the step budget."""
         names = _per_prompt(adapter, len(token_ids), "adapter", (str, type(None)))
         return self.engine.prompt_logits([list(t) for t in token_ids], names)
 

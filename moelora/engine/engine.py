@@ -17,13 +17,14 @@ from pathlib import Path
 
 import torch
 
+from moelora.engine import scoring
 from moelora.engine.config import EngineConfig
 from moelora.engine.cuda_graphs import CudaGraphRunner
 from moelora.engine.detokenize import StopStrings, first_stop
 from moelora.engine.kv_cache import PagedKVCache
 from moelora.engine.piecewise_graphs import PiecewiseGraphs, piecewise_tokens
 from moelora.engine.readback import ReadBack
-from moelora.engine.request import Request, SamplingParams, Status
+from moelora.engine.request import Request, SamplingParams
 from moelora.engine.runner import ModelRunner, lora_needs
 from moelora.engine.sampler import (
     PenaltyState,
@@ -40,7 +41,6 @@ from moelora.layers.mla import MLAttention
 from moelora.lora.adapter import LoRAAdapter
 from moelora.lora.pool import AdapterPool
 from moelora.models.lora_targets import lora_site_owners, site_kinds
-from moelora.upload import upload
 
 
 @dataclass
@@ -407,38 +407,28 @@ class LLMEngine:
         req.stop_reason = stop_reason
         self.scheduler.finish(req, reason)
 
-    # verification -------------------------------------------------------------------------------
+    # prompt scoring (`scoring.py`) -----------------------------------------------------------------
     def prompt_logprobs(self, token_ids: list[int], adapter: str | None, k: int) -> list:
         """Per prompt token: its logprob given the tokens before it, its rank there and the k most likely
-        tokens, as `(logprob, rank, ((id, logprob), ...))`; the first token has none: `(None, None, ())`. One
-        extra forward of the prompt (no caching), for completions' `echo` with `logprobs`."""
-        logits = self.prompt_logits([token_ids], [adapter])[0]
-        if len(token_ids) < 2:
-            return [(None, None, ())]
-        follow = upload(token_ids[1:], torch.long, logits.device)
-        rows = logprobs_to_host(logprobs_on_device(logits[:-1], follow, [k] * (len(token_ids) - 1)))
-        return [(None, None, ()), *rows]
+        tokens, as `(logprob, rank, ((id, logprob), ...))`; the first token has none: `(None, None, ())`.
+        Forwards of its own (no caching), for completions' `echo` with `logprobs`."""
+        out = self.prompt_logprobs_batch([(token_ids, adapter, k)])[0]
+        if isinstance(out, RequestError):
+            raise out
+        return out
+
+    def prompt_logprobs_batch(self, items: Sequence[tuple[list[int], str | None, int]]) -> list[list | RequestError]:
+        """`prompt_logprobs` of many (token ids, adapter, k) in shared forwards; per item its entries, or the
+        RequestError that kept it out (the others are scored)."""
+        self._settle_in_flight()
+        return scoring.prompt_logprobs(self, items)
 
     def prompt_logits(self, token_ids: list[list[int]], adapters: list[str | None]) -> list[torch.Tensor]:
-        """fp32 logits of every position of each sequence, computed as one batch (no caching)."""
+        """fp32 logits of every position of each sequence (no caching), in forwards of the step budget."""
+        self._settle_in_flight()
+        return scoring.prompt_logits(self, token_ids, adapters)
+
+    def _settle_in_flight(self) -> None:
         if self._launched is not None:  # overlapped scheduling: settle the step in flight first
             launched, self._launched = self._launched, None
             self._settled += self._read_back(launched)  # reported by the next step()
-        reqs = []
-        for i, (ids, name) in enumerate(zip(token_ids, adapters, strict=True)):
-            if name is not None and name not in self.pool.names:
-                raise RequestError(f"unknown adapter {name!r}; loaded: {self.pool.names}")
-            if not ids or len(ids) > self.cfg.max_model_len:
-                raise RequestError(f"sequence {i} has {len(ids)} tokens; allowed 1..{self.cfg.max_model_len}")
-            reqs.append(Request(f"logits-{i}", list(ids), SamplingParams(), name, status=Status.RUNNING))
-        try:
-            for r in reqs:
-                if not self.scheduler._ensure_blocks(r, r.num_tokens):
-                    raise RequestError("not enough free KV cache blocks for these sequences right now")
-            step = ScheduledStep(reqs, [r.num_tokens for r in reqs], [])
-            slot_of = self.pool.acquire(adapters)
-            logits = self.runner.run(self.runner.prepare(step, slot_of, self.pool.slot_ranks), all_logits=True)
-        finally:
-            for r in reqs:
-                self.scheduler.free_blocks(r)
-        return list(logits.split([len(t) for t in token_ids]))

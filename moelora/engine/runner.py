@@ -22,6 +22,8 @@ from moelora.layers.attention import AttnMetadata, SeqSlice
 from moelora.lora.batch import NO_SLOT, LoRABatch, LoRANeeds, plan_step, upload_slots
 from moelora.upload import upload
 
+LOGIT_CHUNK_BYTES = 1 << 28  # 256 MiB: 441 rows of a 152k vocabulary (Qwen3), 655 of DeepSeek's 102k
+
 
 @dataclass(frozen=True)
 class HostStep:
@@ -78,6 +80,8 @@ class ModelRunner:
         """`needs`: what every step's `LoRABatch` carries (`lora_needs`; None: the twins' rows and the width)."""
         self.model, self.cache, self.device, self.needs = model, cache, device, needs or LoRANeeds()
         self.lora_idle: frozenset = frozenset()  # the engine's idle LoRA sites, carried by every LoRABatch
+        # rows of logits made at once when every row's are asked for (prompt scoring): ~LOGIT_CHUNK_BYTES of fp32
+        self.logit_rows = max(1, LOGIT_CHUNK_BYTES // (4 * model.config.vocab_size))
 
     def _upload(self, *lists: list[int]) -> list[torch.Tensor]:
         """One host->device copy for all of a step's int vectors (each copy costs ~10 us of launch and
@@ -152,8 +156,21 @@ class ModelRunner:
         return StepInputs(ids_t, pos_t, meta, lora, rows_t, host.sample_index, host)
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs, all_logits: bool = False) -> torch.Tensor:
+    def run(self, inputs: StepInputs, all_logits: bool = False, rows_fn=None) -> torch.Tensor | None:
+        """The fp32 logits of the sample rows; with `all_logits` of every row, made `logit_rows` rows at a time
+        (the same on every tensor-parallel rank: each is a collective there) and handed to `rows_fn(first row,
+        logits)` one chunk after the other (then None is returned), or written into one [T, V] tensor."""
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.cache.layers, inputs.lora)
         if not all_logits:
-            hidden = hidden.index_select(0, inputs.sample_rows)
-        return self.model.logits(hidden).float()
+            return self.model.logits(hidden.index_select(0, inputs.sample_rows)).float()
+        step = self.logit_rows
+        out = None
+        for r0 in range(0, hidden.shape[0], step):
+            logits = self.model.logits(hidden[r0:r0 + step]).float()
+            if rows_fn is not None:
+                rows_fn(r0, logits)
+                continue
+            if out is None:
+                out = logits.new_empty(hidden.shape[0], logits.shape[1])
+            out[r0:r0 + logits.shape[0]] = logits
+        return out

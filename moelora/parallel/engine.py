@@ -25,11 +25,11 @@ class ParallelRunner(ModelRunner):
         super().__init__(*args, **kw)
         self.driver = driver
 
-    def run(self, inputs, all_logits: bool = False):
+    def run(self, inputs, all_logits: bool = False, rows_fn=None):
         self.driver.send_step(inputs.host, all_logits, False, None if inputs.lora is None else inputs.lora.idle)
         try:
             self.driver.share_ids(inputs)
-            return super().run(inputs, all_logits)
+            return super().run(inputs, all_logits, rows_fn)
         except RuntimeError as exc:  # a collective a worker did not join (dead, hung past the timeout, failed)
             raise self.driver.fault(exc) from exc
 

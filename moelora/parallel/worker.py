@@ -88,7 +88,7 @@ class _Worker:
             if msg[3]:
                 self.graphs.run(inputs)
             else:
-                self.runner.run(inputs, all_logits=msg[2])
+                self.runner.run(inputs, all_logits=msg[2], rows_fn=_discard if msg[2] else None)
         elif kind == "idle":
             self.set_idle(msg[1])
         elif kind == "capture":
@@ -104,6 +104,10 @@ class _Worker:
         elif kind == "unload":
             self.adapters.pop(msg[1], None)
         return None
+
+
+def _discard(first_row: int, logits: torch.Tensor) -> None:
+    """A worker's share of every-row logits (rank 0 keeps them): made for the collectives, then dropped."""
 
 
 def worker_main(rank: int, host: str, port: int, model_dir: str, cfg: EngineConfig, pcfg: ParallelConfig,

@@ -26,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -157,6 +157,7 @@ class AsyncEngine:
         self.engine, self.max_waiting = engine, max_waiting
         self._adapters = dict(adapters or {})  # name -> path, owned by the engine thread after start
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._scoring: deque = deque()  # prompt_logprobs commands not run yet (the engine thread's)
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
         self._pending = 0  # sequences sent to `open` and not yet added to the engine
@@ -224,7 +225,8 @@ class AsyncEngine:
         await self._call("unload", name)
 
     async def prompt_logprobs(self, token_ids: list[int], adapter: str | None, k: int) -> list:
-        """`LLMEngine.prompt_logprobs`, run on the engine thread between steps."""
+        """`LLMEngine.prompt_logprobs`, run on the engine thread between steps, in the forwards of every call
+        queued with it (`_score`)."""
         return await self._call("prompt_logprobs", token_ids, adapter, k)
 
     async def _call(self, kind: str, *args):
@@ -266,15 +268,20 @@ class AsyncEngine:
                     self.warmup = {"error": f"{type(e).__name__}: {e}"}
             self._ready.set()
             while True:
-                busy = self.engine.has_unfinished()
+                busy = self.engine.has_unfinished() or self._scoring
                 command = self._commands.get() if not busy else self._get_nowait()
                 while command is not None:
                     if command[0] == "stop":
                         return
-                    self._execute(command)
+                    if command[0] == "prompt_logprobs":
+                        self._scoring.append(command)
+                    else:
+                        self._execute(command)
                     command = self._get_nowait()
+                if self._scoring:
+                    self._score()
                 self._publish()
-                if self.engine.has_unfinished():
+                if self.engine.has_unfinished() and not self._stopping:
                     self._step()
                 if self._stopping:
                     return
@@ -332,8 +339,30 @@ class AsyncEngine:
         if self._observer is not None:
             self._observer.added(specs)
 
-    def _do_prompt_logprobs(self, token_ids: list[int], adapter: str | None, k: int) -> list:
-        return self.engine.prompt_logprobs(token_ids, adapter, k)
+    def _score(self) -> None:
+        """`LLMEngine.prompt_logprobs_batch` of the queued prompt_logprobs commands, in order, up to one step
+        budget of tokens (at least one command): a long queue of them takes turns with the generation steps.
+        Each caller hears its own result or error."""
+        commands, tokens, budget = [], 0, self.engine.cfg.max_num_batched_tokens
+        while self._scoring and (not commands or tokens + len(self._scoring[0][1]) <= budget):
+            commands.append(self._scoring.popleft())
+            tokens += len(commands[-1][1])
+        try:
+            results = self.engine.prompt_logprobs_batch([tuple(c[1:4]) for c in commands])
+        except WorkerError as e:  # a tensor-parallel rank is gone: the engine stops, as in `_step`
+            log.error("engine stopped: %s", e)
+            self._stopping = True
+            self._fail_live(f"the engine stopped: {e}")
+            results = [EngineDead(f"the engine stopped: {e}")] * len(commands)
+        except Exception as e:  # a failed forward fails these callers, the thread keeps serving
+            log.exception("prompt scoring failed")
+            results = [e] * len(commands)
+        self._publish()
+        for command, result in zip(commands, results, strict=True):
+            if isinstance(result, Exception):
+                _resolve(command[-2], command[-1], error=result)
+            else:
+                _resolve(command[-2], command[-1], result=result)
 
     def _do_load(self, name: str, path: str) -> None:
         if name in self._adapters:
@@ -406,6 +435,9 @@ class AsyncEngine:
 
     def _drain_commands(self, message: str) -> None:
         """On the way out: answer every caller still waiting on a command."""
+        while self._scoring:
+            command = self._scoring.popleft()
+            _resolve(command[-2], command[-1], error=EngineDead(message))
         while (command := self._get_nowait()) is not None:
             if command[0] in ("abort", "stop"):
                 continue

@@ -14,6 +14,7 @@ that matched (null for EOS and length).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -193,6 +194,8 @@ class OpenAIServing:
             return await self.engine.prompt_logprobs(ids, adapter, k)
         except RequestError as e:
             raise ApiError(400, str(e), "prompt") from None
+        except EngineDead as e:
+            raise ApiError(503, str(e)) from None
 
     # the shared loop ----------------------------------------------------------------------------
     async def _run(self, stream: RequestStream, body: _Sampling, label: str, arrival: float) -> AsyncIterator[Event]:
@@ -244,8 +247,9 @@ class OpenAIServing:
         if body.max_tokens == 0 and not body.echo:
             raise ApiError(400, "max_tokens must be at least 1 (0 is only allowed with echo)", "max_tokens")
         n, view = body.choices, self._view(body)
-        prompt_parts = [await self._completion_prompt(body, p, ids, adapter, view) for p, ids in zip(
-            prompts, encoded, strict=True)]  # once per prompt (its logprobs cost a forward), shared by its n choices
+        # once per prompt, shared by its n choices; the prompts' logprobs asked at once: scored in shared forwards
+        prompt_parts = await asyncio.gather(*(self._completion_prompt(body, p, ids, adapter, view) for p, ids in zip(
+            prompts, encoded, strict=True)))
         resp = OpenAIResponse("cmpl", body, self.cfg.served_model_names[0], sum(len(ids) for ids in encoded))
         stream = events = None
         if body.max_tokens != 0:

@@ -63,6 +63,18 @@ def test_a_rate_sweep_over_mixed_models_reports_vllm_metrics(demo_server, tmp_pa
     assert app.state.engine.stats.kv_used == 0
 
 
+def test_score_mode_sends_loglikelihood_requests(demo_server):
+    """`--score`: echo + logprobs 1 + max_tokens 1, every prompt token scored (its echo the first chunk)."""
+    url, _ = demo_server
+    got = serve_bench.main(["--base-url", url, "--models", "moelora-demo", "--num-prompts", "5", "--request-rate",
+                            "inf", "--input-len", "9", "--vocab-size", "256", "--score"])
+    run = got["workloads"][0]["runs"][0]
+    assert got["score"] and run["completed"] == 5 and run["failed"] == 0
+    assert run["total_input_tokens"] == 5 * 9 and run["total_output_tokens"] == 5
+    plan = serve_bench.make_plan(["m"], 2, 9, 7, 256, 0, score=True)
+    assert plan.score and plan.output_lens == [1, 1]
+
+
 def test_plan_arrivals_and_percentiles():
     plan = serve_bench.make_plan(["a", "b"], 5, 10, 4, vocab=50, seed=3, range_ratio=0.5, order="random")
     assert len(plan.prompts) == 5 and all(5 <= len(p) <= 15 and max(p) < 50 for p in plan.prompts)

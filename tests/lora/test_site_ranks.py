@@ -186,9 +186,9 @@ def test_engine_steps_carry_their_width_unless_switched_off(hf):
         eng = engine(model, {"a": adapter}, max_loras=SLOTS, lora_width_by_batch=on)
         run = eng.runner.run
 
-        def spy(inputs, all_logits=False, run=run):
+        def spy(inputs, all_logits=False, rows_fn=None, run=run):
             seen.append(inputs.lora.max_rank)
-            return run(inputs, all_logits)
+            return run(inputs, all_logits, rows_fn)
         eng.runner.run = spy
         logits.append(eng.prompt_logits([[5, 6, 7, 8]], ["a"])[0])
     assert seen == [adapter.max_rank, None] and adapter.max_rank == max(PARTIAL.values())
