@@ -30,6 +30,10 @@ from moelora.upload import upload
 RowsFn = Callable[[torch.Tensor, list[int], list[int]], None]
 
 
+class NoFreeBlocks(RequestError):
+    """A sequence's KV blocks are held by running requests right now: it may be scored once they finish."""
+
+
 def check_sequences(engine, seqs: Sequence[Sequence[int]], adapters: Sequence[str | None]
                     ) -> list[RequestError | None]:
     """Per sequence: None, or why it cannot be scored at all (unknown adapter, length, more KV blocks than
@@ -81,7 +85,7 @@ def score(engine, seqs: Sequence[Sequence[int]], adapters: Sequence[str | None],
                 if not sched._ensure_blocks(req, req.num_tokens):
                     if reqs:
                         break  # after this forward's sequences give their blocks back
-                    errors[waiting.popleft()] = RequestError(
+                    errors[waiting.popleft()] = NoFreeBlocks(
                         f"not enough free KV cache blocks for sequence {i} ({len(seqs[i])} tokens) right now")
                     continue
                 waiting.popleft()

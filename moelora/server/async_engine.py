@@ -33,6 +33,7 @@ from typing import Protocol
 
 from moelora.engine.engine import LLMEngine
 from moelora.engine.request import Request, SamplingParams
+from moelora.engine.scoring import NoFreeBlocks
 from moelora.engine.warmup import warm_up
 from moelora.errors import AdapterError, MoeLoRAError, WorkerError
 
@@ -342,7 +343,8 @@ class AsyncEngine:
     def _score(self) -> None:
         """`LLMEngine.prompt_logprobs_batch` of the queued prompt_logprobs commands, in order, up to one step
         budget of tokens (at least one command): a long queue of them takes turns with the generation steps.
-        Each caller hears its own result or error."""
+        Each caller hears its own result or error; a sequence whose KV blocks the generating requests hold
+        (`NoFreeBlocks`) goes back to the queue's front, to be scored after a step."""
         commands, tokens, budget = [], 0, self.engine.cfg.max_num_batched_tokens
         while self._scoring and (not commands or tokens + len(self._scoring[0][1]) <= budget):
             commands.append(self._scoring.popleft())
@@ -358,11 +360,15 @@ class AsyncEngine:
             log.exception("prompt scoring failed")
             results = [e] * len(commands)
         self._publish()
+        retry = []
         for command, result in zip(commands, results, strict=True):
-            if isinstance(result, Exception):
+            if isinstance(result, NoFreeBlocks) and self.engine.has_unfinished():
+                retry.append(command)  # after the generation steps that hold the blocks
+            elif isinstance(result, Exception):
                 _resolve(command[-2], command[-1], error=result)
             else:
                 _resolve(command[-2], command[-1], result=result)
+        self._scoring.extendleft(reversed(retry))
 
     def _do_load(self, name: str, path: str) -> None:
         if name in self._adapters:

@@ -165,3 +165,35 @@ def test_a_scored_prompt_leaves_its_blocks_for_its_generation():
         assert eng.scheduler.prefix_hit_tokens == (8 if scored else 0)
         eng.check_blocks()
     assert outs[0] == outs[1]
+
+
+def test_the_server_thread_retries_a_sequence_whose_blocks_running_requests_hold():
+    """A prompt to score while generating requests hold the blocks it needs waits for them (no error), then is
+    scored as on an idle engine."""
+    import asyncio
+
+    from moelora.engine.request import SamplingParams
+    from moelora.server.async_engine import AsyncEngine
+
+    model = build(tiny_hf_model("qwen3_moe", seed=4))
+    kw = dict(max_num_batched_tokens=64, warmup=False, num_kv_blocks=16)  # 16 blocks of 4 tokens
+    prompt = list(range(3, 31))  # 7 blocks
+    want = engine(model, **kw).prompt_logprobs(prompt, None, 2)
+    eng = engine(model, **kw)
+    eng.add_request(list(range(30, 70)), SamplingParams(max_tokens=8, ignore_eos=True))  # 10 blocks, 12 at its end
+    eng.step()
+    assert eng.cache.allocator.num_free < 7
+    events, step, batch = [], eng.step, eng.prompt_logprobs_batch
+    eng.step = lambda: events.append("step") or step()
+    eng.prompt_logprobs_batch = lambda items: events.append("score") or batch(items)
+    server, loop = AsyncEngine(eng), asyncio.new_event_loop()
+    future = loop.create_future()
+    server.send(("prompt_logprobs", prompt, None, 2, loop, future))
+    server.start()
+    try:
+        got = loop.run_until_complete(asyncio.wait_for(future, 60))
+    finally:
+        server.shutdown()
+        loop.close()
+    assert events[0] == "score" and events[-1] == "score" and "step" in events
+    assert [e[:2] for e in got[1:]] == [e[:2] for e in want[1:]]
