@@ -1,16 +1,16 @@
 """Prompt scoring: the logits, or the logprobs, of every position of given token sequences, outside the scheduler's
 steps (completions' `echo` with `logprobs` and `prompt_logprobs`, `LLM.logits`, `moelora verify`).
 
-The sequences are packed into eager forwards of at most the step budget (`max_num_batched_tokens`) tokens and
-`max_loras` adapters, in order: many short prompts share a forward (an evaluation harness's batch of loglikelihood
-requests costs a few forwards, not one each), and a sequence longer than the budget is computed over several as
-chunked prefill, each chunk attending to the KV its earlier chunks wrote. A sequence's blocks are taken for its
-whole length when it starts and given back when it is done. The prefix cache is not read (every position's logits
-are wanted, so each is computed), but a scored sequence's full blocks are published to it: the generation that an
-evaluation harness asks of the same prompt (`echo`, `logprobs`, `max_tokens: 1`) then computes its last partial
-block only. Each forward's logits are made `ModelRunner.logit_rows` rows at a time and handed to the caller's
-`on_rows`, which keeps what it needs before the next rows are made: scoring 32k positions of a 152k-token vocabulary
-holds one chunk of logits (~0.25 GiB), not all of them (~20 GiB).
+The sequences are packed into eager forwards of at most the step budget (`max_num_batched_tokens`) tokens,
+`max_num_seqs` sequences and `max_loras` adapters, in order: many short prompts share a forward (an evaluation
+harness's batch of loglikelihood requests costs a few forwards, not one each), and a sequence longer than the budget
+is computed over several as chunked prefill, each chunk attending to the KV its earlier chunks wrote. A sequence's
+blocks are taken for its whole length when it starts and given back when it is done. The prefix cache is not read
+(every position's logits are wanted, so each is computed), but a scored sequence's full blocks are published to it:
+the generation that an evaluation harness asks of the same prompt (`echo`, `logprobs`, `max_tokens: 1`) then
+computes its last partial block only. Each forward's logits are made `ModelRunner.logit_rows` rows at a time and
+handed to the caller's `on_rows`, which keeps what it needs before the next rows are made: scoring 32k positions of
+a 152k-token vocabulary holds one chunk of logits (~0.25 GiB), not all of them (~20 GiB).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def score(engine, seqs: Sequence[Sequence[int]], adapters: Sequence[str | None],
                 tokens += news[-1]
                 names.add(req.adapter)
             names.discard(None)
-            while waiting and tokens < budget:
+            while waiting and tokens < budget and len(reqs) < engine.cfg.max_num_seqs:
                 i = waiting[0]
                 name = adapters[i]
                 if name is not None and name not in names and len(names) == max_loras:

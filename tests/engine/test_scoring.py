@@ -73,11 +73,15 @@ def test_prompt_logits_in_chunks_equal_one_forward():
     seqs, names = [[5, 6, 7, 8, 9] * 7, [11, 12, 13], [4] * 19], ["a", None, "a"]
     whole = engine(model, adapters, max_num_batched_tokens=128)
     want = [whole.prompt_logits([s], [n])[0] for s, n in zip(seqs, names, strict=True)]
-    small = engine(model, adapters, max_num_batched_tokens=BUDGET)
+    small = engine(model, adapters, max_num_batched_tokens=BUDGET, max_num_seqs=2)
     small.runner.logit_rows = LOGIT_ROWS
-    for got, ref, s in zip(small.prompt_logits(seqs, names), want, seqs, strict=True):
+    seen, run = [], small.runner.run
+    small.runner.run = lambda inputs, *a, **k: seen.append(len(inputs.meta.seqs)) or run(inputs, *a, **k)
+    for got, ref, s in zip(small.prompt_logits(seqs + seqs[1:2], names + [None]), want + want[1:2],
+                           seqs + seqs[1:2], strict=True):
         assert got.shape == (len(s), hf.config.vocab_size)
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert max(seen) == 2  # max_num_seqs sequences a forward at most
 
 
 def test_a_sequence_that_cannot_be_scored_fails_alone():
