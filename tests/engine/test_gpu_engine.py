@@ -73,6 +73,25 @@ def test_piecewise_graphs_match_eager(model_and_adapters):
     assert logprob_diff(reqs, staggered(off, prompts, names, 32)) <= 0.05
 
 
+def test_scoring_beside_graphed_decodes(model_and_adapters):
+    """Prompt scoring (`engine/scoring.py`: eager forwards of 64 tokens, logits 7 rows at a time, one sequence over
+    several forwards) between the steps of graphed decodes over 4 adapters on 2 slots: the decodes' tokens as an
+    engine's that never scored (logprobs within 0.05), the scores each sequence's own logits within 0.05."""
+    from tests.helpers.runs import scoring_beside_decodes
+
+    model, adapters = model_and_adapters
+
+    def make(**kw):
+        eng = gpu_engine(model, adapters, max_loras=2, **{"max_num_batched_tokens": 64, **kw})
+        eng.runner.logit_rows = 7
+        return eng
+
+    prompts, names = workload(n=10)
+    seqs = workload(n=5, seed=1)[0] + [list(range(3, 203))]
+    worst = scoring_beside_decodes(make, prompts, names, seqs, ["a3", None, "a2", "a1", "a0", "a2"], 32)
+    assert worst <= 0.05
+
+
 def test_piecewise_step_has_no_host_sync(model_and_adapters):
     """Contract 5 for a step replaying the pieces: two prompts prefilled, then a step of their decodes beside two new
     prompts, prepared by hand and run (a second time: the first may re-capture for the adapters' sites) under

@@ -201,3 +201,25 @@ def test_the_server_thread_retries_a_sequence_whose_blocks_running_requests_hold
         loop.close()
     assert events[0] == "score" and events[-1] == "score" and "step" in events
     assert [e[:2] for e in got[1:]] == [e[:2] for e in want[1:]]
+
+
+def test_scoring_between_decode_steps_leaves_them_as_they_were():
+    """Scoring rounds between the steps of decodes over 4 adapters on 2 slots (the scoring's forwards take slots
+    the decodes' adapters held): the decodes' tokens and logprobs as an engine's that never scored, the scores
+    (forwards of 16 tokens, one sequence over several) each sequence's own logits. On the GPU, under the decode
+    graphs: test_gpu_engine.py's `test_scoring_beside_graphed_decodes`."""
+    from tests.helpers.runs import scoring_beside_decodes
+
+    model = build(tiny_hf_model("qwen3_moe", seed=4), max_loras=2, max_rank=8)
+    adapters = {f"a{i}": random_adapter(model, 50 + i, 4 + i) for i in range(4)}
+
+    def make(**kw):
+        eng = engine(model, adapters, max_loras=2, **{"max_num_batched_tokens": BUDGET, **kw})
+        eng.runner.logit_rows = LOGIT_ROWS
+        return eng
+
+    g = torch.Generator().manual_seed(6)
+    ps = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (5, 9, 3, 12, 7)]
+    seqs = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (6, 40, 2)]
+    worst = scoring_beside_decodes(make, ps, [None, "a0", "a1", "a2", "a3"], seqs, ["a3", None, "a1"], 10)
+    assert worst <= 1e-4

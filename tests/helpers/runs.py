@@ -50,3 +50,36 @@ def req(i: int, n: int, adapter=None, arrival=None, max_tokens=8) -> Request:
 
 def fake_adapter(name: str, rank: int) -> LoRAAdapter:
     return LoRAAdapter(name, "", {"site": LoRAWeights(torch.ones(rank, 3), torch.ones(3, rank))})
+
+
+def scoring_beside_decodes(make, ps, names, seqs, snames, max_tokens: int, every: int = 3) -> float:
+    """Prompt scoring (`prompt_logprobs_batch`, k 2) between the steps of greedy decodes on `make()` (an engine with
+    fewer slots than adapters, so the scoring's forwards move adapters in and out of the slots the decodes read):
+    the decodes' tokens equal a run on `make()` that never scored. Returns the largest |logprob difference| seen:
+    the decodes' sampled tokens against that run's, every round's scores against each sequence's logits from one
+    forward of its own (`make(max_num_batched_tokens=...)`)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0)
+    ref = make()
+    want = [ref.add_request(p, params, a) for p, a in zip(ps, names, strict=True)]
+    while ref.has_unfinished():
+        ref.step()
+    eng = make()
+    got = [eng.add_request(p, params, a) for p, a in zip(ps, names, strict=True)]
+    rounds, steps = [], 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        if steps % every == 1:
+            rounds.append(eng.prompt_logprobs_batch([(s, n, 2) for s, n in zip(seqs, snames, strict=True)]))
+    worst = 0.0
+    for g, w in zip(got, want, strict=True):
+        assert g.output_ids == w.output_ids, f"tokens diverge for {g.request_id} ({g.adapter})"
+        worst = max(worst, max(abs(a[0] - b[0]) for a, b in zip(g.logprobs, w.logprobs, strict=True)))
+    assert len(rounds) >= 2
+    whole = make(max_num_batched_tokens=max(len(s) for s in seqs))
+    for i, (s, n) in enumerate(zip(seqs, snames, strict=True)):
+        lp = whole.prompt_logits([s], [n])[0].float().log_softmax(-1)
+        for rows in (r[i] for r in rounds):
+            assert len(rows) == len(s) and rows[0] == (None, None, ())
+            worst = max([worst] + [abs(rows[p][0] - lp[p - 1, s[p]].item()) for p in range(1, len(s))])
+    return worst
