@@ -157,6 +157,7 @@ class Request:
     num_pending: int = 0
     penalty: object = None  # sampler.PenaltyState on the device, for requests with penalties
     stop_strings: object = None  # detokenize.StopStrings, from the first check of the request's stop strings
+    coming_hashes: tuple | None = None  # the scheduler's: prefix hashes of the prompt blocks it computes
 
     @property
     def all_ids(self) -> list[int]:

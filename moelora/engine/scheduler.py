@@ -7,7 +7,9 @@ tokens). A request is admitted only while the distinct adapters of the running s
 adapter slots. Among waiting requests, the adapter that has been served the fewest tokens goes
 first (arrival order inside an adapter), so one adapter's flood cannot starve another. With an
 `adapter_ready(name, running_adapters)` check (the pool's `ensure`), a request whose adapter is
-still being copied to its slot waits without holding back the requests behind it.
+still being copied to its slot waits without holding back the requests behind it. With prefix caching, a request
+most of whose uncached prompt blocks a running request is computing right now (n > 1 choices, a burst sharing a
+long prefix) waits for them to be published and takes them from the cache (`_wait_for_shared_prefix`).
 """
 
 from __future__ import annotations
@@ -84,21 +86,55 @@ class Scheduler:
             self.allocator.free(block)
         req.block_ids, req.num_cached_blocks, req.block_hashes = [], 0, []
 
-    def _match_prefix(self, req: Request) -> None:
-        """Reuse cached blocks for the request's leading full blocks (keeping >= 1 token to compute)."""
+    def _match_prefix(self, req: Request) -> int | None:
+        """Reuse cached blocks for the request's leading full blocks (keeping >= 1 token to compute); the hash of
+        the first full block not found, or None."""
         if not self.cfg.enable_prefix_caching:
-            return
-        ids, parent = req.all_ids, None
+            return None
+        ids, parent, missing = req.all_ids, None, None
         for i in range((len(ids) - 1) // self.block_size):
             h = block_hash(req.cache_key, parent, tuple(ids[i * self.block_size:(i + 1) * self.block_size]))
             block = self.allocator.lookup(h)
             if block is None:
+                missing = h
                 break
             req.block_ids.append(block)
             req.block_hashes.append(h)
             parent = h
         req.num_cached_blocks = len(req.block_ids)
         req.num_computed = len(req.block_ids) * self.block_size
+        return missing
+
+    def _coming_hashes(self, req: Request) -> tuple:
+        """The prefix hashes of the full blocks of `req`'s prompt it has not published yet (computed once, from
+        its admission; those published since stay in, harmlessly: a lookup finds them cached first)."""
+        if req.coming_hashes is None:
+            bs, ids = self.block_size, req.prompt_ids
+            parent, out = (req.block_hashes[-1] if req.block_hashes else None), []
+            for i in range(len(req.block_hashes), len(ids) // bs):
+                parent = block_hash(req.cache_key, parent, tuple(ids[i * bs:(i + 1) * bs]))
+                out.append(parent)
+            req.coming_hashes = tuple(out)
+        return req.coming_hashes
+
+    def _wait_for_shared_prefix(self, req: Request, missing: int, coming: set) -> bool:
+        """Whether `req` (its cached prefix matched, `missing` the hash of its first block not cached) should wait a
+        step: when at least half of its uncached full blocks are blocks a running request is computing now (n > 1
+        choices of one prompt, a burst of prompts with one long shared prefix), it finds them in the cache once
+        published instead of computing them again."""
+        if missing not in coming:
+            return False
+        bs, ids = self.block_size, req.all_ids
+        first = len(req.block_ids)
+        full = (len(ids) - 1) // bs - first
+        shared, parent = 1, missing
+        while shared < full:
+            i = first + shared
+            parent = block_hash(req.cache_key, parent, tuple(ids[i * bs:(i + 1) * bs]))
+            if parent not in coming:
+                break
+            shared += 1
+        return 2 * shared >= full
 
     def register_computed(self, req: Request) -> None:
         """After a step: publish the request's newly completed full blocks to the prefix cache."""
@@ -152,8 +188,8 @@ class Scheduler:
                 budget -= n
         return budget
 
-    def _next_waiting(self, blocked: set[str | None]) -> Request | None:
-        candidates = [r for r in self.waiting if r.adapter not in blocked]
+    def _next_waiting(self, blocked: set[str | None], waits: set[int]) -> Request | None:
+        candidates = [r for r in self.waiting if r.adapter not in blocked and id(r) not in waits]
         if not candidates:
             return None
         preempted = [r for r in candidates if r.num_preemptions > 0]
@@ -163,8 +199,10 @@ class Scheduler:
 
     def _admit(self, step: ScheduledStep, budget: int) -> None:
         blocked: set[str | None] = set()
+        waits: set[int] = set()  # requests waiting a step for a shared prefix (`_wait_for_shared_prefix`)
+        coming: set | None = None  # the hashes of the prompt blocks running requests are computing
         while budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            req = self._next_waiting(blocked)
+            req = self._next_waiting(blocked, waits)
             if req is None:
                 return
             adapters = self.running_adapters()
@@ -175,7 +213,17 @@ class Scheduler:
                     req.adapter, adapters):
                 blocked.add(req.adapter)  # its slot is still being written: admit the others meanwhile
                 continue
-            self._match_prefix(req)
+            missing = self._match_prefix(req)
+            if missing is not None and req.num_preemptions == 0:
+                if coming is None:  # prompts with blocks not published yet (overlapped scheduling publishes a
+                    # step's blocks after the next step is scheduled)
+                    coming = {h for r in self.running if r.num_cached_blocks < len(r.prompt_ids) // self.block_size
+                              for h in self._coming_hashes(r)}
+                if self._wait_for_shared_prefix(req, missing, coming):
+                    self.free_blocks(req)
+                    req.num_computed = 0
+                    waits.add(id(req))
+                    continue
             n = min(req.num_tokens - req.num_computed, budget)
             if not self._ensure_blocks(req, req.num_computed + n):
                 self.free_blocks(req)
@@ -193,6 +241,9 @@ class Scheduler:
             step.requests.append(req)
             step.num_new.append(n)
             budget -= n
+            req.coming_hashes = None  # its prefix as matched now
+            if coming is not None and req.num_cached_blocks < len(req.prompt_ids) // self.block_size:
+                coming.update(self._coming_hashes(req))
 
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep([], [], [])

@@ -160,3 +160,76 @@ def test_incremental_block_hashes_equal_the_full_chain():
     twin = Request("twin", list(ids), SamplingParams(max_tokens=1), "a", cache_key="a#1")
     s._match_prefix(twin)
     assert twin.block_ids == r.block_ids[:len(twin.block_ids)] and len(twin.block_ids) == (len(ids) - 1) // bs
+
+
+def test_choices_of_one_prompt_compute_it_once():
+    """n > 1: four requests of one 41-token prompt arrive together; the first computes it, the others wait a step
+    and take its 10 full blocks from the cache (40 of 41 tokens), where each used to compute all 41."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256), BlockAllocator(64, 4))
+    prompt = list(range(500, 541))
+    reqs = [Request(f"c{i}", list(prompt), SamplingParams(max_tokens=4), arrival=0.0) for i in range(4)]
+    for r in reqs:
+        s.add(r)
+    step = run_step(s)
+    assert [r.request_id for r in step.requests] == ["c0"] and step.num_new == [41]
+    step = run_step(s)
+    assert [r.request_id for r in step.requests] == ["c0", "c1", "c2", "c3"] and step.num_new == [1, 1, 1, 1]
+    assert s.prefix_hit_tokens == 3 * 40 and s.prefix_queried_tokens == 4 * 41
+
+
+def test_a_shared_prefix_waits_only_when_it_is_most_of_the_prompt():
+    """A prompt whose uncached blocks a running prefill computes for at least half waits a step (and finds them
+    cached); one sharing a smaller part goes now; without prefix caching nothing waits; a chunked prefill keeps
+    its sibling waiting until the shared blocks are published."""
+    base = list(range(1000, 1040))  # 10 blocks of 4
+    mostly = Request("mostly", base + list(range(2000, 2016)), SamplingParams(), arrival=1.0)  # 10 of 14 shared
+    little = Request("little", base[:8] + list(range(3000, 3040)), SamplingParams(), arrival=2.0)  # 2 of 12
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512), BlockAllocator(128, 4))
+    for r in (Request("first", base + [1], SamplingParams(), arrival=0.0), mostly, little):
+        s.add(r)
+    assert [r.request_id for r in run_step(s).requests] == ["first", "little"]
+    step = run_step(s)
+    assert dict(zip([r.request_id for r in step.requests], step.num_new, strict=True))["mostly"] == 56 - 40
+    off = Scheduler(SchedulerConfig(max_num_batched_tokens=512, enable_prefix_caching=False), BlockAllocator(128, 4))
+    for r in (Request("a", base + [1], SamplingParams()), Request("b", base + [2], SamplingParams())):
+        off.add(r)
+    assert len(run_step(off).requests) == 2
+    chunked = Scheduler(SchedulerConfig(max_num_batched_tokens=16), BlockAllocator(128, 4))
+    a, b = Request("a", base + [1], SamplingParams(), arrival=0.0), Request("b", base + [2], SamplingParams(),
+                                                                            arrival=1.0)
+    chunked.add(a)
+    chunked.add(b)
+    for want in (16, 16, 9):  # a's prefill in three chunks while b waits
+        step = run_step(chunked)
+        assert [r.request_id for r in step.requests] == ["a"] and step.num_new == [want]
+    step = run_step(chunked)
+    assert [r.request_id for r in step.requests] == ["a", "b"] and step.num_new == [1, 1]
+
+
+def test_waiting_for_a_shared_prefix_changes_no_token():
+    """The engine, greedy: four choices of one prompt and two prompts sharing most of it, over an adapter and the
+    base, give the tokens they give with prefix caching off; with it on (steps synchronous or overlapped) the
+    siblings take the first's blocks."""
+    from tests.helpers.models import build, engine, random_adapter
+    from tests.helpers.oracle import tiny_hf_model
+
+    model = build(tiny_hf_model("qwen3_moe", seed=7), max_loras=2, max_rank=8)
+    adapters = {"x": random_adapter(model, 20, 6)}
+    prompt = list(range(3, 33))
+    prompts = [prompt] * 4 + [prompt[:24] + [50, 51, 52], prompt + [60]] * 2
+    names = ["x"] * 6 + [None] * 2
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    outs, hits = [], []
+    for cached, overlapped in ((False, False), (True, False), (True, True)):
+        eng = engine(model, adapters, enable_prefix_caching=cached, async_scheduling=overlapped)
+        reqs = [eng.add_request(p, params, a) for p, a in zip(prompts, names, strict=True)]
+        while eng.has_unfinished():
+            eng.step()
+        outs.append([r.output_ids for r in reqs])
+        hits.append(eng.scheduler.prefix_hit_tokens)
+        eng.check_blocks()
+    assert outs[0] == outs[1] == outs[2]
+    # blocks of 4: the three other choices 7 blocks each; on "x" the 27-token prompt its 6 blocks, the 31-token one
+    # 7; on the base (its own prefixes) the 31-token prompt the 6 blocks the 27-token one computes; overlapped
+    # scheduling too (a step's blocks are published after the next step is scheduled: one more step of waiting)
+    assert hits == [0, 3 * 28 + 24 + 28 + 24, 3 * 28 + 24 + 28 + 24]
