@@ -411,7 +411,7 @@ class LLMEngine:
     def prompt_logprobs(self, token_ids: list[int], adapter: str | None, k: int) -> list:
         """Per prompt token: its logprob given the tokens before it, its rank there and the k most likely
         tokens, as `(logprob, rank, ((id, logprob), ...))`; the first token has none: `(None, None, ())`.
-        Forwards of its own (no caching), for completions' `echo` with `logprobs`."""
+        Forwards of its own (the prefix cache not read; `scoring.py`), for completions' `echo` with `logprobs`."""
         out = self.prompt_logprobs_batch([(token_ids, adapter, k)])[0]
         if isinstance(out, RequestError):
             raise out
@@ -424,7 +424,8 @@ class LLMEngine:
         return scoring.prompt_logprobs(self, items)
 
     def prompt_logits(self, token_ids: list[list[int]], adapters: list[str | None]) -> list[torch.Tensor]:
-        """fp32 logits of every position of each sequence (no caching), in forwards of the step budget."""
+        """fp32 logits of every position of each sequence (the prefix cache not read), in forwards of the step
+        budget."""
         self._settle_in_flight()
         return scoring.prompt_logits(self, token_ids, adapters)
 

@@ -146,17 +146,19 @@ def prompt_logprobs(engine, items: Sequence[tuple[Sequence[int], str | None, int
     RequestError that kept that sequence out."""
     seqs = [list(ids) for ids, _, _ in items]
     out = [[(None, None, ())] + [None] * (len(ids) - 1) for ids in seqs]
+    kept = []  # per chunk of rows: (its entries on the device, its rows' sequences and positions)
 
     def reduce(logits: torch.Tensor, row_seq: list[int], row_pos: list[int]) -> None:
         # row p predicts token p + 1: a sequence's last position predicts none of its tokens
         follow = [seqs[s][p + 1] if p + 1 < len(seqs[s]) else 0 for s, p in zip(row_seq, row_pos, strict=True)]
         wants = [items[s][2] if p + 1 < len(seqs[s]) else None for s, p in zip(row_seq, row_pos, strict=True)]
-        found = logprobs_to_host(logprobs_on_device(logits, upload(follow, torch.long, logits.device), wants))
-        for s, p, entry in zip(row_seq, row_pos, found, strict=True):
-            if entry is not None:
-                out[s][p + 1] = entry
+        kept.append((logprobs_on_device(logits, upload(follow, torch.long, logits.device), wants), row_seq, row_pos))
 
     errors = score(engine, seqs, [a for _, a, _ in items], reduce)
+    for pending, row_seq, row_pos in kept:  # read back once all forwards are queued: no sync between chunks
+        for s, p, entry in zip(row_seq, row_pos, logprobs_to_host(pending), strict=True):
+            if entry is not None:
+                out[s][p + 1] = entry
     return [e if e is not None else rows for e, rows in zip(errors, out, strict=True)]
 
 
