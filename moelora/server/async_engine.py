@@ -77,6 +77,20 @@ class RequestObserver(Protocol):
     def step(self, tokens: int) -> None:
         """A step was scheduled that computes `tokens` tokens (prefill chunks and decodes)."""
 
+    def scored(self, score: ScoreRequest, started: float, end: float, reason: str) -> None:
+        """A request that generates nothing (echo with max_tokens 0) was scored: `started` / `end` bound its
+        forwards; `reason` is "length", or "error" when they failed."""
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """A scoring-only request (its prompt's logprobs and nothing generated), as the observer reports it: vLLM
+    counts such a request among its finished requests."""
+
+    prompt_tokens: int
+    n: int
+    arrival: float  # time.monotonic() when it was sent to the engine thread
+
 
 @dataclass(frozen=True)
 class Delta:
@@ -225,10 +239,12 @@ class AsyncEngine:
     async def unload_adapter(self, name: str) -> None:
         await self._call("unload", name)
 
-    async def prompt_logprobs(self, token_ids: list[int], adapter: str | None, k: int) -> list:
+    async def prompt_logprobs(self, token_ids: list[int], adapter: str | None, k: int, alone_n: int = 0) -> list:
         """`LLMEngine.prompt_logprobs`, run on the engine thread between steps, in the forwards of every call
-        queued with it (`_score`)."""
-        return await self._call("prompt_logprobs", token_ids, adapter, k)
+        queued with it (`_score`). `alone_n` > 0: the prompt's request, of that many choices, generates nothing,
+        so the observer hears of it as a finished request (else the generation that follows is reported)."""
+        score = ScoreRequest(len(token_ids), alone_n, time.monotonic()) if alone_n else None
+        return await self._call("prompt_logprobs", token_ids, adapter, k, score)
 
     async def _call(self, kind: str, *args):
         if not self.alive:
@@ -349,6 +365,7 @@ class AsyncEngine:
         while self._scoring and (not commands or tokens + len(self._scoring[0][1]) <= budget):
             commands.append(self._scoring.popleft())
             tokens += len(commands[-1][1])
+        started = time.monotonic()
         try:
             results = self.engine.prompt_logprobs_batch([tuple(c[1:4]) for c in commands])
         except WorkerError as e:  # a tensor-parallel rank is gone: the engine stops, as in `_step`
@@ -360,11 +377,14 @@ class AsyncEngine:
             log.exception("prompt scoring failed")
             results = [e] * len(commands)
         self._publish()
-        retry = []
+        end, retry = time.monotonic(), []
         for command, result in zip(commands, results, strict=True):
             if isinstance(result, NoFreeBlocks) and self.engine.has_unfinished():
                 retry.append(command)  # after the generation steps that hold the blocks
-            elif isinstance(result, Exception):
+                continue
+            if command[4] is not None and self._observer is not None:
+                self._observer.scored(command[4], started, end, "error" if isinstance(result, Exception) else "length")
+            if isinstance(result, Exception):
                 _resolve(command[-2], command[-1], error=result)
             else:
                 _resolve(command[-2], command[-1], result=result)

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from moelora.engine.request import Request
-from moelora.server.async_engine import EngineStats, GenerateSpec
+from moelora.server.async_engine import EngineStats, GenerateSpec, ScoreRequest
 from moelora.server.metric_types import Family, Hist
 
 # vLLM's buckets (its PrometheusStatLogger): first-token, inter-token and whole-request latencies
@@ -165,6 +165,20 @@ class _VllmRequestSeries:
         self.params_max_tokens.observe(req.params.max_tokens)
         if generated > 1:
             self.request_tpot.observe((end - first) / (generated - 1))
+
+    def scored(self, score: ScoreRequest, started: float, end: float, reason: str) -> None:
+        """Each of its n choices counts as a finished request that generated nothing, as vLLM counts them."""
+        for _ in range(score.n):
+            self.success[reason] += 1
+            for key, seconds in (("e2e", end - score.arrival), ("queue", started - score.arrival),
+                                 ("prefill", end - started), ("decode", 0.0), ("inference", end - started)):
+                self.phase[key].observe(seconds)
+            self.prompt_len.observe(score.prompt_tokens)
+            self.generation_len.observe(0)
+            self.params_max_tokens.observe(0)
+            if reason != "error":
+                self.prompt_tokens += score.prompt_tokens
+        self.params_n.observe(score.n)
 
     # collector ----------------------------------------------------------------------------------
     def collect(self):

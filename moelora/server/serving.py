@@ -189,9 +189,9 @@ class OpenAIServing:
             self.metrics.prompt_tokens.labels(label).inc(len(spec.prompt_ids))
         return stream
 
-    async def _prompt_logprobs(self, ids: list[int], adapter: str | None, k: int) -> list:
+    async def _prompt_logprobs(self, ids: list[int], adapter: str | None, k: int, alone_n: int = 0) -> list:
         try:
-            return await self.engine.prompt_logprobs(ids, adapter, k)
+            return await self.engine.prompt_logprobs(ids, adapter, k, alone_n)
         except RequestError as e:
             raise ApiError(400, str(e), "prompt") from None
         except EngineDead as e:
@@ -248,8 +248,11 @@ class OpenAIServing:
             raise ApiError(400, "max_tokens must be at least 1 (0 is only allowed with echo)", "max_tokens")
         n, view = body.choices, self._view(body)
         # once per prompt, shared by its n choices; the prompts' logprobs asked at once: scored in shared forwards
-        prompt_parts = await asyncio.gather(*(self._completion_prompt(body, p, ids, adapter, view) for p, ids in zip(
-            prompts, encoded, strict=True)))
+        alone = n if body.max_tokens == 0 else 0  # nothing generated: scoring is the request (metrics count it)
+        prompt_parts = await asyncio.gather(*(self._completion_prompt(body, p, ids, adapter, view, alone)
+                                              for p, ids in zip(prompts, encoded, strict=True)))
+        if alone:
+            self._count_scored(label, [len(part["ids"]) for part in prompt_parts if part["scored"]], n, arrival)
         resp = OpenAIResponse("cmpl", body, self.cfg.served_model_names[0], sum(len(ids) for ids in encoded))
         stream = events = None
         if body.max_tokens != 0:
@@ -262,12 +265,13 @@ class OpenAIServing:
             return Result(None, self._stream_completion(resp, events, body, view, parts), stream)
         return Result(await self._collect_completion(resp, events, body, view, parts), None, stream)
 
-    async def _completion_prompt(self, body: CompletionRequest, prompt, ids: list[int], adapter, view) -> dict:
+    async def _completion_prompt(self, body: CompletionRequest, prompt, ids: list[int], adapter, view,
+                                 alone_n: int) -> dict:
         """What a choice shows of its prompt: the echo (text, and its logprobs object when asked, with
         text_offset over that text), `prompt_logprobs`, `prompt_token_ids`."""
         want = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
-        entries = await self._prompt_logprobs(ids, adapter, max(want)) if want else None
-        part = {"ids": ids, "echo": "", "echo_lp": None, "prompt_logprobs": None}
+        entries = await self._prompt_logprobs(ids, adapter, max(want), alone_n) if want else None
+        part = {"ids": ids, "echo": "", "echo_lp": None, "prompt_logprobs": None, "scored": bool(want)}
         if body.echo:
             part["echo"] = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
             if body.logprobs is not None:
@@ -275,6 +279,16 @@ class OpenAIServing:
         if body.prompt_logprobs is not None:
             part["prompt_logprobs"] = view.prompt_logprobs(ids, entries, body.prompt_logprobs)
         return part
+
+    def _count_scored(self, label: str, prompt_lens: list[int], n: int, arrival: float) -> None:
+        """moelora's per-adapter series of a request that only scored its prompts (the engine thread reports
+        vLLM's): each choice of each scored prompt a finished request of `length`."""
+        m, now = self.metrics, time.monotonic()
+        for length in prompt_lens:
+            m.requests.labels(label, "length").inc(n)
+            m.prompt_tokens.labels(label).inc(length * n)
+            for _ in range(n):
+                m.e2e.labels(label).observe(now - arrival)
 
     def _choice_extras(self, body: _Sampling, part_ids: list[int] | None, token_ids: list[int]) -> dict:
         if not body.return_token_ids:

@@ -128,7 +128,7 @@ def test_the_server_thread_scores_a_budget_at_a_time_between_generation_steps():
     lengths = [10, 10, 4, 4, 4, 4, 20]
     futures = [loop.create_future() for _ in lengths]
     for n, future in zip(lengths, futures, strict=True):  # all queued before the thread looks
-        server.send(("prompt_logprobs", list(range(3, 3 + n)), None, 1, loop, future))
+        server.send(("prompt_logprobs", list(range(3, 3 + n)), None, 1, None, loop, future))
     server.start()
     try:
         got = loop.run_until_complete(asyncio.wait_for(asyncio.gather(*futures), 60))
@@ -192,7 +192,7 @@ def test_the_server_thread_retries_a_sequence_whose_blocks_running_requests_hold
     eng.prompt_logprobs_batch = lambda items: events.append("score") or batch(items)
     server, loop = AsyncEngine(eng), asyncio.new_event_loop()
     future = loop.create_future()
-    server.send(("prompt_logprobs", prompt, None, 2, loop, future))
+    server.send(("prompt_logprobs", prompt, None, 2, None, loop, future))
     server.start()
     try:
         got = loop.run_until_complete(asyncio.wait_for(future, 60))

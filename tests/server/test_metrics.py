@@ -159,6 +159,45 @@ def test_lora_requests_info_follows_the_running_adapters_and_aborts_count(server
     assert lora_info(url)[0]["running_lora_adapters"] == ""
 
 
+def test_scoring_only_requests_count_as_finished_requests_and_scored_generations_once(server):
+    """lm-eval's loglikelihood requests (echo + logprobs, max_tokens 0) generate nothing: each choice of each
+    prompt counts as one finished request of `length` with its prompt tokens, as vLLM counts them; a request that
+    scores its prompt and then generates counts once, by its generation."""
+    url, app = server
+    wait_idle(app)
+    sample = (("vllm:request_success", "vllm:request_success_total", {"finished_reason": "length"}),
+              ("vllm:prompt_tokens", "vllm:prompt_tokens_total", {}),
+              ("vllm:generation_tokens", "vllm:generation_tokens_total", {}),
+              *((f"vllm:{n}", f"vllm:{n}_{s}", {}) for n in ("request_prompt_tokens", "request_generation_tokens",
+                                                               "request_params_n", "e2e_request_latency_seconds",
+                                                               "time_to_first_token_seconds")
+                for s in ("count", "sum")),
+              ("moelora:requests", "moelora:requests_total", {"model": "alpha", "outcome": "length"}),
+              ("moelora:prompt_tokens", "moelora:prompt_tokens_total", {"model": "alpha"}))
+
+    def read() -> list[float]:
+        m = scrape(url)
+        return [sum(s.value for s in m[fam].samples if s.name == name and labels.items() <= s.labels.items())
+                if fam in m else 0.0 for fam, name, labels in sample]
+
+    before = read()
+    prompts = ["score me", "and me too"]  # 8 and 10 tokens
+    body = complete(url, "alpha", prompts, 0, echo=True, logprobs=1, n=2)
+    assert [c["text"] for c in body["choices"]] == [prompts[0], prompts[0], prompts[1], prompts[1]]
+    complete(url, "alpha", "then generate", 3, echo=True, logprobs=1)  # 13 tokens, 3 generated
+    wait_idle(app)
+    got = [a - b for a, b in zip(read(), before, strict=True)]
+    e2e_sum = got[10]
+    assert e2e_sum > 0
+    got[10], got[12] = None, None  # latency sums: positive, not exact
+    assert got == [5, 2 * 8 + 2 * 10 + 13, 3,  # 4 choices + 1 generation, prompt tokens, generated
+                   5, 36 + 13, 5, 3,  # prompt-length histogram; generation-length histogram (0 x 4, 3)
+                   3, 2 + 2 + 1,  # n: once a prompt
+                   5, None,  # e2e
+                   1, None,  # first-token latency: the generating request only
+                   5, 36 + 13]  # moelora's per-adapter series
+
+
 def test_engine_thread_histogram_buckets_are_inclusive_and_cumulative():
     from moelora.server.metric_types import Hist
 
