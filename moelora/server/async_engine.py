@@ -360,11 +360,26 @@ class AsyncEngine:
         """`LLMEngine.prompt_logprobs_batch` of the queued prompt_logprobs commands, in order, up to one step
         budget of tokens (at least one command): a long queue of them takes turns with the generation steps.
         Each caller hears its own result or error; a sequence whose KV blocks the generating requests hold
-        (`NoFreeBlocks`) goes back to the queue's front, to be scored after a step."""
+        (`NoFreeBlocks`) goes back to the queue's front, to be scored after a step, and so does one whose adapter
+        would need a slot the running requests' adapters hold."""
         commands, tokens, budget = [], 0, self.engine.cfg.max_num_batched_tokens
+        # adapters the running requests hold keep their slots: a prompt of another adapter waits for a free one
+        # (as the scheduler's admission does) instead of evicting one the next step copies back in
+        held, free = self.engine.scheduler.running_adapters(), self.engine.pool.max_loras
+        waiting = []
         while self._scoring and (not commands or tokens + len(self._scoring[0][1]) <= budget):
-            commands.append(self._scoring.popleft())
-            tokens += len(commands[-1][1])
+            command = self._scoring.popleft()
+            name = command[2]
+            if name is not None and name not in held:
+                if len(held) >= free and self.engine.has_unfinished():
+                    waiting.append(command)
+                    continue
+                held = held | {name}
+            commands.append(command)
+            tokens += len(command[1])
+        self._scoring.extendleft(reversed(waiting))
+        if not commands:
+            return
         started = time.monotonic()
         try:
             results = self.engine.prompt_logprobs_batch([tuple(c[1:4]) for c in commands])

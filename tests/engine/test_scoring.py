@@ -203,6 +203,45 @@ def test_the_server_thread_retries_a_sequence_whose_blocks_running_requests_hold
     assert [e[:2] for e in got[1:]] == [e[:2] for e in want[1:]]
 
 
+def test_a_prompt_of_another_adapter_waits_for_a_slot_the_running_requests_free():
+    """Running requests hold both adapter slots (a, b): a prompt of adapter c to score waits for them to finish
+    instead of evicting a slot the next step copies back in; prompts of a (held) or the base model are scored
+    meanwhile. One eviction in all (c's, after they finished); its logprobs as on an idle engine."""
+    import asyncio
+
+    from moelora.engine.request import SamplingParams
+    from moelora.server.async_engine import AsyncEngine
+
+    model = build(tiny_hf_model("qwen3_moe", seed=4), max_loras=2, max_rank=8)
+    adapters = {name: random_adapter(model, seed, 4) for name, seed in (("a", 41), ("b", 42), ("c", 43))}
+    kw = dict(max_num_batched_tokens=BUDGET, warmup=False, max_loras=2)
+    prompt = list(range(3, 10))  # two in a forward of BUDGET tokens
+    want = engine(model, adapters, **kw).prompt_logprobs(prompt, "c", 2)
+    eng = engine(model, adapters, **kw)
+    for name in ("a", "b"):
+        eng.add_request([5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True), name)
+    eng.step()
+    evictions = eng.pool.evictions
+    events, step, batch = [], eng.step, eng.prompt_logprobs_batch
+    eng.step = lambda: events.append("step") or step()
+    eng.prompt_logprobs_batch = lambda items: events.append([i[1] for i in items]) or batch(items)
+    server, loop = AsyncEngine(eng, {n: "" for n in adapters}), asyncio.new_event_loop()
+    futures = [loop.create_future() for _ in range(3)]
+    for name, future in zip(("c", "a", None), futures, strict=True):
+        server.send(("prompt_logprobs", prompt, name, 2, None, loop, future))
+    server.start()
+    try:
+        got = loop.run_until_complete(asyncio.wait_for(asyncio.gather(*futures), 60))
+    finally:
+        server.shutdown()
+        loop.close()
+    scored = [e for e in events if e != "step"]
+    assert scored == [["a", None], ["c"]]
+    assert events.index(["c"]) == len(events) - 1 and events.count("step") >= 5  # after the decodes
+    assert eng.pool.evictions == evictions + 1
+    assert [e[:2] for e in got[0][1:]] == [e[:2] for e in want[1:]]
+
+
 def test_scoring_between_decode_steps_leaves_them_as_they_were():
     """Scoring rounds between the steps of decodes over 4 adapters on 2 slots (the scoring's forwards take slots
     the decodes' adapters held): the decodes' tokens and logprobs as an engine's that never scored, the scores
