@@ -35,6 +35,18 @@ def _forwards(eng) -> list[tuple[int, set]]:
     return seen
 
 
+def _serve(server, loop, awaitable):
+    """Start the `AsyncEngine`, wait for `awaitable` (at most 60 s), shut it down."""
+    import asyncio
+
+    server.start()
+    try:
+        return loop.run_until_complete(asyncio.wait_for(awaitable, 60))
+    finally:
+        server.shutdown()
+        loop.close()
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
 def test_batched_chunked_prompt_logprobs_equal_each_sequence_alone_in_transformers(family):
     hf = tiny_hf_model(family, seed=3)
@@ -129,12 +141,7 @@ def test_the_server_thread_scores_a_budget_at_a_time_between_generation_steps():
     futures = [loop.create_future() for _ in lengths]
     for n, future in zip(lengths, futures, strict=True):  # all queued before the thread looks
         server.send(("prompt_logprobs", list(range(3, 3 + n)), None, 1, None, loop, future))
-    server.start()
-    try:
-        got = loop.run_until_complete(asyncio.wait_for(asyncio.gather(*futures), 60))
-    finally:
-        server.shutdown()
-        loop.close()
+    got = _serve(server, loop, asyncio.gather(*futures))
     assert [len(rows) for rows in got] == lengths
     assert [e for e in events if e != "step"] == [[10], [10, 4], [4, 4, 4], [20]]
     scored = [i for i, e in enumerate(events) if e != "step"]
@@ -193,12 +200,7 @@ def test_the_server_thread_retries_a_sequence_whose_blocks_running_requests_hold
     server, loop = AsyncEngine(eng), asyncio.new_event_loop()
     future = loop.create_future()
     server.send(("prompt_logprobs", prompt, None, 2, None, loop, future))
-    server.start()
-    try:
-        got = loop.run_until_complete(asyncio.wait_for(future, 60))
-    finally:
-        server.shutdown()
-        loop.close()
+    got = _serve(server, loop, future)
     assert events[0] == "score" and events[-1] == "score" and "step" in events
     assert [e[:2] for e in got[1:]] == [e[:2] for e in want[1:]]
 
@@ -229,12 +231,7 @@ def test_a_prompt_of_another_adapter_waits_for_a_slot_the_running_requests_free(
     futures = [loop.create_future() for _ in range(3)]
     for name, future in zip(("c", "a", None), futures, strict=True):
         server.send(("prompt_logprobs", prompt, name, 2, None, loop, future))
-    server.start()
-    try:
-        got = loop.run_until_complete(asyncio.wait_for(asyncio.gather(*futures), 60))
-    finally:
-        server.shutdown()
-        loop.close()
+    got = _serve(server, loop, asyncio.gather(*futures))
     scored = [e for e in events if e != "step"]
     assert scored == [["a", None], ["c"]]
     assert events.index(["c"]) == len(events) - 1 and events.count("step") >= 5  # after the decodes
