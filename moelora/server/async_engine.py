@@ -370,6 +370,9 @@ class AsyncEngine:
         while self._scoring and (not commands or tokens + len(self._scoring[0][1]) <= budget):
             command = self._scoring.popleft()
             name = command[2]
+            if name is not None and name not in self._adapters:  # unloaded since the request named it
+                _resolve(command[-2], command[-1], error=UnknownAdapter(f"adapter {name!r} is not loaded"))
+                continue
             if name is not None and name not in held:
                 if len(held) >= free and self.engine.has_unfinished():
                     waiting.append(command)

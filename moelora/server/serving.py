@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from moelora.engine.detokenize import IncrementalDetokenizer
@@ -174,28 +175,30 @@ class OpenAIServing:
         return LogprobView(self.texts, body.skip_special_tokens is not False, bool(body.include_stop_str_in_output),
                            self.cfg.return_tokens_as_token_ids if as_ids is None else as_ids)
 
-    async def _open(self, specs: list[GenerateSpec], label: str) -> RequestStream:
+    @contextmanager
+    def _engine_errors(self, label: str, param: str | None = None):
+        """The engine's refusals as vLLM's HTTP errors."""
         try:
-            stream = await self.engine.open(specs)
-        except UnknownAdapter as e:
+            yield
+        except UnknownAdapter as e:  # unloaded since the request named it
             raise ApiError(404, f"The model `{label}` does not exist ({e}).", "model") from None
         except Overloaded as e:
             raise ApiError(503, str(e), headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
         except EngineDead as e:
             raise ApiError(503, str(e)) from None
         except RequestError as e:
-            raise ApiError(400, str(e)) from None
+            raise ApiError(400, str(e), param) from None
+
+    async def _open(self, specs: list[GenerateSpec], label: str) -> RequestStream:
+        with self._engine_errors(label):
+            stream = await self.engine.open(specs)
         for spec in specs:
             self.metrics.prompt_tokens.labels(label).inc(len(spec.prompt_ids))
         return stream
 
     async def _prompt_logprobs(self, ids: list[int], adapter: str | None, k: int, alone_n: int = 0) -> list:
-        try:
+        with self._engine_errors(adapter or self.cfg.served_model_names[0], "prompt"):
             return await self.engine.prompt_logprobs(ids, adapter, k, alone_n)
-        except RequestError as e:
-            raise ApiError(400, str(e), "prompt") from None
-        except EngineDead as e:
-            raise ApiError(503, str(e)) from None
 
     # the shared loop ----------------------------------------------------------------------------
     async def _run(self, stream: RequestStream, body: _Sampling, label: str, arrival: float) -> AsyncIterator[Event]:

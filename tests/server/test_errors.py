@@ -61,6 +61,21 @@ def test_unload_with_requests_in_flight_is_refused(server, client):
     assert complete(client, "alpha", PROMPTS[5]).choices[0].finish_reason in ("stop", "length")
 
 
+@pytest.mark.parametrize("extra", [{}, {"echo": True, "logprobs": 1, "max_tokens": 0}, {"prompt_logprobs": 1}],
+                         ids=["generate", "score", "prompt_logprobs"])
+def test_an_adapter_unloaded_after_the_request_named_it_is_a_404(extra, server, monkeypatch):
+    """The model field resolves against the published adapter list; an adapter unloaded between that and the
+    engine thread's turn is `model` 404 (vLLM's unknown model) on the generation and the scoring paths alike."""
+    url, app = server
+    monkeypatch.setattr(app.state.serving, "resolve_model", lambda name: name)  # listed when it arrived
+    r = post(url, "/v1/completions", {"model": "ghost", "prompt": "hi", "max_tokens": 2, **extra})
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert "`ghost` does not exist" in err["message"] and "not loaded" in err["message"] and err["param"] == "model"
+    monkeypatch.undo()
+    assert post(url, "/v1/completions", {"model": "alpha", "prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
 def _edit_adapter(src: Path, dst: Path, tensors=None, remove=None) -> Path:
     shutil.copytree(src, dst)
     if remove:
