@@ -193,6 +193,12 @@ class PiecewiseGraphs(GraphSet):
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """A step of T <= the largest bucket tokens -> the logits of its sampled rows [n, V] (fp32)."""
+        return self.model.logits(self.hidden_states(inputs).index_select(0, inputs.sample_rows)).float()
+
+    @torch.inference_mode()
+    def hidden_states(self, inputs: StepInputs) -> torch.Tensor:
+        """A step of T <= the largest bucket tokens -> its final-norm hidden states [T, H] (a view of the static
+        buffer: the next replay overwrites it)."""
         T, B = self._load_rows(inputs)
         meta = inputs.meta
         if T < B:
@@ -206,4 +212,4 @@ class PiecewiseGraphs(GraphSet):
             self.attn_out[:T].copy_(out)
         graphs[-1].replay()
         self.replays += 1
-        return self.model.logits(self.hidden[:T].index_select(0, inputs.sample_rows)).float()
+        return self.hidden[:T]

@@ -163,6 +163,11 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.cache.layers, inputs.lora)
         if not all_logits:
             return self.model.logits(hidden.index_select(0, inputs.sample_rows)).float()
+        return self.all_logits(hidden, rows_fn)
+
+    @torch.inference_mode()
+    def all_logits(self, hidden: torch.Tensor, rows_fn=None) -> torch.Tensor | None:
+        """Every row's fp32 logits, `logit_rows` rows at a time, as `run(all_logits=True)` makes them."""
         step = self.logit_rows
         out = None
         for r0 in range(0, hidden.shape[0], step):

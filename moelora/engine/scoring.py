@@ -1,7 +1,8 @@
 """Prompt scoring: the logits, or the logprobs, of every position of given token sequences, outside the scheduler's
 steps (completions' `echo` with `logprobs` and `prompt_logprobs`, `LLM.logits`, `moelora verify`).
 
-The sequences are packed into eager forwards of at most the step budget (`max_num_batched_tokens`) tokens,
+The sequences are packed into forwards (through the piecewise graphs when the engine has them, as its prefill
+steps) of at most the step budget (`max_num_batched_tokens`) tokens,
 `max_num_seqs` sequences and `max_loras` adapters, in order: many short prompts share a forward (an evaluation
 harness's batch of loglikelihood requests costs a few forwards, not one each), and a sequence longer than the budget
 is computed over several as chunked prefill, each chunk attending to the KV its earlier chunks wrote. A sequence's
@@ -121,7 +122,11 @@ def _forward(engine, reqs: list[Request], news: list[int], seqs: list[int], on_r
     def rows(r0: int, logits: torch.Tensor) -> None:
         on_rows(logits, row_seq[r0:r0 + logits.shape[0]], row_pos[r0:r0 + logits.shape[0]])
 
-    engine.runner.run(inputs, all_logits=True, rows_fn=rows)
+    pieces = engine.pieces  # the layers through the piecewise graphs, as a prefill step of these rows would run
+    if pieces is not None and pieces.can_run(inputs.input_ids.shape[0]):
+        engine.runner.all_logits(pieces.hidden_states(inputs), rows)
+    else:
+        engine.runner.run(inputs, all_logits=True, rows_fn=rows)
 
 
 def prompt_logits(engine, seqs: Sequence[Sequence[int]], adapters: Sequence[str | None]) -> list[torch.Tensor]:

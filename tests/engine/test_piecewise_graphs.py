@@ -83,6 +83,33 @@ def test_pieces_equal_the_eager_engine(family, monkeypatch):
     assert_pieces_equal_eager(pieced, eager, prompts, names, monkeypatch)
 
 
+@pytest.mark.interp
+@interp_only
+def test_scoring_through_the_pieces_equals_eager_scoring():
+    """Prompt scoring (`engine/scoring.py`) runs its forwards through the pieces, as a prefill step would: every
+    position's logprob, rank and top ids as the eager engine's (1e-4, fp32), forwards padded and exact, two
+    adapters and none, a prompt longer than a forward chunked over its own KV."""
+    model = build(tiny_hf_model("qwen3_moe", seed=51), max_loras=2, max_rank=8)
+    adapters = {"a": random_adapter(model, seed=52, rank=8), "b": random_adapter(model, seed=53, rank=4, frac=0.6)}
+    g = torch.Generator().manual_seed(55)
+    items = [(torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist(), name, 3)
+             for n, name in ((30, "a"), (7, None), (11, "b"), (5, "a"))]  # forwards of 24, 24, 5 rows
+    kw = dict(kernel_backend="triton", max_num_batched_tokens=24, async_scheduling=False)
+    want = engine(model, adapters, max_loras=2, **kw).prompt_logprobs_batch(items)
+    eng = engine(model, adapters, max_loras=2, **kw)
+    eng.pieces = PiecewiseGraphs(eng.model, eng.cache, 24, eng.cache.allocator.reserve(), eng.runner.needs,
+                                 capture=ReplayByCall)
+    eng.pieces.capture(eng.lora_idle, eng._graph_width)
+    got = eng.prompt_logprobs_batch(items)
+    assert eng.pieces.replays == 3
+    for rows, ref in zip(got, want, strict=True):
+        assert rows[0] == ref[0] == (None, None, ())
+        for (lp, rank, top), (lp_ref, rank_ref, top_ref) in zip(rows[1:], ref[1:], strict=True):
+            assert lp == pytest.approx(lp_ref, abs=1e-4) and rank == rank_ref
+            assert [t for t, _ in top] == [t for t, _ in top_ref]
+    eng.check_blocks()
+
+
 def assert_pieces_equal_eager(eng, eager, prompts, names, monkeypatch):
     """`eng` given piecewise graphs of up to 24 tokens (`ReplayByCall`) runs the staggered requests with the same
     greedy tokens as `eager` and logprobs within 1e-4, through buckets padded and exact."""
