@@ -91,16 +91,14 @@ class Scheduler:
         the first full block not found, or None."""
         if not self.cfg.enable_prefix_caching:
             return None
-        ids, parent, missing = req.all_ids, None, None
-        for i in range((len(ids) - 1) // self.block_size):
-            h = block_hash(req.cache_key, parent, tuple(ids[i * self.block_size:(i + 1) * self.block_size]))
+        ids, missing = req.all_ids, None
+        for h in self._chained_hashes(req, ids, 0, (len(ids) - 1) // self.block_size, None):
             block = self.allocator.lookup(h)
             if block is None:
                 missing = h
                 break
             req.block_ids.append(block)
             req.block_hashes.append(h)
-            parent = h
         req.num_cached_blocks = len(req.block_ids)
         req.num_computed = len(req.block_ids) * self.block_size
         return missing
@@ -109,13 +107,17 @@ class Scheduler:
         """The prefix hashes of the full blocks of `req`'s prompt it has not published yet (computed once, from
         its admission; those published since stay in, harmlessly: a lookup finds them cached first)."""
         if req.coming_hashes is None:
-            bs, ids = self.block_size, req.prompt_ids
-            parent, out = (req.block_hashes[-1] if req.block_hashes else None), []
-            for i in range(len(req.block_hashes), len(ids) // bs):
-                parent = block_hash(req.cache_key, parent, tuple(ids[i * bs:(i + 1) * bs]))
-                out.append(parent)
-            req.coming_hashes = tuple(out)
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            req.coming_hashes = tuple(self._chained_hashes(req, req.prompt_ids, len(req.block_hashes),
+                                                           len(req.prompt_ids) // self.block_size, parent))
         return req.coming_hashes
+
+    def _chained_hashes(self, req: Request, ids: list[int], first: int, stop: int, parent: int | None):
+        """The prefix hashes of `ids`' full blocks first..stop-1, chained on `parent` (block first-1's hash)."""
+        bs = self.block_size
+        for i in range(first, stop):
+            parent = block_hash(req.cache_key, parent, tuple(ids[i * bs:(i + 1) * bs]))
+            yield parent
 
     def _wait_for_shared_prefix(self, req: Request, missing: int, coming: set) -> bool:
         """Whether `req` (its cached prefix matched, `missing` the hash of its first block not cached) should wait a
@@ -124,14 +126,11 @@ class Scheduler:
         published instead of computing them again."""
         if missing not in coming:
             return False
-        bs, ids = self.block_size, req.all_ids
-        first = len(req.block_ids)
-        full = (len(ids) - 1) // bs - first
-        shared, parent = 1, missing
-        while shared < full:
-            i = first + shared
-            parent = block_hash(req.cache_key, parent, tuple(ids[i * bs:(i + 1) * bs]))
-            if parent not in coming:
+        ids, first = req.all_ids, len(req.block_ids)
+        full = (len(ids) - 1) // self.block_size - first
+        shared = 1  # `missing` itself
+        for h in self._chained_hashes(req, ids, first + 1, first + full, missing):
+            if h not in coming:
                 break
             shared += 1
         return 2 * shared >= full
