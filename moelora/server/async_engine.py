@@ -93,6 +93,21 @@ class ScoreRequest:
 
 
 @dataclass(frozen=True)
+class _ScoreCall:
+    """A queued prompt_logprobs command (the engine thread's `_scoring` queue)."""
+
+    token_ids: list[int]
+    adapter: str | None
+    k: int
+    score: ScoreRequest | None  # set: a scoring-only request, reported to the observer
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+    def resolve(self, result=None, error: BaseException | None = None) -> None:
+        _resolve(self.loop, self.future, result=result, error=error)
+
+
+@dataclass(frozen=True)
 class Delta:
     """What one step produced for one sequence of a stream (`index` into the stream's specs)."""
 
@@ -172,7 +187,7 @@ class AsyncEngine:
         self.engine, self.max_waiting = engine, max_waiting
         self._adapters = dict(adapters or {})  # name -> path, owned by the engine thread after start
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._scoring: deque = deque()  # prompt_logprobs commands not run yet (the engine thread's)
+        self._scoring: deque[_ScoreCall] = deque()  # prompt_logprobs commands not run yet (the engine thread's)
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
         self._pending = 0  # sequences sent to `open` and not yet added to the engine
@@ -291,7 +306,7 @@ class AsyncEngine:
                     if command[0] == "stop":
                         return
                     if command[0] == "prompt_logprobs":
-                        self._scoring.append(command)
+                        self._scoring.append(_ScoreCall(*command[1:]))
                     else:
                         self._execute(command)
                     command = self._get_nowait()
@@ -367,11 +382,11 @@ class AsyncEngine:
         # (as the scheduler's admission does) instead of evicting one the next step copies back in
         held, free = self.engine.scheduler.running_adapters(), self.engine.pool.max_loras
         waiting = []
-        while self._scoring and (not commands or tokens + len(self._scoring[0][1]) <= budget):
+        while self._scoring and (not commands or tokens + len(self._scoring[0].token_ids) <= budget):
             command = self._scoring.popleft()
-            name = command[2]
+            name = command.adapter
             if name is not None and name not in self._adapters:  # unloaded since the request named it
-                _resolve(command[-2], command[-1], error=UnknownAdapter(f"adapter {name!r} is not loaded"))
+                command.resolve(error=UnknownAdapter(f"adapter {name!r} is not loaded"))
                 continue
             if name is not None and name not in held:
                 if len(held) >= free and self.engine.has_unfinished():
@@ -379,13 +394,13 @@ class AsyncEngine:
                     continue
                 held = held | {name}
             commands.append(command)
-            tokens += len(command[1])
+            tokens += len(command.token_ids)
         self._scoring.extendleft(reversed(waiting))
         if not commands:
             return
         started = time.monotonic()
         try:
-            results = self.engine.prompt_logprobs_batch([tuple(c[1:4]) for c in commands])
+            results = self.engine.prompt_logprobs_batch([(c.token_ids, c.adapter, c.k) for c in commands])
         except WorkerError as e:  # a tensor-parallel rank is gone: the engine stops, as in `_step`
             log.error("engine stopped: %s", e)
             self._stopping = True
@@ -400,12 +415,13 @@ class AsyncEngine:
             if isinstance(result, NoFreeBlocks) and self.engine.has_unfinished():
                 retry.append(command)  # after the generation steps that hold the blocks
                 continue
-            if command[4] is not None and self._observer is not None:
-                self._observer.scored(command[4], started, end, "error" if isinstance(result, Exception) else "length")
-            if isinstance(result, Exception):
-                _resolve(command[-2], command[-1], error=result)
+            failed = isinstance(result, Exception)
+            if command.score is not None and self._observer is not None:
+                self._observer.scored(command.score, started, end, "error" if failed else "length")
+            if failed:
+                command.resolve(error=result)
             else:
-                _resolve(command[-2], command[-1], result=result)
+                command.resolve(result=result)
         self._scoring.extendleft(reversed(retry))
 
     def _do_load(self, name: str, path: str) -> None:
@@ -480,8 +496,7 @@ class AsyncEngine:
     def _drain_commands(self, message: str) -> None:
         """On the way out: answer every caller still waiting on a command."""
         while self._scoring:
-            command = self._scoring.popleft()
-            _resolve(command[-2], command[-1], error=EngineDead(message))
+            self._scoring.popleft().resolve(error=EngineDead(message))
         while (command := self._get_nowait()) is not None:
             if command[0] in ("abort", "stop"):
                 continue
