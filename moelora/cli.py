@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from moelora import cli_args as types
 from moelora.errors import MoeLoRAError
+from moelora.server.tools import TOOL_PARSERS
 
 if TYPE_CHECKING:
     from moelora.engine.config import EngineConfig
@@ -181,7 +182,9 @@ def serve_options(args) -> dict:
                 enable_log_requests=args.enable_log_requests and not args.disable_log_requests,
                 log_stats_interval_s=0.0 if args.disable_log_stats else 10.0,
                 allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
-                allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials)
+                allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
+                tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
 
 
 def serve_adapters(args) -> tuple[str, dict[str, str]]:
@@ -303,6 +306,13 @@ def _serve_vllm_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--lora-root", action="append", metavar="DIR",
                        help="a runtime adapter load may read only inside these directories (repeatable)")
     serve.add_argument("--chat-template", default=None, help="chat template: a file, or the jinja template itself")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='tool_choice "auto" (the default with tools): the reply\'s calls parsed into tool_calls')
+    serve.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                       help="how the model writes a call: hermes (<tool_call> JSON </tool_call>: Qwen2.5 / Qwen3, "
+                            "Qwen3-MoE included, and Hermes models)")
+    serve.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                       help='tool_choice "none": render the chat template without the tools')
     serve.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer directory (default: MODEL)")
     serve.add_argument("--seed", type=int, default=None, help="seed of requests without one (and of dummy weights)")
     serve.add_argument("--max-logprobs", type=types.non_negative, default=20,

@@ -166,4 +166,6 @@ def _serve_problems(args) -> list[str | None]:
     out += [f"--lora-root {r!r} is not a directory" for r in args.lora_root or () if not Path(r).is_dir()]
     if args.max_model_len is not None and args.max_model_len < 2:
         out.append("--max-model-len must be >= 2 (a prompt token and a generated one)")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        out.append("--enable-auto-tool-choice needs --tool-call-parser (the model family's format of a call)")
     return out

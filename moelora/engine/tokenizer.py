@@ -69,9 +69,11 @@ class Tokenizer:
         return [self._tok.id_to_token(i) or "" for i in ids]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **template_kwargs) -> str:
-        """The template rendered in a sandbox; `template_kwargs` (a request's `chat_template_kwargs`, e.g.
-        enable_thinking) are extra template variables and cannot replace the ones set here."""
+                            tools: list[dict] | None = None, **template_kwargs) -> str:
+        """The template rendered in a sandbox, as transformers renders it (its `tojson`: plain `json.dumps`,
+        not jinja's HTML-escaping one); `tools`: function definitions in OpenAI's shape; `template_kwargs` (a
+        request's `chat_template_kwargs`, e.g. enable_thinking) are extra template variables and cannot
+        replace the ones set here."""
         if not self.chat_template:
             raise RequestError("this model has no chat template; send a plain prompt instead")
         import jinja2
@@ -80,7 +82,8 @@ class Tokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])  # as transformers renders
         env.globals["raise_exception"] = _raise
-        fixed = dict(messages=messages, add_generation_prompt=add_generation_prompt,
+        env.filters["tojson"] = _tojson
+        fixed = dict(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                      bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         try:
             return env.from_string(self.chat_template).render({**template_kwargs, **fixed})
@@ -92,6 +95,11 @@ def _token_text(token) -> str | None:
     if isinstance(token, dict):
         return token.get("content")
     return token
+
+
+def _tojson(value, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise(message: str):

@@ -11,6 +11,7 @@ a float is expected.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -173,15 +174,39 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI's responses carry it
+
+
+class ToolCallMessage(_Body):
+    """An earlier assistant turn's call, as a client sends the history back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def turn(self) -> dict:
+        """The call as chat templates read it (transformers' convention): arguments as an object."""
+        try:
+            args = json.loads(self.function.arguments)
+        except json.JSONDecodeError:
+            args = None
+        if not isinstance(args, dict):
+            raise ApiError(400, f"tool call {self.id!r}: arguments are not a JSON object", "messages")
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": args}}
+
+
 class ChatMessage(_Body):
     # what `message.model_dump()` of an openai client's response re-sends, at null
-    accepted_at = {"refusal": NONE, "tool_calls": NONE_OR_EMPTY, "audio": NONE, "function_call": NONE,
+    accepted_at = {"refusal": NONE, "audio": NONE, "function_call": NONE,
                    "annotations": NONE_OR_EMPTY, "reasoning_content": NONE, "reasoning": NONE}
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's
 
     def text(self) -> str:
         if self.content is None:
@@ -197,7 +222,41 @@ class ChatMessage(_Body):
             out["name"] = self.name
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [c.turn() for c in self.tool_calls]
         return out
+
+    @model_validator(mode="after")
+    def _tool_calls_are_the_assistants(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ApiError(400, f"tool_calls in a {self.role!r} message: only an assistant's may carry them",
+                           "messages")
+        return self
+
+
+class FunctionDefinition(_Body):
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # JSON Schema
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def template(self) -> dict:
+        """The tool as chat templates read it: the request's JSON, unset fields left out."""
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class _ChatTemplateFields(_Body):
@@ -209,9 +268,8 @@ class _ChatTemplateFields(_Body):
     add_special_tokens: bool | None = False  # the template writes its own
 
 
-_CHAT_OFF = {**_SAMPLING_OFF, "tools": NONE_OR_EMPTY, "tool_choice": (None, "none", "auto"),
-             "functions": NONE_OR_EMPTY, "function_call": (None, "none", "auto"),
-             "parallel_tool_calls": (None, True, False), "reasoning_effort": NONE, "modalities": (None, ["text"]),
+_CHAT_OFF = {**_SAMPLING_OFF, "functions": NONE_OR_EMPTY, "function_call": (None, "none", "auto"),
+             "reasoning_effort": NONE, "modalities": (None, ["text"]),
              "prediction": NONE, "web_search_options": NONE, "audio": NONE, "documents": NONE,
              "chat_template": NONE, "verbosity": NONE, "include_reasoning": (None, True)}
 
@@ -225,17 +283,31 @@ class ChatCompletionRequest(_ChatTemplateFields, _Sampling):
     logprobs: bool | None = False
     top_logprobs: NonNegInt | None = None
     echo: bool | None = False  # vLLM: the reply starts with the last message's content if it is the assistant's
+    tools: list[ChatTool] | None = None
+    # None: "auto" with tools, else "none"; "required" and a named function need structured outputs (refused)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True  # false: at most the first call of a reply is returned
+
+    def tool_mode(self) -> str:
+        """"none" or "auto" (what the tools and tool_choice ask), or the refused choice's name."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice if isinstance(self.tool_choice, str) else "named"
+
+    def template_tools(self) -> list[dict] | None:
+        return [t.template() for t in self.tools] if self.tools else None
 
 
 class TokenizeRequest(_ChatTemplateFields):
     """POST /tokenize (vLLM's): a prompt, or chat messages rendered by the chat template first.
     `add_special_tokens` defaults to true for a prompt and false for messages, as there."""
 
-    accepted_at = {"tools": NONE_OR_EMPTY, "chat_template": NONE, "mm_processor_kwargs": NONE}
+    accepted_at = {"chat_template": NONE, "mm_processor_kwargs": NONE}
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None
     add_special_tokens: bool | None = None
     return_token_strs: bool | None = False
 

@@ -29,6 +29,7 @@ from moelora.server.metrics import ServerMetrics
 from moelora.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, _Sampling
 from moelora.server.response import OpenAIResponse, no_events, sse
 from moelora.server.tokens import TokenRoutes, render_chat
+from moelora.server.tools import ToolCall, ToolStream, extract_tool_calls, tool_parser
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ class ServerConfig:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    # tool calls (vLLM's --enable-auto-tool-choice --tool-call-parser NAME): the parser of tool_choice "auto"
+    tool_call_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none": the template gets no tools
 
 
 @dataclass(frozen=True)
@@ -358,8 +362,9 @@ class OpenAIServing:
         label = adapter or self.cfg.served_model_names[0]
         if body.top_logprobs and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
+        tools, parser = self._tools(body)
         text = render_chat(self.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
-                           body.chat_template_kwargs)
+                           body.chat_template_kwargs, tools)
         ids = self._encode(text, "messages", bool(body.add_special_tokens))
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -377,11 +382,29 @@ class OpenAIServing:
         events = self._run(stream, body, label, arrival)
         extra = {"prompt_logprobs": prompt_lp, **({"prompt_token_ids": ids} if body.return_token_ids else {})}
         if body.stream:
-            return Result(None, self._stream_chat(resp, events, body, view, echo, extra), stream)
-        return Result(await self._collect_chat(resp, events, body, view, echo, extra), None, stream)
+            return Result(None, self._stream_chat(resp, events, body, view, echo, extra, parser), stream)
+        return Result(await self._collect_chat(resp, events, body, view, echo, extra, parser), None, stream)
+
+    def _tools(self, body: ChatCompletionRequest):
+        """(the tools the template renders, the parser of the reply's calls or None), as vLLM decides them."""
+        mode = body.tool_mode()
+        if mode in ("required", "named"):
+            shown = "required" if mode == "required" else "a named function"
+            raise ApiError(400, f"tool_choice {shown} needs structured outputs (guided decoding), which is not "
+                           "implemented by this server; send \"auto\" (with --enable-auto-tool-choice) or \"none\"",
+                           "tool_choice")
+        tools = body.template_tools()
+        if mode == "none":
+            return (None if self.cfg.exclude_tools_when_tool_choice_none else tools), None
+        if not tools:
+            return None, None
+        if self.cfg.tool_call_parser is None:
+            raise ApiError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                           "set", "tool_choice")
+        return tools, tool_parser(self.cfg.tool_call_parser)
 
     async def _collect_chat(self, resp: OpenAIResponse, events, body: ChatCompletionRequest, view: LogprobView,
-                            echo: str, extra: dict) -> dict:
+                            echo: str, extra: dict, parser) -> dict:
         n = body.choices
         texts, reasons, stops = [[echo] for _ in range(n)], [None] * n, [None] * n
         ids, lps = [[] for _ in range(n)], [[] for _ in range(n)]
@@ -393,28 +416,42 @@ class OpenAIServing:
             if body.logprobs:
                 lps[ev.index] += view.chat(ev.token_ids, ev.logprobs, ev.ends_on_stop_token)
             resp.completion_tokens += len(ev.token_ids)
-        choices = [{"index": i, "message": {"role": "assistant", "content": "".join(texts[i])},
-                    "logprobs": {"content": lps[i]} if body.logprobs else None, "finish_reason": reasons[i],
-                    "stop_reason": stops[i], **self._choice_extras(body, None, ids[i])} for i in range(n)]
+        choices = []
+        for i in range(n):
+            message, calls = {"role": "assistant", "content": "".join(texts[i])}, []
+            if parser is not None:
+                message["content"], calls = extract_tool_calls(parser, message["content"])
+                calls = calls if body.parallel_tool_calls is not False else calls[:1]
+                if calls:
+                    message["tool_calls"] = [c.body() for c in calls]
+            choices.append({"index": i, "message": message,
+                            "logprobs": {"content": lps[i]} if body.logprobs else None,
+                            "finish_reason": "tool_calls" if calls else reasons[i], "stop_reason": stops[i],
+                            **self._choice_extras(body, None, ids[i])})
         return resp.body("chat.completion", choices, usage=resp.usage(), **extra)
 
     async def _stream_chat(self, resp: OpenAIResponse, events, body: ChatCompletionRequest, view: LogprobView,
-                           echo: str, extra: dict):
+                           echo: str, extra: dict, parser):
         try:
             for i in range(body.choices):  # the first chunk carries the prompt's fields (prompt_logprobs, ...)
                 first = {"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
                          "finish_reason": None}
                 yield sse(resp.body("chat.completion.chunk", [first], **resp.chunk_usage(),
                                     **(extra if i == 0 else {})))
+            calls = _StreamedCalls(parser, body.choices, body.parallel_tool_calls is not False)
             async for ev in events:
                 resp.completion_tokens += len(ev.token_ids)
                 lp = None
                 if body.logprobs and ev.token_ids:
                     lp = {"content": view.chat(ev.token_ids, ev.logprobs, ev.ends_on_stop_token)}
-                if not ev.text and lp is None and ev.finish_reason is None:
+                text, tool_calls = calls.push(ev.index, ev.text, ev.finish_reason is not None)
+                if not text and not tool_calls and lp is None and ev.finish_reason is None:
                     continue
-                delta = {"content": ev.text} if ev.text or ev.finish_reason is None else {}
-                choice = {"index": ev.index, "delta": delta, "logprobs": lp, "finish_reason": ev.finish_reason,
+                delta = {"content": text} if text or (ev.finish_reason is None and not tool_calls) else {}
+                if tool_calls:
+                    delta["tool_calls"] = tool_calls
+                reason = "tool_calls" if ev.finish_reason is not None and calls.made[ev.index] else ev.finish_reason
+                choice = {"index": ev.index, "delta": delta, "logprobs": lp, "finish_reason": reason,
                           "stop_reason": ev.stop_reason, **self._choice_extras(body, None, ev.token_ids)}
                 yield sse(resp.body("chat.completion.chunk", [choice], **resp.chunk_usage()))
             if resp.final_usage:
@@ -422,6 +459,32 @@ class OpenAIServing:
         except ApiError as e:
             yield sse(e.body())
         yield "data: [DONE]\n\n"
+
+
+class _StreamedCalls:
+    """Each streamed choice's text through its `ToolStream` (no parser: the text as it comes)."""
+
+    def __init__(self, parser, n: int, parallel: bool):
+        self.streams = [ToolStream(parser) for _ in range(n)] if parser is not None else None
+        self.parallel, self.made = parallel, [0] * n
+
+    def push(self, index: int, text: str, last: bool) -> tuple[str, list[dict]]:
+        """(content delta, `tool_calls` delta entries) of a choice's next text; `last`: its output ends here."""
+        if self.streams is None:
+            return text, []
+        s = self.streams[index]
+        content, calls = s.push(text)
+        if last:
+            rest, more = s.finish()
+            content, calls = content + rest, calls + more
+        if not self.parallel:
+            calls = calls[:max(0, 1 - self.made[index])]
+        out = [self._entry(index, c) for c in calls]
+        return content, out
+
+    def _entry(self, index: int, call: ToolCall) -> dict:
+        k, self.made[index] = self.made[index], self.made[index] + 1
+        return {"index": k, **call.body()}
 
 
 def _top(entries: list, k: int) -> list:

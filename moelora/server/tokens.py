@@ -17,8 +17,9 @@ _MARK = "\x00moelora-final-message\x00"  # stands for the final message's conten
 
 
 def render_chat(tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool | None,
-                continue_final_message: bool | None = False, template_kwargs: dict | None = None) -> str:
-    """The prompt text the chat template makes of `messages` (400 on a template error)."""
+                continue_final_message: bool | None = False, template_kwargs: dict | None = None,
+                tools: list[dict] | None = None) -> str:
+    """The prompt text the chat template makes of `messages` and `tools` (400 on a template error)."""
     add_generation_prompt = add_generation_prompt is not False
     if continue_final_message and add_generation_prompt:
         raise ApiError(400, "continue_final_message needs add_generation_prompt to be false",
@@ -28,7 +29,7 @@ def render_chat(tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_gener
     if continue_final_message:
         turns[-1] = {**turns[-1], "content": _MARK}
     try:
-        text = tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt,
+        text = tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, tools=tools,
                                              **(template_kwargs or {}))
     except RequestError as e:
         raise ApiError(400, str(e), "messages") from None
@@ -55,8 +56,9 @@ class TokenRoutes:
         if body.messages is None:
             text, special = body.prompt, body.add_special_tokens is not False
         else:
+            tools = [t.template() for t in body.tools] if body.tools else None
             text = render_chat(self.tokenizer, body.messages, body.add_generation_prompt,
-                               body.continue_final_message, body.chat_template_kwargs)
+                               body.continue_final_message, body.chat_template_kwargs, tools)
             special = bool(body.add_special_tokens)
         ids = self.tokenizer.encode(text, add_special_tokens=special)
         out = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}

@@ -94,6 +94,18 @@ def running_server(model_dir, adapters, max_waiting=1024, server_kw=None, **engi
         yield url, app
 
 
+def cpu_app(model_dir, **server_kw):
+    """The test model in an fp32 CPU engine (one adapter slot), served with `ServerConfig(**server_kw)`."""
+    from moelora.engine.loader import build_engine
+    from moelora.server.app import build_app
+    from moelora.server.async_engine import AsyncEngine
+    from moelora.server.serving import ServerConfig
+
+    cfg = EngineConfig(device="cpu", dtype="float32", max_loras=1, max_lora_rank=8, max_num_seqs=16, block_size=4,
+                       num_kv_blocks=512)
+    return build_app(AsyncEngine(build_engine(model_dir, cfg)), ServerConfig((BASE,), str(model_dir), **server_kw))
+
+
 @contextmanager
 def serving(app):
     """uvicorn in a thread on a kernel-chosen loopback port, started and stopped within bounded waits."""

@@ -15,28 +15,15 @@ import json
 import httpx
 import pytest
 
-from tests.helpers.server import BASE, TIMEOUT, byte_tokenizer, make_client, post, serving, write_model
+from tests.helpers.server import BASE, TIMEOUT, byte_tokenizer, cpu_app, make_client, post, serving, write_model
 
 openai = pytest.importorskip("openai")
-
-from moelora.engine.config import EngineConfig  # noqa: E402
 
 BOS, IM_START, EOS = 256, 257, 258  # <|endoftext|>, <|im_start|>, <|im_end|> (the eos token)
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n"
             "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}")
 MAX_LOGPROBS = 5
-
-
-def build_app(model_dir, **server_kw):
-    from moelora.engine.loader import build_engine
-    from moelora.server.app import build_app as app_of
-    from moelora.server.async_engine import AsyncEngine
-    from moelora.server.serving import ServerConfig
-
-    cfg = EngineConfig(device="cpu", dtype="float32", max_loras=1, max_lora_rank=8, max_num_seqs=16, block_size=4,
-                       num_kv_blocks=512)
-    return app_of(AsyncEngine(build_engine(model_dir, cfg)), ServerConfig((BASE,), str(model_dir), **server_kw))
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +41,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def url(model_dir):
-    with serving(build_app(model_dir, enable_tokenizer_info_endpoint=True, max_logprobs=MAX_LOGPROBS)) as u:
+    with serving(cpu_app(model_dir, enable_tokenizer_info_endpoint=True, max_logprobs=MAX_LOGPROBS)) as u:
         yield u
 
 
@@ -310,7 +297,7 @@ def test_return_tokens_as_token_ids_and_max_logprobs(url):
 
 
 def test_server_wide_token_ids_and_tokenizer_info_off_by_default(model_dir):
-    with serving(build_app(model_dir, return_tokens_as_token_ids=True)) as u:
+    with serving(cpu_app(model_dir, return_tokens_as_token_ids=True)) as u:
         c = completion(u, prompt="abc", logprobs=0, max_tokens=2, ignore_eos=True, return_token_ids=True)
         assert c["choices"][0]["logprobs"]["tokens"] == [f"token_id:{t}" for t in c["choices"][0]["token_ids"]]
         plain = completion(u, prompt="abc", logprobs=0, max_tokens=2, ignore_eos=True,

@@ -1,0 +1,251 @@
+"""Tool calls: the hermes parser on whole and streamed outputs (the stream joined equals the whole, at any
+cut), the tools and earlier calls through the chat template, and the server's `tool_calls` through the
+`openai` client, whole and streamed (`--enable-auto-tool-choice --tool-call-parser hermes`), with vLLM's
+refusals.
+
+The server runs the tiny test model; its greedy text is random bytes, so the end-to-end tests replace each
+generated event's text by a scripted reply's pieces (`scripted_replies`: the engine still runs the request,
+its token counts, finish and metrics stand).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from moelora.server.tools import HermesParser, ToolStream, extract_tool_calls, tool_parser
+from tests.helpers.server import BASE, TIMEOUT, cpu_app, make_client, post, serving, write_model
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+P = HermesParser()
+CALL_A = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}\n</tool_call>'
+CALL_B = '<tool_call>\n{"name": "get_time", "arguments": "{\\"tz\\": \\"CET\\"}"}\n</tool_call>'
+A = ("get_weather", {"city": "Paris", "unit": "°C"})
+B = ("get_time", {"tz": "CET"})
+
+
+def calls_of(calls) -> list:
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+# ------------------------------------------------------------------------------------------ the parser
+OUTPUTS = {  # output -> (content, calls)
+    "plain": ("It is sunny in Paris.\n", ("It is sunny in Paris.\n", [])),
+    "whitespace only": ("\n \n", ("\n \n", [])),
+    "one call": (CALL_A, (None, [A])),
+    "text then two calls": ("Let me check.\n\n" + CALL_A + "\n" + CALL_B + "\n",
+                            ("Let me check.", [A, B])),
+    "open call at the end": ("<tool_call>" + json.dumps({"name": "get_weather", "arguments": A[1]}),
+                             (None, [A])),
+    "not json stays content": ("<tool_call>not json</tool_call> ok", ("<tool_call>not json</tool_call> ok", [])),
+    "a bad block beside a call": (CALL_A + "<tool_call>[1]</tool_call>", ("<tool_call>[1]</tool_call>", [A])),
+    "arguments not an object": ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+                                ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', [])),
+    "a tag's start that is not one": ("a <tool_ca b <tool_call", ("a <tool_ca b <tool_call", [])),
+    "thinking then a call": ("<think>need weather</think>\n\n" + CALL_A, ("<think>need weather</think>", [A])),
+    "no arguments": ('<tool_call>{"name": "ping"}</tool_call>', (None, [("ping", {})])),
+}
+
+
+@pytest.mark.parametrize("case", list(OUTPUTS))
+def test_hermes_extracts_content_and_calls(case):
+    text, (content, calls) = OUTPUTS[case]
+    got_content, got_calls = extract_tool_calls(P, text)
+    assert got_content == content and calls_of(got_calls) == calls
+    assert all(c.id.startswith("chatcmpl-tool-") for c in got_calls)
+    assert len({c.id for c in got_calls}) == len(got_calls)
+
+
+@pytest.mark.parametrize("case", list(OUTPUTS))
+def test_streamed_content_and_calls_join_to_the_whole_output_at_any_cut(case):
+    text, (content, calls) = OUTPUTS[case]
+    rng = random.Random(case)
+    for _ in range(40):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 12))))
+        pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        s, got, got_calls = ToolStream(P), "", []
+        for piece in pieces:
+            c, k = s.push(piece)
+            got, got_calls = got + c, got_calls + k
+        c, k = s.finish()
+        got, got_calls = got + c, got_calls + k
+        assert got == (content or "") and calls_of(got_calls) == calls, pieces
+
+
+def test_a_stream_sends_content_before_the_call_ends_and_holds_only_a_possible_tag():
+    s = ToolStream(P)
+    assert s.push("Checking <tool") == ("Checking", [])  # held: a trailing space, and "<tool" (maybe a tag)
+    assert s.push("box> now") == (" <toolbox> now", [])
+    content, calls = s.push(" " + CALL_A[:30])
+    assert content == "" and calls == []
+    content, calls = s.push(CALL_A[30:])
+    assert content == "" and calls_of(calls) == [A]  # the call is sent as its closing tag arrives
+    assert s.finish() == ("", [])  # the space before the call was whitespace: dropped with a call made
+
+
+def test_unknown_parser_names_the_known_ones():
+    with pytest.raises(ValueError, match="hermes"):
+        tool_parser("mistral")
+
+
+# ------------------------------------------------------------------------------------------ the server
+TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ {'name': c.function.name, "
+    "'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}"
+    "{% elif m.role == 'tool' %}[{{ m.tool_call_id }}] {{ m['content'] }}{% else %}{{ m['content'] }}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Température <now> & 'ici'",
+                                            "parameters": {"type": "object"}}}  # short: the model holds 256 tokens
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out, _ = write_model(tmp_path_factory.mktemp("server_tools"))
+    (out / "chat_template.jinja").write_text(TEMPLATE)
+    return out
+
+
+@pytest.fixture(scope="module")
+def url(model_dir):
+    with serving(cpu_app(model_dir, tool_call_parser="hermes")) as u:
+        yield u
+
+
+@pytest.fixture(scope="module")
+def plain_url(model_dir):
+    """No --enable-auto-tool-choice; --exclude-tools-when-tool-choice-none."""
+    with serving(cpu_app(model_dir, exclude_tools_when_tool_choice_none=True)) as u:
+        yield u
+
+
+@pytest.fixture
+def scripted_replies(monkeypatch):
+    """Each choice's generated text becomes the next reply of the list given (in pieces of 7 characters, one an
+    engine event, the rest with the finishing event); the request needs max_tokens >= the pieces."""
+    from moelora.server.serving import OpenAIServing
+
+    replies, real_run = [], OpenAIServing._run
+
+    async def run(self, stream, body, label, arrival):
+        pieces = {}
+        async for ev in real_run(self, stream, body, label, arrival):
+            if ev.index not in pieces:
+                text = replies.pop(0)
+                pieces[ev.index] = [text[i:i + 7] for i in range(0, len(text), 7)]
+            left = pieces[ev.index]
+            ev.text = "".join(left) if ev.finish_reason is not None else (left.pop(0) if left else "")
+            if ev.finish_reason is not None:
+                left.clear()
+            yield ev
+
+    monkeypatch.setattr(OpenAIServing, "_run", run)
+    return replies
+
+
+def rendered(url, **body) -> str:
+    r = post(url, "/tokenize", {"model": BASE, **body})
+    assert r.status_code == 200, r.text
+    return httpx.post(url + "/detokenize", json={"tokens": r.json()["tokens"]}, timeout=TIMEOUT).json()["prompt"]
+
+
+def test_tools_and_earlier_calls_reach_the_chat_template_as_transformers_renders_them(url):
+    history = [*USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call-1", "content": "21"}]
+    text = rendered(url, messages=history, tools=[WEATHER])
+    tool_json = json.dumps(WEATHER, ensure_ascii=False)  # transformers' tojson: no HTML escapes, unicode kept
+    # /detokenize leaves the special tokens out; trim_blocks drops the newline after "{% for ... %}"
+    assert text == ("system\nTools:" + tool_json + "\nuser\nWeather in Paris?\nassistant\n"
+                    '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+                    "tool\n[call-1] 21\nassistant\n")
+
+
+def test_a_reply_with_calls_becomes_tool_calls(url, scripted_replies):
+    scripted_replies += ["Let me look.\n" + CALL_A + "\n" + CALL_B]
+    out = make_client(url).chat.completions.create(model=BASE, messages=USER, tools=[WEATHER], max_tokens=40,
+                                                   temperature=0, extra_body={"ignore_eos": True})
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
+    got = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    assert got == [A, B] and all(c.type == "function" and c.id for c in choice.message.tool_calls)
+    assert out.usage.completion_tokens == 40  # the engine's tokens, whatever the text
+
+
+def test_a_streamed_reply_gives_the_same_calls_and_content(url, scripted_replies):
+    reply = "Let me look.\n" + CALL_A + "\n" + CALL_B
+    scripted_replies += [reply, reply]
+    kw = dict(model=BASE, messages=USER, tools=[WEATHER], max_tokens=40, temperature=0, n=2,
+              extra_body={"ignore_eos": True})
+    chunks = list(make_client(url).chat.completions.create(stream=True, **kw))
+    for i in range(2):
+        deltas = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        content = "".join(d.delta.content or "" for d in deltas)
+        calls = {}
+        for d in deltas:
+            for t in d.delta.tool_calls or ():
+                calls.setdefault(t.index, []).append(t)
+        assert content == "Let me look." and deltas[-1].finish_reason == "tool_calls"
+        assert [(p[0].function.name, json.loads("".join(x.function.arguments for x in p)))
+                for _, p in sorted(calls.items())] == [A, B]
+        assert all(p[0].id.startswith("chatcmpl-tool-") and p[0].type == "function" for p in calls.values())
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(url, scripted_replies):
+    scripted_replies += [CALL_A + CALL_B, CALL_A + CALL_B]
+    kw = dict(model=BASE, messages=USER, tools=[WEATHER], max_tokens=40, temperature=0, parallel_tool_calls=False,
+              extra_body={"ignore_eos": True})
+    whole = make_client(url).chat.completions.create(**kw)
+    assert [c.function.name for c in whole.choices[0].message.tool_calls] == ["get_weather"]
+    streamed = [t for c in make_client(url).chat.completions.create(stream=True, **kw) if c.choices
+                for t in c.choices[0].delta.tool_calls or ()]
+    assert [t.function.name for t in streamed] == ["get_weather"]
+
+
+def test_a_plain_reply_with_tools_stays_content(url, scripted_replies):
+    scripted_replies += ["No tool needed <tool"]
+    out = make_client(url).chat.completions.create(model=BASE, messages=USER, tools=[WEATHER], max_tokens=10,
+                                                   temperature=0, extra_body={"ignore_eos": True})
+    assert out.choices[0].message.content == "No tool needed <tool" and not out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "length"
+
+
+def test_tool_choice_none_parses_nothing(url, scripted_replies):
+    scripted_replies += [CALL_A]
+    out = make_client(url).chat.completions.create(model=BASE, messages=USER, tools=[WEATHER], tool_choice="none",
+                                                   max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
+    assert out.choices[0].message.content == CALL_A and not out.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_required_and_named_tool_choice_are_refused(url, choice):
+    r = post(url, "/v1/chat/completions", {"model": BASE, "messages": USER, "tools": [WEATHER],
+                                           "tool_choice": choice})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    assert "structured outputs" in r.json()["error"]["message"]
+
+
+def test_without_the_parser_auto_is_refused_and_none_renders_no_tools(plain_url):
+    r = post(plain_url, "/v1/chat/completions", {"model": BASE, "messages": USER, "tools": [WEATHER]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    assert "--enable-auto-tool-choice" in r.json()["error"]["message"]
+    r = post(plain_url, "/v1/chat/completions", {"model": BASE, "messages": USER, "tools": [WEATHER],
+                                                 "tool_choice": "none", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    no_tools = post(plain_url, "/v1/chat/completions", {"model": BASE, "messages": USER, "max_tokens": 2})
+    assert r.json()["usage"]["prompt_tokens"] == no_tools.json()["usage"]["prompt_tokens"]
+
+
+def test_a_call_in_a_user_message_is_refused(url):
+    r = post(url, "/v1/chat/completions", {"model": BASE, "messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]})
+    assert r.status_code == 400 and "assistant" in r.json()["error"]["message"]
+    r = post(url, "/v1/chat/completions", {"model": BASE, "messages": [*USER, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]})
+    assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
