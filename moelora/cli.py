@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from moelora import cli_args as types
 from moelora.errors import MoeLoRAError
+from moelora.server.reasoning import REASONING_PARSERS
 from moelora.server.tools import TOOL_PARSERS
 
 if TYPE_CHECKING:
@@ -184,7 +185,8 @@ def serve_options(args) -> dict:
                 allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
                 allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
                 tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
+                exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+                reasoning_parser=args.reasoning_parser)
 
 
 def serve_adapters(args) -> tuple[str, dict[str, str]]:
@@ -313,6 +315,9 @@ def _serve_vllm_flags(serve: argparse.ArgumentParser) -> None:
                             "Qwen3-MoE included, and Hermes models)")
     serve.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                        help='tool_choice "none": render the chat template without the tools')
+    serve.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                       help="a thinking model's <think> ... </think> text as the message's reasoning (and "
+                            "reasoning_content), apart from its content: deepseek_r1 (DeepSeek-R1, QwQ), qwen3")
     serve.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer directory (default: MODEL)")
     serve.add_argument("--seed", type=int, default=None, help="seed of requests without one (and of dummy weights)")
     serve.add_argument("--max-logprobs", type=types.non_negative, default=20,

@@ -271,7 +271,7 @@ class _ChatTemplateFields(_Body):
 _CHAT_OFF = {**_SAMPLING_OFF, "functions": NONE_OR_EMPTY, "function_call": (None, "none", "auto"),
              "reasoning_effort": NONE, "modalities": (None, ["text"]),
              "prediction": NONE, "web_search_options": NONE, "audio": NONE, "documents": NONE,
-             "chat_template": NONE, "verbosity": NONE, "include_reasoning": (None, True)}
+             "chat_template": NONE, "verbosity": NONE}
 
 
 class ChatCompletionRequest(_ChatTemplateFields, _Sampling):
@@ -287,6 +287,7 @@ class ChatCompletionRequest(_ChatTemplateFields, _Sampling):
     # None: "auto" with tools, else "none"; "required" and a named function need structured outputs (refused)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True  # false: at most the first call of a reply is returned
+    include_reasoning: bool | None = True  # vLLM: false leaves the reasoning (--reasoning-parser) out
 
     def tool_mode(self) -> str:
         """"none" or "auto" (what the tools and tool_choice ask), or the refused choice's name."""

@@ -27,9 +27,11 @@ from moelora.server.async_engine import AsyncEngine, EngineDead, GenerateSpec, O
 from moelora.server.logprobs import LogprobView, TokenTexts
 from moelora.server.metrics import ServerMetrics
 from moelora.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, _Sampling
+from moelora.server.reasoning import reasoning_parser
+from moelora.server.reply import ReplyFormat, ReplyStream
 from moelora.server.response import OpenAIResponse, no_events, sse
 from moelora.server.tokens import TokenRoutes, render_chat
-from moelora.server.tools import ToolCall, ToolStream, extract_tool_calls, tool_parser
+from moelora.server.tools import tool_parser
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class ServerConfig:
     # tool calls (vLLM's --enable-auto-tool-choice --tool-call-parser NAME): the parser of tool_choice "auto"
     tool_call_parser: str | None = None
     exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none": the template gets no tools
+    reasoning_parser: str | None = None  # vLLM's --reasoning-parser: <think> text as the message's reasoning
 
 
 @dataclass(frozen=True)
@@ -381,9 +384,11 @@ class OpenAIServing:
         echo = last.text() if body.echo and last.role == "assistant" else ""  # vLLM: the reply's role only
         events = self._run(stream, body, label, arrival)
         extra = {"prompt_logprobs": prompt_lp, **({"prompt_token_ids": ids} if body.return_token_ids else {})}
+        fmt = ReplyFormat(parser, reasoning_parser(self.cfg.reasoning_parser) if self.cfg.reasoning_parser else None,
+                          text, body.parallel_tool_calls is not False, body.include_reasoning is not False)
         if body.stream:
-            return Result(None, self._stream_chat(resp, events, body, view, echo, extra, parser), stream)
-        return Result(await self._collect_chat(resp, events, body, view, echo, extra, parser), None, stream)
+            return Result(None, self._stream_chat(resp, events, body, view, echo, extra, fmt), stream)
+        return Result(await self._collect_chat(resp, events, body, view, echo, extra, fmt), None, stream)
 
     def _tools(self, body: ChatCompletionRequest):
         """(the tools the template renders, the parser of the reply's calls or None), as vLLM decides them."""
@@ -404,9 +409,9 @@ class OpenAIServing:
         return tools, tool_parser(self.cfg.tool_call_parser)
 
     async def _collect_chat(self, resp: OpenAIResponse, events, body: ChatCompletionRequest, view: LogprobView,
-                            echo: str, extra: dict, parser) -> dict:
+                            echo: str, extra: dict, fmt: ReplyFormat) -> dict:
         n = body.choices
-        texts, reasons, stops = [[echo] for _ in range(n)], [None] * n, [None] * n
+        texts, reasons, stops = [[] for _ in range(n)], [None] * n, [None] * n
         ids, lps = [[] for _ in range(n)], [[] for _ in range(n)]
         async for ev in events:
             texts[ev.index].append(ev.text)
@@ -418,39 +423,34 @@ class OpenAIServing:
             resp.completion_tokens += len(ev.token_ids)
         choices = []
         for i in range(n):
-            message, calls = {"role": "assistant", "content": "".join(texts[i])}, []
-            if parser is not None:
-                message["content"], calls = extract_tool_calls(parser, message["content"])
-                calls = calls if body.parallel_tool_calls is not False else calls[:1]
-                if calls:
-                    message["tool_calls"] = [c.body() for c in calls]
+            message, called = fmt.message(echo, "".join(texts[i]))
             choices.append({"index": i, "message": message,
                             "logprobs": {"content": lps[i]} if body.logprobs else None,
-                            "finish_reason": "tool_calls" if calls else reasons[i], "stop_reason": stops[i],
+                            "finish_reason": "tool_calls" if called else reasons[i], "stop_reason": stops[i],
                             **self._choice_extras(body, None, ids[i])})
         return resp.body("chat.completion", choices, usage=resp.usage(), **extra)
 
     async def _stream_chat(self, resp: OpenAIResponse, events, body: ChatCompletionRequest, view: LogprobView,
-                           echo: str, extra: dict, parser):
+                           echo: str, extra: dict, fmt: ReplyFormat):
         try:
             for i in range(body.choices):  # the first chunk carries the prompt's fields (prompt_logprobs, ...)
                 first = {"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
                          "finish_reason": None}
                 yield sse(resp.body("chat.completion.chunk", [first], **resp.chunk_usage(),
                                     **(extra if i == 0 else {})))
-            calls = _StreamedCalls(parser, body.choices, body.parallel_tool_calls is not False)
+            replies = [ReplyStream(fmt) for _ in range(body.choices)]
             async for ev in events:
                 resp.completion_tokens += len(ev.token_ids)
                 lp = None
                 if body.logprobs and ev.token_ids:
                     lp = {"content": view.chat(ev.token_ids, ev.logprobs, ev.ends_on_stop_token)}
-                text, tool_calls = calls.push(ev.index, ev.text, ev.finish_reason is not None)
-                if not text and not tool_calls and lp is None and ev.finish_reason is None:
-                    continue
-                delta = {"content": text} if text or (ev.finish_reason is None and not tool_calls) else {}
-                if tool_calls:
-                    delta["tool_calls"] = tool_calls
-                reason = "tool_calls" if ev.finish_reason is not None and calls.made[ev.index] else ev.finish_reason
+                reply = replies[ev.index]
+                delta = reply.push(ev.text, ev.finish_reason is not None)
+                if not delta and ev.finish_reason is None:
+                    if lp is None:
+                        continue
+                    delta = {"content": ""}
+                reason = "tool_calls" if ev.finish_reason is not None and reply.calls else ev.finish_reason
                 choice = {"index": ev.index, "delta": delta, "logprobs": lp, "finish_reason": reason,
                           "stop_reason": ev.stop_reason, **self._choice_extras(body, None, ev.token_ids)}
                 yield sse(resp.body("chat.completion.chunk", [choice], **resp.chunk_usage()))
@@ -459,32 +459,6 @@ class OpenAIServing:
         except ApiError as e:
             yield sse(e.body())
         yield "data: [DONE]\n\n"
-
-
-class _StreamedCalls:
-    """Each streamed choice's text through its `ToolStream` (no parser: the text as it comes)."""
-
-    def __init__(self, parser, n: int, parallel: bool):
-        self.streams = [ToolStream(parser) for _ in range(n)] if parser is not None else None
-        self.parallel, self.made = parallel, [0] * n
-
-    def push(self, index: int, text: str, last: bool) -> tuple[str, list[dict]]:
-        """(content delta, `tool_calls` delta entries) of a choice's next text; `last`: its output ends here."""
-        if self.streams is None:
-            return text, []
-        s = self.streams[index]
-        content, calls = s.push(text)
-        if last:
-            rest, more = s.finish()
-            content, calls = content + rest, calls + more
-        if not self.parallel:
-            calls = calls[:max(0, 1 - self.made[index])]
-        out = [self._entry(index, c) for c in calls]
-        return content, out
-
-    def _entry(self, index: int, call: ToolCall) -> dict:
-        k, self.made[index] = self.made[index], self.made[index] + 1
-        return {"index": k, **call.body()}
 
 
 def _top(entries: list, k: int) -> list:

@@ -110,7 +110,7 @@ class ToolStream:
             if not self.in_block:
                 at = self.buf.find(p.start)
                 if at < 0:
-                    cut = len(self.buf) - _partial_tag(self.buf, p.start)
+                    cut = len(self.buf) - partial_tag(self.buf, p.start)
                     out.append(self._content(self.buf[:cut]))
                     self.buf = self.buf[cut:]
                     break
@@ -147,7 +147,7 @@ class ToolStream:
         return out, calls
 
 
-def _partial_tag(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """The length of the longest end of `text` that is a proper start of `tag`."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):

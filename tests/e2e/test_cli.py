@@ -88,6 +88,7 @@ BAD_FLAGS = [
     (["serve", "--lora-modules", "oops"], "--lora-modules"),
     (["serve", "--enable-auto-tool-choice"], "--tool-call-parser"),
     (["serve", "--enable-auto-tool-choice", "--tool-call-parser", "pythonic"], "--tool-call-parser"),
+    (["serve", "--reasoning-parser", "granite"], "--reasoning-parser"),
 ]
 
 
@@ -170,7 +171,7 @@ def test_vllm_serve_flags_reach_the_configs(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     default = serve_options(parse())
     cors = dict(allowed_origins=("*",), allowed_methods=("*",), allowed_headers=("*",), allow_credentials=False)
-    tools_off = dict(tool_call_parser=None, exclude_tools_when_tool_choice_none=False)
+    tools_off = dict(tool_call_parser=None, exclude_tools_when_tool_choice_none=False, reasoning_parser=None)
     assert default == dict(api_keys=(), allow_runtime_lora_updating=False, lora_roots=(), max_logprobs=20,
                            enable_tokenizer_info_endpoint=False, return_tokens_as_token_ids=False,
                            enable_log_requests=False, log_stats_interval_s=10.0, **cors, **tools_off)
@@ -178,11 +179,11 @@ def test_vllm_serve_flags_reach_the_configs(monkeypatch):
                                "--lora-root", "/y", "--max-logprobs", "5", "--enable-tokenizer-info-endpoint",
                                "--return-tokens-as-token-ids", "--enable-log-requests", "--disable-log-stats",
                                "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                               "--exclude-tools-when-tool-choice-none"))
+                               "--exclude-tools-when-tool-choice-none", "--reasoning-parser", "qwen3"))
     assert opts == dict(api_keys=("a", "b"), allow_runtime_lora_updating=True, lora_roots=("/x", "/y"),
                         max_logprobs=5, enable_tokenizer_info_endpoint=True, return_tokens_as_token_ids=True,
                         enable_log_requests=True, log_stats_interval_s=0.0, **cors, tool_call_parser="hermes",
-                        exclude_tools_when_tool_choice_none=True)
+                        exclude_tools_when_tool_choice_none=True, reasoning_parser="qwen3")
     # the parser alone (no --enable-auto-tool-choice) leaves "auto" off, as in vLLM
     assert serve_options(parse("--tool-call-parser", "hermes"))["tool_call_parser"] is None
     monkeypatch.setenv("VLLM_API_KEY", "from-vllm")

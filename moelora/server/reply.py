@@ -1,0 +1,74 @@
+"""What a chat reply's generated text becomes: `reasoning` (`--reasoning-parser`), `content` and
+`tool_calls` (`--tool-call-parser`), whole or streamed. The reasoning is split off first; calls are looked
+for in the content only. The whole reply goes through the streaming machines at once, so a stream's
+deltas join to the whole response's message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moelora.server.reasoning import ReasoningStream, ThinkParser
+from moelora.server.tools import HermesParser, ToolStream
+
+
+@dataclass(frozen=True)
+class ReplyFormat:
+    tools: HermesParser | None  # tool_choice "auto" with tools: the parser of calls
+    reasoning: ThinkParser | None
+    prompt: str  # the rendered prompt (where the reasoning starts)
+    parallel_tool_calls: bool = True  # false: the first call only
+    include_reasoning: bool = True  # false: the reasoning is split off but not returned
+
+    @property
+    def plain(self) -> bool:
+        return self.tools is None and self.reasoning is None
+
+    def message(self, echo: str, text: str) -> tuple[dict, bool]:
+        """(the message of a whole reply after `echo`, whether it made calls)."""
+        if self.plain:
+            return {"role": "assistant", "content": echo + text}, False
+        out = ReplyStream(self).push(text, last=True)
+        content = out.get("content", "")
+        message = {"role": "assistant", "content": (echo + content) or (None if self.reasoning else "")}
+        if self.reasoning is not None and self.include_reasoning:
+            message["reasoning"] = message["reasoning_content"] = out.get("reasoning")
+        if "tool_calls" in out:
+            message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in out["tool_calls"]]
+            message["content"] = (echo + content) or None
+        return message, "tool_calls" in out
+
+
+class ReplyStream:
+    """One choice's text as delta fields: reasoning, content, tool_calls entries (indexed from 0)."""
+
+    def __init__(self, fmt: ReplyFormat):
+        self.fmt = fmt
+        self.reasoning = ReasoningStream(fmt.reasoning, fmt.prompt) if fmt.reasoning is not None else None
+        self.tools = ToolStream(fmt.tools) if fmt.tools is not None else None
+        self.calls = 0
+
+    def push(self, text: str, last: bool) -> dict:
+        """The delta fields of the next text (`last`: the reply ends with it); {} if nothing is decided yet."""
+        reasoning, content, calls = "", text, []
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.push(text)
+            if last:
+                more = self.reasoning.finish()
+                reasoning, content = reasoning + more[0], content + more[1]
+        if self.tools is not None:
+            content, calls = self.tools.push(content)
+            if last:
+                more = self.tools.finish()
+                content, calls = content + more[0], calls + more[1]
+        if not self.fmt.parallel_tool_calls:
+            calls = calls[:max(0, 1 - self.calls)]
+        delta = {}
+        if reasoning and self.fmt.include_reasoning:
+            delta["reasoning"] = delta["reasoning_content"] = reasoning
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = [{"index": self.calls + i, **c.body()} for i, c in enumerate(calls)]
+            self.calls += len(calls)
+        return delta
