@@ -311,8 +311,8 @@ def _serve_vllm_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='tool_choice "auto" (the default with tools): the reply\'s calls parsed into tool_calls')
     serve.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
-                       help="how the model writes a call: hermes (<tool_call> JSON </tool_call>: Qwen2.5 / Qwen3, "
-                            "Qwen3-MoE included, and Hermes models)")
+                       help="how the model writes a call: hermes (Qwen2.5 / Qwen3, Qwen3-MoE included; Hermes), "
+                            "deepseek_v3 / deepseek_v31 (DeepSeek-V3 / R1 / V3.1), glm45 (GLM-4.5 / 4.6)")
     serve.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                        help='tool_choice "none": render the chat template without the tools')
     serve.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,

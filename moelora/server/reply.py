@@ -9,16 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moelora.server.reasoning import ReasoningStream, ThinkParser
-from moelora.server.tools import HermesParser, ToolStream
+from moelora.server.tools import ToolParser, ToolStream
 
 
 @dataclass(frozen=True)
 class ReplyFormat:
-    tools: HermesParser | None  # tool_choice "auto" with tools: the parser of calls
+    tools: ToolParser | None  # tool_choice "auto" with tools: the parser of calls
     reasoning: ThinkParser | None
     prompt: str  # the rendered prompt (where the reasoning starts)
     parallel_tool_calls: bool = True  # false: the first call only
     include_reasoning: bool = True  # false: the reasoning is split off but not returned
+    schemas: dict | None = None  # each offered tool's parameters schema, by name (typed GLM arguments)
 
     @property
     def plain(self) -> bool:
@@ -45,7 +46,7 @@ class ReplyStream:
     def __init__(self, fmt: ReplyFormat):
         self.fmt = fmt
         self.reasoning = ReasoningStream(fmt.reasoning, fmt.prompt) if fmt.reasoning is not None else None
-        self.tools = ToolStream(fmt.tools) if fmt.tools is not None else None
+        self.tools = ToolStream(fmt.tools, fmt.schemas) if fmt.tools is not None else None
         self.calls = 0
 
     def push(self, text: str, last: bool) -> dict:

@@ -369,6 +369,7 @@ class OpenAIServing:
         text = render_chat(self.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
                            body.chat_template_kwargs, tools)
         ids = self._encode(text, "messages", bool(body.add_special_tokens))
+        fmt = self._reply_format(body, parser, text)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         n, view = body.choices, self._view(body)
@@ -384,8 +385,6 @@ class OpenAIServing:
         echo = last.text() if body.echo and last.role == "assistant" else ""  # vLLM: the reply's role only
         events = self._run(stream, body, label, arrival)
         extra = {"prompt_logprobs": prompt_lp, **({"prompt_token_ids": ids} if body.return_token_ids else {})}
-        fmt = ReplyFormat(parser, reasoning_parser(self.cfg.reasoning_parser) if self.cfg.reasoning_parser else None,
-                          text, body.parallel_tool_calls is not False, body.include_reasoning is not False)
         if body.stream:
             return Result(None, self._stream_chat(resp, events, body, view, echo, extra, fmt), stream)
         return Result(await self._collect_chat(resp, events, body, view, echo, extra, fmt), None, stream)
@@ -407,6 +406,16 @@ class OpenAIServing:
             raise ApiError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
                            "set", "tool_choice")
         return tools, tool_parser(self.cfg.tool_call_parser)
+
+    def _reply_format(self, body: ChatCompletionRequest, parser, prompt: str) -> ReplyFormat:
+        """What the reply's text becomes (reply.py); a parser whose tags are special tokens has them decoded
+        (vLLM's rule), so this comes before the sampling parameters."""
+        if parser is not None and parser.keeps_special_tokens:
+            body.skip_special_tokens = False
+        reasoning = reasoning_parser(self.cfg.reasoning_parser) if self.cfg.reasoning_parser else None
+        return ReplyFormat(parser, reasoning, prompt, body.parallel_tool_calls is not False,
+                           body.include_reasoning is not False,
+                           {t.function.name: t.function.parameters or {} for t in body.tools or ()})
 
     async def _collect_chat(self, resp: OpenAIResponse, events, body: ChatCompletionRequest, view: LogprobView,
                             echo: str, extra: dict, fmt: ReplyFormat) -> dict:

@@ -2,20 +2,25 @@
 (`--tool-call-parser`, vLLM's names) turns that text into `tool_calls` of the OpenAI response, whole or
 while streaming.
 
-Parsers:
-  hermes  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block a call, as the chat
-          templates of Qwen2.5 / Qwen3 (their MoE models included) and the Hermes models instruct the model
-          to write. Text before the first block is the message's content (null if only whitespace);
-          text between and after the blocks is dropped. A block whose body is not a JSON object with a
-          string `name` makes the whole output plain content (no call), as an unparsable output should
-          never lose text.
+Every format is blocks between an opening and a closing tag, one call a block:
+  hermes        `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`: Qwen2.5 / Qwen3 (their MoE
+                models included), Hermes.
+  deepseek_v3   `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` and the arguments in a ```json fence, then
+                `<｜tool▁call▁end｜>`, the blocks inside `<｜tool▁calls▁begin｜>` ... `<｜tool▁calls▁end｜>`
+                (DeepSeek-V3 / R1); also DeepSeek-V3.1's `NAME<｜tool▁sep｜>ARGUMENTS` blocks (`deepseek_v31`
+                names the same parser). The tags are special tokens: decoded with skip_special_tokens off.
+  glm45         `<tool_call>NAME` then `<arg_key>K</arg_key><arg_value>V</arg_value>` pairs, `</tool_call>`
+                (GLM-4.5 / 4.6): a value is JSON where the tool's schema types the parameter as other than a
+                string (or, unknown, where it parses as JSON), else the text as it is.
+The message's content is the text outside the blocks (and outside a format's wrapper tags), null if only
+whitespace is left; a block whose body is not a call stays in the content, tags and all, so no text is lost.
 
-Streaming: content is sent as it comes, except a tail that may be the start of an opening tag (held until
-it is known not to be) and trailing whitespace (held until other content follows; dropped at the end if the
-output made calls, so a call's surrounding newlines are not content). A call is sent as one
-`tool_calls` delta (index, id, type, name and the whole arguments) once its closing tag arrives, or at the end of
-the output for a block left open whose body parses. A block whose body is not a call is content, tags and all.
-A whole output is parsed by the same machine, so the streamed content and calls join to the whole response's.
+Streaming: content is sent as it comes, except a tail that may be the start of a tag (held until it is known
+not to be) and trailing whitespace (held until other content follows; dropped at the end if the output made
+calls, so a call's surrounding newlines are not content). A call is sent as one `tool_calls` delta (index,
+id, type, name and the whole arguments) once its closing tag arrives, or at the end of the output for a block
+left open whose body parses. A whole output is parsed by the same machine, so the streamed content and calls
+join to the whole response's.
 """
 
 from __future__ import annotations
@@ -40,45 +45,114 @@ def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-class HermesParser:
-    """`<tool_call>` JSON `</tool_call>` blocks (module docstring)."""
+class ToolParser:
+    """A format's tags (module docstring) and how a block's body becomes a call."""
 
+    start = end = ""
+    wrappers: tuple[str, ...] = ()  # tags around a run of blocks: neither content nor calls
+    keeps_special_tokens = False  # the tags are special tokens: decode with skip_special_tokens off
+
+    def call(self, body: str, schemas: dict[str, dict]) -> ToolCall | None:
+        """A block's body as a call (None: not a call); `schemas`: each offered tool's parameters schema."""
+        raise NotImplementedError
+
+
+def _call(name: str, args) -> ToolCall | None:
+    """A call of `name` with an arguments object (or its JSON text); None if they are not one."""
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            return None
+    if not name or not isinstance(args, dict):
+        return None
+    return ToolCall(name, json.dumps(args, ensure_ascii=False), new_call_id())
+
+
+class HermesParser(ToolParser):
     start, end = "<tool_call>", "</tool_call>"
 
-    def call(self, body: str) -> ToolCall | None:
-        """A block's body as a call: a JSON object with a string `name` and an `arguments` object (also as JSON
-        text); None: not a call."""
+    def call(self, body: str, schemas: dict[str, dict]) -> ToolCall | None:
         try:
             obj = json.loads(body)
         except json.JSONDecodeError:
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
-        args = obj.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                return None
-        if not isinstance(args, dict):
+        return _call(obj["name"], obj.get("arguments", {}))
+
+
+class DeepSeekParser(ToolParser):
+    start, end = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
+    wrappers = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+    keeps_special_tokens = True
+    sep = "<｜tool▁sep｜>"
+
+    def call(self, body: str, schemas: dict[str, dict]) -> ToolCall | None:
+        left, sep, right = body.partition(self.sep)
+        if not sep:
             return None
-        return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), new_call_id())
+        if left.strip() == "function" and "\n" in right:  # V3 / R1: the name, then a ```json fence
+            name, _, args = right.partition("\n")
+            args = args.strip()
+            if args.startswith("```"):
+                args = args[3:].removeprefix("json").removesuffix("```")
+            return _call(name.strip(), args)
+        return _call(left.strip(), right)  # V3.1
 
 
-TOOL_PARSERS = {"hermes": HermesParser}
+class Glm45Parser(ToolParser):
+    start, end = "<tool_call>", "</tool_call>"
+    key, key_end, value, value_end = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
+
+    def call(self, body: str, schemas: dict[str, dict]) -> ToolCall | None:
+        name, has_args, pairs = body.partition(self.key)
+        name = name.strip()
+        if not name or "\n" in name:
+            return None
+        props = (schemas.get(name) or {}).get("properties") or {}
+        args, pairs = {}, (self.key + pairs).strip() if has_args else ""
+        while pairs:
+            key, ok, pairs = pairs.removeprefix(self.key).partition(self.key_end)
+            pairs = pairs.lstrip()
+            if not ok or not pairs.startswith(self.value):
+                return None
+            value, ok, pairs = pairs[len(self.value):].partition(self.value_end)
+            if not ok:
+                return None
+            key, pairs = key.strip(), pairs.strip()
+            args[key] = _typed(value, (props.get(key) or {}).get("type"))
+            if pairs and not pairs.startswith(self.key):
+                return None
+        return _call(name, args)
 
 
-def tool_parser(name: str) -> HermesParser:
+def _typed(text: str, schema_type) -> object:
+    """A GLM argument value: the text for a string parameter, else its JSON value if it parses."""
+    if schema_type == "string":
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+TOOL_PARSERS = {"hermes": HermesParser, "deepseek_v3": DeepSeekParser, "deepseek_v31": DeepSeekParser,
+                "glm45": Glm45Parser}
+
+
+def tool_parser(name: str) -> ToolParser:
     """The parser `--tool-call-parser NAME` names (ValueError naming the ones there are)."""
     if name not in TOOL_PARSERS:
         raise ValueError(f"unknown tool call parser {name!r}; this server has: {', '.join(sorted(TOOL_PARSERS))}")
     return TOOL_PARSERS[name]()
 
 
-def extract_tool_calls(parser: HermesParser, text: str) -> tuple[str | None, list[ToolCall]]:
+def extract_tool_calls(parser: ToolParser, text: str, schemas: dict[str, dict] | None = None
+                       ) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a whole output: the streaming machine over all of it. With no calls the content is
-    the text as it is; with calls, null if nothing but whitespace is left."""
-    s = ToolStream(parser)
+    the text as it is (less any wrapper tags); with calls, null if nothing but whitespace is left."""
+    s = ToolStream(parser, schemas)
     content, calls = s.push(text)
     rest, more = s.finish()
     content, calls = content + rest, calls + more
@@ -88,8 +162,8 @@ def extract_tool_calls(parser: HermesParser, text: str) -> tuple[str | None, lis
 class ToolStream:
     """One choice's output split into content and calls as it streams (module docstring)."""
 
-    def __init__(self, parser: HermesParser):
-        self.parser = parser
+    def __init__(self, parser: ToolParser, schemas: dict[str, dict] | None = None):
+        self.parser, self.schemas = parser, schemas or {}
         self.buf = ""  # not yet decided: a possible opening tag's start, or an open block's body
         self.in_block = False
         self.pending = ""  # trailing whitespace of the content, held until other content follows
@@ -108,20 +182,21 @@ class ToolStream:
         self.buf += text
         while True:
             if not self.in_block:
-                at = self.buf.find(p.start)
-                if at < 0:
-                    cut = len(self.buf) - partial_tag(self.buf, p.start)
+                found = [(at, tag) for tag in (p.start, *p.wrappers) if (at := self.buf.find(tag)) >= 0]
+                if not found:
+                    cut = len(self.buf) - max(partial_tag(self.buf, tag) for tag in (p.start, *p.wrappers))
                     out.append(self._content(self.buf[:cut]))
                     self.buf = self.buf[cut:]
                     break
+                at, tag = min(found)
                 out.append(self._content(self.buf[:at]))
-                self.buf, self.in_block = self.buf[at + len(p.start):], True
+                self.buf, self.in_block = self.buf[at + len(tag):], tag == p.start
             else:
                 at = self.buf.find(p.end)
                 if at < 0:
                     break
                 body, self.buf, self.in_block = self.buf[:at], self.buf[at + len(p.end):], False
-                call = p.call(body)
+                call = p.call(body, self.schemas)
                 if call is None:
                     out.append(self._content(p.start + body + p.end))
                 else:
@@ -133,13 +208,13 @@ class ToolStream:
         """At the output's end: an open block's call if its body parses, else what is held is content."""
         p, calls, out = self.parser, [], ""
         if self.in_block:
-            call = p.call(self.buf)
+            call = p.call(self.buf, self.schemas)
             if call is None:
                 out = self._content(p.start + self.buf)
             else:
                 calls.append(call)
         else:
-            out = self._content(self.buf)
+            out = self._content(self.buf)  # a wrapper's start left at the end is text after all
         self.buf, self.in_block = "", False
         self.calls += len(calls)
         if not self.calls:

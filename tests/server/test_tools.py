@@ -51,23 +51,51 @@ OUTPUTS = {  # output -> (content, calls)
 }
 
 
-@pytest.mark.parametrize("case", list(OUTPUTS))
-def test_hermes_extracts_content_and_calls(case):
-    text, (content, calls) = OUTPUTS[case]
-    got_content, got_calls = extract_tool_calls(P, text)
+DS_BEGIN, DS_END, DS_CALL, DS_CALL_END, DS_SEP = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
+                                                  "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
+DS_A = DS_CALL + "function" + DS_SEP + 'get_weather\n```json\n{"city": "Paris", "unit": "°C"}\n```' + DS_CALL_END
+DS_B = DS_CALL + "get_time" + DS_SEP + '{"tz": "CET"}' + DS_CALL_END  # DeepSeek-V3.1's form
+DEEPSEEK = {
+    "deepseek: text then two calls": ("Checking." + DS_BEGIN + DS_A + "\n" + DS_B + DS_END, ("Checking.", [A, B])),
+    "deepseek: a block without a separator": (DS_BEGIN + DS_CALL + "oops" + DS_CALL_END + DS_END,
+                                              (DS_CALL + "oops" + DS_CALL_END, [])),
+    "deepseek: open at the end": (DS_BEGIN + DS_B.removesuffix(DS_CALL_END), (None, [B])),
+}
+GLM_SCHEMAS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"},
+                                                                "days": {"type": "integer"}}}}
+GLM = {
+    "glm45: typed by the schema": ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>2046</arg_value>\n"
+                                   "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
+                                   (None, [("get_weather", {"city": "2046", "days": 3})])),
+    "glm45: untyped values as JSON where they parse": (
+        "Sure.\n<tool_call>get_time\n<arg_key>tz</arg_key><arg_value>CET</arg_value>"
+        "<arg_key>opts</arg_key><arg_value>{\"dst\": true}</arg_value></tool_call>",
+        ("Sure.", [("get_time", {"tz": "CET", "opts": {"dst": True}})])),
+    "glm45: no arguments": ("<tool_call>ping</tool_call>", (None, [("ping", {})])),
+    "glm45: a broken pair stays content": ("<tool_call>f\n<arg_key>a</arg_key>x</tool_call>",
+                                           ("<tool_call>f\n<arg_key>a</arg_key>x</tool_call>", [])),
+}
+CASES = {**{k: ("hermes", *v) for k, v in OUTPUTS.items()}, **{k: ("deepseek_v3", *v) for k, v in DEEPSEEK.items()},
+         **{k: ("glm45", *v) for k, v in GLM.items()}}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_parsers_extract_content_and_calls(case):
+    name, text, (content, calls) = CASES[case]
+    got_content, got_calls = extract_tool_calls(tool_parser(name), text, GLM_SCHEMAS)
     assert got_content == content and calls_of(got_calls) == calls
     assert all(c.id.startswith("chatcmpl-tool-") for c in got_calls)
     assert len({c.id for c in got_calls}) == len(got_calls)
 
 
-@pytest.mark.parametrize("case", list(OUTPUTS))
+@pytest.mark.parametrize("case", list(CASES))
 def test_streamed_content_and_calls_join_to_the_whole_output_at_any_cut(case):
-    text, (content, calls) = OUTPUTS[case]
+    name, text, (content, calls) = CASES[case]
     rng = random.Random(case)
     for _ in range(40):
         cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 12))))
         pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-        s, got, got_calls = ToolStream(P), "", []
+        s, got, got_calls = ToolStream(tool_parser(name), GLM_SCHEMAS), "", []
         for piece in pieces:
             c, k = s.push(piece)
             got, got_calls = got + c, got_calls + k
@@ -88,7 +116,7 @@ def test_a_stream_sends_content_before_the_call_ends_and_holds_only_a_possible_t
 
 
 def test_unknown_parser_names_the_known_ones():
-    with pytest.raises(ValueError, match="hermes"):
+    with pytest.raises(ValueError, match="deepseek_v3, deepseek_v31, glm45, hermes"):
         tool_parser("mistral")
 
 
@@ -225,3 +253,15 @@ def test_a_call_in_a_user_message_is_refused(url):
     r = post(url, "/v1/chat/completions", {"model": BASE, "messages": [*USER, {"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]})
     assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+
+
+def test_a_parser_whose_tags_are_special_tokens_decodes_them(model_dir):
+    """deepseek_v3's tags are special tokens in DeepSeek's tokenizer: with tools, the reply is decoded with
+    skip_special_tokens off (here: the test tokenizer's <|im_start|>, forced by logit_bias)."""
+    body = {"model": BASE, "messages": USER, "tools": [WEATHER], "max_tokens": 3, "temperature": 0,
+            "logit_bias": {"257": 100}}
+    with serving(cpu_app(model_dir, tool_call_parser="deepseek_v3")) as ds:
+        kept = post(ds, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+    with serving(cpu_app(model_dir, tool_call_parser="hermes")) as hermes:
+        skipped = post(hermes, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+    assert (kept, skipped) == ("<|im_start|>" * 3, "")
