@@ -63,11 +63,14 @@ class LLM:
         return [RequestOutput(r.prompt, r.prompt_ids, r.adapter, r.output_ids, r.text, r.finish_reason, r.stop_reason)
                 for r in reqs]
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, adapter=None):
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, adapter=None, *,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None):
+        """Each conversation through the chat template (`tools`: OpenAI-shaped function definitions, as
+        vLLM's `LLM.chat` passes them; the reply's text is returned as generated, calls unparsed)."""
         if self.tokenizer is None:
             raise RequestError("this model has no tokenizer")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(m) for m in convs]
+        prompts = [self.tokenizer.apply_chat_template(m, tools=tools, **(chat_template_kwargs or {})) for m in convs]
         return self.generate(prompts, sampling_params, adapter)
 
     def logits(self, token_ids: list[list[int]], adapter: str | None | Sequence[str | None] = None

@@ -265,3 +265,13 @@ def test_a_parser_whose_tags_are_special_tokens_decodes_them(model_dir):
     with serving(cpu_app(model_dir, tool_call_parser="hermes")) as hermes:
         skipped = post(hermes, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
     assert (kept, skipped) == ("<|im_start|>" * 3, "")
+
+
+def test_llm_chat_renders_tools_as_the_server_does(model_dir, url):
+    from moelora import LLM, SamplingParams
+
+    llm = LLM(model_dir, device="cpu", dtype="float32")
+    out = llm.chat(USER, SamplingParams(max_tokens=1, temperature=0), tools=[WEATHER])[0]
+    assert out.prompt_token_ids == post(url, "/tokenize", {"model": BASE, "messages": USER, "tools": [WEATHER]}).json()[
+        "tokens"]
+    assert json.dumps(WEATHER, ensure_ascii=False) in out.prompt
