@@ -199,14 +199,16 @@ class ToolCallMessage(_Body):
 
 class ChatMessage(_Body):
     # what `message.model_dump()` of an openai client's response re-sends, at null
-    accepted_at = {"refusal": NONE, "audio": NONE, "function_call": NONE,
-                   "annotations": NONE_OR_EMPTY, "reasoning_content": NONE, "reasoning": NONE}
+    accepted_at = {"refusal": NONE, "audio": NONE, "function_call": NONE, "annotations": NONE_OR_EMPTY}
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCallMessage] | None = None  # an assistant's
+    # an assistant's reasoning, as a response with --reasoning-parser carries it (under both names)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -224,6 +226,9 @@ class ChatMessage(_Body):
             out["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
             out["tool_calls"] = [c.turn() for c in self.tool_calls]
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            out["reasoning_content"] = reasoning  # the name templates read (Qwen3's)
         return out
 
     @model_validator(mode="after")

@@ -12,8 +12,9 @@ import random
 import pytest
 
 from moelora.server.reasoning import ReasoningStream, extract_reasoning, reasoning_parser
-from tests.helpers.server import BASE, cpu_app, make_client, post, serving, write_model
+from tests.helpers.server import BASE, TIMEOUT, cpu_app, make_client, post, serving, write_model
 
+httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 R1, QWEN3 = reasoning_parser("deepseek_r1"), reasoning_parser("qwen3")
@@ -66,7 +67,9 @@ def test_unknown_reasoning_parser_names_the_known_ones():
 
 
 # ------------------------------------------------------------------------------------------ the server
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+            "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+            "{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n"
             "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
 USER = [{"role": "user", "content": "2 + 2?"}]
@@ -121,3 +124,18 @@ def test_a_plain_server_keeps_the_think_text_in_the_content(tmp_path, scripted_r
                                                  "ignore_eos": True})
         message = r.json()["choices"][0]["message"]
         assert message == {"role": "assistant", "content": "<think>hmm</think>4"}
+
+
+def test_a_resent_reply_gives_its_reasoning_to_the_template(url, scripted_replies):
+    scripted_replies += ["<think>add them</think>4"]
+    message = make_client(url).chat.completions.create(model=BASE, messages=USER, max_tokens=30, temperature=0,
+                                                       extra_body={"ignore_eos": True}).choices[0].message
+    history = [*USER, message.model_dump(exclude_none=False), {"role": "user", "content": "and 3 + 3?"}]
+    r = post(url, "/tokenize", {"model": BASE, "messages": history})
+    assert r.status_code == 200, r.text
+    text = httpx.post(url + "/detokenize", json={"tokens": r.json()["tokens"]}, timeout=TIMEOUT).json()["prompt"]
+    assert "assistant\n<think>add them</think>4\n" in text
+    for key in ("reasoning", "reasoning_content"):  # either name alone (older / newer clients)
+        r = post(url, "/tokenize", {"model": BASE, "messages": [*USER, {"role": "assistant", "content": "4", key: "x"}]})
+        assert "<think>x</think>4" in httpx.post(url + "/detokenize", json={"tokens": r.json()["tokens"]},
+                                                 timeout=TIMEOUT).json()["prompt"]
