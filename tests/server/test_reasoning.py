@@ -136,6 +136,7 @@ def test_a_resent_reply_gives_its_reasoning_to_the_template(url, scripted_replie
     text = httpx.post(url + "/detokenize", json={"tokens": r.json()["tokens"]}, timeout=TIMEOUT).json()["prompt"]
     assert "assistant\n<think>add them</think>4\n" in text
     for key in ("reasoning", "reasoning_content"):  # either name alone (older / newer clients)
-        r = post(url, "/tokenize", {"model": BASE, "messages": [*USER, {"role": "assistant", "content": "4", key: "x"}]})
+        turn = {"role": "assistant", "content": "4", key: "x"}
+        r = post(url, "/tokenize", {"model": BASE, "messages": [*USER, turn]})
         assert "<think>x</think>4" in httpx.post(url + "/detokenize", json={"tokens": r.json()["tokens"]},
                                                  timeout=TIMEOUT).json()["prompt"]
