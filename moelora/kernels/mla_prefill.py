@@ -40,7 +40,7 @@ def default_mla_prefill_config(max_query_len: int, dtype: torch.dtype) -> Attent
     if dtype == torch.float32:
         return AttentionConfig(16, 16, num_warps=4)
     if max_query_len >= 256:
-        return AttentionConfig(128, 64, num_warps=8)
+        return AttentionConfig(128, 64, num_warps=8, num_stages=3)
     return AttentionConfig(max(16, min(64, next_pow2(max_query_len))), 64, num_warps=4)
 
 

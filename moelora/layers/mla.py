@@ -321,7 +321,9 @@ def mla_attention_expanded(q: torch.Tensor, entries: torch.Tensor | None, cache:
     through kv_b_proj at once, then attended sequence by sequence. Where no sequence has a cached prefix (a fresh
     prefill) its latents are the step's own entries, in the step's row order, and the step's LoRA batch is theirs;
     else they are gathered from the cache, each row with its sequence's adapter (`LinearSite.forward_rows`).
-    `keys_kernel`: the keys built by `kernels.mla_keys` (the Triton backend), else by torch.cat, the same bits.
+    `keys_kernel` (the Triton backend): the attention by `kernels.mla_prefill` (every sequence in one launch, keys
+    read where they lie) where `MLA_PREFILL_KERNEL_MAX_Q` / `_HEADS` say it wins, else by SDPA a sequence with the
+    keys built by `kernels.mla_keys`; without it, torch.cat and SDPA.
     Returns a new [T, N, Dv] tensor."""
     if entries is not None:
         write_latent_ref(entries, cache, meta.slot_mapping)
@@ -337,6 +339,14 @@ def mla_attention_expanded(q: torch.Tensor, entries: torch.Tensor | None, cache:
         slots = None if lora is None else lora.token_slots.index_select(0, q_offsets).index_select(0, seq_of_row)
         kv = kv_b_proj.forward_rows(ctx[:, :C], slots, lora)
     kv = kv.view(-1, N, nope + v_dim)
+    if keys_kernel and meta.max_query_len <= MLA_PREFILL_KERNEL_MAX_Q and N <= MLA_PREFILL_KERNEL_MAX_HEADS:
+        from moelora.kernels.mla_prefill import mla_prefill_attention
+
+        # sequence b's context rows: the step's own rows (fresh: ctx is the step's entries) or context_rows' order
+        kv_start = meta.query_start[:-1] if fresh and cache.dtype == q.dtype else (
+            torch.cumsum(meta.seq_lens, 0, dtype=torch.int32) - meta.seq_lens)
+        return mla_prefill_attention(q, kv, ctx[:, C:], meta.seq_lens, meta.query_start, kv_start, nope, scale,
+                                     meta.max_query_len)
     if keys_kernel:
         from moelora.kernels.mla_keys import mla_prefill_keys
 
@@ -344,6 +354,15 @@ def mla_attention_expanded(q: torch.Tensor, entries: torch.Tensor | None, cache:
     else:
         keys = torch.cat((kv[..., :nope], ctx[:, None, C:].expand(-1, N, width - C)), dim=-1)  # [sum L, N, Dn + Dr]
     return attend_by_sequence(q, keys, kv[..., nope:], meta, scale)
+
+
+# Where `kernels.mla_prefill` attends a step: its longest query run (tokens of one sequence) at most
+# MLA_PREFILL_KERNEL_MAX_Q and at most MLA_PREFILL_KERNEL_MAX_HEADS heads (this rank's); else SDPA a sequence
+# (cuDNN). H200, µs an attention, SDPA loop / the kernel at 128x64, 8 warps, 3 stages (40th session): 16 heads
+# (DeepSeek-V2-Lite; V3's at tensor parallel 8) 16 x 512 303.2 / 110.8, 4 x 2048 301.1 / 247.5, 2 x 1024 + 3072
+# 302.0 / 180.5, 1 x 8192 661.4 / 780.6; 128 heads 2 x 1024 297.7 / 341.2, 1 x 4096 1412.1 / 1896.2.
+MLA_PREFILL_KERNEL_MAX_Q = 3072
+MLA_PREFILL_KERNEL_MAX_HEADS = 32
 
 
 def attend_by_sequence(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, meta: AttnMetadata, scale: float

@@ -138,12 +138,21 @@ def test_gpu_deepseek_widths_bf16(N):
 @pytest.mark.parametrize("cached,q_lens,slots", [([0, 0, 0], [9, 23, 1], [0, -1, 2]),
                                                  ([0, 7, 30, 4], [17, 5, 21, 1], [1, 0, -1, 2])],
                          ids=["fresh", "extends"])
-def test_layer_prefill_on_the_kernel_equals_torch_backend(cached, q_lens, slots):
+@pytest.mark.parametrize("attention", ["mla_prefill", "keys_sdpa"])
+def test_layer_prefill_on_the_kernel_equals_torch_backend(cached, q_lens, slots, attention, monkeypatch):
     """MLAttention's expanded prefill on the Triton backend (a twin of the layer: its projections' kernels,
-    `mla_rope`'s store, its attention) equals the torch backend's (SDPA a sequence): fresh prompts (the context
-    is the step's rows) and extends after cached prefixes (gathered from the cache, sequence after sequence), with
-    LoRA in slots of different ranks and rows on none."""
+    `mla_rope`'s store, its attention: this kernel, or, past `MLA_PREFILL_KERNEL_MAX_Q`, `mla_keys` and SDPA a
+    sequence) equals the torch backend's (SDPA a sequence): fresh prompts (the context is the step's rows) and
+    extends after cached prefixes (gathered from the cache, sequence after sequence), with LoRA in slots of
+    different ranks and rows on none."""
+    import moelora.kernels.mla_prefill as kernel
+    from moelora.layers import mla
     from tests.helpers.mla import extend_step, mla_layer, run, twin
+
+    real, calls = kernel.mla_prefill_attention, []
+    monkeypatch.setattr(kernel, "mla_prefill_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    if attention == "keys_sdpa":
+        monkeypatch.setattr(mla, "MLA_PREFILL_KERNEL_MAX_Q", 0)
 
     layer = mla_layer(seed=8).to(DEV)
     step = extend_step(layer, cached, q_lens, slots, seed=9, device=DEV)
@@ -151,3 +160,4 @@ def test_layer_prefill_on_the_kernel_equals_torch_backend(cached, q_lens, slots)
     got, cache_got = run(twin(layer, kernel_backend="triton"), step, absorbed=False)
     torch.testing.assert_close(cache_got, cache_want, rtol=1e-5, atol=1e-5)
     assert (got - want).abs().max() <= 1e-4 * max(1.0, want.abs().max().item())
+    assert bool(calls) == (attention == "mla_prefill")
