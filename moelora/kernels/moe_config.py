@@ -130,20 +130,29 @@ def _strict(cls, d, where: str):
     return cls(**kw)
 
 
-def default_fused_moe_config(num_experts: int, hidden: int, inter: int, num_tokens: int,
-                             top_k: int) -> FusedMoEConfig:
-    """Heuristic for shapes with no tuned entry, by routes per expert (few plan blocks: a shrink split many ways)."""
+# Shared memory a default config's pipeline may take (bytes): under the H100 / H200's 227 KiB a block, with room for
+# the epilogue's and the LoRA paths' own buffers.
+DEFAULT_SMEM_BUDGET = 200 * 1024
+
+
+def default_fused_moe_config(num_experts: int, hidden: int, inter: int, num_tokens: int, top_k: int,
+                             elem_bytes: int = 2) -> FusedMoEConfig:
+    """Heuristic for shapes with no tuned entry, by routes per expert (few plan blocks: a shrink split many ways);
+    `elem_bytes` of the activations and weights: the pipeline's stages cut to fit DEFAULT_SMEM_BUDGET (fp32's
+    tiles take twice bf16's: 3 stages of the largest tile needed 240 KiB, over the GPU's limit)."""
     routes = num_tokens * top_k
     per_expert = routes / max(1, num_experts)
     lora = _separate(split_k=8 if routes <= 1024 else 2 if routes <= 8192 else 1)
     if per_expert <= 16:
-        tile = GemmTile(64, 128, 4, 4)
-        return FusedMoEConfig(16, tile, tile, lora=lora)
-    if per_expert <= 64:
-        tile = GemmTile(64, 128, 4, 3)
-        return FusedMoEConfig(32, tile, tile, lora=lora)
-    tile = GemmTile(128, 64, 8, 3)
-    return FusedMoEConfig(64, tile, tile, lora=lora)
+        block_m, tile = 16, GemmTile(64, 128, 4, 4)
+    elif per_expert <= 64:
+        block_m, tile = 32, GemmTile(64, 128, 4, 3)
+    else:
+        block_m, tile = 64, GemmTile(128, 64, 8, 3)
+    # a gate_up stage holds an x tile and the gate and up weight tiles
+    stage = elem_bytes * (block_m * tile.block_k + 2 * tile.block_k * tile.block_n)
+    tile = replace(tile, num_stages=max(1, min(tile.num_stages, DEFAULT_SMEM_BUDGET // stage)))
+    return FusedMoEConfig(block_m, tile, tile, lora=lora)
 
 
 def device_tag(device_name: str) -> str:
@@ -204,5 +213,5 @@ def _tuned_config(num_experts: int, hidden: int, inter: int, num_tokens: int, to
                   table: str) -> FusedMoEConfig:
     per_m = load_table(table).get(shape_key(num_experts, hidden, inter, dtype))
     if not per_m:
-        return default_fused_moe_config(num_experts, hidden, inter, num_tokens, top_k)
+        return default_fused_moe_config(num_experts, hidden, inter, num_tokens, top_k, dtype.itemsize)
     return pick_entry(per_m, num_tokens)

@@ -146,7 +146,7 @@ def test_graphs_recaptured_as_lora_sites_turn_on(model_and_adapters):
     model, adapters = model_and_adapters
     attn = LoRAAdapter("attn", "", {k: w for k, w in adapters["a0"].sites.items() if ".self_attn." in k})
     waves = {"attn": attn, "a1": adapters["a1"]}
-    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=0)
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=2)
     prompts, _ = workload(n=16, seed=9)
 
     def two_waves(eng):
@@ -215,7 +215,7 @@ def test_graphs_at_the_registered_adapters_width():
     engine's own run.)"""
     model = tiny_model("qwen2_moe", max_rank=64)
     adapters = {**tiny_adapters(model, "qwen2_moe"), "wide": random_adapter(model, 50, 40, frac=0.8)}
-    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, logprobs=0)
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, logprobs=2)
     prompts, names = workload(n=16, seed=11)
 
     def two_waves(eng):

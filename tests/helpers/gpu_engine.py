@@ -64,7 +64,8 @@ def workload(n=32, seed=0, vocab=512):
 
 
 def generate(eng, prompts, names, max_tokens):
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0)
+    """Greedy requests run to the end; each token's logprob entry holds the top two (`logprob_diff`'s ties)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=2)
     reqs = [eng.add_request(p, params, a) for p, a in zip(prompts, names, strict=True)]
     while eng.has_unfinished():
         eng.step()
@@ -74,7 +75,7 @@ def generate(eng, prompts, names, max_tokens):
 def staggered(eng, prompts, names, max_tokens: int, every: int = 2):
     """Greedy requests added two at a time, every `every` steps, so prompts prefill beside decodes (steps with
     prompt rows: the piecewise graphs' steps)."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=2)
     reqs, todo, n = [], list(zip(prompts, names, strict=True)), 0
     while todo or eng.has_unfinished():
         if todo and n % every == 0:
@@ -105,12 +106,25 @@ def forced_logprob_diff(reference_engine, reqs) -> float:
     return logprob_diff(reqs, ref)
 
 
-def logprob_diff(reqs, ref) -> float:
-    """Every request's tokens identical to its reference's; the max |logprob difference|."""
+TIE = 0.05  # a greedy choice between two tokens this close in logprob may go either way under bf16 rounding
+
+
+def logprob_diff(reqs, ref, tie: float = TIE) -> float:
+    """Every request's tokens identical to its reference's, up to a near-tie: where two runs first pick
+    different tokens, the reference's top two (`generate` asks for them) must be within `tie` of each other and
+    hold both picks (random tiny models meet such ties; bf16 paths that sum in another order split them), and
+    the rest of that request is not compared. Returns the max |logprob difference| over the compared tokens."""
     worst = 0.0
     for got, want in zip(reqs, ref, strict=True):
-        assert got.output_ids == want.output_ids, f"tokens diverge for {got.request_id} ({got.adapter})"
-        worst = max(worst, max(abs(a[0] - b[0]) for a, b in zip(got.logprobs, want.logprobs, strict=True)))
+        for i, (a, b, ga, wa) in enumerate(zip(got.output_ids, want.output_ids, got.logprobs, want.logprobs,
+                                               strict=True)):
+            if a != b:
+                tops = dict(wa[2][:2])
+                assert a in tops and tops[b] - tops[a] <= tie, (
+                    f"tokens diverge for {got.request_id} ({got.adapter}) at {i}: {a} vs {b}, the reference's top "
+                    f"two {wa[2][:2]}")
+                break
+            worst = max(worst, abs(ga[0] - wa[0]))
     return worst
 
 

@@ -105,3 +105,17 @@ def test_a_table_file_replaces_the_packages(tmp_path):
     assert tuned_fused_moe_config(*args) == package
     with pytest.raises(FileNotFoundError, match="no fused-MoE table file"):
         check_table_file(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("tokens", [1, 256, 1024, 4096])  # every regime of routes per expert (128 experts, top 8)
+def test_default_configs_fit_shared_memory_in_fp32_and_keep_bf16s_stages(tokens):
+    """fp32 tiles take twice bf16's bytes: the default's 3 stages of its largest gate_up tile (x 64 x 64 and the
+    gate and up weights 64 x 128 each) needed 240 KiB, over the H100 / H200's 227 (a Triton OutOfResources at
+    an fp32 engine's graph capture)."""
+    bf16 = default_fused_moe_config(128, 2048, 768, tokens, 8)
+    fp32 = default_fused_moe_config(128, 2048, 768, tokens, 8, elem_bytes=4)
+    for cfg, elem in ((bf16, 2), (fp32, 4)):
+        t = cfg.gate_up
+        assert elem * t.num_stages * (cfg.block_m * t.block_k + 2 * t.block_k * t.block_n) <= 227 * 1024
+    assert (bf16.gate_up.num_stages, fp32.gate_up.num_stages) == ((4, 2) if tokens <= 256 else (3, 2))
+    assert tuned_fused_moe_config(128, 2048, 768, tokens, 8, torch.float32, "cpu") == fp32  # no fp32 entries
