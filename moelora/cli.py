@@ -312,7 +312,8 @@ def _serve_vllm_flags(serve: argparse.ArgumentParser) -> None:
                        help='tool_choice "auto" (the default with tools): the reply\'s calls parsed into tool_calls')
     serve.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                        help="how the model writes a call: hermes (Qwen2.5 / Qwen3, Qwen3-MoE included; Hermes), "
-                            "deepseek_v3 / deepseek_v31 (DeepSeek-V3 / R1 / V3.1), glm45 (GLM-4.5 / 4.6)")
+                            "deepseek_v3 / deepseek_v31 (DeepSeek-V3 / R1 / V3.1), glm45 (GLM-4.5 / 4.6), "
+                            "qwen3_coder (Qwen3-Coder), kimi_k2 (Kimi-K2)")
     serve.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                        help='tool_choice "none": render the chat template without the tools')
     serve.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,

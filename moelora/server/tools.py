@@ -12,6 +12,11 @@ Every format is blocks between an opening and a closing tag, one call a block:
   glm45         `<tool_call>NAME` then `<arg_key>K</arg_key><arg_value>V</arg_value>` pairs, `</tool_call>`
                 (GLM-4.5 / 4.6): a value is JSON where the tool's schema types the parameter as other than a
                 string (or, unknown, where it parses as JSON), else the text as it is.
+  qwen3_coder   `<tool_call><function=NAME><parameter=K>V</parameter>...</function></tool_call>` (Qwen3-Coder,
+                its MoE models included): values as glm45's, less the newline the model writes around each.
+  kimi_k2       `<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{...}<|tool_call_end|>`
+                inside `<|tool_calls_section_begin|>` ... `<|tool_calls_section_end|>` (Kimi-K2): the call's id is
+                the model's `functions.NAME:INDEX`; special tokens, decoded as deepseek's.
 The message's content is the text outside the blocks (and outside a format's wrapper tags), null if only
 whitespace is left; a block whose body is not a call stays in the content, tags and all, so no text is lost.
 
@@ -57,8 +62,9 @@ class ToolParser:
         raise NotImplementedError
 
 
-def _call(name: str, args) -> ToolCall | None:
-    """A call of `name` with an arguments object (or its JSON text); None if they are not one."""
+def _call(name: str, args, call_id: str | None = None) -> ToolCall | None:
+    """A call of `name` with an arguments object (or its JSON text); None if they are not one. `call_id`: the
+    model's own (Kimi's), else a new one."""
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
@@ -66,7 +72,7 @@ def _call(name: str, args) -> ToolCall | None:
             return None
     if not name or not isinstance(args, dict):
         return None
-    return ToolCall(name, json.dumps(args, ensure_ascii=False), new_call_id())
+    return ToolCall(name, json.dumps(args, ensure_ascii=False), call_id or new_call_id())
 
 
 class HermesParser(ToolParser):
@@ -127,8 +133,46 @@ class Glm45Parser(ToolParser):
         return _call(name, args)
 
 
+class Qwen3CoderParser(ToolParser):
+    start, end = "<tool_call>", "</tool_call>"
+    fn, fn_end, param, param_end = "<function=", "</function>", "<parameter=", "</parameter>"
+
+    def call(self, body: str, schemas: dict[str, dict]) -> ToolCall | None:
+        body = body.strip()
+        if not (body.startswith(self.fn) and body.endswith(self.fn_end)):
+            return None
+        name, ok, params = body[len(self.fn):-len(self.fn_end)].partition(">")
+        name, params = name.strip(), params.strip()
+        if not ok:
+            return None
+        props, args = (schemas.get(name) or {}).get("properties") or {}, {}
+        while params:
+            if not params.startswith(self.param):
+                return None
+            key, ok1, params = params[len(self.param):].partition(">")
+            value, ok2, params = params.partition(self.param_end)
+            if not (ok1 and ok2):
+                return None
+            key, params = key.strip(), params.strip()
+            args[key] = _typed(value.removeprefix("\n").removesuffix("\n"), (props.get(key) or {}).get("type"))
+        return _call(name, args)
+
+
+class KimiK2Parser(ToolParser):
+    start, end = "<|tool_call_begin|>", "<|tool_call_end|>"
+    wrappers = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
+    keeps_special_tokens = True
+    args_tag = "<|tool_call_argument_begin|>"
+
+    def call(self, body: str, schemas: dict[str, dict]) -> ToolCall | None:
+        call_id, ok, args = body.partition(self.args_tag)
+        call_id = call_id.strip()  # functions.NAME:INDEX, the call's id
+        name = call_id.rpartition(":")[0].removeprefix("functions.")
+        return _call(name, args, call_id) if ok and name else None
+
+
 def _typed(text: str, schema_type) -> object:
-    """A GLM argument value: the text for a string parameter, else its JSON value if it parses."""
+    """A GLM / Qwen3-Coder argument value: the text for a string parameter, else its JSON value if it parses."""
     if schema_type == "string":
         return text
     try:
@@ -138,7 +182,7 @@ def _typed(text: str, schema_type) -> object:
 
 
 TOOL_PARSERS = {"hermes": HermesParser, "deepseek_v3": DeepSeekParser, "deepseek_v31": DeepSeekParser,
-                "glm45": Glm45Parser}
+                "glm45": Glm45Parser, "qwen3_coder": Qwen3CoderParser, "kimi_k2": KimiK2Parser}
 
 
 def tool_parser(name: str) -> ToolParser:

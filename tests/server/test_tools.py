@@ -75,8 +75,24 @@ GLM = {
     "glm45: a broken pair stays content": ("<tool_call>f\n<arg_key>a</arg_key>x</tool_call>",
                                            ("<tool_call>f\n<arg_key>a</arg_key>x</tool_call>", [])),
 }
+CODER = {
+    "qwen3_coder: typed by the schema": (
+        "Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n2046\n</parameter>\n<parameter=days>\n3\n"
+        "</parameter>\n</function>\n</tool_call>", ("Sure.", [("get_weather", {"city": "2046", "days": 3})])),
+    "qwen3_coder: multi-line text kept": ("<tool_call><function=note><parameter=text>\na\n b\n</parameter></function>"
+                                          "</tool_call>", (None, [("note", {"text": "a\n b"})])),
+    "qwen3_coder: no function tag stays content": ("<tool_call>get_weather</tool_call>",
+                                                   ("<tool_call>get_weather</tool_call>", [])),
+}
+KIMI_BEGIN, KIMI_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI = {
+    "kimi_k2: two calls": (KIMI_BEGIN + '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+                           '{"city": "Paris", "unit": "°C"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1'
+                           '<|tool_call_argument_begin|>{"tz": "CET"}<|tool_call_end|>' + KIMI_END, (None, [A, B])),
+}
 CASES = {**{k: ("hermes", *v) for k, v in OUTPUTS.items()}, **{k: ("deepseek_v3", *v) for k, v in DEEPSEEK.items()},
-         **{k: ("glm45", *v) for k, v in GLM.items()}}
+         **{k: ("glm45", *v) for k, v in GLM.items()}, **{k: ("qwen3_coder", *v) for k, v in CODER.items()},
+         **{k: ("kimi_k2", *v) for k, v in KIMI.items()}}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -84,7 +100,9 @@ def test_parsers_extract_content_and_calls(case):
     name, text, (content, calls) = CASES[case]
     got_content, got_calls = extract_tool_calls(tool_parser(name), text, GLM_SCHEMAS)
     assert got_content == content and calls_of(got_calls) == calls
-    assert all(c.id.startswith("chatcmpl-tool-") for c in got_calls)
+    ids = [c.id for c in got_calls]
+    kimi = ["functions.get_weather:0", "functions.get_time:1"]  # Kimi's calls carry their own ids
+    assert ids == kimi if name == "kimi_k2" else all(i.startswith("chatcmpl-tool-") for i in ids)
     assert len({c.id for c in got_calls}) == len(got_calls)
 
 
@@ -116,7 +134,7 @@ def test_a_stream_sends_content_before_the_call_ends_and_holds_only_a_possible_t
 
 
 def test_unknown_parser_names_the_known_ones():
-    with pytest.raises(ValueError, match="deepseek_v3, deepseek_v31, glm45, hermes"):
+    with pytest.raises(ValueError, match="deepseek_v3, deepseek_v31, glm45, hermes, kimi_k2, qwen3_coder"):
         tool_parser("mistral")
 
 
