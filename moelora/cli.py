@@ -318,7 +318,8 @@ def _serve_vllm_flags(serve: argparse.ArgumentParser) -> None:
                        help='tool_choice "none": render the chat template without the tools')
     serve.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                        help="a thinking model's <think> ... </think> text as the message's reasoning (and "
-                            "reasoning_content), apart from its content: deepseek_r1 (DeepSeek-R1, QwQ), qwen3")
+                            "reasoning_content), apart from its content: deepseek_r1 (DeepSeek-R1, QwQ), qwen3, glm45, "
+                            "deepseek_v3 (V3.1)")
     serve.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer directory (default: MODEL)")
     serve.add_argument("--seed", type=int, default=None, help="seed of requests without one (and of dummy weights)")
     serve.add_argument("--max-logprobs", type=types.non_negative, default=20,

@@ -38,8 +38,12 @@ class ThinkParser:
         return "open"
 
 
+# vLLM's names: deepseek_r1 (R1, QwQ); qwen3; glm45 (GLM-4.5 / 4.6 thinking); deepseek_v3 (V3.1, whose template
+# opens <think> with thinking on and closes it with thinking off: the prompt decides)
 REASONING_PARSERS = {"deepseek_r1": lambda: ThinkParser(bare_reasoning=True),
-                     "qwen3": lambda: ThinkParser(bare_reasoning=False)}
+                     "qwen3": lambda: ThinkParser(bare_reasoning=False),
+                     "glm45": lambda: ThinkParser(bare_reasoning=False),
+                     "deepseek_v3": lambda: ThinkParser(bare_reasoning=False)}
 
 
 def reasoning_parser(name: str) -> ThinkParser:

@@ -62,8 +62,18 @@ def test_reasoning_streams_before_the_tag_closes():
 
 
 def test_unknown_reasoning_parser_names_the_known_ones():
-    with pytest.raises(ValueError, match="deepseek_r1"):
+    with pytest.raises(ValueError, match="deepseek_r1, deepseek_v3, glm45, qwen3"):
         reasoning_parser("granite")
+
+
+@pytest.mark.parametrize("name", ["glm45", "deepseek_v3"])
+def test_the_template_led_parsers_read_a_bare_reply_as_content(name):
+    """GLM-4.5's and DeepSeek-V3.1's templates open <think> (thinking on) or close it (off); a reply that opens no
+    tag after a prompt that did neither is content, unlike deepseek_r1's."""
+    parser = reasoning_parser(name)
+    assert extract_reasoning(parser, PLAIN, "It is 4.") == (None, "It is 4.")
+    assert extract_reasoning(parser, OPEN, "add</think>4") == ("add", "4")
+    assert extract_reasoning(parser, CLOSED, "4") == (None, "4")
 
 
 # ------------------------------------------------------------------------------------------ the server
