@@ -19,7 +19,7 @@ class ReplyFormat:
     prompt: str  # the rendered prompt (where the reasoning starts)
     parallel_tool_calls: bool = True  # false: the first call only
     include_reasoning: bool = True  # false: the reasoning is split off but not returned
-    schemas: dict | None = None  # each offered tool's parameters schema, by name (typed GLM arguments)
+    schemas: dict | None = None  # each offered tool's parameters schema, by name (glm45 / qwen3_coder value types)
 
     @property
     def plain(self) -> bool:

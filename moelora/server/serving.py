@@ -4,7 +4,9 @@ and the response bodies (whole, or streamed as server-sent events).
 One HTTP request becomes `len(prompts) * n` engine sequences ("choices"), added all or none.
 Both endpoints share `_run`, which turns the engine's `Delta`s into per-choice events (text
 delta, token ids, logprobs, finish and stop reason), records metrics, and aborts every unfinished
-choice when the consumer goes away (client disconnect, cancellation, error).
+choice when the consumer goes away (client disconnect, cancellation, error). A chat reply's text
+becomes its message's reasoning, content and tool calls through `reply.py` (the --reasoning-parser and
+--tool-call-parser of vLLM's flags), whole or streamed.
 
 Tokens and usage are vLLM's: the EOS / stop token that ends a choice is a generated token (in
 `completion_tokens`, in the logprobs with text "", in `token_ids`), and its text is not in the
