@@ -293,3 +293,15 @@ def test_llm_chat_renders_tools_as_the_server_does(model_dir, url):
     assert out.prompt_token_ids == post(url, "/tokenize", {"model": BASE, "messages": USER, "tools": [WEATHER]}).json()[
         "tokens"]
     assert json.dumps(WEATHER, ensure_ascii=False) in out.prompt
+
+
+def test_the_openai_stream_helper_accumulates_the_calls(url, scripted_replies):
+    """The SDK's `chat.completions.stream` (its ChatCompletionStreamState checks each tool_calls delta and merges
+    them by index) ends with the same message as the whole response."""
+    scripted_replies += ["Let me look.\n" + CALL_A + "\n" + CALL_B]
+    with make_client(url).chat.completions.stream(model=BASE, messages=USER, tools=[WEATHER], max_tokens=40,
+                                                  temperature=0, extra_body={"ignore_eos": True}) as stream:
+        final = stream.get_final_completion()
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [A, B]
