@@ -186,7 +186,9 @@ def serve_options(args) -> dict:
                 allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
                 tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                 exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
-                reasoning_parser=args.reasoning_parser)
+                reasoning_parser=args.reasoning_parser, response_role=args.response_role,
+                chat_template_content_format="openai" if args.chat_template_content_format == "openai" else "string",
+                disable_fastapi_docs=args.disable_fastapi_docs)
 
 
 def serve_adapters(args) -> tuple[str, dict[str, str]]:
@@ -218,7 +220,8 @@ def cmd_serve(args) -> int:
                        load_format=args.load_format, tokenizer=args.tokenizer, chat_template=args.chat_template,
                        seed=args.seed or 0, generation_config=args.generation_config, **serve_options(args))
     run_server(app, args.host, args.port, args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
-               root_path=args.root_path)
+               root_path=args.root_path, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+               ssl_ca_certs=args.ssl_ca_certs)
     return 0
 
 
@@ -316,6 +319,8 @@ def _serve_vllm_flags(serve: argparse.ArgumentParser) -> None:
                             "qwen3_coder (Qwen3-Coder), kimi_k2 (Kimi-K2)")
     serve.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                        help='tool_choice "none": render the chat template without the tools')
+    serve.add_argument("--enable-reasoning", action="store_true",
+                       help="accepted for vLLM < 0.10 command lines: --reasoning-parser alone turns reasoning on")
     serve.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                        help="a thinking model's <think> ... </think> text as the message's reasoning (and "
                             "reasoning_content), apart from its content: deepseek_r1 (DeepSeek-R1, QwQ), qwen3, glm45, "
@@ -344,6 +349,15 @@ def _serve_vllm_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     serve.add_argument("--disable-uvicorn-access-log", action="store_true", help="no uvicorn access log line a request")
     serve.add_argument("--root-path", default="", help="the ASGI root path behind a path-based proxy (uvicorn's)")
+    serve.add_argument("--ssl-keyfile", default=None, help="HTTPS: the private key file (with --ssl-certfile)")
+    serve.add_argument("--ssl-certfile", default=None, help="HTTPS: the certificate file (with --ssl-keyfile)")
+    serve.add_argument("--ssl-ca-certs", default=None, help="HTTPS: CA certificates for client certificates")
+    serve.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
+    serve.add_argument("--response-role", default="assistant",
+                       help="the role of the reply's message when add_generation_prompt is on (default assistant)")
+    serve.add_argument("--chat-template-content-format", choices=["auto", "string", "openai"], default="auto",
+                       help="how a message's content reaches the chat template: string (auto: the same), or "
+                            "openai: a list of {type: text, text} parts")
     serve.add_argument("--trust-remote-code", action="store_true",
                        help="accepted for vLLM compatibility: moelora builds its model classes itself and never runs "
                             "a checkpoint's code")
@@ -355,6 +369,20 @@ def _serve_vllm_flags(serve: argparse.ArgumentParser) -> None:
                        help="accepted for vLLM compatibility: a preempted request's KV is recomputed, never swapped")
     serve.add_argument("--download-dir", default=None, metavar="DIR",
                        help="accepted for vLLM compatibility: MODEL is a local directory, nothing is downloaded")
+    for flag in ("--revision", "--tokenizer-revision", "--code-revision"):
+        serve.add_argument(flag, default=None, metavar="REV",
+                           help="accepted for vLLM compatibility: MODEL is a local directory, read as it is")
+    serve.add_argument("--tokenizer-mode", choices=["auto"], default="auto",
+                       help="the tokenizer.json fast tokenizer (the only mode)")
+    serve.add_argument("--pipeline-parallel-size", "-pp", type=types.positive, default=1,
+                       help="1 only: moelora splits a model over devices by --tensor-parallel-size (and "
+                            "--enable-expert-parallel), not by layers")
+    serve.add_argument("--data-parallel-size", "-dp", type=types.positive, default=1,
+                       help="1 only: one engine a server (run several servers for data parallelism)")
+    serve.add_argument("--distributed-executor-backend", choices=["mp"], default="mp",
+                       help="mp: one process a rank (the only backend)")
+    serve.add_argument("--disable-custom-all-reduce", action="store_true",
+                       help="accepted for vLLM compatibility: the ranks all-reduce through NCCL / gloo only")
 
 
 def build_parser() -> argparse.ArgumentParser:

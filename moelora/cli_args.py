@@ -168,4 +168,17 @@ def _serve_problems(args) -> list[str | None]:
         out.append("--max-model-len must be >= 2 (a prompt token and a generated one)")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         out.append("--enable-auto-tool-choice needs --tool-call-parser (the model family's format of a call)")
+    if args.enable_reasoning and args.reasoning_parser is None:
+        out.append("--enable-reasoning needs --reasoning-parser (the model family's reasoning tags)")
+    if args.pipeline_parallel_size != 1:
+        out.append(f"--pipeline-parallel-size {args.pipeline_parallel_size}: pipeline parallelism is not "
+                   "implemented; split the model with --tensor-parallel-size (and --enable-expert-parallel)")
+    if args.data_parallel_size != 1:
+        out.append(f"--data-parallel-size {args.data_parallel_size}: one engine a server; run one server per "
+                   "replica behind a load balancer")
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        out.append("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
+    out += [f"{flag} {path!r} does not exist" for flag, path in (("--ssl-keyfile", args.ssl_keyfile),
+            ("--ssl-certfile", args.ssl_certfile), ("--ssl-ca-certs", args.ssl_ca_certs))
+            if path is not None and not Path(path).is_file()]
     return out

@@ -78,7 +78,8 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
             logger.cancel()
             engine.shutdown()
 
-    app = FastAPI(title="moelora", lifespan=lifespan)
+    docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if cfg.disable_fastapi_docs else {}
+    app = FastAPI(title="moelora", lifespan=lifespan, **docs)
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
     _error_handlers(app, metrics)
     if cfg.api_keys:

@@ -89,8 +89,10 @@ def build_server(model: str | Path, adapters: dict[str, str], engine_cfg: Engine
 
 
 def run_server(app: FastAPI, host: str, port: int, log_level: str = "info", *, access_log: bool = True,
-               root_path: str = "") -> None:
+               root_path: str = "", ssl_keyfile: str | None = None, ssl_certfile: str | None = None,
+               ssl_ca_certs: str | None = None) -> None:
+    """uvicorn on host:port; HTTPS with `ssl_certfile` and `ssl_keyfile` (vLLM's --ssl-* flags)."""
     import uvicorn
 
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, access_log=access_log,
-                root_path=root_path)
+                root_path=root_path, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile, ssl_ca_certs=ssl_ca_certs)

@@ -61,6 +61,9 @@ class ServerConfig:
     tool_call_parser: str | None = None
     exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none": the template gets no tools
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser: <think> text as the message's reasoning
+    response_role: str = "assistant"  # the reply's role (vLLM's --response-role) after a generation prompt
+    chat_template_content_format: str = "string"  # "openai": a message's content reaches the template as parts
+    disable_fastapi_docs: bool = False  # no /docs, /redoc, /openapi.json
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,8 @@ class OpenAIServing:
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.cfg.max_model_len
         self.texts = TokenTexts(self.tokenizer.decode)
-        self.tokens = TokenRoutes(self.tokenizer, self.max_model_len, self.resolve_model, cfg.model_path)
+        self.tokens = TokenRoutes(self.tokenizer, self.max_model_len, self.resolve_model, cfg.model_path,
+                                  cfg.chat_template_content_format)
         self.defaults = dict(cfg.default_sampling)  # --generation-config: for the fields a request leaves unset
 
     # models -------------------------------------------------------------------------------------
@@ -369,7 +373,7 @@ class OpenAIServing:
             raise ApiError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
         tools, parser = self._tools(body)
         text = render_chat(self.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
-                           body.chat_template_kwargs, tools)
+                           body.chat_template_kwargs, tools, self.cfg.chat_template_content_format)
         ids = self._encode(text, "messages", bool(body.add_special_tokens))
         fmt = self._reply_format(body, parser, text)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -385,11 +389,12 @@ class OpenAIServing:
         resp = OpenAIResponse("chatcmpl", body, self.cfg.served_model_names[0], len(ids))
         last = body.messages[-1]
         echo = last.text() if body.echo and last.role == "assistant" else ""  # vLLM: the reply's role only
+        role = self.cfg.response_role if body.add_generation_prompt is not False else last.role
         events = self._run(stream, body, label, arrival)
         extra = {"prompt_logprobs": prompt_lp, **({"prompt_token_ids": ids} if body.return_token_ids else {})}
         if body.stream:
-            return Result(None, self._stream_chat(resp, events, body, view, echo, extra, fmt), stream)
-        return Result(await self._collect_chat(resp, events, body, view, echo, extra, fmt), None, stream)
+            return Result(None, self._stream_chat(resp, events, body, view, echo, extra, fmt, role), stream)
+        return Result(await self._collect_chat(resp, events, body, view, echo, extra, fmt, role), None, stream)
 
     def _tools(self, body: ChatCompletionRequest):
         """(the tools the template renders, the parser of the reply's calls or None), as vLLM decides them."""
@@ -420,7 +425,7 @@ class OpenAIServing:
                            {t.function.name: t.function.parameters or {} for t in body.tools or ()})
 
     async def _collect_chat(self, resp: OpenAIResponse, events, body: ChatCompletionRequest, view: LogprobView,
-                            echo: str, extra: dict, fmt: ReplyFormat) -> dict:
+                            echo: str, extra: dict, fmt: ReplyFormat, role: str) -> dict:
         n = body.choices
         texts, reasons, stops = [[] for _ in range(n)], [None] * n, [None] * n
         ids, lps = [[] for _ in range(n)], [[] for _ in range(n)]
@@ -435,6 +440,7 @@ class OpenAIServing:
         choices = []
         for i in range(n):
             message, called = fmt.message(echo, "".join(texts[i]))
+            message["role"] = role
             choices.append({"index": i, "message": message,
                             "logprobs": {"content": lps[i]} if body.logprobs else None,
                             "finish_reason": "tool_calls" if called else reasons[i], "stop_reason": stops[i],
@@ -442,10 +448,10 @@ class OpenAIServing:
         return resp.body("chat.completion", choices, usage=resp.usage(), **extra)
 
     async def _stream_chat(self, resp: OpenAIResponse, events, body: ChatCompletionRequest, view: LogprobView,
-                           echo: str, extra: dict, fmt: ReplyFormat):
+                           echo: str, extra: dict, fmt: ReplyFormat, role: str):
         try:
             for i in range(body.choices):  # the first chunk carries the prompt's fields (prompt_logprobs, ...)
-                first = {"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
+                first = {"index": i, "delta": {"role": role, "content": echo}, "logprobs": None,
                          "finish_reason": None}
                 yield sse(resp.body("chat.completion.chunk", [first], **resp.chunk_usage(),
                                     **(extra if i == 0 else {})))

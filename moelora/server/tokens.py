@@ -18,8 +18,10 @@ _MARK = "\x00moelora-final-message\x00"  # stands for the final message's conten
 
 def render_chat(tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool | None,
                 continue_final_message: bool | None = False, template_kwargs: dict | None = None,
-                tools: list[dict] | None = None) -> str:
-    """The prompt text the chat template makes of `messages` and `tools` (400 on a template error)."""
+                tools: list[dict] | None = None, content_format: str = "string") -> str:
+    """The prompt text the chat template makes of `messages` and `tools` (400 on a template error);
+    `content_format` "openai": each message's content as a list of text parts (vLLM's
+    --chat-template-content-format), "string": as one string."""
     add_generation_prompt = add_generation_prompt is not False
     if continue_final_message and add_generation_prompt:
         raise ApiError(400, "continue_final_message needs add_generation_prompt to be false",
@@ -28,6 +30,8 @@ def render_chat(tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_gener
     final = turns[-1]["content"] if turns else ""
     if continue_final_message:
         turns[-1] = {**turns[-1], "content": _MARK}
+    if content_format == "openai":
+        turns = [{**t, "content": [{"type": "text", "text": t["content"]}] if t["content"] else []} for t in turns]
     try:
         text = tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, tools=tools,
                                              **(template_kwargs or {}))
@@ -43,9 +47,10 @@ def render_chat(tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_gener
 
 
 class TokenRoutes:
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int, resolve_model, model_path: str):
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, resolve_model, model_path: str,
+                 content_format: str = "string"):
         self.tokenizer, self.max_model_len, self.resolve_model = tokenizer, max_model_len, resolve_model
-        self.model_path = model_path
+        self.model_path, self.content_format = model_path, content_format
 
     def tokenize(self, body: TokenizeRequest) -> dict:
         """The ids completions / chat would feed the model for this prompt or these messages."""
@@ -58,7 +63,7 @@ class TokenRoutes:
         else:
             tools = [t.template() for t in body.tools] if body.tools else None
             text = render_chat(self.tokenizer, body.messages, body.add_generation_prompt,
-                               body.continue_final_message, body.chat_template_kwargs, tools)
+                               body.continue_final_message, body.chat_template_kwargs, tools, self.content_format)
             special = bool(body.add_special_tokens)
         ids = self.tokenizer.encode(text, add_special_tokens=special)
         out = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}

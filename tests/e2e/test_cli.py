@@ -89,6 +89,11 @@ BAD_FLAGS = [
     (["serve", "--enable-auto-tool-choice"], "--tool-call-parser"),
     (["serve", "--enable-auto-tool-choice", "--tool-call-parser", "pythonic"], "--tool-call-parser"),
     (["serve", "--reasoning-parser", "granite"], "--reasoning-parser"),
+    (["serve", "--enable-reasoning"], "--reasoning-parser"),
+    (["serve", "-pp", "2"], "--pipeline-parallel-size 2"), (["serve", "--data-parallel-size", "2"], "--data-parallel"),
+    (["serve", "--distributed-executor-backend", "ray"], "--distributed-executor-backend"),
+    (["serve", "--ssl-certfile", "/no/cert.pem"], "--ssl-keyfile"),
+    (["serve", "--ssl-certfile", "/no/cert.pem", "--ssl-keyfile", "/no/key.pem"], "does not exist"),
 ]
 
 
@@ -171,7 +176,8 @@ def test_vllm_serve_flags_reach_the_configs(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     default = serve_options(parse())
     cors = dict(allowed_origins=("*",), allowed_methods=("*",), allowed_headers=("*",), allow_credentials=False)
-    tools_off = dict(tool_call_parser=None, exclude_tools_when_tool_choice_none=False, reasoning_parser=None)
+    tools_off = dict(tool_call_parser=None, exclude_tools_when_tool_choice_none=False, reasoning_parser=None,
+                     response_role="assistant", chat_template_content_format="string", disable_fastapi_docs=False)
     assert default == dict(api_keys=(), allow_runtime_lora_updating=False, lora_roots=(), max_logprobs=20,
                            enable_tokenizer_info_endpoint=False, return_tokens_as_token_ids=False,
                            enable_log_requests=False, log_stats_interval_s=10.0, **cors, **tools_off)
@@ -179,11 +185,14 @@ def test_vllm_serve_flags_reach_the_configs(monkeypatch):
                                "--lora-root", "/y", "--max-logprobs", "5", "--enable-tokenizer-info-endpoint",
                                "--return-tokens-as-token-ids", "--enable-log-requests", "--disable-log-stats",
                                "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                               "--exclude-tools-when-tool-choice-none", "--reasoning-parser", "qwen3"))
+                               "--exclude-tools-when-tool-choice-none", "--reasoning-parser", "qwen3",
+                               "--response-role", "bot", "--chat-template-content-format", "openai",
+                               "--disable-fastapi-docs"))
     assert opts == dict(api_keys=("a", "b"), allow_runtime_lora_updating=True, lora_roots=("/x", "/y"),
                         max_logprobs=5, enable_tokenizer_info_endpoint=True, return_tokens_as_token_ids=True,
                         enable_log_requests=True, log_stats_interval_s=0.0, **cors, tool_call_parser="hermes",
-                        exclude_tools_when_tool_choice_none=True, reasoning_parser="qwen3")
+                        exclude_tools_when_tool_choice_none=True, reasoning_parser="qwen3", response_role="bot",
+                        chat_template_content_format="openai", disable_fastapi_docs=True)
     # the parser alone (no --enable-auto-tool-choice) leaves "auto" off, as in vLLM
     assert serve_options(parse("--tool-call-parser", "hermes"))["tool_call_parser"] is None
     monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
@@ -198,3 +207,23 @@ def test_vllm_serve_flags_reach_the_configs(monkeypatch):
         "float16", "float32", "bfloat16", "auto"]
     args = parse("--seed", "7", "--load-format", "dummy", "--chat-template", "{{ x }}", "--generation-config", "vllm")
     assert (args.seed, args.load_format, args.chat_template, args.generation_config) == (7, "dummy", "{{ x }}", "vllm")
+
+
+def test_a_vllm_command_line_of_compatibility_flags_serves(monkeypatch, tmp_path):
+    """vLLM deployment flags that change nothing here (or name the only mode) are accepted, and the TLS files reach
+    uvicorn: `moelora serve` starts where `vllm serve` did."""
+    from moelora.server import launch
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    key.write_text("k")
+    cert.write_text("c")
+    seen = {}
+    monkeypatch.setattr(launch, "build_server", lambda *a, **k: seen.setdefault("options", k) and "app")
+    monkeypatch.setattr(launch, "run_server", lambda app, host, port, *a, **k: seen.setdefault("run", (app, k)))
+    rc = main(["serve", "--revision", "main", "--tokenizer-mode", "auto", "-pp", "1", "-dp", "1",
+               "--distributed-executor-backend", "mp", "--disable-custom-all-reduce", "--enable-reasoning",
+               "--reasoning-parser", "deepseek_r1", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
+               "--response-role", "bot", "--disable-fastapi-docs"])
+    assert rc == 0 and seen["run"][0] == "app"
+    assert (seen["run"][1]["ssl_keyfile"], seen["run"][1]["ssl_certfile"]) == (str(key), str(cert))
+    assert seen["options"]["reasoning_parser"] == "deepseek_r1" and seen["options"]["response_role"] == "bot"

@@ -404,3 +404,25 @@ def test_streamed_completion_equals_whole_with_echo_logprobs_and_n(url):
         assert [t for c in mine for t in c["token_ids"]] == choice["token_ids"]
     assert chunks[-1]["usage"] == whole["usage"] and whole["usage"]["completion_tokens"] == 10
     assert whole["usage"]["prompt_tokens"] == len(whole["choices"][0]["prompt_token_ids"])  # once, not per choice
+
+
+PARTS_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for p in m['content'] %}[{{ p['type'] }}:"
+                  "{{ p['text'] }}]{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>"
+                  "assistant\n{% endif %}")
+
+
+def test_response_role_content_parts_and_no_docs(tmp_path):
+    """--response-role names the reply's role (whole and streamed); --chat-template-content-format openai gives the
+    template each message's content as text parts; --disable-fastapi-docs serves no /docs or /openapi.json."""
+    out, _ = write_model(tmp_path)
+    (out / "chat_template.jinja").write_text(PARTS_TEMPLATE)
+    app = cpu_app(out, response_role="bot", chat_template_content_format="openai", disable_fastapi_docs=True)
+    with serving(app) as u:
+        assert chat(u, USER, max_tokens=2)["choices"][0]["message"]["role"] == "bot"
+        first = sse_chunks(u, "/v1/chat/completions", {"model": BASE, "messages": USER, "max_tokens": 2})[0]
+        assert first["choices"][0]["delta"]["role"] == "bot"
+        ids = post(u, "/tokenize", {"model": BASE, "messages": USER}).json()["tokens"]
+        text = httpx.post(u + "/detokenize", json={"tokens": ids}, timeout=TIMEOUT).json()["prompt"]
+        assert text == "user\n[text:hi there]\nassistant\n"  # the special tokens left out by /detokenize
+        assert httpx.get(u + "/docs", timeout=TIMEOUT).status_code == 404
+        assert httpx.get(u + "/openapi.json", timeout=TIMEOUT).status_code == 404
