@@ -188,7 +188,8 @@ def serve_options(args) -> dict:
                 exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
                 reasoning_parser=args.reasoning_parser, response_role=args.response_role,
                 chat_template_content_format="openai" if args.chat_template_content_format == "openai" else "string",
-                disable_fastapi_docs=args.disable_fastapi_docs)
+                disable_fastapi_docs=args.disable_fastapi_docs,
+                enable_prompt_tokens_details=args.enable_prompt_tokens_details)
 
 
 def serve_adapters(args) -> tuple[str, dict[str, str]]:
@@ -353,6 +354,8 @@ def _serve_vllm_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--ssl-certfile", default=None, help="HTTPS: the certificate file (with --ssl-keyfile)")
     serve.add_argument("--ssl-ca-certs", default=None, help="HTTPS: CA certificates for client certificates")
     serve.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
+    serve.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache supplied")
     serve.add_argument("--response-role", default="assistant",
                        help="the role of the reply's message when add_generation_prompt is on (default assistant)")
     serve.add_argument("--chat-template-content-format", choices=["auto", "string", "openai"], default="auto",

@@ -119,6 +119,7 @@ class Delta:
     time: float  # time.monotonic() after the step
     error: str | None = None
     stop_reason: int | str | None = None  # once finished: the stop token id or string that matched
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied (at the sequence's last admission)
 
 
 @dataclass(frozen=True)
@@ -472,7 +473,8 @@ class AsyncEngine:
                 del self._live[req.request_id]
                 if observer is not None:
                     observer.finished(req, req.finish_reason)
-            delta = Delta(live.index, new, logprobs, req.finish_reason, final, now, stop_reason=req.stop_reason)
+            delta = Delta(live.index, new, logprobs, req.finish_reason, final, now, stop_reason=req.stop_reason,
+                          cached_tokens=req.num_cached_tokens)
             batches[live.stream.loop].append((live.stream.queue, delta))
         self._publish()  # before the tokens: a client that has them sees stats that include this step
         for loop, items in batches.items():

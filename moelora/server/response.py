@@ -12,15 +12,27 @@ from moelora.server.protocol import _Sampling
 class OpenAIResponse:
     """The id, model and usage every body and chunk of one response carries."""
 
-    def __init__(self, prefix: str, body: _Sampling, base: str, prompt_tokens: int):
+    def __init__(self, prefix: str, body: _Sampling, base: str, prompt_tokens: int, cached_details: bool = False):
         self.id = f"{prefix}-{body.request_id or uuid.uuid4().hex}"
         self.created, self.model = int(time.time()), body.model or base
         self.prompt_tokens, self.completion_tokens = prompt_tokens, 0
         self.final_usage, self.continuous_usage = body.usage_mode() if body.stream else (False, False)
+        # usage.prompt_tokens_details (vLLM's --enable-prompt-tokens-details): each prompt's cached tokens, the most
+        # of its choices (a prompt counts once in prompt_tokens); choices of one prompt are `n` consecutive indices
+        self.cached_details, self.n, self.cached = cached_details, body.choices, {}
+
+    def count(self, event) -> None:
+        """An engine event of choice `event.index`: its tokens, and its prompt's cached tokens."""
+        self.completion_tokens += len(event.token_ids)
+        prompt = event.index // self.n
+        self.cached[prompt] = max(self.cached.get(prompt, 0), event.cached_tokens)
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+               "total_tokens": self.prompt_tokens + self.completion_tokens}
+        if self.cached_details:
+            out["prompt_tokens_details"] = {"cached_tokens": sum(self.cached.values())}
+        return out
 
     def chunk_usage(self) -> dict:
         """A chunk's usage field: the counts so far (continuous_usage_stats), null (include_usage), or none."""

@@ -64,6 +64,7 @@ class ServerConfig:
     response_role: str = "assistant"  # the reply's role (vLLM's --response-role) after a generation prompt
     chat_template_content_format: str = "string"  # "openai": a message's content reaches the template as parts
     disable_fastapi_docs: bool = False  # no /docs, /redoc, /openapi.json
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (the prefix cache's)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class Event:
     logprobs: list
     finish_reason: str | None
     stop_reason: int | str | None = None
+    cached_tokens: int = 0
 
     @property
     def ends_on_stop_token(self) -> bool:
@@ -241,7 +243,7 @@ class OpenAIServing:
                     c.finish_reason = d.finish_reason
                     m.requests.labels(label, d.finish_reason).inc()
                     m.e2e.labels(label).observe(d.time - arrival)
-                yield Event(d.index, text, d.token_ids, d.logprobs, d.finish_reason, d.stop_reason)
+                yield Event(d.index, text, d.token_ids, d.logprobs, d.finish_reason, d.stop_reason, d.cached_tokens)
         finally:
             if not stream.finished:
                 stream.abort()
@@ -269,7 +271,8 @@ class OpenAIServing:
                                               for p, ids in zip(prompts, encoded, strict=True)))
         if alone:
             self._count_scored(label, [len(part["ids"]) for part in prompt_parts if part["scored"]], n, arrival)
-        resp = OpenAIResponse("cmpl", body, self.cfg.served_model_names[0], sum(len(ids) for ids in encoded))
+        resp = OpenAIResponse("cmpl", body, self.cfg.served_model_names[0], sum(len(ids) for ids in encoded),
+                              self.cfg.enable_prompt_tokens_details)
         stream = events = None
         if body.max_tokens != 0:
             specs = [GenerateSpec(ids, self._params(body, body.max_tokens, len(ids), body.logprobs, j), adapter, n)
@@ -323,7 +326,7 @@ class OpenAIServing:
             ids[ev.index] += ev.token_ids
             lps[ev.index] += ev.logprobs
             stop_last[ev.index] = ev.ends_on_stop_token
-            resp.completion_tokens += len(ev.token_ids)
+            resp.count(ev)
         choices = []
         for i, part in enumerate(parts):
             lp = None
@@ -348,7 +351,7 @@ class OpenAIServing:
                           "prompt_logprobs": part["prompt_logprobs"], **self._choice_extras(body, part["ids"], [])}
                 yield sse(resp.body("text_completion", [choice], **resp.chunk_usage()))
             async for ev in events or no_events():
-                resp.completion_tokens += len(ev.token_ids)
+                resp.count(ev)
                 lp = None
                 if body.logprobs is not None:
                     lp = view.completion(ev.token_ids, ev.logprobs, offsets[ev.index], ev.ends_on_stop_token)
@@ -386,7 +389,8 @@ class OpenAIServing:
         specs = [GenerateSpec(ids, self._params(body, max_tokens, len(ids), logprobs, j), adapter, n)
                  for j in range(n)]
         stream = await self._open(specs, label)
-        resp = OpenAIResponse("chatcmpl", body, self.cfg.served_model_names[0], len(ids))
+        resp = OpenAIResponse("chatcmpl", body, self.cfg.served_model_names[0], len(ids),
+                              self.cfg.enable_prompt_tokens_details)
         last = body.messages[-1]
         echo = last.text() if body.echo and last.role == "assistant" else ""  # vLLM: the reply's role only
         role = self.cfg.response_role if body.add_generation_prompt is not False else last.role
@@ -436,7 +440,7 @@ class OpenAIServing:
             ids[ev.index] += ev.token_ids
             if body.logprobs:
                 lps[ev.index] += view.chat(ev.token_ids, ev.logprobs, ev.ends_on_stop_token)
-            resp.completion_tokens += len(ev.token_ids)
+            resp.count(ev)
         choices = []
         for i in range(n):
             message, called = fmt.message(echo, "".join(texts[i]))
@@ -457,7 +461,7 @@ class OpenAIServing:
                                     **(extra if i == 0 else {})))
             replies = [ReplyStream(fmt) for _ in range(body.choices)]
             async for ev in events:
-                resp.completion_tokens += len(ev.token_ids)
+                resp.count(ev)
                 lp = None
                 if body.logprobs and ev.token_ids:
                     lp = {"content": view.chat(ev.token_ids, ev.logprobs, ev.ends_on_stop_token)}

@@ -426,3 +426,23 @@ def test_response_role_content_parts_and_no_docs(tmp_path):
         assert text == "user\n[text:hi there]\nassistant\n"  # the special tokens left out by /detokenize
         assert httpx.get(u + "/docs", timeout=TIMEOUT).status_code == 404
         assert httpx.get(u + "/openapi.json", timeout=TIMEOUT).status_code == 404
+
+
+def test_prompt_tokens_details_count_the_prefix_caches_tokens(model_dir):
+    """--enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens, whole and in a stream's usage
+    chunk: none for a first prompt, its full blocks (block size 4) when the same prompt comes again, each prompt
+    once however many choices (absent without the flag: the next test)."""
+    prompt = "the same long prompt, twice over"  # 32 bytes (+ BOS): 8 full blocks of 4
+    with serving(cpu_app(model_dir, enable_prompt_tokens_details=True)) as u:
+        first = completion(u, prompt=prompt, max_tokens=2)["usage"]
+        again = completion(u, prompt=[prompt, prompt], max_tokens=2, n=2)["usage"]
+        streamed = sse_chunks(u, "/v1/completions", {"model": BASE, "prompt": prompt, "max_tokens": 2,
+                                                     "stream_options": {"include_usage": True}})[-1]["usage"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert again["prompt_tokens"] == 2 * first["prompt_tokens"] == 66
+    assert again["prompt_tokens_details"] == {"cached_tokens": 2 * 32}  # the last block recomputed: 32 of 33
+    assert streamed["prompt_tokens_details"] == {"cached_tokens": 32}
+
+
+def test_usage_has_no_prompt_tokens_details_by_default(url):
+    assert "prompt_tokens_details" not in completion(url, prompt="hello", max_tokens=2)["usage"]
