@@ -189,7 +189,8 @@ def serve_options(args) -> dict:
                 reasoning_parser=args.reasoning_parser, response_role=args.response_role,
                 chat_template_content_format="openai" if args.chat_template_content_format == "openai" else "string",
                 disable_fastapi_docs=args.disable_fastapi_docs,
-                enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+                enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                enable_force_include_usage=args.enable_force_include_usage)
 
 
 def serve_adapters(args) -> tuple[str, dict[str, str]]:
@@ -354,6 +355,8 @@ def _serve_vllm_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--ssl-certfile", default=None, help="HTTPS: the certificate file (with --ssl-keyfile)")
     serve.add_argument("--ssl-ca-certs", default=None, help="HTTPS: CA certificates for client certificates")
     serve.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
+    serve.add_argument("--enable-force-include-usage", action="store_true",
+                       help="every stream ends with a usage chunk, as if stream_options.include_usage were set")
     serve.add_argument("--enable-prompt-tokens-details", action="store_true",
                        help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache supplied")
     serve.add_argument("--response-role", default="assistant",

@@ -12,11 +12,13 @@ from moelora.server.protocol import _Sampling
 class OpenAIResponse:
     """The id, model and usage every body and chunk of one response carries."""
 
-    def __init__(self, prefix: str, body: _Sampling, base: str, prompt_tokens: int, cached_details: bool = False):
+    def __init__(self, prefix: str, body: _Sampling, base: str, prompt_tokens: int, cached_details: bool = False,
+                 force_usage: bool = False):
         self.id = f"{prefix}-{body.request_id or uuid.uuid4().hex}"
         self.created, self.model = int(time.time()), body.model or base
         self.prompt_tokens, self.completion_tokens = prompt_tokens, 0
         self.final_usage, self.continuous_usage = body.usage_mode() if body.stream else (False, False)
+        self.final_usage = self.final_usage or (force_usage and bool(body.stream))  # --enable-force-include-usage
         # usage.prompt_tokens_details (vLLM's --enable-prompt-tokens-details): each prompt's cached tokens, the most
         # of its choices (a prompt counts once in prompt_tokens); choices of one prompt are `n` consecutive indices
         self.cached_details, self.n, self.cached = cached_details, body.choices, {}

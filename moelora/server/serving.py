@@ -65,6 +65,7 @@ class ServerConfig:
     chat_template_content_format: str = "string"  # "openai": a message's content reaches the template as parts
     disable_fastapi_docs: bool = False  # no /docs, /redoc, /openapi.json
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (the prefix cache's)
+    enable_force_include_usage: bool = False  # a stream's usage chunk without stream_options.include_usage
 
 
 @dataclass(frozen=True)
@@ -272,7 +273,7 @@ class OpenAIServing:
         if alone:
             self._count_scored(label, [len(part["ids"]) for part in prompt_parts if part["scored"]], n, arrival)
         resp = OpenAIResponse("cmpl", body, self.cfg.served_model_names[0], sum(len(ids) for ids in encoded),
-                              self.cfg.enable_prompt_tokens_details)
+                              self.cfg.enable_prompt_tokens_details, self.cfg.enable_force_include_usage)
         stream = events = None
         if body.max_tokens != 0:
             specs = [GenerateSpec(ids, self._params(body, body.max_tokens, len(ids), body.logprobs, j), adapter, n)
@@ -390,7 +391,7 @@ class OpenAIServing:
                  for j in range(n)]
         stream = await self._open(specs, label)
         resp = OpenAIResponse("chatcmpl", body, self.cfg.served_model_names[0], len(ids),
-                              self.cfg.enable_prompt_tokens_details)
+                              self.cfg.enable_prompt_tokens_details, self.cfg.enable_force_include_usage)
         last = body.messages[-1]
         echo = last.text() if body.echo and last.role == "assistant" else ""  # vLLM: the reply's role only
         role = self.cfg.response_role if body.add_generation_prompt is not False else last.role

@@ -178,7 +178,7 @@ def test_vllm_serve_flags_reach_the_configs(monkeypatch):
     cors = dict(allowed_origins=("*",), allowed_methods=("*",), allowed_headers=("*",), allow_credentials=False)
     tools_off = dict(tool_call_parser=None, exclude_tools_when_tool_choice_none=False, reasoning_parser=None,
                      response_role="assistant", chat_template_content_format="string", disable_fastapi_docs=False,
-                     enable_prompt_tokens_details=False)
+                     enable_prompt_tokens_details=False, enable_force_include_usage=False)
     assert default == dict(api_keys=(), allow_runtime_lora_updating=False, lora_roots=(), max_logprobs=20,
                            enable_tokenizer_info_endpoint=False, return_tokens_as_token_ids=False,
                            enable_log_requests=False, log_stats_interval_s=10.0, **cors, **tools_off)
@@ -188,13 +188,14 @@ def test_vllm_serve_flags_reach_the_configs(monkeypatch):
                                "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                                "--exclude-tools-when-tool-choice-none", "--reasoning-parser", "qwen3",
                                "--response-role", "bot", "--chat-template-content-format", "openai",
-                               "--disable-fastapi-docs", "--enable-prompt-tokens-details"))
+                               "--disable-fastapi-docs", "--enable-prompt-tokens-details",
+                               "--enable-force-include-usage"))
     assert opts == dict(api_keys=("a", "b"), allow_runtime_lora_updating=True, lora_roots=("/x", "/y"),
                         max_logprobs=5, enable_tokenizer_info_endpoint=True, return_tokens_as_token_ids=True,
                         enable_log_requests=True, log_stats_interval_s=0.0, **cors, tool_call_parser="hermes",
                         exclude_tools_when_tool_choice_none=True, reasoning_parser="qwen3", response_role="bot",
                         chat_template_content_format="openai", disable_fastapi_docs=True,
-                        enable_prompt_tokens_details=True)
+                        enable_prompt_tokens_details=True, enable_force_include_usage=True)
     # the parser alone (no --enable-auto-tool-choice) leaves "auto" off, as in vLLM
     assert serve_options(parse("--tool-call-parser", "hermes"))["tool_call_parser"] is None
     monkeypatch.setenv("VLLM_API_KEY", "from-vllm")

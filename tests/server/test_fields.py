@@ -430,14 +430,17 @@ def test_response_role_content_parts_and_no_docs(tmp_path):
 
 def test_prompt_tokens_details_count_the_prefix_caches_tokens(model_dir):
     """--enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens, whole and in a stream's usage
-    chunk: none for a first prompt, its full blocks (block size 4) when the same prompt comes again, each prompt
-    once however many choices (absent without the flag: the next test)."""
+    chunk (here forced by --enable-force-include-usage): none for a first prompt, its full blocks (block size 4)
+    when the same prompt comes again, each prompt once however many choices (absent without the flag: the next
+    test)."""
     prompt = "the same long prompt, twice over"  # 32 bytes (+ BOS): 8 full blocks of 4
-    with serving(cpu_app(model_dir, enable_prompt_tokens_details=True)) as u:
+    with serving(cpu_app(model_dir, enable_prompt_tokens_details=True, enable_force_include_usage=True)) as u:
         first = completion(u, prompt=prompt, max_tokens=2)["usage"]
         again = completion(u, prompt=[prompt, prompt], max_tokens=2, n=2)["usage"]
-        streamed = sse_chunks(u, "/v1/completions", {"model": BASE, "prompt": prompt, "max_tokens": 2,
-                                                     "stream_options": {"include_usage": True}})[-1]["usage"]
+        # --enable-force-include-usage: the usage chunk without stream_options
+        last = sse_chunks(u, "/v1/completions", {"model": BASE, "prompt": prompt, "max_tokens": 2})[-1]
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 2
+        streamed = last["usage"]
     assert first["prompt_tokens_details"] == {"cached_tokens": 0}
     assert again["prompt_tokens"] == 2 * first["prompt_tokens"] == 66
     assert again["prompt_tokens_details"] == {"cached_tokens": 2 * 32}  # the last block recomputed: 32 of 33
