@@ -255,6 +255,11 @@ class ChatTool(_Body):
         return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
 
 
+def template_tools(tools: list[ChatTool] | None) -> list[dict] | None:
+    """A request's tools as chat templates read them (None: none)."""
+    return [t.template() for t in tools] if tools else None
+
+
 class NamedFunction(_Body):
     name: str
 
@@ -301,7 +306,7 @@ class ChatCompletionRequest(_ChatTemplateFields, _Sampling):
         return self.tool_choice if isinstance(self.tool_choice, str) else "named"
 
     def template_tools(self) -> list[dict] | None:
-        return [t.template() for t in self.tools] if self.tools else None
+        return template_tools(self.tools)
 
 
 class TokenizeRequest(_ChatTemplateFields):

@@ -379,6 +379,8 @@ class OpenAIServing:
         text = render_chat(self.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
                            body.chat_template_kwargs, tools, self.cfg.chat_template_content_format)
         ids = self._encode(text, "messages", bool(body.add_special_tokens))
+        if parser is not None and parser.keeps_special_tokens:  # its tags are special tokens: decode them (vLLM's)
+            body = body.model_copy(update={"skip_special_tokens": False})  # before the sampling parameters
         fmt = self._reply_format(body, parser, text)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -420,10 +422,7 @@ class OpenAIServing:
         return tools, tool_parser(self.cfg.tool_call_parser)
 
     def _reply_format(self, body: ChatCompletionRequest, parser, prompt: str) -> ReplyFormat:
-        """What the reply's text becomes (reply.py); a parser whose tags are special tokens has them decoded
-        (vLLM's rule), so this comes before the sampling parameters."""
-        if parser is not None and parser.keeps_special_tokens:
-            body.skip_special_tokens = False
+        """What the reply's text becomes (reply.py)."""
         reasoning = reasoning_parser(self.cfg.reasoning_parser) if self.cfg.reasoning_parser else None
         return ReplyFormat(parser, reasoning, prompt, body.parallel_tool_calls is not False,
                            body.include_reasoning is not False,

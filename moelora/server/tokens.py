@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from moelora.engine.tokenizer import Tokenizer
 from moelora.errors import RequestError
-from moelora.server.protocol import ApiError, ChatMessage, DetokenizeRequest, TokenizeRequest
+from moelora.server.protocol import ApiError, ChatMessage, DetokenizeRequest, TokenizeRequest, template_tools
 
 _MARK = "\x00moelora-final-message\x00"  # stands for the final message's content while rendering
 
@@ -61,9 +61,9 @@ class TokenRoutes:
         if body.messages is None:
             text, special = body.prompt, body.add_special_tokens is not False
         else:
-            tools = [t.template() for t in body.tools] if body.tools else None
             text = render_chat(self.tokenizer, body.messages, body.add_generation_prompt,
-                               body.continue_final_message, body.chat_template_kwargs, tools, self.content_format)
+                               body.continue_final_message, body.chat_template_kwargs, template_tools(body.tools),
+                               self.content_format)
             special = bool(body.add_special_tokens)
         ids = self.tokenizer.encode(text, add_special_tokens=special)
         out = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
