@@ -305,9 +305,6 @@ class ChatCompletionRequest(_ChatTemplateFields, _Sampling):
             return "auto" if self.tools else "none"
         return self.tool_choice if isinstance(self.tool_choice, str) else "named"
 
-    def template_tools(self) -> list[dict] | None:
-        return template_tools(self.tools)
-
 
 class TokenizeRequest(_ChatTemplateFields):
     """POST /tokenize (vLLM's): a prompt, or chat messages rendered by the chat template first.

@@ -25,19 +25,20 @@ class ReplyFormat:
     def plain(self) -> bool:
         return self.tools is None and self.reasoning is None
 
-    def message(self, echo: str, text: str) -> tuple[dict, bool]:
-        """(the message of a whole reply after `echo`, whether it made calls)."""
+    def message(self, role: str, echo: str, text: str) -> tuple[dict, bool]:
+        """(the message of a whole reply after `echo`, whether it made calls); an empty content is null once a
+        parser split the reply (it may all be reasoning or calls), "" otherwise."""
         if self.plain:
-            return {"role": "assistant", "content": echo + text}, False
+            return {"role": role, "content": echo + text}, False
         out = ReplyStream(self).push(text, last=True)
-        content = out.get("content", "")
-        message = {"role": "assistant", "content": (echo + content) or (None if self.reasoning else "")}
+        called = "tool_calls" in out
+        empty = None if self.reasoning is not None or called else ""
+        message = {"role": role, "content": (echo + out.get("content", "")) or empty}
         if self.reasoning is not None and self.include_reasoning:
             message["reasoning"] = message["reasoning_content"] = out.get("reasoning")
-        if "tool_calls" in out:
+        if called:
             message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in out["tool_calls"]]
-            message["content"] = (echo + content) or None
-        return message, "tool_calls" in out
+        return message, called
 
 
 class ReplyStream:

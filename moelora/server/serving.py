@@ -28,7 +28,7 @@ from moelora.errors import RequestError
 from moelora.server.async_engine import AsyncEngine, EngineDead, GenerateSpec, Overloaded, RequestStream, UnknownAdapter
 from moelora.server.logprobs import LogprobView, TokenTexts
 from moelora.server.metrics import ServerMetrics
-from moelora.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, _Sampling
+from moelora.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, _Sampling, template_tools
 from moelora.server.reasoning import reasoning_parser
 from moelora.server.reply import ReplyFormat, ReplyStream
 from moelora.server.response import OpenAIResponse, no_events, sse
@@ -411,7 +411,7 @@ class OpenAIServing:
             raise ApiError(400, f"tool_choice {shown} needs structured outputs (guided decoding), which is not "
                            "implemented by this server; send \"auto\" (with --enable-auto-tool-choice) or \"none\"",
                            "tool_choice")
-        tools = body.template_tools()
+        tools = template_tools(body.tools)
         if mode == "none":
             return (None if self.cfg.exclude_tools_when_tool_choice_none else tools), None
         if not tools:
@@ -443,8 +443,7 @@ class OpenAIServing:
             resp.count(ev)
         choices = []
         for i in range(n):
-            message, called = fmt.message(echo, "".join(texts[i]))
-            message["role"] = role
+            message, called = fmt.message(role, echo, "".join(texts[i]))
             choices.append({"index": i, "message": message,
                             "logprobs": {"content": lps[i]} if body.logprobs else None,
                             "finish_reason": "tool_calls" if called else reasons[i], "stop_reason": stops[i],

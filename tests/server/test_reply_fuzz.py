@@ -50,7 +50,7 @@ def streamed(fmt: ReplyFormat, text: str, cuts: list[int]) -> dict:
 def test_a_streamed_reply_joins_to_the_whole_message(data, tool, think, prompt, cuts):
     text = data.draw(replies(tool))
     fmt = ReplyFormat(tool_parser(tool) if tool else None, reasoning_parser(think) if think else None, prompt)
-    message, called = fmt.message("", text)
+    message, called = fmt.message("assistant", "", text)
     got = streamed(fmt, text, cuts)
     assert got["content"] == (message["content"] or "")
     assert got["reasoning"] == (message.get("reasoning") or "")
