@@ -108,6 +108,8 @@ def random_model(cfg: ModelConfig, max_loras: int, rank: int, quant: FP8Config |
                 p.fill_(1.0)
             else:
                 p.normal_(0, router_std if name.endswith("mlp.gate.weight") else 0.02)
+            if name.endswith("mlp.gate.weight") and p.dtype == torch.float32:
+                p.copy_(p.to(torch.bfloat16))  # as DeepSeek's / GLM's checkpoints ship it: bf16, upcast by the model
     return model.eval()
 
 

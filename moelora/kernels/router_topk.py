@@ -32,11 +32,16 @@ from moelora.kernels.softmax_topk import NoAux, check_noaux, noaux_args, noaux_r
 
 MAX_ROWS = 16  # decode steps; more rows take the GEMM + `softmax_topk`
 MAX_EXPERTS = 256
-MAX_FP32_EXPERTS = 256  # an fp32 router's [BLOCK_H, E] weight tile: 64 KB a stage (BLOCK_H 64 past 128 experts)
+MAX_FP32_EXPERTS = 256  # an fp32 router's [FP32_BLOCK_H, E] weight tile: 64 KB a stage
 BLOCK_H = 128
 
 
 STEPS_PER_SPLIT = 2  # H steps a program (the H200 at Qwen3's shape: 8 programs of 2 x 32 KB)
+# An fp32 router of up to 128 experts (DeepSeek-V2's 64 x 2048): tiles of 64 rows of H, one a program (32 programs
+# of 16 KB). H100, the kernel alone in a graph of 50 (43rd session), us at 1 / 8 / 16 rows: 8.50 / 8.81 / 8.83 at
+# 128-row tiles two a program (8 programs), 5.39 / 5.58 / 5.90 here; more experts (DeepSeek-V3's 256) keep 64-row
+# tiles two a program (not measured against this).
+FP32_BLOCK_H = 64
 
 
 @triton.jit
@@ -118,8 +123,8 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: 
                 noaux: NoAux | None = None, splits: int | None = None, counter: torch.Tensor | None = None,
                 pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_weights [T, K] fp32, times `scaling`, topk_ids [T, K] int32) of softmax(x W^T), or of "noaux_tc"
-    with `noaux` (module docstring); `splits`: of H (default: 2 steps of BLOCK_H a program); `counter`: the split
-    arrival counter the caller owns (int32 [>= 1], zero between calls, left zero; None: a zeroed one for this
+    with `noaux` (module docstring); `splits`: of H (default: the FP32_BLOCK_H / STEPS_PER_SPLIT rule); `counter`:
+    the split arrival counter the caller owns (int32 [>= 1], zero between calls, left zero; None: a zeroed one for this
     call); `pdl`: programmatic dependent launch where the GPU has it."""
     need(router_topk_fits(x, weight), lambda: f"router_topk takes x [T <= {MAX_ROWS}, H] fp16/bf16 and a router "
          f"weight [E <= {MAX_EXPERTS}, H] of x's dtype or [E <= {MAX_FP32_EXPERTS}, H] fp32, unit last strides; "
@@ -134,9 +139,10 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: 
     if T == 0:
         return weights, ids
     block_e = max(16, next_pow2(E))
-    block_h = BLOCK_H if weight.dtype != torch.float32 or block_e <= 128 else BLOCK_H // 2
+    fp32 = weight.dtype == torch.float32
+    block_h = FP32_BLOCK_H if fp32 else BLOCK_H
     steps = cdiv(H, block_h)
-    splits = splits or cdiv(steps, STEPS_PER_SPLIT)
+    splits = splits or cdiv(steps, 1 if fp32 and block_e <= 128 else STEPS_PER_SPLIT)
     chunk = cdiv(steps, splits) * block_h
     splits = cdiv(H, chunk)
     part, sem = weights, ids  # placeholders with one split
