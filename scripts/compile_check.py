@@ -9,6 +9,7 @@ what benchmarks/tune_fused_moe.py times) on each table entry's tiles, so a kerne
 here before it costs device time.
 
 Usage: python scripts/compile_check.py [--shapes qwen3_30b_a3b,...] [--ms 1,128,4096] [--resources] [--picks] [--fp8]
+       python scripts/compile_check.py --engine dsv2_lite,qwen3_30b [--dtypes float32,float16,bfloat16]
   --picks: only the table's own entries (the launches serving makes; a unit test compiles these).
   --fp8: also on e4m3 expert weights, W8A16 and W8A8: the table's FP8 entries of each mode (`fp8_moe_config`:
   else the bf16 entry's `fp8_tiles`), with the same LoRA trials.
@@ -16,6 +17,10 @@ Usage: python scripts/compile_check.py [--shapes qwen3_30b_a3b,...] [--ms 1,128,
   local Triton's ptxas, which may differ from the GPU machine's).
 Exit status 1 if any launch failed to compile; tiles that need more shared memory than sm_90 has are
 listed (the tuner tries some and skips them there) but do not fail the check.
+--engine: instead, every launch a Triton engine makes (`engine_launches`: decode.py's shapes with their dense layers
+  and one MoE layer, in each of --dtypes, serving prefill, decode and a cached prefix with two adapters on every
+  site); here a kernel over sm_90's shared memory fails the check too: the engine has no smaller tile to fall back on
+  (an fp32 engine died at its graph capture on a 240 KiB fused-MoE tile, 42nd session).
 Expert counts are cut to 16 (no kernel specialises on E), so the weights fit a laptop. Not covered: the
 TMA variant (its descriptors are made by the driver of a real GPU): its entries compile without TMA.
 """
@@ -81,12 +86,14 @@ class Compiler:
         compiler = self
 
         def run(fn, *args, grid, warmup, **kwargs):
+            dtypes = tuple(str(a.dtype).removeprefix("torch.") for a in (*args, *kwargs.values())
+                           if isinstance(a, torch.Tensor))
             try:
                 kernel = compiler._run(fn, *args, grid=grid, warmup=True, **kwargs)
             except Exception as exc:  # noqa: BLE001 - every compile error is a finding
-                compiler.record(fn, kwargs, None, f"{type(exc).__name__}: {exc}")
+                compiler.record(fn, kwargs, None, f"{type(exc).__name__}: {exc}", dtypes)
                 return None
-            compiler.record(fn, kwargs, kernel, None)
+            compiler.record(fn, kwargs, kernel, None, dtypes)
             return kernel
 
         JITFunction.run = run
@@ -97,13 +104,14 @@ class Compiler:
         JITFunction.run = self._run
         triton.runtime.driver._active = None  # reset_active() would look for a real driver
 
-    def record(self, fn, kwargs, kernel, error):
+    def record(self, fn, kwargs, kernel, error, dtypes=()):
+        """`dtypes`: of the launch's tensor arguments (one kernel compiles once per dtype signature)."""
         names = {p.name for p in fn.params if p.is_constexpr} | {"num_warps", "num_stages"}
         consts = tuple(sorted((k, v) for k, v in kwargs.items() if k in names))
-        key = (fn.__name__, consts)
+        key = (fn.__name__, consts + ((("dtypes", dtypes),) if dtypes else ()))
         if key in self.seen:
             return
-        what = f"{fn.__name__}({', '.join(f'{k}={v}' for k, v in consts)})"
+        what = f"{fn.__name__}({', '.join(f'{k}={v}' for k, v in consts)}) on {'/'.join(dict.fromkeys(dtypes))}"
         if error is None and kernel.metadata.shared > SM90_SHARED:  # a tile the tuner tries and skips
             self.too_big.append(f"{what}: {kernel.metadata.shared} bytes of shared memory (sm_90: {SM90_SHARED})")
         if error is not None:
@@ -149,6 +157,55 @@ def configs_for(shape: dict, M: int, picks_only: bool = False, fp8: FP8ExpertSca
     return [dataclasses.replace(c, use_tma=False) for c in cfgs]  # TMA descriptors need a real GPU
 
 
+# Requests of `engine_launches`: decode rows on two adapters and none, and a prefill of 180 tokens in one step: over
+# 64 routes an expert at 16 experts top-6 (the fused MoE's largest tiles), then a prompt on the 300 cached tokens.
+ENGINE_PROMPTS = ((40, "a0"), (7, None), (130, "a1"), (3, "a0"))
+
+
+def engine_launches(name: str, dtype: str) -> int:
+    """Serve ENGINE_PROMPTS on a Triton engine of decode.py's MODELS[name] (its dense layers and one MoE layer, 16
+    experts, a 1024-token vocab; adapters of rank 16 and 8 on every site) in `dtype` on the CPU, 3 tokens a
+    request, then a request on a cached prefix: under a `Compiler` every launch compiles for sm_90 and none runs
+    (the outputs are whatever the buffers held). -> engine steps taken."""
+    from decode import MODELS, random_adapter
+
+    from moelora.config import ModelConfig
+    from moelora.engine.config import EngineConfig
+    from moelora.engine.engine import LLMEngine
+    from moelora.engine.request import SamplingParams
+    from moelora.layers.options import LayerOptions
+    from moelora.models.registry import model_class
+
+    spec = MODELS[name]
+    cfg = ModelConfig(**{**spec, "num_layers": spec.get("first_k_dense_replace", 0) + 1, "num_experts": 16,
+                         "vocab_size": 1024}).resolve()
+    torch.manual_seed(0)
+    model = model_class(cfg)(cfg, max_loras=2, max_rank=16, options=LayerOptions(kernel_backend="triton"),
+                             dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    adapters = {"a0": random_adapter(model, "a0", 16, 0), "a1": random_adapter(model, "a1", 8, 1)}
+    os.environ["TRITON_INTERPRET"] = "1"  # the config's CUDA check passes as for the interpreter tests ...
+    try:
+        ecfg = EngineConfig(device="cpu", dtype=dtype, kernel_backend="triton", max_loras=2, max_lora_rank=16,
+                            max_num_seqs=8, max_model_len=512, num_kv_blocks=128, block_size=16).resolve(cfg)
+    finally:
+        os.environ.pop("TRITON_INTERPRET")  # ... but the kernels stay the compiler's (jitted without it)
+    eng = LLMEngine(model.with_options(ecfg.layer_options(model.options)), None, ecfg, lambda n, path: adapters[n])
+    for n in adapters:
+        eng.pool.add(n, n)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    steps = 0
+    for wave in (ENGINE_PROMPTS, ((ENGINE_PROMPTS[2][0] + 20, "a1"),)):  # the second: 130 cached tokens + 20
+        for length, adapter in wave:
+            eng.add_request(list(range(5, 5 + length)), params, adapter)
+        while eng.has_unfinished():
+            eng.step()
+            steps += 1
+    return steps
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -156,9 +213,17 @@ def main(argv=None) -> int:
     ap.add_argument("--resources", action="store_true")
     ap.add_argument("--picks", action="store_true", help="only the table's own entries (what serving runs)")
     ap.add_argument("--fp8", action="store_true", help="also on FP8 expert weights (W8A16 and W8A8)")
+    ap.add_argument("--engine", default=None, help="instead: every launch of an engine of these decode.py shapes")
+    ap.add_argument("--dtypes", default="float32,float16,bfloat16", help="--engine's model dtypes")
     args = ap.parse_args(argv)
     with Compiler(args.resources) as comp:
-        for name in args.shapes.split(","):
+        runs = [(n, d) for n in args.engine.split(",") for d in args.dtypes.split(",")] if args.engine else []
+        for name, dtype in runs:
+            n_before = len(comp.seen)
+            steps = engine_launches(name, dtype)
+            print(f"engine {name} {dtype}: {steps} steps, {len(comp.seen) - n_before} new kernels, "
+                  f"{len(comp.failures)} failures, {len(comp.too_big)} too big so far", flush=True)
+        for name in () if args.engine else args.shapes.split(","):
             shape = dict(SHAPES[name])
             small = dict(shape, E=min(shape["E"], 16))
             layer = make_layer(small, pool_ranks=(16, 64), device="cpu")
@@ -181,7 +246,7 @@ def main(argv=None) -> int:
     for f in comp.failures:
         print("FAIL", f)
     print(f"{len(comp.seen)} kernels compiled for sm_90, {len(comp.failures)} failed, {len(comp.too_big)} too big")
-    return 1 if comp.failures else 0
+    return 1 if comp.failures or (args.engine and comp.too_big) else 0
 
 
 if __name__ == "__main__":

@@ -314,3 +314,42 @@ def test_mla_prefill_attention_compiles_without_local_memory(tmp_path, monkeypat
     wgmma = {dict(c)["BLOCK_M"]: "wgmma.mma_async" in k.asm["ptx"] for (name, c), k in comp.kernels.items()
              if name == "_mla_prefill_kernel"}
     assert wgmma == {16: False, 32: False, 64: True, 128: True}
+
+
+@pytest.mark.parametrize("model", ["dsv2_lite", "qwen3_30b"])
+def test_engine_launches_compile_for_sm90_in_fp32_and_fp16(model):
+    """Every kernel a Triton engine launches (prefill, decode, a cached prefix; two adapters on every site) compiles
+    for the H200 in fp32 and fp16 and fits its shared memory: the GPU tests run bf16 engines, and an fp32 engine died
+    at its graph capture on a fused-MoE tile of 240 KiB (42nd session)."""
+    import compile_check
+
+    with Compiler(resources=False) as comp:
+        for dtype in ("float32", "float16"):
+            assert compile_check.engine_launches(model, dtype) >= 4  # prefill, decode steps, the cached prefix
+    assert comp.failures == [] and comp.too_big == []
+    names = {key[0] for key in comp.seen}
+    attention = {"_mla_split_kernel", "_mla_prefill_kernel", "_absorb_lora_kernel"} if model == "dsv2_lite" else {
+        "_decode_split_kernel", "_prefill_kernel", "_qk_norm_rope_kernel"}
+    assert {"gate_up_kernel", "down_kernel", "lora_shrink_kernel", "_lora_shrink_kernel"} | attention <= names, names
+    fp32 = {key[0] for key in comp.seen if "float32" in dict(key[1])["dtypes"]
+            and not {"float16", "bfloat16"} & set(dict(key[1])["dtypes"])}
+    assert {"gate_up_kernel", "down_kernel"} <= fp32, fp32  # the fp32 engine's fused MoE was checked
+
+
+def test_engine_check_fails_a_tile_over_shared_memory(monkeypatch):
+    """Without the default fused-MoE config's cut to its shared-memory budget, the fp32 engine's 180-token prefill
+    takes 3 stages of the 64 x 128 gate_up tile (240 KiB) and the engine check fails, naming it."""
+    import compile_check
+
+    import moelora.kernels.moe_config as moe_config
+
+    monkeypatch.setattr(moe_config, "DEFAULT_SMEM_BUDGET", 10 ** 9)
+    moe_config._tuned_config.cache_clear()  # configs picked under the real budget (and, after, under this one)
+    try:
+        with Compiler(resources=False) as comp:
+            compile_check.engine_launches("dsv2_lite", "float32")
+        assert compile_check.main(["--engine", "dsv2_lite", "--dtypes", "float32"]) == 1
+    finally:
+        moe_config._tuned_config.cache_clear()
+    assert comp.failures == [] and len(comp.too_big) == 1, comp.too_big
+    assert comp.too_big[0].startswith("gate_up_kernel(") and "num_stages=3" in comp.too_big[0], comp.too_big
