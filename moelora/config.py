@@ -27,6 +27,7 @@ ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "MiniMaxM2ForCausalLM": "minimax_m2",
 }
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 TOPK_METHODS = ("softmax", "greedy", "group_limited_greedy", "noaux_tc")
@@ -373,9 +374,51 @@ def _parse_deepseek_glm(family: str, raw: dict[str, Any]) -> ModelConfig:
         rope_yarn=_yarn(raw))
 
 
+def _parse_minimax_m2(raw: dict[str, Any]) -> ModelConfig:
+    """MiniMax-M2 (M2 / M2.1 / M2.5), as transformers' `MiniMaxM2ForCausalLM` runs it: GQA with q / k RMSNorm over
+    the whole projection and a partial rotary (`rotary_dim` of each head); every layer sparse, Mixtral-style experts
+    of `intermediate_size`; a sigmoid router choosing on score + `e_score_correction_bias`, weights renormalised: the
+    "noaux_tc" router with one group and no scaling. Its multi-token-prediction modules are not run."""
+    _check_unsupported("minimax_m2", raw)
+    common = _common("minimax_m2", raw)
+    hidden, heads = common["hidden_size"], common["num_heads"]
+    head_dim = int(_get(raw, "head_dim", default=hidden // heads))
+    checks = (("use_qk_norm", True), ("qk_norm_type", "per_layer"), ("scoring_func", "sigmoid"),
+              ("use_routing_bias", True))
+    for key, want in checks:
+        if raw.get(key) is not None and raw[key] != want:
+            raise ConfigError(f"{key}={raw[key]!r} is not supported for minimax_m2 (only {want!r}, as transformers "
+                              "runs the model)")
+    linear = [i for i, kind in enumerate(raw.get("attn_type_list") or ()) if int(kind) != 1]
+    if linear:
+        raise ConfigError(f"attn_type_list marks layers {linear[:8]} as linear (lightning) attention: only full "
+                          "attention (MiniMax-M2) is supported")
+    if int(raw.get("shared_intermediate_size") or 0):
+        raise ConfigError(f"shared_intermediate_size={raw['shared_intermediate_size']} is not supported for "
+                          "minimax_m2 (transformers' MiniMax-M2 has no shared expert)")
+    scaling = float(raw.get("routed_scaling_factor") or 1.0)
+    if scaling != 1.0:
+        raise ConfigError(f"routed_scaling_factor={scaling} is not supported for minimax_m2 (transformers' router "
+                          "does not scale)")
+    params = _rope_params(raw)
+    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if factor is None and raw.get("rotary_dim") is not None:  # the released checkpoints' spelling
+        factor = int(raw["rotary_dim"]) / head_dim
+    inter = int(_get(raw, "intermediate_size"))
+    return ModelConfig(
+        **common, num_kv_heads=int(_get(raw, "num_key_value_heads", default=heads)), head_dim=head_dim,
+        intermediate_size=inter, moe_intermediate_size=inter,
+        num_experts=int(_get(raw, "num_local_experts", "num_experts")), top_k=int(_get(raw, "num_experts_per_tok")),
+        norm_topk_prob=True, qk_norm="whole", rope_theta=_rope_theta(raw),
+        partial_rotary_factor=float(1.0 if factor is None else factor),
+        topk_method="noaux_tc", router_correction_bias=True)
+
+
 def _parse(family: str, raw: dict[str, Any]) -> ModelConfig:
     if family in (*MLA_FAMILIES, "glm4_moe"):
         return _parse_deepseek_glm(family, raw)
+    if family == "minimax_m2":
+        return _parse_minimax_m2(raw)
     _check_unsupported(family, raw)
     common = _common(family, raw)
     hidden, heads = common["hidden_size"], common["num_heads"]

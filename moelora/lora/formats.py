@@ -11,7 +11,7 @@ the adapter name). ``<module>`` is one of, with ``L = model.layers.{i}``:
   ``L.mlp.shared_experts.{gate,up,down}_proj`` (DeepSeek/GLM), ``L.mlp.shared_expert_gate``,
   ``L.mlp.gate`` (the router; a PEFT ``target_parameters`` wrapper of ``mlp.gate.weight`` saves
   the same keys);
-- (a) per expert, 2D as above: ``L.mlp.experts.{e}.{gate,up,down}_proj``; Mixtral Hub names
+- (a) per expert, 2D as above: ``L.mlp.experts.{e}.{gate,up,down}_proj``; Mixtral's and MiniMax-M2's Hub names
   ``L.block_sparse_moe.experts.{e}.{w1,w3,w2}`` (gate, up, down) and ``L.block_sparse_moe.gate``.
   Every expert must be present for a targeted projection; ranks may differ between experts
   (zero-padded to the largest);
@@ -222,8 +222,11 @@ def _pair(tensors: Mapping[str, torch.Tensor], family: str) -> list[_Module]:
     return out
 
 
+HUB_NAMED_EXPERTS = ("mixtral", "minimax_m2")  # families whose Hub code names the experts block_sparse_moe ... w1/w3/w2
+
+
 def _normalise(name: str, family: str) -> str:
-    if family != "mixtral":
+    if family not in HUB_NAMED_EXPERTS:
         return name
     name = name.replace(".block_sparse_moe.", ".mlp.")
     return re.sub(r"(\.experts\.\d+\.)(w[123])$", lambda m: m[1] + _MIXTRAL_W[m[2]], name)

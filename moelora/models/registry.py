@@ -13,6 +13,7 @@ _FAMILIES = {
     "mixtral": "moelora.models.decoder:MoECausalLM",
     "olmoe": "moelora.models.decoder:MoECausalLM",
     "glm4_moe": "moelora.models.decoder:MoECausalLM",
+    "minimax_m2": "moelora.models.decoder:MoECausalLM",
     "deepseek_v2": "moelora.models.deepseek:DeepseekCausalLM",
     "deepseek_v3": "moelora.models.deepseek:DeepseekCausalLM",
 }

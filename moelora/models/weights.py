@@ -9,7 +9,9 @@ Accepted on-disk forms (safetensors only; `.bin`/`.pt` checkpoints are refused):
 - Hub-style per-expert keys (what `save_pretrained` writes by default):
   `model.layers.{i}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight` ([I,H], [I,H], [H,I]);
 - Mixtral Hub spelling: `model.layers.{i}.block_sparse_moe.gate.weight` (router) and
-  `block_sparse_moe.experts.{e}.{w1,w3,w2}.weight` (gate, up, down).
+  `block_sparse_moe.experts.{e}.{w1,w3,w2}.weight` (gate, up, down); MiniMax-M2's router correction bias
+  `block_sparse_moe.e_score_correction_bias` (transformers 5 in memory: `mlp.e_score_correction_bias`), which
+  moelora's router holds as `mlp.gate.e_score_correction_bias`.
 
 Every other key must equal a moelora (= transformers 5 in-memory) parameter name. Per-expert
 tensors are copied straight into their slice of the fused destination; nothing is held twice.
@@ -62,6 +64,8 @@ _PER_EXPERT = re.compile(
     r"^(?P<prefix>(?:.*\.)?)(?:mlp\.experts\.(?P<e1>\d+)\.(?P<hub>gate_proj|up_proj|down_proj)"
     r"|block_sparse_moe\.experts\.(?P<e2>\d+)\.(?P<mix>w1|w3|w2))\.(?P<param>weight(?:_scale_inv)?)$"
 )
+# MiniMax-M2's correction bias on the MoE block (Hub and transformers 5 spellings), not on its router
+_BLOCK_BIAS = re.compile(r"^(?P<prefix>.*\.)(?:block_sparse_moe|mlp)\.e_score_correction_bias$")
 # projection spelling -> (fused destination suffix, half: 0 = gate rows, 1 = up rows, None = all)
 _PROJ = {"gate_proj": (GATE_UP, 0), "up_proj": (GATE_UP, 1), "down_proj": (DOWN, None),
          "w1": (GATE_UP, 0), "w3": (GATE_UP, 1), "w2": (DOWN, None)}
@@ -90,6 +94,9 @@ def map_checkpoint_key(key: str) -> KeyTarget | None:
         return KeyTarget(m["prefix"] + suffix + scale, int(m["e1"] or m["e2"]), half)
     if ".block_sparse_moe.gate." in key:
         return KeyTarget(key.replace(".block_sparse_moe.gate.", ".mlp.gate."))
+    m = _BLOCK_BIAS.match(key)
+    if m:
+        return KeyTarget(f"{m['prefix']}mlp.gate.e_score_correction_bias")
     return KeyTarget(key)
 
 
@@ -99,6 +106,8 @@ def checkpoint_key(target: KeyTarget, style: str) -> str:
     name = target.name
     if style == "mixtral" and name.endswith(".mlp.gate.weight"):
         return name[: -len("mlp.gate.weight")] + "block_sparse_moe.gate.weight"
+    if style == "mixtral" and name.endswith(".mlp.gate.e_score_correction_bias"):
+        return name[: -len("mlp.gate.e_score_correction_bias")] + "block_sparse_moe.e_score_correction_bias"
     if target.expert is None:
         return name
     scale = SCALE if is_scale(name) else ""

@@ -99,8 +99,9 @@ def parse_quantization_config(raw: Any) -> FP8Config | None:
 
 def _parse_fp8(raw: dict) -> FP8Config:
     fmt = raw.get("fmt", "e4m3")
-    if fmt != "e4m3":
-        raise ConfigError(f"unsupported quantization_config fmt={fmt!r} (only 'e4m3')")
+    if fmt not in ("e4m3", "float8_e4m3fn"):  # DeepSeek's / Qwen's spelling, MiniMax-M2's (the torch dtype's name)
+        raise ConfigError(f"unsupported quantization_config fmt={fmt!r} (only 'e4m3', also spelled "
+                          "'float8_e4m3fn')")
     act = raw.get("activation_scheme", "dynamic")
     if act != "dynamic":
         raise ConfigError(f"unsupported quantization_config activation_scheme={act!r} (only 'dynamic': static "

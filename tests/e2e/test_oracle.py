@@ -20,6 +20,7 @@ CASES = {  # family -> (checkpoint form, shard size)
     "qwen2_moe": ("fused", "30KB"),
     "mixtral": ("per_expert", "40KB"),
     "olmoe": ("fused", None),
+    "minimax_m2": ("per_expert", "40KB"),  # Hub names: block_sparse_moe ... w1 / w3 / w2 and the block's bias
 }
 
 
@@ -41,7 +42,7 @@ def test_mixed_adapters_from_disk_equal_oracle(family, tmp_path):
     peft_dir = build_peft_adapter(hf, tmp_path / "peft", seed=1, r=4, lora_alpha=8, use_rslora=True,
                                   rank_pattern={"q_proj": 6}, alpha_pattern={"o_proj": 3})
     raw_a = per_expert_lora(hf, seed=2, r=3, lora_alpha=5, rank_pattern={"down_proj": 2},
-                            hub_names=family == "mixtral")
+                            hub_names=family in ("mixtral", "minimax_m2"))
     raw_c = per_expert_lora(hf, seed=3, r=4, lora_alpha=4, use_rslora=True, router=False)
     a_dir = write_per_expert(raw_a, tmp_path / "per_expert")
     c_dir = write_packed(raw_c, tmp_path / "packed")

@@ -12,14 +12,21 @@ from moelora.engine.engine import LLMEngine
 from moelora.lora.adapter import LoRAAdapter, LoRAWeights
 from moelora.models.decoder import MoECausalLM
 from moelora.models.registry import model_class
+from moelora.models.weights import map_checkpoint_key
 from tests.helpers.oracle_lora import peft_scale
+
+
+def hf_weights(hf) -> dict[str, torch.Tensor]:
+    """`hf`'s state dict under moelora's names: transformers 5's in-memory names are moelora's, but for MiniMax-M2's
+    router correction bias, which moelora's router holds (`models.weights.map_checkpoint_key` maps it)."""
+    return {map_checkpoint_key(k).name: v for k, v in hf.state_dict().items()}
 
 
 def build(hf, max_loras=0, max_rank=0, dtype=torch.float32, **kw):
     """The moelora twin of `hf` (its weights); `kw`: more constructor arguments (`options`)."""
     cfg = ModelConfig.from_dict(hf.config.to_dict())
     model = MoECausalLM(cfg, max_loras=max_loras, max_rank=max_rank, dtype=dtype, **kw)
-    model.load_state_dict(hf.state_dict(), strict=True)
+    model.load_state_dict(hf_weights(hf), strict=True)
     return model.eval()
 
 
@@ -86,7 +93,7 @@ def build_from_architecture(hf, max_loras=0, max_rank=0, dtype=torch.float32):
     and GLM layers included); router and norms stay fp32 whatever `dtype`."""
     cfg = config_of(hf)
     model = model_class(cfg)(cfg, max_loras=max_loras, max_rank=max_rank, dtype=dtype)
-    model.load_state_dict(hf.state_dict(), strict=True)
+    model.load_state_dict(hf_weights(hf), strict=True)
     return model.eval()
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2")
 # Grouped routers, shared experts, dense first layers; DeepSeek with multi-head latent attention.
 DEEPSEEK_GLM_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe")
 
@@ -37,6 +37,10 @@ def tiny_hf_config(family: str, **overrides):
     elif family == "olmoe":
         cfg = dict(common, num_experts=6, intermediate_size=40, norm_topk_prob=False)
         cls = tf.OlmoeConfig
+    elif family == "minimax_m2":  # whole q / k norms, partial rotary, a biased sigmoid router of one group
+        cfg = dict(common, head_dim=16, num_local_experts=6, intermediate_size=40,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+        cls = tf.MiniMaxM2Config
     elif family in DEEPSEEK_GLM_FAMILIES:
         cfg, cls = _deepseek_glm_config(family, common)
     else:

@@ -71,11 +71,13 @@ def assert_close(got, want):
 
 
 # qwen3_moe: per-head q/k norm and a dense layer; qwen2_moe: gated shared expert, q/k/v bias, a dense
-# layer, no q/k norm; olmoe: q/k norm over all heads.
+# layer, no q/k norm; olmoe: q/k norm over all heads; minimax_m2: that norm, a partial rotary and a biased
+# sigmoid router of one group on `softmax_topk`'s noaux_tc selection.
 @interp_only
 @pytest.mark.parametrize("family,fused", [("qwen3_moe", {"qk_norm_rope", "silu_mul"}),
                                           ("qwen2_moe", {"qk_norm_rope", "silu_mul"}),
-                                          ("olmoe", {"qk_norm_rope", "rms_norm"})])
+                                          ("olmoe", {"qk_norm_rope", "rms_norm"}),
+                                          ("minimax_m2", {"qk_norm_rope", "rms_norm"})])
 def test_triton_backend_logits_equal_torch_backend(family, fused, monkeypatch):
     hf = tiny_hf_model(family, seed=21)
     model = build(hf, max_loras=2, max_rank=4).to(DEV)
@@ -90,7 +92,7 @@ def test_triton_backend_logits_equal_torch_backend(family, fused, monkeypatch):
     # q/k/v: one launch a layer; gate/up of a dense MLP or shared expert: one launch (DenseMLP's gate_up_proj)
     merged = [[(q + 2 * kv, (q, kv, kv))] + [(2 * m.intermediate, (m.intermediate,) * 2) for m in layer.modules()
                                              if isinstance(m, DenseMLP)] for layer in model.model.layers]
-    assert any(len(calls) > 1 for calls in merged) == (family != "olmoe")  # OLMoE has no dense MLP
+    assert any(len(calls) > 1 for calls in merged) == (family not in ("olmoe", "minimax_m2"))  # no dense MLP
     assert [call for call in lora_calls if call[1]] == [call for calls in merged for call in calls]
 
 

@@ -4,6 +4,7 @@ checkpoints (CheckpointError naming the key and both shapes or dtypes), inconsis
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import types
 
@@ -73,6 +74,17 @@ def _two_groups():
 def test_unsupported_schemes_are_refused(raw, needle):
     with pytest.raises(ConfigError, match=needle):
         parse_quantization_config(raw)
+
+
+def test_minimax_m2_quantization_config_is_the_block_scheme():
+    """MiniMax-M2's released `quantization_config` spells the format as the torch dtype and keeps its routers, their
+    correction biases and the LM head unquantized."""
+    minimax = parse_quantization_config({
+        "activation_scheme": "dynamic", "fmt": "float8_e4m3fn", "quant_method": "fp8", "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]})
+    assert minimax == dataclasses.replace(parse_quantization_config(BLOCK), ignore=minimax.ignore)
+    assert minimax.ignores("model.layers.7.block_sparse_moe.gate") and minimax.ignores("lm_head")
+    assert not minimax.ignores("model.layers.7.block_sparse_moe.experts.3.w1")
 
 
 def test_accepted_schemes():

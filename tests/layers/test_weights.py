@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from moelora.errors import CheckpointError
 from moelora.models.weights import KeyTarget, checkpoint_key, load_checkpoint, map_checkpoint_key
+from tests.helpers.models import hf_weights
 from tests.helpers.oracle import DEEPSEEK_GLM_FAMILIES, FAMILIES, tiny_hf_model
 
 GU = "mlp.experts.gate_up_proj"
@@ -33,16 +34,17 @@ def models():
 
 
 def poisoned(model, dtype=None) -> dict[str, torch.Tensor]:
-    """NaN-filled destinations shaped like the model's state_dict (no lm_head when tied)."""
+    """NaN-filled destinations shaped like the model's state_dict under moelora's names (`hf_weights`; no lm_head
+    when tied)."""
     params = {k: torch.full(v.shape, float("nan"), dtype=dtype or v.dtype)
-              for k, v in model.state_dict().items()}
+              for k, v in hf_weights(model).items()}
     if model.config.tie_word_embeddings:
         del params["lm_head.weight"]
     return params
 
 
 def assert_loaded(model, params: dict[str, torch.Tensor]) -> None:
-    expected = model.state_dict()
+    expected = hf_weights(model)
     for name, got in params.items():
         want = expected[name].to(got.dtype)
         assert torch.equal(got, want), name
@@ -141,7 +143,7 @@ def test_load_save_pretrained_default_per_expert(family, models, tmp_path):
     model = models(family)
     model_dir = saved(model, tmp_path / "ckpt")
     keys = disk_keys(model_dir)
-    per_expert = ("model.layers.0.block_sparse_moe.experts.0.w1.weight" if family == "mixtral"
+    per_expert = ("model.layers.0.block_sparse_moe.experts.0.w1.weight" if family in ("mixtral", "minimax_m2")
                   else "model.layers.0.mlp.experts.0.gate_proj.weight")
     assert per_expert in keys and "model.layers.0.mlp.experts.gate_up_proj" not in keys
     params = poisoned(model)

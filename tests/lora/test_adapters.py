@@ -120,10 +120,12 @@ def test_layouts_give_same_deltas(family, models, peft_adapters, tmp_path):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_per_expert_equals_manual_merge(family, models, tmp_path):
-    """(a) with a per-expert rank override (zero-padded) and an alpha override; Mixtral in Hub names."""
+    """(a) with a per-expert rank override (zero-padded) and an alpha override; Mixtral and MiniMax-M2 in Hub names
+    (`block_sparse_moe.experts.{e}.w1` / `w3` / `w2`, as their Hub code names the experts)."""
     model = models(family)
-    raw = ol.per_expert_lora(model, seed=5, r=3, lora_alpha=7, hub_names=family == "mixtral",
-                             rank_pattern={"experts.2.up_proj" if family != "mixtral" else "experts.2.w3": 5},
+    hub = family in ("mixtral", "minimax_m2")
+    raw = ol.per_expert_lora(model, seed=5, r=3, lora_alpha=7, hub_names=hub,
+                             rank_pattern={"experts.2.w3" if hub else "experts.2.up_proj": 5},
                              alpha_pattern={"o_proj": 2.5})
     adapter = load(ol.write_per_expert(raw, tmp_path), model)
     assert_deltas(adapter, ol.weight_deltas(model, ol.merged_model(model, raw)))
