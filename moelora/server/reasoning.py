@@ -10,6 +10,10 @@ tag out) and content for `qwen3`. Reasoning ends at `</think>`; an output that n
 max_tokens) is all reasoning. The reasoning is trimmed of whitespace, the content of what follows
 `</think>` right after it; an empty part is null.
 
+`minimax_m2_append_think` (vLLM's, for MiniMax-M2, whose guides ask clients to send the thinking back in the
+next turn's content) splits nothing: the whole output is content, after the `<think>` that a prompt ending in
+it opened, so the content holds the whole think block.
+
 Streaming: the same machine, so the streamed parts join to the whole response's: text is sent as it
 comes, except a tail that may start a tag and whitespace that may turn out to be a part's end.
 """
@@ -25,8 +29,8 @@ class ThinkParser:
     """`<think> ... </think>` reasoning (module docstring); `bare_reasoning`: an output that does not open
     the tag (in a prompt that did not either) is reasoning until `</think>`."""
 
-    def __init__(self, bare_reasoning: bool):
-        self.bare_reasoning = bare_reasoning
+    def __init__(self, bare_reasoning: bool, in_content: bool = False):
+        self.bare_reasoning, self.in_content = bare_reasoning, in_content
 
     def first_mode(self, prompt: str) -> str:
         """"reasoning", "content" or "open" (decided by the output's start) for an output after `prompt`."""
@@ -39,11 +43,14 @@ class ThinkParser:
 
 
 # vLLM's names: deepseek_r1 (R1, QwQ); qwen3; glm45 (GLM-4.5 / 4.6 thinking); deepseek_v3 (V3.1, whose template
-# opens <think> with thinking on and closes it with thinking off: the prompt decides)
+# opens <think> with thinking on and closes it with thinking off: the prompt decides); minimax_m2 (its output is
+# thinking until </think>, as R1's) and minimax_m2_append_think (module docstring)
 REASONING_PARSERS = {"deepseek_r1": lambda: ThinkParser(bare_reasoning=True),
                      "qwen3": lambda: ThinkParser(bare_reasoning=False),
                      "glm45": lambda: ThinkParser(bare_reasoning=False),
-                     "deepseek_v3": lambda: ThinkParser(bare_reasoning=False)}
+                     "deepseek_v3": lambda: ThinkParser(bare_reasoning=False),
+                     "minimax_m2": lambda: ThinkParser(bare_reasoning=True),
+                     "minimax_m2_append_think": lambda: ThinkParser(bare_reasoning=True, in_content=True)}
 
 
 def reasoning_parser(name: str) -> ThinkParser:
@@ -76,6 +83,8 @@ class ReasoningStream:
     def __init__(self, parser: ThinkParser, prompt: str):
         self.parser, self.mode, self.buf = parser, parser.first_mode(prompt), ""
         self.reasoning, self.content = _Trim(lead=True, trail=True), _Trim(lead=False, trail=False)
+        if parser.in_content:  # all content, the tag the prompt opened first
+            self.buf, self.mode = (_START if self.mode == "reasoning" else ""), "content"
 
     def push(self, text: str) -> tuple[str, str]:
         """(reasoning, content) to send now."""

@@ -17,6 +17,9 @@ Every format is blocks between an opening and a closing tag, one call a block:
   kimi_k2       `<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{...}<|tool_call_end|>`
                 inside `<|tool_calls_section_begin|>` ... `<|tool_calls_section_end|>` (Kimi-K2): the call's id is
                 the model's `functions.NAME:INDEX`; special tokens, decoded as deepseek's.
+  minimax_m2    `<invoke name="NAME"><parameter name="K">V</parameter>...</invoke>` blocks inside
+                `<minimax:tool_call>` ... `</minimax:tool_call>` (MiniMax-M2 / M2.1 / M2.5): values as glm45's, less
+                the newline around each; decoded as deepseek's.
 The message's content is the text outside the blocks (and outside a format's wrapper tags), null if only
 whitespace is left; a block whose body is not a call stays in the content, tags and all, so no text is lost.
 
@@ -145,17 +148,8 @@ class Qwen3CoderParser(ToolParser):
         name, params = name.strip(), params.strip()
         if not ok:
             return None
-        props, args = (schemas.get(name) or {}).get("properties") or {}, {}
-        while params:
-            if not params.startswith(self.param):
-                return None
-            key, ok1, params = params[len(self.param):].partition(">")
-            value, ok2, params = params.partition(self.param_end)
-            if not (ok1 and ok2):
-                return None
-            key, params = key.strip(), params.strip()
-            args[key] = _typed(value.removeprefix("\n").removesuffix("\n"), (props.get(key) or {}).get("type"))
-        return _call(name, args)
+        args = _parameters(params, self.param, self.param_end, schemas.get(name), str.strip)
+        return None if args is None else _call(name, args)
 
 
 class KimiK2Parser(ToolParser):
@@ -171,6 +165,44 @@ class KimiK2Parser(ToolParser):
         return _call(name, args, call_id) if ok and name else None
 
 
+class MinimaxM2Parser(ToolParser):
+    start, end = "<invoke name=", "</invoke>"
+    wrappers = ("<minimax:tool_call>", "</minimax:tool_call>")
+    keeps_special_tokens = True
+    param, param_end = "<parameter name=", "</parameter>"
+
+    def call(self, body: str, schemas: dict[str, dict]) -> ToolCall | None:
+        name, ok, params = body.partition(">")
+        name, params = _unquoted(name), params.strip()
+        if not ok or not name:
+            return None
+        args = _parameters(params, self.param, self.param_end, schemas.get(name), _unquoted)
+        return None if args is None else _call(name, args)
+
+
+def _parameters(params: str, tag: str, tag_end: str, schema: dict | None, key_of) -> dict | None:
+    """Qwen3-Coder's and MiniMax's arguments: `TAG` KEY `>` VALUE `TAG_END` runs (whitespace between them), each
+    value `_typed` by the tool's schema less a newline at either end; None where the text is not only such runs."""
+    props, args = (schema or {}).get("properties") or {}, {}
+    params = params.strip()
+    while params:
+        if not params.startswith(tag):
+            return None
+        key, ok1, params = params[len(tag):].partition(">")
+        value, ok2, params = params.partition(tag_end)
+        key, params = key_of(key), params.strip()
+        if not (ok1 and ok2 and key):
+            return None
+        args[key] = _typed(value.removeprefix("\n").removesuffix("\n"), (props.get(key) or {}).get("type"))
+    return args
+
+
+def _unquoted(text: str) -> str:
+    """A MiniMax tag's name attribute: the text in its double quotes (or the bare text)."""
+    text = text.strip()
+    return text[1:-1] if len(text) >= 2 and text[0] == text[-1] == '"' else text
+
+
 def _typed(text: str, schema_type) -> object:
     """A GLM / Qwen3-Coder argument value: the text for a string parameter, else its JSON value if it parses."""
     if schema_type == "string":
@@ -182,7 +214,8 @@ def _typed(text: str, schema_type) -> object:
 
 
 TOOL_PARSERS = {"hermes": HermesParser, "deepseek_v3": DeepSeekParser, "deepseek_v31": DeepSeekParser,
-                "glm45": Glm45Parser, "qwen3_coder": Qwen3CoderParser, "kimi_k2": KimiK2Parser}
+                "glm45": Glm45Parser, "qwen3_coder": Qwen3CoderParser, "kimi_k2": KimiK2Parser,
+                "minimax_m2": MinimaxM2Parser}
 
 
 def tool_parser(name: str) -> ToolParser:

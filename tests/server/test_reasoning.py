@@ -30,6 +30,13 @@ CASES = {  # (parser, prompt, output) -> (reasoning, content)
     "a start that is not the tag": (QWEN3, PLAIN, "<thin air>", (None, "<thin air>")),
     "empty reasoning": (QWEN3, OPEN, "\n</think>\n\n4", (None, "4")),
     "only the tag's start": (QWEN3, PLAIN, " <thi", (None, " <thi")),
+    "minimax_m2: thinking until the tag": (reasoning_parser("minimax_m2"), PLAIN, "Add them.\n</think>\n\n4",
+                                           ("Add them.", "4")),
+    "minimax_m2_append_think: the prompt's tag leads the content": (
+        reasoning_parser("minimax_m2_append_think"), "]~b]ai\n<think>\n", "Add them.\n</think>\n\n4",
+        (None, "<think>Add them.\n</think>\n\n4")),
+    "minimax_m2_append_think: an output's own tag kept once": (
+        reasoning_parser("minimax_m2_append_think"), PLAIN, "<think>a</think>b", (None, "<think>a</think>b")),
 }
 
 
@@ -62,7 +69,7 @@ def test_reasoning_streams_before_the_tag_closes():
 
 
 def test_unknown_reasoning_parser_names_the_known_ones():
-    with pytest.raises(ValueError, match="deepseek_r1, deepseek_v3, glm45, qwen3"):
+    with pytest.raises(ValueError, match="deepseek_r1, deepseek_v3, glm45, minimax_m2, minimax_m2_append_think, qwen3"):
         reasoning_parser("granite")
 
 

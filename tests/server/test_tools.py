@@ -90,9 +90,21 @@ KIMI = {
                            '{"city": "Paris", "unit": "°C"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1'
                            '<|tool_call_argument_begin|>{"tz": "CET"}<|tool_call_end|>' + KIMI_END, (None, [A, B])),
 }
+MM_BEGIN, MM_END = "<minimax:tool_call>", "</minimax:tool_call>"
+MINIMAX = {
+    "minimax_m2: two calls, typed by the schema": (
+        "Let me check.\n" + MM_BEGIN + '\n<invoke name="get_weather">\n<parameter name="city">2046</parameter>\n'
+        '<parameter name="days">3</parameter>\n</invoke>\n<invoke name="get_time">\n<parameter name="tz">CET'
+        "</parameter>\n</invoke>\n" + MM_END,
+        ("Let me check.", [("get_weather", {"city": "2046", "days": 3}), ("get_time", {"tz": "CET"})])),
+    "minimax_m2: no parameters": (MM_BEGIN + '<invoke name="ping"></invoke>' + MM_END, (None, [("ping", {})])),
+    "minimax_m2: a broken parameter stays content": (
+        MM_BEGIN + '<invoke name="f"><parameter name="a">1</invoke>' + MM_END,
+        ('<invoke name="f"><parameter name="a">1</invoke>', [])),
+}
 CASES = {**{k: ("hermes", *v) for k, v in OUTPUTS.items()}, **{k: ("deepseek_v3", *v) for k, v in DEEPSEEK.items()},
          **{k: ("glm45", *v) for k, v in GLM.items()}, **{k: ("qwen3_coder", *v) for k, v in CODER.items()},
-         **{k: ("kimi_k2", *v) for k, v in KIMI.items()}}
+         **{k: ("kimi_k2", *v) for k, v in KIMI.items()}, **{k: ("minimax_m2", *v) for k, v in MINIMAX.items()}}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -134,7 +146,7 @@ def test_a_stream_sends_content_before_the_call_ends_and_holds_only_a_possible_t
 
 
 def test_unknown_parser_names_the_known_ones():
-    with pytest.raises(ValueError, match="deepseek_v3, deepseek_v31, glm45, hermes, kimi_k2, qwen3_coder"):
+    with pytest.raises(ValueError, match="deepseek_v3, deepseek_v31, glm45, hermes, kimi_k2, minimax_m2, qwen3_coder"):
         tool_parser("mistral")
 
 
