@@ -22,10 +22,10 @@ and norms are left out (< 1%).
 default), or W8A16 with --no-fp8-activation-quant.
 
 --model qwen3_30b (default), dsv2_lite (DeepSeek-V2-Lite: 27 layers, MLA with C 512, 64 experts top-6,
-2 shared experts, first layer dense), dsv3 (DeepSeek-V3: cut short, --layers 8 --quantization fp8 on one H200) or
-all (the first two, one after the other).
+2 shared experts, first layer dense), dsv3 (DeepSeek-V3: cut short, --layers 8 --quantization fp8 on one H200),
+minimax_m2 (MiniMax-M2: cut short, --layers 8 on one H200) or all (the first two, one after the other).
 
-usage: python benchmarks/decode.py OUT.csv [--model qwen3_30b|dsv2_lite|all] [--layers N]
+usage: python benchmarks/decode.py OUT.csv [--model qwen3_30b|dsv2_lite|dsv3|minimax_m2|all] [--layers N]
        [--conc 1,8,32,64,128,256] [--steps 20] [--repeats 2] [--no-async-scheduling] [--no-overlap-lora]
        [--lora-target-modules self_attn,experts] [--ab async_scheduling=0]  (engine-level keys only)
        [--ab-table other_fused_moe_table.json]  (B engines built, captured and run with that MoE table)
@@ -79,7 +79,14 @@ DSV3 = dict(family="deepseek_v3", vocab_size=129280, hidden_size=7168, num_layer
             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, topk_method="noaux_tc", n_group=8,
             topk_group=4, routed_scaling_factor=2.5, router_correction_bias=True, n_shared_experts=1,
             first_k_dense_replace=3, rope_interleave=True, max_position_embeddings=4096, dtype="bfloat16")
-MODELS = {"qwen3_30b": QWEN3_30B, "dsv2_lite": DSV2_LITE, "dsv3": DSV3}
+# MiniMax-M2's config.json (230B, 10B active: one H200 holds it only cut short, --layers 8 in FP8 ~ 3.6 GB a
+# layer; the noaux_tc router of one group, whole-projection q / k norms, rotary over 64 of each head's 128).
+MINIMAX_M2 = dict(family="minimax_m2", vocab_size=200064, hidden_size=3072, num_layers=62, num_heads=48,
+                  num_kv_heads=8, head_dim=128, intermediate_size=1536, moe_intermediate_size=1536, num_experts=256,
+                  top_k=8, norm_topk_prob=True, qk_norm="whole", partial_rotary_factor=0.5, rope_theta=5e6,
+                  topk_method="noaux_tc", router_correction_bias=True, max_position_embeddings=4096,
+                  dtype="bfloat16")
+MODELS = {"qwen3_30b": QWEN3_30B, "dsv2_lite": DSV2_LITE, "dsv3": DSV3, "minimax_m2": MINIMAX_M2}
 ALL = ("qwen3_30b", "dsv2_lite")  # `--model all`
 TRITON = LayerOptions(kernel_backend="triton")
 
@@ -385,6 +392,8 @@ def main() -> None:
     if args.model == "dsv3" and args.tensor_parallel_size == 1 and (not args.layers or quant is None):
         ap.error("--model dsv3 (671 B parameters) fits one GPU only cut short and in FP8: --layers 8 "
                  "--quantization fp8 on an H200")
+    if args.model == "minimax_m2" and args.tensor_parallel_size == 1 and not args.layers:
+        ap.error("--model minimax_m2 (230 B parameters) fits one GPU only cut short: --layers 8 on an H200")
     concs = [int(c) for c in args.conc.split(",")]
     if args.tensor_parallel_size > 1:
         from decode_parallel import run_parallel
