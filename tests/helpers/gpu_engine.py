@@ -1,4 +1,4 @@
-"""CUDA engines over tiny random models (Qwen2-MoE, DeepSeek-V3 with MLA, GLM-4-MoE), their workload and
+"""CUDA engines over tiny random models (Qwen2-MoE, DeepSeek-V3 with MLA, GLM-4-MoE, MiniMax-M2), their workload and
 the logprob comparisons of the GPU equivalence tests (contract 6); also used by scripts/gpu_diag*.py."""
 
 from __future__ import annotations
@@ -26,8 +26,13 @@ GLM_SIZES = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, 
                  intermediate_size=384, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3,
                  n_shared_experts=1, first_k_dense_replace=1, vocab_size=512, max_position_embeddings=1024,
                  num_hidden_layers=3)
-FAMILY_SIZES = {"deepseek_v3": DSV3_SIZES, "glm4_moe": GLM_SIZES}
-FAMILIES = ("qwen2_moe", "deepseek_v3", "glm4_moe")
+# MiniMax-M2: q / k norms over the whole projections, rotary over half of head_dim 32, a biased sigmoid router of
+# one group, every layer sparse (added in the 43rd session without a GPU to run it on).
+MINIMAX_SIZES = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=32, intermediate_size=128,
+                     num_local_experts=8, num_experts_per_tok=3, vocab_size=512, max_position_embeddings=1024,
+                     num_hidden_layers=2)
+FAMILY_SIZES = {"deepseek_v3": DSV3_SIZES, "glm4_moe": GLM_SIZES, "minimax_m2": MINIMAX_SIZES}
+FAMILIES = ("qwen2_moe", "deepseek_v3", "glm4_moe", "minimax_m2")
 
 
 def tiny_model(family: str, dtype: torch.dtype = torch.bfloat16, max_loras: int = 4, max_rank: int = 16):
