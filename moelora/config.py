@@ -28,8 +28,10 @@ ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Glm4MoeForCausalLM": "glm4_moe",
     "MiniMaxM2ForCausalLM": "minimax_m2",
+    "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
 }
-MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
+# multi-head latent attention; GLM-4.7-Flash's `glm4_moe_lite` is DeepSeek-V3's attention with GLM-4-MoE's blocks
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
 TOPK_METHODS = ("softmax", "greedy", "group_limited_greedy", "noaux_tc")
 
 _DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "fp32": "float32",
@@ -331,8 +333,22 @@ def _topk_method(family: str, raw: dict[str, Any]) -> str:
     return "noaux_tc"
 
 
+def _first_dense(family: str, raw: dict[str, Any]) -> int:
+    """The leading dense layers: `first_k_dense_replace`, or GLM-4.7-Flash's `mlp_layer_types` ("dense" layers, then
+    "sparse" ones; transformers' default: one dense layer)."""
+    if family != "glm4_moe_lite":
+        return int(raw.get("first_k_dense_replace") or 0)
+    kinds = list(raw.get("mlp_layer_types") or ["dense"] + ["sparse"] * (int(_get(raw, "num_hidden_layers")) - 1))
+    dense = next((i for i, kind in enumerate(kinds) if kind != "dense"), len(kinds))
+    if len(kinds) != int(_get(raw, "num_hidden_layers")) or any(kind != "sparse" for kind in kinds[dense:]):
+        raise ConfigError(f"mlp_layer_types={kinds} is not supported: one per layer, dense layers first and sparse "
+                          "ones after")
+    return dense
+
+
 def _parse_deepseek_glm(family: str, raw: dict[str, Any]) -> ModelConfig:
-    """DeepSeek-V2/V3 (MLA) and GLM-4-MoE (GQA, partial rotary): grouped routing, shared experts."""
+    """DeepSeek-V2/V3 (MLA), GLM-4-MoE (GQA, partial rotary) and GLM-4.7-Flash (`glm4_moe_lite`: V3's MLA, dense
+    layers listed in `mlp_layer_types`): grouped routing, shared experts."""
     _check_deepseek_glm(family, raw)
     common = _common(family, raw)
     heads, hidden = common["num_heads"], common["hidden_size"]
@@ -351,7 +367,7 @@ def _parse_deepseek_glm(family: str, raw: dict[str, Any]) -> ModelConfig:
         routed_scaling_factor=float(_get(raw, "routed_scaling_factor", default=1.0)),
         router_correction_bias=method == "noaux_tc",
         n_shared_experts=int(raw.get("n_shared_experts") or 0),
-        first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+        first_k_dense_replace=_first_dense(family, raw),
         rope_theta=_rope_theta(raw, family),
     )
     if family == "glm4_moe":
@@ -364,6 +380,10 @@ def _parse_deepseek_glm(family: str, raw: dict[str, Any]) -> ModelConfig:
             qk_norm="per_head" if raw.get("use_qk_norm") else "none",
             partial_rotary_factor=float(0.5 if factor is None else factor))  # transformers' default for GLM
     nope, rope = int(_get(raw, "qk_nope_head_dim")), int(_get(raw, "qk_rope_head_dim"))
+    factor = _rope_params(raw).get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if family == "glm4_moe_lite" and factor not in (None, 1, 1.0):  # transformers would rotate part of the rope dims
+        raise ConfigError(f"partial_rotary_factor={factor} is not supported for glm4_moe_lite (only 1.0: the rotary "
+                          "covers qk_rope_head_dim)")
     q_rank = raw.get("q_lora_rank")
     return ModelConfig(
         **common, **routing, num_kv_heads=heads, head_dim=nope + rope, attention="mla",

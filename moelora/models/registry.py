@@ -16,6 +16,7 @@ _FAMILIES = {
     "minimax_m2": "moelora.models.decoder:MoECausalLM",
     "deepseek_v2": "moelora.models.deepseek:DeepseekCausalLM",
     "deepseek_v3": "moelora.models.deepseek:DeepseekCausalLM",
+    "glm4_moe_lite": "moelora.models.deepseek:DeepseekCausalLM",
 }
 
 

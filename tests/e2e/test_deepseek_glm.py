@@ -43,7 +43,8 @@ from tests.helpers.oracle_lora import (
 )
 from tests.helpers.runs import greedy_by_recompute, prompts, run
 
-CASES = {"deepseek_v2": ("per_expert", None), "deepseek_v3": ("fused", None), "glm4_moe": ("per_expert", "30KB")}
+CASES = {"deepseek_v2": ("per_expert", None), "deepseek_v3": ("fused", None), "glm4_moe": ("per_expert", "30KB"),
+         "glm4_moe_lite": ("per_expert", "30KB")}
 
 
 @pytest.fixture(autouse=True)
@@ -178,7 +179,7 @@ def test_config_fields():
 def _raw(family: str, **changes) -> dict:
     raw = tiny_hf_config(family).to_dict()
     raw["architectures"] = [{"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                             "glm4_moe": "Glm4MoeForCausalLM"}[family]]
+                             "glm4_moe": "Glm4MoeForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM"}[family]]
     raw.update(changes)
     return raw
 
@@ -199,6 +200,10 @@ def _raw(family: str, **changes) -> dict:
     ("deepseek_v3", {"topk_group": 1, "num_experts_per_tok": 3}, "num_experts_per_tok"),
     ("glm4_moe", {"hidden_act": "gelu"}, "gelu"),
     ("glm4_moe", {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5625}}, "rotary"),
+    ("glm4_moe_lite", {"mlp_layer_types": ["sparse", "dense", "sparse"]}, "mlp_layer_types"),
+    ("glm4_moe_lite", {"mlp_layer_types": ["dense", "sparse"]}, "one per layer"),
+    ("glm4_moe_lite", {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "partial_rotary"),
+    ("glm4_moe_lite", {"scoring_func": "softmax"}, "scoring_func"),
 ])
 def test_unsupported_config_values_are_refused(family, changes, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -276,6 +281,13 @@ HUB_CONFIGS = {  # the fields of the published config.json files that moelora re
         num_hidden_layers=46, num_key_value_heads=8, num_nextn_predict_layers=1, partial_rotary_factor=0.5,
         rms_norm_eps=1e-5, rope_scaling=None, rope_theta=1000000, routed_scaling_factor=1.0, topk_group=1,
         torch_dtype="bfloat16", use_qk_norm=False, vocab_size=151552),
+    "Glm4MoeLiteForCausalLM": dict(  # GLM-4.7-Flash (transformers' Glm4MoeLiteConfig defaults are this model)
+        hidden_size=2048, intermediate_size=10240, moe_intermediate_size=1536, num_hidden_layers=47,
+        num_attention_heads=20, num_key_value_heads=20, n_shared_experts=1, n_routed_experts=64,
+        routed_scaling_factor=1.8, kv_lora_rank=512, q_lora_rank=768, qk_rope_head_dim=64, v_head_dim=256,
+        qk_nope_head_dim=192, n_group=1, topk_group=1, num_experts_per_tok=4, norm_topk_prob=True, hidden_act="silu",
+        max_position_embeddings=202752, rms_norm_eps=1e-5, vocab_size=154880, rope_interleave=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000}, torch_dtype="bfloat16"),
 }
 
 
@@ -286,6 +298,10 @@ def test_published_configs_parse(arch):
     if arch == "Glm4MoeForCausalLM":
         assert (cfg.rotary_dim, cfg.qk_norm, cfg.topk_method, cfg.shared_experts_intermediate_size) == (
             64, "none", "noaux_tc", 1408)
+    elif arch == "Glm4MoeLiteForCausalLM":  # one dense layer (transformers' default mlp_layer_types), MLA of q_lora
+        assert (cfg.attention, cfg.first_k_dense_replace, cfg.q_lora_rank, cfg.latent_cache_dim, cfg.rotary_dim,
+                cfg.topk_method, cfg.routed_scaling_factor, cfg.shared_experts_intermediate_size) == (
+            "mla", 1, 768, 576, 64, "noaux_tc", 1.8, 1536)
     else:
         assert cfg.latent_cache_dim == 576 and cfg.rope_yarn.factor == 40 and cfg.rotary_dim == 64
         assert cfg.topk_method == ("greedy" if arch.startswith("DeepseekV2") else "noaux_tc")

@@ -89,7 +89,7 @@ SLOW = [("qwen3_moe", TP4), ("mixtral", TP2), ("olmoe", EP2), ("deepseek_v3", TP
         ("glm4_moe", EP2), ("deepseek_v2", EP2), ("mixtral", TP4_EP), ("deepseek_v3", TP4_EP), ("glm4_moe", TP4_EP),
         ("olmoe", TP4_EP), ("qwen3_moe", TP4_EP), ("deepseek_v2", TP4_EP),
         ("qwen2_moe", TP4), ("mixtral", TP4), ("olmoe", TP4), ("deepseek_v2", TP4), ("glm4_moe", TP4),
-        ("minimax_m2", EP2), ("minimax_m2", TP4_EP)]
+        ("minimax_m2", EP2), ("minimax_m2", TP4_EP), ("glm4_moe_lite", TP2), ("glm4_moe_lite", EP2)]
 CASES = CORE + [pytest.param(f, p, marks=pytest.mark.slow) for f, p in SLOW]
 
 

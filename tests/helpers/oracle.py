@@ -10,7 +10,7 @@ import torch
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2")
 # Grouped routers, shared experts, dense first layers; DeepSeek with multi-head latent attention.
-DEEPSEEK_GLM_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe")
+DEEPSEEK_GLM_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite")
 
 
 def tiny_hf_config(family: str, **overrides):
@@ -66,6 +66,13 @@ def _deepseek_glm_config(family: str, common: dict):
                    n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3, routed_scaling_factor=2.5,
                    norm_topk_prob=True, rope_interleave=True, attention_bias=True, rope_parameters=rope)
         return cfg, tf.DeepseekV3Config
+    if family == "glm4_moe_lite":  # GLM-4.7-Flash: V3's MLA with q_lora, GLM's router; dense layers by type list
+        moe_lite = {k: v for k, v in moe.items() if k != "first_k_dense_replace"}
+        cfg = dict(common, **dict(moe_lite, n_shared_experts=1), **mla, num_key_value_heads=4, q_lora_rank=24,
+                   n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=3, routed_scaling_factor=1.8,
+                   norm_topk_prob=True, rope_interleave=True, mlp_layer_types=["dense", "sparse", "sparse"],
+                   rope_parameters=rope)
+        return cfg, tf.Glm4MoeLiteConfig
     cfg = dict(common, **moe, head_dim=16, n_routed_experts=6, n_group=2, topk_group=1, routed_scaling_factor=1.8,
                norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
                rope_parameters=dict(rope, partial_rotary_factor=0.5))
