@@ -11,7 +11,8 @@ Every format is blocks between an opening and a closing tag, one call a block:
                 names the same parser). The tags are special tokens: decoded with skip_special_tokens off.
   glm45         `<tool_call>NAME` then `<arg_key>K</arg_key><arg_value>V</arg_value>` pairs, `</tool_call>`
                 (GLM-4.5 / 4.6): a value is JSON where the tool's schema types the parameter as other than a
-                string (or, unknown, where it parses as JSON), else the text as it is.
+                string (or, unknown, where it parses as JSON), else the text as it is. `glm47` (GLM-4.7, 4.7-Flash:
+                the name then the first pair with no newline between, or no pair) names the same parser.
   qwen3_coder   `<tool_call><function=NAME><parameter=K>V</parameter>...</function></tool_call>` (Qwen3-Coder,
                 its MoE models included): values as glm45's, less the newline the model writes around each.
   kimi_k2       `<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{...}<|tool_call_end|>`
@@ -214,7 +215,7 @@ def _typed(text: str, schema_type) -> object:
 
 
 TOOL_PARSERS = {"hermes": HermesParser, "deepseek_v3": DeepSeekParser, "deepseek_v31": DeepSeekParser,
-                "glm45": Glm45Parser, "qwen3_coder": Qwen3CoderParser, "kimi_k2": KimiK2Parser,
+                "glm45": Glm45Parser, "glm47": Glm45Parser, "qwen3_coder": Qwen3CoderParser, "kimi_k2": KimiK2Parser,
                 "minimax_m2": MinimaxM2Parser}
 
 

@@ -20,6 +20,7 @@ CALLS = {
                    "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
     "deepseek_v31": '<｜tool▁call▁begin｜>f<｜tool▁sep｜>{"a": 1}<｜tool▁call▁end｜>',
     "glm45": "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>",
+    "glm47": "<tool_call>f<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
     "qwen3_coder": "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>",
     "kimi_k2": '<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": 1}'
                "<|tool_call_end|><|tool_calls_section_end|>",

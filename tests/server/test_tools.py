@@ -90,6 +90,12 @@ KIMI = {
                            '{"city": "Paris", "unit": "°C"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1'
                            '<|tool_call_argument_begin|>{"tz": "CET"}<|tool_call_end|>' + KIMI_END, (None, [A, B])),
 }
+GLM47 = {
+    "glm47: the name runs into its first pair": (
+        "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key>"
+        "<arg_value>2</arg_value></tool_call>", (None, [("get_weather", {"city": "Paris", "days": 2})])),
+    "glm47: no arguments": ("Now.<tool_call>ping</tool_call>", ("Now.", [("ping", {})])),
+}
 MM_BEGIN, MM_END = "<minimax:tool_call>", "</minimax:tool_call>"
 MINIMAX = {
     "minimax_m2: two calls, typed by the schema": (
@@ -104,7 +110,8 @@ MINIMAX = {
 }
 CASES = {**{k: ("hermes", *v) for k, v in OUTPUTS.items()}, **{k: ("deepseek_v3", *v) for k, v in DEEPSEEK.items()},
          **{k: ("glm45", *v) for k, v in GLM.items()}, **{k: ("qwen3_coder", *v) for k, v in CODER.items()},
-         **{k: ("kimi_k2", *v) for k, v in KIMI.items()}, **{k: ("minimax_m2", *v) for k, v in MINIMAX.items()}}
+         **{k: ("kimi_k2", *v) for k, v in KIMI.items()}, **{k: ("minimax_m2", *v) for k, v in MINIMAX.items()},
+         **{k: ("glm47", *v) for k, v in GLM47.items()}}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -146,7 +153,8 @@ def test_a_stream_sends_content_before_the_call_ends_and_holds_only_a_possible_t
 
 
 def test_unknown_parser_names_the_known_ones():
-    with pytest.raises(ValueError, match="deepseek_v3, deepseek_v31, glm45, hermes, kimi_k2, minimax_m2, qwen3_coder"):
+    known = "deepseek_v3, deepseek_v31, glm45, glm47, hermes, kimi_k2, minimax_m2, qwen3_coder"
+    with pytest.raises(ValueError, match=known):
         tool_parser("mistral")
 
 
