@@ -11,6 +11,8 @@ top-k routing (measured: mean |diff| 1-32 % of the mean |logit|, argmax agreemen
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -36,7 +38,8 @@ CASES = [("qwen3_moe", "block", "per_expert", 2), ("qwen3_moe", "channel", "per_
          ("deepseek_v3", "block", "fused", 1), ("deepseek_v3", "tensor", "per_expert", 2),
          ("glm4_moe", "block", "per_expert", 1), ("glm4_moe", "channel", "per_expert", 1),
          ("qwen2_moe", "tensor", "per_expert", 1),  # its shared_expert_gate stays high precision
-         ("qwen3_moe", "ct_block", "per_expert", 1)]  # compressed-tensors FP8_BLOCK
+         ("qwen3_moe", "ct_block", "per_expert", 1),  # compressed-tensors FP8_BLOCK
+         ("minimax_m2", "block", "per_expert", 1), ("glm4_moe_lite", "block", "fused", 1)]
 
 
 @pytest.fixture(autouse=True)
@@ -64,6 +67,11 @@ def test_fp8_checkpoint_equals_oracle_on_dequantized_weights(family, scheme, for
     with torch.no_grad():
         before = [hf(s[None]).logits[0] for s in seqs]
     write_fp8_checkpoint(hf, tmp_path / "model", scheme, form, shards)  # hf now holds the dequantized weights
+    if family == "minimax_m2":  # its released quantization_config: the dtype's spelling, what stays unquantized
+        config = json.loads((tmp_path / "model" / "config.json").read_text())
+        config["quantization_config"] = dict(config["quantization_config"], fmt="float8_e4m3fn",
+                                             modules_to_not_convert=["gate", "e_score_correction_bias", "lm_head"])
+        (tmp_path / "model" / "config.json").write_text(json.dumps(config))
     peft_dir, raw_a, a_dir = adapters(hf, family, tmp_path)
     llm = LLM(tmp_path / "model", {"b": peft_dir, "a": a_dir}, device="cpu", dtype="float32", max_lora_rank=16,
               max_loras=2)

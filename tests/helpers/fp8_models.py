@@ -9,7 +9,7 @@ from tests.helpers.oracle import tiny_hf_model
 from tests.helpers.oracle_lora import ATTN
 
 QWEN_SIZES = dict(hidden_size=144, moe_intermediate_size=136, intermediate_size=200)
-SITES = dict(ATTN_SITES, qwen3_moe=ATTN, qwen2_moe=ATTN)
+SITES = dict(ATTN_SITES, qwen3_moe=ATTN, qwen2_moe=ATTN, minimax_m2=ATTN)
 
 
 def fp8_model(family: str, seed: int = 11):
