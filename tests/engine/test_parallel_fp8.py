@@ -24,7 +24,8 @@ ENGINE = dict(device="cpu", dtype="float32", max_lora_rank=8, max_loras=3, max_n
               num_kv_blocks=64, max_model_len=64)
 SIZES = {"qwen3_moe": dict(hidden_size=256, head_dim=128, moe_intermediate_size=256, intermediate_size=256),
          "deepseek_v3": dict(hidden_size=256, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64,
-                             moe_intermediate_size=256, intermediate_size=256)}
+                             moe_intermediate_size=256, intermediate_size=256),
+         "minimax_m2": dict(hidden_size=256, head_dim=128, intermediate_size=256)}
 TP2, EP2 = dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, expert_parallel=True)
 
 
@@ -64,7 +65,8 @@ def _run(model_dir, adapters, vocab, **parallel):
 
 
 CORE = [("qwen3_moe", "block", TP2), ("deepseek_v3", "block", TP2), ("deepseek_v3", "block", EP2),
-        ("qwen3_moe", "channel", TP2)]  # compressed-tensors per channel
+        ("qwen3_moe", "channel", TP2),  # compressed-tensors per channel
+        ("minimax_m2", "block", TP2)]  # q / k norms over the whole projection, FP8 q / k sharded by 128-row blocks
 SLOW = [("qwen3_moe", "block", EP2), ("deepseek_v3", "tensor", TP2)]
 
 
