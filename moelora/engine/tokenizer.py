@@ -8,6 +8,7 @@ Incremental detokenisation (streamed text, stop strings) lives in
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -79,9 +80,9 @@ class Tokenizer:
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])  # as transformers renders
-        env.globals["raise_exception"] = _raise
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,  # as transformers renders
+                                            extensions=["jinja2.ext.loopcontrols", _generation_block()])
+        env.globals.update(raise_exception=_raise, strftime_now=_strftime_now, namespace=_namespace())
         env.filters["tojson"] = _tojson
         fixed = dict(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                      bos_token=self.bos_token or "", eos_token=self.eos_token or "")
@@ -104,3 +105,57 @@ def _tojson(value, ensure_ascii: bool = False, indent: int | None = None, separa
 
 def _raise(message: str):
     raise RequestError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    """The template global transformers gives (Llama-style templates date their system prompt)."""
+    from datetime import datetime
+
+    return datetime.now().strftime(fmt)
+
+
+@functools.cache
+def _generation_block():
+    """The `{% generation %} ... {% endgeneration %}` tag transformers' templates may use to mark the assistant's
+    text (its assistant-token masks): here the body renders as it is."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationBlock(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    return GenerationBlock
+
+
+@functools.cache
+def _namespace():
+    """jinja's `namespace` without underscore-prefixed attributes (transformers' rule: no way to reach an object's
+    internals through one)."""
+    from jinja2.exceptions import SecurityError
+    from jinja2.utils import Namespace
+
+    def check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise SecurityError(f"a chat template cannot set the underscore-prefixed attribute {name!r} on a "
+                                "namespace")
+
+    class TemplateNamespace(Namespace):
+        def __init__(*args, **kwargs):  # jinja's signature: `namespace(self=...)` stays an attribute
+            self, attrs = args[0], dict(*args[1:], **kwargs)
+            for name in attrs:
+                check(name)
+            Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            check(name)
+            Namespace.__setitem__(self, name, value)
+
+    return TemplateNamespace
