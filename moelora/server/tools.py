@@ -22,7 +22,8 @@ Every format is blocks between an opening and a closing tag, one call a block:
                 `<minimax:tool_call>` ... `</minimax:tool_call>` (MiniMax-M2 / M2.1 / M2.5): values as glm45's, less
                 the newline around each; decoded as deepseek's.
 The message's content is the text outside the blocks (and outside a format's wrapper tags), null if only
-whitespace is left; a block whose body is not a call stays in the content, tags and all, so no text is lost.
+whitespace is left; a block whose body is not a call stays in the content, tags and all, so no text is lost
+(but wrapper tags: never content); one whose body holds another opening tag is, from the last one, a block again.
 
 Streaming: content is sent as it comes, except a tail that may be the start of a tag (held until it is known
 not to be) and trailing whitespace (held until other content follows; dropped at the end if the output made
@@ -274,23 +275,38 @@ class ToolStream:
                 if at < 0:
                     break
                 body, self.buf, self.in_block = self.buf[:at], self.buf[at + len(p.end):], False
-                call = p.call(body, self.schemas)
-                if call is None:
-                    out.append(self._content(p.start + body + p.end))
-                else:
-                    calls.append(call)
+                text, call = self._close(body, p.end)
+                out.append(self._content(text))
+                calls += [call] if call is not None else []
         self.calls += len(calls)
         return "".join(out), calls
 
+    def _close(self, body: str, end: str) -> tuple[str, ToolCall | None]:
+        """(content, call) of a block's `body` closed by `end` ("" at the output's end): its call; else, where the
+        body holds another opening tag, the call of the block from the last one, the text before it content;
+        else the block's text as content. Wrapper tags are never content."""
+        p = self.parser
+        call = p.call(body, self.schemas)
+        if call is None and p.start in body:  # a tag that began no call, then the block of the last one
+            head, _, tail = body.rpartition(p.start)
+            if (call := p.call(tail, self.schemas)) is not None:
+                return self._unwrapped(p.start + head), call
+        if call is not None:
+            return "", call
+        return self._unwrapped(p.start + body + end), None
+
+    def _unwrapped(self, text: str) -> str:
+        for tag in self.parser.wrappers:
+            text = text.replace(tag, "")
+        return text
+
     def finish(self) -> tuple[str, list[ToolCall]]:
         """At the output's end: an open block's call if its body parses, else what is held is content."""
-        p, calls, out = self.parser, [], ""
+        calls, out = [], ""
         if self.in_block:
-            call = p.call(self.buf, self.schemas)
-            if call is None:
-                out = self._content(p.start + self.buf)
-            else:
-                calls.append(call)
+            text, call = self._close(self.buf, "")
+            out = self._content(text)
+            calls += [call] if call is not None else []
         else:
             out = self._content(self.buf)  # a wrapper's start left at the end is text after all
         self.buf, self.in_block = "", False

@@ -90,6 +90,11 @@ KIMI = {
                            '{"city": "Paris", "unit": "°C"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1'
                            '<|tool_call_argument_begin|>{"tz": "CET"}<|tool_call_end|>' + KIMI_END, (None, [A, B])),
 }
+HERMES_NESTED = {
+    "hermes: an argument holding the opening tag": (
+        '<tool_call>{"name": "f", "arguments": {"s": "<tool_call>"}}</tool_call>',
+        (None, [("f", {"s": "<tool_call>"})])),
+}
 GLM47 = {
     "glm47: the name runs into its first pair": (
         "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key>"
@@ -104,6 +109,9 @@ MINIMAX = {
         "</parameter>\n</invoke>\n" + MM_END,
         ("Let me check.", [("get_weather", {"city": "2046", "days": 3}), ("get_time", {"tz": "CET"})])),
     "minimax_m2: no parameters": (MM_BEGIN + '<invoke name="ping"></invoke>' + MM_END, (None, [("ping", {})])),
+    "minimax_m2: a stray opening tag, then the call": (
+        '<invoke name=' + MM_BEGIN + '\n<invoke name="f">\n<parameter name="a">1</parameter>\n</invoke>\n' + MM_END,
+        ("<invoke name=", [("f", {"a": 1})])),
     "minimax_m2: a broken parameter stays content": (
         MM_BEGIN + '<invoke name="f"><parameter name="a">1</invoke>' + MM_END,
         ('<invoke name="f"><parameter name="a">1</invoke>', [])),
@@ -111,7 +119,7 @@ MINIMAX = {
 CASES = {**{k: ("hermes", *v) for k, v in OUTPUTS.items()}, **{k: ("deepseek_v3", *v) for k, v in DEEPSEEK.items()},
          **{k: ("glm45", *v) for k, v in GLM.items()}, **{k: ("qwen3_coder", *v) for k, v in CODER.items()},
          **{k: ("kimi_k2", *v) for k, v in KIMI.items()}, **{k: ("minimax_m2", *v) for k, v in MINIMAX.items()},
-         **{k: ("glm47", *v) for k, v in GLM47.items()}}
+         **{k: ("glm47", *v) for k, v in GLM47.items()}, **{k: ("hermes", *v) for k, v in HERMES_NESTED.items()}}
 
 
 @pytest.mark.parametrize("case", list(CASES))
