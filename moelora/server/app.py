@@ -1,6 +1,7 @@
 """The FastAPI app: OpenAI-compatible routes, adapter management, health and metrics.
 
-Routes (vLLM's names): POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
+Routes (vLLM's names): POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (`responses.py`),
+GET /v1/models,
 POST /v1/load_lora_adapter {lora_name, lora_path}, POST /v1/unload_lora_adapter {lora_name},
 POST /tokenize {prompt | messages}, POST /detokenize {tokens}, GET /tokenizer_info (when
 `enable_tokenizer_info_endpoint`), GET /health, GET and POST /ping (as /health), GET /metrics, GET /version.
@@ -48,6 +49,7 @@ from moelora.server.protocol import (
     UnloadLoRAAdapterRequest,
     error_body,
 )
+from moelora.server.responses import ResponsesRequest, create_response
 from moelora.server.serving import OpenAIServing, Result, ServerConfig
 from moelora.server.stats_log import log_stats_while_serving
 
@@ -106,6 +108,10 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await respond(request, serving.chat, body)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await respond(request, lambda b: create_response(serving, b), body)
 
     @app.get("/v1/models")
     async def models():

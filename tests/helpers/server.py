@@ -180,3 +180,12 @@ def streamed_text(stream) -> tuple[dict[int, str], dict[int, str], object]:
 
 def post(url, path, body, **kw):
     return httpx.post(url + path, json=body, timeout=TIMEOUT, **kw)
+
+
+@contextmanager
+def thinking_server(root: Path, template: str):
+    """The tiny model's server under `template`, reasoning (qwen3) and hermes tool calls parsed: its URL."""
+    out, _ = write_model(root)
+    (out / "chat_template.jinja").write_text(template)
+    with serving(cpu_app(out, reasoning_parser="qwen3", tool_call_parser="hermes")) as u:
+        yield u

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from moelora.server.reasoning import ReasoningStream, extract_reasoning, reasoning_parser
-from tests.helpers.server import BASE, TIMEOUT, cpu_app, make_client, post, serving, write_model
+from tests.helpers.server import BASE, TIMEOUT, cpu_app, make_client, post, serving, thinking_server, write_model
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -96,9 +96,7 @@ ADD = {"type": "function", "function": {"name": "add"}}
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    out, _ = write_model(tmp_path_factory.mktemp("server_reasoning"))
-    (out / "chat_template.jinja").write_text(TEMPLATE)
-    with serving(cpu_app(out, reasoning_parser="qwen3", tool_call_parser="hermes")) as u:
+    with thinking_server(tmp_path_factory.mktemp("server_reasoning"), TEMPLATE) as u:
         yield u
 
 
