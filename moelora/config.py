@@ -29,6 +29,7 @@ ARCHITECTURES = {
     "Glm4MoeForCausalLM": "glm4_moe",
     "MiniMaxM2ForCausalLM": "minimax_m2",
     "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
+    "Dots1ForCausalLM": "dots1",
 }
 # multi-head latent attention; GLM-4.7-Flash's `glm4_moe_lite` is DeepSeek-V3's attention with GLM-4-MoE's blocks
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
@@ -347,8 +348,9 @@ def _first_dense(family: str, raw: dict[str, Any]) -> int:
 
 
 def _parse_deepseek_glm(family: str, raw: dict[str, Any]) -> ModelConfig:
-    """DeepSeek-V2/V3 (MLA), GLM-4-MoE (GQA, partial rotary) and GLM-4.7-Flash (`glm4_moe_lite`: V3's MLA, dense
-    layers listed in `mlp_layer_types`): grouped routing, shared experts."""
+    """DeepSeek-V2/V3 (MLA), GLM-4-MoE (GQA, partial rotary), dots.llm1 (`dots1`: GQA with per-head q / k norms)
+    and GLM-4.7-Flash (`glm4_moe_lite`: V3's MLA, dense layers listed in `mlp_layer_types`): grouped routing,
+    shared experts."""
     _check_deepseek_glm(family, raw)
     common = _common(family, raw)
     heads, hidden = common["num_heads"], common["hidden_size"]
@@ -370,15 +372,19 @@ def _parse_deepseek_glm(family: str, raw: dict[str, Any]) -> ModelConfig:
         first_k_dense_replace=_first_dense(family, raw),
         rope_theta=_rope_theta(raw, family),
     )
-    if family == "glm4_moe":
+    if family in ("glm4_moe", "dots1"):  # dots.llm1: Qwen3's attention (per-head q / k norms, whole rotary)
         params = _rope_params(raw)
         factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
         head_dim = int(_get(raw, "head_dim", default=hidden // heads))
+        if family == "dots1":
+            sliding = [i for i, kind in enumerate(raw.get("layer_types") or ()) if kind != "full_attention"]
+            if sliding:
+                raise ConfigError(f"layer_types marks layers {sliding[:8]} as sliding-window attention: not supported")
         return ModelConfig(
             **common, **routing, num_kv_heads=int(_get(raw, "num_key_value_heads", default=heads)), head_dim=head_dim,
             attention_bias=bool(raw.get("attention_bias", False)),
-            qk_norm="per_head" if raw.get("use_qk_norm") else "none",
-            partial_rotary_factor=float(0.5 if factor is None else factor))  # transformers' default for GLM
+            qk_norm="per_head" if raw.get("use_qk_norm") or family == "dots1" else "none",
+            partial_rotary_factor=float(factor if factor is not None else 0.5 if family == "glm4_moe" else 1.0))
     nope, rope = int(_get(raw, "qk_nope_head_dim")), int(_get(raw, "qk_rope_head_dim"))
     factor = _rope_params(raw).get("partial_rotary_factor", raw.get("partial_rotary_factor"))
     if family == "glm4_moe_lite" and factor not in (None, 1, 1.0):  # transformers would rotate part of the rope dims
@@ -435,7 +441,7 @@ def _parse_minimax_m2(raw: dict[str, Any]) -> ModelConfig:
 
 
 def _parse(family: str, raw: dict[str, Any]) -> ModelConfig:
-    if family in (*MLA_FAMILIES, "glm4_moe"):
+    if family in (*MLA_FAMILIES, "glm4_moe", "dots1"):
         return _parse_deepseek_glm(family, raw)
     if family == "minimax_m2":
         return _parse_minimax_m2(raw)

@@ -14,6 +14,7 @@ _FAMILIES = {
     "olmoe": "moelora.models.decoder:MoECausalLM",
     "glm4_moe": "moelora.models.decoder:MoECausalLM",
     "minimax_m2": "moelora.models.decoder:MoECausalLM",
+    "dots1": "moelora.models.decoder:MoECausalLM",
     "deepseek_v2": "moelora.models.deepseek:DeepseekCausalLM",
     "deepseek_v3": "moelora.models.deepseek:DeepseekCausalLM",
     "glm4_moe_lite": "moelora.models.deepseek:DeepseekCausalLM",

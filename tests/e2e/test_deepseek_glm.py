@@ -44,7 +44,7 @@ from tests.helpers.oracle_lora import (
 from tests.helpers.runs import greedy_by_recompute, prompts, run
 
 CASES = {"deepseek_v2": ("per_expert", None), "deepseek_v3": ("fused", None), "glm4_moe": ("per_expert", "30KB"),
-         "glm4_moe_lite": ("per_expert", "30KB")}
+         "glm4_moe_lite": ("per_expert", "30KB"), "dots1": ("fused", None)}
 
 
 @pytest.fixture(autouse=True)
@@ -179,7 +179,8 @@ def test_config_fields():
 def _raw(family: str, **changes) -> dict:
     raw = tiny_hf_config(family).to_dict()
     raw["architectures"] = [{"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                             "glm4_moe": "Glm4MoeForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM"}[family]]
+                             "glm4_moe": "Glm4MoeForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+                             "dots1": "Dots1ForCausalLM"}[family]]
     raw.update(changes)
     return raw
 
@@ -204,6 +205,7 @@ def _raw(family: str, **changes) -> dict:
     ("glm4_moe_lite", {"mlp_layer_types": ["dense", "sparse"]}, "one per layer"),
     ("glm4_moe_lite", {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "partial_rotary"),
     ("glm4_moe_lite", {"scoring_func": "softmax"}, "scoring_func"),
+    ("dots1", {"layer_types": ["full_attention", "sliding_attention", "full_attention"]}, "sliding-window"),
 ])
 def test_unsupported_config_values_are_refused(family, changes, needle):
     with pytest.raises(ConfigError, match=needle):

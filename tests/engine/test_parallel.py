@@ -76,7 +76,7 @@ def _run(model_dir, adapters, vocab, **parallel):
 # 8 experts (the tiny models' 6 do not partition over 4 ranks: EP at TP=4); Qwen2-MoE keeps its unsplittable 5
 OVERRIDES = {"deepseek_v2": dict(num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_group=4),
              "glm4_moe": dict(n_routed_experts=8), "olmoe": dict(num_experts=8), "qwen3_moe": dict(num_experts=8),
-             "minimax_m2": dict(num_local_experts=8)}
+             "minimax_m2": dict(num_local_experts=8), "dots1": dict(n_routed_experts=8)}
 TP2, EP2 = dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, expert_parallel=True)
 TP4 = dict(tensor_parallel_size=4)
 TP4_EP = dict(tensor_parallel_size=4, expert_parallel=True)
@@ -89,7 +89,8 @@ SLOW = [("qwen3_moe", TP4), ("mixtral", TP2), ("olmoe", EP2), ("deepseek_v3", TP
         ("glm4_moe", EP2), ("deepseek_v2", EP2), ("mixtral", TP4_EP), ("deepseek_v3", TP4_EP), ("glm4_moe", TP4_EP),
         ("olmoe", TP4_EP), ("qwen3_moe", TP4_EP), ("deepseek_v2", TP4_EP),
         ("qwen2_moe", TP4), ("mixtral", TP4), ("olmoe", TP4), ("deepseek_v2", TP4), ("glm4_moe", TP4),
-        ("minimax_m2", EP2), ("minimax_m2", TP4_EP), ("glm4_moe_lite", TP2), ("glm4_moe_lite", EP2)]
+        ("minimax_m2", EP2), ("minimax_m2", TP4_EP), ("glm4_moe_lite", TP2), ("glm4_moe_lite", EP2),
+        ("dots1", TP2), ("dots1", EP2)]
 CASES = CORE + [pytest.param(f, p, marks=pytest.mark.slow) for f, p in SLOW]
 
 

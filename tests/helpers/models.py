@@ -79,7 +79,7 @@ def merged_hf(hf, adapter: LoRAAdapter):
 ATTN_SITES = {"deepseek_v2": ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
               "deepseek_v3": ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
               "glm4_moe_lite": ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
-              "glm4_moe": ("q_proj", "k_proj", "v_proj", "o_proj")}
+              "glm4_moe": ("q_proj", "k_proj", "v_proj", "o_proj"), "dots1": ("q_proj", "k_proj", "v_proj", "o_proj")}
 
 
 def config_of(hf) -> ModelConfig:

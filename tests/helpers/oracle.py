@@ -10,7 +10,7 @@ import torch
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2")
 # Grouped routers, shared experts, dense first layers; DeepSeek with multi-head latent attention.
-DEEPSEEK_GLM_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite")
+DEEPSEEK_GLM_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1")
 
 
 def tiny_hf_config(family: str, **overrides):
@@ -73,6 +73,10 @@ def _deepseek_glm_config(family: str, common: dict):
                    norm_topk_prob=True, rope_interleave=True, mlp_layer_types=["dense", "sparse", "sparse"],
                    rope_parameters=rope)
         return cfg, tf.Glm4MoeLiteConfig
+    if family == "dots1":  # dots.llm1: Qwen3's attention over DeepSeek-V3's blocks (no renormalisation here)
+        cfg = dict(common, **moe, head_dim=16, n_routed_experts=6, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                   norm_topk_prob=False, sliding_window=None, rope_parameters=rope)
+        return cfg, tf.Dots1Config
     cfg = dict(common, **moe, head_dim=16, n_routed_experts=6, n_group=2, topk_group=1, routed_scaling_factor=1.8,
                norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
                rope_parameters=dict(rope, partial_rotary_factor=0.5))

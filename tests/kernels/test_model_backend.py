@@ -121,7 +121,8 @@ def compare_backends(model, adapters, vocab, lengths, seed, monkeypatch):
 @interp_only
 @pytest.mark.parametrize("family,fused", [("glm4_moe", {"qk_norm_rope", "silu_mul"}),
                                           ("deepseek_v3", {"rms_norm", "silu_mul", "softmax_topk"}),
-                                          ("glm4_moe_lite", {"rms_norm", "silu_mul", "softmax_topk"})])
+                                          ("glm4_moe_lite", {"rms_norm", "silu_mul", "softmax_topk"}),
+                                          ("dots1", {"qk_norm_rope", "silu_mul"})])
 def test_triton_backend_logits_equal_torch_backend_glm_deepseek(family, fused, monkeypatch):
     from moelora.config import ModelConfig
     from moelora.models.registry import model_class
