@@ -26,9 +26,9 @@ is checked from the safetensors headers before any tensor data is read. Three ki
 ignored: rotary-embedding buffers (`rotary_emb.inv_freq`), which are not weights;
 `lm_head.weight` when the caller passes no `lm_head.weight` (tied embeddings) and its shape equals
 `model.embed_tokens.weight` -- transformers also drops that copy and ties the head to the embedding;
-and the multi-token-prediction layers DeepSeek-V3 / GLM-4.5 ship after the decoder
-(`model.layers.{k}.*` with k past the last decoder layer, only when the checkpoint holds that
-layer's `model.layers.{k}.eh_proj.weight`), which moelora does not run -- as transformers ignores them.
+and the multi-token-prediction layers DeepSeek-V3 / GLM-4.5 / MiniMax-M2 ship after the decoder
+(`model.layers.{k}.*` with k past the last decoder layer, only when the checkpoint holds an
+`eh_proj.weight` in one of those layers), which moelora does not run -- as transformers ignores them.
 
 FP8 checkpoints (`quant`, a `moelora.quant.checkpoint.FP8Loading`): every FP8 weight key has a scale key
 next to it (`X.weight_scale_inv`, per-expert `...experts.{e}.gate_proj.weight_scale_inv`, fused
@@ -240,11 +240,12 @@ def _target_of(key: str, shape: tuple[int, ...], params: dict[str, torch.Tensor]
 
 
 def _mtp_layers(keys, params: dict[str, torch.Tensor]) -> set[str]:
-    """Layer prefixes (`model.layers.{k}.`) of multi-token-prediction layers past the decoder."""
+    """Layer prefixes (`model.layers.{k}.`) of multi-token-prediction layers past the decoder: all of them once one
+    holds an `eh_proj` (a module of several layers - MiniMax's `mtp_transformer_layers` - marks only its first)."""
     keys = set(keys)
     num_layers = 1 + max((int(m[1]) for m in map(_LAYER.match, params) if m), default=-1)
-    return {m[0] for m in map(_LAYER.match, keys) if m and int(m[1]) >= num_layers
-            and f"{m[0]}{_MTP_MARK}" in keys}
+    past = {m[0] for m in map(_LAYER.match, keys) if m and int(m[1]) >= num_layers}
+    return past if any(f"{prefix}{_MTP_MARK}" in keys for prefix in past) else set()
 
 
 def _plan(headers, params: dict[str, torch.Tensor], quant: FP8Loading | None = None,

@@ -243,7 +243,8 @@ def test_mtp_layers_are_ignored_and_router_stays_fp32(tmp_path):
     file = tmp_path / "model.safetensors"
     sd = load_file(str(file))
     mtp = {"model.layers.3.eh_proj.weight": torch.ones(48, 96), "model.layers.3.enorm.weight": torch.ones(48),
-           "model.layers.3.mlp.experts.0.gate_proj.weight": torch.ones(16, 48)}
+           "model.layers.3.mlp.experts.0.gate_proj.weight": torch.ones(16, 48),
+           "model.layers.4.mlp.experts.0.gate_proj.weight": torch.ones(16, 48)}  # a module's second layer
     save_file({**sd, **mtp}, str(file))
     cfg = config_of(hf)
     model = model_class(cfg)(cfg, dtype=torch.bfloat16)
