@@ -86,7 +86,15 @@ MINIMAX_M2 = dict(family="minimax_m2", vocab_size=200064, hidden_size=3072, num_
                   top_k=8, norm_topk_prob=True, qk_norm="whole", partial_rotary_factor=0.5, rope_theta=5e6,
                   topk_method="noaux_tc", router_correction_bias=True, max_position_embeddings=4096,
                   dtype="bfloat16")
-MODELS = {"qwen3_30b": QWEN3_30B, "dsv2_lite": DSV2_LITE, "dsv3": DSV3, "minimax_m2": MINIMAX_M2}
+# GLM-4.7-Flash (30B-A3B): DeepSeek-V3's MLA with wider heads (nope 192, v 256, 20 of them), GLM's router.
+GLM47_FLASH = dict(family="glm4_moe_lite", vocab_size=154880, hidden_size=2048, num_layers=47, num_heads=20,
+                   num_kv_heads=20, head_dim=192 + 64, intermediate_size=10240, moe_intermediate_size=1536,
+                   num_experts=64, top_k=4, norm_topk_prob=True, attention="mla", q_lora_rank=768, kv_lora_rank=512,
+                   qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, topk_method="noaux_tc",
+                   routed_scaling_factor=1.8, router_correction_bias=True, n_shared_experts=1, first_k_dense_replace=1,
+                   rope_interleave=True, rope_theta=1e6, max_position_embeddings=4096, dtype="bfloat16")
+MODELS = {"qwen3_30b": QWEN3_30B, "dsv2_lite": DSV2_LITE, "dsv3": DSV3, "minimax_m2": MINIMAX_M2,
+          "glm47_flash": GLM47_FLASH}
 ALL = ("qwen3_30b", "dsv2_lite")  # `--model all`
 TRITON = LayerOptions(kernel_backend="triton")
 

@@ -278,3 +278,41 @@ def test_fp8_deepseek_decode_on_triton_equals_torch_backend(tmp_path, monkeypatc
     for a, b in zip(got, want, strict=True):
         assert a.output_ids == b.output_ids, a.request_id
         assert max(abs(x[0] - y[0]) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-4
+
+
+@interp_only
+def test_glm47_flash_head_widths_on_the_mla_kernels_equal_torch(monkeypatch):
+    """GLM-4.7-Flash's MLA is wider than DeepSeek's (nope 192, rope 64, v 256 a head; C 512): a prompt batch on the
+    Triton backend (MLA prefill kernel, LoRA) equals the torch backend, and its decode (absorbed, on the MLA decode
+    kernels) gives the tokens of greedy recompute on the torch backend."""
+    from moelora.config import ModelConfig
+    from moelora.engine.request import SamplingParams
+    from moelora.models.registry import model_class
+    from tests.helpers.models import hf_weights
+    from tests.helpers.runs import greedy_by_recompute, run
+
+    hf = tiny_hf_model("glm4_moe_lite", seed=31, hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
+                       qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, kv_lora_rank=512, q_lora_rank=32)
+    cfg = ModelConfig.from_dict(dict(hf.config.to_dict(), architectures=[type(hf).__name__]))
+    model = model_class(cfg)(cfg, max_loras=2, max_rank=4)
+    model.load_state_dict(hf_weights(hf), strict=True)
+    model = model.eval().to(DEV)
+    adapters = {"a": random_adapter(model, seed=32, rank=4, frac=0.7)}
+    seqs, names = [[5, 9, 12, 3, 7], [8, 1, 2, 6, 11, 13, 14, 2]], ["a", None]
+    want = engine(model, adapters, max_loras=2, device=DEV, kernel_backend="torch").prompt_logits(seqs, names)
+    assert_close(engine(model, adapters, max_loras=2, device=DEV, kernel_backend="triton").prompt_logits(seqs, names),
+                 want)
+    import moelora.kernels.mla_attention as decode_module
+    import moelora.kernels.mla_prefill as prefill_module
+
+    launches = {"decode": 0, "prefill": 0}
+    for module, name, kind in ((decode_module, "mla_decode_attention", "decode"),
+                               (prefill_module, "mla_prefill_attention", "prefill")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _kind=kind, **kw: launches.__setitem__(
+            _kind, launches[_kind] + 1) or _real(*a, **kw))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    got = run(engine(model, adapters, max_loras=2, device=DEV, kernel_backend="triton"), seqs, names, params)
+    assert launches["decode"] >= 3 * cfg.num_layers and launches["prefill"] >= cfg.num_layers, launches  # the kernels
+    ref = engine(model, adapters, max_loras=2, device=DEV, kernel_backend="torch")
+    assert got == [greedy_by_recompute(ref, s, n, 4) for s, n in zip(seqs, names, strict=True)]
