@@ -316,3 +316,21 @@ def test_glm47_flash_head_widths_on_the_mla_kernels_equal_torch(monkeypatch):
     assert launches["decode"] >= 3 * cfg.num_layers and launches["prefill"] >= cfg.num_layers, launches  # the kernels
     ref = engine(model, adapters, max_loras=2, device=DEV, kernel_backend="torch")
     assert got == [greedy_by_recompute(ref, s, n, 4) for s, n in zip(seqs, names, strict=True)]
+
+
+@interp_only
+def test_minimax_m2_head_widths_equal_torch(monkeypatch):
+    """MiniMax-M2's attention at its own widths (heads of 128, rotary over the first 64, q / k norms over the whole
+    512 / 256-wide projections): the Triton backend's prompt logits equal the torch backend's and transformers'."""
+    hf = tiny_hf_model("minimax_m2", seed=21, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=128, rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                                      "partial_rotary_factor": 0.5})
+    model = build(hf, max_loras=2, max_rank=4).to(DEV)
+    calls, _ = compare_backends(model, {"a": random_adapter(model, seed=22, rank=4, frac=0.6)}, hf.config.vocab_size,
+                                (5, 1, 8), 23, monkeypatch)
+    assert calls["qk_norm_rope"] >= 1 and calls["rms_norm"] >= 2 * hf.config.num_hidden_layers, calls
+    ids = torch.tensor([[5, 9, 12, 3, 7]])
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+    got = engine(model.to("cpu"), kernel_backend="triton").prompt_logits(ids.tolist(), [None])[0]
+    assert (got - ref).abs().max() <= 1e-4
