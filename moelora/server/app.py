@@ -98,7 +98,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
             result = await _unless_disconnected(request, handler(body))
             return JSONResponse(result.body) if result is not None else Response(status_code=499)
         result: Result = await handler(body)
-        return StreamingResponse(result.sse, media_type="text/event-stream",
+        return StreamingResponse(result.sse(), media_type="text/event-stream",
                                  background=BackgroundTask(result.stream.abort) if result.stream else None)
 
     @app.post("/v1/completions")

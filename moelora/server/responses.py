@@ -17,11 +17,13 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError
 
 from moelora.server.protocol import ANY, NONE, NONE_OR_EMPTY, ApiError, ChatCompletionRequest, NonNegFloat, _Body
+from moelora.server.serving import Result
 
 
 class ResponsesTool(_Body):
@@ -54,14 +56,20 @@ class ResponsesRequest(_Body):
     stream: bool | None = False
 
 
-async def create_response(serving, body: ResponsesRequest):
-    """POST /v1/responses on an `OpenAIServing`: its chat completion, as a response object or its events."""
-    from moelora.server.serving import Result
+class ResponsesResult(Result):
+    """A Result whose stream is the Responses API's events: `event: TYPE` lines, no `[DONE]`."""
 
+    async def sse(self) -> AsyncIterator[str]:
+        async for event in self.chunks:
+            yield f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+async def create_response(serving, body: ResponsesRequest) -> Result:
+    """POST /v1/responses on an `OpenAIServing`: its chat completion, as a response object or its events."""
     result = await serving.chat(chat_request(body))
     if body.stream:
         model = body.model or serving.cfg.served_model_names[0]
-        return Result(None, stream_of(body, result.sse, model), result.stream)
+        return ResponsesResult(None, stream_of(body, result.chunks, model), result.stream)
     return Result(response_of(body, result.body), None, result.stream)
 
 
@@ -199,14 +207,13 @@ def response_of(body: ResponsesRequest, chat: dict) -> dict:
 
 
 async def stream_of(body: ResponsesRequest, chunks, model: str):
-    """The chat stream's SSE lines as the Responses API's events."""
+    """The chat stream's chunk bodies as the Responses API's events."""
     resp, seq = ResponseBody(body, model), 0
 
-    def event(kind: str, **fields) -> str:
+    def event(kind: str, **fields) -> dict:
         nonlocal seq
-        data = {"type": kind, "sequence_number": seq, **fields}
         seq += 1
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+        return {"type": kind, "sequence_number": seq - 1, **fields}
 
     output, usage, finish = [], None, None
     open_item = None  # (kind, item id, output index, text so far)
@@ -252,11 +259,7 @@ async def stream_of(body: ResponsesRequest, chunks, model: str):
         extra = {} if kind == "reasoning" else {"logprobs": []}
         yield event(name, item_id=item_id, output_index=index, content_index=0, delta=delta, **extra)
 
-    async for line in chunks:
-        data = line.removeprefix("data: ").strip()
-        if data == "[DONE]":
-            break
-        chunk = json.loads(data)
+    async for chunk in chunks:
         if "error" in chunk:
             err = chunk["error"]
             yield event("error", code=str(err.get("code")), message=err.get("message"), param=err.get("param"))

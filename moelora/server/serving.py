@@ -70,12 +70,18 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class Result:
-    """A whole response body, or an SSE stream; `stream.abort()` is safe to call once it is done
-    (None: nothing was generated, as for an echo with max_tokens 0)."""
+    """A whole response body, or a stream of chunk bodies (an error body ends one that failed); `stream.abort()`
+    is safe to call once it is done (None: nothing was generated, as for an echo with max_tokens 0)."""
 
     body: dict | None
-    sse: AsyncIterator[str] | None
+    chunks: AsyncIterator[dict] | None
     stream: RequestStream | None
+
+    async def sse(self) -> AsyncIterator[str]:
+        """The chunks as server-sent events, then `data: [DONE]`."""
+        async for chunk in self.chunks:
+            yield sse(chunk)
+        yield "data: [DONE]\n\n"
 
 
 @dataclass
@@ -350,7 +356,7 @@ class OpenAIServing:
                 choice = {"index": i, "text": part["echo"], "logprobs": part["echo_lp"],
                           "finish_reason": None if events else "length", "stop_reason": None,
                           "prompt_logprobs": part["prompt_logprobs"], **self._choice_extras(body, part["ids"], [])}
-                yield sse(resp.body("text_completion", [choice], **resp.chunk_usage()))
+                yield resp.body("text_completion", [choice], **resp.chunk_usage())
             async for ev in events or no_events():
                 resp.count(ev)
                 lp = None
@@ -361,12 +367,11 @@ class OpenAIServing:
                     continue
                 choice = {"index": ev.index, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish_reason,
                           "stop_reason": ev.stop_reason, **self._choice_extras(body, None, ev.token_ids)}
-                yield sse(resp.body("text_completion", [choice], **resp.chunk_usage()))
+                yield resp.body("text_completion", [choice], **resp.chunk_usage())
             if resp.final_usage:
-                yield sse(resp.body("text_completion", [], usage=resp.usage()))
+                yield resp.body("text_completion", [], usage=resp.usage())
         except ApiError as e:
-            yield sse(e.body())
-        yield "data: [DONE]\n\n"
+            yield e.body()
 
     # chat ---------------------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest) -> Result:
@@ -456,8 +461,7 @@ class OpenAIServing:
             for i in range(body.choices):  # the first chunk carries the prompt's fields (prompt_logprobs, ...)
                 first = {"index": i, "delta": {"role": role, "content": echo}, "logprobs": None,
                          "finish_reason": None}
-                yield sse(resp.body("chat.completion.chunk", [first], **resp.chunk_usage(),
-                                    **(extra if i == 0 else {})))
+                yield resp.body("chat.completion.chunk", [first], **resp.chunk_usage(), **(extra if i == 0 else {}))
             replies = [ReplyStream(fmt) for _ in range(body.choices)]
             async for ev in events:
                 resp.count(ev)
@@ -473,12 +477,11 @@ class OpenAIServing:
                 reason = "tool_calls" if ev.finish_reason is not None and reply.calls else ev.finish_reason
                 choice = {"index": ev.index, "delta": delta, "logprobs": lp, "finish_reason": reason,
                           "stop_reason": ev.stop_reason, **self._choice_extras(body, None, ev.token_ids)}
-                yield sse(resp.body("chat.completion.chunk", [choice], **resp.chunk_usage()))
+                yield resp.body("chat.completion.chunk", [choice], **resp.chunk_usage())
             if resp.final_usage:
-                yield sse(resp.body("chat.completion.chunk", [], usage=resp.usage()))
+                yield resp.body("chat.completion.chunk", [], usage=resp.usage())
         except ApiError as e:
-            yield sse(e.body())
-        yield "data: [DONE]\n\n"
+            yield e.body()
 
 
 def _top(entries: list, k: int) -> list:
