@@ -38,6 +38,7 @@ import torch
 from moelora.engine.config import EngineConfig
 from moelora.engine.runner import StepInputs
 from moelora.kernels.checks import lora_tile_rank
+from moelora.kernels.side_stream import layer_streams
 from moelora.layers.attention import AttnMetadata, SeqSlice
 from moelora.lora.batch import NO_SLOT, LoRABatch, LoRANeeds, plan_step
 
@@ -192,7 +193,7 @@ class CudaGraphRunner(GraphSet):
         sets = [(self.graphs, True)]
         if self.base_graphs and not self.lora_sites <= lora_idle:
             sets.append((self.base, False))
-        side = torch.cuda.Stream()
+        side = layer_streams(self.input_ids.device).capture  # never a layer's side stream (`layer_streams`)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: compile kernels, settle allocations
             for _, with_lora in sets:
@@ -203,7 +204,7 @@ class CudaGraphRunner(GraphSet):
             for graphs, with_lora in sets:  # one pool: a replay at a time, and each step reads its logits first
                 for B in reversed(self.buckets):
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self.pool):
+                    with torch.cuda.graph(graph, pool=self.pool, stream=side):
                         logits = self._forward(B, with_lora)
                     if self.pool is None:
                         self.pool = graph.pool()

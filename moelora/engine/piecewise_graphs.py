@@ -39,6 +39,7 @@ import torch
 from moelora.engine.config import EngineConfig
 from moelora.engine.cuda_graphs import GraphSet, collection_off
 from moelora.engine.runner import StepInputs
+from moelora.kernels.side_stream import layer_streams
 from moelora.layers.attention import AttnMetadata
 from moelora.lora.batch import NO_SLOT, LoRANeeds, plan_step
 
@@ -70,7 +71,7 @@ class CudaCapture:
 
     def __call__(self, fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=layer_streams(torch.device("cuda")).capture):
             out = fn()
         if self.pool is None:
             self.pool = graph.pool()
@@ -169,7 +170,7 @@ class PiecewiseGraphs(GraphSet):
         self.captures += 1
         with_lora = bool(self.model.max_loras)
         if cuda:  # warm-up on a side stream: compile the kernels, settle the allocator
-            side = torch.cuda.Stream()
+            side = layer_streams(self.x.device).capture  # never a layer's side stream
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for B in reversed(self.buckets):

@@ -1,5 +1,6 @@
 """Fork and join of a side stream inside a launcher or a layer (the LoRA side stream, `EngineConfig.overlap_lora`;
-MLA decode's absorb stream, `overlap_mla_absorb`); `side` None: no-ops.
+MLA decode's absorb stream, `overlap_mla_absorb`; the shared experts', `overlap_shared_experts`); `side` None:
+no-ops. `layer_streams`: the graphs' capture stream and the layers' side streams, distinct CUDA streams.
 
 Every buffer the forked kernels write is allocated on the current stream before `forked`, kept until after
 `join` and read only after it, so no block is reused while the side stream uses it (contract 2).
@@ -9,8 +10,33 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
+
+
+class LayerStreams(NamedTuple):
+    capture: torch.cuda.Stream  # every CUDA graph's capture and warm-up stream (`torch.cuda.graph(stream=...)`)
+    shared_experts: torch.cuda.Stream  # every layer's shared experts beside its routed ones
+    mla_absorb: torch.cuda.Stream  # every MLA layer's decode absorb beside its rope kernel
+
+
+_LAYER_STREAMS: dict[int, LayerStreams] = {}
+
+
+def layer_streams(device: torch.device) -> LayerStreams:
+    """`device`'s capture stream and layer side streams, drawn together once a process: three streams in a row of
+    torch's pool (32 a priority, handed out round robin) are distinct. A stream drawn per layer wrapped around: with
+    32 or more (DeepSeek-V2-Lite drew 26 for its shared experts and 27 for MLA's absorb) some layer's side stream was
+    torch.cuda.graph's own capture stream, its fork a no-op, and its side work ran in series in every captured graph
+    (44th session, H100: layer 13's shared experts after the routed combine in the no-LoRA engine's replay). Layers
+    share a side stream: each joins it before the next layer forks."""
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index not in _LAYER_STREAMS:
+        streams = LayerStreams(*(torch.cuda.Stream(index) for _ in LayerStreams._fields))
+        assert len({s.cuda_stream for s in streams}) == len(streams)
+        _LAYER_STREAMS[index] = streams
+    return _LAYER_STREAMS[index]
 
 
 @contextmanager

@@ -93,7 +93,6 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), **kw)
         self.o_proj = Linear(num_heads * v_head_dim, hidden, bias=bias, **kw)
         self.kv_b_dense = DenseKVB()
-        self._side_stream: torch.cuda.Stream | None = None  # the Triton decode's absorb, beside the rope kernel
 
     def _project_x(self, x: torch.Tensor, lora: LoRABatch | None, x_fp8: FP8Rows | None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,7 +187,7 @@ class MLAttention(nn.Module):
         from moelora.kernels.mla_attention import mla_decode_attention
         from moelora.kernels.mla_lora import mla_absorb_lora_, mla_expand_lora_
         from moelora.kernels.mla_rope import mla_rope_store
-        from moelora.kernels.side_stream import forked, join
+        from moelora.kernels.side_stream import forked, join, layer_streams
 
         kv_b, pdl, norm = self.kv_b_proj, self.options.pdl, self.kv_a_layernorm
         on = lora is not None and kv_b.has_lora and not lora.skips(kv_b)
@@ -198,15 +197,14 @@ class MLAttention(nn.Module):
         # Fork (contract 2). Side stream reads q (its nope part), kv_b's weight and LoRA slots and writes only q_abs;
         # main reads q and compressed and writes only q_rope (new) and the step's cache slots, which the side stream
         # never reads. q_abs was allocated here before the fork and is read after the join.
-        if self._side_stream is None and q.is_cuda and self.options.overlap_mla_absorb:
-            self._side_stream = torch.cuda.Stream(q.device)
-        with forked(self._side_stream, q.device):
+        side = layer_streams(q.device).mla_absorb if q.is_cuda and self.options.overlap_mla_absorb else None
+        with forked(side, q.device):
             absorb_query(q_nope, w_kv_b, None, out=q_abs)
             if site:
                 mla_absorb_lora_(q_abs, q_nope, *site, pdl=pdl)
         q_rope = mla_rope_store(q, compressed, cos, sin, norm.weight, norm.eps, cache, meta.slot_mapping,
                                 interleave=self.interleave, pdl=pdl)
-        join(self._side_stream, q.device)  # q_abs is complete
+        join(side, q.device)  # q_abs is complete
         o_lat = mla_decode_attention(q_abs, q_rope, None, cache, meta, self.scale, stored=True, pdl=pdl)
         out = expand_output(o_lat, w_kv_b, self.nope, None)
         if site:

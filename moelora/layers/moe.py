@@ -144,7 +144,6 @@ class SparseMoE(nn.Module):
         self.routing = routing or RoutingSpec("softmax", top_k, renormalize)
         self.top_k, self.renormalize = top_k, renormalize
         self.options: LayerOptions = kw.get("options", DEFAULT_OPTIONS)  # the router's, and the overlap
-        self._side_stream: torch.cuda.Stream | None = None
         plain = dict(kw, quant=None)  # routers and Qwen2's shared-expert gate stay high precision
         if self.routing.fp32_router:
             self.gate = Router(hidden, num_experts, correction_bias=correction_bias, **plain)
@@ -206,10 +205,10 @@ class SparseMoE(nn.Module):
         # writes: only `shared` (new tensors it allocates). Main stream reads the same inputs and
         # writes only new tensors (router logits, routed output). Nothing read across the fork is
         # written before the join: x is the caller's, never written in place (contract 2).
+        from moelora.kernels.side_stream import layer_streams
+
         main = torch.cuda.current_stream(x.device)
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(x.device)
-        side = self._side_stream
+        side = layer_streams(x.device).shared_experts
         side.wait_stream(main)  # the fork point, before the routed launches
         # Routed first: captured in a graph, the router then follows the norm on its stream (with its programmatic
         # dependent launch), where the shared experts' first launch took both when enqueued first (H200 trace).

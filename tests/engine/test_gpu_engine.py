@@ -20,6 +20,7 @@ from moelora.kernels.dense_policy import DenseLoRAPolicy
 from moelora.layers.mla import MLAttention
 from moelora.lora.adapter import LoRAAdapter
 from tests.helpers.gpu_engine import (
+    DSV3_SIZES,
     FAMILIES,
     decode_step_without_host_sync,
     forced_logprob_diff,
@@ -34,7 +35,8 @@ from tests.helpers.gpu_engine import (
     workload,
 )
 from tests.helpers.kernel_env import planned_everywhere, record_planned_sites
-from tests.helpers.models import random_adapter
+from tests.helpers.models import build_from_architecture, random_adapter
+from tests.helpers.oracle import tiny_hf_model
 from tests.helpers.scripts import ROOT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -293,6 +295,30 @@ def test_two_streams_match_one(model_and_adapters, eager):
     for a, b in zip(two, one, strict=True):
         assert a.output_ids == b.output_ids, a.request_id
         assert a.logprobs == b.logprobs, a.request_id
+
+
+def test_no_layer_forks_onto_the_stream_it_forks_from(monkeypatch):
+    """A fork onto the current stream is a silent no-op: the side work runs in series. A DeepSeek model of 20 layers
+    (19 with shared experts, 20 with MLA's absorb: more side-stream users than torch's 32 pool streams a priority,
+    which per-layer streams wrapped onto the capture stream) captures its decode graphs and prefill pieces and
+    decodes, and no stream ever waits on itself."""
+    self_waits = []
+    wait_stream = torch.cuda.Stream.wait_stream
+
+    def spy(stream, other):
+        if stream.cuda_stream == other.cuda_stream:
+            self_waits.append(stream.cuda_stream)
+        return wait_stream(stream, other)
+
+    monkeypatch.setattr(torch.cuda.Stream, "wait_stream", spy)
+    hf = tiny_hf_model("deepseek_v3", seed=3, **{**DSV3_SIZES, "num_hidden_layers": 20})
+    eng = gpu_engine(build_from_architecture(hf, 4, 16, torch.bfloat16).to("cuda"), {}, max_num_seqs=4,
+                     max_num_batched_tokens=64)
+    assert eng.graphs is not None and eng.pieces is not None
+    prompts, _ = workload(n=4)
+    reqs = generate(eng, prompts, [None] * 4, 8)
+    assert eng.pieces.replays and all(len(r.output_ids) == 8 for r in reqs)
+    assert not self_waits
 
 
 def test_lora_side_stream_is_bit_exact(model_and_adapters):
