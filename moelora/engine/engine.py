@@ -8,6 +8,7 @@ the prefix cache, free finished requests' blocks.
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from collections import Counter
@@ -35,12 +36,15 @@ from moelora.engine.sampler import (
     sample,
 )
 from moelora.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from moelora.engine.structured import Grammars, mask_rows
 from moelora.engine.tokenizer import Tokenizer
 from moelora.errors import AdapterError, ConfigError, RequestError
 from moelora.layers.mla import MLAttention
 from moelora.lora.adapter import LoRAAdapter
 from moelora.lora.pool import AdapterPool
 from moelora.models.lora_targets import lora_site_owners, site_kinds
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -114,6 +118,7 @@ class LLMEngine:
         # requests a step read back outside `step()` changed (`prompt_logits` settles the step in flight);
         # the next `step()` reports them, so a caller delivering step() results never misses a token or a finish
         self._settled: list[Request] = []
+        self._grammar_set: Grammars | None = None  # structured outputs' compiler, made at first use
 
     @property
     def lora_idle(self) -> frozenset:
@@ -220,12 +225,22 @@ class LLMEngine:
             request_id = f"req-{self._counter}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in flight")
+        matcher = self._grammars().matcher(params.structured) if params.structured is not None else None
         gen = torch.Generator(self.device).manual_seed(params.seed) if params.seed is not None else None
         req = Request(request_id, ids, params, adapter, prompt if isinstance(prompt, str) else None,
                       arrival=time.monotonic(), generator=gen, cache_key=self.pool.cache_key(adapter))
+        req.matcher, req.grammar_on = matcher, matcher is not None and params.structured.after is None
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
+
+    def _grammars(self) -> Grammars:
+        """The structured-output compiler over this engine's tokenizer (made at the first constrained request)."""
+        if self.tokenizer is None:
+            raise RequestError("structured outputs need the model's tokenizer.json")
+        if self._grammar_set is None:
+            self._grammar_set = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos)
+        return self._grammar_set
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -259,8 +274,10 @@ class LLMEngine:
         """Run one step; returns the requests that got a token or finished in it (with
         `async_scheduling`, those of the step launched by the previous call), after those of a step read
         back since the last call by `prompt_logits`."""
+        if self._launched is not None and self._constrained():
+            self._settle_in_flight()  # a constrained request's next mask needs its last token read back
         settled, self._settled = self._settled, []
-        if self.cfg.async_scheduling:
+        if self.cfg.async_scheduling and not self._constrained():
             changed = self._step_overlapped()
         elif not self.scheduler.has_work():
             changed = []
@@ -268,6 +285,10 @@ class LLMEngine:
             step = self.scheduler.schedule()
             changed = self._read_back(self._launch(step, None)) if step.requests else []
         return settled + changed  # after a settle no step was in flight: nothing comes out twice
+
+    def _constrained(self) -> bool:
+        """Whether a structured-output request is live (stepped synchronously: engine/structured.py)."""
+        return any(r.matcher is not None for r in self.requests.values())
 
     def _step_overlapped(self) -> list[Request]:
         """Schedule and launch step n+1 while step n runs on the device, then read step n back.
@@ -325,9 +346,13 @@ class LLMEngine:
             if p.penalized and r.penalty is None:
                 r.penalty = PenaltyState.new(r.all_ids, logits.shape[1], logits.device)
             states.append(r.penalty)
-            early = len(r.output_ids) + r.num_pending < p.min_tokens  # no stop token before min_tokens
+            # no stop token before min_tokens (a grammar decides where a constrained output ends)
+            early = len(r.output_ids) + r.num_pending < p.min_tokens and not r.grammar_on
             suppress.append((*p.stop_token_ids, *(() if p.ignore_eos else sorted(self.eos))) if early else ())
         scores = adjust_logits(logits, rows, [reqs[i].params for i in rows], states, suppress)
+        held = [i for i in rows if reqs[i].grammar_on]
+        if held:
+            mask_rows(scores, held, self._grammar_set.allowed([reqs[i].matcher for i in held], scores.device))
         tokens = sample(scores, [r.params for r in reqs], [r.generator for r in reqs])
         pen = [j for j, i in enumerate(rows) if reqs[i].params.penalized]
         if pen:
@@ -369,6 +394,16 @@ class LLMEngine:
         req.output_ids.append(tok)
         if logprob is not None:
             req.logprobs.append(logprob)
+        if not req.grammar_on and req.matcher is not None and tok == p.structured.after:
+            req.grammar_on = True  # the reasoning is over: the answer from the next token on is held
+        elif req.grammar_on:
+            if not req.matcher.accept_token(tok):  # the mask allowed only what it accepts: a bug, this request's
+                log.error("%s: token %d broke its structured output's grammar; finishing it", req.request_id, tok)
+                self._finish(req, "stop", None)
+                return
+            if req.matcher.is_terminated() and p.ignore_eos:  # terminated: it took one of the EOS ids
+                self._finish(req, "stop", None)  # the grammar is complete: nothing more may follow
+                return
         if tok in self.eos and not p.ignore_eos:
             self._finish(req, "stop", None)
             return

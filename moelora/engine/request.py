@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moelora.engine.structured import StructuredOutput
 from moelora.errors import RequestError
 
 
@@ -43,6 +44,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured: StructuredOutput | None = None  # the output held to a schema, regex, choice or grammar
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -95,7 +97,7 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Whether sampling must see other logits than the model's (penalties, bias, min_tokens)."""
-        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.structured is not None
 
 
 @dataclass
@@ -157,6 +159,8 @@ class Request:
     num_pending: int = 0
     penalty: object = None  # sampler.PenaltyState on the device, for requests with penalties
     stop_strings: object = None  # detokenize.StopStrings, from the first check of the request's stop strings
+    matcher: object = None  # structured outputs: the request's grammar matcher (engine/structured.py)
+    grammar_on: bool = False  # the matcher holds the output now (from the start, or since the `after` token)
     coming_hashes: tuple | None = None  # the scheduler's: prefix hashes of the prompt blocks it computes
 
     @property

@@ -53,6 +53,10 @@ class Tokenizer:
         text = _token_text(token)
         return None if text is None else self._tok.token_to_id(text)
 
+    def token_id(self, text: str) -> int | None:
+        """The id of the vocabulary entry `text` (an added token's content too); None where there is none."""
+        return self._tok.token_to_id(text)
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()

@@ -84,11 +84,12 @@ StopField = str | list[str] | None
 # vLLM's and OpenAI's sampling fields this server does not implement, at the values that leave them off
 _SAMPLING_OFF = {
     "use_beam_search": (False,), "length_penalty": (1,), "early_stopping": (False,), "best_of": (None, 1),
-    "truncate_prompt_tokens": NONE, "guided_json": NONE, "guided_regex": NONE, "guided_choice": NONE,
-    "guided_grammar": NONE, "guided_decoding_backend": NONE, "guided_whitespace_pattern": NONE,
-    "structured_outputs": NONE, "priority": (0,), "cache_salt": NONE, "kv_transfer_params": NONE,
+    "truncate_prompt_tokens": NONE, "guided_whitespace_pattern": NONE,
+    # vLLM picks a structured-output backend with it; xgrammar (vLLM's default) is the one here
+    "guided_decoding_backend": (ANY,),
+    "priority": (0,), "cache_salt": NONE, "kv_transfer_params": NONE,
     "vllm_xargs": NONE, "bad_words": NONE_OR_EMPTY, "allowed_token_ids": NONE, "logits_processors": NONE,
-    "mm_processor_kwargs": NONE, "media_io_kwargs": NONE, "response_format": (None, {"type": "text"}),
+    "mm_processor_kwargs": NONE, "media_io_kwargs": NONE,
     "service_tier": (ANY,), "store": (ANY,), "metadata": (ANY,), "prompt_cache_key": (ANY,),
     "safety_identifier": (ANY,),
 }
@@ -100,6 +101,45 @@ class StreamOptions(_Body):
 
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False  # vLLM: usage on every chunk (with include_usage)
+
+
+class JsonSchemaFormat(_Body):
+    name: str | None = None  # OpenAI requires it; vLLM does not
+    description: str | None = None
+    # the schema (OpenAI's key `schema`; pydantic keeps the name off BaseModel's own attribute)
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the output always follows the schema here
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
+class ResponseFormat(_Body):
+    """OpenAI's response_format: "text" (no constraint), "json_object" (any JSON object), "json_schema"."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise ApiError(400, "response_format of type json_schema needs json_schema.schema", "response_format")
+        return self
+
+
+class StructuredOutputsParams(_Body):
+    """vLLM's `structured_outputs`: exactly one of json / regex / choice / grammar / json_object."""
+
+    accepted_at = {"disable_fallback": (ANY,), "disable_any_whitespace": (None, False),
+                   "disable_additional_properties": (None, False), "whitespace_pattern": NONE,
+                   "structural_tag": NONE}
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # (BaseModel has a `json` method)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
 
 class _Sampling(_Body):
@@ -130,6 +170,40 @@ class _Sampling(_Body):
     return_tokens_as_token_ids: bool | None = None  # vLLM: None takes the server's setting
     return_token_ids: bool | None = False  # vLLM: token ids of the prompt and of each choice
     request_id: str | None = None  # vLLM: the response's id
+    # structured outputs (engine/structured.py): OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields; at most one of them
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_output(self) -> tuple[str, Any] | None:
+        """(kind, value) of the one structured output the request asks (`StructuredOutput.of`'s), or None."""
+        asked = []
+        f = self.response_format
+        if f is not None and f.type == "json_object":
+            asked.append(("response_format", ("json_object", None)))
+        elif f is not None and f.type == "json_schema":
+            asked.append(("response_format", ("json", f.json_schema.json_schema)))
+        so = self.structured_outputs
+        if so is not None:
+            given = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                         ("grammar", so.grammar)) if v is not None]
+            given += [("json_object", None)] if so.json_object else []
+            if len(given) != 1:
+                raise ApiError(400, f"structured_outputs takes exactly one of json, regex, choice, grammar, "
+                               f"json_object; got {[k for k, _ in given] or 'none'}", "structured_outputs")
+            asked.append(("structured_outputs", given[0]))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                asked.append((name, (kind, getattr(self, name))))
+        if len(asked) > 1:
+            raise ApiError(400, f"more than one structured output asked ({', '.join(n for n, _ in asked)}): give "
+                           "one", asked[1][0])
+        return asked[0][1] if asked else None
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -294,13 +368,13 @@ class ChatCompletionRequest(_ChatTemplateFields, _Sampling):
     top_logprobs: NonNegInt | None = None
     echo: bool | None = False  # vLLM: the reply starts with the last message's content if it is the assistant's
     tools: list[ChatTool] | None = None
-    # None: "auto" with tools, else "none"; "required" and a named function need structured outputs (refused)
+    # None: "auto" with tools, else "none"; "required" and a named function: structured outputs (forced_tools.py)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True  # false: at most the first call of a reply is returned
     include_reasoning: bool | None = True  # vLLM: false leaves the reasoning (--reasoning-parser) out
 
     def tool_mode(self) -> str:
-        """"none" or "auto" (what the tools and tool_choice ask), or the refused choice's name."""
+        """"none", "auto" (what the tools and tool_choice ask), "required" or "named"."""
         if self.tool_choice is None:
             return "auto" if self.tools else "none"
         return self.tool_choice if isinstance(self.tool_choice, str) else "named"

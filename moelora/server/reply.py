@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moelora.server.forced_tools import ForcedStream, ForcedTools
 from moelora.server.reasoning import ReasoningStream, ThinkParser
 from moelora.server.tools import ToolParser, ToolStream
 
@@ -20,10 +21,16 @@ class ReplyFormat:
     parallel_tool_calls: bool = True  # false: the first call only
     include_reasoning: bool = True  # false: the reasoning is split off but not returned
     schemas: dict | None = None  # each offered tool's parameters schema, by name (glm45 / qwen3_coder value types)
+    forced: ForcedTools | None = None  # tool_choice "required" or named: the reply is the calls (forced_tools.py)
 
     @property
     def plain(self) -> bool:
-        return self.tools is None and self.reasoning is None
+        return self.tools is None and self.reasoning is None and self.forced is None
+
+    @property
+    def call_finish_reason(self) -> str:
+        """A reply that made calls finishes with this reason."""
+        return self.forced.finish_reason if self.forced is not None else "tool_calls"
 
     def message(self, role: str, echo: str, text: str) -> tuple[dict, bool]:
         """(the message of a whole reply after `echo`, whether it made calls); an empty content is null once a
@@ -47,7 +54,8 @@ class ReplyStream:
     def __init__(self, fmt: ReplyFormat):
         self.fmt = fmt
         self.reasoning = ReasoningStream(fmt.reasoning, fmt.prompt) if fmt.reasoning is not None else None
-        self.tools = ToolStream(fmt.tools, fmt.schemas) if fmt.tools is not None else None
+        self.tools = (ToolStream(fmt.tools, fmt.schemas) if fmt.tools is not None
+                      else ForcedStream(fmt.forced) if fmt.forced is not None else None)
         self.calls = 0
 
     def push(self, text: str, last: bool) -> dict:

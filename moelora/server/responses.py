@@ -8,8 +8,8 @@ items: `reasoning` (a `reasoning_text` part), `message` (an `output_text` part),
 chat chunks become the Responses events (`response.created`, `response.output_item.added`,
 `response.output_text.delta`, ..., `response.completed`, or `response.incomplete` when max_output_tokens cut it).
 Not kept: responses are not stored (`store` is accepted and changes nothing; `previous_response_id` and
-`background` are refused: send the whole conversation as input), and structured text formats are refused, as in
-chat completions.
+`background` are refused: send the whole conversation as input). `text.format` json_schema / json_object is chat's
+response_format (structured outputs).
 """
 
 from __future__ import annotations
@@ -75,14 +75,15 @@ async def create_response(serving, body: ResponsesRequest) -> Result:
 
 def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     """The chat completion a Responses request asks for (ApiError 400 naming what cannot be)."""
-    fmt = ((body.text or {}).get("format") or {}).get("type", "text")
-    if fmt != "text":
-        raise ApiError(400, f"text.format {fmt!r} needs structured outputs (guided decoding), which is not "
-                       "implemented by this server; send \"text\"", "text")
+    fmt = (body.text or {}).get("format") or {"type": "text"}
+    if not isinstance(fmt, dict):
+        raise ApiError(400, "text.format must be an object", "text")
+    if fmt.get("type") == "json_schema":  # flat here, nested under json_schema in chat's response_format
+        fmt = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
     choice = body.tool_choice
     if isinstance(choice, dict):  # {"type": "function", "name": ...}: the chat form
         choice = {"type": "function", "function": {"name": choice.get("name")}}
-    chat = dict(model=body.model, messages=_messages(body), max_tokens=body.max_output_tokens,
+    chat = dict(model=body.model, messages=_messages(body), max_tokens=body.max_output_tokens, response_format=fmt,
                 temperature=body.temperature, top_p=body.top_p, tool_choice=choice,
                 parallel_tool_calls=body.parallel_tool_calls, stream=body.stream,
                 stream_options={"include_usage": True} if body.stream else None,
@@ -181,8 +182,13 @@ class ResponseBody:
                 "temperature": 1.0 if b.temperature is None else b.temperature,
                 "top_p": 1.0 if b.top_p is None else b.top_p, "tool_choice": b.tool_choice or "auto",
                 "tools": [t.model_dump(exclude_none=True) for t in b.tools or ()],
-                "text": {"format": {"type": "text"}}, "truncation": "disabled", "store": False,
+                "text": {"format": _text_format(b)}, "truncation": "disabled", "store": False,
                 "previous_response_id": None, "reasoning": None, "usage": _usage(usage) if usage else None}
+
+
+def _text_format(body: ResponsesRequest) -> dict:
+    """The response's `text.format`: the request's, "text" by default."""
+    return (body.text or {}).get("format") or {"type": "text"}
 
 
 def _usage(u: dict) -> dict:

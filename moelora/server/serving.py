@@ -24,8 +24,10 @@ from dataclasses import dataclass
 
 from moelora.engine.detokenize import IncrementalDetokenizer
 from moelora.engine.request import SamplingParams
+from moelora.engine.structured import StructuredOutput
 from moelora.errors import RequestError
 from moelora.server.async_engine import AsyncEngine, EngineDead, GenerateSpec, Overloaded, RequestStream, UnknownAdapter
+from moelora.server.forced_tools import forced_tools
 from moelora.server.logprobs import LogprobView, TokenTexts
 from moelora.server.metrics import ServerMetrics
 from moelora.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, _Sampling, template_tools
@@ -153,7 +155,9 @@ class OpenAIServing:
         return ids
 
     def _params(self, body: _Sampling, max_tokens: int | None, prompt_len: int, logprobs: int | None,
-                choice: int) -> SamplingParams:
+                choice: int, grammar_after: int | None = None, asked: tuple | None = None) -> SamplingParams:
+        """`asked`: the structured output, (kind, value) (default: the body's own); `grammar_after`: the token it
+        starts after (`_grammar_start`)."""
         d = self.defaults
         if max_tokens is None:
             max_tokens = min(self.max_model_len - prompt_len, d.get("max_tokens", self.max_model_len))
@@ -163,6 +167,7 @@ class OpenAIServing:
                            f"{max_tokens} in the completion).", "max_tokens")
         seed = None if body.seed is None else body.seed + choice  # n > 1: distinct, reproducible choices
         off = lambda value, default: default if value is None else value  # noqa: E731
+        asked = body.structured_output() if asked is None else asked
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=off(body.temperature, d.get("temperature", 1.0)),
@@ -174,7 +179,8 @@ class OpenAIServing:
                 logit_bias=body.logit_bias or {},
                 min_tokens=body.min_tokens or 0, skip_special_tokens=body.skip_special_tokens is not False,
                 spaces_between_special_tokens=body.spaces_between_special_tokens is not False,
-                include_stop_str_in_output=bool(body.include_stop_str_in_output))
+                include_stop_str_in_output=bool(body.include_stop_str_in_output),
+                structured=None if asked is None else StructuredOutput.of(*asked, after=grammar_after))
         except RequestError as e:
             raise ApiError(400, str(e)) from None
 
@@ -380,13 +386,13 @@ class OpenAIServing:
         label = adapter or self.cfg.served_model_names[0]
         if body.top_logprobs and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
-        tools, parser = self._tools(body)
+        tools, parser, forced = self._tools(body)
         text = render_chat(self.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
                            body.chat_template_kwargs, tools, self.cfg.chat_template_content_format)
         ids = self._encode(text, "messages", bool(body.add_special_tokens))
         if parser is not None and parser.keeps_special_tokens:  # its tags are special tokens: decode them (vLLM's)
             body = body.model_copy(update={"skip_special_tokens": False})  # before the sampling parameters
-        fmt = self._reply_format(body, parser, text)
+        fmt = self._reply_format(body, parser, text, forced)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         n, view = body.choices, self._view(body)
@@ -394,7 +400,12 @@ class OpenAIServing:
         if body.prompt_logprobs is not None:
             entries = await self._prompt_logprobs(ids, adapter, body.prompt_logprobs)
             prompt_lp = view.prompt_logprobs(ids, entries, body.prompt_logprobs)
-        specs = [GenerateSpec(ids, self._params(body, max_tokens, len(ids), logprobs, j), adapter, n)
+        if forced is not None and body.structured_output() is not None:
+            raise ApiError(400, f"tool_choice {body.tool_mode()!r} is a structured output itself: send no other "
+                           "(response_format, structured_outputs, guided_*)", "tool_choice")
+        asked = ("json", forced.schema()) if forced is not None else body.structured_output()
+        after = self._grammar_start(text) if asked is not None else None
+        specs = [GenerateSpec(ids, self._params(body, max_tokens, len(ids), logprobs, j, after, asked), adapter, n)
                  for j in range(n)]
         stream = await self._open(specs, label)
         resp = OpenAIResponse("chatcmpl", body, self.cfg.served_model_names[0], len(ids),
@@ -408,30 +419,45 @@ class OpenAIServing:
             return Result(None, self._stream_chat(resp, events, body, view, echo, extra, fmt, role), stream)
         return Result(await self._collect_chat(resp, events, body, view, echo, extra, fmt, role), None, stream)
 
+    def _grammar_start(self, prompt: str) -> int | None:
+        """With --reasoning-parser, a structured output holds the answer, not the reasoning (vLLM's): it starts after
+        the `</think>` token, unless the prompt closed the reasoning already (thinking off); None: at once."""
+        if not self.cfg.reasoning_parser or reasoning_parser(self.cfg.reasoning_parser).first_mode(prompt) == "content":
+            return None
+        end = self.tokenizer.token_id("</think>")
+        if end is None:
+            raise ApiError(400, f"structured outputs with --reasoning-parser {self.cfg.reasoning_parser} need "
+                           "'</think>' to be one token of the vocabulary", "response_format")
+        return end
+
     def _tools(self, body: ChatCompletionRequest):
-        """(the tools the template renders, the parser of the reply's calls or None), as vLLM decides them."""
+        """(the tools the template renders, the parser of the reply's calls or None, the forced choice or None), as
+        vLLM decides them."""
         mode = body.tool_mode()
-        if mode in ("required", "named"):
-            shown = "required" if mode == "required" else "a named function"
-            raise ApiError(400, f"tool_choice {shown} needs structured outputs (guided decoding), which is not "
-                           "implemented by this server; send \"auto\" (with --enable-auto-tool-choice) or \"none\"",
-                           "tool_choice")
         tools = template_tools(body.tools)
+        if mode in ("required", "named"):  # held to a schema by structured outputs (forced_tools.py)
+            if not tools:
+                raise ApiError(400, f"tool_choice {mode!r} needs tools", "tool_choice")
+            named = body.tool_choice.function.name if mode == "named" else None
+            if named is not None and named not in {t.function.name for t in body.tools}:
+                raise ApiError(400, f"tool_choice names {named!r}, which is not one of the request's tools",
+                               "tool_choice")
+            return tools, None, forced_tools(body.tool_choice, body.tools, body.parallel_tool_calls is not False)
         if mode == "none":
-            return (None if self.cfg.exclude_tools_when_tool_choice_none else tools), None
+            return (None if self.cfg.exclude_tools_when_tool_choice_none else tools), None, None
         if not tools:
-            return None, None
+            return None, None, None
         if self.cfg.tool_call_parser is None:
             raise ApiError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
                            "set", "tool_choice")
-        return tools, tool_parser(self.cfg.tool_call_parser)
+        return tools, tool_parser(self.cfg.tool_call_parser), None
 
-    def _reply_format(self, body: ChatCompletionRequest, parser, prompt: str) -> ReplyFormat:
+    def _reply_format(self, body: ChatCompletionRequest, parser, prompt: str, forced=None) -> ReplyFormat:
         """What the reply's text becomes (reply.py)."""
         reasoning = reasoning_parser(self.cfg.reasoning_parser) if self.cfg.reasoning_parser else None
         return ReplyFormat(parser, reasoning, prompt, body.parallel_tool_calls is not False,
                            body.include_reasoning is not False,
-                           {t.function.name: t.function.parameters or {} for t in body.tools or ()})
+                           {t.function.name: t.function.parameters or {} for t in body.tools or ()}, forced)
 
     async def _collect_chat(self, resp: OpenAIResponse, events, body: ChatCompletionRequest, view: LogprobView,
                             echo: str, extra: dict, fmt: ReplyFormat, role: str) -> dict:
@@ -451,7 +477,7 @@ class OpenAIServing:
             message, called = fmt.message(role, echo, "".join(texts[i]))
             choices.append({"index": i, "message": message,
                             "logprobs": {"content": lps[i]} if body.logprobs else None,
-                            "finish_reason": "tool_calls" if called else reasons[i], "stop_reason": stops[i],
+                            "finish_reason": fmt.call_finish_reason if called else reasons[i], "stop_reason": stops[i],
                             **self._choice_extras(body, None, ids[i])})
         return resp.body("chat.completion", choices, usage=resp.usage(), **extra)
 
@@ -474,7 +500,7 @@ class OpenAIServing:
                     if lp is None:
                         continue
                     delta = {"content": ""}
-                reason = "tool_calls" if ev.finish_reason is not None and reply.calls else ev.finish_reason
+                reason = fmt.call_finish_reason if ev.finish_reason is not None and reply.calls else ev.finish_reason
                 choice = {"index": ev.index, "delta": delta, "logprobs": lp, "finish_reason": reason,
                           "stop_reason": ev.stop_reason, **self._choice_extras(body, None, ev.token_ids)}
                 yield resp.body("chat.completion.chunk", [choice], **resp.chunk_usage())

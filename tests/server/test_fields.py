@@ -354,9 +354,9 @@ def test_fields_at_their_off_value_are_accepted_and_change_nothing(url, plain_ou
     assert got == plain_outputs[route]
 
 
-REFUSED = [("/v1/completions", "use_beam_search", True), ("/v1/completions", "guided_json", {"type": "object"}),
+REFUSED = [("/v1/completions", "use_beam_search", True), ("/v1/completions", "guided_whitespace_pattern", " "),
            ("/v1/completions", "cache_salt", "tenant-a"), ("/v1/completions", "priority", 3),
-           ("/v1/completions", "length_penalty", 0.5), ("/v1/chat/completions", "tool_choice", "required"),
+           ("/v1/completions", "length_penalty", 0.5), ("/v1/chat/completions", "logits_processors", ["x"]),
            ("/v1/chat/completions", "reasoning_effort", "high"), ("/v1/chat/completions", "prediction",
                                                                    {"type": "content", "content": "x"})]
 

@@ -91,7 +91,7 @@ def test_max_output_tokens_makes_it_incomplete(url, scripted_replies):
 
 
 REFUSED = [({"previous_response_id": "resp_1"}, "previous_response_id"), ({"background": True}, "background"),
-           ({"text": {"format": {"type": "json_object"}}}, "text"),
+           ({"text": {"format": "json"}}, "text"),
            ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
            ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input")]
 

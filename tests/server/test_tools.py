@@ -273,12 +273,66 @@ def test_tool_choice_none_parses_nothing(url, scripted_replies):
     assert out.choices[0].message.content == CALL_A and not out.choices[0].message.tool_calls
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_required_and_named_tool_choice_are_refused(url, choice):
-    r = post(url, "/v1/chat/completions", {"model": BASE, "messages": USER, "tools": [WEATHER],
-                                           "tool_choice": choice})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
-    assert "structured outputs" in r.json()["error"]["message"]
+# short tools: the tiny model holds 256 tokens, prompt and reply
+W = {"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}
+T = {"type": "function", "function": {"name": "t"}}
+NAMED = {"type": "function", "function": {"name": "w"}}
+
+
+def message_calls(calls) -> list:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("choice,reply,want,reason", [
+    (NAMED, '{"city": "Paris"}', [("w", {"city": "Paris"})], "stop"),
+    ("required", '[{"name": "w", "parameters": {"city": "Paris"}}, {"name": "t", "parameters": {}}]',
+     [("w", {"city": "Paris"}), ("t", {})], "tool_calls"),
+], ids=["named", "required"])
+def test_required_and_named_tool_choice_make_calls(url, scripted_replies, choice, reply, want, reason, stream):
+    """The reply (held to the calls' schema: test_structured.py) becomes the calls, content null; a named choice
+    finishes "stop" as OpenAI's and vLLM's do, "required" "tool_calls"."""
+    scripted_replies += [reply]
+    kw = dict(model=BASE, messages=USER, tools=[W, T], tool_choice=choice, max_tokens=30, temperature=0)
+    client = make_client(url)
+    if not stream:
+        out = client.chat.completions.create(**kw).choices[0]
+        assert out.message.content is None and out.finish_reason == reason
+        assert message_calls(out.message.tool_calls) == want and all(c.id for c in out.message.tool_calls)
+        return
+    calls, content, finish = {}, "", None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            finish = c.finish_reason or finish
+            for t in c.delta.tool_calls or ():
+                calls[t.index] = (t.function.name, json.loads(t.function.arguments))
+    assert content == "" and finish == reason and [calls[i] for i in sorted(calls)] == want
+
+
+def test_required_without_parallel_calls_keeps_one(url, scripted_replies):
+    scripted_replies += ['[{"name": "t", "parameters": {}}, {"name": "t", "parameters": {}}]']
+    out = make_client(url).chat.completions.create(model=BASE, messages=USER, tools=[W, T], max_tokens=30,
+                                                   tool_choice="required", parallel_tool_calls=False, temperature=0)
+    assert message_calls(out.choices[0].message.tool_calls) == [("t", {})]
+
+
+def test_a_forced_reply_that_does_not_parse_stays_content(url, scripted_replies):
+    scripted_replies += ['{"city": "Par']  # cut short by max_tokens
+    out = make_client(url).chat.completions.create(model=BASE, messages=USER, tools=[W], tool_choice=NAMED,
+                                                   max_tokens=30, temperature=0).choices[0]
+    assert out.message.content == '{"city": "Par' and not out.message.tool_calls
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [W]}, "not one of"),
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"tool_choice": "required", "tools": [W], "response_format": {"type": "json_object"}}, "send no other"),
+])
+def test_forced_tool_choices_refused_naming_why(url, body, message):
+    r = post(url, "/v1/chat/completions", {"model": BASE, "messages": USER, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+    assert message in r.json()["error"]["message"]
 
 
 def test_without_the_parser_auto_is_refused_and_none_renders_no_tools(plain_url):

@@ -1,0 +1,147 @@
+"""Structured outputs: a request's output held to a JSON schema, to any JSON, a regex, a choice of strings or an EBNF
+grammar (vLLM's `structured_outputs` / `guided_*`, OpenAI's `response_format`), by xgrammar's token masks.
+
+`StructuredOutput(kind, spec)` rides on `SamplingParams.structured`. `Grammars` (one an engine, over its tokenizer
+and the model's vocabulary) compiles each distinct spec once and gives each request its own matcher. Every step the
+engine sets a constrained row's logits to -inf at the tokens its grammar does not allow next, after the other
+adjustments and before sampling; the sampled token is then fed to the matcher. A complete grammar allows only the
+stop tokens (the engine's EOS set), so the request ends by EOS ("stop"), or by length with its output cut short.
+Logprobs stay the model's own distribution, as with the other adjustments. Special and added tokens other than the
+stop tokens are never allowed (their text is not the model's output). min_tokens does not hold a constrained
+request open: the grammar decides where it ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from moelora.errors import ConfigError, RequestError
+from moelora.upload import upload
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped)
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """kind "json": `spec` a JSON schema (JSON text); "json_object": a JSON object ("" spec); "regex": a regular
+    expression the whole output matches; "choice": a JSON list of the strings the output is one of; "grammar": an
+    EBNF grammar (GBNF, root rule `root`). With `after`, the output is free up to and including that token
+    (vLLM's structured outputs with a reasoning parser: the reasoning is not held to the format, the answer is)."""
+
+    kind: str
+    spec: str = ""
+    after: int | None = None  # a token id (a reasoning model's `</think>`) the grammar starts after; None: at once
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise RequestError(f"structured output kind must be one of {KINDS}, got {self.kind!r}")
+        if not isinstance(self.spec, str):
+            raise RequestError(f"structured output spec must be text, got {type(self.spec).__name__}")
+
+    @staticmethod
+    def of(kind: str, value, after: int | None = None) -> StructuredOutput:
+        """From a request's value: a schema as a dict or JSON text, a list of choices, a regex or grammar text."""
+        return dataclasses.replace(StructuredOutput._of(kind, value), after=after)
+
+    @staticmethod
+    def _of(kind: str, value) -> StructuredOutput:
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as e:
+                    raise RequestError(f"the JSON schema is not valid JSON: {e}") from None
+            if not isinstance(value, (dict, bool)):
+                raise RequestError(f"a JSON schema is an object, got {type(value).__name__}")
+            return StructuredOutput("json", json.dumps(value, sort_keys=True))
+        if kind == "choice":
+            if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+                raise RequestError("choice must be a non-empty list of strings")
+            return StructuredOutput("choice", json.dumps(value))
+        if kind == "json_object":
+            return StructuredOutput("json_object")
+        if not isinstance(value, str) or not value:
+            raise RequestError(f"{kind} must be non-empty text")
+        return StructuredOutput(kind, value)
+
+
+def choice_regex(choices: list[str]) -> str:
+    """A regex matching exactly one of `choices` (each literal: regex metacharacters escaped)."""
+    special = set("\\^$.|?*+()[]{}/")
+    return "(" + "|".join("".join("\\" + c if c in special else c for c in s) for s in choices) + ")"
+
+
+class Grammars:
+    """The compiler over one tokenizer and vocabulary (`vocab_size`: the model's logits width; ids past the
+    tokenizer's are never allowed), the compiled specs, and each request's matcher."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids):
+        try:
+            import xgrammar as xgr
+        except ImportError:  # pragma: no cover - a dependency; an install without it says so
+            raise ConfigError("structured outputs need the xgrammar package (pip install xgrammar)") from None
+        self.xgr, self.vocab_size = xgr, vocab_size
+        hf = tokenizer._tok
+        special = {int(i) for i in hf.get_added_tokens_decoder()}
+        vocab = [""] * min(hf.get_vocab_size(with_added_tokens=True), vocab_size)
+        for text, i in hf.get_vocab(with_added_tokens=True).items():
+            if i < len(vocab) and i not in special:
+                vocab[i] = text  # special tokens stay "": never grammar text
+        meta = xgr.TokenizerInfo._detect_metadata_from_hf(hf.to_str())
+        stops = sorted(i for i in stop_ids if 0 <= i < vocab_size)
+        info = xgr.TokenizerInfo(vocab, meta["vocab_type"], vocab_size=vocab_size, stop_token_ids=stops,
+                                 add_prefix_space=meta["add_prefix_space"])
+        self.compiler = xgr.GrammarCompiler(info, max_threads=4, cache_enabled=False)
+        self._compiled: OrderedDict[StructuredOutput, object] = OrderedDict()
+
+    def _compile(self, so: StructuredOutput):
+        c = self.compiler
+        if so.kind == "json":
+            return c.compile_json_schema(so.spec, any_whitespace=True)
+        if so.kind == "json_object":  # OpenAI's JSON mode: an object (not any JSON value)
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=True)
+        if so.kind == "regex":
+            return c.compile_regex(so.spec)
+        if so.kind == "choice":
+            return c.compile_regex(choice_regex(json.loads(so.spec)))
+        return c.compile_grammar(so.spec)
+
+    def matcher(self, so: StructuredOutput):
+        """A fresh matcher of `so` (compiled once); RequestError naming the problem if it does not compile."""
+        so = dataclasses.replace(so, after=None)  # the grammar is the same wherever it starts
+        compiled = self._compiled.get(so)
+        if compiled is None:
+            try:
+                compiled = self._compile(so)
+            except Exception as e:  # xgrammar raises RuntimeError / ValueError with the parser's message
+                why = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip())  # the C++ source location
+                raise RequestError(f"invalid {so.kind} for structured output: {why}") from None
+            self._compiled[so] = compiled
+            if len(self._compiled) > CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(so)
+        return self.xgr.GrammarMatcher(compiled)
+
+    def allowed(self, matchers, device: torch.device) -> torch.Tensor:
+        """bool [len(matchers), vocab_size] on `device`: the tokens each matcher allows next."""
+        bits = self.xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        for i, m in enumerate(matchers):
+            m.fill_next_token_bitmask(bits, i)
+        words = bits.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else bits
+        shifts = torch.arange(32, dtype=torch.int32, device=device)
+        allowed = (words[:, :, None] >> shifts) & 1
+        return allowed.view(len(matchers), -1)[:, :self.vocab_size].bool()
+
+
+def mask_rows(logits: torch.Tensor, rows: list[int], allowed: torch.Tensor) -> None:
+    """logits[rows[i]] = -inf where allowed[i] is False (in place)."""
+    index = upload(rows, torch.long, logits.device)
+    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill(~allowed, float("-inf")))

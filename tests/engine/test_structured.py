@@ -1,0 +1,121 @@
+"""Structured outputs (engine/structured.py) on the tiny byte-level model: every finished output follows its JSON
+schema, JSON, regex, choice or grammar, checked by Python's own json / re, not by xgrammar; constrained requests leave
+the free ones in their batch as they were alone (overlapped scheduling on); a grammar held back to its start token;
+refusals."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from moelora.engine.config import EngineConfig
+from moelora.engine.loader import build_engine
+from moelora.engine.request import SamplingParams
+from moelora.engine.structured import StructuredOutput, choice_regex
+from moelora.errors import RequestError
+from tests.helpers.server import write_model
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"},
+                                          "pet": {"enum": ["cat", "dog"]}}, "required": ["n", "pet"],
+          "additionalProperties": False}
+
+
+def schema_ok(text: str) -> bool:
+    obj = json.loads(text)
+    return (set(obj) <= {"n", "ok", "pet"} and {"n", "pet"} <= set(obj) and type(obj["n"]) is int
+            and obj["pet"] in ("cat", "dog") and type(obj.get("ok", True)) is bool)
+
+
+def object_ok(text: str) -> bool:
+    return isinstance(json.loads(text), dict)
+
+
+CASES = {  # kind, value, the check of a finished output's text
+    "json schema": ("json", SCHEMA, schema_ok),
+    "json object": ("json_object", None, object_ok),
+    "regex": ("regex", r"[0-9]{3}-[a-z]{2}(!|\?)?", lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2}[!?]?", t) is not None),
+    "choice": ("choice", ["yes", "no", "a (b)|c"], lambda t: t in ("yes", "no", "a (b)|c")),
+    "grammar": ("grammar", 'root ::= "x" [0-9]+ ("," [0-9]+)* ";"',
+                lambda t: re.fullmatch(r"x[0-9]+(,[0-9]+)*;", t) is not None),
+}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    model_dir, _ = write_model(tmp_path_factory.mktemp("structured"))
+    cfg = EngineConfig(device="cpu", dtype="float32", max_loras=1, max_lora_rank=8, max_num_seqs=16, block_size=4,
+                       num_kv_blocks=1024, async_scheduling=True)
+    return build_engine(model_dir, cfg)
+
+
+def run(eng, params: list[SamplingParams], prompts=None) -> list:
+    prompts = prompts or [f"prompt {i}:" for i in range(len(params))]
+    reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    while eng.has_unfinished():
+        eng.step()
+    eng.check_blocks()
+    return reqs
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_finished_outputs_follow_their_format(engine, case):
+    kind, value, check = CASES[case]
+    so = StructuredOutput.of(kind, value)
+    params = [SamplingParams(max_tokens=160, temperature=1.0, seed=s, structured=so) for s in range(8)]
+    params.append(SamplingParams(max_tokens=160, temperature=0, structured=so))
+    reqs = run(engine, params)
+    done = [r for r in reqs if r.finish_reason == "stop"]
+    assert len(done) >= 6, [(r.finish_reason, r.text) for r in reqs]  # the random model does end most of them
+    for r in done:
+        assert r.output_ids[-1] in engine.eos and check(r.text), r.text
+    for r in reqs:  # one cut by length is still a prefix the format allows: the mask held every token
+        assert r.finish_reason in ("stop", "length")
+
+
+def test_free_requests_beside_constrained_ones_are_as_alone(engine):
+    """Greedy free requests give the same tokens with constrained ones in their batch (whose presence turns
+    overlapped scheduling into synchronous steps) as without them; overlapped again once they are gone."""
+    free = [SamplingParams(max_tokens=24, temperature=0) for _ in range(4)]
+    alone = [r.output_ids for r in run(engine, free, [f"free {i}" for i in range(4)])]
+    so = StructuredOutput.of("regex", "[a-c]+;")
+    mixed = run(engine, [*free, *(SamplingParams(max_tokens=24, temperature=1.0, seed=i, structured=so)
+                                  for i in range(3))], [*(f"free {i}" for i in range(4)), "a", "b", "c"])
+    assert [r.output_ids for r in mixed[:4]] == alone
+    assert all(re.fullmatch("[a-c]+;", r.text) for r in mixed[4:] if r.finish_reason == "stop")
+    engine.add_request("free again", SamplingParams(max_tokens=4, temperature=0))
+    engine.step()
+    assert engine._launched is not None  # no constrained request left: overlapped again (a step in flight)
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_a_grammar_starts_after_its_token(engine):
+    """`after`: the output is free up to that token (here forced first by logit_bias), then held."""
+    start = ord("#")  # the byte tokenizer's id of "#"
+    so = StructuredOutput.of("regex", "[0-9]{2}", after=start)
+    reqs = run(engine, [SamplingParams(max_tokens=12, temperature=1.0, seed=s, structured=so,
+                                       logit_bias={start: 100}) for s in range(4)])
+    for r in reqs:
+        assert r.output_ids[0] == start and r.finish_reason == "stop", r.text
+        assert re.fullmatch("#[0-9]{2}", r.text), r.text
+
+
+def test_bad_specs_are_refused_naming_the_problem(engine):
+    with pytest.raises(RequestError, match="invalid regex.*parenthesis"):
+        engine.add_request("x", SamplingParams(structured=StructuredOutput.of("regex", "a((")))
+    with pytest.raises(RequestError, match="not valid JSON"):
+        StructuredOutput.of("json", "{nope")
+    with pytest.raises(RequestError, match="non-empty list of strings"):
+        StructuredOutput.of("choice", [])
+    with pytest.raises(RequestError, match="kind must be one of"):
+        StructuredOutput("yaml")
+    assert not engine.has_unfinished()
+
+
+def test_choice_regex_escapes_every_metacharacter():
+    choices = ["a.b", "(x|y)", "1+1=2?", "[z]", "^$\\/{}*"]
+    pattern = choice_regex(choices)
+    assert all(re.fullmatch(pattern, c) for c in choices)
+    assert not any(re.fullmatch(pattern, c) for c in ("aXb", "x", "11=2", "z"))
