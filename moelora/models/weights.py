@@ -27,8 +27,9 @@ ignored: rotary-embedding buffers (`rotary_emb.inv_freq`), which are not weights
 `lm_head.weight` when the caller passes no `lm_head.weight` (tied embeddings) and its shape equals
 `model.embed_tokens.weight` -- transformers also drops that copy and ties the head to the embedding;
 and the multi-token-prediction layers DeepSeek-V3 / GLM-4.5 / MiniMax-M2 ship after the decoder
-(`model.layers.{k}.*` with k past the last decoder layer, only when the checkpoint holds an
-`eh_proj.weight` in one of those layers), which moelora does not run -- as transformers ignores them.
+(`model.layers.{k}.*` with k past the last decoder layer: all of them when the checkpoint holds an
+`eh_proj.weight` in one of those layers, else the ones config.json declares, `num_nextn_predict_layers` or
+MiniMax's `num_mtp_modules`), which moelora does not run -- as transformers ignores them.
 
 FP8 checkpoints (`quant`, a `moelora.quant.checkpoint.FP8Loading`): every FP8 weight key has a scale key
 next to it (`X.weight_scale_inv`, per-expert `...experts.{e}.gate_proj.weight_scale_inv`, fused
@@ -239,22 +240,35 @@ def _target_of(key: str, shape: tuple[int, ...], params: dict[str, torch.Tensor]
     return target
 
 
-def _mtp_layers(keys, params: dict[str, torch.Tensor]) -> set[str]:
+def _mtp_layers(keys, params: dict[str, torch.Tensor], declared: int = 0) -> set[str]:
     """Layer prefixes (`model.layers.{k}.`) of multi-token-prediction layers past the decoder: all of them once one
-    holds an `eh_proj` (a module of several layers - MiniMax's `mtp_transformer_layers` - marks only its first)."""
+    holds an `eh_proj` (a module of several layers - MiniMax's `mtp_transformer_layers` - marks only its first),
+    and the `declared` ones right after the decoder (`declared_mtp_layers`), as vLLM and SGLang skip them."""
     keys = set(keys)
     num_layers = 1 + max((int(m[1]) for m in map(_LAYER.match, params) if m), default=-1)
     past = {m[0] for m in map(_LAYER.match, keys) if m and int(m[1]) >= num_layers}
-    return past if any(f"{prefix}{_MTP_MARK}" in keys for prefix in past) else set()
+    if any(f"{prefix}{_MTP_MARK}" in keys for prefix in past):
+        return past
+    return {prefix for prefix in past if int(_LAYER.match(prefix)[1]) < num_layers + declared}
+
+
+def declared_mtp_layers(model_dir: Path) -> int:
+    """The multi-token-prediction layers config.json says follow the decoder: DeepSeek-V3's / GLM-4.5's
+    `num_nextn_predict_layers`, MiniMax-M2's `num_mtp_modules` x `mtp_transformer_layers` (0: none, or no file)."""
+    file = Path(model_dir) / "config.json"
+    cfg = json.loads(file.read_text()) if file.is_file() else {}
+    if cfg.get("num_nextn_predict_layers"):
+        return int(cfg["num_nextn_predict_layers"])
+    return int(cfg.get("num_mtp_modules") or 0) * int(cfg.get("mtp_transformer_layers") or 1)
 
 
 def _plan(headers, params: dict[str, torch.Tensor], quant: FP8Loading | None = None,
-          dtypes: dict[str, str] | None = None) -> dict[Path, list[tuple[str, KeyTarget, str]]]:
+          dtypes: dict[str, str] | None = None, mtp_layers: int = 0) -> dict[Path, list[tuple[str, KeyTarget, str]]]:
     """Per file, the (key, target, "copy" | "quantize") copies to make; raises on any unknown, duplicate,
     mis-shaped or missing tensor (and, FP8, a dtype that does not fit) before a byte of tensor data is read."""
     written: dict[str, set] = {name: set() for name in params}
     plan: dict[Path, list[tuple[str, KeyTarget, str]]] = {}
-    mtp = _mtp_layers((k for s in headers.values() for k in s), params)
+    mtp = _mtp_layers((k for s in headers.values() for k in s), params, mtp_layers)
     for path, shapes in headers.items():
         copies = plan.setdefault(path, [])
         for key, shape in shapes.items():
@@ -310,7 +324,7 @@ def load_checkpoint(model_dir, params: dict[str, torch.Tensor], *, progress: boo
 
     dtypes: dict[str, str] = {}
     headers = _read_headers(_shard_files(Path(model_dir)), dtypes)
-    plan = _plan(headers, params, quant, dtypes)
+    plan = _plan(headers, params, quant, dtypes, declared_mtp_layers(Path(model_dir)))
     total = sum(len(copies) for copies in plan.values())
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar, \
             torch.no_grad():

@@ -18,7 +18,15 @@ from pathlib import Path
 import torch
 
 from moelora.config import ModelConfig
-from moelora.models.weights import KeyTarget, _destination_view, _plan, _read_headers, _row_segments, _shard_files
+from moelora.models.weights import (
+    KeyTarget,
+    _destination_view,
+    _plan,
+    _read_headers,
+    _row_segments,
+    _shard_files,
+    declared_mtp_layers,
+)
 from moelora.parallel.rules import Cut, ShardPlan
 from moelora.parallel.scales import rank_cuts
 from moelora.quant.checkpoint import FP8Loading, is_scale, scale_name
@@ -34,7 +42,7 @@ def load_sharded_checkpoint(model_dir, params: dict[str, torch.Tensor], full_sha
     dtypes: dict[str, str] = {}
     headers = _read_headers(_shard_files(Path(model_dir)), dtypes)
     meta = {name: torch.empty(full_shapes[name], dtype=dest.dtype, device="meta") for name, dest in params.items()}
-    copies = _plan(headers, meta, quant, dtypes)
+    copies = _plan(headers, meta, quant, dtypes, declared_mtp_layers(Path(model_dir)))
     cuts = rank_cuts(params, full_shapes, plan, cfg, quant and quant.cfg)
     with torch.no_grad():
         for name, dest in params.items():

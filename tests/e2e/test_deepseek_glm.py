@@ -11,6 +11,7 @@ recomputing from scratch. Routers are checked against transformers' router modul
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -254,9 +255,31 @@ def test_mtp_layers_are_ignored_and_router_stays_fp32(tmp_path):
     assert torch.equal(gate.e_score_correction_bias, hf.model.layers[1].mlp.gate.e_score_correction_bias)
     assert torch.equal(gate.weight, hf.model.layers[1].mlp.gate.weight)
     assert model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
-    save_file({**sd, "model.layers.3.enorm.weight": torch.ones(48)}, str(file))  # no eh_proj: not an MTP layer
-    with pytest.raises(CheckpointError, match="model.layers.3.enorm.weight"):
+    # no eh_proj, past the one MTP layer config.json declares (transformers' default num_nextn_predict_layers 1)
+    save_file({**sd, "model.layers.4.enorm.weight": torch.ones(48)}, str(file))
+    with pytest.raises(CheckpointError, match="model.layers.4.enorm.weight"):
         load_checkpoint(tmp_path, model.weight_params(), progress=False)
+
+
+def test_mtp_layers_config_json_declares_are_ignored(tmp_path):
+    """MiniMax-M2's `num_mtp_modules` (x `mtp_transformer_layers`) or DeepSeek's `num_nextn_predict_layers`: that many
+    layers after the decoder are ignored though none holds eh_proj (vLLM's and SGLang's rule); one more is refused."""
+    hf = tiny_hf_model("deepseek_v3", seed=9)
+    hf.save_pretrained(str(tmp_path))
+    file, config = tmp_path / "model.safetensors", tmp_path / "config.json"
+    sd = load_file(str(file))
+    extra = {f"model.layers.{k}.self_attn.o_proj.weight": torch.ones(48, 48) for k in (3, 4)}
+    save_file({**sd, **extra}, str(file))
+    cfg = config_of(hf)
+    params = model_class(cfg)(cfg, dtype=torch.bfloat16).weight_params()
+    raw = json.loads(config.read_text())
+    for declared in ({"num_mtp_modules": 2}, {"num_mtp_modules": 1, "mtp_transformer_layers": 2},
+                     {"num_nextn_predict_layers": 2}):
+        config.write_text(json.dumps({**raw, "num_nextn_predict_layers": 0, **declared}))
+        load_checkpoint(tmp_path, params, progress=False)
+    config.write_text(json.dumps({**raw, "num_nextn_predict_layers": 0, "num_mtp_modules": 1}))
+    with pytest.raises(CheckpointError, match="model.layers.4.self_attn.o_proj.weight"):
+        load_checkpoint(tmp_path, params, progress=False)
 
 
 YARN_HUB = {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
