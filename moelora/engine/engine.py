@@ -9,6 +9,7 @@ the prefix cache, free finished requests' blocks.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import weakref
 from collections import Counter
@@ -119,6 +120,7 @@ class LLMEngine:
         # the next `step()` reports them, so a caller delivering step() results never misses a token or a finish
         self._settled: list[Request] = []
         self._grammar_set: Grammars | None = None  # structured outputs' compiler, made at first use
+        self._grammar_lock = threading.Lock()
 
     @property
     def lora_idle(self) -> frozenset:
@@ -225,7 +227,7 @@ class LLMEngine:
             request_id = f"req-{self._counter}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in flight")
-        matcher = self._grammars().matcher(params.structured) if params.structured is not None else None
+        matcher = self.grammars().matcher(params.structured) if params.structured is not None else None
         gen = torch.Generator(self.device).manual_seed(params.seed) if params.seed is not None else None
         req = Request(request_id, ids, params, adapter, prompt if isinstance(prompt, str) else None,
                       arrival=time.monotonic(), generator=gen, cache_key=self.pool.cache_key(adapter))
@@ -234,12 +236,13 @@ class LLMEngine:
         self.scheduler.add(req)
         return req
 
-    def _grammars(self) -> Grammars:
-        """The structured-output compiler over this engine's tokenizer (made at the first constrained request)."""
+    def grammars(self) -> Grammars:
+        """The structured-output compiler over this engine's tokenizer (made at the first call; any thread)."""
         if self.tokenizer is None:
             raise RequestError("structured outputs need the model's tokenizer.json")
-        if self._grammar_set is None:
-            self._grammar_set = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos)
+        with self._grammar_lock:
+            if self._grammar_set is None:
+                self._grammar_set = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos)
         return self._grammar_set
 
     def abort(self, request_id: str) -> None:

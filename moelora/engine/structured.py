@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -100,6 +101,7 @@ class Grammars:
                                  add_prefix_space=meta["add_prefix_space"])
         self.compiler = xgr.GrammarCompiler(info, max_threads=4, cache_enabled=False)
         self._compiled: OrderedDict[StructuredOutput, object] = OrderedDict()
+        self._lock = threading.Lock()
 
     def _compile(self, so: StructuredOutput):
         c = self.compiler
@@ -113,22 +115,29 @@ class Grammars:
             return c.compile_regex(choice_regex(json.loads(so.spec)))
         return c.compile_grammar(so.spec)
 
-    def matcher(self, so: StructuredOutput):
-        """A fresh matcher of `so` (compiled once); RequestError naming the problem if it does not compile."""
+    def compile(self, so: StructuredOutput):
+        """`so` compiled (once: cached); RequestError naming the problem if it does not compile. Thread-safe: the
+        server compiles a request's format off the engine thread before the engine adds it (`AsyncEngine.open`)."""
         so = dataclasses.replace(so, after=None)  # the grammar is the same wherever it starts
-        compiled = self._compiled.get(so)
-        if compiled is None:
-            try:
-                compiled = self._compile(so)
-            except Exception as e:  # xgrammar raises RuntimeError / ValueError with the parser's message
-                why = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip())  # the C++ source location
-                raise RequestError(f"invalid {so.kind} for structured output: {why}") from None
+        with self._lock:
+            compiled = self._compiled.get(so)
+            if compiled is not None:
+                self._compiled.move_to_end(so)
+                return compiled
+        try:
+            compiled = self._compile(so)
+        except Exception as e:  # xgrammar raises RuntimeError / ValueError with the parser's message
+            why = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip())  # the C++ source location
+            raise RequestError(f"invalid {so.kind} for structured output: {why}") from None
+        with self._lock:
             self._compiled[so] = compiled
             if len(self._compiled) > CACHE_SIZE:
                 self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(so)
-        return self.xgr.GrammarMatcher(compiled)
+        return compiled
+
+    def matcher(self, so: StructuredOutput):
+        """A fresh matcher of `so` (`compile`'s errors)."""
+        return self.xgr.GrammarMatcher(self.compile(so))
 
     def allowed(self, matchers, device: torch.device) -> torch.Tensor:
         """bool [len(matchers), vocab_size] on `device`: the tokens each matcher allows next."""

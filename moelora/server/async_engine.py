@@ -239,6 +239,14 @@ class AsyncEngine:
                 raise Overloaded(f"{self._pending + self._stats.waiting} requests are waiting "
                                  f"(limit {self.max_waiting}); retry later")
             self._pending += len(specs)
+        formats = {s.params.structured for s in specs if s.params.structured is not None}
+        if formats:  # compiled here, off the engine thread (which then finds them compiled)
+            try:
+                await loop.run_in_executor(None, _compile_all, self.engine, formats)
+            except BaseException:
+                with self._lock:
+                    self._pending -= len(specs)
+                raise
         stream = RequestStream(self, len(specs), loop)
         future = loop.create_future()
         self.send(("add", stream, list(specs), loop, future))
@@ -547,3 +555,11 @@ def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result=Non
         loop.call_soon_threadsafe(set_)
     except RuntimeError:
         pass
+
+
+def _compile_all(engine, formats) -> None:
+    """Compile a request's structured-output formats (engine/structured.py) in a worker thread: a large schema's
+    compile then never holds the engine thread's steps."""
+    grammars = engine.grammars()
+    for so in formats:
+        grammars.compile(so)

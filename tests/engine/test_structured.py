@@ -119,3 +119,29 @@ def test_choice_regex_escapes_every_metacharacter():
     pattern = choice_regex(choices)
     assert all(re.fullmatch(pattern, c) for c in choices)
     assert not any(re.fullmatch(pattern, c) for c in ("aXb", "x", "11=2", "z"))
+
+
+def test_with_ignore_eos_a_complete_grammar_still_ends_the_output(engine):
+    so = StructuredOutput.of("choice", ["yes", "no"])
+    reqs = run(engine, [SamplingParams(max_tokens=20, temperature=1.0, seed=s, ignore_eos=True, structured=so)
+                        for s in range(3)])
+    for r in reqs:
+        assert r.finish_reason == "stop" and r.text in ("yes", "no") and r.output_ids[-1] in engine.eos, r.text
+
+
+def test_a_pydantic_schema_with_definitions_holds(engine):
+    """What the openai SDK sends for nested models: $defs / $ref, strict objects."""
+    schema = {"$defs": {"Pet": {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]},
+                                                                 "age": {"type": "integer"}},
+                                "required": ["kind", "age"], "additionalProperties": False}},
+              "type": "object", "properties": {"pets": {"type": "array", "items": {"$ref": "#/$defs/Pet"},
+                                                        "maxItems": 2}},
+              "required": ["pets"], "additionalProperties": False}
+    so = StructuredOutput.of("json", schema)
+    reqs = run(engine, [SamplingParams(max_tokens=160, temperature=1.0, seed=s, structured=so) for s in range(6)])
+    done = [r for r in reqs if r.finish_reason == "stop"]
+    assert len(done) >= 3, [r.text for r in reqs]
+    for r in done:
+        pets = json.loads(r.text)["pets"]
+        assert len(pets) <= 2 and all(set(p) == {"kind", "age"} and p["kind"] in ("cat", "dog")
+                                      and type(p["age"]) is int for p in pets), r.text

@@ -168,3 +168,23 @@ def test_forced_tool_choices_hold_the_model_to_the_tools(client, choice):
                 assert call.function.name == "num" and set(args) == {"n"} and type(args["n"]) is int, args
         if choice != "required":
             assert [t.function.name for t in c.message.tool_calls] == ["num"] and c.finish_reason == "stop"
+
+
+def test_formats_compile_off_the_engine_thread(client, monkeypatch):
+    """A new format is compiled in a worker thread before the engine adds the request (the engine thread finds it
+    compiled): a large schema never holds the steps of the requests already running."""
+    import threading
+
+    from moelora.engine.structured import Grammars
+
+    threads, compile_ = [], Grammars._compile
+
+    def spy(self, so):
+        threads.append(threading.current_thread().name)
+        return compile_(self, so)
+
+    monkeypatch.setattr(Grammars, "_compile", spy)
+    r = client.completions.create(model=BASE, prompt="x", max_tokens=8, temperature=0,
+                                  extra_body={"guided_regex": "[q-z]{3}"})
+    assert threads and "moelora-engine" not in threads, threads
+    assert re.fullmatch("[q-z]{3}", r.choices[0].text) and r.choices[0].finish_reason == "stop"  # 3 + EOS
