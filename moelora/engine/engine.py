@@ -198,7 +198,9 @@ class LLMEngine:
 
     # requests -----------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams, adapter: str | None = None,
-                    request_id: str | None = None) -> Request:
+                    request_id: str | None = None, cache_salt: str | None = None) -> Request:
+        """`cache_salt` (vLLM's): the request's prefix-cache blocks are its salt's, shared only with requests of the
+        same salt (and adapter): tenants who cannot tell, by timing, what another one's prompts held."""
         if adapter is not None and adapter not in self.pool.names:
             raise RequestError(f"unknown adapter {adapter!r}; loaded: {self.pool.names}")
         if isinstance(prompt, str):
@@ -218,10 +220,13 @@ class LLMEngine:
         if params.logprobs is not None and params.logprobs > self.model_config.vocab_size:
             raise RequestError(f"logprobs {params.logprobs} is more than the vocabulary "
                                f"(size {self.model_config.vocab_size})")
-        bad = [t for t, _ in params.logit_bias if t >= self.model_config.vocab_size]
-        if bad:
-            raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary "
-                               f"(size {self.model_config.vocab_size})")
+        V = self.model_config.vocab_size
+        for name, tokens in (("logit_bias", [t for t, _ in params.logit_bias]),
+                             ("allowed_token_ids", params.allowed_token_ids or ()),
+                             ("bad_words", [t for w in params.bad_words_ids for t in w])):
+            bad = [t for t in tokens if t >= V]
+            if bad:
+                raise RequestError(f"{name} token id {bad[0]} is outside the vocabulary (size {V})")
         if request_id is None:
             self._counter += 1
             request_id = f"req-{self._counter}"
@@ -231,6 +236,8 @@ class LLMEngine:
         gen = torch.Generator(self.device).manual_seed(params.seed) if params.seed is not None else None
         req = Request(request_id, ids, params, adapter, prompt if isinstance(prompt, str) else None,
                       arrival=time.monotonic(), generator=gen, cache_key=self.pool.cache_key(adapter))
+        if cache_salt is not None:
+            req.cache_key = (req.cache_key, cache_salt)
         req.matcher, req.grammar_on = matcher, matcher is not None and params.structured.after is None
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -290,8 +297,9 @@ class LLMEngine:
         return settled + changed  # after a settle no step was in flight: nothing comes out twice
 
     def _constrained(self) -> bool:
-        """Whether a structured-output request is live (stepped synchronously: engine/structured.py)."""
-        return any(r.matcher is not None for r in self.requests.values())
+        """Whether a live request reads its own output to sample (a grammar, a bad word of several tokens): steps
+        are then synchronous, its last token read back before the next is sampled."""
+        return any(r.params.reads_its_output for r in self.requests.values())
 
     def _step_overlapped(self) -> list[Request]:
         """Schedule and launch step n+1 while step n runs on the device, then read step n back.
@@ -352,7 +360,8 @@ class LLMEngine:
             # no stop token before min_tokens (a grammar decides where a constrained output ends)
             early = len(r.output_ids) + r.num_pending < p.min_tokens and not r.grammar_on
             suppress.append((*p.stop_token_ids, *(() if p.ignore_eos else sorted(self.eos))) if early else ())
-        scores = adjust_logits(logits, rows, [reqs[i].params for i in rows], states, suppress)
+        scores = adjust_logits(logits, rows, [reqs[i].params for i in rows], states, suppress,
+                               [reqs[i].output_ids for i in rows])
         held = [i for i in rows if reqs[i].grammar_on]
         if held:
             mask_rows(scores, held, self._grammar_set.allowed([reqs[i].matcher for i in held], scores.device))

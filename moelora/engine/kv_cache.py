@@ -107,7 +107,7 @@ class BlockAllocator:
         self._hash_of[block] = prefix_hash
 
 
-def block_hash(adapter_key: str | None, parent: int | None, tokens: tuple[int, ...]) -> int:
+def block_hash(adapter_key, parent: int | None, tokens: tuple[int, ...]) -> int:
     return hash((adapter_key, parent, tokens))
 
 

@@ -17,7 +17,9 @@ class SamplingParams:
     generated at all) are subtracted. logit_bias (OpenAI): token id -> bias in [-100, 100] added to
     its logit; min_tokens (vLLM): no EOS, stop token or stop string ends the request before it has
     generated that many tokens. min_p (vLLM): after temperature, tokens whose probability is below
-    min_p x the most likely token's are dropped (0 is off).
+    min_p x the most likely token's are dropped (0 is off). allowed_token_ids (vLLM): no other token is generated
+    (EOS included: leave it out and the request runs to max_tokens). bad_words_ids (vLLM's bad_words, tokenized by
+    the server): a word's last token is never generated right after its other tokens (a one-token word: never).
 
     Output (vLLM's): the EOS or stop token that ends a request is a generated token: it is in
     `output_ids` (and `logprobs`) and counts towards max_tokens, but not in the text unless
@@ -45,6 +47,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None  # the output held to a schema, regex, choice or grammar
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM: only these may be generated
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # vLLM's bad_words, tokenized: never generated in full
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -82,6 +86,14 @@ class SamplingParams:
         bad = next(((t, b) for t, b in self.logit_bias if t < 0 or not -100 <= b <= 100), None)
         if bad is not None:
             raise RequestError(f"logit_bias entries must be a token id >= 0 and a bias in [-100, 100], got {bad}")
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in self.allowed_token_ids))
+            if not self.allowed_token_ids or min(self.allowed_token_ids) < 0:
+                raise RequestError(f"allowed_token_ids must be a non-empty list of token ids >= 0, got "
+                                   f"{list(self.allowed_token_ids)}")
+        object.__setattr__(self, "bad_words_ids", tuple(tuple(int(t) for t in w) for w in self.bad_words_ids))
+        if any(not w or min(w) < 0 for w in self.bad_words_ids):
+            raise RequestError("bad words must be non-empty token id sequences")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise RequestError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                                f"got {self.min_tokens!r}")
@@ -97,7 +109,14 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Whether sampling must see other logits than the model's (penalties, bias, min_tokens)."""
-        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.structured is not None
+        return (self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.structured is not None
+                or self.allowed_token_ids is not None or bool(self.bad_words_ids))
+
+    @property
+    def reads_its_output(self) -> bool:
+        """Whether sampling a token needs the request's earlier output tokens on the host (a grammar, a bad word of
+        several tokens): such a request is stepped synchronously."""
+        return self.structured is not None or any(len(w) > 1 for w in self.bad_words_ids)
 
 
 @dataclass
@@ -150,7 +169,7 @@ class Request:
     text: str = ""
     num_preemptions: int = 0
     generator: object = None
-    cache_key: str | None = None  # the adapter's prefix-cache identity (None: base model)
+    cache_key: object = None  # the adapter's prefix-cache identity (None: base model), with a cache_salt: a pair
     logprobs: list = field(default_factory=list)  # per output token (the stop token too), when params.logprobs
     # is set: (logprob, rank, ((id, logprob), ...)), see sampler
     # Overlapped scheduling: tokens sampled on the device but not read back yet. They count in

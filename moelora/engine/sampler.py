@@ -1,4 +1,5 @@
-"""Batched token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds, logit adjustments.
+"""Batched token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds, logit adjustments
+(logit_bias, min_tokens, allowed_token_ids, bad words, penalties).
 
 Shape legend: B rows (one per sequence), V vocab. `sample(logits [B, V] fp32, params, gens)`.
 Sampling is the exponential-race form of a categorical draw (argmax of p / q with q ~ Exp(1)),
@@ -36,14 +37,22 @@ class PenaltyState:
 
 
 def adjust_logits(logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams],
-                  states: Sequence[PenaltyState | None], suppress: Sequence[Sequence[int]]) -> torch.Tensor:
+                  states: Sequence[PenaltyState | None], suppress: Sequence[Sequence[int]],
+                  outputs: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
     """logits [B, V] -> a new fp32 [B, V] for sampling, in vLLM's order: rows[i] gets params[i]'s
-    logit_bias, -inf on the token ids suppress[i] (min_tokens not reached), then its penalties
-    (states[i], not None when params[i].penalized; see SamplingParams)."""
+    allowed_token_ids (-inf on every other token), logit_bias, -inf on the token ids suppress[i] (min_tokens not
+    reached) and on its bad words' last tokens where outputs[i] (the output so far) ends with the rest of the word,
+    then its penalties (states[i], not None when params[i].penalized; see SamplingParams)."""
     out = logits.float().clone()
     dev, V = logits.device, logits.shape[1]
+    for r, p in zip(rows, params, strict=True):
+        if p.allowed_token_ids is not None:
+            keep = upload([t for t in p.allowed_token_ids if t < V], torch.long, dev)
+            row = torch.full((V,), float("-inf"), device=dev)
+            out[r] = row.index_copy_(0, keep, out[r].index_select(0, keep))
     cells = [(r, t, b) for r, p in zip(rows, params, strict=True) for t, b in p.logit_bias if t < V]
     cells += [(r, t, float("-inf")) for r, ids in zip(rows, suppress, strict=True) for t in ids if 0 <= t < V]
+    cells += [(r, t, float("-inf")) for r, t in _banned(rows, params, outputs) if t < V]
     if cells:
         r_idx, t_idx, vals = zip(*cells, strict=True)  # sparse: only the named cells are touched
         at = upload([r_idx, t_idx], torch.long, dev)
@@ -60,6 +69,16 @@ def adjust_logits(logits: torch.Tensor, rows: Sequence[int], params: Sequence[Sa
         x = x - freq * counts - pres * (counts > 0).float()
         out.index_copy_(0, index, x)
     return out
+
+
+def _banned(rows: Sequence[int], params: Sequence[SamplingParams], outputs: Sequence[Sequence[int]] | None):
+    """(row, token) pairs a bad word bans now: its last token, where the output ends with the word's other tokens."""
+    for i, (r, p) in enumerate(zip(rows, params, strict=True)):
+        for word in p.bad_words_ids:
+            head = word[:-1]
+            if not head or (outputs is not None and len(outputs[i]) >= len(head)
+                            and tuple(outputs[i][len(outputs[i]) - len(head):]) == head):
+                yield r, word[-1]
 
 
 def record_tokens(tokens: torch.Tensor, rows: Sequence[int], states: Sequence[PenaltyState]) -> None:

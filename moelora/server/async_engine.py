@@ -62,6 +62,7 @@ class GenerateSpec:
     params: SamplingParams
     adapter: str | None
     n: int = 1  # choices of this prompt (the request's n): the specs of one prompt are consecutive
+    cache_salt: str | None = None  # vLLM's: a prefix-cache namespace of its own (`LLMEngine.add_request`)
 
 
 class RequestObserver(Protocol):
@@ -365,7 +366,8 @@ class AsyncEngine:
             for i, (rid, spec) in enumerate(zip(stream.request_ids, specs, strict=True)):
                 if spec.adapter is not None and spec.adapter not in self._adapters:
                     raise UnknownAdapter(f"adapter {spec.adapter!r} is not loaded")
-                req = self.engine.add_request(spec.prompt_ids, spec.params, spec.adapter, request_id=rid)
+                req = self.engine.add_request(spec.prompt_ids, spec.params, spec.adapter, request_id=rid,
+                                              cache_salt=spec.cache_salt)
                 added.append(rid)
                 self._live[rid] = _Live(stream, i, spec.adapter, req)
         except Exception:

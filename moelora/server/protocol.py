@@ -84,11 +84,11 @@ StopField = str | list[str] | None
 # vLLM's and OpenAI's sampling fields this server does not implement, at the values that leave them off
 _SAMPLING_OFF = {
     "use_beam_search": (False,), "length_penalty": (1,), "early_stopping": (False,), "best_of": (None, 1),
-    "truncate_prompt_tokens": NONE, "guided_whitespace_pattern": NONE,
+    "guided_whitespace_pattern": NONE,
     # vLLM picks a structured-output backend with it; xgrammar (vLLM's default) is the one here
     "guided_decoding_backend": (ANY,),
-    "priority": (0,), "cache_salt": NONE, "kv_transfer_params": NONE,
-    "vllm_xargs": NONE, "bad_words": NONE_OR_EMPTY, "allowed_token_ids": NONE, "logits_processors": NONE,
+    "priority": (0,), "kv_transfer_params": NONE,
+    "vllm_xargs": NONE, "logits_processors": NONE,
     "mm_processor_kwargs": NONE, "media_io_kwargs": NONE,
     "service_tier": (ANY,), "store": (ANY,), "metadata": (ANY,), "prompt_cache_key": (ANY,),
     "safety_identifier": (ANY,),
@@ -170,6 +170,11 @@ class _Sampling(_Body):
     return_tokens_as_token_ids: bool | None = None  # vLLM: None takes the server's setting
     return_token_ids: bool | None = False  # vLLM: token ids of the prompt and of each choice
     request_id: str | None = None  # vLLM: the response's id
+    # vLLM: keep only the last k prompt tokens (-1: the last max_model_len)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None  # vLLM: its own prefix-cache namespace
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # vLLM: only these are generated
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = None  # vLLM: never generated
     # structured outputs (engine/structured.py): OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* fields; at most one of them
     response_format: ResponseFormat | None = None

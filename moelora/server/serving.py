@@ -141,8 +141,15 @@ class OpenAIServing:
         return cards
 
     # admission ----------------------------------------------------------------------------------
-    def _encode(self, prompt, param: str, add_special_tokens: bool) -> list[int]:
+    def _encode(self, prompt, param: str, add_special_tokens: bool, truncate: int | None = None) -> list[int]:
+        """The prompt's token ids, checked; `truncate` (vLLM's truncate_prompt_tokens): only the last k of them
+        (-1: the last max_model_len)."""
         ids = self.tokenizer.encode(prompt, add_special_tokens) if isinstance(prompt, str) else list(prompt)
+        if truncate is not None:
+            if truncate == 0 or truncate > self.max_model_len:
+                raise ApiError(400, f"truncate_prompt_tokens must be -1 or in [1, max_model_len="
+                               f"{self.max_model_len}], got {truncate}", "truncate_prompt_tokens")
+            ids = ids[-(self.max_model_len if truncate == -1 else truncate):]
         if not ids:
             raise ApiError(400, "the prompt is empty", param)
         vocab = self.engine.engine.model_config.vocab_size
@@ -180,7 +187,8 @@ class OpenAIServing:
                 min_tokens=body.min_tokens or 0, skip_special_tokens=body.skip_special_tokens is not False,
                 spaces_between_special_tokens=body.spaces_between_special_tokens is not False,
                 include_stop_str_in_output=bool(body.include_stop_str_in_output),
-                structured=None if asked is None else StructuredOutput.of(*asked, after=grammar_after))
+                structured=None if asked is None else StructuredOutput.of(*asked, after=grammar_after),
+                allowed_token_ids=body.allowed_token_ids, bad_words_ids=self._bad_words(body.bad_words or ()))
         except RequestError as e:
             raise ApiError(400, str(e)) from None
 
@@ -274,7 +282,8 @@ class OpenAIServing:
             prompts = [prompts]
         if not prompts:
             raise ApiError(400, "the prompt is empty", "prompt")
-        encoded = [self._encode(p, "prompt", body.add_special_tokens is not False) for p in prompts]
+        encoded = [self._encode(p, "prompt", body.add_special_tokens is not False, body.truncate_prompt_tokens)
+                   for p in prompts]
         if body.max_tokens == 0 and not body.echo:
             raise ApiError(400, "max_tokens must be at least 1 (0 is only allowed with echo)", "max_tokens")
         n, view = body.choices, self._view(body)
@@ -288,8 +297,8 @@ class OpenAIServing:
                               self.cfg.enable_prompt_tokens_details, self.cfg.enable_force_include_usage)
         stream = events = None
         if body.max_tokens != 0:
-            specs = [GenerateSpec(ids, self._params(body, body.max_tokens, len(ids), body.logprobs, j), adapter, n)
-                     for ids in encoded for j in range(n)]
+            specs = [GenerateSpec(ids, self._params(body, body.max_tokens, len(ids), body.logprobs, j), adapter, n,
+                                  body.cache_salt) for ids in encoded for j in range(n)]
             stream = await self._open(specs, label)
             events = self._run(stream, body, label, arrival)
         parts = [part for part in prompt_parts for _ in range(n)]
@@ -305,7 +314,8 @@ class OpenAIServing:
         entries = await self._prompt_logprobs(ids, adapter, max(want), alone_n) if want else None
         part = {"ids": ids, "echo": "", "echo_lp": None, "prompt_logprobs": None, "scored": bool(want)}
         if body.echo:
-            part["echo"] = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
+            whole = isinstance(prompt, str) and body.truncate_prompt_tokens is None  # else: the ids kept
+            part["echo"] = prompt if whole else self.tokenizer.decode(ids, skip_special_tokens=False)
             if body.logprobs is not None:
                 part["echo_lp"] = view.completion(ids, _top(entries, body.logprobs), 0, prompt=True)
         if body.prompt_logprobs is not None:
@@ -389,7 +399,7 @@ class OpenAIServing:
         tools, parser, forced = self._tools(body)
         text = render_chat(self.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
                            body.chat_template_kwargs, tools, self.cfg.chat_template_content_format)
-        ids = self._encode(text, "messages", bool(body.add_special_tokens))
+        ids = self._encode(text, "messages", bool(body.add_special_tokens), body.truncate_prompt_tokens)
         if parser is not None and parser.keeps_special_tokens:  # its tags are special tokens: decode them (vLLM's)
             body = body.model_copy(update={"skip_special_tokens": False})  # before the sampling parameters
         fmt = self._reply_format(body, parser, text, forced)
@@ -405,8 +415,8 @@ class OpenAIServing:
                            "(response_format, structured_outputs, guided_*)", "tool_choice")
         asked = ("json", forced.schema()) if forced is not None else body.structured_output()
         after = self._grammar_start(text) if asked is not None else None
-        specs = [GenerateSpec(ids, self._params(body, max_tokens, len(ids), logprobs, j, after, asked), adapter, n)
-                 for j in range(n)]
+        specs = [GenerateSpec(ids, self._params(body, max_tokens, len(ids), logprobs, j, after, asked), adapter, n,
+                              body.cache_salt) for j in range(n)]
         stream = await self._open(specs, label)
         resp = OpenAIResponse("chatcmpl", body, self.cfg.served_model_names[0], len(ids),
                               self.cfg.enable_prompt_tokens_details, self.cfg.enable_force_include_usage)
@@ -418,6 +428,17 @@ class OpenAIServing:
         if body.stream:
             return Result(None, self._stream_chat(resp, events, body, view, echo, extra, fmt, role), stream)
         return Result(await self._collect_chat(resp, events, body, view, echo, extra, fmt, role), None, stream)
+
+    def _bad_words(self, words) -> tuple[tuple[int, ...], ...]:
+        """vLLM's bad_words as token id sequences: each word at the text's start and after a space (its two
+        tokenizations where they differ)."""
+        out = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, False))
+                if ids and ids not in out:
+                    out.append(ids)
+        return tuple(out)
 
     def _grammar_start(self, prompt: str) -> int | None:
         """With --reasoning-parser, a structured output holds the answer, not the reasoning (vLLM's): it starts after

@@ -10,12 +10,10 @@ import re
 
 import pytest
 
-from moelora.engine.config import EngineConfig
-from moelora.engine.loader import build_engine
 from moelora.engine.request import SamplingParams
 from moelora.engine.structured import StructuredOutput, choice_regex
 from moelora.errors import RequestError
-from tests.helpers.server import write_model
+from tests.helpers.server import byte_engine
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"},
                                           "pet": {"enum": ["cat", "dog"]}}, "required": ["n", "pet"],
@@ -44,10 +42,7 @@ CASES = {  # kind, value, the check of a finished output's text
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    model_dir, _ = write_model(tmp_path_factory.mktemp("structured"))
-    cfg = EngineConfig(device="cpu", dtype="float32", max_loras=1, max_lora_rank=8, max_num_seqs=16, block_size=4,
-                       num_kv_blocks=1024, async_scheduling=True)
-    return build_engine(model_dir, cfg)
+    return byte_engine(tmp_path_factory.mktemp("structured"))
 
 
 def run(eng, params: list[SamplingParams], prompts=None) -> list:

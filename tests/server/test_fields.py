@@ -355,7 +355,7 @@ def test_fields_at_their_off_value_are_accepted_and_change_nothing(url, plain_ou
 
 
 REFUSED = [("/v1/completions", "use_beam_search", True), ("/v1/completions", "guided_whitespace_pattern", " "),
-           ("/v1/completions", "cache_salt", "tenant-a"), ("/v1/completions", "priority", 3),
+           ("/v1/completions", "kv_transfer_params", {"do_remote_decode": True}), ("/v1/completions", "priority", 3),
            ("/v1/completions", "length_penalty", 0.5), ("/v1/chat/completions", "logits_processors", ["x"]),
            ("/v1/chat/completions", "reasoning_effort", "high"), ("/v1/chat/completions", "prediction",
                                                                    {"type": "content", "content": "x"})]
@@ -445,6 +445,53 @@ def test_prompt_tokens_details_count_the_prefix_caches_tokens(model_dir):
     assert again["prompt_tokens"] == 2 * first["prompt_tokens"] == 66
     assert again["prompt_tokens_details"] == {"cached_tokens": 2 * 32}  # the last block recomputed: 32 of 33
     assert streamed["prompt_tokens_details"] == {"cached_tokens": 32}
+
+
+def test_cache_salt_keeps_a_prefix_to_its_salt(model_dir):
+    """vLLM's cache_salt: a prompt's cached blocks serve only requests of the same salt (and none without one)."""
+    prompt = "salted prompt of many bytes, over"  # 33 bytes (+ BOS): 8 full blocks of 4 cached
+    with serving(cpu_app(model_dir, enable_prompt_tokens_details=True)) as u:
+        def cached(**kw):
+            return completion(u, prompt=prompt, max_tokens=2, **kw)["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert cached(cache_salt="tenant-a") == 0
+        assert cached(cache_salt="tenant-b") == 0  # another salt: nothing shared
+        assert cached() == 0  # no salt: the unsalted namespace, empty
+        assert cached(cache_salt="tenant-a") == cached(cache_salt="tenant-b") == cached() == 32
+        r = post(u, "/v1/completions", {"model": BASE, "prompt": "x", "cache_salt": ""})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k(url):
+    """vLLM's: the last k prompt tokens (usage counts them; echo shows them); -1 keeps max_model_len; 0 or more than
+    max_model_len is refused."""
+    full = completion(url, prompt="0123456789", max_tokens=3)
+    cut = completion(url, prompt="0123456789", max_tokens=3, truncate_prompt_tokens=4, echo=True)
+    alone = completion(url, prompt="6789", max_tokens=3, add_special_tokens=False)
+    assert cut["usage"]["prompt_tokens"] == 4 and full["usage"]["prompt_tokens"] == 11  # BOS + 10
+    assert cut["choices"][0]["text"] == "6789" + alone["choices"][0]["text"]
+    assert completion(url, prompt="0123", max_tokens=2, truncate_prompt_tokens=-1)["usage"]["prompt_tokens"] == 5
+    r = chat(url, USER, max_tokens=2, truncate_prompt_tokens=3)
+    assert r["usage"]["prompt_tokens"] == 3
+    for bad in (0, 100_000):
+        r = post(url, "/v1/completions", {"model": BASE, "prompt": "x", "truncate_prompt_tokens": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
+def test_allowed_token_ids_and_bad_words(url):
+    """vLLM's: only the allowed tokens are generated (EOS left out: to max_tokens); a bad word never appears whole
+    in the text, at its start or after a space (the free greedy reply holds it)."""
+    allowed = [ord(c) for c in "xyz"]
+    r = completion(url, prompt="pick", max_tokens=8, temperature=1.0, seed=1, allowed_token_ids=allowed)
+    assert set(r["choices"][0]["text"]) <= set("xyz") and r["choices"][0]["finish_reason"] == "length"
+    free = completion(url, prompt="the cat", max_tokens=12)["choices"][0]["text"]
+    word = free[2:5]
+    banned = completion(url, prompt="the cat", max_tokens=12, bad_words=[word])["choices"][0]["text"]
+    assert word in free and word not in banned and banned[:2] == free[:2], (free, banned)
+    r = chat(url, USER, max_tokens=4, allowed_token_ids=[ord("q")], temperature=0)
+    assert r["choices"][0]["message"]["content"] == "qqqq"
+    r = post(url, "/v1/completions", {"model": BASE, "prompt": "x", "allowed_token_ids": [5, 10 ** 6]})
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"], r.text
 
 
 def test_usage_has_no_prompt_tokens_details_by_default(url):
