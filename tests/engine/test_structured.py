@@ -140,3 +140,31 @@ def test_a_pydantic_schema_with_definitions_holds(engine):
         pets = json.loads(r.text)["pets"]
         assert len(pets) <= 2 and all(set(p) == {"kind", "age"} and p["kind"] in ("cat", "dog")
                                       and type(p["age"]) is int for p in pets), r.text
+
+
+def test_batched_mask_fill_equals_one_by_one(engine, monkeypatch):
+    """`Grammars.allowed` from BATCH_FILL_ROWS rows fills the masks in xgrammar's threads: the same masks as one
+    matcher at a time, for matchers of several formats at several points of their outputs."""
+    import random
+
+    import torch
+
+    import moelora.engine.structured as st
+
+    grammars = engine.grammars()
+    rng = random.Random(0)
+    matchers = []
+    for i in range(12):
+        kind, value, _ = CASES[list(CASES)[i % len(CASES)]]
+        m = grammars.matcher(StructuredOutput.of(kind, value))
+        for _ in range(rng.randrange(6)):  # a few allowed steps in
+            ok = grammars.allowed([m], torch.device("cpu"))[0].nonzero().flatten().tolist()
+            tok = rng.choice(ok)
+            if tok in engine.eos:
+                break
+            assert m.accept_token(tok)
+        matchers.append(m)
+    batched = grammars.allowed(matchers, torch.device("cpu"))
+    monkeypatch.setattr(st, "BATCH_FILL_ROWS", 10 ** 9)
+    assert torch.equal(batched, grammars.allowed(matchers, torch.device("cpu")))
+    assert batched.any(dim=1).all() and not batched.all(dim=1).any()
