@@ -8,6 +8,7 @@ the prefix cache, free finished requests' blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -220,6 +221,11 @@ class LLMEngine:
         if params.logprobs is not None and params.logprobs > self.model_config.vocab_size:
             raise RequestError(f"logprobs {params.logprobs} is more than the vocabulary "
                                f"(size {self.model_config.vocab_size})")
+        if params.bad_words:  # vLLM's strings: tokenized here, once
+            if self.tokenizer is None:
+                raise RequestError("bad_words need the model's tokenizer.json (or give bad_words_ids)")
+            words = self.tokenizer.word_ids(params.bad_words)
+            params = dataclasses.replace(params, bad_words=(), bad_words_ids=(*params.bad_words_ids, *words))
         V = self.model_config.vocab_size
         for name, tokens in (("logit_bias", [t for t, _ in params.logit_bias]),
                              ("allowed_token_ids", params.allowed_token_ids or ()),

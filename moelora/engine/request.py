@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moelora.engine.structured import StructuredOutput
+from moelora.engine.structured import StructuredOutput, StructuredOutputsParams
 from moelora.errors import RequestError
 
 
@@ -18,8 +18,9 @@ class SamplingParams:
     its logit; min_tokens (vLLM): no EOS, stop token or stop string ends the request before it has
     generated that many tokens. min_p (vLLM): after temperature, tokens whose probability is below
     min_p x the most likely token's are dropped (0 is off). allowed_token_ids (vLLM): no other token is generated
-    (EOS included: leave it out and the request runs to max_tokens). bad_words_ids (vLLM's bad_words, tokenized by
-    the server): a word's last token is never generated right after its other tokens (a one-token word: never).
+    (EOS included: leave it out and the request runs to max_tokens). bad_words (vLLM): the engine tokenizes each at
+    the text's start and after a space into bad_words_ids (token ids may be given there too): a word's last token
+    is never generated right after its other tokens (a one-token word: never).
 
     Output (vLLM's): the EOS or stop token that ends a request is a generated token: it is in
     `output_ids` (and `logprobs`) and counts towards max_tokens, but not in the text unless
@@ -48,7 +49,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None  # the output held to a schema, regex, choice or grammar
     allowed_token_ids: tuple[int, ...] | None = None  # vLLM: only these may be generated
-    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # vLLM's bad_words, tokenized: never generated in full
+    bad_words: tuple[str, ...] = ()  # vLLM: never generated (the engine tokenizes them into bad_words_ids)
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # bad words as token ids: never generated in full
+    structured_outputs: StructuredOutputsParams | None = None  # vLLM's offline form of `structured`
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -86,6 +89,16 @@ class SamplingParams:
         bad = next(((t, b) for t, b in self.logit_bias if t < 0 or not -100 <= b <= 100), None)
         if bad is not None:
             raise RequestError(f"logit_bias entries must be a token id >= 0 and a bias in [-100, 100], got {bad}")
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise RequestError(f"bad_words must be non-empty strings, got {list(self.bad_words)}")
+        if self.structured_outputs is not None:
+            if self.structured is not None:
+                raise RequestError("give structured or structured_outputs, not both")
+            object.__setattr__(self, "structured", self.structured_outputs.output())
+            object.__setattr__(self, "structured_outputs", None)
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in self.allowed_token_ids))
             if not self.allowed_token_ids or min(self.allowed_token_ids) < 0:

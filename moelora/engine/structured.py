@@ -74,6 +74,26 @@ class StructuredOutput:
         return StructuredOutput(kind, value)
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's `SamplingParams(structured_outputs=StructuredOutputsParams(json=...))` of the offline API: exactly one
+    of json (a schema, dict or JSON text), regex, choice, grammar, json_object."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def output(self) -> StructuredOutput:
+        given = [(k, getattr(self, k)) for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += [("json_object", None)] if self.json_object else []
+        if len(given) != 1:
+            raise RequestError(f"structured_outputs takes exactly one of json, regex, choice, grammar, json_object; "
+                               f"got {[k for k, _ in given] or 'none'}")
+        return StructuredOutput.of(*given[0])
+
+
 def choice_regex(choices: list[str]) -> str:
     """A regex matching exactly one of `choices` (each literal: regex metacharacters escaped)."""
     special = set("\\^$.|?*+()[]{}/")

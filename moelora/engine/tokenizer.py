@@ -69,6 +69,17 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def word_ids(self, words) -> tuple[tuple[int, ...], ...]:
+        """vLLM's bad_words as token id sequences: each word at the text's start and after a space (its two
+        tokenizations, where they differ)."""
+        out = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.encode(text))
+                if ids and ids not in out:
+                    out.append(ids)
+        return tuple(out)
+
     def vocab_strings(self, ids: list[int]) -> list[str]:
         """Each id's string in the vocabulary (transformers' convert_ids_to_tokens: byte-level 'Ġ' and all)."""
         return [self._tok.id_to_token(i) or "" for i in ids]

@@ -188,7 +188,7 @@ class OpenAIServing:
                 spaces_between_special_tokens=body.spaces_between_special_tokens is not False,
                 include_stop_str_in_output=bool(body.include_stop_str_in_output),
                 structured=None if asked is None else StructuredOutput.of(*asked, after=grammar_after),
-                allowed_token_ids=body.allowed_token_ids, bad_words_ids=self._bad_words(body.bad_words or ()))
+                allowed_token_ids=body.allowed_token_ids, bad_words=tuple(body.bad_words or ()))
         except RequestError as e:
             raise ApiError(400, str(e)) from None
 
@@ -428,17 +428,6 @@ class OpenAIServing:
         if body.stream:
             return Result(None, self._stream_chat(resp, events, body, view, echo, extra, fmt, role), stream)
         return Result(await self._collect_chat(resp, events, body, view, echo, extra, fmt, role), None, stream)
-
-    def _bad_words(self, words) -> tuple[tuple[int, ...], ...]:
-        """vLLM's bad_words as token id sequences: each word at the text's start and after a space (its two
-        tokenizations where they differ)."""
-        out = []
-        for word in words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                ids = tuple(self.tokenizer.encode(text, False))
-                if ids and ids not in out:
-                    out.append(ids)
-        return tuple(out)
 
     def _grammar_start(self, prompt: str) -> int | None:
         """With --reasoning-parser, a structured output holds the answer, not the reasoning (vLLM's): it starts after

@@ -168,3 +168,23 @@ def test_batched_mask_fill_equals_one_by_one(engine, monkeypatch):
     monkeypatch.setattr(st, "BATCH_FILL_ROWS", 10 ** 9)
     assert torch.equal(batched, grammars.allowed(matchers, torch.device("cpu")))
     assert batched.any(dim=1).all() and not batched.all(dim=1).any()
+
+
+def test_the_offline_api_takes_vllms_structured_outputs(tmp_path):
+    """`from moelora.sampling_params import StructuredOutputsParams` where vLLM's was; LLM.generate holds to it."""
+    from moelora import LLM
+    from moelora.sampling_params import SamplingParams as VllmPathParams
+    from moelora.sampling_params import StructuredOutputsParams
+    from tests.helpers.server import write_model
+
+    model_dir, _ = write_model(tmp_path)
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_loras=1, max_lora_rank=8)
+    params = [VllmPathParams(max_tokens=40, temperature=1.0, seed=s,
+                             structured_outputs=StructuredOutputsParams(choice=["alpha", "beta"])) for s in range(4)]
+    outs = llm.generate(["pick:"] * 4, params)
+    assert all(o.text in ("alpha", "beta") and o.finish_reason == "stop" for o in outs), [o.text for o in outs]
+    with pytest.raises(RequestError, match="exactly one"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(regex="a", choice=["b"]))
+    with pytest.raises(RequestError, match="not both"):
+        SamplingParams(structured=StructuredOutput("json_object"),
+                       structured_outputs=StructuredOutputsParams(json_object=True))

@@ -65,3 +65,17 @@ def test_bad_token_ids_are_refused(engine):
     with pytest.raises(RequestError, match="non-empty list"):
         SamplingParams(allowed_token_ids=())
     assert not engine.has_unfinished()
+
+
+def test_bad_words_as_text_are_tokenized_by_the_engine(engine):
+    """vLLM's `SamplingParams(bad_words=[...])`: strings, tokenized at the text's start and after a space."""
+    frees = run(engine, [(p, SamplingParams(max_tokens=24, temperature=0)) for p in PROMPTS])
+    ascii_ = set(range(ord("0"), ord("z") + 1))
+    free, at = next((r, i) for r in frees for i in range(len(r.output_ids) - 1)
+                    if {r.output_ids[i], r.output_ids[i + 1]} <= ascii_)  # a two-letter word the model writes
+    word = chr(free.output_ids[at]) + chr(free.output_ids[at + 1])
+    banned = run(engine, [(free.prompt, SamplingParams(max_tokens=24, temperature=0, bad_words=[word]))])[0]
+    assert word in free.text and word not in banned.text, (free.text, banned.text)
+    assert engine.tokenizer.word_ids(["ab"]) == ((ord("a"), ord("b")), (ord(" "), ord("a"), ord("b")))
+    with pytest.raises(RequestError, match="non-empty strings"):
+        SamplingParams(bad_words=[" "])
