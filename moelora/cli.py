@@ -166,6 +166,7 @@ def serve_engine_config(args) -> EngineConfig:
                         overlap_lora=not args.no_overlap_lora, pdl=not args.no_pdl,
                         lora_target_modules=tuple(args.lora_target_modules) if args.lora_target_modules else None,
                         enable_prefix_caching=args.enable_prefix_caching, fused_moe_table=args.fused_moe_table,
+                        scheduling_policy=args.scheduling_policy,
                         warmup=not args.skip_warmup, quantization=args.quantization,
                         fp8_activation_quant=args.fp8_activation_quant, nnodes=args.nnodes,
                         master_addr=args.master_addr, master_port=args.master_port if args.nnodes > 1 else 0,
@@ -270,6 +271,9 @@ def _serve_parser(sub) -> None:
                        help="reuse the KV of shared prompt prefixes (default on)")
     serve.add_argument("--disable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                        help="same as --no-enable-prefix-caching")
+    serve.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                       help="fcfs (default), or priority: requests' `priority` (lower first) orders the waiting "
+                            "queue and picks the preemption victim (the lowest priority, newest)")
     serve.add_argument("--skip-warmup", action="store_true",
                        help="report ready (/health 200) without first running every kernel shape once: a faster "
                             "start, but the first requests pay the Triton compiles")

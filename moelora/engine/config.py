@@ -76,6 +76,7 @@ class EngineConfig:
     # vs 326.3, 256: 388.5 vs 358.3). Off switch.
     base_decode_graphs: bool = True
     enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"  # vLLM's: "fcfs", or "priority" (requests' `priority` read: scheduler.py)
     enforce_eager: bool = False  # off switch for CUDA graphs (decode, and the piecewise graphs below)
     # Steps with prompt rows (a prefill chunk, alone or beside decodes) of up to this many tokens replay
     # piecewise CUDA graphs (`engine/piecewise_graphs.py`): each layer's attention eager, everything else
@@ -225,6 +226,8 @@ class EngineConfig:
             raise ConfigError("max_loras and max_lora_rank must be >= 0")
         if self.piecewise_graph_tokens < 0:
             raise ConfigError(f"piecewise_graph_tokens must be >= 0 (0: off), got {self.piecewise_graph_tokens}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         targets = ("auto",) if self.lora_target_modules == "auto" else self.lora_target_modules
         if targets is not None:
             if isinstance(targets, str) or not all(isinstance(t, str) and t.strip(".") for t in targets):

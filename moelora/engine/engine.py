@@ -88,7 +88,8 @@ class LLMEngine:
         self.cache = PagedKVCache(model.kv_cache_shapes(), cfg.num_kv_blocks, cfg.block_size, self.device,
                                   cfg.torch_dtype)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_loras,
-                                                   cfg.enable_prefix_caching), self.cache.allocator,
+                                                   cfg.enable_prefix_caching, cfg.scheduling_policy),
+                                   self.cache.allocator,
                                    adapter_ready=self.pool.ensure if cfg.async_adapter_loading else None)
         needs = lora_needs(cfg, model)  # what every step's LoRABatch carries, eager or in a graph
         self.runner = self._make_runner(model, needs=needs)
@@ -199,9 +200,13 @@ class LLMEngine:
 
     # requests -----------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams, adapter: str | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None) -> Request:
+                    request_id: str | None = None, cache_salt: str | None = None, priority: int = 0) -> Request:
         """`cache_salt` (vLLM's): the request's prefix-cache blocks are its salt's, shared only with requests of the
-        same salt (and adapter): tenants who cannot tell, by timing, what another one's prompts held."""
+        same salt (and adapter): tenants who cannot tell, by timing, what another one's prompts held. `priority`
+        (vLLM's; lower first): read under `scheduling_policy` "priority", refused otherwise unless 0."""
+        if priority != 0 and self.cfg.scheduling_policy != "priority":
+            raise RequestError(f"priority {priority} needs the priority scheduling policy "
+                               "(--scheduling-policy priority); this engine schedules first come, first served")
         if adapter is not None and adapter not in self.pool.names:
             raise RequestError(f"unknown adapter {adapter!r}; loaded: {self.pool.names}")
         if isinstance(prompt, str):
@@ -244,6 +249,7 @@ class LLMEngine:
                       arrival=time.monotonic(), generator=gen, cache_key=self.pool.cache_key(adapter))
         if cache_salt is not None:
             req.cache_key = (req.cache_key, cache_salt)
+        req.priority = priority
         req.matcher, req.grammar_on = matcher, matcher is not None and params.structured.after is None
         self.requests[request_id] = req
         self.scheduler.add(req)

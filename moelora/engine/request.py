@@ -194,6 +194,7 @@ class Request:
     matcher: object = None  # structured outputs: the request's grammar matcher (engine/structured.py)
     grammar_on: bool = False  # the matcher holds the output now (from the start, or since the `after` token)
     coming_hashes: tuple | None = None  # the scheduler's: prefix hashes of the prompt blocks it computes
+    priority: int = 0  # vLLM's: lower is scheduled first under the "priority" policy (scheduler.py)
 
     @property
     def all_ids(self) -> list[int]:

@@ -10,6 +10,9 @@ first (arrival order inside an adapter), so one adapter's flood cannot starve an
 still being copied to its slot waits without holding back the requests behind it. With prefix caching, a request
 most of whose uncached prompt blocks a running request is computing right now (n > 1 choices, a burst sharing a
 long prefix) waits for them to be published and takes them from the cache (`_wait_for_shared_prefix`).
+Policy "priority" (vLLM's `--scheduling-policy priority`): a request's `priority` (lower first) leads every order
+above (arrival, then the adapters' fairness, break its ties), and the preemption victim is the running request of
+the lowest priority (the newest of them); "fcfs" (default): priority is not read.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_loras: int = 8
     enable_prefix_caching: bool = True
+    policy: str = "fcfs"  # or "priority" (module docstring)
 
 
 @dataclass
@@ -153,8 +157,13 @@ class Scheduler:
         req.num_cached_blocks = full
 
     # scheduling ---------------------------------------------------------------------------------
+    def _rank(self, req: Request) -> int:
+        """The request's priority under the "priority" policy (lower first); 0 for every request under "fcfs"."""
+        return req.priority if self.cfg.policy == "priority" else 0
+
     def _preempt_newest(self, step: ScheduledStep) -> Request | None:
-        victim = max(self.running, key=lambda r: r.arrival, default=None)
+        """Preempt the newest running request (of the lowest priority, under "priority")."""
+        victim = max(self.running, key=lambda r: (self._rank(r), r.arrival), default=None)
         if victim is None:
             return None
         self.running.remove(victim)
@@ -171,7 +180,7 @@ class Scheduler:
 
     def _schedule_running(self, step: ScheduledStep, budget: int) -> int:
         left = {id(r): r.num_tokens - r.num_computed for r in self.running}  # tokens to compute, once
-        order = sorted(self.running, key=lambda r: (left[id(r)] > 1, r.arrival))
+        order = sorted(self.running, key=lambda r: (left[id(r)] > 1, self._rank(r), r.arrival))
         for req in order:
             if budget <= 0:
                 break
@@ -192,9 +201,11 @@ class Scheduler:
         if not candidates:
             return None
         preempted = [r for r in candidates if r.num_preemptions > 0]
-        if preempted:  # recompute what was preempted before admitting anything new
-            return min(preempted, key=lambda r: r.arrival)
-        return min(candidates, key=lambda r: (self.served[r.adapter], r.arrival))
+        if preempted:  # recompute what was preempted before admitting anything new (of its priority or lower)
+            first = min(preempted, key=lambda r: (self._rank(r), r.arrival))
+            if all(self._rank(first) <= self._rank(r) for r in candidates):
+                return first
+        return min(candidates, key=lambda r: (self._rank(r), self.served[r.adapter], r.arrival))
 
     def _admit(self, step: ScheduledStep, budget: int) -> None:
         blocked: set[str | None] = set()

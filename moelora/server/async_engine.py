@@ -63,6 +63,7 @@ class GenerateSpec:
     adapter: str | None
     n: int = 1  # choices of this prompt (the request's n): the specs of one prompt are consecutive
     cache_salt: str | None = None  # vLLM's: a prefix-cache namespace of its own (`LLMEngine.add_request`)
+    priority: int = 0  # vLLM's: with the priority scheduling policy, lower first
 
 
 class RequestObserver(Protocol):
@@ -367,7 +368,7 @@ class AsyncEngine:
                 if spec.adapter is not None and spec.adapter not in self._adapters:
                     raise UnknownAdapter(f"adapter {spec.adapter!r} is not loaded")
                 req = self.engine.add_request(spec.prompt_ids, spec.params, spec.adapter, request_id=rid,
-                                              cache_salt=spec.cache_salt)
+                                              cache_salt=spec.cache_salt, priority=spec.priority)
                 added.append(rid)
                 self._live[rid] = _Live(stream, i, spec.adapter, req)
         except Exception:

@@ -87,7 +87,7 @@ _SAMPLING_OFF = {
     "guided_whitespace_pattern": NONE,
     # vLLM picks a structured-output backend with it; xgrammar (vLLM's default) is the one here
     "guided_decoding_backend": (ANY,),
-    "priority": (0,), "kv_transfer_params": NONE,
+    "kv_transfer_params": NONE,
     "vllm_xargs": NONE, "logits_processors": NONE,
     "mm_processor_kwargs": NONE, "media_io_kwargs": NONE,
     "service_tier": (ANY,), "store": (ANY,), "metadata": (ANY,), "prompt_cache_key": (ANY,),
@@ -173,6 +173,7 @@ class _Sampling(_Body):
     # vLLM: keep only the last k prompt tokens (-1: the last max_model_len)
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # vLLM: its own prefix-cache namespace
+    priority: int | None = 0  # vLLM: lower first, with --scheduling-policy priority (0 otherwise)
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # vLLM: only these are generated
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = None  # vLLM: never generated
     # structured outputs (engine/structured.py): OpenAI's response_format, vLLM's structured_outputs and its older

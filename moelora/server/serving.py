@@ -193,6 +193,9 @@ class OpenAIServing:
             raise ApiError(400, str(e)) from None
 
     def _check_common(self, body: _Sampling, logprob_fields: dict[str, int | None]) -> str | None:
+        if body.priority and self.engine.engine.cfg.scheduling_policy != "priority":
+            raise ApiError(400, f"priority {body.priority} needs --scheduling-policy priority (this server schedules "
+                           "first come, first served)", "priority")
         if body.stream_options is not None and not body.stream:
             raise ApiError(400, "stream_options can only be set when stream is true", "stream_options")
         if any(not s for s in body.stop_strings()):
@@ -298,7 +301,7 @@ class OpenAIServing:
         stream = events = None
         if body.max_tokens != 0:
             specs = [GenerateSpec(ids, self._params(body, body.max_tokens, len(ids), body.logprobs, j), adapter, n,
-                                  body.cache_salt) for ids in encoded for j in range(n)]
+                                  body.cache_salt, body.priority or 0) for ids in encoded for j in range(n)]
             stream = await self._open(specs, label)
             events = self._run(stream, body, label, arrival)
         parts = [part for part in prompt_parts for _ in range(n)]
@@ -416,7 +419,7 @@ class OpenAIServing:
         asked = ("json", forced.schema()) if forced is not None else body.structured_output()
         after = self._grammar_start(text) if asked is not None else None
         specs = [GenerateSpec(ids, self._params(body, max_tokens, len(ids), logprobs, j, after, asked), adapter, n,
-                              body.cache_salt) for j in range(n)]
+                              body.cache_salt, body.priority or 0) for j in range(n)]
         stream = await self._open(specs, label)
         resp = OpenAIResponse("chatcmpl", body, self.cfg.served_model_names[0], len(ids),
                               self.cfg.enable_prompt_tokens_details, self.cfg.enable_force_include_usage)

@@ -169,6 +169,8 @@ def test_vllm_serve_flags_reach_the_configs(monkeypatch):
     parse = lambda *argv: build_parser().parse_args(["serve", *argv])  # noqa: E731
     cfg = serve_engine_config(parse("--max-num-batched-tokens", "512", "--block-size", "32"))
     assert (cfg.max_num_batched_tokens, cfg.block_size, cfg.enable_prefix_caching) == (512, 32, True)
+    assert cfg.scheduling_policy == "fcfs" and serve_engine_config(
+        parse("--scheduling-policy", "priority")).scheduling_policy == "priority"
     for flags, on in ((["--enable-prefix-caching"], True), (["--no-enable-prefix-caching"], False),
                       (["--disable-prefix-caching"], False)):
         assert serve_engine_config(parse(*flags)).enable_prefix_caching is on, flags

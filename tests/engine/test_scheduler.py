@@ -233,3 +233,48 @@ def test_waiting_for_a_shared_prefix_changes_no_token():
     # 7; on the base (its own prefixes) the 31-token prompt the 6 blocks the 27-token one computes; overlapped
     # scheduling too (a step's blocks are published after the next step is scheduled: one more step of waiting)
     assert hits == [0, 3 * 28 + 24 + 28 + 24, 3 * 28 + 24 + 28 + 24]
+
+
+def prioritized(i: int, n: int, priority: int, arrival=None) -> Request:
+    r = req(i, n, arrival=arrival)
+    r.priority = priority
+    return r
+
+
+def test_priority_policy_orders_admission_and_picks_the_victim():
+    """--scheduling-policy priority: the waiting queue by (priority, arrival), lower first; under block pressure the
+    lowest-priority running request (the newest of them) is preempted, not the newest one. fcfs reads no priority."""
+    def admitted(policy):
+        s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=1000, policy=policy),
+                      BlockAllocator(256, 4))
+        for i, p in enumerate((5, 0, 5, -1)):
+            s.add(prioritized(i, 4, p))
+        return [r.request_id for r in s.schedule().requests]
+
+    assert admitted("priority") == ["r3", "r1"]  # priorities -1 then 0, whatever their arrival
+    assert admitted("fcfs") == ["r0", "r1"]
+
+    def victim(policy):
+        alloc = BlockAllocator(6, 4)
+        s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=False,
+                                      policy=policy), alloc)
+        urgent_new, relaxed_old = prioritized(1, 11, 0), prioritized(0, 8, 9)
+        s.add(relaxed_old)
+        s.add(urgent_new)
+        preempted = []
+        for _ in range(5):
+            preempted += run_step(s).preempted
+        return [r.request_id for r in preempted][:1]
+
+    assert victim("priority") == ["r0"]  # the old request of priority 9 gives way
+    assert victim("fcfs") == ["r1"]  # the newest, as ever
+
+
+def test_a_preempted_request_waits_behind_a_more_urgent_new_one():
+    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=1000, policy="priority"),
+                  BlockAllocator(256, 4))
+    back = prioritized(0, 4, 3)
+    back.num_preemptions = 1  # preempted earlier: first among its equals, not before more urgent ones
+    s.add(back)
+    s.add(prioritized(1, 4, 0))
+    assert [r.request_id for r in s.schedule().requests] == ["r1"]

@@ -355,7 +355,7 @@ def test_fields_at_their_off_value_are_accepted_and_change_nothing(url, plain_ou
 
 
 REFUSED = [("/v1/completions", "use_beam_search", True), ("/v1/completions", "guided_whitespace_pattern", " "),
-           ("/v1/completions", "kv_transfer_params", {"do_remote_decode": True}), ("/v1/completions", "priority", 3),
+           ("/v1/completions", "kv_transfer_params", {"do_remote_decode": True}),
            ("/v1/completions", "length_penalty", 0.5), ("/v1/chat/completions", "logits_processors", ["x"]),
            ("/v1/chat/completions", "reasoning_effort", "high"), ("/v1/chat/completions", "prediction",
                                                                    {"type": "content", "content": "x"})]
@@ -492,6 +492,26 @@ def test_allowed_token_ids_and_bad_words(url):
     assert r["choices"][0]["message"]["content"] == "qqqq"
     r = post(url, "/v1/completions", {"model": BASE, "prompt": "x", "allowed_token_ids": [5, 10 ** 6]})
     assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"], r.text
+
+
+def test_priority_needs_the_priority_policy(url, model_dir):
+    """vLLM's: a non-zero priority is refused under fcfs (this server's default), served under
+    --scheduling-policy priority (the scheduler's order: tests/engine/test_scheduler.py)."""
+    r = post(url, "/v1/completions", {"model": BASE, "prompt": "x", "priority": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+    assert "--scheduling-policy priority" in r.json()["error"]["message"]
+    from moelora.engine.config import EngineConfig
+    from moelora.engine.loader import build_engine
+    from moelora.server.app import build_app
+    from moelora.server.async_engine import AsyncEngine
+    from moelora.server.serving import ServerConfig
+
+    cfg = EngineConfig(device="cpu", dtype="float32", max_loras=1, max_lora_rank=8, max_num_seqs=4, block_size=4,
+                       num_kv_blocks=256, scheduling_policy="priority")
+    app = build_app(AsyncEngine(build_engine(model_dir, cfg)), ServerConfig((BASE,), str(model_dir)))
+    with serving(app) as u:
+        for p in (-2, 0, 7):
+            assert completion(u, prompt="x", max_tokens=2, priority=p)["usage"]["completion_tokens"] == 2
 
 
 def test_usage_has_no_prompt_tokens_details_by_default(url):
