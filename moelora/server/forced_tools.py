@@ -1,13 +1,15 @@
 """tool_choice "required" and a named function (vLLM's way): the reply is held to a JSON schema by structured outputs
 (engine/structured.py) and becomes tool calls, with no --tool-call-parser.
 
-  named     `{"type": "function", "function": {"name": NAME}}`: the output is NAME's arguments object (its parameters
-            schema; any object where it has none); one call, finish_reason "stop" (as OpenAI and vLLM answer a forced
-            function).
+  named     `{"type": "function", "function": {"name": NAME}}`: the output is NAME's arguments (its parameters schema;
+            any object where it has none), always one call whose arguments are the output's text (vLLM's: cut short
+            by max_tokens, they are the text so far); finish_reason the engine's ("stop", as OpenAI and vLLM answer
+            a forced function, or "length"). Streamed: the call's id and name first, then its arguments as they come.
   required  the output is a JSON array of at least one `{"name": ..., "parameters": {...}}` of the offered tools (at
-            most one with parallel_tool_calls false); finish_reason "tool_calls".
-The content is null. Streamed, the calls come as `tool_calls` deltas once the output ends (their JSON is only whole
-then); an output cut short by max_tokens that does not parse stays content, as a whole reply's does.
+            most one with parallel_tool_calls false); finish_reason "tool_calls". Streamed, the calls come whole
+            once the output ends (their JSON is only whole then); an output cut short that does not parse stays
+            content, as a whole reply's does.
+The content is null.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ class ForcedTools:
     parameters: tuple[tuple[str, str], ...]  # each offered tool's (name, parameters schema as JSON text)
     parallel: bool = True
 
-    @property
-    def finish_reason(self) -> str:
-        return "stop" if self.name is not None else "tool_calls"
+    def finish_reason(self, called: bool, reason: str | None) -> str | None:
+        """A reply's finish_reason from the engine's `reason`: "tool_calls" for required calls made."""
+        return "tool_calls" if called and self.name is None else reason
 
     def schema(self) -> dict:
         """The JSON schema the output is held to."""
@@ -41,14 +43,11 @@ class ForcedTools:
                 "items": items[0] if len(items) == 1 else {"anyOf": items}}
 
     def calls(self, text: str) -> list[ToolCall] | None:
-        """The calls of a whole output; None where it does not parse as them (cut short)."""
+        """The calls of a whole "required" output; None where it does not parse as them (cut short)."""
         try:
             value = json.loads(text)
         except json.JSONDecodeError:
             return None
-        if self.name is not None:
-            ok = isinstance(value, dict)
-            return [ToolCall(self.name, json.dumps(value, ensure_ascii=False), new_call_id())] if ok else None
         if not isinstance(value, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str)
                                                   and isinstance(c.get("parameters"), dict) for c in value):
             return None
@@ -63,18 +62,28 @@ def forced_tools(choice, tools, parallel: bool) -> ForcedTools:
 
 
 class ForcedStream:
-    """The `ToolStream` interface (push / finish) for a forced choice: everything is held until the end."""
+    """A forced choice's reply as it streams: (content, `tool_calls` delta entries) of each piece of text."""
 
     def __init__(self, forced: ForcedTools):
         self.forced, self.buf, self.calls = forced, "", 0
+        self.call_id = new_call_id()
 
-    def push(self, text: str) -> tuple[str, list[ToolCall]]:
+    def push(self, text: str, last: bool) -> tuple[str, list[dict]]:
+        f = self.forced
+        if f.name is not None:  # one call: its head with the first text, then the arguments as they come
+            if self.calls == 0:
+                if not text and not last:  # the head waits for the arguments' first text
+                    return "", []
+                self.calls = 1
+                return "", [{"index": 0, "id": self.call_id, "type": "function",
+                             "function": {"name": f.name, "arguments": text}}]
+            return "", [{"index": 0, "function": {"arguments": text}}] if text else []
         self.buf += text
-        return "", []
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        calls = self.forced.calls(self.buf)
+        if not last:
+            return "", []
+        calls = f.calls(self.buf)
         if calls is None:
             return self.buf, []
+        calls = calls if f.parallel else calls[:1]
         self.calls = len(calls)
-        return "", calls
+        return "", [{"index": i, **c.body()} for i, c in enumerate(calls)]

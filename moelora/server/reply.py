@@ -27,10 +27,11 @@ class ReplyFormat:
     def plain(self) -> bool:
         return self.tools is None and self.reasoning is None and self.forced is None
 
-    @property
-    def call_finish_reason(self) -> str:
-        """A reply that made calls finishes with this reason."""
-        return self.forced.finish_reason if self.forced is not None else "tool_calls"
+    def finish_reason(self, called: bool, reason: str | None) -> str | None:
+        """The choice's finish_reason from the engine's `reason` ("tool_calls" for calls a parser found)."""
+        if self.forced is not None:
+            return self.forced.finish_reason(called, reason)
+        return "tool_calls" if called else reason
 
     def message(self, role: str, echo: str, text: str) -> tuple[dict, bool]:
         """(the message of a whole reply after `echo`, whether it made calls); an empty content is null once a
@@ -54,8 +55,8 @@ class ReplyStream:
     def __init__(self, fmt: ReplyFormat):
         self.fmt = fmt
         self.reasoning = ReasoningStream(fmt.reasoning, fmt.prompt) if fmt.reasoning is not None else None
-        self.tools = (ToolStream(fmt.tools, fmt.schemas) if fmt.tools is not None
-                      else ForcedStream(fmt.forced) if fmt.forced is not None else None)
+        self.tools = ToolStream(fmt.tools, fmt.schemas) if fmt.tools is not None else None
+        self.forced = ForcedStream(fmt.forced) if fmt.forced is not None else None
         self.calls = 0
 
     def push(self, text: str, last: bool) -> dict:
@@ -66,19 +67,24 @@ class ReplyStream:
             if last:
                 more = self.reasoning.finish()
                 reasoning, content = reasoning + more[0], content + more[1]
+        entries = []
         if self.tools is not None:
             content, calls = self.tools.push(content)
             if last:
                 more = self.tools.finish()
                 content, calls = content + more[0], calls + more[1]
-        if not self.fmt.parallel_tool_calls:
-            calls = calls[:max(0, 1 - self.calls)]
+            if not self.fmt.parallel_tool_calls:
+                calls = calls[:max(0, 1 - self.calls)]
+            entries = [{"index": self.calls + i, **c.body()} for i, c in enumerate(calls)]
+            self.calls += len(calls)
+        elif self.forced is not None:
+            content, entries = self.forced.push(content, last)
+            self.calls = self.forced.calls
         delta = {}
         if reasoning and self.fmt.include_reasoning:
             delta["reasoning"] = delta["reasoning_content"] = reasoning
         if content:
             delta["content"] = content
-        if calls:
-            delta["tool_calls"] = [{"index": self.calls + i, **c.body()} for i, c in enumerate(calls)]
-            self.calls += len(calls)
+        if entries:
+            delta["tool_calls"] = entries
         return delta

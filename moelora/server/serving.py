@@ -490,7 +490,7 @@ class OpenAIServing:
             message, called = fmt.message(role, echo, "".join(texts[i]))
             choices.append({"index": i, "message": message,
                             "logprobs": {"content": lps[i]} if body.logprobs else None,
-                            "finish_reason": fmt.call_finish_reason if called else reasons[i], "stop_reason": stops[i],
+                            "finish_reason": fmt.finish_reason(called, reasons[i]), "stop_reason": stops[i],
                             **self._choice_extras(body, None, ids[i])})
         return resp.body("chat.completion", choices, usage=resp.usage(), **extra)
 
@@ -513,7 +513,7 @@ class OpenAIServing:
                     if lp is None:
                         continue
                     delta = {"content": ""}
-                reason = fmt.call_finish_reason if ev.finish_reason is not None and reply.calls else ev.finish_reason
+                reason = fmt.finish_reason(reply.calls > 0, ev.finish_reason) if ev.finish_reason is not None else None
                 choice = {"index": ev.index, "delta": delta, "logprobs": lp, "finish_reason": reason,
                           "stop_reason": ev.stop_reason, **self._choice_extras(body, None, ev.token_ids)}
                 yield resp.body("chat.completion.chunk", [choice], **resp.chunk_usage())

@@ -300,14 +300,19 @@ def test_required_and_named_tool_choice_make_calls(url, scripted_replies, choice
         assert out.message.content is None and out.finish_reason == reason
         assert message_calls(out.message.tool_calls) == want and all(c.id for c in out.message.tool_calls)
         return
-    calls, content, finish = {}, "", None
+    names, args, content, finish, pieces = {}, {}, "", None, 0
     for chunk in client.chat.completions.create(stream=True, **kw):
         for c in chunk.choices:
             content += c.delta.content or ""
             finish = c.finish_reason or finish
-            for t in c.delta.tool_calls or ():
-                calls[t.index] = (t.function.name, json.loads(t.function.arguments))
-    assert content == "" and finish == reason and [calls[i] for i in sorted(calls)] == want
+            for t in c.delta.tool_calls or ():  # a call's id and name first, its arguments in pieces after
+                names[t.index] = names.get(t.index) or t.function.name
+                args[t.index] = args.get(t.index, "") + (t.function.arguments or "")
+                pieces += 1
+    assert content == "" and finish == reason
+    assert [(names[i], json.loads(args[i])) for i in sorted(names)] == want
+    if choice == NAMED:  # its arguments streamed as they came (the scripted reply: 7-character pieces)
+        assert pieces >= len(reply) // 7
 
 
 def test_required_without_parallel_calls_keeps_one(url, scripted_replies):
@@ -317,11 +322,22 @@ def test_required_without_parallel_calls_keeps_one(url, scripted_replies):
     assert message_calls(out.choices[0].message.tool_calls) == [("t", {})]
 
 
-def test_a_forced_reply_that_does_not_parse_stays_content(url, scripted_replies):
-    scripted_replies += ['{"city": "Par']  # cut short by max_tokens
-    out = make_client(url).chat.completions.create(model=BASE, messages=USER, tools=[W], tool_choice=NAMED,
-                                                   max_tokens=30, temperature=0).choices[0]
-    assert out.message.content == '{"city": "Par' and not out.message.tool_calls
+def test_a_forced_reply_cut_short(url, scripted_replies):
+    """vLLM's: a named function's call carries the text so far as its arguments; a "required" reply that does not
+    parse stays content."""
+    scripted_replies += ['{"city": "Par', '[{"name": "w", "param']  # cut short by max_tokens
+    client = make_client(url)
+    out = client.chat.completions.create(model=BASE, messages=USER, tools=[W], tool_choice=NAMED, max_tokens=30,
+                                         temperature=0).choices[0]
+    assert out.message.content is None and message_calls_raw(out.message.tool_calls) == [("w", '{"city": "Par')]
+    out = client.chat.completions.create(model=BASE, messages=USER, tools=[W], tool_choice="required", max_tokens=30,
+                                         temperature=0).choices[0]
+    assert out.message.content == '[{"name": "w", "param' and not out.message.tool_calls
+    assert out.finish_reason in ("stop", "length")
+
+
+def message_calls_raw(calls) -> list:
+    return [(c.function.name, c.function.arguments) for c in calls]
 
 
 @pytest.mark.parametrize("body,message", [
