@@ -167,6 +167,8 @@ def serve_engine_config(args) -> EngineConfig:
                         lora_target_modules=tuple(args.lora_target_modules) if args.lora_target_modules else None,
                         enable_prefix_caching=args.enable_prefix_caching, fused_moe_table=args.fused_moe_table,
                         scheduling_policy=args.scheduling_policy,
+                        structured_any_whitespace=not (args.structured_outputs_config or {}).get(
+                            "disable_any_whitespace", False),
                         warmup=not args.skip_warmup, quantization=args.quantization,
                         fp8_activation_quant=args.fp8_activation_quant, nnodes=args.nnodes,
                         master_addr=args.master_addr, master_port=args.master_port if args.nnodes > 1 else 0,
@@ -187,7 +189,9 @@ def serve_options(args) -> dict:
                 allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
                 tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                 exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
-                reasoning_parser=args.reasoning_parser, response_role=args.response_role,
+                reasoning_parser=args.reasoning_parser or (args.structured_outputs_config or {}).get(
+                    "reasoning_parser") or None, response_role=args.response_role,
+                structured_in_reasoning=bool((args.structured_outputs_config or {}).get("enable_in_reasoning")),
                 chat_template_content_format="openai" if args.chat_template_content_format == "openai" else "string",
                 disable_fastapi_docs=args.disable_fastapi_docs,
                 enable_prompt_tokens_details=args.enable_prompt_tokens_details,
@@ -325,6 +329,12 @@ def _serve_vllm_flags(serve: argparse.ArgumentParser) -> None:
                             "qwen3_coder (Qwen3-Coder), kimi_k2 (Kimi-K2)")
     serve.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                        help='tool_choice "none": render the chat template without the tools')
+    serve.add_argument("--structured-outputs-config", type=types.structured_outputs_config, default=None,
+                       metavar="JSON", help='vLLM\'s: {"backend": "auto" | "xgrammar", "disable_any_whitespace": '
+                       'compact JSON outputs, "enable_in_reasoning": the format holds the reasoning too, '
+                       '"reasoning_parser": as --reasoning-parser}')
+    serve.add_argument("--guided-decoding-backend", type=types.structured_backend, default="auto",
+                       help="accepted for vLLM < 0.10.2 command lines: auto or xgrammar (the one backend here)")
     serve.add_argument("--enable-reasoning", action="store_true",
                        help="accepted for vLLM < 0.10 command lines: --reasoning-parser alone turns reasoning on")
     serve.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,

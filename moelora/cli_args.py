@@ -92,6 +92,41 @@ def json_strings(text: str) -> list[str]:
     return value
 
 
+STRUCTURED_BACKENDS = ("auto", "xgrammar")  # vLLM's names of the backend served here (engine/structured.py)
+
+
+def structured_outputs_config(text: str) -> dict:
+    """vLLM's --structured-outputs-config JSON: backend (auto / xgrammar), disable_any_whitespace, enable_in_reasoning,
+    reasoning_parser; disable_fallback and disable_additional_properties (guidance's) change nothing here."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"backend\": \"xgrammar\"}}', "
+                                         f"got {text!r}")
+    bools = ("disable_any_whitespace", "enable_in_reasoning", "disable_fallback", "disable_additional_properties")
+    unknown = sorted(set(value) - {"backend", "reasoning_parser", *bools})
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown structured outputs setting(s) {unknown}")
+    if value.get("backend", "auto") not in STRUCTURED_BACKENDS:
+        raise argparse.ArgumentTypeError(f"backend {value['backend']!r}: moelora serves structured outputs with "
+                                         f"xgrammar (one of {STRUCTURED_BACKENDS})")
+    if not all(isinstance(value.get(k, False), bool) for k in bools):
+        raise argparse.ArgumentTypeError(f"{', '.join(bools)} are true or false")
+    return value
+
+
+def structured_backend(text: str) -> str:
+    """vLLM < 0.10's --guided-decoding-backend: the one backend served here, or "auto"."""
+    if text not in STRUCTURED_BACKENDS:
+        raise argparse.ArgumentTypeError(f"{text!r}: moelora serves structured outputs with xgrammar (one of "
+                                         f"{STRUCTURED_BACKENDS})")
+    return text
+
+
 def env_true(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in TRUE
 
@@ -153,6 +188,7 @@ def check_node_args(parser: argparse.ArgumentParser, args) -> None:
 def _serve_problems(args) -> list[str | None]:
     from moelora.engine.tokenizer import resolve_chat_template
     from moelora.errors import ConfigError
+    from moelora.server.reasoning import REASONING_PARSERS
 
     out: list[str | None] = []
     try:
@@ -168,7 +204,13 @@ def _serve_problems(args) -> list[str | None]:
         out.append("--max-model-len must be >= 2 (a prompt token and a generated one)")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         out.append("--enable-auto-tool-choice needs --tool-call-parser (the model family's format of a call)")
-    if args.enable_reasoning and args.reasoning_parser is None:
+    so_parser = (args.structured_outputs_config or {}).get("reasoning_parser")
+    if so_parser is not None and so_parser not in REASONING_PARSERS:
+        out.append(f"--structured-outputs-config reasoning_parser {so_parser!r}: one of {sorted(REASONING_PARSERS)}")
+    if so_parser and args.reasoning_parser not in (None, so_parser):
+        out.append(f"--structured-outputs-config reasoning_parser {so_parser!r} and --reasoning-parser "
+                   f"{args.reasoning_parser!r} differ: give one")
+    if args.enable_reasoning and args.reasoning_parser is None and not so_parser:
         out.append("--enable-reasoning needs --reasoning-parser (the model family's reasoning tags)")
     if args.pipeline_parallel_size != 1:
         out.append(f"--pipeline-parallel-size {args.pipeline_parallel_size}: pipeline parallelism is not "

@@ -76,6 +76,7 @@ class EngineConfig:
     # vs 326.3, 256: 388.5 vs 358.3). Off switch.
     base_decode_graphs: bool = True
     enable_prefix_caching: bool = True
+    structured_any_whitespace: bool = True  # vLLM's disable_any_whitespace off: JSON formats allow any whitespace
     scheduling_policy: str = "fcfs"  # vLLM's: "fcfs", or "priority" (requests' `priority` read: scheduler.py)
     enforce_eager: bool = False  # off switch for CUDA graphs (decode, and the piecewise graphs below)
     # Steps with prompt rows (a prefill chunk, alone or beside decodes) of up to this many tokens replay

@@ -261,7 +261,8 @@ class LLMEngine:
             raise RequestError("structured outputs need the model's tokenizer.json")
         with self._grammar_lock:
             if self._grammar_set is None:
-                self._grammar_set = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos)
+                self._grammar_set = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos,
+                                             any_whitespace=self.cfg.structured_any_whitespace)
         return self._grammar_set
 
     def abort(self, request_id: str) -> None:

@@ -40,6 +40,7 @@ class StructuredOutput:
     kind: str
     spec: str = ""
     after: int | None = None  # a token id (a reasoning model's `</think>`) the grammar starts after; None: at once
+    compact: bool = False  # JSON without whitespace between tokens (vLLM's disable_any_whitespace)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -48,9 +49,9 @@ class StructuredOutput:
             raise RequestError(f"structured output spec must be text, got {type(self.spec).__name__}")
 
     @staticmethod
-    def of(kind: str, value, after: int | None = None) -> StructuredOutput:
+    def of(kind: str, value, after: int | None = None, compact: bool = False) -> StructuredOutput:
         """From a request's value: a schema as a dict or JSON text, a list of choices, a regex or grammar text."""
-        return dataclasses.replace(StructuredOutput._of(kind, value), after=after)
+        return dataclasses.replace(StructuredOutput._of(kind, value), after=after, compact=compact)
 
     @staticmethod
     def _of(kind: str, value) -> StructuredOutput:
@@ -104,12 +105,12 @@ class Grammars:
     """The compiler over one tokenizer and vocabulary (`vocab_size`: the model's logits width; ids past the
     tokenizer's are never allowed), the compiled specs, and each request's matcher."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_ids):
+    def __init__(self, tokenizer, vocab_size: int, stop_ids, any_whitespace: bool = True):
         try:
             import xgrammar as xgr
         except ImportError:  # pragma: no cover - a dependency; an install without it says so
             raise ConfigError("structured outputs need the xgrammar package (pip install xgrammar)") from None
-        self.xgr, self.vocab_size = xgr, vocab_size
+        self.xgr, self.vocab_size, self.any_whitespace = xgr, vocab_size, any_whitespace
         hf = tokenizer._tok
         special = {int(i) for i in hf.get_added_tokens_decoder()}
         vocab = [""] * min(hf.get_vocab_size(with_added_tokens=True), vocab_size)
@@ -127,10 +128,13 @@ class Grammars:
 
     def _compile(self, so: StructuredOutput):
         c = self.compiler
+        # compact JSON (vLLM's disable_any_whitespace): no whitespace at all between tokens
+        loose = self.any_whitespace and not so.compact
+        style = dict(any_whitespace=True) if loose else dict(any_whitespace=False, separators=(",", ":"))
         if so.kind == "json":
-            return c.compile_json_schema(so.spec, any_whitespace=True)
+            return c.compile_json_schema(so.spec, **style)
         if so.kind == "json_object":  # OpenAI's JSON mode: an object (not any JSON value)
-            return c.compile_json_schema('{"type": "object"}', any_whitespace=True)
+            return c.compile_json_schema('{"type": "object"}', **style)
         if so.kind == "regex":
             return c.compile_regex(so.spec)
         if so.kind == "choice":

@@ -129,8 +129,8 @@ class ResponseFormat(_Body):
 class StructuredOutputsParams(_Body):
     """vLLM's `structured_outputs`: exactly one of json / regex / choice / grammar / json_object."""
 
-    accepted_at = {"disable_fallback": (ANY,), "disable_any_whitespace": (None, False),
-                   "disable_additional_properties": (None, False), "whitespace_pattern": NONE,
+    # disable_additional_properties: guidance's in vLLM (xgrammar reads the schema's own)
+    accepted_at = {"disable_fallback": (ANY,), "disable_additional_properties": (ANY,), "whitespace_pattern": NONE,
                    "structural_tag": NONE}
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # (BaseModel has a `json` method)
@@ -138,6 +138,7 @@ class StructuredOutputsParams(_Body):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool | None = None  # compact JSON
 
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
@@ -210,6 +211,10 @@ class _Sampling(_Body):
             raise ApiError(400, f"more than one structured output asked ({', '.join(n for n, _ in asked)}): give "
                            "one", asked[1][0])
         return asked[0][1] if asked else None
+
+    def compact_json(self) -> bool:
+        """vLLM's structured_outputs.disable_any_whitespace: a JSON format without whitespace between its tokens."""
+        return bool(self.structured_outputs is not None and self.structured_outputs.disable_any_whitespace)
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:

@@ -63,6 +63,7 @@ class ServerConfig:
     tool_call_parser: str | None = None
     exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none": the template gets no tools
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser: <think> text as the message's reasoning
+    structured_in_reasoning: bool = False  # vLLM's enable_in_reasoning: a structured output holds the reasoning too
     response_role: str = "assistant"  # the reply's role (vLLM's --response-role) after a generation prompt
     chat_template_content_format: str = "string"  # "openai": a message's content reaches the template as parts
     disable_fastapi_docs: bool = False  # no /docs, /redoc, /openapi.json
@@ -187,7 +188,8 @@ class OpenAIServing:
                 min_tokens=body.min_tokens or 0, skip_special_tokens=body.skip_special_tokens is not False,
                 spaces_between_special_tokens=body.spaces_between_special_tokens is not False,
                 include_stop_str_in_output=bool(body.include_stop_str_in_output),
-                structured=None if asked is None else StructuredOutput.of(*asked, after=grammar_after),
+                structured=None if asked is None else StructuredOutput.of(
+                    *asked, after=grammar_after, compact=body.compact_json()),
                 allowed_token_ids=body.allowed_token_ids, bad_words=tuple(body.bad_words or ()))
         except RequestError as e:
             raise ApiError(400, str(e)) from None
@@ -435,7 +437,8 @@ class OpenAIServing:
     def _grammar_start(self, prompt: str) -> int | None:
         """With --reasoning-parser, a structured output holds the answer, not the reasoning (vLLM's): it starts after
         the `</think>` token, unless the prompt closed the reasoning already (thinking off); None: at once."""
-        if not self.cfg.reasoning_parser or reasoning_parser(self.cfg.reasoning_parser).first_mode(prompt) == "content":
+        if (not self.cfg.reasoning_parser or self.cfg.structured_in_reasoning
+                or reasoning_parser(self.cfg.reasoning_parser).first_mode(prompt) == "content"):
             return None
         end = self.tokenizer.token_id("</think>")
         if end is None:

@@ -171,6 +171,12 @@ def test_vllm_serve_flags_reach_the_configs(monkeypatch):
     assert (cfg.max_num_batched_tokens, cfg.block_size, cfg.enable_prefix_caching) == (512, 32, True)
     assert cfg.scheduling_policy == "fcfs" and serve_engine_config(
         parse("--scheduling-policy", "priority")).scheduling_policy == "priority"
+    so = parse("--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true, '
+               '"enable_in_reasoning": true, "reasoning_parser": "qwen3", "disable_fallback": true}',
+               "--guided-decoding-backend", "xgrammar")
+    assert serve_engine_config(so).structured_any_whitespace is False and cfg.structured_any_whitespace is True
+    opts = serve_options(so)
+    assert opts["structured_in_reasoning"] is True and opts["reasoning_parser"] == "qwen3"
     for flags, on in ((["--enable-prefix-caching"], True), (["--no-enable-prefix-caching"], False),
                       (["--disable-prefix-caching"], False)):
         assert serve_engine_config(parse(*flags)).enable_prefix_caching is on, flags
@@ -180,7 +186,8 @@ def test_vllm_serve_flags_reach_the_configs(monkeypatch):
     cors = dict(allowed_origins=("*",), allowed_methods=("*",), allowed_headers=("*",), allow_credentials=False)
     tools_off = dict(tool_call_parser=None, exclude_tools_when_tool_choice_none=False, reasoning_parser=None,
                      response_role="assistant", chat_template_content_format="string", disable_fastapi_docs=False,
-                     enable_prompt_tokens_details=False, enable_force_include_usage=False)
+                     enable_prompt_tokens_details=False, enable_force_include_usage=False,
+                     structured_in_reasoning=False)
     assert default == dict(api_keys=(), allow_runtime_lora_updating=False, lora_roots=(), max_logprobs=20,
                            enable_tokenizer_info_endpoint=False, return_tokens_as_token_ids=False,
                            enable_log_requests=False, log_stats_interval_s=10.0, **cors, **tools_off)
@@ -197,7 +204,8 @@ def test_vllm_serve_flags_reach_the_configs(monkeypatch):
                         enable_log_requests=True, log_stats_interval_s=0.0, **cors, tool_call_parser="hermes",
                         exclude_tools_when_tool_choice_none=True, reasoning_parser="qwen3", response_role="bot",
                         chat_template_content_format="openai", disable_fastapi_docs=True,
-                        enable_prompt_tokens_details=True, enable_force_include_usage=True)
+                        enable_prompt_tokens_details=True, enable_force_include_usage=True,
+                        structured_in_reasoning=False)
     # the parser alone (no --enable-auto-tool-choice) leaves "auto" off, as in vLLM
     assert serve_options(parse("--tool-call-parser", "hermes"))["tool_call_parser"] is None
     monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
@@ -232,3 +240,17 @@ def test_a_vllm_command_line_of_compatibility_flags_serves(monkeypatch, tmp_path
     assert rc == 0 and seen["run"][0] == "app"
     assert (seen["run"][1]["ssl_keyfile"], seen["run"][1]["ssl_certfile"]) == (str(key), str(cert))
     assert seen["options"]["reasoning_parser"] == "deepseek_r1" and seen["options"]["response_role"] == "bot"
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--guided-decoding-backend", "guidance"], "xgrammar"),
+    (["--structured-outputs-config", '{"backend": "outlines"}'], "xgrammar"),
+    (["--structured-outputs-config", '{"whitespace": 1}'], "unknown structured outputs setting"),
+    (["--structured-outputs-config", "[1]"], "a JSON object"),
+])
+def test_structured_output_flags_refuse_what_is_not_served(flags, says, capsys):
+    from moelora.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", *flags])
+    assert says in capsys.readouterr().err

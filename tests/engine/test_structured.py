@@ -188,3 +188,26 @@ def test_the_offline_api_takes_vllms_structured_outputs(tmp_path):
     with pytest.raises(RequestError, match="not both"):
         SamplingParams(structured=StructuredOutput("json_object"),
                        structured_outputs=StructuredOutputsParams(json_object=True))
+
+
+def test_compact_json_has_no_whitespace_between_tokens(engine):
+    """vLLM's disable_any_whitespace (per request: StructuredOutput.compact; per server: Grammars(any_whitespace=
+    False), --structured-outputs-config): no whitespace outside strings."""
+    so = StructuredOutput.of("json", SCHEMA, compact=True)
+    reqs = run(engine, [SamplingParams(max_tokens=80, temperature=1.0, seed=s, structured=so) for s in range(6)])
+    done = [r for r in reqs if r.finish_reason == "stop"]
+    assert len(done) >= 3 and all(schema_ok(r.text) and not any(c in r.text for c in " \n\t\r") for r in done)
+    loose = StructuredOutput.of("json", SCHEMA)
+    import torch
+
+    from moelora.engine.structured import Grammars
+
+    def after_brace(grammars, so):
+        m = grammars.matcher(so)
+        assert m.accept_token(ord("{"))
+        return set(grammars.allowed([m], torch.device("cpu"))[0].nonzero().flatten().tolist())
+
+    ws = {ord(c) for c in " \n\t\r"}
+    assert ws & after_brace(engine.grammars(), loose) and not ws & after_brace(engine.grammars(), so)
+    server_wide = Grammars(engine.tokenizer, engine.model_config.vocab_size, engine.eos, any_whitespace=False)
+    assert not ws & after_brace(server_wide, loose)

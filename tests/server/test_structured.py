@@ -188,3 +188,19 @@ def test_formats_compile_off_the_engine_thread(client, monkeypatch):
                                   extra_body={"guided_regex": "[q-z]{3}"})
     assert threads and "moelora-engine" not in threads, threads
     assert re.fullmatch("[q-z]{3}", r.choices[0].text) and r.choices[0].finish_reason == "stop"  # 3 + EOS
+
+
+def test_enable_in_reasoning_holds_the_whole_output(tmp_path):
+    """vLLM's --structured-outputs-config enable_in_reasoning: the format holds from the first token even with a
+    reasoning parser (no `</think>` needed), so the thinking prompt's output is all format (parsed as reasoning:
+    the prompt opened <think>)."""
+    from tests.helpers.server import write_model
+
+    out, _ = write_model(tmp_path)
+    (out / "chat_template.jinja").write_text(TEMPLATE)
+    with serving(cpu_app(out, reasoning_parser="qwen3", structured_in_reasoning=True)) as u:
+        r = post(u, "/v1/chat/completions", {"model": BASE, "messages": USER, "max_tokens": 20, "temperature": 1.0,
+                                             "seed": 1, "n": 3, "guided_choice": ["yes", "no"]})
+    assert r.status_code == 200, r.text
+    texts = [c["message"].get("reasoning_content") or c["message"]["content"] for c in r.json()["choices"]]
+    assert all(t in ("yes", "no") for t in texts), texts
