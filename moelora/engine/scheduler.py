@@ -11,7 +11,7 @@ still being copied to its slot waits without holding back the requests behind it
 most of whose uncached prompt blocks a running request is computing right now (n > 1 choices, a burst sharing a
 long prefix) waits for them to be published and takes them from the cache (`_wait_for_shared_prefix`).
 Policy "priority" (vLLM's `--scheduling-policy priority`): a request's `priority` (lower first) leads every order
-above (arrival, then the adapters' fairness, break its ties), and the preemption victim is the running request of
+above (the adapters' fairness, then arrival, break its ties), and the preemption victim is the running request of
 the lowest priority (the newest of them); "fcfs" (default): priority is not read.
 """
 
