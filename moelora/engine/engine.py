@@ -377,7 +377,9 @@ class LLMEngine:
                                [reqs[i].output_ids for i in rows])
         held = [i for i in rows if reqs[i].grammar_on]
         if held:
-            mask_rows(scores, held, self._grammar_set.allowed([reqs[i].matcher for i in held], scores.device))
+            json_rows = [j for j, i in enumerate(held) if reqs[i].params.structured.is_json]
+            mask_rows(scores, held, self._grammar_set.allowed([reqs[i].matcher for i in held], scores.device,
+                                                               json_rows))
         tokens = sample(scores, [r.params for r in reqs], [r.generator for r in reqs])
         pen = [j for j, i in enumerate(rows) if reqs[i].params.penalized]
         if pen:

@@ -42,6 +42,10 @@ class StructuredOutput:
     after: int | None = None  # a token id (a reasoning model's `</think>`) the grammar starts after; None: at once
     compact: bool = False  # JSON without whitespace between tokens (vLLM's disable_any_whitespace)
 
+    @property
+    def is_json(self) -> bool:
+        return self.kind in ("json", "json_object")
+
     def __post_init__(self):
         if self.kind not in KINDS:
             raise RequestError(f"structured output kind must be one of {KINDS}, got {self.kind!r}")
@@ -122,6 +126,13 @@ class Grammars:
         info = xgr.TokenizerInfo(vocab, meta["vocab_type"], vocab_size=vocab_size, stop_token_ids=stops,
                                  add_prefix_space=meta["add_prefix_space"])
         self.compiler = xgr.GrammarCompiler(info, max_threads=4, cache_enabled=False)
+        # tokens holding a control character JSON never has raw (all but \n and \r): xgrammar (0.2.9) lets them into
+        # length-limited strings (maxLength / minLength), which json.loads and pydantic refuse; JSON formats mask them
+        texts = hf.decode_batch([[i] for i in range(len(vocab))], skip_special_tokens=False)
+        bad = [i for i, t in enumerate(texts) if any(ord(c) < 32 and c not in "\n\r" for c in t)]
+        self.json_safe = torch.ones(vocab_size, dtype=torch.bool)
+        self.json_safe[bad] = False
+        self._json_safe_on: dict[torch.device, torch.Tensor] = {}
         self._compiled: OrderedDict[StructuredOutput, object] = OrderedDict()
         self._lock = threading.Lock()
         self._batch = None  # xgrammar's BatchGrammarMatcher (its thread pool), made at the first wide step
@@ -165,8 +176,9 @@ class Grammars:
         """A fresh matcher of `so` (`compile`'s errors)."""
         return self.xgr.GrammarMatcher(self.compile(so))
 
-    def allowed(self, matchers, device: torch.device) -> torch.Tensor:
-        """bool [len(matchers), vocab_size] on `device`: the tokens each matcher allows next. On the host while the
+    def allowed(self, matchers, device: torch.device, json_rows: list[int] | None = None) -> torch.Tensor:
+        """bool [len(matchers), vocab_size] on `device`: the tokens each matcher allows next (`json_rows`: those of JSON
+        formats, less the control-character tokens). On the host while the
         step's forward runs on a GPU; from BATCH_FILL_ROWS rows in xgrammar's worker threads
         (`benchmarks/structured_masks.py`, a 110k-token vocabulary, inside a JSON string, this 2-core machine:
         16 rows 3.5 -> 2.1 ms, 64 rows 9.9-10.0 -> 6.8-8.5 ms; 1 row 0.15-0.17 ms either way)."""
@@ -180,8 +192,14 @@ class Grammars:
                 m.fill_next_token_bitmask(bits, i)
         words = bits.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else bits
         shifts = torch.arange(32, dtype=torch.int32, device=device)
-        allowed = (words[:, :, None] >> shifts) & 1
-        return allowed.view(len(matchers), -1)[:, :self.vocab_size].bool()
+        allowed = ((words[:, :, None] >> shifts) & 1).view(len(matchers), -1)[:, :self.vocab_size].bool()
+        if json_rows:  # the rows of JSON formats: no raw control characters (see __init__)
+            index = upload(json_rows, torch.long, device)
+            safe = self._json_safe_on.get(device)
+            if safe is None:
+                safe = self._json_safe_on[device] = self.json_safe.to(device)
+            allowed.index_copy_(0, index, allowed.index_select(0, index) & safe)
+        return allowed
 
 
 def mask_rows(logits: torch.Tensor, rows: list[int], allowed: torch.Tensor) -> None:
