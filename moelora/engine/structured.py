@@ -27,6 +27,11 @@ from moelora.upload import upload
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped)
+# JSON's whitespace between tokens: "any" (vLLM's default), "none" (its disable_any_whitespace: no whitespace at all),
+# "single" (one space after "," and ":", none elsewhere: forced tool calls, whose JSON only we read; no whitespace
+# runaway on a weak model, the spacing models write)
+SPACINGS = {"any": dict(any_whitespace=True), "none": dict(any_whitespace=False, separators=(",", ":")),
+            "single": dict(any_whitespace=False, separators=(", ", ": "))}
 BATCH_FILL_ROWS = 8  # constrained rows from which a step's masks are filled in parallel (`Grammars.allowed`)
 
 
@@ -40,7 +45,7 @@ class StructuredOutput:
     kind: str
     spec: str = ""
     after: int | None = None  # a token id (a reasoning model's `</think>`) the grammar starts after; None: at once
-    compact: bool = False  # JSON without whitespace between tokens (vLLM's disable_any_whitespace)
+    spacing: str = "any"  # JSON's whitespace between tokens: any, none (vLLM's disable_any_whitespace), single
 
     @property
     def is_json(self) -> bool:
@@ -51,11 +56,13 @@ class StructuredOutput:
             raise RequestError(f"structured output kind must be one of {KINDS}, got {self.kind!r}")
         if not isinstance(self.spec, str):
             raise RequestError(f"structured output spec must be text, got {type(self.spec).__name__}")
+        if self.spacing not in SPACINGS:
+            raise RequestError(f"structured output spacing must be one of {tuple(SPACINGS)}, got {self.spacing!r}")
 
     @staticmethod
-    def of(kind: str, value, after: int | None = None, compact: bool = False) -> StructuredOutput:
+    def of(kind: str, value, after: int | None = None, spacing: str = "any") -> StructuredOutput:
         """From a request's value: a schema as a dict or JSON text, a list of choices, a regex or grammar text."""
-        return dataclasses.replace(StructuredOutput._of(kind, value), after=after, compact=compact)
+        return dataclasses.replace(StructuredOutput._of(kind, value), after=after, spacing=spacing)
 
     @staticmethod
     def _of(kind: str, value) -> StructuredOutput:
@@ -139,9 +146,8 @@ class Grammars:
 
     def _compile(self, so: StructuredOutput):
         c = self.compiler
-        # compact JSON (vLLM's disable_any_whitespace): no whitespace at all between tokens
-        loose = self.any_whitespace and not so.compact
-        style = dict(any_whitespace=True) if loose else dict(any_whitespace=False, separators=(",", ":"))
+        spacing = so.spacing if so.spacing != "any" or self.any_whitespace else "none"
+        style = SPACINGS[spacing]
         if so.kind == "json":
             return c.compile_json_schema(so.spec, **style)
         if so.kind == "json_object":  # OpenAI's JSON mode: an object (not any JSON value)

@@ -212,9 +212,11 @@ class _Sampling(_Body):
                            "one", asked[1][0])
         return asked[0][1] if asked else None
 
-    def compact_json(self) -> bool:
-        """vLLM's structured_outputs.disable_any_whitespace: a JSON format without whitespace between its tokens."""
-        return bool(self.structured_outputs is not None and self.structured_outputs.disable_any_whitespace)
+    def json_spacing(self) -> str:
+        """vLLM's structured_outputs.disable_any_whitespace: "none" (no whitespace between a JSON format's tokens),
+        else "any" (`StructuredOutput.spacing`)."""
+        compact = self.structured_outputs is not None and self.structured_outputs.disable_any_whitespace
+        return "none" if compact else "any"
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:

@@ -163,9 +163,10 @@ class OpenAIServing:
         return ids
 
     def _params(self, body: _Sampling, max_tokens: int | None, prompt_len: int, logprobs: int | None,
-                choice: int, grammar_after: int | None = None, asked: tuple | None = None) -> SamplingParams:
+                choice: int, grammar_after: int | None = None, asked: tuple | None = None,
+                spacing: str | None = None) -> SamplingParams:
         """`asked`: the structured output, (kind, value) (default: the body's own); `grammar_after`: the token it
-        starts after (`_grammar_start`)."""
+        starts after (`_grammar_start`); `spacing`: its JSON's (default: the body's, `json_spacing`)."""
         d = self.defaults
         if max_tokens is None:
             max_tokens = min(self.max_model_len - prompt_len, d.get("max_tokens", self.max_model_len))
@@ -189,7 +190,7 @@ class OpenAIServing:
                 spaces_between_special_tokens=body.spaces_between_special_tokens is not False,
                 include_stop_str_in_output=bool(body.include_stop_str_in_output),
                 structured=None if asked is None else StructuredOutput.of(
-                    *asked, after=grammar_after, compact=body.compact_json()),
+                    *asked, after=grammar_after, spacing=spacing or body.json_spacing()),
                 allowed_token_ids=body.allowed_token_ids, bad_words=tuple(body.bad_words or ()))
         except RequestError as e:
             raise ApiError(400, str(e)) from None
@@ -420,8 +421,9 @@ class OpenAIServing:
                            "(response_format, structured_outputs, guided_*)", "tool_choice")
         asked = ("json", forced.schema()) if forced is not None else body.structured_output()
         after = self._grammar_start(text) if asked is not None else None
-        specs = [GenerateSpec(ids, self._params(body, max_tokens, len(ids), logprobs, j, after, asked), adapter, n,
-                              body.cache_salt, body.priority or 0) for j in range(n)]
+        spacing = "single" if forced is not None else None  # calls' JSON: one space after "," and ":"
+        specs = [GenerateSpec(ids, self._params(body, max_tokens, len(ids), logprobs, j, after, asked, spacing),
+                              adapter, n, body.cache_salt, body.priority or 0) for j in range(n)]
         stream = await self._open(specs, label)
         resp = OpenAIResponse("chatcmpl", body, self.cfg.served_model_names[0], len(ids),
                               self.cfg.enable_prompt_tokens_details, self.cfg.enable_force_include_usage)

@@ -191,9 +191,10 @@ def test_the_offline_api_takes_vllms_structured_outputs(tmp_path):
 
 
 def test_compact_json_has_no_whitespace_between_tokens(engine):
-    """vLLM's disable_any_whitespace (per request: StructuredOutput.compact; per server: Grammars(any_whitespace=
-    False), --structured-outputs-config): no whitespace outside strings."""
-    so = StructuredOutput.of("json", SCHEMA, compact=True)
+    """vLLM's disable_any_whitespace (per request: spacing "none"; per server: Grammars(any_whitespace=False),
+    --structured-outputs-config): no whitespace outside strings. Spacing "single" (forced tool calls): json.dumps'
+    own spacing."""
+    so = StructuredOutput.of("json", SCHEMA, spacing="none")
     reqs = run(engine, [SamplingParams(max_tokens=80, temperature=1.0, seed=s, structured=so) for s in range(6)])
     done = [r for r in reqs if r.finish_reason == "stop"]
     assert len(done) >= 3 and all(schema_ok(r.text) and not any(c in r.text for c in " \n\t\r") for r in done)
@@ -211,3 +212,9 @@ def test_compact_json_has_no_whitespace_between_tokens(engine):
     assert ws & after_brace(engine.grammars(), loose) and not ws & after_brace(engine.grammars(), so)
     server_wide = Grammars(engine.tokenizer, engine.model_config.vocab_size, engine.eos, any_whitespace=False)
     assert not ws & after_brace(server_wide, loose)
+    single = StructuredOutput.of("json", SCHEMA, spacing="single")
+    reqs = run(engine, [SamplingParams(max_tokens=80, temperature=1.0, seed=s, structured=single) for s in range(6)])
+    done = [r for r in reqs if r.finish_reason == "stop"]
+    assert len(done) >= 3 and all(schema_ok(r.text) and r.text == json.dumps(json.loads(r.text)) for r in done)
+    with pytest.raises(RequestError, match="spacing"):
+        StructuredOutput("json", "{}", spacing="tabs")

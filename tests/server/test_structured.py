@@ -162,6 +162,7 @@ def test_forced_tool_choices_hold_the_model_to_the_tools(client, choice):
         assert c.message.content is None
         for call in c.message.tool_calls:
             args = json.loads(call.function.arguments)
+            assert call.function.arguments == json.dumps(args)  # one space after "," and ":", no other whitespace
             if call.function.name == "pick":
                 assert args in ({"pet": "cat"}, {"pet": "dog"}), args
             else:
