@@ -297,10 +297,11 @@ class LLMEngine:
         """Run one step; returns the requests that got a token or finished in it (with
         `async_scheduling`, those of the step launched by the previous call), after those of a step read
         back since the last call by `prompt_logits`."""
-        if self._launched is not None and self._constrained():
+        constrained = self._constrained()
+        if self._launched is not None and constrained:
             self._settle_in_flight()  # a constrained request's next mask needs its last token read back
         settled, self._settled = self._settled, []
-        if self.cfg.async_scheduling and not self._constrained():
+        if self.cfg.async_scheduling and not constrained:
             changed = self._step_overlapped()
         elif not self.scheduler.has_work():
             changed = []
@@ -378,8 +379,8 @@ class LLMEngine:
         held = [i for i in rows if reqs[i].grammar_on]
         if held:
             json_rows = [j for j, i in enumerate(held) if reqs[i].params.structured.is_json]
-            mask_rows(scores, held, self._grammar_set.allowed([reqs[i].matcher for i in held], scores.device,
-                                                               json_rows))
+            scores = mask_rows(scores, held, self._grammar_set.allowed([reqs[i].matcher for i in held],
+                                                                        scores.device, json_rows))
         tokens = sample(scores, [r.params for r in reqs], [r.generator for r in reqs])
         pen = [j for j, i in enumerate(rows) if reqs[i].params.penalized]
         if pen:

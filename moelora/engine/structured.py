@@ -97,13 +97,17 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
 
-    def output(self) -> StructuredOutput:
+    def kind_value(self) -> tuple[str, object]:
+        """(kind, value) of the one form given (`StructuredOutput.of`'s); RequestError unless exactly one is."""
         given = [(k, getattr(self, k)) for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         given += [("json_object", None)] if self.json_object else []
         if len(given) != 1:
             raise RequestError(f"structured_outputs takes exactly one of json, regex, choice, grammar, json_object; "
                                f"got {[k for k, _ in given] or 'none'}")
-        return StructuredOutput.of(*given[0])
+        return given[0]
+
+    def output(self) -> StructuredOutput:
+        return StructuredOutput.of(*self.kind_value())
 
 
 def choice_regex(choices: list[str]) -> str:
@@ -122,24 +126,23 @@ class Grammars:
         except ImportError:  # pragma: no cover - a dependency; an install without it says so
             raise ConfigError("structured outputs need the xgrammar package (pip install xgrammar)") from None
         self.xgr, self.vocab_size, self.any_whitespace = xgr, vocab_size, any_whitespace
-        hf = tokenizer._tok
-        special = {int(i) for i in hf.get_added_tokens_decoder()}
-        vocab = [""] * min(hf.get_vocab_size(with_added_tokens=True), vocab_size)
-        for text, i in hf.get_vocab(with_added_tokens=True).items():
-            if i < len(vocab) and i not in special:
-                vocab[i] = text  # special tokens stay "": never grammar text
-        meta = xgr.TokenizerInfo._detect_metadata_from_hf(hf.to_str())
+        special = tokenizer.added_ids()
+        vocab = [""] * min(tokenizer.vocab_size, vocab_size)
+        for i, text in enumerate(tokenizer.vocab_strings(range(len(vocab)))):
+            if i not in special:
+                vocab[i] = text  # added / special tokens stay "": never grammar text
+        meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer.spec_json())
         stops = sorted(i for i in stop_ids if 0 <= i < vocab_size)
         info = xgr.TokenizerInfo(vocab, meta["vocab_type"], vocab_size=vocab_size, stop_token_ids=stops,
                                  add_prefix_space=meta["add_prefix_space"])
         self.compiler = xgr.GrammarCompiler(info, max_threads=4, cache_enabled=False)
         # tokens holding a control character JSON never has raw (all but \n and \r): xgrammar (0.2.9) lets them into
         # length-limited strings (maxLength / minLength), which json.loads and pydantic refuse; JSON formats mask them
-        texts = hf.decode_batch([[i] for i in range(len(vocab))], skip_special_tokens=False)
+        texts = tokenizer.decode_each(range(len(vocab)))
         bad = [i for i, t in enumerate(texts) if any(ord(c) < 32 and c not in "\n\r" for c in t)]
         self.json_safe = torch.ones(vocab_size, dtype=torch.bool)
         self.json_safe[bad] = False
-        self._json_safe_on: dict[torch.device, torch.Tensor] = {}
+        self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # (bit shifts, json_safe)
         self._compiled: OrderedDict[StructuredOutput, object] = OrderedDict()
         self._lock = threading.Lock()
         self._batch = None  # xgrammar's BatchGrammarMatcher (its thread pool), made at the first wide step
@@ -197,18 +200,19 @@ class Grammars:
             for i, m in enumerate(matchers):
                 m.fill_next_token_bitmask(bits, i)
         words = bits.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else bits
-        shifts = torch.arange(32, dtype=torch.int32, device=device)
+        consts = self._on_device.get(device)
+        if consts is None:  # made once a device, not every step
+            consts = self._on_device[device] = (torch.arange(32, dtype=torch.int32, device=device),
+                                                self.json_safe.to(device))
+        shifts, safe = consts
         allowed = ((words[:, :, None] >> shifts) & 1).view(len(matchers), -1)[:, :self.vocab_size].bool()
         if json_rows:  # the rows of JSON formats: no raw control characters (see __init__)
             index = upload(json_rows, torch.long, device)
-            safe = self._json_safe_on.get(device)
-            if safe is None:
-                safe = self._json_safe_on[device] = self.json_safe.to(device)
             allowed.index_copy_(0, index, allowed.index_select(0, index) & safe)
         return allowed
 
 
-def mask_rows(logits: torch.Tensor, rows: list[int], allowed: torch.Tensor) -> None:
-    """logits[rows[i]] = -inf where allowed[i] is False (in place)."""
+def mask_rows(logits: torch.Tensor, rows: list[int], allowed: torch.Tensor) -> torch.Tensor:
+    """A new tensor: `logits` with rows[i] at -inf where allowed[i] is False (contract 2: its input unwritten)."""
     index = upload(rows, torch.long, logits.device)
-    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill(~allowed, float("-inf")))
+    return logits.index_copy(0, index, logits.index_select(0, index).masked_fill(~allowed, float("-inf")))

@@ -80,6 +80,18 @@ class Tokenizer:
                     out.append(ids)
         return tuple(out)
 
+    def added_ids(self) -> set[int]:
+        """The ids of tokenizer.json's added tokens (special and not: chat tags, `<think>`, ...)."""
+        return {int(i) for i in self._tok.get_added_tokens_decoder()}
+
+    def spec_json(self) -> str:
+        """tokenizer.json's text, as the `tokenizers` library writes it back (xgrammar reads its decoder there)."""
+        return self._tok.to_str()
+
+    def decode_each(self, ids) -> list[str]:
+        """Each id's text alone, special tokens kept (one batched call)."""
+        return self._tok.decode_batch([[i] for i in ids], skip_special_tokens=False)
+
     def vocab_strings(self, ids: list[int]) -> list[str]:
         """Each id's string in the vocabulary (transformers' convert_ids_to_tokens: byte-level 'Ġ' and all)."""
         return [self._tok.id_to_token(i) or "" for i in ids]

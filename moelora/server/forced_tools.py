@@ -25,7 +25,7 @@ ANY_OBJECT = {"type": "object"}
 @dataclass(frozen=True)
 class ForcedTools:
     name: str | None  # the named function; None: "required"
-    parameters: tuple[tuple[str, str], ...]  # each offered tool's (name, parameters schema as JSON text)
+    parameters: tuple[tuple[str, dict], ...]  # each offered tool's (name, parameters schema)
     parallel: bool = True
 
     def finish_reason(self, called: bool, reason: str | None) -> str | None:
@@ -34,7 +34,7 @@ class ForcedTools:
 
     def schema(self) -> dict:
         """The JSON schema the output is held to."""
-        params = {n: json.loads(p) for n, p in self.parameters}
+        params = dict(self.parameters)
         if self.name is not None:
             return params[self.name]
         items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [n]}, "parameters": p},
@@ -56,7 +56,7 @@ class ForcedTools:
 
 def forced_tools(choice, tools, parallel: bool) -> ForcedTools:
     """From a request's tool_choice ("required", or a named choice with `.function.name`) and its tools."""
-    params = tuple((t.function.name, json.dumps(t.function.parameters or ANY_OBJECT)) for t in tools or ())
+    params = tuple((t.function.name, t.function.parameters or ANY_OBJECT) for t in tools or ())
     name = None if choice == "required" else choice.function.name
     return ForcedTools(name, params, parallel)
 

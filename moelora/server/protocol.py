@@ -17,6 +17,9 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from moelora.engine.structured import StructuredOutputsParams as EngineStructuredOutputs
+from moelora.errors import RequestError
+
 log = logging.getLogger("moelora.server")
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
@@ -196,13 +199,12 @@ class _Sampling(_Body):
             asked.append(("response_format", ("json", f.json_schema.json_schema)))
         so = self.structured_outputs
         if so is not None:
-            given = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
-                                         ("grammar", so.grammar)) if v is not None]
-            given += [("json_object", None)] if so.json_object else []
-            if len(given) != 1:
-                raise ApiError(400, f"structured_outputs takes exactly one of json, regex, choice, grammar, "
-                               f"json_object; got {[k for k, _ in given] or 'none'}", "structured_outputs")
-            asked.append(("structured_outputs", given[0]))
+            form = EngineStructuredOutputs(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                           json_object=so.json_object)
+            try:
+                asked.append(("structured_outputs", form.kind_value()))
+            except RequestError as e:
+                raise ApiError(400, str(e), "structured_outputs") from None
         for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                            ("guided_grammar", "grammar")):
             if getattr(self, name) is not None:

@@ -416,10 +416,11 @@ class OpenAIServing:
         if body.prompt_logprobs is not None:
             entries = await self._prompt_logprobs(ids, adapter, body.prompt_logprobs)
             prompt_lp = view.prompt_logprobs(ids, entries, body.prompt_logprobs)
-        if forced is not None and body.structured_output() is not None:
+        asked = body.structured_output()  # validated once; `_params` gets it
+        if forced is not None and asked is not None:
             raise ApiError(400, f"tool_choice {body.tool_mode()!r} is a structured output itself: send no other "
                            "(response_format, structured_outputs, guided_*)", "tool_choice")
-        asked = ("json", forced.schema()) if forced is not None else body.structured_output()
+        asked = ("json", forced.schema()) if forced is not None else asked
         after = self._grammar_start(text) if asked is not None else None
         spacing = "single" if forced is not None else None  # calls' JSON: one space after "," and ":"
         specs = [GenerateSpec(ids, self._params(body, max_tokens, len(ids), logprobs, j, after, asked, spacing),
