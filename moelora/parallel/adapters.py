@@ -90,9 +90,8 @@ class _RankReader:
     def __init__(self, f, hp: LoRAHyperParams, cfg: ModelConfig, plan: ShardPlan):
         self.f, self.hp, self.cfg, self.plan = f, hp, cfg, plan
         self.e0, self.ne = plan.experts(cfg)
-        split = 1 if plan.expert_parallel else plan.size
         self.local = dataclasses.replace(cfg, num_experts=self.ne,  # the expert sites' rank-local sizes
-                                         moe_intermediate_size=cfg.moe_intermediate_size // split)
+                                         moe_intermediate_size=plan.local_config(cfg).moe_intermediate_size)
         self.ep_rows = ((self.e0, self.e0 + self.ne),) if plan.expert_parallel else None
 
     def read(self, key: str, cut: Cut) -> torch.Tensor:

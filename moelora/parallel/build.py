@@ -3,6 +3,7 @@ including the memory plan's profiling forward on CUDA, run in the same order).""
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from moelora.engine.config import EngineConfig
 from moelora.models.registry import model_class
 from moelora.models.weights import init_dummy_weights
 from moelora.parallel.control import JOIN_TIMEOUT_S
-from moelora.parallel.rules import ShardPlan
+from moelora.parallel.rules import ShardPlan, split_unit
 from moelora.parallel.scales import rank_cuts
 from moelora.parallel.shard import Shard
 from moelora.parallel.weights import load_sharded_checkpoint
@@ -28,15 +29,21 @@ def full_shapes(model_cfg: ModelConfig, cfg: EngineConfig) -> dict[str, tuple[in
     return {name: tuple(t.shape) for name, t in full.weight_params().items()}
 
 
+def rank_plan(rank: int, model_cfg: ModelConfig, cfg: EngineConfig) -> ShardPlan:
+    """Rank `rank`'s plan under `cfg`'s parallel config, its intermediate splits on the model's FP8 blocks."""
+    pcfg = cfg.parallel_config
+    return ShardPlan(rank, pcfg.world_size, pcfg.expert_parallel, split_unit(cfg.fp8_config(model_cfg)))
+
+
 def check_fp8_split(model_cfg: ModelConfig, cfg: EngineConfig, plan: ShardPlan) -> None:
-    """ConfigError when FP8 block scales would be split inside a block on any rank (before any process
-    starts; `scales.scale_cut` raises it)."""
+    """ConfigError when FP8 block scales would be split inside a block on any rank (an attention dim: the
+    intermediate ones split on blocks; before any process starts; `scales.scale_cut` raises it)."""
     fp8 = cfg.fp8_config(model_cfg)
     if fp8 is None:
         return
     shapes = full_shapes(model_cfg, cfg)
     for rank in range(plan.size):
-        rank_cuts(shapes, shapes, ShardPlan(rank, plan.size, plan.expert_parallel), model_cfg, fp8)
+        rank_cuts(shapes, shapes, dataclasses.replace(plan, rank=rank), model_cfg, fp8)
 
 
 def build_rank_model(model_dir: str | Path, cfg: EngineConfig, shard: Shard, load_format: str = "auto",

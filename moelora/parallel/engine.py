@@ -17,7 +17,6 @@ from moelora.engine.tokenizer import Tokenizer
 from moelora.lora.pool import AdapterPool
 from moelora.models.lora_targets import lora_site_owners
 from moelora.parallel.driver import Driver
-from moelora.parallel.rules import ShardPlan
 
 
 class ParallelRunner(ModelRunner):
@@ -112,11 +111,11 @@ def build_parallel_engine(model_dir: Path, cfg: EngineConfig, adapters: Mapping[
     """Spawn the workers, build rank 0's shard while they build theirs, then the engine (`cfg` resolved).
     `load_format` / `seed` reach every rank; `tokenizer` (with its chat template) is rank 0's alone."""
     from moelora.parallel.adapters import load_adapter_shard
-    from moelora.parallel.build import build_rank_model, check_fp8_split, plan_kv_blocks
+    from moelora.parallel.build import build_rank_model, check_fp8_split, plan_kv_blocks, rank_plan
 
     model_cfg = ModelConfig.from_hf(model_dir)
     pcfg = cfg.parallel_config
-    plan = ShardPlan(0, pcfg.world_size, pcfg.expert_parallel)
+    plan = rank_plan(0, model_cfg, cfg)
     plan.check(model_cfg)  # before any process starts
     check_fp8_split(model_cfg, cfg, plan)
     driver = Driver(model_dir, cfg, pcfg, (load_format, seed))

@@ -12,6 +12,12 @@ replicated. The rules (parameter names are transformers 5's):
 - row-parallel (split by input columns): o_proj (by heads), down_proj of the dense MLP and shared experts;
 - routed experts: TP splits each expert's intermediate (gate_up rows, down columns); EP keeps experts
   [r E/N, (r+1) E/N) whole;
+- intermediate splits (dense MLP, shared experts, TP's routed experts) are even, except on block-FP8 weights
+  (`unit`: the scale block, 128): there each rank keeps whole blocks, as evenly as the blocks allow, the first
+  ranks one more (moe_intermediate_size 1408 = 11 blocks at TP=4: 384 / 384 / 384 / 256 rows), so its blocks are
+  the checkpoint's (`scales.py`) and nothing is re-quantized or padded; the last rank may end on a partial block.
+  vLLM and SGLang refuse these splits (`... is not divisible by weight quantization block_n = 128`): Qwen3-235B-
+  A22B-FP8 or MiniMax-M2 at TP=8 (1536 / 8 = 192), Qwen3-30B-A3B-FP8 at TP=4, GLM-4.5(-Air)-FP8 at TP=2..8;
 - vocab-parallel: embed_tokens / lm_head rows [r ceil(V/N), ...), the last rank padded with zero rows;
 - row-parallel biases (MLA o_proj with attention_bias): rank 0 holds them, the others zeros;
 - replicated: norms, routers (and their correction bias), Qwen2's shared_expert_gate, MLA's q_a_proj and
@@ -23,11 +29,13 @@ columns, an expert cut to both (`adapters.py`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 
 from moelora.config import ModelConfig
 from moelora.errors import ConfigError
+from moelora.quant.config import FP8Config
 
 Cut = tuple[tuple[int, tuple[tuple[int, int], ...]], ...]  # ((dim, ((start, stop), ...)), ...)
 
@@ -35,13 +43,22 @@ _SHARED = re.compile(r"\.mlp\.(shared_experts?)\.(gate_proj|up_proj|down_proj)\.
 _DENSE = re.compile(r"\.mlp\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
+def split_unit(fp8: FP8Config | None) -> int | None:
+    """`ShardPlan.unit` for a model whose weights are `fp8`: a block-FP8 scale block's rows and columns (an
+    intermediate dim is gate_up's rows and down's columns), None (even splits) for the others."""
+    return math.lcm(*fp8.block) if fp8 is not None and fp8.weights == "block" else None
+
+
 @dataclass(frozen=True)
 class ShardPlan:
-    """Rank `rank` of `size`; `expert_parallel`: routed experts partitioned (else split inside)."""
+    """Rank `rank` of `size`; `expert_parallel`: routed experts partitioned (else split inside); `unit`: the
+    intermediate dims are split in whole units of this many rows, unevenly if need be (block-FP8's 128:
+    `split_unit`), None: evenly."""
 
     rank: int
     size: int
     expert_parallel: bool = False
+    unit: int | None = None
 
     # checks ------------------------------------------------------------------------------------
     def check(self, cfg: ModelConfig) -> None:
@@ -56,17 +73,29 @@ class ShardPlan:
             raise ConfigError(f"tensor_parallel_size={n} and num_key_value_heads={cfg.num_kv_heads}: KV heads "
                               "split when the size divides them and are replicated when they divide the size; "
                               "neither holds")
-        if any(not cfg.is_sparse(i) for i in range(cfg.num_layers)):
-            need(cfg.intermediate_size, "intermediate_size (dense MLP)")
+        def split(value: int, what: str, hint: str = "") -> None:
+            if self.unit is None:
+                return need(value, what, hint)
+            units = -(-value // self.unit)
+            if units < n:
+                raise ConfigError(f"tensor_parallel_size={n} cannot split {what}={value}: its FP8 weights hold "
+                                  f"{units} scale block(s) of {self.unit} rows and each rank keeps whole blocks, "
+                                  f"at least one{hint or ''}")
+        if self.has_dense_layers(cfg):
+            split(cfg.intermediate_size, "intermediate_size (dense MLP)")
         if self.expert_parallel:
             need(cfg.num_experts, "num_experts", " (expert parallelism partitions the routed experts)")
         else:
-            need(cfg.moe_intermediate_size, "moe_intermediate_size",
-                 " (or partition the experts instead: --enable-expert-parallel)")
+            split(cfg.moe_intermediate_size, "moe_intermediate_size",
+                  " (or partition the experts instead: --enable-expert-parallel)")
         if cfg.shared_expert_intermediate_size:
-            need(cfg.shared_expert_intermediate_size, "shared_expert_intermediate_size")
+            split(cfg.shared_expert_intermediate_size, "shared_expert_intermediate_size")
         if cfg.shared_experts_intermediate_size:
-            need(cfg.shared_experts_intermediate_size, "moe_intermediate_size * n_shared_experts (shared experts)")
+            split(cfg.shared_experts_intermediate_size, "moe_intermediate_size * n_shared_experts (shared experts)")
+
+    @staticmethod
+    def has_dense_layers(cfg: ModelConfig) -> bool:
+        return any(not cfg.is_sparse(i) for i in range(cfg.num_layers))
 
     # local sizes --------------------------------------------------------------------------------
     def heads(self, cfg: ModelConfig) -> tuple[int, int]:
@@ -98,13 +127,18 @@ class ShardPlan:
         """`cfg` with this rank's head counts and intermediate sizes: the module tree built from it has
         exactly the shard shapes (routed experts keep `num_experts`: the router scores all of them)."""
         n = self.size
-        split_moe = 1 if self.expert_parallel else n
+
+        def rows(full: int) -> int:
+            (lo, hi), = self._part(full)
+            return hi - lo
+        dense = rows(cfg.intermediate_size) if self.has_dense_layers(cfg) else (
+            cfg.intermediate_size // n if cfg.intermediate_size % n == 0 else 0)  # unused: no dense layer
         return dataclasses.replace(
-            cfg, num_heads=cfg.num_heads // n, num_kv_heads=self.kv_heads(cfg)[1],
-            intermediate_size=cfg.intermediate_size // n if cfg.intermediate_size % n == 0 else 0,
-            moe_intermediate_size=cfg.moe_intermediate_size // split_moe,
-            shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // n,
-            shared_experts_intermediate_size=cfg.shared_experts_intermediate_size // n)
+            cfg, num_heads=cfg.num_heads // n, num_kv_heads=self.kv_heads(cfg)[1], intermediate_size=dense,
+            moe_intermediate_size=cfg.moe_intermediate_size if self.expert_parallel else rows(
+                cfg.moe_intermediate_size),
+            shared_expert_intermediate_size=rows(cfg.shared_expert_intermediate_size),
+            shared_experts_intermediate_size=rows(cfg.shared_experts_intermediate_size))
 
     def drops(self, name: str) -> bool:
         """Whether this rank holds zeros for replicated tensor `name`: a row-parallel projection's bias
@@ -116,8 +150,13 @@ class ShardPlan:
         return ((first * width, (first + count) * width),)
 
     def _part(self, full: int) -> tuple[tuple[int, int], ...]:
-        per = full // self.size
-        return ((self.rank * per, (self.rank + 1) * per),)
+        """This rank's rows of an intermediate dim of `full` rows: 1/N of them, or whole `unit`s of them
+        (the first `units % N` ranks one more; the last range cut at `full`)."""
+        unit = self.unit or max(full // self.size, 1)
+        per, extra = divmod(-(-full // unit), self.size)
+        first = self.rank * per + min(self.rank, extra)
+        count = per + (self.rank < extra)
+        return ((min(first * unit, full), min((first + count) * unit, full)),)
 
     def cut(self, name: str, cfg: ModelConfig) -> Cut | None:
         """This rank's cut of full tensor `name` (None: replicated)."""

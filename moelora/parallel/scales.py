@@ -7,10 +7,11 @@ A rank holds its cut of the e4m3 weight (`rules.ShardPlan.cut`) and the matching
   half of an expert, an intermediate split) keeps scale rows [lo/B, ceil(hi/B)) of that segment's grid, a
   column range (row-parallel o_proj / down_proj) the scale columns alike. That is exact only when every
   range starts on a block boundary and ends on one or at its segment's end (a partial last block), so the
-  rank's blocks are the global blocks. A split off the blocks is a `ConfigError` naming the tensor, the
-  dimension and the block size (vLLM refuses block-FP8 splits that do not divide alike): re-blocking would
-  change the weights (contract 9). A dimension smaller than one block is one partial block and cannot be
-  split at all (the tiny models: TP needs e.g. 2 x 128 intermediate rows for TP=2).
+  rank's blocks are the global blocks. Intermediate dims are split on whole blocks by construction
+  (`rules.ShardPlan.unit`, unevenly where the blocks do not divide by the ranks); an attention dim off the
+  blocks (heads x a head width not a multiple of 128) is a `ConfigError` naming the tensor, the dimension
+  and the block size: re-blocking would change the weights (contract 9). A dimension with fewer blocks than
+  ranks cannot be split (`ShardPlan.check`; the tiny models: TP=2 needs 2 blocks, e.g. 256 rows).
 - per-channel scales [.., N, 1] split with their rows and stay whole across a column split;
   per-tensor scales ([1] on disk, held per row) stay whole.
 Expert parallelism keeps whole experts: their scales move with them (the expert dim cut is the weight's).

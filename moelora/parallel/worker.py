@@ -28,7 +28,6 @@ import torch
 
 from moelora.engine.config import EngineConfig
 from moelora.parallel.config import ParallelConfig
-from moelora.parallel.rules import ShardPlan
 from moelora.parallel.shard import Shard
 from moelora.parallel.wire import decode
 
@@ -114,6 +113,8 @@ def worker_main(rank: int, host: str, port: int, model_dir: str, cfg: EngineConf
                 conn, load: tuple[str, int] = ("auto", 0), local_rank: int | None = None) -> None:
     """Entry point of a worker process; `load`: (load_format, seed) of `build_rank_model`; `conn`: a pipe from
     rank 0, or a TCP connection on another node (`control.py`), whose `local_rank` picks its GPU."""
+    from moelora.config import ModelConfig
+    from moelora.parallel.build import rank_plan
     from moelora.parallel.groups import device_group, open_store
 
     conn.send(("alive",))
@@ -127,7 +128,8 @@ def worker_main(rank: int, host: str, port: int, model_dir: str, cfg: EngineConf
     try:
         store = open_store(host, port, rank, pcfg.world_size, pcfg.step_timeout_s)
         group = device_group(store, rank, pcfg.world_size, cfg.torch_device, pcfg.step_timeout_s)
-        worker = _Worker(model_dir, cfg, Shard(ShardPlan(rank, pcfg.world_size, pcfg.expert_parallel), group), load)
+        plan = rank_plan(rank, ModelConfig.from_hf(Path(model_dir)), cfg)
+        worker = _Worker(model_dir, cfg, Shard(plan, group), load)
         conn.send(("ready",))
     except BaseException as exc:
         conn.send(("error", type(exc).__name__, f"{exc}\n{traceback.format_exc()}"))

@@ -1,11 +1,11 @@
 """FP8 base weights on several ranks (CPU, gloo): each rank holds its slice of the e4m3 weights and the matching
 part of their scales; the sharded FP8 engine equals the one-process FP8 engine (contract 9 over contract 10).
 
-The tiny models here are sized so that every TP=2 split falls on the 128 x 128 blocks of the scales (hidden
-256, head_dim 128 / MLA head widths 128, 256 intermediate rows per expert / dense MLP / shared experts): a
-dimension under one block is one partial block and cannot be split (`moelora.parallel.scales`), which the
-refusal test shows. Quantize-on-load on a rank is checked against the cut of the globally quantized weight,
-sliced by hand here.
+The tiny models here are sized so that every TP=2 attention split falls on the 128 x 128 blocks of the scales
+(hidden 256, head_dim 128 / MLA head widths 128); their intermediate dims are 256 rows (even splits) or 320 / 384
+/ 576 / 640 (2.5 to 5 blocks: each rank keeps whole blocks, unevenly, the last rank's last block partial where
+the dim ends inside one). A dimension of fewer blocks than ranks cannot be split, which the refusal test shows.
+Quantize-on-load on a rank is checked against the cut of the globally quantized weight, sliced by hand here.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ ENGINE = dict(device="cpu", dtype="float32", max_lora_rank=8, max_loras=3, max_n
 SIZES = {"qwen3_moe": dict(hidden_size=256, head_dim=128, moe_intermediate_size=256, intermediate_size=256),
          "deepseek_v3": dict(hidden_size=256, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64,
                              moe_intermediate_size=256, intermediate_size=256),
-         "minimax_m2": dict(hidden_size=256, head_dim=128, intermediate_size=256)}
+         "minimax_m2": dict(hidden_size=256, head_dim=128, intermediate_size=256),
+         "glm4_moe": dict(hidden_size=256, head_dim=128, moe_intermediate_size=256, intermediate_size=256)}
 TP2, EP2 = dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, expert_parallel=True)
 
 
@@ -34,10 +35,10 @@ def built(tmp_path_factory):
     """(family, scheme) -> (FP8 model dir, adapters, vocab), built once."""
     cache = {}
 
-    def get(family: str, scheme: str):
-        if (family, scheme) not in cache:
+    def get(family: str, scheme: str, sizes: tuple = ()):
+        if (family, scheme, sizes) not in cache:
             root = tmp_path_factory.mktemp(f"{family}-{scheme}")
-            hf = tiny_hf_model(family, seed=5, num_hidden_layers=2, **SIZES[family])
+            hf = tiny_hf_model(family, seed=5, num_hidden_layers=2, **{**SIZES[family], **dict(sizes)})
             form = "fused" if family == "deepseek_v3" and scheme == "block" else "per_expert"  # both expert key forms
             write_fp8_checkpoint(hf, root / "model", scheme, form)
             adapters = {
@@ -45,8 +46,8 @@ def built(tmp_path_factory):
                 "b": write_per_expert(per_expert_lora(hf, seed=2, r=3, lora_alpha=5, router=False), root / "b"),
                 "c": write_packed(per_expert_lora(hf, seed=3, r=2, lora_alpha=4, use_rslora=True), root / "c"),
             }
-            cache[family, scheme] = (root / "model", adapters, hf.config.vocab_size)
-        return cache[family, scheme]
+            cache[family, scheme, sizes] = (root / "model", adapters, hf.config.vocab_size)
+        return cache[family, scheme, sizes]
     return get
 
 
@@ -73,13 +74,37 @@ SLOW = [("qwen3_moe", "block", EP2), ("deepseek_v3", "tensor", TP2)]
 @pytest.mark.parametrize("family,scheme,parallel", CORE + [pytest.param(*c, marks=pytest.mark.slow) for c in SLOW],
                          ids=[f"{f}-{s}-{'ep' if p.get('expert_parallel') else 'tp'}2" for f, s, p in CORE + SLOW])
 def test_sharded_fp8_engine_equals_one_process(built, family, scheme, parallel):
-    model_dir, adapters, vocab = built(family, scheme)
+    _assert_equals_one_process(*built(family, scheme), parallel, f"{family} {scheme}")
+
+
+def _assert_equals_one_process(model_dir, adapters, vocab, parallel: dict, what: str) -> None:
     ref_logits, ref_tokens = _run(model_dir, adapters, vocab)
     got_logits, got_tokens = _run(model_dir, adapters, vocab, **parallel)
     for ref, got in zip(ref_logits, got_logits, strict=True):
         diff = (got - ref).abs().max().item()
-        assert diff <= 1e-4, f"{family} {scheme} {parallel}: max |diff| {diff:.2e}"
+        assert diff <= 1e-4, f"{what} {parallel}: max |diff| {diff:.2e}"
     assert got_tokens == ref_tokens
+
+
+# Intermediate dims off an even block split: (expert, dense) rows; DeepSeek / GLM's one shared expert has the
+# expert's. At TP=2, 384 rows = 3 blocks -> 256 / 128, 320 = 2.5 blocks -> 256 / 64 (a partial block); at TP=4,
+# 640 = 5 blocks -> 256 / 128 / 128 / 128, 576 = 4.5 blocks -> 128 x 3 / 64 (the first rank's extra block).
+UNEVEN = (("moe_intermediate_size", 384), ("intermediate_size", 320))
+UNEVEN4 = (("moe_intermediate_size", 640), ("intermediate_size", 576))
+BLOCKS = [("qwen3_moe", UNEVEN, TP2), ("deepseek_v3", UNEVEN, TP2),
+          ("glm4_moe", (*UNEVEN, ("n_shared_experts", 1)), EP2)]
+BLOCKS_SLOW = [("qwen3_moe", UNEVEN4, dict(tensor_parallel_size=4))]
+
+
+@pytest.mark.parametrize("family,sizes,parallel",
+                         BLOCKS + [pytest.param(*c, marks=pytest.mark.slow) for c in BLOCKS_SLOW],
+                         ids=[f"{f}-{dict(z)['moe_intermediate_size']}-{'ep' if p.get('expert_parallel') else 'tp'}"
+                              f"{p['tensor_parallel_size']}" for f, z, p in BLOCKS + BLOCKS_SLOW])
+def test_intermediate_splits_on_whole_fp8_blocks_equal_one_process(built, family, sizes, parallel):
+    """Block-FP8 intermediate dims whose blocks do not divide by the ranks (the splits vLLM refuses: GLM-4.5-Air's
+    1408 / 10944 rows at TP=2..8, Qwen3-235B's 1536 at TP=8): each rank keeps whole blocks, so the sharded
+    engine, adapters on the routed experts, the shared expert and the dense MLP included, equals one process."""
+    _assert_equals_one_process(*built(family, "block", sizes), parallel, f"{family} {sizes}")
 
 
 def _fp32_checkpoint(tmp_path, family="qwen3_moe", **overrides):
@@ -129,10 +154,40 @@ def test_quantize_on_load_on_a_rank_equals_the_cut_of_the_global_quantization(tm
                                ref.view(torch.uint8) if ref.element_size() == 1 else ref), name
 
 
-def test_a_split_off_the_fp8_blocks_is_a_config_error(tmp_path):
-    """moe_intermediate_size 128 at TP=2: 64 rows per rank, half a 128-row block of the scales."""
+def test_quantize_on_load_splits_on_whole_blocks(tmp_path):
+    """`quantization="fp8"` at TP=2 on 384 expert rows (3 blocks): rank 0 keeps gate / up rows 0..256 (blocks
+    0-1), rank 1 rows 256..384 (block 2); the down projection the same columns: the one-process weights cut by
+    hand."""
+    from moelora.config import ModelConfig
+    from moelora.engine.config import EngineConfig
+    from moelora.engine.loader import build_engine
+    from moelora.parallel.build import build_rank_model, rank_plan
+    from moelora.parallel.shard import Shard
+
+    path = _fp32_checkpoint(tmp_path, moe_intermediate_size=384)
+    one = dict(build_engine(path, EngineConfig(**ENGINE, quantization="fp8")).model.weight_params())
+    model_cfg = ModelConfig.from_hf(path)
+    cfg = EngineConfig(**ENGINE, quantization="fp8", tensor_parallel_size=2).resolve(model_cfg)
+    experts = "model.layers.0.mlp.experts."
+    gu, gus = one[experts + "gate_up_proj"], one[experts + "gate_up_proj_scale_inv"]
+    down, downs = one[experts + "down_proj"], one[experts + "down_proj_scale_inv"]
+    for rank, (lo, hi), blocks in ((0, (0, 256), [0, 1]), (1, (256, 384), [2])):
+        got = build_rank_model(path, cfg, Shard(rank_plan(rank, model_cfg, cfg))).weight_params()
+        rows = [*range(lo, hi), *range(384 + lo, 384 + hi)]
+        want = {experts + "gate_up_proj": gu[:, rows],
+                experts + "gate_up_proj_scale_inv": gus[:, blocks + [3 + b for b in blocks]],
+                experts + "down_proj": down[:, :, lo:hi], experts + "down_proj_scale_inv": downs[:, :, blocks]}
+        for name, ref in want.items():
+            assert got[name].shape == ref.shape, name
+            assert torch.equal(got[name].view(torch.uint8) if ref.element_size() == 1 else got[name],
+                               ref.view(torch.uint8) if ref.element_size() == 1 else ref), name
+
+
+def test_fewer_fp8_blocks_than_ranks_is_a_config_error(tmp_path):
+    """moe_intermediate_size 128 at TP=2: one 128-row block of the scales for two ranks."""
     path = _fp32_checkpoint(tmp_path, moe_intermediate_size=128)
-    with pytest.raises(ConfigError, match=r"experts\.gate_up_proj \(moe_intermediate_size\).*weight_block_size 128"):
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 cannot split moe_intermediate_size=128: its FP8 "
+                                          r"weights hold 1 scale block\(s\) of 128 rows.*--enable-expert-parallel"):
         LLM(path, **ENGINE, **TP2, quantization="fp8")
     LLM(path, **ENGINE, **EP2, quantization="fp8").engine.close()  # whole experts: no split inside a block
 
@@ -222,11 +277,11 @@ def _gpu_run(model_dir, adapters, vocab, **kw):
 
 @pytest.mark.gpu
 @needs_two_gpus
-@pytest.mark.parametrize("parallel", [TP2, EP2], ids=["tp2", "ep2"])
-def test_fp8_on_two_gpus_equals_one(built, parallel):
+@pytest.mark.parametrize("parallel,sizes", [(TP2, ()), (EP2, ()), (TP2, UNEVEN)], ids=["tp2", "ep2", "tp2-blocks"])
+def test_fp8_on_two_gpus_equals_one(built, parallel, sizes):
     """NCCL: the FP8 block checkpoint at TP=2 / EP=2 equals one GPU (fp32, torch backend, eager: 1e-4 as on the
-    CPU, tokens identical)."""
-    model_dir, adapters, vocab = built("qwen3_moe", "block")
+    CPU, tokens identical); tp2-blocks: intermediate dims split on whole blocks, unevenly."""
+    model_dir, adapters, vocab = built("qwen3_moe", "block", sizes)
     kw = dict(dtype="float32", kernel_backend="torch", enforce_eager=True)
     ref, ref_tokens, _, _ = _gpu_run(model_dir, adapters, vocab, **kw)
     got, got_tokens, _, _ = _gpu_run(model_dir, adapters, vocab, **kw, **parallel)
@@ -237,9 +292,11 @@ def test_fp8_on_two_gpus_equals_one(built, parallel):
 
 @pytest.mark.gpu
 @needs_two_gpus
-def test_fp8_tp2_decode_graphs_equal_tp2_eager(built):
-    """bf16 activations, Triton, FP8 weights at TP=2: decode graphs (NCCL inside) give the eager tokens."""
-    model_dir, adapters, vocab = built("qwen3_moe", "block")
+@pytest.mark.parametrize("sizes", [(), UNEVEN], ids=["even", "blocks"])
+def test_fp8_tp2_decode_graphs_equal_tp2_eager(built, sizes):
+    """bf16 activations, Triton, FP8 weights at TP=2: decode graphs (NCCL inside) give the eager tokens (blocks:
+    the ranks' expert and dense shards of 256 / 128 and 256 / 64 rows, a partial block on rank 1)."""
+    model_dir, adapters, vocab = built("qwen3_moe", "block", sizes)
     _, graphed, graphed_lp, has_graphs = _gpu_run(model_dir, adapters, vocab, dtype="bfloat16", **TP2)
     _, eager, eager_lp, _ = _gpu_run(model_dir, adapters, vocab, dtype="bfloat16", enforce_eager=True, **TP2)
     assert has_graphs and graphed == eager

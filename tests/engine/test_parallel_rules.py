@@ -12,6 +12,7 @@ import torch
 import moelora.parallel.weights as pw
 from moelora.config import ModelConfig
 from moelora.engine.config import EngineConfig
+from moelora.errors import ConfigError
 from moelora.parallel.build import build_rank_model
 from moelora.parallel.rules import ShardPlan
 from moelora.parallel.shard import Shard, apply_cut
@@ -60,6 +61,39 @@ def test_kv_heads_replicate_below_the_rank_count():
     assert [ShardPlan(r, 4).kv_heads(cfg) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
     assert [ShardPlan(r, 2).kv_heads(cfg) for r in range(2)] == [(0, 1), (1, 1)]
     assert ShardPlan(1, 2).vocab(cfg) == (49, 48, 49)  # 97 rows: 49 + 48, the last block padded by one
+
+
+def test_block_fp8_intermediate_splits_keep_whole_blocks():
+    """GLM-4.5-Air's sizes (experts and shared expert 1408 rows = 11 blocks of 128, dense MLP 10944 = 85.5): at
+    TP=4 each rank keeps whole blocks, the first ranks one more, the last rank's last block partial; sizes that
+    divide into blocks evenly split as without FP8; bf16 (no unit) splits evenly."""
+    from moelora.parallel.rules import split_unit
+    from moelora.quant.config import FP8Config
+    from tests.helpers.oracle import tiny_hf_config
+
+    raw = tiny_hf_config("glm4_moe", moe_intermediate_size=1408, intermediate_size=10944, n_shared_experts=1,
+                         num_attention_heads=96, num_key_value_heads=8).to_dict()
+    cfg = ModelConfig.from_dict(dict(raw, architectures=["Glm4MoeForCausalLM"]))
+    unit = split_unit(FP8Config("fp8", "block", "group", (128, 128)))
+    assert unit == 128 and split_unit(FP8Config("compressed-tensors", "channel", "token")) is None
+    plans = [ShardPlan(r, 4, unit=unit) for r in range(4)]
+    for plan in plans:
+        plan.check(cfg)
+    assert [p._part(1408) for p in plans] == [((0, 384),), ((384, 768),), ((768, 1152),), ((1152, 1408),)]
+    assert [p._part(10944) for p in plans] == [((0, 2816),), ((2816, 5632),), ((5632, 8320),), ((8320, 10944),)]
+    assert [p.local_config(cfg).moe_intermediate_size for p in plans] == [384, 384, 384, 256]
+    assert [p.local_config(cfg).intermediate_size for p in plans] == [2816, 2816, 2688, 2624]
+    assert [p.local_config(cfg).shared_experts_intermediate_size for p in plans] == [384, 384, 384, 256]
+    layer = "model.layers.1.mlp."
+    assert plans[3].cut(layer + "experts.gate_up_proj", cfg) == ((1, ((1152, 1408), (2560, 2816))),)
+    assert plans[3].cut(layer + "experts.down_proj", cfg) == ((2, ((1152, 1408),)),)
+    assert plans[1].cut(layer + "shared_experts.down_proj.weight", cfg) == ((1, ((384, 768),)),)
+    assert plans[2].cut("model.layers.0.mlp.gate_proj.weight", cfg) == ((0, ((5632, 8320),)),)
+    assert [ShardPlan(r, 8, unit=128)._part(2048) for r in (0, 7)] == [((0, 256),), ((1792, 2048),)]
+    assert [ShardPlan(r, 2)._part(1408) for r in (0, 1)] == [((0, 704),), ((704, 1408),)]
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=16 cannot split moe_intermediate_size=1408: its "
+                                          r"FP8 weights hold 11 scale block\(s\) of 128 rows"):
+        ShardPlan(0, 16, unit=128).check(cfg)
 
 
 def test_untargeted_expert_parallel_experts_free_their_lora_slots(checkpoint):
@@ -135,9 +169,10 @@ def test_headless_node_without_rank_0_raises_worker_error():
 
 
 def test_several_ranks_refuse_an_fp8_block_split_before_spawning(monkeypatch):
-    """What several ranks still refuse: FP8 block scales split inside a 128 block (the demo model's 4 x 32
-    query rows are 64 per rank at TP=2), a ConfigError naming the tensor, the dimension and the block size,
-    before any worker is spawned."""
+    """What several ranks still refuse, before any worker is spawned: FP8 block scales split inside a 128 block
+    (the demo model's 4 x 32 query rows are 64 per rank at TP=2; its experts whole under EP), a ConfigError naming
+    the tensor, the dimension and the block size; and an intermediate dim of fewer blocks than ranks (its 80
+    expert rows are one partial block)."""
     import moelora.parallel.engine as pe
     from moelora import demo
     from moelora.engine.loader import build_engine
@@ -146,7 +181,11 @@ def test_several_ranks_refuse_an_fp8_block_split_before_spawning(monkeypatch):
     def no_spawn(*args, **kw):
         raise AssertionError("a worker was spawned")
     monkeypatch.setattr(pe, "Driver", no_spawn)
-    cfg = EngineConfig(device="cpu", tensor_parallel_size=2, quantization="fp8")
+    cfg = EngineConfig(device="cpu", tensor_parallel_size=2, expert_parallel=True, quantization="fp8")
     with pytest.raises(ConfigError, match=re.escape("self_attn.q_proj.weight (num_attention_heads x head dim) at "
                                                     "rows 0..64") + ".*weight_block_size 128"):
+        build_engine(demo.model_dir(), cfg)
+    cfg = EngineConfig(device="cpu", tensor_parallel_size=2, quantization="fp8")
+    with pytest.raises(ConfigError, match=re.escape("tensor_parallel_size=2 cannot split moe_intermediate_size=80: "
+                                                    "its FP8 weights hold 1 scale block(s) of 128 rows")):
         build_engine(demo.model_dir(), cfg)
