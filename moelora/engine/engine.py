@@ -297,11 +297,8 @@ class LLMEngine:
         """Run one step; returns the requests that got a token or finished in it (with
         `async_scheduling`, those of the step launched by the previous call), after those of a step read
         back since the last call by `prompt_logits`."""
-        constrained = self._constrained()
-        if self._launched is not None and constrained:
-            self._settle_in_flight()  # a constrained request's next mask needs its last token read back
         settled, self._settled = self._settled, []
-        if self.cfg.async_scheduling and not constrained:
+        if self.cfg.async_scheduling:
             changed = self._step_overlapped()
         elif not self.scheduler.has_work():
             changed = []
@@ -310,21 +307,24 @@ class LLMEngine:
             changed = self._read_back(self._launch(step, None)) if step.requests else []
         return settled + changed  # after a settle no step was in flight: nothing comes out twice
 
-    def _constrained(self) -> bool:
-        """Whether a live request reads its own output to sample (a grammar, a bad word of several tokens): steps
-        are then synchronous, its last token read back before the next is sampled."""
-        return any(r.params.reads_its_output for r in self.requests.values())
-
     def _step_overlapped(self) -> list[Request]:
         """Schedule and launch step n+1 while step n runs on the device, then read step n back.
         Step n+1 takes the tokens step n sampled straight from the device (runner `pending`), so the
         host never waits for the device before launching; stop rules see a token one step later, and
         a row computed for a request that stopped in step n is dropped. Everything runs on one
-        stream, so step n+1's cache writes and slot changes land after step n's reads."""
+        stream, so step n+1's cache writes and slot changes land after step n's reads.
+        A step with a request that reads its own output to sample (a grammar, a bad word of several tokens)
+        launches its forward, reads step n back (its tokens advance the grammars), then samples: the host's
+        mask work runs while the forward does, and the mask sees every earlier token."""
         prev, self._launched = self._launched, None
         if self.scheduler.has_work():
             pending = (prev.tokens, {r: i for i, r in enumerate(prev.reqs)}) if prev and prev.reqs else None
             step = self.scheduler.schedule()
+            if step.requests and any(r.params.reads_its_output for r in step.requests):
+                forward = self._forward(step, pending)
+                changed = self._read_back(prev) if prev is not None else []
+                self._launched = self._sample_step(*forward)
+                return changed
             if step.requests:
                 self._launched = self._launch(step, pending)
         return self._read_back(prev) if prev is not None else []
@@ -332,6 +332,10 @@ class LLMEngine:
     def _launch(self, step: ScheduledStep, pending) -> _Launched:
         """Run the model and sample on the device; no host sync (the synchronous step reads it back
         at once, the overlapped one a step later)."""
+        return self._sample_step(*self._forward(step, pending))
+
+    def _forward(self, step: ScheduledStep, pending) -> tuple[ScheduledStep, list[Request], torch.Tensor]:
+        """Enqueue the step's forward: (step, the requests it samples, their logits)."""
         slot_of = self.pool.acquire(r.adapter for r in step.requests)
         inputs = self.runner.prepare(step, slot_of, self.pool.slot_ranks, pending)
         decode_only = len(inputs.sample_index) == len(step.requests) == step.num_tokens
@@ -341,16 +345,23 @@ class LLMEngine:
             logits = self.pieces.run(inputs)
         else:
             logits = self.runner.run(inputs)
-        reqs = [step.requests[i] for i in inputs.sample_index]
+        for req, n in zip(step.requests, step.num_new, strict=True):
+            req.num_computed += n
+        return step, [step.requests[i] for i in inputs.sample_index], logits
+
+    def _sample_step(self, step: ScheduledStep, reqs: list[Request], logits: torch.Tensor) -> _Launched:
+        """Enqueue the sampling of the step's forward and the copies of its tokens to the host. A request
+        finished meanwhile (its last token read back after the forward was launched) is sampled plainly and
+        its row dropped when read."""
         tokens = logprobs = None
         if reqs:
             tokens = self._sample(logits, reqs)
             wants = [r.params.logprobs for r in reqs]
             if any(w is not None for w in wants):  # computed now: a graph's logits buffer is reused
                 logprobs = logprobs_on_device(logits, tokens, wants)
-        for req, n in zip(step.requests, step.num_new, strict=True):
-            req.num_computed += n
         for req in reqs:
+            if req.finished:
+                continue
             req.num_pending += 1
             known_after = len(req.output_ids) + req.num_pending
             if known_after >= req.params.max_tokens or len(req.prompt_ids) + known_after >= self.cfg.max_model_len:
@@ -362,7 +373,7 @@ class LLMEngine:
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """Token ids [len(reqs)] on the device. Requests with logit adjustments sample from adjusted
         logits; penalized ones count their token (their state is created at their first draw)."""
-        rows = [i for i, r in enumerate(reqs) if r.params.adjusts_logits]
+        rows = [i for i, r in enumerate(reqs) if r.params.adjusts_logits and not r.finished]
         if not rows:
             return sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         states, suppress = [], []

@@ -128,7 +128,7 @@ class SamplingParams:
     @property
     def reads_its_output(self) -> bool:
         """Whether sampling a token needs the request's earlier output tokens on the host (a grammar, a bad word of
-        several tokens): such a request is stepped synchronously."""
+        several tokens): an overlapped step holding one samples after the previous step is read back."""
         return self.structured is not None or any(len(w) > 1 for w in self.bad_words_ids)
 
 

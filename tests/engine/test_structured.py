@@ -9,6 +9,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from moelora.engine.request import SamplingParams
 from moelora.engine.structured import StructuredOutput, choice_regex
@@ -70,8 +71,8 @@ def test_finished_outputs_follow_their_format(engine, case):
 
 
 def test_free_requests_beside_constrained_ones_are_as_alone(engine):
-    """Greedy free requests give the same tokens with constrained ones in their batch (whose presence turns
-    overlapped scheduling into synchronous steps) as without them; overlapped again once they are gone."""
+    """Greedy free requests give the same tokens with constrained ones in their batch (whose steps sample after
+    the previous step is read back) as without them; a step still in flight between calls throughout."""
     free = [SamplingParams(max_tokens=24, temperature=0) for _ in range(4)]
     alone = [r.output_ids for r in run(engine, free, [f"free {i}" for i in range(4)])]
     so = StructuredOutput.of("regex", "[a-c]+;")
@@ -79,11 +80,65 @@ def test_free_requests_beside_constrained_ones_are_as_alone(engine):
                                   for i in range(3))], [*(f"free {i}" for i in range(4)), "a", "b", "c"])
     assert [r.output_ids for r in mixed[:4]] == alone
     assert all(re.fullmatch("[a-c]+;", r.text) for r in mixed[4:] if r.finish_reason == "stop")
-    engine.add_request("free again", SamplingParams(max_tokens=4, temperature=0))
-    engine.step()
-    assert engine._launched is not None  # no constrained request left: overlapped again (a step in flight)
-    while engine.has_unfinished():
-        engine.step()
+
+
+def mixed_workload() -> tuple[list[str], list[SamplingParams]]:
+    """Constrained requests of every kind (sampled, seeded; one held from its `after` token; one with a bad word of
+    two tokens) beside free ones with penalties, stop strings and min_tokens."""
+    params = [SamplingParams(max_tokens=48, temperature=1.0, seed=i, structured=StructuredOutput.of(kind, value))
+              for i, (kind, value, _) in enumerate(CASES.values())]
+    params += [SamplingParams(max_tokens=20, temperature=1.0, seed=7, logit_bias={ord("#"): 100},
+                              structured=StructuredOutput.of("regex", "[0-9]{2}", after=ord("#"))),
+               SamplingParams(max_tokens=30, temperature=0.8, seed=8, bad_words_ids=((ord("e"), ord(" ")),)),
+               SamplingParams(max_tokens=30, temperature=0, frequency_penalty=0.7, repetition_penalty=1.2),
+               SamplingParams(max_tokens=30, temperature=1.0, seed=9, stop=["e "], min_tokens=3),
+               SamplingParams(max_tokens=12, temperature=0, logprobs=2)]
+    return [f"mixed {i}:" for i in range(len(params))], params
+
+
+def test_constrained_steps_overlapped_equal_synchronous(engine, tmp_path):
+    """Overlapped scheduling with constrained requests in the batch gives every request the tokens (and logprobs)
+    of the synchronous engine."""
+    sync = byte_engine(tmp_path, async_scheduling=False)
+    prompts, params = mixed_workload()
+    want = run(sync, params, prompts)
+    got = run(engine, params, prompts)
+    for w, g in zip(want, got, strict=True):
+        assert (g.output_ids, g.finish_reason, g.text) == (w.output_ids, w.finish_reason, w.text)
+        assert [lp[0] for lp in g.logprobs] == pytest.approx([lp[0] for lp in w.logprobs], abs=1e-5)
+    assert sum(r.finish_reason == "stop" for r in got[:len(CASES)]) >= 3  # formats completed, not only cut
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_constrained_steps_overlapped_equal_synchronous_on_cuda(tmp_path):
+    """The same on CUDA (decode graphs, the masks uploaded from pinned memory while the forward runs): fp32, one
+    engine overlapped and one synchronous, tokens identical."""
+    prompts, params = mixed_workload()
+    want = run(byte_engine(tmp_path / "sync", async_scheduling=False, device="cuda"), params, prompts)
+    eng = byte_engine(tmp_path / "overlapped", device="cuda")
+    assert eng.graphs is not None
+    got = run(eng, params, prompts)
+    for w, g in zip(want, got, strict=True):
+        assert (g.output_ids, g.finish_reason, g.text) == (w.output_ids, w.finish_reason, w.text)
+
+
+def test_a_constrained_step_launches_its_forward_before_reading_the_last_one_back(tmp_path, monkeypatch):
+    """With a grammar in the batch the host still launches step n+1's forward before it waits for step n's
+    tokens (the mask is filled while the forward runs): forward, forward, read back, forward, read back, ...
+    (a fresh engine: a shared one may hold a step of finished requests in flight)."""
+    from moelora.engine import readback
+
+    engine = byte_engine(tmp_path)
+    events = []
+    run_forward, get = engine.runner.run, readback.ReadBack.get
+    monkeypatch.setattr(engine.runner, "run", lambda *a, **k: events.append("forward") or run_forward(*a, **k))
+    monkeypatch.setattr(readback.ReadBack, "get", lambda self: events.append("read") or get(self))
+    so = StructuredOutput.of("regex", "[a-z]{30}")
+    reqs = run(engine, [SamplingParams(max_tokens=30, temperature=1.0, seed=s, structured=so) for s in range(2)])
+    assert all(r.finish_reason == "length" and re.fullmatch("[a-z]{30}", r.text) for r in reqs)
+    n = events.count("forward")
+    assert n >= 30 and events == ["forward"] + ["forward", "read"] * (n - 1) + ["read"], events
 
 
 def test_a_grammar_starts_after_its_token(engine):

@@ -64,15 +64,15 @@ def write_model(root: Path) -> tuple[Path, object]:
     return out, hf
 
 
-def byte_engine(root: Path):
-    """The tiny byte-level model (`write_model`) in an fp32 CPU engine with overlapped scheduling on (engine tests of
+def byte_engine(root: Path, async_scheduling: bool = True, device: str = "cpu"):
+    """The tiny byte-level model (`write_model`) in an fp32 engine with overlapped scheduling on (engine tests of
     what the tokenizer decides: structured outputs, bad words)."""
     from moelora.engine.loader import build_engine
 
     model_dir, _ = write_model(root)
-    return build_engine(model_dir, EngineConfig(device="cpu", dtype="float32", max_loras=1, max_lora_rank=8,
+    return build_engine(model_dir, EngineConfig(device=device, dtype="float32", max_loras=1, max_lora_rank=8,
                                                 max_num_seqs=16, block_size=4, num_kv_blocks=1024,
-                                                async_scheduling=True))
+                                                async_scheduling=async_scheduling))
 
 
 def make_assets(root: Path) -> tuple[Path, dict[str, Path]]:
