@@ -20,6 +20,10 @@ is sent alone, untimed, as vLLM's benchmark probes: the first one's TTFT is prin
 ready"), to compare with the loaded median (the start-up warm-up should keep it within a few times that).
 `--json FILE` writes every run.
 
+`--structured-fraction F`: that share of the requests (drawn per request, the same ones at every rate) held by
+vLLM's `structured_outputs` to the regex `[a-z ]{output_len - 1}` (then EOS: the same token count as the free
+ones), what a JSON-mode client mixes into a server's load: the host's grammar masks and their batch's steps.
+
 `--score`: the requests of an evaluation harness's loglikelihood tasks instead (lm-eval's `local-completions`:
 `echo`, `logprobs: 1`, `max_tokens: 1`): each prompt is scored (its tokens' logprobs, the first streamed chunk:
 TTFT) and one token generated; request throughput is prompts scored a second.
@@ -31,7 +35,7 @@ Target: a running server (`--base-url`), or one started here from a model direct
 usage: python benchmarks/serve.py (--base-url URL | --model DIR [--lora-modules N=P ...]) [--models a,b ...]
        [--num-prompts 200] [--request-rate 1,4,16,inf] [--burstiness 1] [--max-concurrency N]
        [--input-len 256] [--output-len 128] [--range-ratio 0] [--model-order round-robin|random] [--seed 0]
-       [--vocab-size V] [--score] [--json FILE] [-- SERVE ARGS]
+       [--vocab-size V] [--structured-fraction 0] [--score] [--json FILE] [-- SERVE ARGS]
 """
 
 from __future__ import annotations
@@ -70,34 +74,45 @@ class RequestResult:
 
 @dataclass(frozen=True)
 class Plan:
-    """What one run sends: per request (model, prompt token ids, output length), in order."""
+    """What one run sends: per request (model, prompt token ids, output length, held to a format), in order."""
 
     models: list[str]
     prompts: list[list[int]]
     output_lens: list[int]
     score: bool = False  # loglikelihood requests (`--score`)
+    held: tuple[bool, ...] = ()  # per request: structured outputs (`--structured-fraction`); () none
+
+    def request(self, i: int) -> tuple:
+        """`send`'s arguments after (client, url) for request i."""
+        return (self.models[i], self.prompts[i], self.output_lens[i], self.score, bool(self.held and self.held[i]))
 
 
 def make_plan(models: list[str], n: int, input_len: int, output_len: int, vocab: int, seed: int,
-              range_ratio: float = 0.0, order: str = "round-robin", score: bool = False) -> Plan:
+              range_ratio: float = 0.0, order: str = "round-robin", score: bool = False,
+              structured: float = 0.0) -> Plan:
     rng = random.Random(seed)
+    held = random.Random(seed + 7919)  # apart from rng: the prompts are those of a run without formats
 
     def length(mean: int) -> int:
         return max(1, round(rng.uniform(mean * (1 - range_ratio), mean * (1 + range_ratio))))
 
     names = [models[i % len(models)] if order == "round-robin" else rng.choice(models) for i in range(n)]
     prompts = [[rng.randrange(vocab) for _ in range(length(input_len))] for _ in range(n)]
-    return Plan(names, prompts, [1 if score else length(output_len) for _ in range(n)], score)
+    return Plan(names, prompts, [1 if score else length(output_len) for _ in range(n)], score,
+                tuple(held.random() < structured for _ in range(n)) if structured else ())
 
 
 async def send(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int,
-               score: bool = False) -> RequestResult:
+               score: bool = False, held: bool = False) -> RequestResult:
     """One streamed completion; TTFT at its first chunk with choices, ITL between the later ones. `score`: the
-    prompt echoed with its logprobs (the first chunk, after the prompt is scored) before the generated tokens."""
+    prompt echoed with its logprobs (the first chunk, after the prompt is scored) before the generated tokens.
+    `held`: the output held to output_len - 1 letters or spaces, then EOS."""
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     if score:
         body.update(echo=True, logprobs=1)
+    if held:
+        body["structured_outputs"] = {"regex": f"[a-z ]{{{output_len - 1}}}"}
     out = RequestResult(model, len(prompt))
     start = last = time.perf_counter()
     try:
@@ -147,9 +162,9 @@ async def run_load(url: str, plan: Plan, rate: float, burstiness: float = 1.0, m
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30), limits=limits) as client:
         async def one(i: int) -> RequestResult:
             if gate is None:
-                return await send(client, url, plan.models[i], plan.prompts[i], plan.output_lens[i], plan.score)
+                return await send(client, url, *plan.request(i))
             async with gate:
-                return await send(client, url, plan.models[i], plan.prompts[i], plan.output_lens[i], plan.score)
+                return await send(client, url, *plan.request(i))
 
         tasks = []
         start = time.perf_counter()
@@ -229,11 +244,12 @@ def report(run: dict, percentiles: list[float]) -> str:
 def benchmark(url: str, models: list[str], rates: list[float], num_prompts: int, input_len: int, output_len: int,
               vocab: int, *, burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
               range_ratio: float = 0.0, order: str = "round-robin", percentiles: tuple[float, ...] = (99,),
-              first: bool = True, score: bool = False, print_fn=print) -> dict:
+              first: bool = True, score: bool = False, structured: float = 0.0, print_fn=print) -> dict:
     """The probe requests (`first`: the first since the server became ready), then one run per rate;
     returns {"models", "probe_ttft_ms", "runs": [...]}."""
     pct = list(percentiles)
-    probe = make_plan(models, len(models), input_len, output_len, vocab, seed - 1, range_ratio, score=score)
+    probe = make_plan(models, len(models), input_len, output_len, vocab, seed - 1, range_ratio, score=score,
+                      structured=1.0 if structured else 0.0)  # a format compiled before the timed runs
     firsts, _ = asyncio.run(run_load(url, probe, float("inf"), max_concurrency=1))
     bad = [r.error for r in firsts if not r.ok]
     if bad:
@@ -242,10 +258,12 @@ def benchmark(url: str, models: list[str], rates: list[float], num_prompts: int,
              + f": TTFT {firsts[0].ttft * 1e3:.1f} ms ({firsts[0].model})")
     runs = []
     for k, rate in enumerate(rates):
-        plan = make_plan(models, num_prompts, input_len, output_len, vocab, seed + k, range_ratio, order, score)
+        plan = make_plan(models, num_prompts, input_len, output_len, vocab, seed + k, range_ratio, order, score,
+                         structured)
         results, duration = asyncio.run(run_load(url, plan, rate, burstiness, max_concurrency, seed + k))
         run = {"request_rate": "inf" if rate == float("inf") else rate, "burstiness": burstiness,
-               "max_concurrency": max_concurrency, **summarize(results, duration, pct)}
+               "max_concurrency": max_concurrency, "structured_requests": sum(plan.held),
+               **summarize(results, duration, pct)}
         run["per_model"] = {m: summarize([r for r in results if r.model == m], duration, pct) for m in models}
         print_fn(report(run, pct))
         runs.append(run)
@@ -330,6 +348,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     ap.add_argument("--server-timeout", type=float, default=1800.0, help="seconds to wait for --model's server")
     ap.add_argument("--score", action="store_true", help="loglikelihood requests as evaluation harnesses send "
                     "them: echo, logprobs 1, max_tokens 1 (--output-len ignored)")
+    ap.add_argument("--structured-fraction", type=float, default=0.0,
+                    help="share of requests held to a regex by structured_outputs (0..1)")
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args(argv)
     if args.vocab_size is None:
@@ -338,6 +358,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         args.vocab_size = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1 or not 0 <= args.range_ratio < 1:
         ap.error("--num-prompts, --input-len and --output-len must be >= 1 and --range-ratio in [0, 1)")
+    if not 0 <= args.structured_fraction <= 1 or (args.structured_fraction and args.score):
+        ap.error("--structured-fraction must be in [0, 1], and not with --score")
     if not args.request_rate or min(args.request_rate) <= 0:
         ap.error("every --request-rate must be > 0 (inf: all at once)")
     return args, serve_args
@@ -353,12 +375,14 @@ def main(argv: list[str] | None = None) -> dict:
         workloads = [benchmark(url, models, args.request_rate, args.num_prompts, args.input_len, args.output_len,
                                args.vocab_size, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
                                seed=args.seed, range_ratio=args.range_ratio, order=args.model_order,
-                               percentiles=percentiles, first=i == 0, score=args.score)
+                               percentiles=percentiles, first=i == 0, score=args.score,
+                               structured=args.structured_fraction)
                      for i, models in enumerate(groups)]
     result = {"target": args.base_url or args.model, "serve_args": serve_args,
               "first_request_ttft_ms": workloads[0]["probe_ttft_ms"], "workloads": workloads,
               "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-              "range_ratio": args.range_ratio, "seed": args.seed, "score": args.score}
+              "range_ratio": args.range_ratio, "seed": args.seed, "score": args.score,
+              "structured_fraction": args.structured_fraction}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result

@@ -75,6 +75,32 @@ def test_score_mode_sends_loglikelihood_requests(demo_server):
     assert plan.score and plan.output_lens == [1, 1]
 
 
+def test_structured_fraction_holds_that_share_of_requests(demo_server, monkeypatch):
+    """`--structured-fraction`: that share of the requests held to `output_len - 1` letters then EOS (the same token
+    count as the free ones); the prompts and models are the run's without formats."""
+    from moelora.engine.engine import LLMEngine
+
+    url, _ = demo_server
+    formats, real = [], LLMEngine.add_request
+
+    def add_request(self, prompt, params, *args, **kw):
+        formats.append(params.structured and (params.structured.kind, params.structured.spec))
+        return real(self, prompt, params, *args, **kw)
+    monkeypatch.setattr(LLMEngine, "add_request", add_request)
+    got = serve_bench.main(["--base-url", url, "--models", "moelora-demo", "--num-prompts", "8", "--request-rate",
+                            "inf", "--input-len", "6", "--output-len", "5", "--vocab-size", "256",
+                            "--structured-fraction", "0.5"])
+    run = got["workloads"][0]["runs"][0]
+    plan = serve_bench.make_plan(["moelora-demo"], 8, 6, 5, 256, 0, structured=0.5)
+    assert run["structured_requests"] == sum(plan.held) and 0 < sum(plan.held) < 8
+    assert run["completed"] == 8 and run["failed"] == 0 and run["total_output_tokens"] == 8 * 5
+    free = serve_bench.make_plan(["moelora-demo"], 8, 6, 5, 256, 0)
+    assert free.prompts == plan.prompts and free.held == () and plan.request(0)[:4] == free.request(0)[:4]
+    assert len(formats) == 1 + 8 and formats[0] == ("regex", "[a-z ]{4}")  # the probe, then the run (any order)
+    assert sum(f is not None for f in formats[1:]) == sum(plan.held)
+    assert {f for f in formats if f is not None} == {("regex", "[a-z ]{4}")}
+
+
 def test_plan_arrivals_and_percentiles():
     plan = serve_bench.make_plan(["a", "b"], 5, 10, 4, vocab=50, seed=3, range_ratio=0.5, order="random")
     assert len(plan.prompts) == 5 and all(5 <= len(p) <= 15 and max(p) < 50 for p in plan.prompts)
