@@ -78,7 +78,9 @@ def test_sharded_fp8_engine_equals_one_process(built, family, scheme, parallel):
 
 
 def _assert_equals_one_process(model_dir, adapters, vocab, parallel: dict, what: str) -> None:
-    ref_logits, ref_tokens = _run(model_dir, adapters, vocab)
+    """The engine under `parallel` (its other engine options on both sides) against one process."""
+    same = {k: v for k, v in parallel.items() if k not in ("tensor_parallel_size", "expert_parallel")}
+    ref_logits, ref_tokens = _run(model_dir, adapters, vocab, **same)
     got_logits, got_tokens = _run(model_dir, adapters, vocab, **parallel)
     for ref, got in zip(ref_logits, got_logits, strict=True):
         diff = (got - ref).abs().max().item()
@@ -92,14 +94,16 @@ def _assert_equals_one_process(model_dir, adapters, vocab, parallel: dict, what:
 UNEVEN = (("moe_intermediate_size", 384), ("intermediate_size", 320))
 UNEVEN4 = (("moe_intermediate_size", 640), ("intermediate_size", 576))
 BLOCKS = [("qwen3_moe", UNEVEN, TP2), ("deepseek_v3", UNEVEN, TP2),
-          ("glm4_moe", (*UNEVEN, ("n_shared_experts", 1)), EP2)]
+          ("glm4_moe", (*UNEVEN, ("n_shared_experts", 1)), EP2),
+          ("deepseek_v3", UNEVEN, dict(TP2, fp8_activation_quant=True))]  # W8A8: a rank's groups are the global ones
 BLOCKS_SLOW = [("qwen3_moe", UNEVEN4, dict(tensor_parallel_size=4))]
 
 
 @pytest.mark.parametrize("family,sizes,parallel",
                          BLOCKS + [pytest.param(*c, marks=pytest.mark.slow) for c in BLOCKS_SLOW],
                          ids=[f"{f}-{dict(z)['moe_intermediate_size']}-{'ep' if p.get('expert_parallel') else 'tp'}"
-                              f"{p['tensor_parallel_size']}" for f, z, p in BLOCKS + BLOCKS_SLOW])
+                              f"{p['tensor_parallel_size']}{'-w8a8' if p.get('fp8_activation_quant') else ''}"
+                              for f, z, p in BLOCKS + BLOCKS_SLOW])
 def test_intermediate_splits_on_whole_fp8_blocks_equal_one_process(built, family, sizes, parallel):
     """Block-FP8 intermediate dims whose blocks do not divide by the ranks (the splits vLLM refuses: GLM-4.5-Air's
     1408 / 10944 rows at TP=2..8, Qwen3-235B's 1536 at TP=8): each rank keeps whole blocks, so the sharded
