@@ -6,6 +6,7 @@ With no MODEL argument the bundled demo model is used, with its adapters registe
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -14,6 +15,8 @@ from moelora import cli_args as types
 from moelora.errors import MoeLoRAError
 from moelora.server.reasoning import REASONING_PARSERS
 from moelora.server.tools import TOOL_PARSERS
+
+log = logging.getLogger("moelora.server")
 
 if TYPE_CHECKING:
     from moelora.engine.config import EngineConfig
@@ -220,6 +223,8 @@ def cmd_serve(args) -> int:
     from moelora.server.launch import build_server, run_server
 
     model, adapters = serve_adapters(args)
+    for msg in types.ignored_flags(args):
+        log.warning(msg)
     names = args.served_model_name or ([args.model] if args.model else ["moelora-demo"])
     if args.seed is not None:
         torch.manual_seed(args.seed)  # requests without a seed of their own draw from it
@@ -403,6 +408,17 @@ def _serve_vllm_flags(serve: argparse.ArgumentParser) -> None:
                        help="mp: one process a rank (the only backend)")
     serve.add_argument("--disable-custom-all-reduce", action="store_true",
                        help="accepted for vLLM compatibility: the ranks all-reduce through NCCL / gloo only")
+    # vLLM's performance machinery moelora does not have: accepted (vLLM launch lines run), logged at start-up
+    serve.add_argument("--speculative-config", type=types.json_object, default=None, metavar="JSON",
+                       help="accepted for vLLM command lines (e.g. MTP: '{\"method\": \"mtp\"}' or "
+                            "--speculative-config.method mtp): speculative decoding is not implemented (logged)")
+    serve.add_argument("--compilation-config", "-O", type=types.compilation_config, default=None,
+                       metavar="LEVEL|JSON", help="accepted for vLLM command lines (-O3, a JSON object): moelora "
+                                                  "runs its own kernels and CUDA graphs (logged as ignored)")
+    serve.add_argument("--enable-eplb", action="store_true",
+                       help="accepted for vLLM command lines: expert load balancing is not implemented (logged)")
+    serve.add_argument("--eplb-config", type=types.json_object, default=None, metavar="JSON",
+                       help="accepted with --enable-eplb (logged as ignored)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -442,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(types.merge_dotted(sys.argv[1:] if argv is None else list(argv)))
     try:
         if args.command == "serve":
             types.check_node_args(args.parser, args)

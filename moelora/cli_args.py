@@ -92,6 +92,90 @@ def json_strings(text: str) -> list[str]:
     return value
 
 
+def json_object(text: str) -> dict:
+    """A JSON-object argument (vLLM's config flags)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"key\": 1}}', got {text!r}")
+    return value
+
+
+def compilation_config(text: str) -> dict:
+    """vLLM's --compilation-config / -O: an optimization level (-O3) or a JSON object."""
+    if re.fullmatch(r"[0-3]", text):
+        return {"level": int(text)}
+    return json_object(text)
+
+
+# vLLM's JSON-object flags, which its parser also takes key by key: `--speculative-config.method mtp`
+CONFIG_FLAGS = ("--speculative-config", "--compilation-config", "--structured-outputs-config", "--eplb-config")
+
+
+def merge_dotted(argv: list[str], flags: tuple[str, ...] = CONFIG_FLAGS) -> list[str]:
+    """`argv` with vLLM's dotted forms of JSON-object flags (`--F.a.b VALUE`, `--F.a.b=VALUE`; VALUE read as JSON
+    where it parses, else a string) merged into one `--F JSON`, over an `--F JSON` given whole; as vLLM's
+    FlexibleArgumentParser reads them."""
+    import json
+
+    out, merged, i = [], {}, 0
+    while i < len(argv):
+        arg = argv[i]
+        flag = next((f for f in flags if arg.startswith(f + ".")), None)
+        if flag is None:
+            out.append(arg)
+            i += 1
+            continue
+        key, eq, value = arg[len(flag) + 1:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv):
+                out.append(arg)  # argparse names the flag it cannot read
+                break
+            value, i = argv[i + 1], i + 1
+        i += 1
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            pass  # a bare word: a string (`--speculative-config.method mtp`)
+        node = merged.setdefault(flag, {})
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    for flag, fields in merged.items():
+        whole = {}
+        for j, arg in enumerate(out):  # the last object given whole, `--F JSON` or `--F=JSON`
+            text = out[j + 1] if arg == flag and j + 1 < len(out) else arg.partition("=")[2] if (
+                arg.startswith(flag + "=")) else None
+            if text is not None:
+                try:
+                    whole = json.loads(text)
+                except json.JSONDecodeError:
+                    whole = {}
+        out += [flag, json.dumps({**(whole if isinstance(whole, dict) else {}), **fields})]
+    return out
+
+
+def ignored_flags(args) -> list[str]:
+    """What the server logs for vLLM flags it accepts but has no use for (performance settings of vLLM's own
+    machinery; outputs do not depend on them)."""
+    out = []
+    if args.speculative_config:
+        out.append(f"--speculative-config {args.speculative_config}: speculative decoding is not implemented here; "
+                   "every token is decoded by the model itself (the outputs a lossless speculation would give)")
+    if args.compilation_config:
+        out.append(f"--compilation-config {args.compilation_config}: moelora runs its own Triton kernels under its "
+                   "own CUDA graphs (--max-cudagraph-capture-size, --enforce-eager); ignored")
+    if args.enable_eplb or args.eplb_config:
+        out.append("--enable-eplb / --eplb-config: expert load balancing (replicating hot experts across EP ranks) is "
+                   "not implemented; the experts stay where --enable-expert-parallel puts them")
+    return out
+
+
 STRUCTURED_BACKENDS = ("auto", "xgrammar")  # vLLM's names of the backend served here (engine/structured.py)
 
 

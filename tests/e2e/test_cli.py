@@ -254,3 +254,54 @@ def test_structured_output_flags_refuse_what_is_not_served(flags, says, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", *flags])
     assert says in capsys.readouterr().err
+
+
+def test_vllm_config_flags_parse_whole_and_key_by_key():
+    """vLLM's JSON-object flags as its parser takes them, whole or `--flag.key value` / `--flag.key=value` (a value
+    read as JSON where it parses), the keys over a whole object given first; -O LEVEL; the ones moelora has no
+    machinery for are accepted and named in the start-up log."""
+    from moelora.cli import build_parser
+    from moelora.cli_args import ignored_flags, merge_dotted
+
+    argv = ["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+            "--speculative-config.num_speculative_tokens", "1", "--speculative-config.method=mtp",
+            "--speculative-config.draft.tp", "2", "-O3", "--enable-eplb", "--eplb-config", '{"window_size": 1000}',
+            "--structured-outputs-config.backend=xgrammar", "--structured-outputs-config.disable_any_whitespace",
+            "true", "--max-num-seqs", "4"]
+    args = build_parser().parse_args(merge_dotted(argv))
+    assert args.speculative_config == {"method": "mtp", "num_speculative_tokens": 1, "draft": {"tp": 2}}
+    assert args.compilation_config == {"level": 3} and args.enable_eplb and args.eplb_config == {"window_size": 1000}
+    assert args.structured_outputs_config == {"backend": "xgrammar", "disable_any_whitespace": True}
+    assert args.max_num_seqs == 4
+    said = ignored_flags(args)
+    assert len(said) == 3 and "speculative decoding is not implemented" in said[0] and "eplb" in said[2]
+    plain = build_parser().parse_args(merge_dotted(["serve", "-O", '{"cudagraph_mode": "FULL"}']))
+    assert plain.compilation_config == {"cudagraph_mode": "FULL"} and ignored_flags(plain)[0].startswith("--compil")
+    assert ignored_flags(build_parser().parse_args(["serve"])) == []
+    assert merge_dotted(["serve", "--model-x.y", "1"]) == ["serve", "--model-x.y", "1"]  # not a config flag
+    eq = build_parser().parse_args(merge_dotted(["serve", '--eplb-config={"a": 1, "b": 2}', "--eplb-config.b", "3"]))
+    assert eq.eplb_config == {"a": 1, "b": 3}
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--speculative-config", "mtp"], "a JSON object"),
+    (["-O", "7"], "a JSON object"),
+    (["--structured-outputs-config.backend", "outlines"], "xgrammar"),
+])
+def test_vllm_config_flags_refuse_what_does_not_parse(flags, says, capsys):
+    from moelora.cli import build_parser
+    from moelora.cli_args import merge_dotted
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(merge_dotted(["serve", *flags]))
+    assert says in capsys.readouterr().err
+
+
+def test_main_reads_the_key_by_key_forms(monkeypatch):
+    import moelora.cli as cli
+
+    seen = []
+    monkeypatch.setattr(cli, "cmd_serve", lambda args: seen.append(args.speculative_config) or 0)
+    assert cli.main(["serve", "--speculative-config.method", "mtp", "--speculative-config.num_speculative_tokens",
+                     "2"]) == 0
+    assert seen == [{"method": "mtp", "num_speculative_tokens": 2}]
