@@ -189,3 +189,74 @@ def test_several_ranks_refuse_an_fp8_block_split_before_spawning(monkeypatch):
     with pytest.raises(ConfigError, match=re.escape("tensor_parallel_size=2 cannot split moe_intermediate_size=80: "
                                                     "its FP8 weights hold 1 scale block(s) of 128 rows")):
         build_engine(demo.model_dir(), cfg)
+
+
+# Shipped FP8 checkpoints' shapes (their config.json, cut to their dense layers + one MoE layer: every layer of a
+# kind splits alike), with the block-FP8 weights of `--quantization fp8` (128 x 128, as their checkpoints ship).
+_GLM_AIR = dict(family="glm4_moe", vocab_size=151552, hidden_size=4096, num_layers=2, num_heads=96, num_kv_heads=8,
+                head_dim=128, intermediate_size=10944, moe_intermediate_size=1408, num_experts=128, top_k=8,
+                norm_topk_prob=True, topk_method="noaux_tc", router_correction_bias=True, n_shared_experts=1,
+                first_k_dense_replace=1, partial_rotary_factor=0.5, attention_bias=True)
+SHIPPED = {
+    "glm45_air": _GLM_AIR,
+    "glm45": dict(_GLM_AIR, hidden_size=5120, num_layers=4, intermediate_size=12288, moe_intermediate_size=1536,
+                  num_experts=160, first_k_dense_replace=3, qk_norm="per_head"),
+    "qwen3_235b": dict(family="qwen3_moe", vocab_size=151936, hidden_size=4096, num_layers=1, num_heads=64,
+                       num_kv_heads=4, head_dim=128, intermediate_size=12288, moe_intermediate_size=1536,
+                       num_experts=128, top_k=8, norm_topk_prob=True, qk_norm="per_head"),
+    "qwen3_30b": dict(family="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=1, num_heads=32,
+                      num_kv_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                      top_k=8, norm_topk_prob=True, qk_norm="per_head"),
+    "minimax_m2": dict(family="minimax_m2", vocab_size=200064, hidden_size=3072, num_layers=1, num_heads=48,
+                       num_kv_heads=8, head_dim=128, intermediate_size=1536, moe_intermediate_size=1536,
+                       num_experts=256, top_k=8, norm_topk_prob=True, qk_norm="whole", partial_rotary_factor=0.5,
+                       topk_method="noaux_tc", router_correction_bias=True),
+    "deepseek_v3": dict(family="deepseek_v3", vocab_size=129280, hidden_size=7168, num_layers=4, num_heads=128,
+                        num_kv_heads=128, head_dim=192, intermediate_size=18432, moe_intermediate_size=2048,
+                        num_experts=256, top_k=8, norm_topk_prob=True, attention="mla", q_lora_rank=1536,
+                        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                        topk_method="noaux_tc", n_group=8, topk_group=4, router_correction_bias=True,
+                        n_shared_experts=1, first_k_dense_replace=3, rope_interleave=True),
+}
+# (model, tensor_parallel_size, expert parallel): expert rows a rank under TP, or the ConfigError's words
+SPLITS = [("glm45_air", 2, False, [768, 640]), ("glm45_air", 4, False, [384, 384, 384, 256]),
+          ("glm45_air", 8, True, None), ("glm45", 8, False, [256] * 4 + [128] * 4),
+          ("qwen3_235b", 8, False, [256] * 4 + [128] * 4), ("qwen3_235b", 4, False, [384] * 4),
+          ("qwen3_30b", 4, False, [256, 256, 128, 128]), ("qwen3_30b", 8, True, None),
+          ("qwen3_30b", 8, False, "6 scale block(s) of 128 rows"), ("minimax_m2", 8, False, [256] * 4 + [128] * 4),
+          ("deepseek_v3", 8, False, [256] * 8), ("deepseek_v3", 16, True, None),
+          ("deepseek_v3", 32, True, "16 scale block(s)")]
+
+
+@pytest.mark.parametrize("model,size,ep,want", SPLITS, ids=[f"{m}-{'ep' if e else 'tp'}{n}" for m, n, e, _ in SPLITS])
+def test_shipped_fp8_checkpoints_split_on_their_blocks(model, size, ep, want):
+    """Every rank's cut of every weight and scale of the model (meta tensors, nothing loaded) falls on the 128 blocks
+    (`check_fp8_split`), the intermediate dims' ranges tile them in whole blocks, or the refusal names the dim."""
+    import dataclasses
+
+    from moelora.parallel.build import check_fp8_split, rank_plan
+
+    model_cfg = ModelConfig(**SHIPPED[model], max_position_embeddings=4096, dtype="bfloat16").resolve()
+    cfg = EngineConfig(device="cpu", dtype="bfloat16", quantization="fp8", tensor_parallel_size=size,
+                       expert_parallel=ep)
+    plans = [rank_plan(r, model_cfg, cfg) for r in range(size)]
+    assert all(p.unit == 128 for p in plans)
+    if isinstance(want, str):
+        with pytest.raises(ConfigError, match=re.escape(want)):
+            plans[0].check(model_cfg)
+        return
+    plans[0].check(model_cfg)
+    check_fp8_split(model_cfg, cfg, plans[0])
+    dims = [model_cfg.shared_experts_intermediate_size, model_cfg.intermediate_size if any(
+        not model_cfg.is_sparse(i) for i in range(model_cfg.num_layers)) else 0, 0 if ep else
+        model_cfg.moe_intermediate_size]
+    for full in (d for d in dims if d):
+        ranges = [p._part(full)[0] for p in plans]
+        assert ranges[0][0] == 0 and ranges[-1][1] == full and all(a % 128 == 0 and a < b for a, b in ranges)
+        assert all(ranges[i][1] == ranges[i + 1][0] for i in range(size - 1))
+    if want is not None:
+        assert [p.local_config(model_cfg).moe_intermediate_size for p in plans] == want
+    else:  # EP: whole experts, an even share each
+        assert {p.local_config(model_cfg).moe_intermediate_size for p in plans} == {model_cfg.moe_intermediate_size}
+        assert {p.experts(model_cfg)[1] for p in plans} == {model_cfg.num_experts // size}
+    assert dataclasses.replace(plans[0], unit=None).unit is None  # bf16 weights: even splits (`split_unit`)
