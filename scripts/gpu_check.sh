@@ -18,6 +18,11 @@
 #   PREFILL=0 benchmarks/prefill.py (PREFILL_ARGS, e.g. "--layers 12 --profile"): whole-engine prefill tokens/s and
 #            % of the matmul peak at 512 / 2048 / 8192-token prompts, no LoRA / 1 / 8 adapters; --profile: where
 #            a prefill step goes
+#   SERVE=0  benchmarks/serve.py against benchmarks/serve_model.py's model directory (SERVE_MODEL_ARGS, default
+#            "--shape qwen3_30b --layers 8 --adapters 0"; served with --load-format dummy and SERVE_SERVER_ARGS),
+#            one run per ';'-separated --structured-fraction of SERVE_STRUCTURED (default "0;0.25": what JSON-mode
+#            requests cost the load beside them), SERVE_ARGS e.g. "--num-prompts 128 --request-rate inf"; needs
+#            the server's packages (fastapi, uvicorn, httpx: carry their wheels), skipped without them
 #   AB=0     a same-run A/B against another commit, prepared here by `scripts/ab_base.sh COMMIT` (.ab_base/,
 #            carried to the device): the LAYER bench (BENCH_ARGS) and, with DENSE=1, the DENSE one (DENSE_ARGS),
 #            run from .ab_base and from this tree in alternation, AB_ROUNDS times (default 2): *_base_rK / *_rK;
@@ -98,6 +103,22 @@ if [ "${PROFILE:-0}" = 1 ]; then
 fi
 if [ "${PREFILL:-0}" = 1 ]; then
   "$PY" benchmarks/prefill.py "$OUT/prefill.csv" ${PREFILL_ARGS:-} 2>&1 | tee "$OUT/prefill.log" || rc=1
+fi
+if [ "${SERVE:-0}" = 1 ]; then
+  if ! "$PY" -c "import fastapi, uvicorn, httpx" 2>/dev/null; then
+    echo "SERVE=1: fastapi / uvicorn / httpx not importable: skipped" | tee "$OUT/serve.log"; rc=1
+  else
+    assets="$(mktemp -d)"
+    model="$assets/model"  # serve_model.py writes OUT/model (and OUT/adapters)
+    "$PY" benchmarks/serve_model.py "$assets" ${SERVE_MODEL_ARGS:---shape qwen3_30b --layers 8 --adapters 0} \
+      > "$OUT/serve_model.log" 2>&1 || rc=1
+    IFS=';' read -ra fractions <<< "${SERVE_STRUCTURED:-0;0.25}"
+    for f in "${fractions[@]}"; do
+      "$PY" benchmarks/serve.py --model "$model" --structured-fraction "$f" --json "$OUT/serve_s$f.json" \
+        ${SERVE_ARGS:-} -- --load-format dummy ${SERVE_SERVER_ARGS:-} 2>&1 | tee "$OUT/serve_s$f.log" || rc=1
+    done
+    rm -rf "$assets"
+  fi
 fi
 if [ "${PACK:-1}" = 1 ]; then
   (cd "$OUT" && for f in *.log; do [ -f "$f" ] && { echo "== $f"; tail -n 25 "$f"; }; done) > "$OUT/summary.txt" 2>/dev/null
