@@ -6,7 +6,8 @@ bf16 checkpoint of the model's shape, cut to `--layers` layers (default 8: ~10 G
 directory, then times decode (`moelora.bench.time_decode`: back-to-back steps, one sync at the end) on an
 engine of 1 rank (the reference) and of N ranks (both under CUDA graphs; overlapped scheduling is off with N),
 with no LoRA, 1 adapter and 8 adapters. `--quantization fp8`: both engines quantize the checkpoint while loading
-(each rank its slices; the Qwen3-30B shape's 768 expert rows split on 128 blocks at N = 2, or any N with
+(each rank its slices; intermediate rows split on whole 128 blocks: the Qwen3-30B shape's 768 at N = 2 or 4
+(256 / 256 / 128 / 128), the Qwen3-235B shape's 1536 at N = 8 (256 x 4 / 128 x 4), any N with
 --enable-expert-parallel). Prints the step time, tokens/s and the ratio N ranks / 1 rank, and writes the rows
 to the CSV.
 """
