@@ -14,7 +14,7 @@ import pytest
 from moelora.engine.request import SamplingParams
 from tests.helpers.models import build_from_architecture, engine, random_adapter
 from tests.helpers.oracle import tiny_hf_model
-from tests.helpers.runs import reference_row
+from tests.helpers.runs import reference_row, step_with_aborts
 
 
 def recompute(eng, prompt: list[int], adapter, p: SamplingParams) -> tuple[list[int], str]:
@@ -59,16 +59,7 @@ def fuzz_case(model, seed: int) -> tuple[int, int, bool]:
         reqs.append(r)
         if rng.random() < 0.15:
             abort_after[r.request_id] = rng.randrange(0, 4)
-    steps = 0
-    while eng.has_unfinished():
-        eng.step()
-        eng.check_blocks()
-        steps += 1
-        for rid, at in list(abort_after.items()):
-            if steps == at:
-                eng.abort(rid)
-                del abort_after[rid]
-        assert steps < 500
+    step_with_aborts(eng, abort_after)
     aborted = {r.request_id for r in reqs if r.finish_reason == "abort"}
     for r in reqs:
         if r.request_id in aborted:

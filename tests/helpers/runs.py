@@ -83,3 +83,18 @@ def scoring_beside_decodes(make, ps, names, seqs, snames, max_tokens: int, every
             assert len(rows) == len(s) and rows[0] == (None, None, ())
             worst = max([worst] + [abs(rows[p][0] - lp[p - 1, s[p]].item()) for p in range(1, len(s))])
     return worst
+
+
+def step_with_aborts(eng, abort_after: dict[str, int], max_steps: int = 500) -> None:
+    """Step `eng` until nothing is unfinished, checking its block accounting after every step, and abort request
+    `rid` after step `abort_after[rid]` (the dict is emptied as they go)."""
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        eng.check_blocks()
+        steps += 1
+        for rid, at in list(abort_after.items()):
+            if steps == at:
+                eng.abort(rid)
+                del abort_after[rid]
+        assert steps < max_steps
