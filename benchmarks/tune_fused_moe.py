@@ -13,10 +13,13 @@ on both the block path, which then decoded faster with 1 adapter AND with 8): ev
 `lora_wide` (each path at its best narrow config) on 8 adapters of rank 64 plus 8 of rank 8 in the
 rank-64 pool. LoRA timings use a side stream, as the engine's overlap_lora does (--no-side-stream: not).
 Usage:
-  python benchmarks/tune_fused_moe.py [--shapes a,b] [--model /path/to/hf-model ...] [--ms 1,8]
+  python benchmarks/tune_fused_moe.py [--shapes a,b] [--model /path/to/hf-model ...
+                                      [--tensor-parallel-size N [--enable-expert-parallel]]] [--ms 1,8]
                                       [--lora-only] [--no-side-stream] [--score 1ad_r16,8ad_r16 | 8ad_r16]
                                       [--dtype bf16 | fp8 | fp8a8 | fp8,fp8a8] [--tiles-only] [--precompile N]
-The table is keyed by GPU name and (E, H, I, weight dtype), so `--model` tunes a deployment's own model.
+The table is keyed by GPU name and (E, H, I, weight dtype), so `--model` tunes a deployment's own model;
+with --tensor-parallel-size N its ranks' shapes (E / N experts under EP, or each rank's intermediate rows: on FP8
+weights whole 128 blocks, unevenly where they do not divide, so two shapes).
 --dtype fp8 / fp8a8: e4m3 expert weights with 128 x 128 block scales, timed W8A16 / W8A8, into the entries
 "dtype=float8_e4m3fn" (W8A16, the default mode) / "dtype=float8_e4m3fn,act=float8_e4m3fn" (W8A8, served under
 EngineConfig.fp8_activation_quant): the FP8 search space of benchmarks/tune_fp8.py (block_k 128, one scale
@@ -188,12 +191,26 @@ def tune_one(layer, M, log, side=None, score=("1ad_r16", "8ad_r16"), lora_from: 
     return tune_lora(layer, M, best, log, side, score)
 
 
-def model_shape(model_dir: str) -> tuple[str, dict]:
-    """(name, {E, K, H, I}) of the routed experts of a Hugging Face model folder (its config.json, read
-    as moelora reads it), so a deployment can tune the table for its own model on its own GPU."""
+def model_shapes(model_dir: str, tensor_parallel_size: int = 1, expert_parallel: bool = False,
+                 fp8: bool = False) -> list[tuple[str, dict]]:
+    """[(name, {E, K, H, I})] of the routed experts of a Hugging Face model folder (its config.json, read
+    as moelora reads it), so a deployment can tune the table for its own model on its own GPU; on several ranks
+    the ranks' own shapes (the table is keyed by them), each once: EP's E / N experts, or TP's intermediate rows a
+    rank, on whole 128 blocks for FP8 weights (a checkpoint's block FP8, or `fp8`: --quantization fp8), so an
+    uneven split gives two shapes (GLM-4.5-Air at TP=4: I 384 and 256)."""
+    from moelora.parallel.rules import ShardPlan, split_unit
+    from moelora.quant.config import FP8Config
+
     cfg = ModelConfig.from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
-    return Path(model_dir).resolve().name, dict(E=cfg.num_experts, K=cfg.top_k, H=cfg.hidden_size,
-                                                I=cfg.moe_intermediate_size)
+    quant = cfg.quantization or (FP8Config.from_engine("fp8") if fp8 else None)
+    name, out = Path(model_dir).resolve().name, []
+    for rank in range(tensor_parallel_size):
+        plan = ShardPlan(rank, tensor_parallel_size, expert_parallel, split_unit(quant))
+        local = plan.local_config(cfg)
+        shape = dict(E=plan.experts(cfg)[1], K=cfg.top_k, H=cfg.hidden_size, I=local.moe_intermediate_size)
+        if shape not in [s for _, s in out]:
+            out.append((name if tensor_parallel_size == 1 else f"{name}:rank{rank}", shape))
+    return out
 
 
 def main(argv=None):
@@ -202,6 +219,9 @@ def main(argv=None):
                                                    "unless --model is given")
     ap.add_argument("--model", action="append", default=[], help="a Hugging Face model folder: tune its "
                     "routed-expert shape (repeatable)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="with --model: tune the shapes of its ranks "
+                    "at this size (each distinct one)")
+    ap.add_argument("--enable-expert-parallel", action="store_true", help="with --tensor-parallel-size: EP ranks")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--lora-only", action="store_true", help="keep the table's tiles, re-pick the LoRA fields")
     ap.add_argument("--no-side-stream", action="store_true", help="time LoRA without the engine's side stream")
@@ -222,7 +242,9 @@ def main(argv=None):
     table = json.loads(path.read_text()) if path.is_file() else {"device": gpu, "configs": {}}
     log = []
     shapes = [(n, SHAPES[n]) for n in (args.shapes or ("" if args.model else ",".join(SHAPES))).split(",") if n]
-    shapes += [model_shape(m) for m in args.model]
+    fp8 = any(DTYPES[d] is not None for d in dtypes)
+    shapes += [s for m in args.model for s in model_shapes(m, args.tensor_parallel_size, args.enable_expert_parallel,
+                                                            fp8)]
     out = Path(os.environ.get("OUT", "."))
     ms = [int(m) for m in args.ms.split(",")]
     precompile([(shape, d, M, c.to_dict()) for _n, shape in shapes for d in dtypes for M in ms
