@@ -41,7 +41,8 @@ _DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "
 
 @dataclass(frozen=True)
 class YarnRope:
-    """YaRN rotary scaling (DeepSeek-V2/V3), as transformers' `_compute_yarn_parameters` reads it.
+    """YaRN rotary scaling (DeepSeek-V2/V3's config.json, and Qwen3's long-context one), as transformers'
+    `_compute_yarn_parameters` reads it.
 
     `mscale` / `mscale_all_dim` of 0 mean absent; `attention_factor` None means derived.
     """
@@ -133,6 +134,16 @@ class ModelConfig:
     shared_experts_intermediate_size: int = 0
     # FP8 checkpoint (config.json's quantization_config; `moelora.quant.config`), None: high precision
     quantization: FP8Config | None = None
+
+    @property
+    def max_context_len(self) -> int:
+        """The longest sequence the positions cover: max_position_embeddings, or under YaRN the original positions
+        times its factor where that is longer (vLLM's derived max_model_len: Qwen3-30B-A3B's 32768 x 4 = 131072 with
+        its long-context rope_scaling, past its 40960 max_position_embeddings)."""
+        if self.rope_yarn is None:
+            return self.max_position_embeddings
+        return max(self.max_position_embeddings,
+                   int(self.rope_yarn.original_max_position_embeddings * self.rope_yarn.factor))
 
     def resolve(self) -> ModelConfig:
         """Validate and fill derived fields; returns a new config."""
@@ -242,11 +253,9 @@ def _rope_params(raw: dict[str, Any]) -> dict[str, Any]:
 def _rope_theta(raw: dict[str, Any], family: str = "") -> float:
     params = _rope_params(raw)
     rope_type = params.get("rope_type", params.get("type", "default"))
-    allowed = ("default", None, "yarn") if family in MLA_FAMILIES else ("default", None)
-    if rope_type not in allowed:
-        only = "'default' and 'yarn'" if family in MLA_FAMILIES else "only 'default'"
-        raise ConfigError(f"unsupported rope_type {rope_type!r} for {family or 'this model'} ({only} rotary "
-                          f"is implemented)")
+    if rope_type not in ("default", None, "yarn"):
+        raise ConfigError(f"unsupported rope_type {rope_type!r} for {family or 'this model'} ('default' and 'yarn' "
+                          f"rotary are implemented)")
     theta = params.get("rope_theta", raw.get("rope_theta"))
     return float(theta if theta is not None else 10000.0)
 
@@ -384,7 +393,8 @@ def _parse_deepseek_glm(family: str, raw: dict[str, Any]) -> ModelConfig:
             **common, **routing, num_kv_heads=int(_get(raw, "num_key_value_heads", default=heads)), head_dim=head_dim,
             attention_bias=bool(raw.get("attention_bias", False)),
             qk_norm="per_head" if raw.get("use_qk_norm") or family == "dots1" else "none",
-            partial_rotary_factor=float(factor if factor is not None else 0.5 if family == "glm4_moe" else 1.0))
+            partial_rotary_factor=float(factor if factor is not None else 0.5 if family == "glm4_moe" else 1.0),
+            rope_yarn=_yarn(raw))
     nope, rope = int(_get(raw, "qk_nope_head_dim")), int(_get(raw, "qk_rope_head_dim"))
     factor = _rope_params(raw).get("partial_rotary_factor", raw.get("partial_rotary_factor"))
     if family == "glm4_moe_lite" and factor not in (None, 1, 1.0):  # transformers would rotate part of the rope dims
@@ -436,7 +446,7 @@ def _parse_minimax_m2(raw: dict[str, Any]) -> ModelConfig:
         intermediate_size=inter, moe_intermediate_size=inter,
         num_experts=int(_get(raw, "num_local_experts", "num_experts")), top_k=int(_get(raw, "num_experts_per_tok")),
         norm_topk_prob=True, qk_norm="whole", rope_theta=_rope_theta(raw),
-        partial_rotary_factor=float(1.0 if factor is None else factor),
+        partial_rotary_factor=float(1.0 if factor is None else factor), rope_yarn=_yarn(raw),
         topk_method="noaux_tc", router_correction_bias=True)
 
 
@@ -464,6 +474,7 @@ def _parse(family: str, raw: dict[str, Any]) -> ModelConfig:
         attention_bias=bool(raw.get("qkv_bias", raw.get("attention_bias", family == "qwen2_moe"))),
         qk_norm=qk_norm,
         rope_theta=_rope_theta(raw),
+        rope_yarn=_yarn(raw),
         mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
         decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
     )

@@ -42,7 +42,7 @@ class EngineConfig:
     kernel_backend: str | None = None  # torch | triton; default triton on CUDA
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # None: `default_max_num_batched_tokens` of the device
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_model_len: int | None = None  # default: the model's max_position_embeddings (under YaRN, x its factor)
     block_size: int = 16
     num_kv_blocks: int | None = None  # default: from gpu_memory_utilization (CUDA) or a CPU default
     gpu_memory_utilization: float = 0.9
@@ -210,7 +210,7 @@ class EngineConfig:
             raise ConfigError(f"kernel_backend='triton' runs its kernels on a CUDA device, not on device={device!r}: "
                               "use kernel_backend='torch' there (Triton's interpreter, TRITON_INTERPRET=1, runs them "
                               "on the CPU for tests)")
-        max_len = self.max_model_len or model.max_position_embeddings
+        max_len = self.max_model_len or model.max_context_len
         batched = self.max_num_batched_tokens
         if batched is None:
             on_gpu = torch.device(device).type == "cuda"
@@ -220,9 +220,10 @@ class EngineConfig:
                             ("block_size", self.block_size), ("max_model_len", max_len)):
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
-        if max_len > model.max_position_embeddings:
+        if max_len > model.max_context_len:
             raise ConfigError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
-                              f"{model.max_position_embeddings}")
+                              f"{model.max_position_embeddings}" + (f" (x its YaRN factor: {model.max_context_len})"
+                                                                    if model.rope_yarn else ""))
         if self.max_loras < 0 or self.max_lora_rank < 0:
             raise ConfigError("max_loras and max_lora_rank must be >= 0")
         if self.piecewise_graph_tokens < 0:

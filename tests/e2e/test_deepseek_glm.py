@@ -162,6 +162,43 @@ def test_yarn_rope_equals_transformers(family, mscales):
     assert (ours - ref).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "glm4_moe", "minimax_m2", "olmoe"])
+def test_yarn_rope_of_gqa_families_equals_transformers(family):
+    """YaRN on the GQA families (Qwen3's long-context config: rope_scaling yarn, factor 4 over the original
+    positions; GLM's and MiniMax's partial rotary take it over their rotary dims), positions past the original 32 up
+    to 48: the logits equal transformers'."""
+    partial = {"glm4_moe": 0.5, "minimax_m2": 0.5}.get(family)
+    rope = dict(YARN, **({"partial_rotary_factor": partial} if partial else {}))
+    hf = tiny_hf_model(family, seed=5, rope_parameters=rope)
+    model = build_from_architecture(hf)
+    assert model.config.rope_yarn == YarnRope(4.0, 32, 32.0, 1.0)
+    ids = torch.randint(0, hf.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+        plain = tiny_hf_model(family, seed=5, rope_parameters=dict(rope, rope_type="default"))(ids).logits[0]
+    ours = engine(model).prompt_logits(ids.tolist(), [None])[0]
+    assert (ours - ref).abs().max() <= 1e-4
+    assert (plain - ref).abs().max() > 1e-2  # YaRN changed the logits: the check above is of YaRN
+
+
+def test_yarn_extends_the_longest_sequence():
+    """Under YaRN the longest sequence is the original positions times the factor where that is longer than
+    max_position_embeddings (vLLM's derived max_model_len; Qwen3-30B-A3B's long-context setting: 32768 x 4 past its
+    40960): max_model_len defaults to it and is refused past it."""
+    from moelora.engine.config import EngineConfig
+
+    qwen = config_of(tiny_hf_model("qwen3_moe", max_position_embeddings=40, rope_parameters=YARN))
+    assert (qwen.max_position_embeddings, qwen.max_context_len) == (40, 128)
+    engine_cfg = dict(device="cpu", dtype="float32", max_loras=0, max_lora_rank=0)
+    assert EngineConfig(**engine_cfg).resolve(qwen).max_model_len == 128
+    with pytest.raises(ConfigError, match=r"max_model_len=129 exceeds .*40 \(x its YaRN factor: 128\)"):
+        EngineConfig(**engine_cfg, max_model_len=129).resolve(qwen)
+    v3 = config_of(tiny_hf_model("deepseek_v3", rope_parameters=dict(YARN, mscale=1.0, mscale_all_dim=1.0)))
+    assert (v3.max_position_embeddings, v3.max_context_len) == (128, 128)  # DeepSeek-V3's: 4096 x 40 = 163840
+    plain = config_of(tiny_hf_model("qwen3_moe", max_position_embeddings=40))
+    assert plain.max_context_len == 40 and EngineConfig(**engine_cfg).resolve(plain).max_model_len == 40
+
+
 def test_config_fields():
     v2, v3, glm = (config_of(tiny_hf_model(f)) for f in ("deepseek_v2", "deepseek_v3", "glm4_moe"))
     assert (v2.attention, v2.q_lora_rank, v2.kv_lora_rank, v2.qk_nope_head_dim, v2.qk_rope_head_dim, v2.v_head_dim,
@@ -192,7 +229,7 @@ def _raw(family: str, **changes) -> dict:
     ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func"),
     ("deepseek_v2", {"norm_topk_prob": True}, "norm_topk_prob"),
     ("deepseek_v3", {"rope_parameters": dict(YARN, rope_type="longrope")}, "longrope"),
-    ("glm4_moe", {"rope_parameters": YARN}, "yarn"),
+    ("glm4_moe", {"rope_parameters": dict(YARN, rope_type="dynamic")}, "dynamic"),
     ("deepseek_v3", {"rope_parameters": dict(YARN, low_freq_factor=1.0)}, "low_freq_factor"),
     ("deepseek_v3", {"quantization_config": {"quant_method": "fp8"}}, "fp8"),
     ("deepseek_v2", {"mlp_bias": True}, "mlp_bias"),
