@@ -41,6 +41,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", "-q", choices=["fp8", "compressed-tensors"], default=None,
                    help="fp8: quantize a bf16 checkpoint's projections to FP8 while loading (128x128 blocks); "
                         "default: as the checkpoint is (FP8 checkpoints load as FP8)")
+    p.add_argument("--hf-overrides", type=types.json_object, default=None, metavar="JSON",
+                   help="config.json fields replaced when the model is read (vLLM's), e.g. "
+                        "'{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                        "\"original_max_position_embeddings\": 32768}}'")
+    p.add_argument("--rope-scaling", type=types.json_object, default=None, metavar="JSON",
+                   help="vLLM's older spelling of --hf-overrides '{\"rope_scaling\": JSON}'")
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -67,7 +73,8 @@ def _llm(args, model: str, adapters: dict[str, str], **engine_kwargs):
     from moelora import LLM
 
     return LLM(model, adapters, device=args.device, dtype=args.dtype, max_lora_rank=args.max_lora_rank,
-               max_loras=max(args.max_loras, len(adapters)), quantization=args.quantization, **engine_kwargs)
+               max_loras=max(args.max_loras, len(adapters)), quantization=args.quantization,
+               hf_overrides=types.hf_overrides(args), **engine_kwargs)
 
 
 def cmd_generate(args) -> int:
@@ -173,6 +180,7 @@ def serve_engine_config(args) -> EngineConfig:
                         structured_any_whitespace=not (args.structured_outputs_config or {}).get(
                             "disable_any_whitespace", False),
                         warmup=not args.skip_warmup, quantization=args.quantization,
+                        hf_overrides=types.hf_overrides(args),
                         fp8_activation_quant=args.fp8_activation_quant, nnodes=args.nnodes,
                         master_addr=args.master_addr, master_port=args.master_port if args.nnodes > 1 else 0,
                         **_parallel(args))

@@ -113,7 +113,16 @@ def compilation_config(text: str) -> dict:
 
 
 # vLLM's JSON-object flags, which its parser also takes key by key: `--speculative-config.method mtp`
-CONFIG_FLAGS = ("--speculative-config", "--compilation-config", "--structured-outputs-config", "--eplb-config")
+CONFIG_FLAGS = ("--speculative-config", "--compilation-config", "--structured-outputs-config", "--eplb-config",
+                "--hf-overrides")
+
+
+def hf_overrides(args) -> dict | None:
+    """EngineConfig.hf_overrides from --hf-overrides and --rope-scaling (its `rope_scaling` field), None: none."""
+    out = dict(args.hf_overrides or {})
+    if args.rope_scaling is not None:
+        out["rope_scaling"] = args.rope_scaling
+    return out or None
 
 
 def merge_dotted(argv: list[str], flags: tuple[str, ...] = CONFIG_FLAGS) -> list[str]:
@@ -242,6 +251,10 @@ def check_args(parser: argparse.ArgumentParser, args, adapters: dict[str, str]) 
     if getattr(args, "command", None) == "verify" and getattr(args, "quantization", None):
         problems.append("moelora verify compares a checkpoint as it is stored (an FP8 one against transformers + "
                         "PEFT on its dequantized weights); --quantization does not apply")
+    if getattr(args, "command", None) == "verify" and (getattr(args, "hf_overrides", None)
+                                                       or getattr(args, "rope_scaling", None)):
+        problems.append("moelora verify compares a checkpoint as it is stored; --hf-overrides / --rope-scaling do not "
+                        "apply (edit config.json to verify another configuration)")
     if getattr(args, "max_loras", 1) == 0 and adapters:
         problems.append("--max-loras 0 leaves no adapter slot, but adapters are given: "
                         + ", ".join(repr(n) for n in sorted(adapters)))

@@ -212,8 +212,9 @@ class ModelConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     @classmethod
-    def from_hf(cls, path: str | Path) -> ModelConfig:
-        """Read `config.json` from a model directory (or the file itself)."""
+    def from_hf(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
+        """Read `config.json` from a model directory (or the file itself); `overrides`: vLLM's --hf-overrides
+        (`apply_hf_overrides`)."""
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
         if not file.is_file():
@@ -222,7 +223,7 @@ class ModelConfig:
             raw = json.loads(file.read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"{file} is not valid JSON: {e}") from None
-        return cls.from_dict(raw)
+        return cls.from_dict(apply_hf_overrides(raw, overrides))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -244,6 +245,25 @@ def _get(raw: dict[str, Any], *names: str, default: Any = ConfigError) -> Any:
     if default is ConfigError:
         raise ConfigError(f"config.json lacks required field {names[0]!r}")
     return default
+
+
+def apply_hf_overrides(raw: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """config.json's fields with vLLM's --hf-overrides over them (top-level keys replaced). A `rope_scaling` given
+    also lands in `rope_parameters` where the file keeps its rotary there (transformers 5 writes both spellings'
+    fields into it), over its fields, so the override wins and the file's rope_theta stays."""
+    if not overrides:
+        return raw
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"hf_overrides must be a JSON object of config.json fields, got {overrides!r}")
+    out = {**raw, **overrides}
+    scaling = overrides.get("rope_scaling")
+    if isinstance(scaling, dict) and "rope_parameters" not in overrides and isinstance(raw.get("rope_parameters"),
+                                                                                        dict):
+        scaling = dict(scaling)
+        if "type" in scaling:  # the old spelling of rope_type
+            scaling.setdefault("rope_type", scaling.pop("type"))
+        out["rope_parameters"] = {**raw["rope_parameters"], **scaling}
+    return out
 
 
 def _rope_params(raw: dict[str, Any]) -> dict[str, Any]:

@@ -130,6 +130,9 @@ class EngineConfig:
     # "compressed-tensors", which must agree). kernel_backend "triton" runs the FP8 kernels
     # (`kernels/fp8_moe.py`, `kernels/fp8_linear.py`): compute capability >= 8.9, else a ConfigError.
     quantization: str | None = None
+    # vLLM's --hf-overrides: config.json fields replaced when the model is read (e.g. {"rope_scaling": {"rope_type":
+    # "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}: Qwen3 past 32k); None: the file as it is
+    hf_overrides: dict | None = None
     # W8A8: FP8 GEMMs also round their input activations as the checkpoint's scheme says (dynamic 1 x 128
     # groups per token, or per token for compressed-tensors), LoRA reading them unrounded: the torch twin, and
     # on Triton the e4m3 MMA kernels (which round per 1 x 128 group for either scheme: finer, within the
@@ -170,6 +173,10 @@ class EngineConfig:
                                    merge_qkv=self.merge_qkv, merge_gate_up=self.merge_gate_up,
                                    lora_target_modules=self.lora_target_modules,
                                    pdl=self.pdl and cuda)
+
+    def model_config(self, model_dir) -> ModelConfig:
+        """The model's config.json as this engine reads it (`hf_overrides` over it)."""
+        return ModelConfig.from_hf(model_dir, self.hf_overrides)
 
     def fp8_config(self, model: ModelConfig) -> FP8Config | None:
         """The model's FP8 scheme under this engine config (resolved: checked by `resolve`)."""

@@ -84,7 +84,7 @@ def resolve_auto_targets(model_dir: str | Path, adapters: dict[str, str | Path],
 def _adapter_sites(model_dir: str | Path, adapters: dict[str, str | Path], cfg: EngineConfig) -> tuple[str, ...]:
     from moelora.lora.loader import load_adapter
 
-    model_cfg = ModelConfig.from_hf(Path(model_dir))
+    model_cfg = cfg.model_config(Path(model_dir))
     sites: set[str] = set()
     for name, path in adapters.items():
         sites |= set(load_adapter(Path(path), model_cfg, name=name, max_rank=cfg.max_lora_rank).sites)
@@ -110,8 +110,9 @@ def build_engine(model_dir: str | Path, cfg: EngineConfig | None = None, progres
     tok_dir = Path(tokenizer) if tokenizer is not None else model_dir
     if tokenizer is not None and not (tok_dir / "tokenizer.json").is_file():
         raise ConfigError(f"--tokenizer {str(tokenizer)!r}: no tokenizer.json there")
-    model_cfg = ModelConfig.from_hf(model_dir)
-    cfg = (cfg or EngineConfig()).resolve(model_cfg)
+    cfg = cfg or EngineConfig()
+    model_cfg = cfg.model_config(model_dir)
+    cfg = cfg.resolve(model_cfg)
     fp8 = cfg.fp8_config(model_cfg)  # FP8 storage of the projections (`moelora.quant`), or None
     tok = Tokenizer(tok_dir, template) if (tok_dir / "tokenizer.json").is_file() else None
     if cfg.parallel_config.distributed:  # one process per rank (moelora.parallel); the tokenizer is rank 0's

@@ -50,7 +50,7 @@ def build_rank_model(model_dir: str | Path, cfg: EngineConfig, shard: Shard, loa
                      seed: int = 0):
     """This rank's shard of the model in `model_dir`: its weights read slice by slice (FP8 with their
     scales' slices), or drawn from `seed` (load_format "dummy", `init_rank_dummy_weights`)."""
-    model_cfg = ModelConfig.from_hf(Path(model_dir))
+    model_cfg = cfg.model_config(Path(model_dir))
     shard.plan.check(model_cfg)
     fp8 = cfg.fp8_config(model_cfg)
     with torch.device(cfg.torch_device):

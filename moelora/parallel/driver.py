@@ -45,7 +45,6 @@ class Driver:
     def __init__(self, model_dir: str | Path, cfg: EngineConfig, pcfg: ParallelConfig,
                  load: tuple[str, int] = ("auto", 0)):
         """`load`: (load_format, seed), every rank's (`build.build_rank_model`)."""
-        from moelora.config import ModelConfig
         from moelora.parallel.build import rank_plan
         from moelora.parallel.worker import worker_main
 
@@ -78,7 +77,7 @@ class Driver:
         except Exception as exc:
             self._fail(f"the process group did not form: {exc}")
         self._store = store  # the workers' rendezvous: alive as long as the group
-        self.shard = Shard(rank_plan(0, ModelConfig.from_hf(Path(model_dir)), cfg), group)
+        self.shard = Shard(rank_plan(0, cfg.model_config(Path(model_dir)), cfg), group)
 
     def _join_nodes(self, store, job: Job) -> None:
         """The other nodes' ranks, connected to a control listener whose address the job in the store gives."""

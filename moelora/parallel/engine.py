@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from moelora.config import ModelConfig
 from moelora.engine.config import EngineConfig
 from moelora.engine.cuda_graphs import CudaGraphRunner
 from moelora.engine.engine import LLMEngine
@@ -113,7 +112,7 @@ def build_parallel_engine(model_dir: Path, cfg: EngineConfig, adapters: Mapping[
     from moelora.parallel.adapters import load_adapter_shard
     from moelora.parallel.build import build_rank_model, check_fp8_split, plan_kv_blocks, rank_plan
 
-    model_cfg = ModelConfig.from_hf(model_dir)
+    model_cfg = cfg.model_config(model_dir)
     pcfg = cfg.parallel_config
     plan = rank_plan(0, model_cfg, cfg)
     plan.check(model_cfg)  # before any process starts

@@ -113,7 +113,6 @@ def worker_main(rank: int, host: str, port: int, model_dir: str, cfg: EngineConf
                 conn, load: tuple[str, int] = ("auto", 0), local_rank: int | None = None) -> None:
     """Entry point of a worker process; `load`: (load_format, seed) of `build_rank_model`; `conn`: a pipe from
     rank 0, or a TCP connection on another node (`control.py`), whose `local_rank` picks its GPU."""
-    from moelora.config import ModelConfig
     from moelora.parallel.build import rank_plan
     from moelora.parallel.groups import device_group, open_store
 
@@ -128,7 +127,7 @@ def worker_main(rank: int, host: str, port: int, model_dir: str, cfg: EngineConf
     try:
         store = open_store(host, port, rank, pcfg.world_size, pcfg.step_timeout_s)
         group = device_group(store, rank, pcfg.world_size, cfg.torch_device, pcfg.step_timeout_s)
-        plan = rank_plan(rank, ModelConfig.from_hf(Path(model_dir)), cfg)
+        plan = rank_plan(rank, cfg.model_config(Path(model_dir)), cfg)
         worker = _Worker(model_dir, cfg, Shard(plan, group), load)
         conn.send(("ready",))
     except BaseException as exc:

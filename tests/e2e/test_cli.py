@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from moelora.cli import main
@@ -305,3 +307,24 @@ def test_main_reads_the_key_by_key_forms(monkeypatch):
     assert cli.main(["serve", "--speculative-config.method", "mtp", "--speculative-config.num_speculative_tokens",
                      "2"]) == 0
     assert seen == [{"method": "mtp", "num_speculative_tokens": 2}]
+
+
+def test_hf_overrides_and_rope_scaling_reach_the_engine_config(capsys):
+    """vLLM's --hf-overrides (whole or key by key) and its older --rope-scaling; verify refuses them."""
+    from moelora.cli import build_parser, main, serve_engine_config
+    from moelora.cli_args import merge_dotted
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+
+    def cfg(*argv):
+        return serve_engine_config(build_parser().parse_args(merge_dotted(["serve", *argv])))
+    assert cfg().hf_overrides is None
+    assert cfg("--rope-scaling", json.dumps(yarn)).hf_overrides == {"rope_scaling": yarn}
+    assert cfg("--hf-overrides", '{"max_position_embeddings": 65536}', "--rope-scaling", json.dumps(yarn)
+               ).hf_overrides == {"max_position_embeddings": 65536, "rope_scaling": yarn}
+    assert cfg("--hf-overrides.rope_scaling.rope_type", "yarn", "--hf-overrides.rope_scaling.factor", "4.0",
+               "--hf-overrides.rope_scaling.original_max_position_embeddings", "32768").hf_overrides == {
+        "rope_scaling": yarn}
+    with pytest.raises(SystemExit) as exit_:
+        main(["verify", "--rope-scaling", json.dumps(yarn)])
+    assert exit_.value.code == 2 and "--hf-overrides / --rope-scaling do not apply" in capsys.readouterr().err

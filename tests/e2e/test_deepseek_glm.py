@@ -199,6 +199,34 @@ def test_yarn_extends_the_longest_sequence():
     assert plain.max_context_len == 40 and EngineConfig(**engine_cfg).resolve(plain).max_model_len == 40
 
 
+def test_hf_overrides_give_a_saved_model_yarn(tmp_path):
+    """vLLM's --hf-overrides / --rope-scaling over a saved config.json (transformers 5 keeps the rotary in
+    rope_parameters: the override lands there, the file's rope_theta kept; the old `type` spelling read): the engine
+    then equals transformers built with that YaRN config, and its max_model_len is the YaRN length."""
+    from moelora.config import apply_hf_overrides
+    from moelora.engine.config import EngineConfig
+    from moelora.engine.loader import build_engine
+
+    tiny_hf_model("qwen3_moe", seed=5, max_position_embeddings=40).save_pretrained(str(tmp_path))
+    scaling = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    eng = build_engine(tmp_path, EngineConfig(device="cpu", dtype="float32", max_loras=0, max_lora_rank=0,
+                                              hf_overrides={"rope_scaling": scaling}))
+    assert eng.model_config.rope_yarn == YarnRope(4.0, 32) and eng.cfg.max_model_len == 128
+    hf = tiny_hf_model("qwen3_moe", seed=5, max_position_embeddings=40, rope_parameters=YARN)
+    ids = torch.randint(0, hf.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+    assert (eng.prompt_logits(ids.tolist(), [None])[0] - ref).abs().max() <= 1e-4
+    raw = {"rope_theta": 5.0, "rope_parameters": {"rope_type": "default", "rope_theta": 7.0}, "x": 1}
+    assert apply_hf_overrides(raw, {"rope_scaling": scaling, "x": 2}) == {
+        "rope_theta": 5.0, "x": 2, "rope_scaling": scaling,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 7.0, "factor": 4.0,
+                            "original_max_position_embeddings": 32}}
+    assert apply_hf_overrides(raw, None) is raw
+    with pytest.raises(ConfigError, match="hf_overrides must be a JSON object"):
+        apply_hf_overrides(raw, ["rope_scaling"])
+
+
 def test_config_fields():
     v2, v3, glm = (config_of(tiny_hf_model(f)) for f in ("deepseek_v2", "deepseek_v3", "glm4_moe"))
     assert (v2.attention, v2.q_lora_rank, v2.kv_lora_rank, v2.qk_nope_head_dim, v2.qk_rope_head_dim, v2.v_head_dim,

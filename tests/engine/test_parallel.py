@@ -124,6 +124,20 @@ def test_sharded_engine_equals_one_process(built, reference, family, parallel):
     assert got_tokens == ref_tokens
 
 
+def test_hf_overrides_reach_every_rank(built):
+    """YaRN given by hf_overrides (not in config.json) at TP=2: each rank reads the model with the overrides, so
+    the sharded engine equals one process with them, and both differ from the file's own rotary. ENGINE's 64
+    positions stay below the tiny model's 128: only the YaRN frequencies change the logits."""
+    model_dir, adapters, vocab = built("qwen3_moe")
+    yarn = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}
+    ref_logits, ref_tokens = _run(model_dir, adapters, vocab, hf_overrides=yarn)
+    got_logits, got_tokens = _run(model_dir, adapters, vocab, hf_overrides=yarn, **TP2)
+    plain_logits, _ = _run(model_dir, adapters, vocab)
+    assert max((g - r).abs().max().item() for g, r in zip(got_logits, ref_logits, strict=True)) <= 1e-4
+    assert got_tokens == ref_tokens
+    assert max((p - r).abs().max().item() for p, r in zip(plain_logits, ref_logits, strict=True)) > 1e-3
+
+
 @pytest.mark.parametrize("family,parallel,needle", [
     ("deepseek_v2", TP2, "num_attention_heads=3"),  # the tiny model's own 3 heads
     ("qwen2_moe", EP2, "num_experts=5"),
