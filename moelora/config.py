@@ -248,21 +248,23 @@ def _get(raw: dict[str, Any], *names: str, default: Any = ConfigError) -> Any:
 
 
 def apply_hf_overrides(raw: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
-    """config.json's fields with vLLM's --hf-overrides over them (top-level keys replaced). A `rope_scaling` given
-    also lands in `rope_parameters` where the file keeps its rotary there (transformers 5 writes both spellings'
-    fields into it), over its fields, so the override wins and the file's rope_theta stays."""
+    """config.json's fields with vLLM's --hf-overrides over them (top-level keys replaced). A `rope_scaling` or
+    `rope_theta` given also lands in `rope_parameters` where the file keeps its rotary there (transformers 5 writes
+    both spellings' fields into it), over its fields, so the override wins and the file's other fields stay."""
     if not overrides:
         return raw
     if not isinstance(overrides, dict):
         raise ConfigError(f"hf_overrides must be a JSON object of config.json fields, got {overrides!r}")
     out = {**raw, **overrides}
-    scaling = overrides.get("rope_scaling")
-    if isinstance(scaling, dict) and "rope_parameters" not in overrides and isinstance(raw.get("rope_parameters"),
-                                                                                        dict):
-        scaling = dict(scaling)
-        if "type" in scaling:  # the old spelling of rope_type
-            scaling.setdefault("rope_type", scaling.pop("type"))
-        out["rope_parameters"] = {**raw["rope_parameters"], **scaling}
+    if "rope_parameters" in overrides or not isinstance(raw.get("rope_parameters"), dict):
+        return out
+    rotary = dict(overrides["rope_scaling"]) if isinstance(overrides.get("rope_scaling"), dict) else {}
+    if "type" in rotary:  # the old spelling of rope_type
+        rotary.setdefault("rope_type", rotary.pop("type"))
+    if "rope_theta" in overrides:
+        rotary["rope_theta"] = overrides["rope_theta"]
+    if rotary:
+        out["rope_parameters"] = {**raw["rope_parameters"], **rotary}
     return out
 
 

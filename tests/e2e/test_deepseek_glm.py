@@ -223,6 +223,9 @@ def test_hf_overrides_give_a_saved_model_yarn(tmp_path):
         "rope_parameters": {"rope_type": "yarn", "rope_theta": 7.0, "factor": 4.0,
                             "original_max_position_embeddings": 32}}
     assert apply_hf_overrides(raw, None) is raw
+    theta = apply_hf_overrides(raw, {"rope_theta": 9.0})
+    assert theta["rope_parameters"] == {"rope_type": "default", "rope_theta": 9.0} and theta["rope_theta"] == 9.0
+    assert apply_hf_overrides({"rope_theta": 5.0}, {"rope_theta": 9.0}) == {"rope_theta": 9.0}
     with pytest.raises(ConfigError, match="hf_overrides must be a JSON object"):
         apply_hf_overrides(raw, ["rope_scaling"])
 
