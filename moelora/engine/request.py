@@ -145,6 +145,22 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" (eos, stop string or stop id) or "length"
     stop_reason: int | str | None = None  # the stop token id or stop string that matched (None: EOS, length)
 
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's shape of the same result (`out.outputs[0].text`): one sample a RequestOutput here."""
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.stop_reason)]
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """vLLM's per-sample view of a RequestOutput (`RequestOutput.outputs`)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
 
 class Status:
     WAITING = "waiting"

@@ -71,6 +71,11 @@ class AdapterPool:
     def slots_in_use(self) -> int:
         return len(self._slot_of)
 
+    def path_of(self, name: str) -> Path | None:
+        """The directory adapter `name` was registered from (None: not registered)."""
+        entry = self._paths.get(name)
+        return None if entry is None else entry[0]
+
     def add(self, name: str, path: str | Path, *, pinned: bool = False) -> LoRAAdapter:
         """Register and validate (load) an adapter; errors leave the pool untouched."""
         if name in self._paths:
