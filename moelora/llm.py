@@ -27,16 +27,21 @@ class LLM:
                  max_loras: int = 8, kernel_backend: str | None = None, progress: bool = False,
                  **engine_kwargs):
         """`engine_kwargs`: EngineConfig's fields; vLLM's `enable_lora` and `trust_remote_code` are accepted (they
-        change nothing) and `enable_expert_parallel` is EngineConfig's `expert_parallel`."""
+        change nothing), `enable_expert_parallel` is EngineConfig's `expert_parallel`, `tokenizer` the directory of
+        tokenizer.json (default `model`), `seed` seeds the draws of requests without a seed of their own (as
+        `moelora serve --seed`)."""
         for name in _ACCEPTED:
             engine_kwargs.pop(name, None)
         if "enable_expert_parallel" in engine_kwargs:
             engine_kwargs["expert_parallel"] = engine_kwargs.pop("enable_expert_parallel")
+        tokenizer, seed = engine_kwargs.pop("tokenizer", None), engine_kwargs.pop("seed", None)
+        if seed is not None:
+            torch.manual_seed(seed)
         cfg = EngineConfig(device=device, dtype=dtype, max_lora_rank=max_lora_rank, max_loras=max_loras,
                            kernel_backend=kernel_backend, **engine_kwargs)
         cfg = resolve_auto_targets(model, adapters or {}, cfg)  # lora_target_modules="auto": these adapters'
         # the adapters are registered before the decode graphs are captured: captured once, their sites on
-        self.engine = build_engine(model, cfg, progress=progress, adapters=adapters)
+        self.engine = build_engine(model, cfg, progress=progress, adapters=adapters, tokenizer=tokenizer)
         self.config = self.engine.model_config
         self.tokenizer = self.engine.tokenizer
 

@@ -1,7 +1,7 @@
 """Offline code written against vLLM's `LLM` (the bundled demo, CPU): `lora_request=LoRARequest(name, id, path)`
 serves the request with that adapter (registered from its path at first use) exactly as `adapter=name` does;
 `out.outputs[0]` is vLLM's view of the result; `enable_lora` / `trust_remote_code` are accepted and
-`enable_expert_parallel` is the engine's `expert_parallel`."""
+`enable_expert_parallel` is the engine's `expert_parallel`; `seed` and `tokenizer` as vLLM's."""
 
 from __future__ import annotations
 
@@ -53,3 +53,16 @@ def test_lora_request_refusals(llm, tmp_path):
     with pytest.raises(RequestError, match="positive integer"):
         LoRARequest(name, 0, path)
     assert not llm.engine.has_unfinished()
+
+
+def test_seed_and_tokenizer_arguments():
+    """vLLM's LLM(seed=..., tokenizer=...): two engines seeded alike draw the same unseeded samples; the tokenizer
+    directory is read."""
+    if not (model_dir() / "model.safetensors").is_file():
+        pytest.skip("the bundled demo model is not built yet")
+    params = SamplingParams(max_tokens=16, temperature=2.0, ignore_eos=True)
+    runs = [LLM(model_dir(), device="cpu", seed=7, tokenizer=str(model_dir())).generate(PROMPTS, params)
+            for _ in range(2)]
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+    other = LLM(model_dir(), device="cpu", seed=8).generate(PROMPTS, params)
+    assert [o.token_ids for o in other] != [o.token_ids for o in runs[0]]
