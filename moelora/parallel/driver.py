@@ -25,6 +25,7 @@ from moelora.errors import AdapterError, ConfigError, WorkerError
 from moelora.parallel.config import ParallelConfig
 from moelora.parallel.control import JOB_KEY, JOIN_TIMEOUT_S, ControlListener, Job, cluster_key
 from moelora.parallel.groups import device_group, open_store
+from moelora.parallel.rules import ShardPlan
 from moelora.parallel.shard import Shard
 from moelora.parallel.wire import encode
 
@@ -42,10 +43,10 @@ def _context():
 
 
 class Driver:
-    def __init__(self, model_dir: str | Path, cfg: EngineConfig, pcfg: ParallelConfig,
+    def __init__(self, model_dir: str | Path, cfg: EngineConfig, pcfg: ParallelConfig, plan: ShardPlan,
                  load: tuple[str, int] = ("auto", 0)):
-        """`load`: (load_format, seed), every rank's (`build.build_rank_model`)."""
-        from moelora.parallel.build import rank_plan
+        """`plan`: rank 0's (`build.rank_plan`); `load`: (load_format, seed), every rank's
+        (`build.build_rank_model`)."""
         from moelora.parallel.worker import worker_main
 
         self.pcfg, self.closed = pcfg, False
@@ -77,7 +78,7 @@ class Driver:
         except Exception as exc:
             self._fail(f"the process group did not form: {exc}")
         self._store = store  # the workers' rendezvous: alive as long as the group
-        self.shard = Shard(rank_plan(0, cfg.model_config(Path(model_dir)), cfg), group)
+        self.shard = Shard(plan, group)
 
     def _join_nodes(self, store, job: Job) -> None:
         """The other nodes' ranks, connected to a control listener whose address the job in the store gives."""

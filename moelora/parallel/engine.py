@@ -117,7 +117,7 @@ def build_parallel_engine(model_dir: Path, cfg: EngineConfig, adapters: Mapping[
     plan = rank_plan(0, model_cfg, cfg)
     plan.check(model_cfg)  # before any process starts
     check_fp8_split(model_cfg, cfg, plan)
-    driver = Driver(model_dir, cfg, pcfg, (load_format, seed))
+    driver = Driver(model_dir, cfg, pcfg, plan, (load_format, seed))
     try:
         model = build_rank_model(model_dir, cfg, driver.shard, load_format, seed)
         cfg = plan_kv_blocks(cfg, model, driver.shard)
