@@ -283,7 +283,7 @@ def check_node_args(parser: argparse.ArgumentParser, args) -> None:
 
 
 def _serve_problems(args) -> list[str | None]:
-    from moelora.engine.tokenizer import resolve_chat_template
+    from moelora.engine.tokenizer import has_tokenizer, resolve_chat_template
     from moelora.errors import ConfigError
     from moelora.server.reasoning import REASONING_PARSERS
 
@@ -292,8 +292,8 @@ def _serve_problems(args) -> list[str | None]:
         resolve_chat_template(args.chat_template)
     except ConfigError as e:
         out.append(str(e))
-    if args.tokenizer is not None and not (Path(args.tokenizer) / "tokenizer.json").is_file():
-        out.append(f"--tokenizer {args.tokenizer!r}: no tokenizer.json there")
+    if args.tokenizer is not None and not has_tokenizer(args.tokenizer):
+        out.append(f"--tokenizer {args.tokenizer!r}: no tokenizer.json (nor tiktoken.model) there")
     if args.generation_config not in ("auto", "vllm") and not Path(args.generation_config).is_dir():
         out.append(f"--generation-config {args.generation_config!r}: not 'auto', 'vllm' or a directory")
     out += [f"--lora-root {r!r} is not a directory" for r in args.lora_root or () if not Path(r).is_dir()]

@@ -79,24 +79,13 @@ class TrainConfig:
 # ---------------------------------------------------------------------------- tokenizer
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map, which tokenizers' ByteLevel pre-tokenizer uses."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            mapping[b] = chr(b)
-        else:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
-
-
 def build_tokenizer():
     """Byte-level BPE without merges: token id == byte value; the special tokens follow (256..259)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    from moelora.engine.tiktoken_vocab import byte_chars
+
+    vocab = {ch: b for b, ch in enumerate(byte_chars())}
     vocab.update({tok: 256 + i for i, tok in enumerate(SPECIAL_TOKENS)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)

@@ -14,7 +14,7 @@ from moelora.engine.config import EngineConfig
 from moelora.engine.cuda_graphs import graph_reserve
 from moelora.engine.engine import LLMEngine
 from moelora.engine.kv_cache import PagedKVCache
-from moelora.engine.tokenizer import Tokenizer, resolve_chat_template
+from moelora.engine.tokenizer import Tokenizer, has_tokenizer, resolve_chat_template
 from moelora.errors import ConfigError
 from moelora.models.registry import model_class
 from moelora.quant.checkpoint import FP8Loading
@@ -98,7 +98,7 @@ def build_engine(model_dir: str | Path, cfg: EngineConfig | None = None, progres
     """The engine of `model_dir`; `adapters` (name -> path) are registered before its decode graphs
     are captured, so the graphs are captured once, with those adapters' LoRA sites on. `load_format`
     (vLLM's): auto / safetensors read the checkpoint, dummy draws random weights from `seed` (only
-    config.json is read). `tokenizer`: the directory of tokenizer.json (default `model_dir`);
+    config.json is read). `tokenizer`: the directory of tokenizer.json or tiktoken.model (default `model_dir`);
     `chat_template`: a file or the template itself, over the tokenizer's."""
     from moelora.lora.loader import load_adapter
     from moelora.models.weights import init_dummy_weights, load_checkpoint
@@ -108,13 +108,13 @@ def build_engine(model_dir: str | Path, cfg: EngineConfig | None = None, progres
     template = resolve_chat_template(chat_template)
     model_dir = Path(model_dir)
     tok_dir = Path(tokenizer) if tokenizer is not None else model_dir
-    if tokenizer is not None and not (tok_dir / "tokenizer.json").is_file():
-        raise ConfigError(f"--tokenizer {str(tokenizer)!r}: no tokenizer.json there")
+    if tokenizer is not None and not has_tokenizer(tok_dir):
+        raise ConfigError(f"--tokenizer {str(tokenizer)!r}: no tokenizer.json (nor tiktoken.model) there")
     cfg = cfg or EngineConfig()
     model_cfg = cfg.model_config(model_dir)
     cfg = cfg.resolve(model_cfg)
     fp8 = cfg.fp8_config(model_cfg)  # FP8 storage of the projections (`moelora.quant`), or None
-    tok = Tokenizer(tok_dir, template) if (tok_dir / "tokenizer.json").is_file() else None
+    tok = Tokenizer(tok_dir, template) if has_tokenizer(tok_dir) else None
     if cfg.parallel_config.distributed:  # one process per rank (moelora.parallel); the tokenizer is rank 0's
         from moelora.parallel.engine import build_parallel_engine
 

@@ -1,4 +1,5 @@
-"""Tokenizer (`tokenizers` library, from tokenizer.json) and chat template (jinja2).
+"""Tokenizer (`tokenizers` library, from tokenizer.json, or built from a tiktoken.model vocabulary:
+`tiktoken_vocab`) and chat template (jinja2).
 
 The chat template is the one given (`--chat-template`: a file or the template itself), else
 `chat_template.jinja`, else `tokenizer_config.json`'s `chat_template` field.
@@ -31,17 +32,29 @@ def resolve_chat_template(value: str | None) -> str | None:
     raise ConfigError(f"--chat-template {value!r} is neither a file nor a jinja template")
 
 
+def has_tokenizer(model_dir: str | Path) -> bool:
+    """Whether `Tokenizer` finds a vocabulary there: tokenizer.json, or tiktoken.model (Kimi's)."""
+    from moelora.engine.tiktoken_vocab import has_vocab
+
+    return (Path(model_dir) / "tokenizer.json").is_file() or has_vocab(model_dir)
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path, chat_template: str | None = None):
         from tokenizers import Tokenizer as HFTokenizer
 
+        from moelora.engine.tiktoken_vocab import VOCAB_FILE, build_tokenizer, has_vocab
+
         model_dir = Path(model_dir)
-        file = model_dir / "tokenizer.json"
-        if not file.is_file():
-            raise ConfigError(f"no tokenizer.json in {model_dir}")
-        self._tok = HFTokenizer.from_file(str(file))
         cfg_file = model_dir / "tokenizer_config.json"
         self.config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        file = model_dir / "tokenizer.json"
+        if file.is_file():
+            self._tok = HFTokenizer.from_file(str(file))
+        elif has_vocab(model_dir):
+            self._tok = build_tokenizer(model_dir, self.config)
+        else:
+            raise ConfigError(f"no tokenizer.json (nor {VOCAB_FILE}) in {model_dir}")
         template_file = model_dir / "chat_template.jinja"
         self.chat_template = chat_template or (template_file.read_text() if template_file.is_file()
                                                else self.config.get("chat_template"))

@@ -59,7 +59,7 @@ log = logging.getLogger("moelora.server")
 def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     """An app serving `engine`; its lifespan starts and stops the engine thread."""
     if engine.engine.tokenizer is None:
-        raise MoeLoRAError("the server needs a model with tokenizer.json")
+        raise MoeLoRAError("the server needs a model with a tokenizer (tokenizer.json, or tiktoken.model)")
     ecfg = engine.engine.cfg
     cache_config = dict(block_size=ecfg.block_size, cache_dtype=ecfg.dtype,
                         enable_prefix_caching=ecfg.enable_prefix_caching,

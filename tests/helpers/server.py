@@ -41,12 +41,9 @@ def byte_tokenizer():
     """Byte-level BPE without merges (token id == byte), then the four special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    chars, extra = {}, 0
-    for b in range(256):
-        chars[b] = chr(b) if b in printable else chr(256 + extra)
-        extra += b not in printable
-    tok = Tokenizer(models.BPE(vocab={c: b for b, c in chars.items()}, merges=[]))
+    from moelora.engine.tiktoken_vocab import byte_chars
+
+    tok = Tokenizer(models.BPE(vocab={c: b for b, c in enumerate(byte_chars())}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(SPECIAL))
