@@ -1,4 +1,4 @@
-"""A `tokenizers` tokenizer built from a tiktoken BPE file: the vocabulary Kimi-K2 / K2.5 ship as `tiktoken.model`,
+"""A `tokenizers` tokenizer built from a tiktoken BPE file: the vocabulary the Kimi-K2 models ship as `tiktoken.model`,
 with no tokenizer.json, their own tokenizer class being repository code (which moelora never runs).
 
 `tiktoken.model`: one token a line, "<base64 of its bytes> <rank>", ranks 0..N-1. tiktoken splits text into
