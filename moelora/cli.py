@@ -12,6 +12,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from moelora import cli_args as types
+from moelora import vllm_flags
 from moelora.errors import MoeLoRAError
 from moelora.server.reasoning import REASONING_PARSERS
 from moelora.server.tools import TOOL_PARSERS
@@ -206,7 +207,10 @@ def serve_options(args) -> dict:
                 chat_template_content_format="openai" if args.chat_template_content_format == "openai" else "string",
                 disable_fastapi_docs=args.disable_fastapi_docs,
                 enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                enable_force_include_usage=args.enable_force_include_usage)
+                enable_force_include_usage=args.enable_force_include_usage,
+                default_chat_template_kwargs=args.default_chat_template_kwargs,
+                enable_server_load_tracking=args.enable_server_load_tracking,
+                max_log_len=4096 if args.max_log_len is None else args.max_log_len)
 
 
 def serve_adapters(args) -> tuple[str, dict[str, str]]:
@@ -231,14 +235,15 @@ def cmd_serve(args) -> int:
     from moelora.server.launch import build_server, run_server
 
     model, adapters = serve_adapters(args)
-    for msg in types.ignored_flags(args):
+    for msg in vllm_flags.ignored_flags(args):
         log.warning(msg)
     names = args.served_model_name or ([args.model] if args.model else ["moelora-demo"])
     if args.seed is not None:
         torch.manual_seed(args.seed)  # requests without a seed of their own draw from it
     app = build_server(model, adapters, serve_engine_config(args), names, args.max_waiting_requests, progress=True,
                        load_format=args.load_format, tokenizer=args.tokenizer, chat_template=args.chat_template,
-                       seed=args.seed or 0, generation_config=args.generation_config, **serve_options(args))
+                       seed=args.seed or 0, generation_config=args.generation_config,
+                       override_generation_config=args.override_generation_config, **serve_options(args))
     run_server(app, args.host, args.port, args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
                root_path=args.root_path, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                ssl_ca_certs=args.ssl_ca_certs)
@@ -416,17 +421,7 @@ def _serve_vllm_flags(serve: argparse.ArgumentParser) -> None:
                        help="mp: one process a rank (the only backend)")
     serve.add_argument("--disable-custom-all-reduce", action="store_true",
                        help="accepted for vLLM compatibility: the ranks all-reduce through NCCL / gloo only")
-    # vLLM's performance machinery moelora does not have: accepted (vLLM launch lines run), logged at start-up
-    serve.add_argument("--speculative-config", type=types.json_object, default=None, metavar="JSON",
-                       help="accepted for vLLM command lines (e.g. MTP: '{\"method\": \"mtp\"}' or "
-                            "--speculative-config.method mtp): speculative decoding is not implemented (logged)")
-    serve.add_argument("--compilation-config", "-O", type=types.compilation_config, default=None,
-                       metavar="LEVEL|JSON", help="accepted for vLLM command lines (-O3, a JSON object): moelora "
-                                                  "runs its own kernels and CUDA graphs (logged as ignored)")
-    serve.add_argument("--enable-eplb", action="store_true",
-                       help="accepted for vLLM command lines: expert load balancing is not implemented (logged)")
-    serve.add_argument("--eplb-config", type=types.json_object, default=None, metavar="JSON",
-                       help="accepted with --enable-eplb (logged as ignored)")
+    vllm_flags.add_flags(serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -466,7 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(types.merge_dotted(sys.argv[1:] if argv is None else list(argv)))
+    args = parser.parse_args(types.merge_dotted(vllm_flags.expand_config_file(sys.argv[1:] if argv is None
+                                                                             else list(argv))))
     try:
         if args.command == "serve":
             types.check_node_args(args.parser, args)

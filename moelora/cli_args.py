@@ -169,22 +169,6 @@ def merge_dotted(argv: list[str], flags: tuple[str, ...] = CONFIG_FLAGS) -> list
     return out
 
 
-def ignored_flags(args) -> list[str]:
-    """What the server logs for vLLM flags it accepts but has no use for (performance settings of vLLM's own
-    machinery; outputs do not depend on them)."""
-    out = []
-    if args.speculative_config:
-        out.append(f"--speculative-config {args.speculative_config}: speculative decoding is not implemented here; "
-                   "every token is decoded by the model itself (the outputs a lossless speculation would give)")
-    if args.compilation_config:
-        out.append(f"--compilation-config {args.compilation_config}: moelora runs its own Triton kernels under its "
-                   "own CUDA graphs (--max-cudagraph-capture-size, --enforce-eager); ignored")
-    if args.enable_eplb or args.eplb_config:
-        out.append("--enable-eplb / --eplb-config: expert load balancing (replicating hot experts across EP ranks) is "
-                   "not implemented; the experts stay where --enable-expert-parallel puts them")
-    return out
-
-
 STRUCTURED_BACKENDS = ("auto", "xgrammar")  # vLLM's names of the backend served here (engine/structured.py)
 
 
@@ -292,6 +276,9 @@ def _serve_problems(args) -> list[str | None]:
         resolve_chat_template(args.chat_template)
     except ConfigError as e:
         out.append(str(e))
+    from moelora.vllm_flags import check
+
+    out += check(args)
     if args.tokenizer is not None and not has_tokenizer(args.tokenizer):
         out.append(f"--tokenizer {args.tokenizer!r}: no tokenizer.json (nor tiktoken.model) there")
     if args.generation_config not in ("auto", "vllm") and not Path(args.generation_config).is_dir():

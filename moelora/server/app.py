@@ -4,7 +4,8 @@ Routes (vLLM's names): POST /v1/completions, POST /v1/chat/completions, POST /v1
 GET /v1/models,
 POST /v1/load_lora_adapter {lora_name, lora_path}, POST /v1/unload_lora_adapter {lora_name},
 POST /tokenize {prompt | messages}, POST /detokenize {tokens}, GET /tokenizer_info (when
-`enable_tokenizer_info_endpoint`), GET /health, GET and POST /ping (as /health), GET /metrics, GET /version.
+`enable_tokenizer_info_endpoint`), GET /health, GET and POST /ping (as /health), GET /metrics, GET /version,
+GET /load {"server_load": generation requests in flight, counted with `enable_server_load_tracking`, else 0}.
 
 Every error has OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 for an invalid
 or unimplemented parameter, a malformed body, a prompt that does not fit max_model_len, or an
@@ -87,13 +88,16 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     if cfg.api_keys:
         app.add_middleware(ApiKeyMiddleware, api_keys=cfg.api_keys,
                            on_refused=lambda: metrics.errors.labels("401").inc())
+    load = _Load()
+    if cfg.enable_server_load_tracking:  # a request counts until its response (a stream's last byte) is sent
+        app.add_middleware(_LoadTracking, load=load)
     # added last, so outermost: a preflight (OPTIONS, no credentials) is answered before the key check
     app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins), allow_methods=list(cfg.allowed_methods),
                        allow_headers=list(cfg.allowed_headers), allow_credentials=cfg.allow_credentials)
 
     async def respond(request: Request, handler, body) -> Response:
         if cfg.enable_log_requests:
-            log.info("request %s: %s", request.url.path, body.model_dump_json(exclude_unset=True)[:4096])
+            log.info("request %s: %s", request.url.path, body.model_dump_json(exclude_unset=True)[:cfg.max_log_len])
         if not body.stream:
             result = await _unless_disconnected(request, handler(body))
             return JSONResponse(result.body) if result is not None else Response(status_code=499)
@@ -181,6 +185,10 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
     async def metrics_route():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/load")
+    async def server_load():  # vLLM's route: the generation requests in flight (0 without the tracking flag)
+        return {"server_load": load.value}
+
     @app.get("/version")
     async def version():
         from moelora import __version__
@@ -188,6 +196,29 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
         return {"version": __version__}
 
     return app
+
+
+class _Load:
+    value = 0
+
+
+LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+
+
+class _LoadTracking:
+    """ASGI middleware: `load.value` counts the requests to LOAD_PATHS whose responses are not fully sent."""
+
+    def __init__(self, app, load: _Load):
+        self.app, self.load = app, load
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] not in LOAD_PATHS:
+            return await self.app(scope, receive, send)
+        self.load.value += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.load.value -= 1
 
 
 async def _unless_disconnected(request: Request, work):

@@ -45,30 +45,37 @@ _GENERATION_DEFAULTS = (("temperature", "temperature"), ("top_p", "top_p"), ("to
                         ("max_new_tokens", "max_tokens"))
 
 
-def generation_defaults(model: str | Path, generation_config: str = "auto") -> tuple[tuple[str, object], ...]:
+def generation_defaults(model: str | Path, generation_config: str = "auto",
+                        override: dict | None = None) -> tuple[tuple[str, object], ...]:
     """Default sampling fields from a generation_config.json: `auto` the model's, `vllm` none, or a
-    folder holding one. Only fields a request can set are taken; absent file: none."""
+    folder holding one; `override` (vLLM's --override-generation-config) over them, in generation_config.json's
+    names. Only fields a request can set are taken; absent file: none."""
+    data = dict(_generation_config(model, generation_config), **(override or {}))
+    return tuple((field, data[key]) for key, field in _GENERATION_DEFAULTS
+                 if isinstance(data.get(key), (int, float)) and not isinstance(data.get(key), bool))
+
+
+def _generation_config(model: str | Path, generation_config: str) -> dict:
     if generation_config == "vllm":
-        return ()
+        return {}
     folder = Path(model) if generation_config == "auto" else Path(generation_config)
     if generation_config != "auto" and not folder.is_dir():
         raise ConfigError(f"--generation-config {generation_config!r}: not 'auto', 'vllm' or a directory")
     file = folder / "generation_config.json"
     if not file.is_file():
-        return ()
+        return {}
     try:
         data = json.loads(file.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"{file}: {e}") from None
-    return tuple((field, data[key]) for key, field in _GENERATION_DEFAULTS
-                 if isinstance(data.get(key), (int, float)) and not isinstance(data.get(key), bool))
+    return data if isinstance(data, dict) else {}
 
 
 def build_server(model: str | Path, adapters: dict[str, str], engine_cfg: EngineConfig,
                  served_model_names: Iterable[str] = (), max_waiting_requests: int = 1024,
                  progress: bool = False, *, load_format: str = "auto", tokenizer: str | None = None,
                  chat_template: str | None = None, seed: int = 0, generation_config: str = "vllm",
-                 **server_options) -> FastAPI:
+                 override_generation_config: dict | None = None, **server_options) -> FastAPI:
     """Load the model and every adapter (any failure raises before serving), then the app.
     `server_options`: the other `ServerConfig` fields (api_keys, allow_runtime_lora_updating, ...)."""
     from moelora.engine.loader import build_engine, resolve_auto_targets
@@ -78,7 +85,7 @@ def build_server(model: str | Path, adapters: dict[str, str], engine_cfg: Engine
     clash = set(names) & set(adapters)
     if clash:
         raise ConfigError(f"adapter names {sorted(clash)} clash with the served model name")
-    defaults = generation_defaults(model, generation_config)
+    defaults = generation_defaults(model, generation_config, override_generation_config)
     # the adapters are registered before the decode graphs are captured: captured once, their sites on
     engine = build_engine(model, resolve_auto_targets(model, adapters, engine_cfg), progress=progress,
                           adapters=adapters, load_format=load_format, tokenizer=tokenizer,

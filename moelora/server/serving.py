@@ -34,7 +34,7 @@ from moelora.server.protocol import ApiError, ChatCompletionRequest, CompletionR
 from moelora.server.reasoning import reasoning_parser
 from moelora.server.reply import ReplyFormat, ReplyStream
 from moelora.server.response import OpenAIResponse, no_events, sse
-from moelora.server.tokens import TokenRoutes, render_chat
+from moelora.server.tokens import TokenRoutes, render_chat, template_kwargs
 from moelora.server.tools import tool_parser
 
 
@@ -69,6 +69,9 @@ class ServerConfig:
     disable_fastapi_docs: bool = False  # no /docs, /redoc, /openapi.json
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (the prefix cache's)
     enable_force_include_usage: bool = False  # a stream's usage chunk without stream_options.include_usage
+    default_chat_template_kwargs: dict | None = None  # every chat's template variables, under the request's own
+    enable_server_load_tracking: bool = False  # GET /load counts the generation requests in flight
+    max_log_len: int = 4096  # --enable-log-requests: characters of a request logged
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,7 @@ class OpenAIServing:
         self.max_model_len = engine.engine.cfg.max_model_len
         self.texts = TokenTexts(self.tokenizer.decode)
         self.tokens = TokenRoutes(self.tokenizer, self.max_model_len, self.resolve_model, cfg.model_path,
-                                  cfg.chat_template_content_format)
+                                  cfg.chat_template_content_format, cfg.default_chat_template_kwargs)
         self.defaults = dict(cfg.default_sampling)  # --generation-config: for the fields a request leaves unset
 
     # models -------------------------------------------------------------------------------------
@@ -404,7 +407,8 @@ class OpenAIServing:
             raise ApiError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
         tools, parser, forced = self._tools(body)
         text = render_chat(self.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
-                           body.chat_template_kwargs, tools, self.cfg.chat_template_content_format)
+                           template_kwargs(self.cfg.default_chat_template_kwargs, body.chat_template_kwargs), tools,
+                           self.cfg.chat_template_content_format)
         ids = self._encode(text, "messages", bool(body.add_special_tokens), body.truncate_prompt_tokens)
         if parser is not None and parser.keeps_special_tokens:  # its tags are special tokens: decode them (vLLM's)
             body = body.model_copy(update={"skip_special_tokens": False})  # before the sampling parameters

@@ -46,11 +46,17 @@ def render_chat(tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_gener
     return text
 
 
+def template_kwargs(defaults: dict | None, requested: dict | None) -> dict:
+    """A chat's template variables: --default-chat-template-kwargs under the request's chat_template_kwargs."""
+    return {**(defaults or {}), **(requested or {})}
+
+
 class TokenRoutes:
     def __init__(self, tokenizer: Tokenizer, max_model_len: int, resolve_model, model_path: str,
-                 content_format: str = "string"):
+                 content_format: str = "string", default_template_kwargs: dict | None = None):
         self.tokenizer, self.max_model_len, self.resolve_model = tokenizer, max_model_len, resolve_model
         self.model_path, self.content_format = model_path, content_format
+        self.default_template_kwargs = default_template_kwargs
 
     def tokenize(self, body: TokenizeRequest) -> dict:
         """The ids completions / chat would feed the model for this prompt or these messages."""
@@ -62,8 +68,9 @@ class TokenRoutes:
             text, special = body.prompt, body.add_special_tokens is not False
         else:
             text = render_chat(self.tokenizer, body.messages, body.add_generation_prompt,
-                               body.continue_final_message, body.chat_template_kwargs, template_tools(body.tools),
-                               self.content_format)
+                               body.continue_final_message,
+                               template_kwargs(self.default_template_kwargs, body.chat_template_kwargs),
+                               template_tools(body.tools), self.content_format)
             special = bool(body.add_special_tokens)
         ids = self.tokenizer.encode(text, add_special_tokens=special)
         out = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}

@@ -189,7 +189,8 @@ def test_vllm_serve_flags_reach_the_configs(monkeypatch):
     tools_off = dict(tool_call_parser=None, exclude_tools_when_tool_choice_none=False, reasoning_parser=None,
                      response_role="assistant", chat_template_content_format="string", disable_fastapi_docs=False,
                      enable_prompt_tokens_details=False, enable_force_include_usage=False,
-                     structured_in_reasoning=False)
+                     structured_in_reasoning=False, default_chat_template_kwargs=None,
+                     enable_server_load_tracking=False, max_log_len=4096)
     assert default == dict(api_keys=(), allow_runtime_lora_updating=False, lora_roots=(), max_logprobs=20,
                            enable_tokenizer_info_endpoint=False, return_tokens_as_token_ids=False,
                            enable_log_requests=False, log_stats_interval_s=10.0, **cors, **tools_off)
@@ -200,14 +201,16 @@ def test_vllm_serve_flags_reach_the_configs(monkeypatch):
                                "--exclude-tools-when-tool-choice-none", "--reasoning-parser", "qwen3",
                                "--response-role", "bot", "--chat-template-content-format", "openai",
                                "--disable-fastapi-docs", "--enable-prompt-tokens-details",
-                               "--enable-force-include-usage"))
+                               "--enable-force-include-usage", "--default-chat-template-kwargs",
+                               '{"enable_thinking": false}', "--enable-server-load-tracking", "--max-log-len", "80"))
     assert opts == dict(api_keys=("a", "b"), allow_runtime_lora_updating=True, lora_roots=("/x", "/y"),
                         max_logprobs=5, enable_tokenizer_info_endpoint=True, return_tokens_as_token_ids=True,
                         enable_log_requests=True, log_stats_interval_s=0.0, **cors, tool_call_parser="hermes",
                         exclude_tools_when_tool_choice_none=True, reasoning_parser="qwen3", response_role="bot",
                         chat_template_content_format="openai", disable_fastapi_docs=True,
                         enable_prompt_tokens_details=True, enable_force_include_usage=True,
-                        structured_in_reasoning=False)
+                        structured_in_reasoning=False, default_chat_template_kwargs={"enable_thinking": False},
+                        enable_server_load_tracking=True, max_log_len=80)
     # the parser alone (no --enable-auto-tool-choice) leaves "auto" off, as in vLLM
     assert serve_options(parse("--tool-call-parser", "hermes"))["tool_call_parser"] is None
     monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
@@ -263,7 +266,8 @@ def test_vllm_config_flags_parse_whole_and_key_by_key():
     read as JSON where it parses), the keys over a whole object given first; -O LEVEL; the ones moelora has no
     machinery for are accepted and named in the start-up log."""
     from moelora.cli import build_parser
-    from moelora.cli_args import ignored_flags, merge_dotted
+    from moelora.cli_args import merge_dotted
+    from moelora.vllm_flags import ignored_flags
 
     argv = ["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
             "--speculative-config.num_speculative_tokens", "1", "--speculative-config.method=mtp",
