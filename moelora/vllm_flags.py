@@ -46,8 +46,8 @@ def add_flags(serve: argparse.ArgumentParser) -> None:
                        metavar="LEVEL|JSON", help="accepted for vLLM command lines (-O3, a JSON object): moelora "
                                                   "runs its own kernels and CUDA graphs (logged as ignored)")
     serve.add_argument("--cuda-graph-sizes", type=types.positive, nargs="+", default=None, metavar="N",
-                       help="accepted: moelora captures its own sizes (--max-num-seqs decode graphs, "
-                            "--max-cudagraph-capture-size prompt tokens); logged as ignored")
+                       help="accepted: moelora captures its own sizes (decode graphs 1, 2, 4, 8, 16, 32, ... up to "
+                            "--max-num-seqs; prompt steps up to --max-cudagraph-capture-size tokens); logged")
     serve.add_argument("--enable-eplb", action="store_true",
                        help="accepted for vLLM command lines: expert load balancing is not implemented (logged)")
     serve.add_argument("--eplb-config", type=types.json_object, default=None, metavar="JSON",
@@ -82,8 +82,8 @@ def ignored_flags(args) -> list[str]:
         out.append(f"--compilation-config {args.compilation_config}: moelora runs its own Triton kernels under its "
                    "own CUDA graphs (--max-cudagraph-capture-size, --enforce-eager); ignored")
     if args.cuda_graph_sizes:
-        out.append(f"--cuda-graph-sizes {' '.join(map(str, args.cuda_graph_sizes))}: moelora captures a decode "
-                   "graph for each batch size up to --max-num-seqs and prompt steps up to "
+        out.append(f"--cuda-graph-sizes {' '.join(map(str, args.cuda_graph_sizes))}: moelora captures decode "
+                   "graphs at batch sizes 1, 2, 4, 8, then every 16 up to --max-num-seqs, and prompt steps up to "
                    "--max-cudagraph-capture-size tokens; ignored")
     if args.enable_eplb or args.eplb_config:
         out.append("--enable-eplb / --eplb-config: expert load balancing (replicating hot experts across EP ranks) is "

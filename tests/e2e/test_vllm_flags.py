@@ -14,7 +14,7 @@ from moelora.errors import ConfigError
 from moelora.vllm_flags import expand_config_file, ignored_flags
 
 IGNORED = [  # (flags, a phrase of the start-up note)
-    (["--cuda-graph-sizes", "1", "2", "4"], "captures a decode graph for each batch size"),
+    (["--cuda-graph-sizes", "1", "2", "4"], "every 16 up to --max-num-seqs"),
     (["--fully-sharded-loras"], "adapters follow their layers' split"),
     (["--enable-sleep-mode"], "sleep mode is not implemented"),
     (["--max-num-partial-prefills", "2"], "chunked by --max-num-batched-tokens alone"),
