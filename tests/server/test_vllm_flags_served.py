@@ -35,22 +35,31 @@ def test_default_chat_template_kwargs_sit_under_the_requests(tmp_path, caplog):
 
 
 def test_load_counts_generation_requests_in_flight(tmp_path):
+    """A stream of 240 tokens (the model's whole context: hundreds of ms on the CPU) counts from its first chunk
+    until it ends; the client leaving early ends it too."""
+    import time
+
     model, _ = write_model(tmp_path)
+    body = {"prompt": "abc", "max_tokens": 240, "stream": True, "ignore_eos": True}
+
+    def load(url):
+        return httpx.get(url + "/load", timeout=60).json()["server_load"]
+
     with serving(cpu_app(model, enable_server_load_tracking=True)) as url:
-        assert httpx.get(url + "/load", timeout=60).json() == {"server_load": 0}
-        seen = []
-        body = {"prompt": "abc", "max_tokens": 40, "stream": True, "ignore_eos": True}
+        assert load(url) == 0
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as stream:
-            for n, _ in enumerate(stream.iter_lines()):
-                if n == 2:  # mid-stream: this request counts, a /load request does not
-                    seen.append(httpx.get(url + "/load", timeout=60).json()["server_load"])
-        assert seen == [1]
-        assert httpx.get(url + "/load", timeout=60).json() == {"server_load": 0}
+            lines = stream.iter_lines()  # kept: a dropped iterator closes the response
+            next(lines)  # the first chunk: generating, 200-odd tokens to go
+            assert load(url) == 1  # this request counts; a /load request does not
+        deadline = time.monotonic() + 30  # closed early: the server aborts it and its response ends
+        while load(url) != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
     with serving(cpu_app(model)) as url:  # without the flag the route answers 0, as vLLM's
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as stream:
-            for n, _ in enumerate(stream.iter_lines()):
-                if n == 2:
-                    assert httpx.get(url + "/load", timeout=60).json() == {"server_load": 0}
+            lines = stream.iter_lines()
+            next(lines)
+            assert load(url) == 0
 
 
 def test_override_generation_config(tmp_path):
