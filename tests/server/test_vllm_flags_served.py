@@ -35,8 +35,8 @@ def test_default_chat_template_kwargs_sit_under_the_requests(tmp_path, caplog):
 
 
 def test_load_counts_generation_requests_in_flight(tmp_path):
-    """A stream of 240 tokens (the model's whole context: hundreds of ms on the CPU) counts from its first chunk
-    until it ends; the client leaving early ends it too."""
+    """A stream of 240 tokens (steps slowed to 10 ms: seconds) counts from its first chunk until it ends; the client
+    leaving early ends it too."""
     import time
 
     model, _ = write_model(tmp_path)
@@ -45,7 +45,11 @@ def test_load_counts_generation_requests_in_flight(tmp_path):
     def load(url):
         return httpx.get(url + "/load", timeout=60).json()["server_load"]
 
-    with serving(cpu_app(model, enable_server_load_tracking=True)) as url:
+    app = cpu_app(model, enable_server_load_tracking=True)
+    engine = app.state.engine.engine
+    step = engine.step
+    engine.step = lambda: time.sleep(0.01) or step()  # >= 2.4 s of steps: in flight whatever the machine's speed
+    with serving(app) as url:
         assert load(url) == 0
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as stream:
             lines = stream.iter_lines()  # kept: a dropped iterator closes the response
