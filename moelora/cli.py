@@ -461,8 +461,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(types.merge_dotted(vllm_flags.expand_config_file(sys.argv[1:] if argv is None
-                                                                             else list(argv))))
+    try:
+        argv = vllm_flags.expand_config_file(sys.argv[1:] if argv is None else list(argv))
+    except MoeLoRAError as e:  # --config FILE unreadable: one `error:` line, exit 2, as for any bad flag
+        parser.error(str(e))
+    args = parser.parse_args(types.merge_dotted(argv))
     try:
         if args.command == "serve":
             types.check_node_args(args.parser, args)

@@ -101,6 +101,12 @@ def test_config_file_refusals(tmp_path, text, says):
         expand_config_file(["serve", "--config", str(tmp_path / "missing.yaml")])
 
 
+def test_an_unreadable_config_file_is_one_error_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--config", str(tmp_path / "missing.yaml")])
+    assert exit_.value.code == 2 and "error: --config" in capsys.readouterr().err
+
+
 def test_main_reads_the_config_file(tmp_path, monkeypatch):
     from moelora.server import launch
 
