@@ -109,6 +109,11 @@ def test_a_model_directory_with_it_serves_text_and_chat(ranks, kimi_dir, tmp_pat
     want = enc.encode("<|im_user|>user<|im_middle|>it's 42<|im_end|><|im_assistant|>assistant<|im_middle|>",
                       allowed_special="all")
     assert chat.prompt_token_ids == want and want.count(n + 2) == 1
+    from moelora.engine.structured import StructuredOutputsParams
+
+    # structured outputs read the built tokenizer (xgrammar's byte-level vocabulary from its JSON)
+    held = SamplingParams(max_tokens=8, temperature=0, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    assert llm.generate(["Is it?"], held)[0].text in ("yes", "no")
 
 
 def test_the_pattern_is_read_without_running_the_file(kimi_dir, tmp_path):
