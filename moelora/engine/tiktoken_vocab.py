@@ -65,7 +65,11 @@ def read_pattern(model_dir: Path) -> str:
     """`pat_str` of the repository's tokenizer code, parsed as a literal (ConfigError where there is none)."""
     files = sorted(model_dir.glob("tokenization_*.py"))
     for file in files:
-        for node in ast.walk(ast.parse(file.read_text(), str(file))):
+        try:
+            tree = ast.parse(file.read_text(), str(file))
+        except (SyntaxError, ValueError) as e:
+            raise ConfigError(f"{file}: not Python moelora can parse for its pat_str ({e})") from None
+        for node in ast.walk(tree):
             if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pat_str"
                                                     for t in node.targets):
                 pattern = _literal_pattern(node.value)

@@ -127,6 +127,7 @@ def test_the_pattern_is_read_without_running_the_file(kimi_dir, tmp_path):
     ("x = 1\n", "no `pat_str = ...`"),
     (None, "no `pat_str = ...` in a tokenization_"),
     ("pat_str = '[unclosed'\n", "does not compile"),
+    ("def broken(:\n", "not Python moelora can parse"),
 ])
 def test_pattern_refusals(ranks, tmp_path, source, match):
     write_kimi_tokenizer(tmp_path, ranks)
