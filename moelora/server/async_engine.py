@@ -7,12 +7,12 @@ work (and blocks on the queue while there is none), and hands each request's new
 its asyncio queue with one `loop.call_soon_threadsafe` per step. The thread only ships token
 ids: detokenisation happens on the event loop (`engine/detokenize.py`), off the step's critical path.
 
-The thread first runs the warm-up (`engine/warmup.py`, unless `EngineConfig.warmup` is off) and only
-then reports `ready`; commands sent meanwhile wait in the queue. After every command batch and every
-step the thread publishes an immutable `EngineStats` (queue lengths, KV and adapter-slot use, the
-registered adapters, cumulative preemption and prefix-cache counters), which the server reads without
-touching the engine. A `RequestObserver` (the server's metrics) hears, on the engine thread, of every
-request added, every delivery of tokens and every sequence finished (with the engine's timestamps on
+The thread first runs the warm-up (`engine/warmup.py`, unless `EngineConfig.warmup` is off; beside it a thread
+builds the structured-output compiler) and only then reports `ready`; commands sent meanwhile wait in the queue.
+After every command batch and every step the thread publishes an immutable `EngineStats` (queue lengths, KV
+and adapter-slot use, the registered adapters, cumulative preemption and prefix-cache counters), which the
+server reads without touching the engine. A `RequestObserver` (the server's metrics) hears, on the engine
+thread, of every request added, every delivery of tokens and every sequence finished (with the engine's timestamps on
 the `Request`). Admission control: `open()` refuses (`Overloaded`) while the requests not yet scheduled
 (in the command queue or the scheduler's waiting list) reach `max_waiting`; the count is exact because
 both sides update it under one lock.
@@ -304,11 +304,15 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             if self.engine.cfg.warmup:
+                grammars = threading.Thread(target=_build_grammars, args=(self.engine,), name="moelora-grammars",
+                                            daemon=True)
+                grammars.start()  # beside the warm-up's forwards: the first structured request then waits for none
                 try:
                     self.warmup = warm_up(self.engine)
                 except Exception as e:  # a request of that shape may fail as well, but the others should be served
                     log.exception("warm-up failed; serving without it (first requests may compile kernels)")
                     self.warmup = {"error": f"{type(e).__name__}: {e}"}
+                grammars.join()
             self._ready.set()
             while True:
                 busy = self.engine.has_unfinished() or self._scoring
@@ -558,6 +562,18 @@ def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result=Non
         loop.call_soon_threadsafe(set_)
     except RuntimeError:
         pass
+
+
+def _build_grammars(engine) -> None:
+    """The structured-output compiler over the tokenizer (`LLMEngine.grammars`: its vocabulary read, xgrammar's
+    tokenizer info built: 1-2.5 s at a 151k-token vocabulary), made at start-up rather than by the first request
+    that names a format. A failure is the first such request's to report."""
+    if engine.tokenizer is None:
+        return
+    try:
+        engine.grammars()
+    except Exception as e:  # e.g. no xgrammar: requests with a format get the error, the rest are served
+        log.warning("structured outputs not prepared at start-up: %s", e)
 
 
 def _compile_all(engine, formats) -> None:

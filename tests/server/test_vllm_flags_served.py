@@ -73,3 +73,4 @@ def test_override_generation_config(tmp_path):
                                                                       max_tokens=64)
     assert dict(generation_defaults(tmp_path, "vllm", over)) == dict(temperature=0.2, max_tokens=64)
     assert dict(generation_defaults(tmp_path, "auto")) == dict(temperature=0.6, top_p=0.95, top_k=20)
+
