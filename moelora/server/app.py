@@ -13,7 +13,7 @@ adapter that fails to load (the server and the other adapters are untouched); 40
 model/adapter; 409 for unloading an adapter that has requests in flight (nothing is cancelled:
 retry once they finish); 503 with Retry-After when too many requests wait to be scheduled.
 
-Access (`auth.py`): with `api_keys`, every route but /health, /ping, /metrics and /version needs
+Access (`auth.py`): with `api_keys`, every route but /health, /ping, /metrics, /version and /load needs
 `Authorization: Bearer KEY` (401 otherwise). The adapter load / unload routes answer 404 unless
 `allow_runtime_lora_updating` (vLLM does not register them then); with `lora_roots`, a load may
 only read inside those directories (403).

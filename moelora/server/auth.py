@@ -1,7 +1,7 @@
 """Access control: API keys (`--api-key`) and the paths a runtime adapter load may read (`--lora-root`).
 
 With keys set, every route needs `Authorization: Bearer KEY` (one of the keys) except the open ones
-vLLM leaves open to probes and scrapers: /health, /ping, /metrics, /version (and CORS preflights).
+vLLM leaves open to probes and scrapers: /health, /ping, /metrics, /version, /load (and CORS preflights).
 Deny by default: a route added later is protected without being listed here. The key check hashes
 both sides and compares the digests in constant time, against every key, so neither the key's
 length nor which key matched shows in the timing.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from moelora.server.protocol import ApiError, error_body
 
-OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/load"})
 
 
 def _digest(key: str | bytes) -> bytes:

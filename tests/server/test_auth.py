@@ -58,7 +58,7 @@ def test_every_route_but_the_probes_needs_a_key(server):
                 assert r.headers["www-authenticate"] == "Bearer"
                 err = r.json()["error"]
                 assert err["code"] == 401 and err["type"] == "AuthenticationError" and "API key" in err["message"]
-        for path in ("/health", "/metrics", "/version"):
+        for path in ("/health", "/metrics", "/version", "/load"):  # probes, scrapers, load balancers
             assert http.get(path).status_code == 200, path
         assert http.get("/ping").status_code != 401  # open (served by the request-fields branch)
         for key in KEYS:
