@@ -106,7 +106,7 @@ def ignored_flags(args) -> list[str]:
     return out
 
 
-def check(args, model_dtype: str | None = None) -> list[str]:
+def check(args) -> list[str]:
     """Refusals of this module's flags (settings that would change what is served)."""
     out = []
     if args.cpu_offload_gb:
