@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moelora.errors import MoeLoRAError
 from moelora.server.async_engine import AdapterBusy, AsyncEngine, EngineDead, UnknownAdapter
-from moelora.server.auth import ApiKeyMiddleware, check_lora_path
+from moelora.server.auth import ApiKeyMiddleware, check_lora_path, route_path
 from moelora.server.metrics import ServerMetrics
 from moelora.server.protocol import (
     ApiError,
@@ -212,7 +212,7 @@ class _LoadTracking:
         self.app, self.load = app, load
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] not in LOAD_PATHS:
+        if scope["type"] != "http" or route_path(scope) not in LOAD_PATHS:
             return await self.app(scope, receive, send)
         self.load.value += 1
         try:

@@ -23,6 +23,13 @@ def _digest(key: str | bytes) -> bytes:
     return hashlib.sha256(key.encode() if isinstance(key, str) else key).digest()
 
 
+def route_path(scope) -> str:
+    """The path the app routes on: uvicorn puts its `--root-path` in front of every request's path (the ASGI
+    spec's form), so a probe behind a path-stripping proxy arrives as e.g. /api/health."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root + "/") else path
+
+
 class ApiKeyMiddleware:
     """ASGI middleware (pure, so streaming and disconnect detection pass through untouched)."""
 
@@ -38,7 +45,7 @@ class ApiKeyMiddleware:
         return ok and scheme.lower() == b"bearer"
 
     async def __call__(self, scope, receive, send):
-        if (scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in OPEN_PATHS
+        if (scope["type"] != "http" or scope["method"] == "OPTIONS" or route_path(scope) in OPEN_PATHS
                 or self.authorized(dict(scope["headers"]).get(b"authorization"))):
             await self.app(scope, receive, send)
             return

@@ -115,10 +115,12 @@ def cpu_app(model_dir, **server_kw):
 
 
 @contextmanager
-def serving(app):
-    """uvicorn in a thread on a kernel-chosen loopback port, started and stopped within bounded waits."""
+def serving(app, root_path: str = ""):
+    """uvicorn in a thread on a kernel-chosen loopback port, started and stopped within bounded waits (`root_path`:
+    uvicorn's, as behind a proxy that strips that prefix: the app sees it in front of every path)."""
     sock = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2,
+                                           root_path=root_path))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -12,12 +12,15 @@ from tests.helpers.server import (
     ADAPTERS,
     BASE,
     TIMEOUT,
+    cpu_app,
     make_assets,
     make_client,
     openai,
     post,
     running_server,
+    serving,
     wait_idle,
+    write_model,
 )
 
 KEYS = ("first-key", "second-key")
@@ -147,3 +150,25 @@ def test_runtime_lora_updating_is_off_by_default(assets):
             msg = r.json()["error"]["message"]
             assert "--allow-runtime-lora-updating" in msg and "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in msg
         assert [m.id for m in make_client(url).models.list().data] == [BASE, "alpha"]  # nothing changed
+
+
+def test_behind_a_root_path_the_probes_stay_open_and_load_counts(tmp_path):
+    """uvicorn's --root-path puts the prefix in front of every path the app sees (/api/health): the key check and
+    the load counter match the route's path, as the router does."""
+    import time
+
+    model, _ = write_model(tmp_path)
+    app = cpu_app(model, api_keys=KEYS, enable_server_load_tracking=True)
+    engine = app.state.engine.engine
+    step = engine.step
+    engine.step = lambda: time.sleep(0.01) or step()  # a 240-token stream lasts seconds
+    body = {"prompt": "abc", "max_tokens": 240, "stream": True, "ignore_eos": True}
+    with serving(app, root_path="/api") as url, httpx.Client(base_url=url, timeout=TIMEOUT) as http:
+        for path in ("/health", "/ping", "/version", "/metrics", "/load"):
+            assert http.get(path).status_code == 200, path
+        assert http.get("/v1/models").status_code == 401
+        assert http.get("/v1/models", headers=auth(KEYS[1])).json()["data"][0]["id"] == BASE
+        with http.stream("POST", "/v1/completions", json=body, headers=auth(KEYS[0])) as stream:
+            lines = stream.iter_lines()
+            next(lines)
+            assert http.get("/load").json()["server_load"] == 1
