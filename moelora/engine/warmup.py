@@ -23,6 +23,11 @@ registered adapter's; then the sampler's paths (greedy, temperature, top-k/p, se
 penalties, logit_bias, min_tokens) and the read-back. Torch kernels compile nothing, so on the torch
 backend (the CPU) one step of each kind is run.
 
+A launch argument derived from T in a way T's class does not fix (a chunk or block count: `cdiv(T * K, 128)`,
+`plan_capacity`) is `do_not_specialize` in its kernel, and a constexpr from one is taken from T's power-of-two
+range: tests/engine/test_warmup.py draws steps after the warm-up and finds no new specialization. Not covered
+yet: MLA's expanded attention with LoRA over cached rows (`forward_rows`, a row count past the budget).
+
 It leaves nothing behind: its requests live only here (no scheduler, no prefix-cache entry), their
 blocks are returned and the free list restored to its order, adapter slots are named but the pool is
 never asked (no load, no LRU move), graph replay counters and the RNG states are put back.

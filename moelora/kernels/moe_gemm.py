@@ -29,7 +29,7 @@ def _tile_ids(num_blocks, num_n, GROUP_M: tl.constexpr):
     return first_m + (pid % width) % size, (pid % width) // size
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_blocks"])  # not a function of T's class: warmup.py
 def gate_up_kernel(
     x_ptr, w, h_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr,
     slots_ptr, ranks_ptr, a_ptr, b_ptr, xa_ptr, delta_ptr,
@@ -119,7 +119,7 @@ def gate_up_kernel(
         tl.store(h_rows, hv.to(h_ptr.dtype.element_ty), mask=h_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_blocks"])  # not a function of T's class: warmup.py
 def down_kernel(
     h, h_ptr, w, y_ptr, topk_w_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr,
     slots_ptr, ranks_ptr, a_ptr, b_ptr, xa_ptr,

@@ -48,7 +48,7 @@ def _layout(counts, sorted_ptr, eob_ptr, num_padded_ptr, n_routes, E, max_blocks
     return poff
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks"])  # not a function of T's class: warmup.py
 def _plan_expert_kernel(ids_ptr, sorted_ptr, eob_ptr, num_padded_ptr, n_routes, E, max_blocks,
                         BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
                         PDL: tl.constexpr):
@@ -97,7 +97,7 @@ def _plan_count_kernel(ids_ptr, counts_ptr, n_routes, C: tl.constexpr, BLOCK_E: 
     tl.store(counts_ptr + c * BLOCK_E + tl.arange(0, BLOCK_E), tl.histogram(e, BLOCK_E, mask=valid))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_chunks", "max_blocks"])  # not a function of T's class: warmup.py
 def _plan_scan_kernel(counts_ptr, base_ptr, sorted_ptr, eob_ptr, num_padded_ptr, n_chunks, n_routes, E,
                       max_blocks, BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
                       TILE_C: tl.constexpr, PDL: tl.constexpr):
@@ -161,7 +161,8 @@ def build_routing_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int, *
         return plan
     ids = (topk_ids if local is None else local).contiguous().view(-1)
     block_e = max(16, next_pow2(num_experts))
-    block_b = max(16, min(128, 4096 // block_m, next_pow2(max_blocks)))
+    # a constexpr from n's power-of-two range, not from max_blocks itself: one compile a range (warmup.py)
+    block_b = max(16, min(128, 4096 // block_m, next_pow2(plan_capacity(next_pow2(n), num_experts, block_m)[1])))
     if n <= _PER_EXPERT_MAX_ROUTES:
         warps = 4 if n <= 1024 else 8
         # at least one id per thread: tl.histogram over a layout that repeats ids across threads

@@ -96,7 +96,7 @@ def spread_shrink(src_ptr, src_rows, stride_src, slot, valid, ranks_ptr, a_ptr, 
              mask=valid[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_blocks"])  # not a function of T's class: warmup.py
 def act_spread_kernel(gu_ptr, h_ptr, sorted_ids_ptr, eob_ptr, num_padded_ptr, slots_ptr, gu_ranks_ptr, gu_b_ptr,
                       xa_gu_ptr, d_ranks_ptr, d_a_ptr, xa_d_ptr, n_routes, top_k, inter, num_blocks, stride_gu,
                       stride_h, stride_gbs, stride_gbe, stride_gbn, stride_das, stride_dae, stride_dar,
