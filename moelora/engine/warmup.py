@@ -25,8 +25,9 @@ backend (the CPU) one step of each kind is run.
 
 A launch argument derived from T in a way T's class does not fix (a chunk or block count: `cdiv(T * K, 128)`,
 `plan_capacity`) is `do_not_specialize` in its kernel, and a constexpr from one is taken from T's power-of-two
-range: tests/engine/test_warmup.py draws steps after the warm-up and finds no new specialization. Not covered
-yet: MLA's expanded attention with LoRA over cached rows (`forward_rows`, a row count past the budget).
+range: tests/engine/test_warmup.py draws steps after the warm-up and finds no new specialization. MLA's
+expanded attention expands every cached row of a step at once (`forward_rows`), past the token budget: its
+extends of 2 tokens over contexts of each row-count class up to CONTEXT_ROWS_COVER rows cover those.
 
 It leaves nothing behind: its requests live only here (no scheduler, no prefix-cache entry), their
 blocks are returned and the free list restored to its order, adapter slots are named but the pool is
@@ -172,6 +173,18 @@ def _stride_classes(least: int) -> list[int]:
     return ([1] if least <= 1 else []) + [other, -(-least // 16) * 16]
 
 
+# MLA's expanded attention expands every cached row of a step at once (`forward_rows`): a row count of its own, up to
+# the contexts' sum. Its launch configs change at powers of two up to 4096 rows (the dense LoRA policy), none above
+CONTEXT_ROWS_COVER = 8192
+
+
+def _context_rows(cfg, budget: int) -> list[int]:
+    """Row counts (cached context + a 2-token extend) of each class in each power-of-two range up to
+    CONTEXT_ROWS_COVER (or the longest sequence); above it a row count's class is all that matters."""
+    top = min(max(CONTEXT_ROWS_COVER, budget), cfg.max_model_len)
+    return [r for r in token_counts(top) if r > 2]
+
+
 def _split(total: int, longest: int) -> list[tuple[int, int]]:
     """`total` new tokens as prefills of at most `longest` tokens each."""
     return [(0, min(longest, total - i)) for i in range(0, total, longest)]
@@ -193,6 +206,9 @@ def _forwards(engine, scratch: _Scratch, widths: list[int | None], small: bool) 
         for q in queries:  # under a query of q tokens, block tables of each row-stride class
             for blocks in _stride_classes(-(-q // bs)):
                 runs += _step(scratch, [(blocks * bs - q, q)], width) is not None
+        if engine.model_config.attention == "mla" and not small:
+            for rows in _context_rows(cfg, budget):  # each row count class of the cached rows expanded at once
+                runs += _step(scratch, [(rows - 2, 2)], width) is not None
         if engine.graphs is None:
             for b in decodes:
                 for blocks in (1, 3, 16):
