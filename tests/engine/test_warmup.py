@@ -188,23 +188,10 @@ def test_serve_skip_warmup_flag():
     assert serve_engine_config(build_parser().parse_args(["serve", "--skip-warmup"])).warmup is False
 
 
-@pytest.mark.interp
-@pytest.mark.parametrize("family,experts,top_k,budget,trials", [
-    ("qwen3_moe", 128, 8, 8192, 40), ("deepseek_v3", 64, 6, 2048, 30)])
-def test_after_the_warm_up_no_step_compiles_a_kernel(family, experts, top_k, budget, trials):
-    """Every Triton launch's specialization (`tests/helpers/specialization.py`) is recorded with the kernels skipped:
-    through the warm-up, then through steps of random token counts up to the budget, of prompts of random lengths
-    over random cached contexts beside decodes, on no adapter and on a slot. None may need a variant the warm-up
-    did not compile: on a GPU each costs every request in flight 0.1-1.5 s (the H100's first burst of 24 prompts
-    beside 2 decodes waited 1.0 s on `_plan_scan_kernel`, whose chunk count's divisibility by 16 is not T's).
-    DeepSeek-V3's MLA with LoRA expands every cached row of a step through kv_b_proj at once: row counts past the
-    budget (the contexts' sum), which its warm-up's long extends cover."""
-    sizes = dict(num_experts=experts) if family == "qwen3_moe" else dict(n_routed_experts=experts)
-    hf = tiny_hf_model(family, seed=7, num_experts_per_tok=top_k, max_position_embeddings=4 * budget, **sizes)
-    model = build_from_architecture(hf, max_loras=2, max_rank=16)
-    eng = engine(model, {"x": random_adapter(model, 20, 8)}, max_loras=2, max_lora_rank=16, kernel_backend="triton",
-                 max_num_batched_tokens=budget, max_num_seqs=64, block_size=16, num_kv_blocks=2 * budget,
-                 max_model_len=2 * budget)
+def _new_specializations(eng, budget: int, trials: int, widths: tuple) -> dict:
+    """{kernel: first step} of the launches whose specialization (`tests/helpers/specialization.py`, the kernels
+    skipped) no launch of the warm-up had, over `trials` random steps of up to `budget` tokens (prompts of random
+    lengths, fresh or over a cached context, beside 0-8 decodes) at each LoRA width of `widths`."""
     seen: dict = {}
     phase = ["warm-up"]
     with recording_launches(lambda key: seen.setdefault(key, phase[0])):
@@ -215,14 +202,50 @@ def test_after_the_warm_up_no_step_compiles_a_kernel(family, experts, top_k, bud
                 t = rng.randint(1, budget)
                 decodes = rng.randint(0, min(8, t - 1))
                 seqs, left = [], t - decodes
-                while left:  # prompts of few or many tokens, fresh or over a cached context; then the decodes
+                while left:
                     n = min(left, rng.choice([rng.randint(1, 64), rng.randint(1, budget)]))
-                    context = rng.choice([0, 0, rng.randint(1, budget // 2)])
-                    seqs.append((context, n))
+                    seqs.append((rng.choice([0, 0, rng.randint(1, budget // 2)]), n))
                     left -= n
                 seqs += [(rng.randint(1, budget), 1) for _ in range(decodes)]
-                for width in (None, 16):
+                for width in widths:
                     phase[0] = f"{t} tokens {seqs[:3]}... ({decodes} decodes), LoRA width {width}"
                     assert _step(scratch, seqs, width) is not None, phase[0]  # the cache holds every trial
-    new = {key[0]: step for key, step in seen.items() if step != "warm-up"}
+    return {key[0]: step for key, step in seen.items() if step != "warm-up"}
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("family,experts,top_k,budget,trials", [
+    ("qwen3_moe", 128, 8, 8192, 40), ("deepseek_v3", 64, 6, 2048, 30)])
+def test_after_the_warm_up_no_step_compiles_a_kernel(family, experts, top_k, budget, trials):
+    """No step after the warm-up needs a kernel variant it did not compile: on a GPU each costs every request in
+    flight 0.1-1.5 s (the H100's first burst of 24 prompts beside 2 decodes waited 1.0 s on `_plan_scan_kernel`,
+    whose chunk count's divisibility by 16 is not T's). DeepSeek-V3's MLA with LoRA expands every cached row of a
+    step through kv_b_proj at once: row counts past the budget (the contexts' sum), which its warm-up's long
+    extends cover."""
+    sizes = dict(num_experts=experts) if family == "qwen3_moe" else dict(n_routed_experts=experts)
+    hf = tiny_hf_model(family, seed=7, num_experts_per_tok=top_k, max_position_embeddings=4 * budget, **sizes)
+    model = build_from_architecture(hf, max_loras=2, max_rank=16)
+    eng = engine(model, {"x": random_adapter(model, 20, 8)}, max_loras=2, max_lora_rank=16, kernel_backend="triton",
+                 max_num_batched_tokens=budget, max_num_seqs=64, block_size=16, num_kv_blocks=2 * budget,
+                 max_model_len=2 * budget)
+    new = _new_specializations(eng, budget, trials, (None, 16))
+    assert not new, f"compiled after the warm-up (kernel: first step): {new}"
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_after_the_warm_up_no_fp8_step_compiles_a_kernel(tmp_path, family):
+    """The same on FP8 W8A8 projections (a bf16 engine quantizing a checkpoint of 128-wide blocks on load)."""
+    from moelora.engine.config import EngineConfig
+    from moelora.engine.loader import build_engine
+
+    sizes = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256)
+    sizes.update(dict(head_dim=128, num_experts=128, num_experts_per_tok=8) if family == "qwen3_moe" else
+                 dict(qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, n_routed_experts=64,
+                      num_experts_per_tok=6))
+    tiny_hf_model(family, seed=7, num_hidden_layers=2, max_position_embeddings=8192, **sizes).save_pretrained(tmp_path)
+    eng = build_engine(tmp_path, EngineConfig(device="cpu", dtype="bfloat16", kernel_backend="triton",
+                                              quantization="fp8", max_num_batched_tokens=2048, max_num_seqs=64,
+                                              block_size=16, num_kv_blocks=4096, max_model_len=4096, warmup=False))
+    new = _new_specializations(eng, 2048, 20, (None,))
     assert not new, f"compiled after the warm-up (kernel: first step): {new}"
