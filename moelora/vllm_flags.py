@@ -46,7 +46,7 @@ def add_flags(serve: argparse.ArgumentParser) -> None:
                        metavar="LEVEL|JSON", help="accepted for vLLM command lines (-O3, a JSON object): moelora "
                                                   "runs its own kernels and CUDA graphs (logged as ignored)")
     serve.add_argument("--cuda-graph-sizes", type=types.positive, nargs="+", default=None, metavar="N",
-                       help="accepted: moelora captures its own sizes (decode graphs 1, 2, 4, 8, 16, 32, ... up to "
+                       help="accepted: moelora captures its own sizes (decode graphs at 1, 2, 4, 8, then every 16 to "
                             "--max-num-seqs; prompt steps up to --max-cudagraph-capture-size tokens); logged")
     serve.add_argument("--enable-eplb", action="store_true",
                        help="accepted for vLLM command lines: expert load balancing is not implemented (logged)")
