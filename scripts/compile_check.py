@@ -1,4 +1,4 @@
-"""Compile every fused-MoE launch the tuner can try, for the H200 (sm_90), on a machine with no GPU.
+"""Compile every fused-MoE launch the tuner can try, for an H200 / H100 (sm_90), on a machine with no GPU.
 
 The interpreter tests (TRITON_INTERPRET=1) run the kernels' Python, so they miss what only the compiler
 sees: a loop-carried variable whose shape changes, a constexpr misuse, a tile that needs more shared
@@ -9,8 +9,10 @@ what benchmarks/tune_fused_moe.py times) on each table entry's tiles, so a kerne
 here before it costs device time.
 
 Usage: python scripts/compile_check.py [--shapes qwen3_30b_a3b,...] [--ms 1,128,4096] [--resources] [--picks] [--fp8]
+                                      [--gpu "NVIDIA H100 80GB HBM3"]
        python scripts/compile_check.py --engine dsv2_lite,qwen3_30b [--dtypes float32,float16,bfloat16]
   --picks: only the table's own entries (the launches serving makes; a unit test compiles these).
+  --gpu: whose table (the name torch.cuda.get_device_name gives; default "NVIDIA H200"); both are sm_90.
   --fp8: also on e4m3 expert weights, W8A16 and W8A8: the table's FP8 entries of each mode (`fp8_moe_config`:
   else the bf16 entry's `fp8_tiles`), with the same LoRA trials.
   --resources: print each kernel's registers and local memory (spills) from its cubin (cuobjdump; the
@@ -52,7 +54,7 @@ from moelora.kernels.moe_config import tuned_fused_moe_config  # noqa: E402
 from moelora.kernels.moe_lora import PATHS  # noqa: E402
 
 SM90_SHARED = 232448  # bytes of shared memory one H100 / H200 program may use
-GPU_NAME = "NVIDIA H200"
+GPU_NAME = "NVIDIA H200"  # --gpu's default
 
 
 class SM90Driver:
@@ -143,11 +145,12 @@ def _resources(kernel) -> str:
     return f" regs {found.group(1)} local {found.group(3)} stack {found.group(2)}" if found else " regs ?"
 
 
-def configs_for(shape: dict, M: int, picks_only: bool = False, fp8: FP8ExpertScales | None = None):
-    """(base from the table, then on its tiles every registered path's trials and each of its refinements
+def configs_for(shape: dict, M: int, picks_only: bool = False, fp8: FP8ExpertScales | None = None,
+                gpu: str = GPU_NAME):
+    """(base from `gpu`'s table, then on its tiles every registered path's trials and each of its refinements
     on the path's default config, at every pool width); picks_only: the table's entry alone. fp8: the
     table's entry for those FP8 weights and activation mode (`fp8_moe_config`), else the bf16 one."""
-    args = (shape["E"], shape["H"], shape["I"], M, shape["K"], torch.bfloat16, GPU_NAME)
+    args = (shape["E"], shape["H"], shape["I"], M, shape["K"], torch.bfloat16, gpu)
     base = (tuned_fused_moe_config(*args) if fp8 is None
             else fp8_moe_config(*args, None, fp8.quantize_activations))
     cfgs = [base]
@@ -213,6 +216,7 @@ def main(argv=None) -> int:
     ap.add_argument("--resources", action="store_true")
     ap.add_argument("--picks", action="store_true", help="only the table's own entries (what serving runs)")
     ap.add_argument("--fp8", action="store_true", help="also on FP8 expert weights (W8A16 and W8A8)")
+    ap.add_argument("--gpu", default=GPU_NAME, help="the GPU whose table's entries to compile (an sm_90 one)")
     ap.add_argument("--engine", default=None, help="instead: every launch of an engine of these decode.py shapes")
     ap.add_argument("--dtypes", default="float32,float16,bfloat16", help="--engine's model dtypes")
     args = ap.parse_args(argv)
@@ -232,8 +236,9 @@ def main(argv=None) -> int:
                 x, wts, ids = make_inputs(layer, M)
                 loras = [make_lora(layer, M, v) for v in ("1ad_r16", "8ad_r16", "8ad_r64")]
                 n_before = len(comp.seen)
-                for cfg, lay, lora in [(c, la, lo) for la in layers for c in configs_for(shape, M, args.picks, la.fp8)
-                                       for lo in loras]:
+                launches = [(c, la, lo) for la in layers for c in configs_for(shape, M, args.picks, la.fp8, args.gpu)
+                            for lo in loras]
+                for cfg, lay, lora in launches:
                     fused_moe(x, lay.w_gu, lay.w_d, wts, ids, lora=lora, out=torch.empty_like(x), config=cfg,
                               fp8=lay.fp8)
                 print(f"{name} M={M}: {len(comp.seen) - n_before} new kernels, {len(comp.failures)} failures so far",

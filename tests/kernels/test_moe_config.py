@@ -80,6 +80,19 @@ def test_h200_table_lookup_picks_the_smallest_tuned_m_at_or_above():
     assert tuned_fused_moe_config(128, 2048, 768, 300, 8, torch.bfloat16, "Some GPU") != cfg
 
 
+def test_an_h100_takes_its_own_table_not_the_h200s_or_the_heuristic():
+    # the name torch gives an H100 SXM; its table was tuned on one (48th session), its picks differ from the H200's
+    h100 = json.loads((CONFIG_DIR / "fused_moe_nvidia_h100_80gb_hbm3.json").read_text())["configs"]
+    h200 = json.loads((CONFIG_DIR / "fused_moe_nvidia_h200.json").read_text())["configs"]
+    qwen3 = "E=128,H=2048,I=768,dtype=bfloat16"
+    for m in ("8", "64", "4096"):
+        cfg = tuned_fused_moe_config(128, 2048, 768, int(m), 8, torch.bfloat16, "NVIDIA H100 80GB HBM3")
+        assert cfg == FusedMoEConfig.from_dict(h100[qwen3][m]), m
+    assert h100[qwen3]["8"] != h200[qwen3]["8"]
+    assert (tuned_fused_moe_config(128, 2048, 768, 8, 8, torch.bfloat16, "NVIDIA H100 80GB HBM3")
+            != default_fused_moe_config(128, 2048, 768, 8, 8))
+
+
 def test_on_path_keeps_the_entrys_own_knobs_of_that_path():
     cfg = FusedMoEConfig(lora=BlockConfig(block_n=256), lora_wide=RouteConfig(order="plan"))
     assert cfg.on_path("route") == cfg.with_lora(RouteConfig(order="plan"))
