@@ -145,11 +145,13 @@ def eager_time_ms(fn, rep=40) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=rep, return_mode="median")
 
 
-def moe_call(layer: Layer, x, wts, ids, lora, config=None, side_stream=None):
-    """The layer call to time; `side_stream`: the LoRA side stream the engine gives it (overlap_lora)."""
+def moe_call(layer: Layer, x, wts, ids, lora, config=None, side_stream=None, pdl: bool = False):
+    """The layer call to time; `side_stream`: the LoRA side stream the engine gives it (overlap_lora,
+    `side_stream.lora_stream`); `pdl`: launches with programmatic dependent launch, as the engine's (EngineConfig.pdl,
+    on by default; off on GPUs without it)."""
     out = torch.empty_like(x)
     return lambda: fused_moe(x, layer.w_gu, layer.w_d, wts, ids, lora=lora, out=out, config=config,
-                             side_stream=side_stream, route_rows=layer.route_rows, fp8=layer.fp8)
+                             side_stream=side_stream, route_rows=layer.route_rows, fp8=layer.fp8, pdl=pdl)
 
 
 def copy_gbps() -> float:

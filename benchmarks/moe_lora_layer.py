@@ -4,17 +4,18 @@ Shape legend: M tokens, H hidden, I expert intermediate, E experts, K top-k, R r
 Usage: python benchmarks/moe_lora_layer.py [CSV path] [--shapes a,b] [--ms 1,8] [--variants off,8ad_r16]
        [--shrink table,route,block]   (LoRA variants once per routed-LoRA path, at every pool width: the table
        entry's own config of that path, else the path's defaults; "table": the tuned config as it is)
-       [--gate-up-at table,epilogue,activation] [--no-side-stream] [--chain 8 (default; 0: off)]
+       [--gate-up-at table,epilogue,activation] [--no-side-stream] [--no-pdl] [--chain 8 (default; 0: off)]
        [--sets "block_n=64;block_n=256,block_k=64"]   (LoRA variants once per ';'-separated set of the
        path's config fields, ints or strings, set on each of the config's LoRA paths that has them)
        [--dtype bf16,fp8,fp8a8]   (expert weights: bf16, or e4m3 with 128 x 128 block scales, W8A16 ("fp8") or
        W8A8 ("fp8a8"); each dtype's rows compare with its own LoRA-off row; the bytes bound counts FP8
        weights at 1 byte)
-The LoRA deltas get a side stream, as the engine gives them (EngineConfig.overlap_lora), unless
---no-side-stream. --chain N: also the time per layer of one graph replaying N layers of distinct
-weights in turn (as a decode step replays its layers; their weights exceed L2, so no flush is needed):
-a single-layer graph's replay carries the graph launch itself, which a decode step pays once, not once
-per layer (column chain_ms).
+The layer launches as the engine launches it: the LoRA deltas on the engine's side stream (at its high priority:
+`side_stream.lora_stream`, EngineConfig.overlap_lora) unless --no-side-stream, every Triton launch with programmatic
+dependent launch (EngineConfig.pdl) unless --no-pdl.
+--chain N: also the time per layer of one graph replaying N layers of distinct weights in turn (as a decode step
+replays its layers; their weights exceed L2, so no flush is needed): a single-layer graph's replay carries the
+graph launch itself, which a decode step pays once, not once per layer (column chain_ms).
 Writes the CSV to the path, else $OUT/moe_lora_layer.csv, else ./moe_lora_layer.csv. Prints, per
 row, the CUDA-graph replay median, achieved GB/s and its ratio to the bytes bound (distinct
 experts' weights + distinct (adapter, expert) LoRA A/B + activations, over the copy bandwidth
@@ -50,6 +51,8 @@ from moe_bench_common import (  # noqa: E402
     moe_call,
 )
 
+from moelora.kernels.side_stream import lora_stream  # noqa: E402
+
 EAGER_VARIANTS = ("off", "8ad_r16")
 
 
@@ -82,11 +85,13 @@ def main(argv=None):
     ap.add_argument("--gate-up-at", default="table", help="table, or a list of epilogue / activation")
     ap.add_argument("--sets", default="", help="';'-separated sets of config overrides (key=value,...)")
     ap.add_argument("--no-side-stream", action="store_true", help="LoRA deltas on the main stream (overlap_lora off)")
+    ap.add_argument("--no-pdl", action="store_true", help="plain launches (the engine's default is PDL)")
     ap.add_argument("--dtype", default="bf16", help="a list of bf16 / fp8 (W8A16) / fp8a8 (W8A8)")
     ap.add_argument("--chain", type=int, default=8, help="also time N distinct layers in one graph, per layer "
                     "(0: not; the decode-like per-layer time, the one the targets are read against)")
     args = ap.parse_args(argv)
-    side = None if args.no_side_stream else torch.cuda.Stream()
+    side = None if args.no_side_stream else lora_stream(torch.device("cuda", torch.cuda.current_device()))
+    pdl = not args.no_pdl
     out_dir = os.environ.get("OUT", ".")
     path = Path(args.csv or Path(out_dir) / "moe_lora_layer.csv")
     bw, peak = measure_ceilings()
@@ -123,12 +128,12 @@ def main(argv=None):
                     kv = dict(item.split("=") for item in sets.split(","))
                     cfg = with_knobs(cfg, {k: int(v) if v.lstrip("-").isdigit() else v for k, v in kv.items()})
                     label = f"{label}[{sets}]"
-                fn = moe_call(layer, x, wts, ids, lora, cfg, side)
+                fn = moe_call(layer, x, wts, ids, lora, cfg, side, pdl)
                 t = graph_time_ms(fn)
                 t_eager = eager_time_ms(fn) if label.split("/")[0].split(":")[0] in EAGER_VARIANTS else float("nan")
                 t_chain = float("nan")
                 if others:
-                    calls = [fn] + [moe_call(o, x, wts, ids, make_lora(o, M, var), cfg, side) for o in others]
+                    calls = [fn] + [moe_call(o, x, wts, ids, make_lora(o, M, var), cfg, side, pdl) for o in others]
                     t_chain = graph_time_ms(lambda calls=calls: [c() for c in calls]) / len(calls)
                 t_off = t if var == "off" else t_off
                 c_off = t_chain if var == "off" else c_off

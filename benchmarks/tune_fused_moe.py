@@ -11,11 +11,14 @@ of batch, and the best path differs between them: H200, Qwen3 M=256, scored on 8
 on both the block path, which then decoded faster with 1 adapter AND with 8): every registered path's
 `trials` (moelora.kernels.moe_lora), then each of the pick's `refinements`, kept if faster; then
 `lora_wide` (each path at its best narrow config) on 8 adapters of rank 64 plus 8 of rank 8 in the
-rank-64 pool. LoRA timings use a side stream, as the engine's overlap_lora does (--no-side-stream: not).
+rank-64 pool. Every timing launches as the engine does: with programmatic dependent launch (EngineConfig.pdl;
+--no-pdl: plain launches, which charge each extra launch its full latency: the per-route plan's saved launch won
+a 2 % bar here and lost 3-4 % in the engine on an H100, DSV2 M=1) and the LoRA deltas on the engine's high-priority
+side stream (`side_stream.lora_stream`, overlap_lora; --no-side-stream: not).
 Usage:
   python benchmarks/tune_fused_moe.py [--shapes a,b] [--model /path/to/hf-model ...
                                       [--tensor-parallel-size N [--enable-expert-parallel]]] [--ms 1,8]
-                                      [--lora-only] [--no-side-stream] [--score 1ad_r16,8ad_r16 | 8ad_r16]
+                                      [--lora-only] [--no-side-stream] [--no-pdl] [--score 1ad_r16,8ad_r16 | 8ad_r16]
                                       [--dtype bf16 | fp8 | fp8a8 | fp8,fp8a8] [--tiles-only] [--precompile N]
 The table is keyed by GPU name and (E, H, I, weight dtype), so `--model` tunes a deployment's own model;
 with --tensor-parallel-size N its ranks' shapes (E / N experts under EP, or each rank's intermediate rows: on FP8
@@ -38,6 +41,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -60,6 +64,7 @@ from moelora.config import ModelConfig  # noqa: E402
 from moelora.kernels.fp8_moe import fp8_table_key  # noqa: E402
 from moelora.kernels.moe_config import CONFIG_DIR, FusedMoEConfig, GemmTile, device_tag, shape_key  # noqa: E402
 from moelora.kernels.moe_lora import PATHS  # noqa: E402
+from moelora.kernels.side_stream import lora_stream  # noqa: E402
 
 DECODE_TILES = [(64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 4, 3), (32, 256, 4, 3), (16, 256, 4, 4)]
 MID_TILES = [(64, 128, 4, 3), (128, 64, 4, 4)]
@@ -84,10 +89,22 @@ def _candidates(M: int, shape: dict) -> list[FusedMoEConfig]:
     return [FusedMoEConfig(bm, GemmTile(*t), GemmTile(*t)) for bm, t in combos]
 
 
-def timed(layer, x, wts, ids, lora, cfg, side=None) -> float:
-    """Graph replay ms of one config; `side`: the LoRA side stream (the engine's overlap_lora)."""
+class Launch(NamedTuple):
+    """How the layer is launched while timed: as the engine launches it (its LoRA side stream, `overlap_lora`, at
+    the engine's priority: `side_stream.lora_stream`; programmatic dependent launch, `EngineConfig.pdl`), unless
+    --no-side-stream / --no-pdl."""
+
+    side: torch.cuda.Stream | None = None
+    pdl: bool = False
+
+
+PLAIN = Launch()  # no side stream, plain launches (the defaults of the functions below)
+
+
+def timed(layer, x, wts, ids, lora, cfg, how: Launch = PLAIN) -> float:
+    """Graph replay ms of one config, launched `how`."""
     try:
-        return graph_time_ms(moe_call(layer, x, wts, ids, lora, cfg, side), rep=25)
+        return graph_time_ms(moe_call(layer, x, wts, ids, lora, cfg, how.side, how.pdl), rep=25)
     except Exception as exc:  # out of shared memory / registers for this tile: skip it
         print(f"  skip {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
         torch.cuda.synchronize()
@@ -105,7 +122,8 @@ def refinements(base: FusedMoEConfig) -> list[FusedMoEConfig]:
     return [base.with_lora(dataclasses.replace(base.lora, **change)) for change in PATHS[base.lora.path].refinements]
 
 
-def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("1ad_r16", "8ad_r16")) -> FusedMoEConfig:
+def tune_lora(layer, M, base: FusedMoEConfig, log, how: Launch = PLAIN, score=("1ad_r16", "8ad_r16")
+              ) -> FusedMoEConfig:
     """Keep base's tiles; pick the LoRA path and its knobs by the summed time of the `score` variants
     (default one adapter and 8, rank 16): every path's trials, then the pick's refinements, each kept if
     faster."""
@@ -113,7 +131,7 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("1ad_r16", 
     loras = [make_lora(layer, M, v) for v in score]
 
     def run(cfg):
-        return sum(timed(layer, x, wts, ids, lora, cfg, side) for lora in loras)
+        return sum(timed(layer, x, wts, ids, lora, cfg, how) for lora in loras)
 
     scored = []
     for cfg in lora_trials(base):
@@ -128,14 +146,14 @@ def tune_lora(layer, M, base: FusedMoEConfig, log, side=None, score=("1ad_r16", 
             t_best, best = t, cfg
     print(f"  M={M:5d} {'+'.join(score)} " + "  ".join(f"{_tag(c.lora)} {t * 1e3:7.1f}" for t, c in scored)
           + f"  -> {_tag(best.lora)}", flush=True)
-    return tune_wide(layer, M, best, scored, log, side)
+    return tune_wide(layer, M, best, scored, log, how)
 
 
 def _tag(cfg) -> str:
     return cfg.path + "/" + "/".join(f"{k}{v}" for k, v in dataclasses.asdict(cfg).items())
 
 
-def tune_wide(layer, M, base: FusedMoEConfig, scored, log, side=None) -> FusedMoEConfig:
+def tune_wide(layer, M, base: FusedMoEConfig, scored, log, how: Launch = PLAIN) -> FusedMoEConfig:
     """Keep base; pick lora_wide (the path of pools of max rank > 16): each path at its best config of the
     narrow round (`scored`), on the summed time of 8 adapters of rank 64 and of 8 of rank 8 in that pool (a
     narrow adapter in a wide pool must cost what its rank costs)."""
@@ -147,7 +165,7 @@ def tune_wide(layer, M, base: FusedMoEConfig, scored, log, side=None) -> FusedMo
     wide = []
     for path, lora in best_of.items():
         cfg = dataclasses.replace(base, lora_wide=None if lora == base.lora else lora)
-        wide.append((sum(timed(layer, x, wts, ids, lo, cfg, side) for lo in loras), cfg))
+        wide.append((sum(timed(layer, x, wts, ids, lo, cfg, how) for lo in loras), cfg))
         log.append(dict(M=M, what=f"wide_{path}", config=json.dumps(cfg.to_dict()), ms=wide[-1][0]))
     t_best, best = min(wide, key=lambda p: p[0])
     print(f"  M={M:5d} 8ad_r64+8ad_r8_pool64 " + "  ".join(f"{c.lora_for(64).path} {t * 1e3:7.1f}" for t, c in wide)
@@ -155,31 +173,31 @@ def tune_wide(layer, M, base: FusedMoEConfig, scored, log, side=None) -> FusedMo
     return best
 
 
-def tune_one(layer, M, log, side=None, score=("1ad_r16", "8ad_r16"), lora_from: dict | None = None):
+def tune_one(layer, M, log, how: Launch = PLAIN, score=("1ad_r16", "8ad_r16"), lora_from: dict | None = None):
     """The entry of one M: tiles (LoRA off), then the LoRA round, or (lora_from, --tiles-only) its LoRA fields."""
     x, wts, ids = make_inputs(layer, M)
     scored = []
     tried = candidates(M, layer.shape, layer.fp8 is not None)
     for cfg in tried:
-        t = timed(layer, x, wts, ids, None, cfg)
+        t = timed(layer, x, wts, ids, None, cfg, how)
         scored.append((t, cfg))
         log.append(dict(M=M, what="tile", config=json.dumps(cfg.to_dict()), ms=t))
     t_best, best = min(scored, key=lambda p: p[0])
     for which in ("down", "gate_up") if layer.fp8 is not None else ():
         for cfg in split_refinements(best, tried, which):
-            t = timed(layer, x, wts, ids, None, cfg)
+            t = timed(layer, x, wts, ids, None, cfg, how)
             log.append(dict(M=M, what=f"tile_{which}", config=json.dumps(cfg.to_dict()), ms=t))
             if t < t_best:
                 best, t_best = cfg, t
     tma = dataclasses.replace(best, use_tma=True)
-    t_tma = float("nan") if layer.fp8 is not None else timed(layer, x, wts, ids, None, tma)
+    t_tma = float("nan") if layer.fp8 is not None else timed(layer, x, wts, ids, None, tma, how)
     log.append(dict(M=M, what="tma", config=json.dumps(tma.to_dict()), ms=t_tma))
     if t_tma < 0.98 * t_best:
         best, t_best = tma, t_tma
     t_pr = float("nan")
     if M * layer.shape["K"] <= layer.shape["E"]:  # routes rarely share an expert: no sort, a block per route
         pr = dataclasses.replace(best, plan_per_route=True)
-        t_pr = timed(layer, x, wts, ids, None, pr)
+        t_pr = timed(layer, x, wts, ids, None, pr, how)
         log.append(dict(M=M, what="plan_per_route", config=json.dumps(pr.to_dict()), ms=t_pr))
         if t_pr < 0.98 * t_best:
             best, t_best = pr, t_pr
@@ -188,7 +206,7 @@ def tune_one(layer, M, log, side=None, score=("1ad_r16", "8ad_r16"), lora_from: 
     log.append(dict(M=M, what="best_off", config=json.dumps(best.to_dict()), ms=t_best))
     if lora_from is not None:
         return dataclasses.replace(best, **lora_fields_from(lora_from))
-    return tune_lora(layer, M, best, log, side, score)
+    return tune_lora(layer, M, best, log, how, score)
 
 
 def model_shapes(model_dir: str, tensor_parallel_size: int = 1, expert_parallel: bool = False,
@@ -225,6 +243,7 @@ def main(argv=None):
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--lora-only", action="store_true", help="keep the table's tiles, re-pick the LoRA fields")
     ap.add_argument("--no-side-stream", action="store_true", help="time LoRA without the engine's side stream")
+    ap.add_argument("--no-pdl", action="store_true", help="plain launches (the engine's default is PDL)")
     ap.add_argument("--dtype", default="bf16", help="expert weights, a list of: bf16, or e4m3 timed W8A16 (fp8) / "
                     "W8A8 (fp8a8)")
     ap.add_argument("--tiles-only", action="store_true", help="no LoRA round: LoRA fields from the bf16 entry")
@@ -235,7 +254,8 @@ def main(argv=None):
     dtypes = args.dtype.split(",")
     if set(dtypes) - set(DTYPES):
         ap.error(f"--dtype: {sorted(set(dtypes) - set(DTYPES))} not in {list(DTYPES)}")
-    side = None if args.no_side_stream else torch.cuda.Stream()
+    device = torch.device("cuda", torch.cuda.current_device())
+    how = Launch(None if args.no_side_stream else lora_stream(device), not args.no_pdl)
     score = tuple(args.score.split(","))
     gpu = torch.cuda.get_device_name()
     path = CONFIG_DIR / f"fused_moe_{device_tag(gpu)}.json"
@@ -248,7 +268,8 @@ def main(argv=None):
     out = Path(os.environ.get("OUT", "."))
     ms = [int(m) for m in args.ms.split(",")]
     precompile([(shape, d, M, c.to_dict()) for _n, shape in shapes for d in dtypes for M in ms
-                for c in candidates(M, shape, DTYPES[d] is not None)], 0 if args.lora_only else args.precompile)
+                for c in candidates(M, shape, DTYPES[d] is not None)], 0 if args.lora_only else args.precompile,
+               how.pdl)
 
     def save():  # after every entry: a run cut short (a device call's time limit) keeps what it tuned
         text = json.dumps(table, indent=1, sort_keys=True) + "\n"
@@ -270,13 +291,13 @@ def main(argv=None):
         per_m = table["configs"].setdefault(key, {})
         for M in ms:
             if args.lora_only and str(M) in per_m:
-                per_m[str(M)] = tune_lora(layer, M, FusedMoEConfig.from_dict(per_m[str(M)]), log, side,
+                per_m[str(M)] = tune_lora(layer, M, FusedMoEConfig.from_dict(per_m[str(M)]), log, how,
                                           score).to_dict()
             else:
                 lora_from = None
                 if args.tiles_only:
                     lora_from = table["configs"].get(bf16_key, {}).get(str(M)) or per_m.get(str(M)) or {}
-                per_m[str(M)] = tune_one(layer, M, log, side, score, lora_from).to_dict()
+                per_m[str(M)] = tune_one(layer, M, log, how, score, lora_from).to_dict()
             for row in log:
                 row.setdefault("shape", f"{sname}:{dtype}")
             save()

@@ -9,22 +9,24 @@ here; a launch that fails (out of shared memory) is counted and left to the timi
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import sys
 import time
 from pathlib import Path
 
 
-def precompile(jobs: list[tuple[dict, str, int, dict]], workers: int) -> None:
+def precompile(jobs: list[tuple[dict, str, int, dict]], workers: int, pdl: bool = False) -> None:
     """jobs: (shape, dtype name of moe_bench_common.DTYPES, M, config dict) launches, compiled by `workers`
-    spawned processes (CUDA does not survive a fork)."""
+    spawned processes (CUDA does not survive a fork); `pdl`: as the timing loop launches them (a PDL launch is
+    another compiled variant)."""
     if workers <= 1 or not jobs:
         return
     t0 = time.perf_counter()
     chunks = [c for c in (jobs[i::workers] for i in range(workers)) if c]
     try:
         with multiprocessing.get_context("spawn").Pool(len(chunks)) as pool:
-            failed = sum(pool.map(_compile_chunk, chunks))
+            failed = sum(pool.map(functools.partial(_compile_chunk, pdl=pdl), chunks))
     except Exception as exc:  # noqa: BLE001 - a worker lost (e.g. out of memory): the timing loop compiles the rest
         print(f"# precompile stopped: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
         return
@@ -32,7 +34,7 @@ def precompile(jobs: list[tuple[dict, str, int, dict]], workers: int) -> None:
           f"({failed} failed: skipped when timed)", flush=True)
 
 
-def _compile_chunk(chunk: list[tuple[dict, str, int, dict]]) -> int:
+def _compile_chunk(chunk: list[tuple[dict, str, int, dict]], pdl: bool = False) -> int:
     """Make each launch once (compiling it into Triton's cache); the number that raised."""
     sys.path.insert(0, str(Path(__file__).parent))
     import torch
@@ -51,7 +53,7 @@ def _compile_chunk(chunk: list[tuple[dict, str, int, dict]]) -> int:
         x, wts, ids = make_inputs(layer, M)
         try:
             fused_moe(x, layer.w_gu, layer.w_d, wts, ids, out=torch.empty_like(x),
-                      config=FusedMoEConfig.from_dict(cfg), route_rows=layer.route_rows, fp8=layer.fp8)
+                      config=FusedMoEConfig.from_dict(cfg), route_rows=layer.route_rows, fp8=layer.fp8, pdl=pdl)
             torch.cuda.synchronize()
         except Exception:  # noqa: BLE001 - the timing loop reports and skips it
             failed += 1

@@ -18,6 +18,7 @@ from moelora.engine.config import EngineConfig
 from moelora.engine.kv_cache import PagedKVCache
 from moelora.engine.request import PENDING
 from moelora.engine.scheduler import ScheduledStep
+from moelora.kernels.side_stream import lora_stream
 from moelora.layers.attention import AttnMetadata, SeqSlice
 from moelora.lora.batch import NO_SLOT, LoRABatch, LoRANeeds, plan_step, upload_slots
 from moelora.upload import upload
@@ -60,19 +61,8 @@ def lora_needs(cfg: EngineConfig, model) -> LoRANeeds:
     return LoRANeeds(rows=not triton, width=cfg.lora_width_by_batch,
                      group_slots=model.max_loras if cfg.group_lora_rows and triton else 0,
                      policy=model.options.dense_lora_policy,
-                     side_stream=_lora_stream(device) if cfg.overlap_lora and device.type == "cuda" else None,
+                     side_stream=lora_stream(device) if cfg.overlap_lora and device.type == "cuda" else None,
                      pdl=model.options.pdl)
-
-
-def _lora_stream(device: torch.device) -> torch.cuda.Stream:
-    """The LoRA side stream, at high CUDA priority: its shrinks and deltas sit on the critical path (the GEMM that
-    adds them waits), so their programs take SM slots ahead of a base GEMM's next wave; a captured graph keeps it
-    (kernel nodes record the capturing stream's priority; torch instantiates graphs with node priority). It is
-    also a stream of another pool: torch hands out its 32 streams a priority round robin, so a priority-0 LoRA
-    stream can be the very CUDA stream of some layer's shared experts (DeepSeek-V2-Lite makes 26). H200, DSV2
-    shape, 8 adapters r16, 64 requests: 11.88 -> 11.17 ms a step; Qwen3 shape (no shared experts) within 1 %
-    (docs/performance.md)."""
-    return torch.cuda.Stream(device, priority=-1)  # above every other stream here (all at 0)
 
 
 class ModelRunner:

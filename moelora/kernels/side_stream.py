@@ -39,6 +39,17 @@ def layer_streams(device: torch.device) -> LayerStreams:
     return _LAYER_STREAMS[index]
 
 
+def lora_stream(device: torch.device) -> torch.cuda.Stream:
+    """A new LoRA side stream (`EngineConfig.overlap_lora`: the engine's, and the MoE benchmarks' that time as it
+    runs), at high CUDA priority: its shrinks and deltas sit on the critical path (the GEMM that adds them waits), so
+    their programs take SM slots ahead of a base GEMM's next wave; a captured graph keeps it (kernel nodes record the
+    capturing stream's priority; torch instantiates graphs with node priority). It is also a stream of another pool:
+    torch hands out its 32 streams a priority round robin, so a priority-0 LoRA stream can be the very CUDA stream of
+    some layer's shared experts (DeepSeek-V2-Lite makes 26). H200, DSV2 shape, 8 adapters r16, 64 requests: 11.88 ->
+    11.17 ms a step; Qwen3 shape (no shared experts) within 1 % (docs/performance.md)."""
+    return torch.cuda.Stream(device, priority=-1)  # above every other stream here (all at 0)
+
+
 @contextmanager
 def forked(side: torch.cuda.Stream | None, device: torch.device) -> Iterator[None]:
     """Launch the body's kernels on `side`, after all the work queued so far on the current stream."""
