@@ -368,7 +368,7 @@ class _ChatTemplateFields(_Body):
 
 
 _CHAT_OFF = {**_SAMPLING_OFF, "functions": NONE_OR_EMPTY, "function_call": (None, "none", "auto"),
-             "reasoning_effort": NONE, "modalities": (None, ["text"]),
+             "modalities": (None, ["text"]),
              "prediction": NONE, "web_search_options": NONE, "audio": NONE, "documents": NONE,
              "chat_template": NONE, "verbosity": NONE}
 
@@ -387,6 +387,9 @@ class ChatCompletionRequest(_ChatTemplateFields, _Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True  # false: at most the first call of a reply is returned
     include_reasoning: bool | None = True  # vLLM: false leaves the reasoning (--reasoning-parser) out
+    # vLLM's: a template variable of that name, and enable_thinking false for "none", true otherwise (Qwen3's and
+    # GLM's templates read it); the request's chat_template_kwargs win (`tokens.template_kwargs`)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
 
     def tool_mode(self) -> str:
         """"none", "auto" (what the tools and tool_choice ask), "required" or "named"."""

@@ -38,7 +38,7 @@ class ResponsesTool(_Body):
 class ResponsesRequest(_Body):
     # advisory fields, and features left off at their neutral values (others: 400 naming them)
     accepted_at = {"store": (ANY,), "metadata": (ANY,), "service_tier": (ANY,), "user": (ANY,),
-                   "prompt_cache_key": (ANY,), "safety_identifier": (ANY,), "reasoning": (ANY,),
+                   "prompt_cache_key": (ANY,), "safety_identifier": (ANY,),
                    "previous_response_id": NONE, "background": (None, False), "conversation": NONE, "prompt": NONE,
                    "truncation": (None, "disabled"), "include": NONE_OR_EMPTY, "max_tool_calls": NONE,
                    "top_logprobs": (None, 0), "stream_options": (ANY,)}
@@ -54,6 +54,7 @@ class ResponsesRequest(_Body):
     parallel_tool_calls: bool | None = True
     text: dict[str, Any] | None = None
     stream: bool | None = False
+    reasoning: dict[str, Any] | None = None  # `effort`: chat's reasoning_effort (vLLM's); `summary` changes nothing
 
 
 class ResponsesResult(Result):
@@ -83,9 +84,10 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     choice = body.tool_choice
     if isinstance(choice, dict):  # {"type": "function", "name": ...}: the chat form
         choice = {"type": "function", "function": {"name": choice.get("name")}}
+    effort = (body.reasoning or {}).get("effort")
     chat = dict(model=body.model, messages=_messages(body), max_tokens=body.max_output_tokens, response_format=fmt,
                 temperature=body.temperature, top_p=body.top_p, tool_choice=choice,
-                parallel_tool_calls=body.parallel_tool_calls, stream=body.stream,
+                parallel_tool_calls=body.parallel_tool_calls, stream=body.stream, reasoning_effort=effort,
                 stream_options={"include_usage": True} if body.stream else None,
                 tools=[{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
                        for t in body.tools] if body.tools else None)
@@ -94,6 +96,8 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
+        if where == "reasoning_effort":
+            raise ApiError(400, f"reasoning.effort: {err['msg']}", "reasoning") from None
         raise ApiError(400, f"input: {where}: {err['msg']}", "input") from None
 
 

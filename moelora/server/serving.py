@@ -407,7 +407,8 @@ class OpenAIServing:
             raise ApiError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
         tools, parser, forced = self._tools(body)
         text = render_chat(self.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
-                           template_kwargs(self.cfg.default_chat_template_kwargs, body.chat_template_kwargs), tools,
+                           template_kwargs(self.cfg.default_chat_template_kwargs, body.chat_template_kwargs,
+                                           body.reasoning_effort), tools,
                            self.cfg.chat_template_content_format)
         ids = self._encode(text, "messages", bool(body.add_special_tokens), body.truncate_prompt_tokens)
         if parser is not None and parser.keeps_special_tokens:  # its tags are special tokens: decode them (vLLM's)

@@ -46,9 +46,13 @@ def render_chat(tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_gener
     return text
 
 
-def template_kwargs(defaults: dict | None, requested: dict | None) -> dict:
-    """A chat's template variables: --default-chat-template-kwargs under the request's chat_template_kwargs."""
-    return {**(defaults or {}), **(requested or {})}
+def template_kwargs(defaults: dict | None, requested: dict | None, reasoning_effort: str | None = None) -> dict:
+    """A chat's template variables: --default-chat-template-kwargs, over them what the request's `reasoning_effort`
+    sets (vLLM's rule: the variable itself, and enable_thinking false for "none", true for any other effort), over
+    both the request's chat_template_kwargs."""
+    effort = {} if reasoning_effort is None else {"reasoning_effort": reasoning_effort,
+                                                  "enable_thinking": reasoning_effort != "none"}
+    return {**(defaults or {}), **effort, **(requested or {})}
 
 
 class TokenRoutes:

@@ -4,7 +4,8 @@ at its off value (400 naming it otherwise), the sampled EOS / stop token is coun
 logprob entry, and text_offset indexes text.
 
 The model is test_server.py's tiny Qwen3-MoE with its byte-level tokenizer, plus a BOS post-processor
-(so add_special_tokens shows) and a chat template that reads `enable_thinking` (chat_template_kwargs).
+(so add_special_tokens shows) and a chat template that reads `enable_thinking` and `reasoning_effort`
+(chat_template_kwargs, reasoning_effort).
 One server per module, with /tokenizer_info on and max_logprobs 5.
 """
 
@@ -22,6 +23,7 @@ openai = pytest.importorskip("openai")
 BOS, IM_START, EOS = 256, 257, 258  # <|endoftext|>, <|im_start|>, <|im_end|> (the eos token)
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n"
+            "{% if reasoning_effort is defined %}[{{ reasoning_effort }}]{% endif %}"
             "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}")
 MAX_LOGPROBS = 5
 
@@ -244,6 +246,35 @@ def test_chat_template_kwargs(url):
     assert b["usage"]["prompt_tokens"] == a["usage"]["prompt_tokens"] + len("<think></think>")
 
 
+def prompt_text(url, **body) -> str:
+    """The prompt a chat request fed the model, as text (the byte tokenizer: ids below 256 are bytes)."""
+    r = post(url, "/v1/chat/completions", {"model": BASE, "messages": USER, "max_tokens": 1, "return_token_ids": True,
+                                           **body})
+    assert r.status_code == 200, r.text
+    ids = r.json()["prompt_token_ids"]
+    return bytes(i for i in ids if i < 256).decode()
+
+
+def test_reasoning_effort_is_a_template_variable_and_none_turns_thinking_off(url):
+    plain = prompt_text(url)
+    assert plain.endswith("assistant\n") and "[" not in plain
+    assert prompt_text(url, reasoning_effort="high") == plain + "[high]"  # enable_thinking true: the template's own
+    assert prompt_text(url, reasoning_effort="none") == plain + "[none]<think></think>"
+    # the request's chat_template_kwargs win over what reasoning_effort sets
+    assert prompt_text(url, reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}) == plain + "[none]"
+    assert prompt_text(url, reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "max"}) == plain + "[max]"
+    r = post(url, "/v1/chat/completions", {"model": BASE, "messages": USER, "reasoning_effort": "extreme"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", r.text
+    # the Responses API's reasoning.effort is chat's reasoning_effort
+    r = post(url, "/v1/responses", {"model": BASE, "input": "hi there", "max_output_tokens": 1,
+                                    "reasoning": {"effort": "none", "summary": "auto"}})
+    assert r.status_code == 200, r.text
+    chat_none = chat(url, USER, max_tokens=1, reasoning_effort="none")["usage"]["prompt_tokens"]
+    assert r.json()["usage"]["input_tokens"] == chat_none
+    r = post(url, "/v1/responses", {"model": BASE, "input": "hi there", "reasoning": {"effort": "extreme"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning", r.text
+
+
 def test_continue_final_message_and_chat_echo(url):
     msgs = [*USER, {"role": "assistant", "content": "the answer is"}]
     body = {"messages": msgs, "add_generation_prompt": False, "continue_final_message": True,
@@ -357,7 +388,7 @@ def test_fields_at_their_off_value_are_accepted_and_change_nothing(url, plain_ou
 REFUSED = [("/v1/completions", "use_beam_search", True), ("/v1/completions", "guided_whitespace_pattern", " "),
            ("/v1/completions", "kv_transfer_params", {"do_remote_decode": True}),
            ("/v1/completions", "length_penalty", 0.5), ("/v1/chat/completions", "logits_processors", ["x"]),
-           ("/v1/chat/completions", "reasoning_effort", "high"), ("/v1/chat/completions", "prediction",
+           ("/v1/chat/completions", "verbosity", "high"), ("/v1/chat/completions", "prediction",
                                                                    {"type": "content", "content": "x"})]
 
 
