@@ -166,6 +166,29 @@ def test_splitk_mode_fp16(slot_lanes):
     check(make_case(18, 40, 24, (16, 4), 16, bias=False, seed=3, slots=[-1] * 18, **h), 1e-2, cfg)
 
 
+def test_lane_count_capped_by_rows():
+    """A grid's slot lanes: at most the pool's slots, the config's lanes and the rows of a row block."""
+    from moelora.kernels.dense_lora.split import lane_count
+
+    assert [lane_count(8, T, 16, 8) for T in (1, 2, 5, 8, 16, 64)] == [1, 2, 5, 8, 8, 8]
+    assert lane_count(3, 64, 16, 8) == 3 and lane_count(8, 64, 16, 1) == 1 and lane_count(8, 64, 4, 8) == 4
+
+
+@kernel_test
+@pytest.mark.parametrize("mode", ["split", "splitk"])
+@pytest.mark.parametrize("T", [1, 2, 3, 5])
+def test_fewer_rows_than_lanes(mode, T):
+    """Decode's few rows, each on its own slot (lanes = the rows, one slot each) or some on none: every row gets
+    its own slot's delta with 8 lanes configured."""
+    cfg = LoRALinearConfig(mode, 16, 16, 16, split_k=2, slot_lanes=8, gemm_block_n=16, gemm_block_k=16,
+                           gemm_split_k=2)
+    h = dict(dtype=torch.float16, device=DEV)
+    check(make_case(T, 40, 24, (16, 3, 9, 16, 1, 12), 16, seed=T, slots=[5, 0, 3, 1, 2][:T], **h), 1e-2, cfg,
+          delta_tol=2e-2)
+    check(make_case(T, 40, 24, (16, 3, 9), 16, seed=T + 7, slots=[-1, 2, -1, 0, 2][:T], **h), 1e-2, cfg,
+          delta_tol=2e-2)
+
+
 def test_default_mode_by_shape():
     """The default takes "splitk" only where it measured faster: LoRA rows, T <= 16 on wide shapes,
     T <= 64 on o-like ones (the router's 2048->128 included); "concat" for LoRA rows above CONCAT_MIN_ROWS on

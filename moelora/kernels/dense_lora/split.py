@@ -60,6 +60,13 @@ class Split:
         expand(out, lora, T, out.shape[1], cfg, shrunk)
 
 
+def lane_count(S: int, T: int, block_m: int, cap: int) -> int:
+    """Slot lanes of a shrink or expand grid: at most the pool's S slots, `cap` (the config's), and the distinct slots
+    a row block can hold, min(T, block_m): a one-row decode step launches one lane, not `cap` programs a tile that
+    find no slot and return (the last lane takes every slot left, so fewer lanes are always complete)."""
+    return max(1, min(S, T, block_m, cap))
+
+
 class ShrinkLaunch(NamedTuple):
     """The dense shrink's launch and what the expand needs of it (split launches it, splitk folds it in)."""
 
@@ -86,7 +93,8 @@ def shrink_setup(x, lora, T, n_in, cfg) -> ShrinkLaunch:
     n_split = max(1, cdiv(n_in, chunk))
     xa = torch.empty(n_split, T, seg.G * seg.block_r, dtype=torch.float32, device=x.device)
     bm = PREFILL_SHRINK_BLOCK_M if T > PLANNED_MAX_ROWS else SHRINK_BLOCK_M
-    return ShrinkLaunch(xa, lora, seg, n_split, chunk, min(S, bm, cfg.slot_lanes), bm, cfg.block_k, next_pow2(S))
+    return ShrinkLaunch(xa, lora, seg, n_split, chunk, lane_count(S, T, bm, cfg.slot_lanes), bm, cfg.block_k,
+                       next_pow2(S))
 
 
 def shrink(x, lora, T, n_in, cfg, side_stream=None) -> ShrinkLaunch:
@@ -104,7 +112,7 @@ def shrink(x, lora, T, n_in, cfg, side_stream=None) -> ShrinkLaunch:
 def expand(out, lora, T, n_out, cfg, sh: ShrinkLaunch, bias=None):
     """out += the delta; `cfg.expand_first`: out = the delta (+ `bias`), every row (zero where no slot)."""
     S = lora.a.shape[0]
-    lanes = min(S, cfg.block_m, cfg.slot_lanes)  # one under expand_first (its config holds one lane)
+    lanes = lane_count(S, T, cfg.block_m, cfg.slot_lanes)  # one under expand_first (its config holds one lane)
     _lora_expand_add_kernel[(cdiv(T, cfg.block_m), cdiv(n_out, cfg.block_n), lanes)](
         sh.xa, out, bias if bias is not None else out, lora.b, lora.token_slots, lora.slot_ranks, T, n_out, S, lanes,
         sh.xa.stride(0), out.stride(0), lora.b.stride(0), lora.b.stride(1), BM=cfg.block_m, BN=cfg.block_n,

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.checks import cdiv, next_pow2
-from moelora.kernels.dense_lora.split import ShrinkLaunch, Split, shrink_setup
+from moelora.kernels.dense_lora.split import ShrinkLaunch, Split, lane_count, shrink_setup
 from moelora.kernels.lora_tiles import dense_shrink_program, expand_tile, lane_rows
 from moelora.kernels.pdl import pdl_args, pdl_wait
 
@@ -160,7 +160,7 @@ def splitk_reduce(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None
     T, n_out = out.shape
     if lora is not None:
         sh, S = shrink, lora.a.shape[0]
-        lanes = min(S, block_m, slot_lanes)
+        lanes = lane_count(S, T, block_m, slot_lanes)
         lora_args = (sh.xa, lora.b, lora.token_slots, lora.slot_ranks, S, lanes, sh.xa.stride(0), lora.b.stride(0),
                      lora.b.stride(1))
         consts = dict(BLOCK_R=sh.seg.block_r, XA_SPLIT=sh.n_split, S_P2=sh.s_p2, G=sh.seg.G, G_P2=sh.seg.g_p2,
