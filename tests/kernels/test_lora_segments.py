@@ -172,6 +172,23 @@ def test_segments_one_and_zero_tokens_and_no_adapter(mode):
 
 
 @kernel_test
+@pytest.mark.parametrize("T", [2, 5, 16])
+def test_splitk_rows_segments(T):
+    """splitk's row-gathered shrink and expand (decode's rows, `splitk.rows_path`): mixed slots, rows on none, ranks
+    0 on some segments, a segment bound straddling a 32-column tile; the same as the twin and each segment alone."""
+    from moelora.kernels.dense_lora.splitk import rows_path
+
+    assert rows_path(T, 16)
+    slots = ([0, -1, 1, 2, 3, 4, 1, 0] * 2)[:T]
+    check(make_case(T, 40, SEGS, RANKS, 8, slots=slots, dtype=torch.float16, device=DEV, seed=20 + T), 1e-2,
+          TINY["splitk"], alone_tol=1e-2)
+    # the batch's width (8) over a rank-64 pool, uneven bounds
+    x, w, b, lora, clean = make_case(T, 45, (33, 17, 5), RANKS, 64, slots=slots, dtype=torch.float16, device=DEV,
+                                     seed=30 + T)
+    check((x, w, b, replace(lora, width=8), clean), 1e-2, TINY["splitk"], alone_tol=1e-2)
+
+
+@kernel_test
 def test_default_config_segments():
     for T in (3, 40):
         check(make_case(T, 48, SEGS, RANKS, 8, device=DEV, seed=8 + T), F32_TOL, None)
