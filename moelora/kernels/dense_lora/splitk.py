@@ -6,9 +6,8 @@ Shape legend: `base`'s (T <= SPLITK_MAX_ROWS), and P split-K chunks.
   reduce:   y [T, N_out] = sum_p ws[p] (+ bias) (+ xa @ B_slot(t)^T per row), rounded once
 Why: the expand rides in the reduce a split-K GEMM needs anyway and the shrink in the partials' launch, so
 LoRA adds no launch, stream or join at decode. Fixed summation order: deterministic.
-Up to ROWS_MAX rows (decode) the shrink and the expand work on every row at once, each row's A / B rows gathered by
-its slot (`_shrink_rows`, `_expand_rows`): no slot lanes, no loop over a block's distinct slots, one program per
-(chunk, segment) of the shrink and per column tile of the reduce, at 1 adapter or 8.
+Up to `split.ROWS_MAX` rows (decode) the shrink and the expand work on every row at once (`lora_tiles.shrink_rows`,
+`expand_rows`): one program a (chunk, segment) of the shrink and a column tile of the reduce.
 """
 
 from __future__ import annotations
@@ -18,22 +17,12 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.checks import cdiv, next_pow2
-from moelora.kernels.dense_lora.split import ShrinkLaunch, Split, lane_count, shrink_setup
-from moelora.kernels.lora_tiles import dense_shrink_program, expand_tile, lane_rows
+from moelora.kernels.dense_lora.split import ROWS_TILE, ShrinkLaunch, Split, lane_count, rows_path, shrink_setup
+from moelora.kernels.lora_tiles import dense_shrink_program, expand_rows, expand_tile, lane_rows, shrink_rows
 from moelora.kernels.pdl import pdl_args, pdl_wait
 
 # replaces cuBLAS for rows up to this many (decode), in fp16/bf16; beyond, or in fp32, "split"
 SPLITK_MAX_ROWS = 64
-# the row-gathered shrink / expand up to this many rows, while a [rows, BLOCK_R, depth] gather stays in registers
-ROWS_MAX = 16
-ROWS_TILE = 8192  # elements of a row program's gathered [rows, BLOCK_R, BK] A or [rows, BN, BLOCK_R] B tile
-
-
-def rows_path(T: int, block_r: int) -> bool:
-    """Whether T rows take the row-gathered shrink and expand (`_shrink_rows`, `_expand_rows`)."""
-    return T <= ROWS_MAX and next_pow2(T) * block_r * 16 <= ROWS_TILE
-
-
 class SplitK:
     name = "splitk"
 
@@ -75,7 +64,7 @@ def splitk_partial_kernel(
     pid = tl.program_id(0)
     if HAS_LORA:
         if ROWS & (pid < n_shrink):
-            _shrink_rows(x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, pid // G, pid % G, T, N_in, n_slots, s_chunk,
+            shrink_rows(x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, pid // G, pid % G, T, N_in, n_slots, s_chunk,
                          R_SEG, stride_xt, stride_xap, stride_as, stride_ar, S_BM, BLOCK_R, S_BK, G)
             return
         if pid < n_shrink:
@@ -119,84 +108,19 @@ def _partials_sum(ws_ptr, bias_ptr, offs_t, offs_n, mask, N_out, stride_wsp, HAS
 
 
 @triton.jit
-def _shrink_rows(x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, p, g, T, N_in, n_slots, k_chunk, R_SEG, stride_xt,
-                 stride_xap, stride_as, stride_ar, BT: tl.constexpr, BLOCK_R: tl.constexpr, BK: tl.constexpr,
-                 G: tl.constexpr):
-    """xa[p, t, g BLOCK_R + r] = x[t, chunk p] @ A_g,slot(t)[r, chunk p] for every row t (zero on rows of no slot and
-    past the slot's rank): each row's A rows gathered by its slot, products summed in fp32."""
-    offs_t = tl.arange(0, BT)
-    offs_r = tl.arange(0, BLOCK_R)
-    t_ok = offs_t < T
-    slot = tl.load(slots_ptr + offs_t, mask=t_ok, other=-1)
-    on = slot >= 0
-    s_safe = tl.where(on, slot, 0)
-    rank = tl.load(ranks_ptr + g * n_slots + s_safe, mask=on, other=0)
-    a_rows = (a_ptr + s_safe[:, None, None].to(tl.int64) * stride_as
-              + (g * R_SEG + offs_r)[None, :, None].to(tl.int64) * stride_ar)
-    a_ok = on[:, None, None] & (offs_r[None, :, None] < rank[:, None, None])
-    k_start = p * k_chunk
-    k_end = tl.minimum(k_start + k_chunk, N_in)
-    xa = tl.zeros((BT, BLOCK_R), tl.float32)
-    for k0 in range(k_start, k_end, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        k_ok = offs_k < k_end
-        xt = tl.load(x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :],
-                     mask=on[:, None] & k_ok[None, :], other=0.0)
-        at = tl.load(a_rows + offs_k[None, None, :], mask=a_ok & k_ok[None, None, :], other=0.0)
-        xa += tl.sum(xt.to(tl.float32)[:, None, :] * at.to(tl.float32), axis=2)
-    tl.store(xa_ptr + p.to(tl.int64) * stride_xap + offs_t[:, None].to(tl.int64) * (G * BLOCK_R) + g * BLOCK_R
-             + offs_r[None, :], xa, mask=t_ok[:, None])
-
-
-@triton.jit
-def _expand_rows(acc, xa_ptr, b_ptr, slots_ptr, ranks_ptr, offs_t, n0, T, N_out, n_slots, stride_xap, stride_bs,
-                 stride_bn, y_dtype: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BLOCK_R: tl.constexpr,
-                 XA_SPLIT: tl.constexpr, G: tl.constexpr, SEG_BOUNDS: tl.constexpr):
-    """acc [BT, BN] + each row's delta: its xa (the P partials summed, rounded to the output dtype, as the lanes'
-    dot reads it) times its slot's B rows of this column tile, segment by segment, gathered by slot."""
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_n = n0 + tl.arange(0, BN)
-    t_ok = offs_t < T
-    slot = tl.load(slots_ptr + offs_t, mask=t_ok, other=-1)
-    on = slot >= 0
-    s_safe = tl.where(on, slot, 0)
-    b_rows = b_ptr + s_safe[:, None, None].to(tl.int64) * stride_bs + offs_n[None, :, None] * stride_bn
-    for g in tl.static_range(G):
-        if G == 1:
-            lo = 0
-            hi = N_out
-        else:
-            lo = SEG_BOUNDS[g]
-            hi = SEG_BOUNDS[g + 1]
-        if (n0 < hi) & (n0 + BN > lo):
-            rank = tl.load(ranks_ptr + g * n_slots + s_safe, mask=on, other=0)
-            xa = tl.zeros((BT, BLOCK_R), tl.float32)
-            for p in tl.static_range(XA_SPLIT):
-                xa += tl.load(xa_ptr + p * stride_xap + offs_t[:, None].to(tl.int64) * (G * BLOCK_R) + g * BLOCK_R
-                              + offs_r[None, :], mask=on[:, None], other=0.0)
-            xa = xa.to(y_dtype).to(tl.float32)
-            cols = (offs_n >= lo) & (offs_n < hi) & (offs_n < N_out)
-            bt = tl.load(b_rows + offs_r[None, None, :],
-                         mask=on[:, None, None] & cols[None, :, None] & (offs_r[None, None, :] < rank[:, None, None]),
-                         other=0.0)
-            acc += tl.sum(xa[:, None, :] * bt.to(tl.float32), axis=2)
-    return acc
-
-
-@triton.jit
 def splitk_reduce_rows_kernel(
     ws_ptr, y_ptr, bias_ptr, xa_ptr, b_ptr, slots_ptr, ranks_ptr, T, N_out, n_slots, stride_wsp, stride_yt,
     stride_xap, stride_bs, stride_bn,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BLOCK_R: tl.constexpr,
     XA_SPLIT: tl.constexpr, G: tl.constexpr, SEG_BOUNDS: tl.constexpr, PDL: tl.constexpr,
 ):
-    """y[rows, n tile] = sum_p ws[p] (+ bias) (+ each row's expand, `_expand_rows`): every row of the step (<= BT)."""
+    """y[rows, n tile] = sum_p ws[p] (+ bias) (+ each row's expand, `expand_rows`): every row of the step (<= BT)."""
     pdl_wait(PDL)
     offs_t = tl.arange(0, BT)
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     mask = (offs_t < T)[:, None] & (offs_n < N_out)[None, :]
     acc = _partials_sum(ws_ptr, bias_ptr, offs_t, offs_n, mask, N_out, stride_wsp, HAS_BIAS, SPLIT_K)
-    acc = _expand_rows(acc, xa_ptr, b_ptr, slots_ptr, ranks_ptr, offs_t, tl.program_id(0) * BN, T, N_out, n_slots,
+    acc = expand_rows(acc, xa_ptr, b_ptr, slots_ptr, ranks_ptr, offs_t, tl.program_id(0) * BN, T, N_out, n_slots,
                        stride_xap, stride_bs, stride_bn, y_ptr.dtype.element_ty, BT, BN, BLOCK_R, XA_SPLIT, G,
                        SEG_BOUNDS)
     tl.store(y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -240,7 +164,7 @@ def splitk_reduce_kernel(
 
 def splitk_partials(x: torch.Tensor, weight: torch.Tensor, split_k: int, block_n: int, block_k: int,
                     shrink: ShrinkLaunch | None = None, *, rows: bool = False, pdl: bool = False) -> torch.Tensor:
-    """ws [P, T, N_out] fp32; with `shrink`, the same launch also fills shrink.xa (`rows`: `_shrink_rows`, every row
+    """ws [P, T, N_out] fp32; with `shrink`, the same launch also fills shrink.xa (`rows`: `shrink_rows`, every row
     of a (chunk, segment) in one program); `pdl`: programmatic dependent launch where the GPU has it
     (`kernels.pdl`, as `splitk_reduce`'s)."""
     T, n_in = x.shape
@@ -273,7 +197,7 @@ def splitk_partials(x: torch.Tensor, weight: torch.Tensor, split_k: int, block_n
 def splitk_reduce(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, lora, shrink: ShrinkLaunch | None,
                   block_m: int, block_n: int, slot_lanes: int, num_warps: int = 4, *, rows: bool = False,
                   pdl: bool = False) -> None:
-    """out = sum of the partials (+ bias) (+ the expand of `lora` from `shrink`'s xa; `rows`: `_expand_rows`, every
+    """out = sum of the partials (+ bias) (+ the expand of `lora` from `shrink`'s xa; `rows`: `expand_rows`, every
     row of a column tile in one program)."""
     T, n_out = out.shape
     if lora is not None and rows:
