@@ -231,3 +231,69 @@ def expand_segments(xa_ptr, y_ptr, b_ptr, slot0, s0, ranks, offs_t, offs_n, mine
                 slot = tl.where(sel, -1, slot)
                 s = tl.where(lane == n_lanes - 1, tl.max(slot, axis=0), -1)
     return acc
+
+
+# decode's few rows, every one at once: each row's A / B rows gathered by its slot (dense_lora.split.rows_path)
+@triton.jit
+def shrink_rows(x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, p, g, T, N_in, n_slots, k_chunk, R_SEG, stride_xt,
+                 stride_xap, stride_as, stride_ar, BT: tl.constexpr, BLOCK_R: tl.constexpr, BK: tl.constexpr,
+                 G: tl.constexpr):
+    """xa[p, t, g BLOCK_R + r] = x[t, chunk p] @ A_g,slot(t)[r, chunk p] for every row t (zero on rows of no slot and
+    past the slot's rank): each row's A rows gathered by its slot, products summed in fp32."""
+    offs_t = tl.arange(0, BT)
+    offs_r = tl.arange(0, BLOCK_R)
+    t_ok = offs_t < T
+    slot = tl.load(slots_ptr + offs_t, mask=t_ok, other=-1)
+    on = slot >= 0
+    s_safe = tl.where(on, slot, 0)
+    rank = tl.load(ranks_ptr + g * n_slots + s_safe, mask=on, other=0)
+    a_rows = (a_ptr + s_safe[:, None, None].to(tl.int64) * stride_as
+              + (g * R_SEG + offs_r)[None, :, None].to(tl.int64) * stride_ar)
+    a_ok = on[:, None, None] & (offs_r[None, :, None] < rank[:, None, None])
+    k_start = p * k_chunk
+    k_end = tl.minimum(k_start + k_chunk, N_in)
+    xa = tl.zeros((BT, BLOCK_R), tl.float32)
+    for k0 in range(k_start, k_end, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        k_ok = offs_k < k_end
+        xt = tl.load(x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :],
+                     mask=on[:, None] & k_ok[None, :], other=0.0)
+        at = tl.load(a_rows + offs_k[None, None, :], mask=a_ok & k_ok[None, None, :], other=0.0)
+        xa += tl.sum(xt.to(tl.float32)[:, None, :] * at.to(tl.float32), axis=2)
+    tl.store(xa_ptr + p.to(tl.int64) * stride_xap + offs_t[:, None].to(tl.int64) * (G * BLOCK_R) + g * BLOCK_R
+             + offs_r[None, :], xa, mask=t_ok[:, None])
+
+
+@triton.jit
+def expand_rows(acc, xa_ptr, b_ptr, slots_ptr, ranks_ptr, offs_t, n0, T, N_out, n_slots, stride_xap, stride_bs,
+                 stride_bn, y_dtype: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BLOCK_R: tl.constexpr,
+                 XA_SPLIT: tl.constexpr, G: tl.constexpr, SEG_BOUNDS: tl.constexpr):
+    """acc [BT, BN] + each row's delta: its xa (the P partials summed, rounded to the output dtype, as the lanes'
+    dot reads it) times its slot's B rows of this column tile, segment by segment, gathered by slot."""
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_n = n0 + tl.arange(0, BN)
+    t_ok = offs_t < T
+    slot = tl.load(slots_ptr + offs_t, mask=t_ok, other=-1)
+    on = slot >= 0
+    s_safe = tl.where(on, slot, 0)
+    b_rows = b_ptr + s_safe[:, None, None].to(tl.int64) * stride_bs + offs_n[None, :, None] * stride_bn
+    for g in tl.static_range(G):
+        if G == 1:
+            lo = 0
+            hi = N_out
+        else:
+            lo = SEG_BOUNDS[g]
+            hi = SEG_BOUNDS[g + 1]
+        if (n0 < hi) & (n0 + BN > lo):
+            rank = tl.load(ranks_ptr + g * n_slots + s_safe, mask=on, other=0)
+            xa = tl.zeros((BT, BLOCK_R), tl.float32)
+            for p in tl.static_range(XA_SPLIT):
+                xa += tl.load(xa_ptr + p * stride_xap + offs_t[:, None].to(tl.int64) * (G * BLOCK_R) + g * BLOCK_R
+                              + offs_r[None, :], mask=on[:, None], other=0.0)
+            xa = xa.to(y_dtype).to(tl.float32)
+            cols = (offs_n >= lo) & (offs_n < hi) & (offs_n < N_out)
+            bt = tl.load(b_rows + offs_r[None, None, :],
+                         mask=on[:, None, None] & cols[None, :, None] & (offs_r[None, None, :] < rank[:, None, None]),
+                         other=0.0)
+            acc += tl.sum(xa[:, None, :] * bt.to(tl.float32), axis=2)
+    return acc

@@ -172,6 +172,27 @@ def test_segments_one_and_zero_tokens_and_no_adapter(mode):
 
 
 @kernel_test
+@pytest.mark.parametrize("mode", ["split", "splitk"])
+@pytest.mark.parametrize("T", [2, 3, 4])
+def test_rows_segments(mode, T):
+    """The row-gathered shrink and expand (decode's rows, `split.rows_path`; split's launches and splitk's): mixed
+    slots, rows on none, ranks 0 on some segments, a segment bound straddling a tile; the same as the twin and each
+    segment alone; a wide pool's batch width, uneven bounds; a pool of rank 64 read whole (BLOCK_R 64)."""
+    from moelora.kernels.dense_lora.split import rows_path
+
+    assert rows_path(T, 16) and rows_path(4, 64) and not rows_path(5, 16) and not rows_path(1, 1024)
+    cfg = TINY[mode]
+    slots = ([0, -1, 1, 2, 3, 4, 1, 0] * 2)[:T]
+    h = dict(dtype=torch.float16, device=DEV)
+    check(make_case(T, 40, SEGS, RANKS, 8, slots=slots, seed=20 + T, **h), 1e-2, cfg, alone_tol=1e-2)
+    x, w, b, lora, clean = make_case(T, 45, (33, 17, 5), RANKS, 64, slots=slots, seed=30 + T, **h)
+    check((x, w, b, replace(lora, width=8), clean), 1e-2, cfg, alone_tol=1e-2)
+    wide = [[40, 3, 0, 64, 17], [0, 64, 33, 2, 8], [9, 0, 64, 1, 48]]
+    check(make_case(T, 45, (33, 17, 5), wide, 64, slots=slots, seed=40 + T, **h), 1e-2, cfg,
+          alone_tol=1e-2)
+
+
+@kernel_test
 def test_default_config_segments():
     for T in (3, 40):
         check(make_case(T, 48, SEGS, RANKS, 8, device=DEV, seed=8 + T), F32_TOL, None)

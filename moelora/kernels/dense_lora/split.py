@@ -21,7 +21,7 @@ from moelora.kernels.args import DenseLoRAArgs
 from moelora.kernels.checks import cdiv, next_pow2
 from moelora.kernels.dense_lora.base import Segments, base_gemm
 from moelora.kernels.dense_policy import PLANNED_MAX_ROWS
-from moelora.kernels.lora_tiles import dense_shrink_program, expand_tile, lane_rows
+from moelora.kernels.lora_tiles import dense_shrink_program, expand_rows, expand_tile, lane_rows, shrink_rows
 from moelora.kernels.pdl import pdl_args, pdl_wait
 from moelora.kernels.side_stream import forked, join
 
@@ -30,6 +30,16 @@ from moelora.kernels.side_stream import forked, join
 SHRINK_TARGET_PROGRAMS = 128
 SHRINK_BLOCK_M, SHRINK_STAGES = 16, 3  # the shrink's row block and pipeline stages: no default ever moved them
 PREFILL_SHRINK_BLOCK_M = 64  # above PLANNED_MAX_ROWS (prefill): A read from L2 once a 64-row block, not a 16-row one
+
+
+# the row-gathered shrink / expand up to this many rows, while a [rows, BLOCK_R, depth] gather stays in registers
+ROWS_MAX = 4  # H100 lora_linear T=1/4: 7-10 % faster than the lanes; T=8/16: 4-64 % slower (rows re-read A / B)
+ROWS_TILE = 8192  # elements of a row program's gathered [rows, BLOCK_R, BK] A or [rows, BN, BLOCK_R] B tile
+
+
+def rows_path(T: int, block_r: int) -> bool:
+    """Whether T rows take the row-gathered shrink and expand (`shrink_rows`, `expand_rows`)."""
+    return T <= ROWS_MAX and next_pow2(T) * block_r * 16 <= ROWS_TILE
 
 
 class Split:
@@ -98,8 +108,18 @@ def shrink_setup(x, lora, T, n_in, cfg) -> ShrinkLaunch:
 
 
 def shrink(x, lora, T, n_in, cfg, side_stream=None) -> ShrinkLaunch:
-    """Launch the shrink (on `side_stream` when given); xa was allocated before the fork, read after the join."""
+    """Launch the shrink (on `side_stream` when given); xa was allocated before the fork, read after the join. Up
+    to ROWS_MAX rows (`rows_path`) one program a (chunk, segment) over every row (`lora_tiles.shrink_rows`)."""
     sh = shrink_setup(x, lora, T, n_in, cfg)
+    if rows_path(T, sh.seg.block_r):
+        bt = next_pow2(T)
+        with forked(side_stream, x.device):
+            _lora_shrink_rows_kernel[(sh.n_split * sh.seg.G,)](
+                x, sh.xa, lora.a, lora.token_slots, lora.slot_ranks, T, n_in, lora.a.shape[0], sh.chunk,
+                sh.seg.r_seg, x.stride(0), sh.xa.stride(0), lora.a.stride(0), lora.a.stride(1), BT=bt,
+                BLOCK_R=sh.seg.block_r, BK=min(256, ROWS_TILE // (bt * sh.seg.block_r)), G=sh.seg.G, num_warps=4,
+                **pdl_args(cfg.pdl, x))
+        return sh
     with forked(side_stream, x.device):
         _lora_shrink_kernel[(cdiv(T, sh.block_m), sh.n_split * sh.seg.G, sh.lanes)](
             x, sh.xa, lora.a, lora.token_slots, lora.slot_ranks, T, n_in, lora.a.shape[0], sh.chunk, sh.lanes,
@@ -110,8 +130,17 @@ def shrink(x, lora, T, n_in, cfg, side_stream=None) -> ShrinkLaunch:
 
 
 def expand(out, lora, T, n_out, cfg, sh: ShrinkLaunch, bias=None):
-    """out += the delta; `cfg.expand_first`: out = the delta (+ `bias`), every row (zero where no slot)."""
+    """out += the delta; `cfg.expand_first`: out = the delta (+ `bias`), every row (zero where no slot). Up to
+    ROWS_MAX rows (`rows_path`) one program a column tile over every row (`lora_tiles.expand_rows`)."""
     S = lora.a.shape[0]
+    if not cfg.expand_first and rows_path(T, sh.seg.block_r):
+        bt = next_pow2(T)
+        bn = min(cfg.block_n, ROWS_TILE // (bt * sh.seg.block_r))
+        _lora_expand_rows_kernel[(cdiv(n_out, bn),)](
+            sh.xa, out, lora.b, lora.token_slots, lora.slot_ranks, T, n_out, S, sh.xa.stride(0), out.stride(0),
+            lora.b.stride(0), lora.b.stride(1), BT=bt, BN=bn, BLOCK_R=sh.seg.block_r, XA_SPLIT=sh.n_split,
+            G=sh.seg.G, SEG_BOUNDS=sh.seg.bounds, num_warps=4, **pdl_args(cfg.pdl, out))
+        return
     lanes = lane_count(S, T, cfg.block_m, cfg.slot_lanes)  # one under expand_first (its config holds one lane)
     _lora_expand_add_kernel[(cdiv(T, cfg.block_m), cdiv(n_out, cfg.block_n), lanes)](
         sh.xa, out, bias if bias is not None else out, lora.b, lora.token_slots, lora.slot_ranks, T, n_out, S, lanes,
@@ -167,3 +196,32 @@ def _lora_expand_add_kernel(
     acc = expand_tile(xa_ptr, y_ptr, b_ptr, slot, s, ranks, offs_t, offs_n, mine, lane, n_lanes, N_out, stride_xap,
                       stride_bs, stride_bn, BM, BN, BLOCK_R, SPLIT, S_P2, G, G_P2, SEG_BOUNDS)
     tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _lora_shrink_rows_kernel(x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, T, N_in, n_slots, k_chunk, R_SEG, stride_xt,
+                             stride_xap, stride_as, stride_ar, BT: tl.constexpr, BLOCK_R: tl.constexpr,
+                             BK: tl.constexpr, G: tl.constexpr, PDL: tl.constexpr):
+    """Program p G + g: `shrink_rows` of chunk p, segment g, every row."""
+    pdl_wait(PDL)
+    pid = tl.program_id(0)
+    shrink_rows(x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, pid // G, pid % G, T, N_in, n_slots, k_chunk, R_SEG,
+                stride_xt, stride_xap, stride_as, stride_ar, BT, BLOCK_R, BK, G)
+
+
+@triton.jit
+def _lora_expand_rows_kernel(xa_ptr, y_ptr, b_ptr, slots_ptr, ranks_ptr, T, N_out, n_slots, stride_xap, stride_yt,
+                             stride_bs, stride_bn, BT: tl.constexpr, BN: tl.constexpr, BLOCK_R: tl.constexpr,
+                             XA_SPLIT: tl.constexpr, G: tl.constexpr, SEG_BOUNDS: tl.constexpr, PDL: tl.constexpr):
+    """y[rows on a slot, n tile] += their delta (`expand_rows`); rows on no slot are not touched."""
+    pdl_wait(PDL)
+    offs_t = tl.arange(0, BT)
+    n0 = tl.program_id(0) * BN
+    offs_n = n0 + tl.arange(0, BN)
+    on = tl.load(slots_ptr + offs_t, mask=offs_t < T, other=-1) >= 0
+    mask = on[:, None] & (offs_n < N_out)[None, :]
+    y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
+    acc = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    acc = expand_rows(acc, xa_ptr, b_ptr, slots_ptr, ranks_ptr, offs_t, n0, T, N_out, n_slots, stride_xap, stride_bs,
+                      stride_bn, y_ptr.dtype.element_ty, BT, BN, BLOCK_R, XA_SPLIT, G, SEG_BOUNDS)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)

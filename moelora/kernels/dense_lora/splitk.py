@@ -6,6 +6,8 @@ Shape legend: `base`'s (T <= SPLITK_MAX_ROWS), and P split-K chunks.
   reduce:   y [T, N_out] = sum_p ws[p] (+ bias) (+ xa @ B_slot(t)^T per row), rounded once
 Why: the expand rides in the reduce a split-K GEMM needs anyway and the shrink in the partials' launch, so
 LoRA adds no launch, stream or join at decode. Fixed summation order: deterministic.
+Up to `split.ROWS_MAX` rows (decode) the shrink and the expand work on every row at once (`lora_tiles.shrink_rows`,
+`expand_rows`): one program a (chunk, segment) of the shrink and a column tile of the reduce.
 """
 
 from __future__ import annotations
@@ -15,14 +17,12 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.checks import cdiv, next_pow2
-from moelora.kernels.dense_lora.split import ShrinkLaunch, Split, lane_count, shrink_setup
-from moelora.kernels.lora_tiles import dense_shrink_program, expand_tile, lane_rows
+from moelora.kernels.dense_lora.split import ROWS_TILE, ShrinkLaunch, Split, lane_count, rows_path, shrink_setup
+from moelora.kernels.lora_tiles import dense_shrink_program, expand_rows, expand_tile, lane_rows, shrink_rows
 from moelora.kernels.pdl import pdl_args, pdl_wait
 
 # replaces cuBLAS for rows up to this many (decode), in fp16/bf16; beyond, or in fp32, "split"
 SPLITK_MAX_ROWS = 64
-
-
 class SplitK:
     name = "splitk"
 
@@ -41,8 +41,11 @@ def splitk_linear(x, weight, bias, lora, out, cfg) -> None:
                       out, bias, None, None, cfg.block_m, cfg.block_n, cfg.slot_lanes, cfg.num_warps, pdl=cfg.pdl)
         return
     sh = shrink_setup(x, lora, x.shape[0], x.shape[1], cfg)
-    ws = splitk_partials(x, weight, cfg.gemm_split_k, cfg.gemm_block_n, cfg.gemm_block_k, shrink=sh, pdl=cfg.pdl)
-    splitk_reduce(ws, out, bias, lora, sh, cfg.block_m, cfg.block_n, cfg.slot_lanes, cfg.num_warps, pdl=cfg.pdl)
+    rows = rows_path(x.shape[0], sh.seg.block_r)
+    ws = splitk_partials(x, weight, cfg.gemm_split_k, cfg.gemm_block_n, cfg.gemm_block_k, shrink=sh, rows=rows,
+                         pdl=cfg.pdl)
+    splitk_reduce(ws, out, bias, lora, sh, cfg.block_m, cfg.block_n, cfg.slot_lanes, cfg.num_warps, rows=rows,
+                  pdl=cfg.pdl)
 
 
 @triton.jit
@@ -51,13 +54,19 @@ def splitk_partial_kernel(
     xa_ptr, a_ptr, slots_ptr, ranks_ptr, n_slots, s_chunk, n_lanes, R_SEG, stride_xap, stride_as, stride_ar,
     n_shrink_pg, n_shrink,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_LORA: tl.constexpr, S_BM: tl.constexpr,
-    BLOCK_R: tl.constexpr, S_BK: tl.constexpr, S_P2: tl.constexpr, G: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_R: tl.constexpr, S_BK: tl.constexpr, S_P2: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """ws[p, t, n tile] = x[t, chunk p] @ W[n tile, chunk p]^T (fp32); with HAS_LORA the first n_shrink programs
-    are the dense shrink's; then (n tile, p, m block), n fastest."""
+    are the dense shrink's (ROWS: one a (chunk, segment) over every row, S_BM the rows' power of two); then
+    (n tile, p, m block), n fastest."""
     pdl_wait(PDL)
     pid = tl.program_id(0)
     if HAS_LORA:
+        if ROWS & (pid < n_shrink):
+            shrink_rows(x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, pid // G, pid % G, T, N_in, n_slots, s_chunk,
+                         R_SEG, stride_xt, stride_xap, stride_as, stride_ar, S_BM, BLOCK_R, S_BK, G)
+            return
         if pid < n_shrink:
             dense_shrink_program(x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, pid // (n_lanes * n_shrink_pg),
                                  (pid // n_lanes) % n_shrink_pg, pid % n_lanes, T, N_in, n_slots, s_chunk, n_lanes,
@@ -86,6 +95,39 @@ def splitk_partial_kernel(
 
 
 @triton.jit
+def _partials_sum(ws_ptr, bias_ptr, offs_t, offs_n, mask, N_out, stride_wsp, HAS_BIAS: tl.constexpr,
+                  SPLIT_K: tl.constexpr):
+    """[rows, BN] fp32: the split-K partials of an output tile summed in split order (+ bias)."""
+    ws_rows = ws_ptr + offs_t[:, None].to(tl.int64) * N_out + offs_n[None, :]
+    acc = tl.zeros(ws_rows.shape, tl.float32)
+    for p in tl.static_range(SPLIT_K):  # fixed order: deterministic
+        acc += tl.load(ws_rows + p * stride_wsp, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N_out, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
+def splitk_reduce_rows_kernel(
+    ws_ptr, y_ptr, bias_ptr, xa_ptr, b_ptr, slots_ptr, ranks_ptr, T, N_out, n_slots, stride_wsp, stride_yt,
+    stride_xap, stride_bs, stride_bn,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BLOCK_R: tl.constexpr,
+    XA_SPLIT: tl.constexpr, G: tl.constexpr, SEG_BOUNDS: tl.constexpr, PDL: tl.constexpr,
+):
+    """y[rows, n tile] = sum_p ws[p] (+ bias) (+ each row's expand, `expand_rows`): every row of the step (<= BT)."""
+    pdl_wait(PDL)
+    offs_t = tl.arange(0, BT)
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    mask = (offs_t < T)[:, None] & (offs_n < N_out)[None, :]
+    acc = _partials_sum(ws_ptr, bias_ptr, offs_t, offs_n, mask, N_out, stride_wsp, HAS_BIAS, SPLIT_K)
+    acc = expand_rows(acc, xa_ptr, b_ptr, slots_ptr, ranks_ptr, offs_t, tl.program_id(0) * BN, T, N_out, n_slots,
+                       stride_xap, stride_bs, stride_bn, y_ptr.dtype.element_ty, BT, BN, BLOCK_R, XA_SPLIT, G,
+                       SEG_BOUNDS)
+    tl.store(y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
 def splitk_reduce_kernel(
     ws_ptr, y_ptr, bias_ptr, xa_ptr, b_ptr, slots_ptr, ranks_ptr, T, N_out, n_slots, n_lanes,
     stride_wsp, stride_yt, stride_xap, stride_bs, stride_bn,
@@ -111,12 +153,7 @@ def splitk_reduce_kernel(
     if tl.max(mine.to(tl.int32), axis=0) == 0:
         return
     mask = mine[:, None] & (offs_n[None, :] < N_out)
-    ws_rows = ws_ptr + offs_t[:, None].to(tl.int64) * N_out + offs_n[None, :]
-    acc = tl.zeros((BM, BN), tl.float32)
-    for p in tl.static_range(SPLIT_K):  # fixed order: deterministic
-        acc += tl.load(ws_rows + p * stride_wsp, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N_out, other=0.0).to(tl.float32)[None, :]
+    acc = _partials_sum(ws_ptr, bias_ptr, offs_t, offs_n, mask, N_out, stride_wsp, HAS_BIAS, SPLIT_K)
     if HAS_LORA:
         if s >= 0:
             acc += expand_tile(xa_ptr, y_ptr, b_ptr, slot, s, ranks, offs_t, offs_n, mine, lane - 1, n_lanes, N_out,
@@ -126,9 +163,10 @@ def splitk_reduce_kernel(
 
 
 def splitk_partials(x: torch.Tensor, weight: torch.Tensor, split_k: int, block_n: int, block_k: int,
-                    shrink: ShrinkLaunch | None = None, *, pdl: bool = False) -> torch.Tensor:
-    """ws [P, T, N_out] fp32; with `shrink`, the same launch also fills shrink.xa; `pdl`: programmatic dependent
-    launch where the GPU has it (`kernels.pdl`, as `splitk_reduce`'s)."""
+                    shrink: ShrinkLaunch | None = None, *, rows: bool = False, pdl: bool = False) -> torch.Tensor:
+    """ws [P, T, N_out] fp32; with `shrink`, the same launch also fills shrink.xa (`rows`: `shrink_rows`, every row
+    of a (chunk, segment) in one program); `pdl`: programmatic dependent launch where the GPU has it
+    (`kernels.pdl`, as `splitk_reduce`'s)."""
     T, n_in = x.shape
     n_out = weight.shape[0]
     chunk = cdiv(cdiv(n_in, split_k), block_k) * block_k
@@ -139,15 +177,17 @@ def splitk_partials(x: torch.Tensor, weight: torch.Tensor, split_k: int, block_n
     n_gemm = n_tiles_n * n_split * cdiv(T, bm)
     if shrink is None:
         lora = (ws, ws, ws, ws, 0, 0, 1, 0, 0, 0, 0, 1, 0)
-        consts = dict(HAS_LORA=False, S_BM=16, BLOCK_R=16, S_BK=16, S_P2=1, G=1)
+        consts = dict(HAS_LORA=False, S_BM=16, BLOCK_R=16, S_BK=16, S_P2=1, G=1, ROWS=False)
     else:
         sh, a = shrink, shrink.lora.a
         n_pg = sh.n_split * sh.seg.G
-        n_shrink = cdiv(T, sh.block_m) * n_pg * sh.lanes
+        n_shrink = n_pg if rows else cdiv(T, sh.block_m) * n_pg * sh.lanes
         lora = (sh.xa, a, sh.lora.token_slots, sh.lora.slot_ranks, a.shape[0], sh.chunk, sh.lanes, sh.seg.r_seg,
                 sh.xa.stride(0), a.stride(0), a.stride(1), n_pg, n_shrink)
-        consts = dict(HAS_LORA=True, S_BM=sh.block_m, BLOCK_R=sh.seg.block_r, S_BK=sh.block_k, S_P2=sh.s_p2,
-                      G=sh.seg.G)
+        bt = next_pow2(T)
+        consts = dict(HAS_LORA=True, S_BM=bt if rows else sh.block_m, BLOCK_R=sh.seg.block_r,
+                      S_BK=min(256, ROWS_TILE // (bt * sh.seg.block_r)) if rows else sh.block_k, S_P2=sh.s_p2,
+                      G=sh.seg.G, ROWS=rows)
     splitk_partial_kernel[(lora[-1] + n_gemm,)](
         x, weight, ws, T, n_in, n_out, chunk, x.stride(0), weight.stride(0), ws.stride(0), n_tiles_n, n_split,
         *lora, BM=bm, BN=block_n, BK=block_k, num_warps=4, num_stages=3, **consts, **pdl_args(pdl, x))
@@ -155,9 +195,20 @@ def splitk_partials(x: torch.Tensor, weight: torch.Tensor, split_k: int, block_n
 
 
 def splitk_reduce(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, lora, shrink: ShrinkLaunch | None,
-                  block_m: int, block_n: int, slot_lanes: int, num_warps: int = 4, *, pdl: bool = False) -> None:
-    """out = sum of the partials (+ bias) (+ the expand of `lora` from `shrink`'s xa)."""
+                  block_m: int, block_n: int, slot_lanes: int, num_warps: int = 4, *, rows: bool = False,
+                  pdl: bool = False) -> None:
+    """out = sum of the partials (+ bias) (+ the expand of `lora` from `shrink`'s xa; `rows`: `expand_rows`, every
+    row of a column tile in one program)."""
     T, n_out = out.shape
+    if lora is not None and rows:
+        sh, bt = shrink, next_pow2(T)
+        bn = min(block_n, ROWS_TILE // (bt * sh.seg.block_r))
+        splitk_reduce_rows_kernel[(cdiv(n_out, bn),)](
+            ws, out, ws if bias is None else bias, sh.xa, lora.b, lora.token_slots, lora.slot_ranks, T, n_out,
+            lora.a.shape[0], ws.stride(0), out.stride(0), sh.xa.stride(0), lora.b.stride(0), lora.b.stride(1),
+            HAS_BIAS=bias is not None, SPLIT_K=ws.shape[0], BT=bt, BN=bn, BLOCK_R=sh.seg.block_r, XA_SPLIT=sh.n_split,
+            G=sh.seg.G, SEG_BOUNDS=sh.seg.bounds, num_warps=4, **pdl_args(pdl, ws))
+        return
     if lora is not None:
         sh, S = shrink, lora.a.shape[0]
         lanes = lane_count(S, T, block_m, slot_lanes)
