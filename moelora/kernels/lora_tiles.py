@@ -104,6 +104,14 @@ def drop_largest_slots(slot, lane):
     return slot, s
 
 
+def lane_count(S: int, T: int, block_m: int, cap: int) -> int:
+    """Slot lanes of a LoRA grid (dense shrink / expand, the routed block delta): at most the pool's S slots, `cap`
+    (the config's), and the distinct slots a row block can hold, min(T tokens, block_m rows): a one-row decode step
+    launches one lane, not `cap` programs a tile that find no slot and return (the last lane takes every slot left,
+    so fewer lanes are always complete)."""
+    return max(1, min(S, T, block_m, cap))
+
+
 @triton.jit
 def load_slot_ranks(ranks_ptr, n_slots, S_P2: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr):
     """Every slot's rank: [S_P2] from ranks [S] (G == 1), or [G_P2, S_P2] from ranks [G, S]; zero past S and G."""

@@ -205,6 +205,29 @@ def test_block_delta_more_slots_in_a_block_than_lanes():
 
 
 @kernel_test
+@pytest.mark.parametrize("T", [1, 2, 3, 5])
+def test_block_delta_fewer_tokens_than_lanes(T, monkeypatch):
+    """Decode's few tokens, each on its own slot of a 6-slot pool (or some on none): a block holds at most T distinct
+    slots, so the grid has T lanes, not BLOCK_LANES programs that find no slot; every route still gets its delta."""
+    from moelora.kernels.moe_lora import block
+
+    grids = []
+
+    class Spy:  # the kernel, its launch grids recorded
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    real = block.lora_block_delta_kernel
+    monkeypatch.setattr(block, "lora_block_delta_kernel", Spy())
+    ranks = (16, 3, 9, 16, 1, 12)
+    for slots in ([5, 0, 3, 1, 2], [-1, 4, -1, 0, 4]):
+        case = make_case(T, 32, 24, 3, 2, ranks=ranks, R=16, device=DEV, seed=T, slots=slots[:T])
+        run_checked(case, tiny_config("block"), 1e-4)
+    assert grids and all(g[1] == min(T, block.BLOCK_LANES) for g in grids), grids
+
+
+@kernel_test
 @pytest.mark.parametrize("R", [16, 40])
 def test_block_delta_b_in_rank_chunks(R):
     """The block delta's B tiles in whole 16-column rank chunks equal the twin in a pool of the minimum

@@ -168,7 +168,7 @@ def test_splitk_mode_fp16(slot_lanes):
 
 def test_lane_count_capped_by_rows():
     """A grid's slot lanes: at most the pool's slots, the config's lanes and the rows of a row block."""
-    from moelora.kernels.dense_lora.split import lane_count
+    from moelora.kernels.lora_tiles import lane_count
 
     assert [lane_count(8, T, 16, 8) for T in (1, 2, 5, 8, 16, 64)] == [1, 2, 5, 8, 8, 8]
     assert lane_count(3, 64, 16, 8) == 3 and lane_count(8, 64, 16, 1) == 1 and lane_count(8, 64, 4, 8) == 4

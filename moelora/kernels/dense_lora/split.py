@@ -21,7 +21,14 @@ from moelora.kernels.args import DenseLoRAArgs
 from moelora.kernels.checks import cdiv, next_pow2
 from moelora.kernels.dense_lora.base import Segments, base_gemm
 from moelora.kernels.dense_policy import PLANNED_MAX_ROWS
-from moelora.kernels.lora_tiles import dense_shrink_program, expand_rows, expand_tile, lane_rows, shrink_rows
+from moelora.kernels.lora_tiles import (
+    dense_shrink_program,
+    expand_rows,
+    expand_tile,
+    lane_count,
+    lane_rows,
+    shrink_rows,
+)
 from moelora.kernels.pdl import pdl_args, pdl_wait
 from moelora.kernels.side_stream import forked, join
 
@@ -68,13 +75,6 @@ class Split:
         else:
             join(side_stream, x.device)  # xa is complete
         expand(out, lora, T, out.shape[1], cfg, shrunk)
-
-
-def lane_count(S: int, T: int, block_m: int, cap: int) -> int:
-    """Slot lanes of a shrink or expand grid: at most the pool's S slots, `cap` (the config's), and the distinct slots
-    a row block can hold, min(T, block_m): a one-row decode step launches one lane, not `cap` programs a tile that
-    find no slot and return (the last lane takes every slot left, so fewer lanes are always complete)."""
-    return max(1, min(S, T, block_m, cap))
 
 
 class ShrinkLaunch(NamedTuple):

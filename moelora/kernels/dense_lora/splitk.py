@@ -17,8 +17,15 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.checks import cdiv, next_pow2
-from moelora.kernels.dense_lora.split import ROWS_TILE, ShrinkLaunch, Split, lane_count, rows_path, shrink_setup
-from moelora.kernels.lora_tiles import dense_shrink_program, expand_rows, expand_tile, lane_rows, shrink_rows
+from moelora.kernels.dense_lora.split import ROWS_TILE, ShrinkLaunch, Split, rows_path, shrink_setup
+from moelora.kernels.lora_tiles import (
+    dense_shrink_program,
+    expand_rows,
+    expand_tile,
+    lane_count,
+    lane_rows,
+    shrink_rows,
+)
 from moelora.kernels.pdl import pdl_args, pdl_wait
 
 # replaces cuBLAS for rows up to this many (decode), in fp16/bf16; beyond, or in fp32, "split"

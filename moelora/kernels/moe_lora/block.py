@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.checks import cdiv, need_at_least, need_one_of, need_pow2
-from moelora.kernels.lora_tiles import drop_largest_slots, lora_b_tile, lora_shrink_rows
+from moelora.kernels.lora_tiles import drop_largest_slots, lane_count, lora_b_tile, lora_shrink_rows
 from moelora.kernels.moe_lora.base import site
 from moelora.kernels.moe_lora.deltas import GATE_UP_DELTA_AT, DeltaPath
 from moelora.kernels.moe_rows import plan_rows, slot_base
@@ -62,12 +62,13 @@ class Block(DeltaPath):
         call, cfg, plan, lora = self.call, self.cfg, self.call.plan, self.call.lora
         a, b, ranks = site(lora, which)
         n_out, k_dim = b.shape[2], a.shape[3]
-        lanes = min(BLOCK_LANES, a.shape[0])
         bn = cfg.block_n
+        rows = cfg.block_m or plan.block_m  # a program's rows: routes of distinct tokens, at most T of them
+        lanes = lane_count(a.shape[0], plan.num_tokens, rows, BLOCK_LANES)
         # split N only when blocks x lanes alone leave SMs idle (each split repeats the block's shrink)
         n_split = max(1, min(cdiv(n_out, bn), cdiv(BLOCK_TARGET_PROGRAMS, plan.num_routes)))
         per_split = cdiv(cdiv(n_out, n_split), bn) * bn
-        sub = max(1, plan.block_m // (cfg.block_m or plan.block_m))  # programs per plan block
+        sub = max(1, plan.block_m // rows)  # programs per plan block
         grid = (plan.max_blocks * sub, lanes, cdiv(n_out, per_split))
         persist = 0 < cfg.programs < grid[0] * grid[1] * grid[2]
         lora_block_delta_kernel[(cfg.programs,) if persist else grid](
