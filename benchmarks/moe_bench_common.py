@@ -17,6 +17,7 @@ from moelora.kernels.args import ExpertLoRAArgs
 from moelora.kernels.fp8_moe import FP8ExpertScales, fp8_moe_config
 from moelora.kernels.fused_moe import fused_moe
 from moelora.kernels.moe_config import tuned_fused_moe_config
+from moelora.kernels.side_stream import lora_stream
 from moelora.quant.fp8 import quantize_blocks, quantize_segments
 
 SHAPES = {
@@ -152,6 +153,12 @@ def moe_call(layer: Layer, x, wts, ids, lora, config=None, side_stream=None, pdl
     out = torch.empty_like(x)
     return lambda: fused_moe(x, layer.w_gu, layer.w_d, wts, ids, lora=lora, out=out, config=config,
                              side_stream=side_stream, route_rows=layer.route_rows, fp8=layer.fp8, pdl=pdl)
+
+
+def bench_side_stream(off: bool):
+    """The LoRA side stream the engine hands a layer on this GPU (`side_stream.lora_stream`, overlap_lora), or None
+    with `--no-side-stream`."""
+    return None if off else lora_stream(torch.device("cuda", torch.cuda.current_device()))
 
 
 def copy_gbps() -> float:

@@ -39,6 +39,7 @@ from moe_bench_common import (  # noqa: E402
     LORA_VARIANTS,
     MS,
     SHAPES,
+    bench_side_stream,
     bytes_bound,
     eager_time_ms,
     fp8_layer,
@@ -50,8 +51,6 @@ from moe_bench_common import (  # noqa: E402
     measure_ceilings,
     moe_call,
 )
-
-from moelora.kernels.side_stream import lora_stream  # noqa: E402
 
 EAGER_VARIANTS = ("off", "8ad_r16")
 
@@ -90,7 +89,7 @@ def main(argv=None):
     ap.add_argument("--chain", type=int, default=8, help="also time N distinct layers in one graph, per layer "
                     "(0: not; the decode-like per-layer time, the one the targets are read against)")
     args = ap.parse_args(argv)
-    side = None if args.no_side_stream else lora_stream(torch.device("cuda", torch.cuda.current_device()))
+    side = bench_side_stream(args.no_side_stream)
     pdl = not args.no_pdl
     out_dir = os.environ.get("OUT", ".")
     path = Path(args.csv or Path(out_dir) / "moe_lora_layer.csv")

@@ -50,6 +50,7 @@ from moe_bench_common import (  # noqa: E402
     DTYPES,
     MS,
     SHAPES,
+    bench_side_stream,
     fp8_layer,
     graph_time_ms,
     make_inputs,
@@ -64,7 +65,6 @@ from moelora.config import ModelConfig  # noqa: E402
 from moelora.kernels.fp8_moe import fp8_table_key  # noqa: E402
 from moelora.kernels.moe_config import CONFIG_DIR, FusedMoEConfig, GemmTile, device_tag, shape_key  # noqa: E402
 from moelora.kernels.moe_lora import PATHS  # noqa: E402
-from moelora.kernels.side_stream import lora_stream  # noqa: E402
 
 DECODE_TILES = [(64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 4, 3), (32, 256, 4, 3), (16, 256, 4, 4)]
 MID_TILES = [(64, 128, 4, 3), (128, 64, 4, 4)]
@@ -254,8 +254,7 @@ def main(argv=None):
     dtypes = args.dtype.split(",")
     if set(dtypes) - set(DTYPES):
         ap.error(f"--dtype: {sorted(set(dtypes) - set(DTYPES))} not in {list(DTYPES)}")
-    device = torch.device("cuda", torch.cuda.current_device())
-    how = Launch(None if args.no_side_stream else lora_stream(device), not args.no_pdl)
+    how = Launch(bench_side_stream(args.no_side_stream), not args.no_pdl)
     score = tuple(args.score.split(","))
     gpu = torch.cuda.get_device_name()
     path = CONFIG_DIR / f"fused_moe_{device_tag(gpu)}.json"

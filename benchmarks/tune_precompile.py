@@ -38,9 +38,8 @@ def _compile_chunk(chunk: list[tuple[dict, str, int, dict]], pdl: bool = False) 
     """Make each launch once (compiling it into Triton's cache); the number that raised."""
     sys.path.insert(0, str(Path(__file__).parent))
     import torch
-    from moe_bench_common import DTYPES, fp8_layer, make_inputs, make_layer
+    from moe_bench_common import DTYPES, fp8_layer, make_inputs, make_layer, moe_call
 
-    from moelora.kernels.fused_moe import fused_moe
     from moelora.kernels.moe_config import FusedMoEConfig
 
     layers, failed = {}, 0
@@ -52,8 +51,7 @@ def _compile_chunk(chunk: list[tuple[dict, str, int, dict]], pdl: bool = False) 
         layer = layers[key]
         x, wts, ids = make_inputs(layer, M)
         try:
-            fused_moe(x, layer.w_gu, layer.w_d, wts, ids, out=torch.empty_like(x),
-                      config=FusedMoEConfig.from_dict(cfg), route_rows=layer.route_rows, fp8=layer.fp8, pdl=pdl)
+            moe_call(layer, x, wts, ids, None, FusedMoEConfig.from_dict(cfg), None, pdl)()
             torch.cuda.synchronize()
         except Exception:  # noqa: BLE001 - the timing loop reports and skips it
             failed += 1
