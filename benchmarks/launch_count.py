@@ -9,7 +9,8 @@ model (`--model dsv2`: DeepSeek-V2-Lite-shaped, MLA and shared experts; random w
 and its no-LoRA twin; `--prompts` prompts of `--len` tokens prefilled in one chunk. The rows are not grouped by
 slot (`group_lora_rows=False`: a 2048-row step is past the 1024 rows the dense policy groups, and the tiny
 shapes take the "split" dense mode as the real ones do at 2048 rows), so a few rows launch what 2048 do on the
-GPU and the interpreter stays quick (more than 16 rows: up to 16 the dense LoRA takes decode's row kernels).
+GPU and the interpreter stays quick (more than `split.ROWS_MAX` rows: up to it the dense LoRA takes decode's
+row kernels).
 The MoE takes the H200 table's pick for Qwen3-30B-A3B (DeepSeek-V2-Lite) at `--moe-m` tokens (a table for the
 tiny shape is written with that entry), so the routed-LoRA path is the one the GPU runs.
 

@@ -1,8 +1,7 @@
 """benchmarks/launch_count.py: what one prefill forward launches, counted on the CPU under the Triton interpreter.
 
 The counts are the host's work on the GPU too (each Triton launch ~50-100 us of Python there): a change that
-adds a launch to a prefill layer shows here, and this test names the launches a layer makes today. Two prompts of
-12 tokens: past the 16 rows up to which the dense LoRA takes decode's row-gathered kernels (`split.ROWS_MAX`)."""
+adds a launch to a prefill layer shows here, and this test names the launches a layer makes today."""
 
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ LORA = Counter({"_lora_shrink_kernel": 2, "_lora_expand_add_kernel": 2, "lora_st
 
 @pytest.mark.skipif(not INTERP, reason="counts a CPU forward under TRITON_INTERPRET=1")
 def test_a_prefill_layer_launches_these_kernels(tmp_path):
-    rows = launch_count.main(["--prompts", "2", "--len", "12", "--layers", "1", "--host-runs", "1", "--piecewise",
+    rows = launch_count.main(["--prompts", "2", "--len", "8", "--layers", "1", "--host-runs", "1", "--piecewise",
                               "--json", str(tmp_path / "counts.json")])
     got = {r["workload"]: r for r in rows}
     assert list(got) == list(launch_count.WORKLOADS)
@@ -54,7 +53,7 @@ DSV2_LORA = Counter({"_lora_shrink_kernel": 5, "_lora_expand_add_kernel": 5, "lo
 
 @pytest.mark.skipif(not INTERP, reason="counts a CPU forward under TRITON_INTERPRET=1")
 def test_a_deepseek_v2_prefill_layer_launches_these_kernels():
-    rows = launch_count.main(["--model", "dsv2", "--prompts", "2", "--len", "12", "--layers", "1", "--host-runs",
+    rows = launch_count.main(["--model", "dsv2", "--prompts", "2", "--len", "8", "--layers", "1", "--host-runs",
                               "1", "--piecewise"])
     got = {r["workload"]: r for r in rows}
     assert Counter(got["no LoRA"]["launches"]["layer"]) == DSV2_BASE

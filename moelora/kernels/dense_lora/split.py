@@ -40,7 +40,7 @@ PREFILL_SHRINK_BLOCK_M = 64  # above PLANNED_MAX_ROWS (prefill): A read from L2 
 
 
 # the row-gathered shrink / expand up to this many rows, while a [rows, BLOCK_R, depth] gather stays in registers
-ROWS_MAX = 4  # H100 lora_linear T=1/4: 7-10 % faster than the lanes; T=8/16: 4-64 % slower (rows re-read A / B)
+ROWS_MAX = 4  # H100 lora_linear: T 1-4 7-13 % faster than the slot lanes; T 8 / 16 4-64 % slower (rows re-read A / B)
 ROWS_TILE = 8192  # elements of a row program's gathered [rows, BLOCK_R, BK] A or [rows, BN, BLOCK_R] B tile
 
 
