@@ -30,6 +30,8 @@ from moelora.kernels.pdl import pdl_args, pdl_wait
 
 # replaces cuBLAS for rows up to this many (decode), in fp16/bf16; beyond, or in fp32, "split"
 SPLITK_MAX_ROWS = 64
+
+
 class SplitK:
     name = "splitk"
 
