@@ -49,6 +49,22 @@ def rows_path(T: int, block_r: int) -> bool:
     return T <= ROWS_MAX and next_pow2(T) * block_r * 16 <= ROWS_TILE
 
 
+class RowsTiles(NamedTuple):
+    bt: int  # the rows' power of two
+    bk: int  # the shrink's K step
+    bn: int  # the expand's columns a program
+
+
+def rows_tiles(T: int, block_r: int, block_n: int) -> RowsTiles | None:
+    """The rows path's tiles for T rows (a [bt, BLOCK_R, bk] A and a [bt, bn, BLOCK_R] B gather within ROWS_TILE),
+    or None where the slot lanes take them (`rows_path`)."""
+    if not rows_path(T, block_r):
+        return None
+    bt = next_pow2(T)
+    per = ROWS_TILE // (bt * block_r)
+    return RowsTiles(bt, min(256, per), min(block_n, per))
+
+
 class Split:
     name = "split"
 
@@ -111,13 +127,13 @@ def shrink(x, lora, T, n_in, cfg, side_stream=None) -> ShrinkLaunch:
     """Launch the shrink (on `side_stream` when given); xa was allocated before the fork, read after the join. Up
     to ROWS_MAX rows (`rows_path`) one program a (chunk, segment) over every row (`lora_tiles.shrink_rows`)."""
     sh = shrink_setup(x, lora, T, n_in, cfg)
-    if rows_path(T, sh.seg.block_r):
-        bt = next_pow2(T)
+    rt = rows_tiles(T, sh.seg.block_r, cfg.block_n)
+    if rt is not None:
         with forked(side_stream, x.device):
             _lora_shrink_rows_kernel[(sh.n_split * sh.seg.G,)](
                 x, sh.xa, lora.a, lora.token_slots, lora.slot_ranks, T, n_in, lora.a.shape[0], sh.chunk,
-                sh.seg.r_seg, x.stride(0), sh.xa.stride(0), lora.a.stride(0), lora.a.stride(1), BT=bt,
-                BLOCK_R=sh.seg.block_r, BK=min(256, ROWS_TILE // (bt * sh.seg.block_r)), G=sh.seg.G, num_warps=4,
+                sh.seg.r_seg, x.stride(0), sh.xa.stride(0), lora.a.stride(0), lora.a.stride(1), BT=rt.bt,
+                BLOCK_R=sh.seg.block_r, BK=rt.bk, G=sh.seg.G, num_warps=4,
                 **pdl_args(cfg.pdl, x))
         return sh
     with forked(side_stream, x.device):
@@ -133,12 +149,11 @@ def expand(out, lora, T, n_out, cfg, sh: ShrinkLaunch, bias=None):
     """out += the delta; `cfg.expand_first`: out = the delta (+ `bias`), every row (zero where no slot). Up to
     ROWS_MAX rows (`rows_path`) one program a column tile over every row (`lora_tiles.expand_rows`)."""
     S = lora.a.shape[0]
-    if not cfg.expand_first and rows_path(T, sh.seg.block_r):
-        bt = next_pow2(T)
-        bn = min(cfg.block_n, ROWS_TILE // (bt * sh.seg.block_r))
-        _lora_expand_rows_kernel[(cdiv(n_out, bn),)](
+    rt = None if cfg.expand_first else rows_tiles(T, sh.seg.block_r, cfg.block_n)
+    if rt is not None:
+        _lora_expand_rows_kernel[(cdiv(n_out, rt.bn),)](
             sh.xa, out, lora.b, lora.token_slots, lora.slot_ranks, T, n_out, S, sh.xa.stride(0), out.stride(0),
-            lora.b.stride(0), lora.b.stride(1), BT=bt, BN=bn, BLOCK_R=sh.seg.block_r, XA_SPLIT=sh.n_split,
+            lora.b.stride(0), lora.b.stride(1), BT=rt.bt, BN=rt.bn, BLOCK_R=sh.seg.block_r, XA_SPLIT=sh.n_split,
             G=sh.seg.G, SEG_BOUNDS=sh.seg.bounds, num_warps=4, **pdl_args(cfg.pdl, out))
         return
     lanes = lane_count(S, T, cfg.block_m, cfg.slot_lanes)  # one under expand_first (its config holds one lane)

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.checks import cdiv, next_pow2
-from moelora.kernels.dense_lora.split import ROWS_TILE, ShrinkLaunch, Split, rows_path, shrink_setup
+from moelora.kernels.dense_lora.split import RowsTiles, ShrinkLaunch, Split, rows_tiles, shrink_setup
 from moelora.kernels.lora_tiles import (
     dense_shrink_program,
     expand_rows,
@@ -50,7 +50,7 @@ def splitk_linear(x, weight, bias, lora, out, cfg) -> None:
                       out, bias, None, None, cfg.block_m, cfg.block_n, cfg.slot_lanes, cfg.num_warps, pdl=cfg.pdl)
         return
     sh = shrink_setup(x, lora, x.shape[0], x.shape[1], cfg)
-    rows = rows_path(x.shape[0], sh.seg.block_r)
+    rows = rows_tiles(x.shape[0], sh.seg.block_r, cfg.block_n)
     ws = splitk_partials(x, weight, cfg.gemm_split_k, cfg.gemm_block_n, cfg.gemm_block_k, shrink=sh, rows=rows,
                          pdl=cfg.pdl)
     splitk_reduce(ws, out, bias, lora, sh, cfg.block_m, cfg.block_n, cfg.slot_lanes, cfg.num_warps, rows=rows,
@@ -172,7 +172,8 @@ def splitk_reduce_kernel(
 
 
 def splitk_partials(x: torch.Tensor, weight: torch.Tensor, split_k: int, block_n: int, block_k: int,
-                    shrink: ShrinkLaunch | None = None, *, rows: bool = False, pdl: bool = False) -> torch.Tensor:
+                    shrink: ShrinkLaunch | None = None, *, rows: RowsTiles | None = None,
+                    pdl: bool = False) -> torch.Tensor:
     """ws [P, T, N_out] fp32; with `shrink`, the same launch also fills shrink.xa (`rows`: `shrink_rows`, every row
     of a (chunk, segment) in one program); `pdl`: programmatic dependent launch where the GPU has it
     (`kernels.pdl`, as `splitk_reduce`'s)."""
@@ -193,10 +194,8 @@ def splitk_partials(x: torch.Tensor, weight: torch.Tensor, split_k: int, block_n
         n_shrink = n_pg if rows else cdiv(T, sh.block_m) * n_pg * sh.lanes
         lora = (sh.xa, a, sh.lora.token_slots, sh.lora.slot_ranks, a.shape[0], sh.chunk, sh.lanes, sh.seg.r_seg,
                 sh.xa.stride(0), a.stride(0), a.stride(1), n_pg, n_shrink)
-        bt = next_pow2(T)
-        consts = dict(HAS_LORA=True, S_BM=bt if rows else sh.block_m, BLOCK_R=sh.seg.block_r,
-                      S_BK=min(256, ROWS_TILE // (bt * sh.seg.block_r)) if rows else sh.block_k, S_P2=sh.s_p2,
-                      G=sh.seg.G, ROWS=rows)
+        consts = dict(HAS_LORA=True, S_BM=rows.bt if rows else sh.block_m, BLOCK_R=sh.seg.block_r,
+                      S_BK=rows.bk if rows else sh.block_k, S_P2=sh.s_p2, G=sh.seg.G, ROWS=rows is not None)
     splitk_partial_kernel[(lora[-1] + n_gemm,)](
         x, weight, ws, T, n_in, n_out, chunk, x.stride(0), weight.stride(0), ws.stride(0), n_tiles_n, n_split,
         *lora, BM=bm, BN=block_n, BK=block_k, num_warps=4, num_stages=3, **consts, **pdl_args(pdl, x))
@@ -204,18 +203,18 @@ def splitk_partials(x: torch.Tensor, weight: torch.Tensor, split_k: int, block_n
 
 
 def splitk_reduce(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, lora, shrink: ShrinkLaunch | None,
-                  block_m: int, block_n: int, slot_lanes: int, num_warps: int = 4, *, rows: bool = False,
+                  block_m: int, block_n: int, slot_lanes: int, num_warps: int = 4, *, rows: RowsTiles | None = None,
                   pdl: bool = False) -> None:
     """out = sum of the partials (+ bias) (+ the expand of `lora` from `shrink`'s xa; `rows`: `expand_rows`, every
     row of a column tile in one program)."""
     T, n_out = out.shape
     if lora is not None and rows:
-        sh, bt = shrink, next_pow2(T)
-        bn = min(block_n, ROWS_TILE // (bt * sh.seg.block_r))
-        splitk_reduce_rows_kernel[(cdiv(n_out, bn),)](
+        sh = shrink
+        splitk_reduce_rows_kernel[(cdiv(n_out, rows.bn),)](
             ws, out, ws if bias is None else bias, sh.xa, lora.b, lora.token_slots, lora.slot_ranks, T, n_out,
             lora.a.shape[0], ws.stride(0), out.stride(0), sh.xa.stride(0), lora.b.stride(0), lora.b.stride(1),
-            HAS_BIAS=bias is not None, SPLIT_K=ws.shape[0], BT=bt, BN=bn, BLOCK_R=sh.seg.block_r, XA_SPLIT=sh.n_split,
+            HAS_BIAS=bias is not None, SPLIT_K=ws.shape[0], BT=rows.bt, BN=rows.bn, BLOCK_R=sh.seg.block_r,
+            XA_SPLIT=sh.n_split,
             G=sh.seg.G, SEG_BOUNDS=sh.seg.bounds, num_warps=4, **pdl_args(pdl, ws))
         return
     if lora is not None:
