@@ -45,13 +45,15 @@ PHASES = (("scheduler", "schedule"), ("pool", "acquire"), ("runner", "prepare"),
 
 
 CATEGORIES = (  # first match wins: Triton kernel names (exact or prefix), substrings of cuBLAS/ATen names
-    ("moe lora", ("=lora_shrink_kernel", "=lora_route_delta_kernel", "=lora_block_delta_kernel", "=act_delta_kernel")),
-    ("dense lora", ("^_lora_", "=planned_delta_kernel")),
+    ("moe lora", ("=lora_shrink_kernel", "=lora_route_delta_kernel", "=lora_block_delta_kernel", "=act_delta_kernel",
+                  "=act_spread_kernel", "=lora_stacked_shrink_kernel")),
+    ("dense lora", ("^_lora_", "=planned_delta_kernel", "^_expand_lora", "^_absorb_lora", "^_concat_")),
     ("dense splitk: base GEMM + LoRA shrink, reduce + expand", ("^splitk_",)),
     ("moe gemm + plan + combine", ("=gate_up_kernel", "=down_kernel", "=combine_kernel", "^_plan_")),
     ("attention", ("^_decode", "=decode_reduce_kernel", "^_prefill", "^_store", "^_mla")),
     ("fused norm/rotary/router/silu", ("=_rms_norm_kernel", "=_qk_norm_rope_kernel", "=_softmax_topk_kernel",
                                        "=_router_topk_kernel", "=_silu_mul_kernel")),
+    ("fp8 GEMM + activation quant", ("=_fp8_linear_kernel", "=_group_quant_kernel")),
     ("cuBLAS GEMM", ("nvjet", "gemm", "cutlass", "xmma")),
 )
 
