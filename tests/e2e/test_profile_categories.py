@@ -4,25 +4,15 @@ LoRA's `act_spread_kernel` was read as "other torch kernels")."""
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
 import pytest
 
+from tests.helpers.kernel_source import jit_functions
 from tests.helpers.scripts import load_script
-
-KERNELS = Path(__file__).resolve().parents[2] / "moelora" / "kernels"
 
 
 def _triton_kernels() -> list[str]:
     """Names of the `@triton.jit` functions under moelora/kernels that are launched (named `*_kernel`)."""
-    names = []
-    for path in sorted(KERNELS.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel") and any(
-                    "jit" in ast.unparse(d) for d in node.decorator_list):
-                names.append(node.name)
-    return names
+    return [fn.name for _, fn in jit_functions() if fn.name.endswith("_kernel")]
 
 
 def test_the_scan_finds_the_kernels():

@@ -5,17 +5,15 @@ it waits for only after the wait; a pre-wait form of "spread"'s act kernel is in
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-KERNELS = Path(__file__).resolve().parents[2] / "moelora" / "kernels"
+from tests.helpers.kernel_source import jit_functions
 
 
 def _pdl_kernels():
-    for path in sorted(KERNELS.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list)
-                    and node.name != "pdl_wait" and "PDL" in [a.arg for a in node.args.args + node.args.kwonlyargs]):
-                yield path.name, node
+    """(file name, function) of every kernel taking the PDL constexpr (not pdl_wait itself)."""
+    for f, fn in jit_functions():
+        if fn.name != "pdl_wait" and "PDL" in [a.arg for a in fn.args.args + fn.args.kwonlyargs]:
+            yield f, fn
 
 
 def _body(fn: ast.FunctionDef) -> list[ast.stmt]:
