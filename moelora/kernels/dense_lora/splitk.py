@@ -214,8 +214,7 @@ def splitk_reduce(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None
             ws, out, ws if bias is None else bias, sh.xa, lora.b, lora.token_slots, lora.slot_ranks, T, n_out,
             lora.a.shape[0], ws.stride(0), out.stride(0), sh.xa.stride(0), lora.b.stride(0), lora.b.stride(1),
             HAS_BIAS=bias is not None, SPLIT_K=ws.shape[0], BT=rows.bt, BN=rows.bn, BLOCK_R=sh.seg.block_r,
-            XA_SPLIT=sh.n_split,
-            G=sh.seg.G, SEG_BOUNDS=sh.seg.bounds, num_warps=4, **pdl_args(pdl, ws))
+            XA_SPLIT=sh.n_split, G=sh.seg.G, SEG_BOUNDS=sh.seg.bounds, num_warps=4, **pdl_args(pdl, ws))
         return
     if lora is not None:
         sh, S = shrink, lora.a.shape[0]
