@@ -15,7 +15,8 @@ Prints tables and writes them to OUT.txt.
 usage: python benchmarks/decode_profile.py OUT.txt [--layers 0 (the model's own)] [--conc 1,64] [--top 20] [--trace DIR]
 (--trace: Chrome traces of each point's graph replay and eager forward, kernel by kernel with their
 streams, for chrome://tracing or Perfetto; and the middle layer of each graph replay printed kernel
-by kernel, `layer_timeline`)
+by kernel, `layer_timeline`, and each kind's device time past the kernels before it, a layer,
+`exposed_by_category`)
 """
 
 from __future__ import annotations
@@ -149,7 +150,12 @@ def profile_point(eng, conc, names, steps, top, log, trace: str | None = None):
         torch.cuda.synchronize()
     if trace:
         prof.export_chrome_trace(f"{trace}_eager.json")
-        for line in layer_timeline(f"{trace}_graph.json", eng.model_config.num_layers // 2):
+        exposed, idle = exposed_by_category(trace_kernels(f"{trace}_graph.json"))
+        n_layers = eng.model_config.num_layers
+        log(f"  graph replay, µs a layer past the kernels before ({n_layers} layers): "
+            + "; ".join(f"{cat} {us / n_layers:.1f}" for cat, us in sorted(exposed.items(), key=lambda kv: -kv[1]))
+            + f"; idle {idle / n_layers:.1f}")
+        for line in layer_timeline(f"{trace}_graph.json", n_layers // 2):
             log(line)
     per_name = kernel_times(prof)
     for r in reqs:
@@ -169,13 +175,31 @@ def profile_point(eng, conc, names, steps, top, log, trace: str | None = None):
         log(f"    {us / 1e3:7.3f} ms {count:5d}x  {name[:110]}")
 
 
+def trace_kernels(path: str) -> list[dict]:
+    """The kernel events of a Chrome trace (`ts` start, `dur` µs, `tid` stream, `name`), by start."""
+    with open(path) as f:
+        return sorted((e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+
+
+def exposed_by_category(kernels: list[dict], table=CATEGORIES) -> tuple[dict[str, float], float]:
+    """Each kernel's device time past the end of every kernel that started before it (what it adds to the
+    step's span; a kernel hidden under another one on a side stream adds 0), summed per `category`; and
+    the summed idle gaps between them. The categories and gaps add up to the span, first start to last end."""
+    exposed, idle = defaultdict(float), 0.0
+    end = kernels[0]["ts"] if kernels else 0.0
+    for e in kernels:
+        idle += max(0.0, e["ts"] - end)
+        exposed[category(e["name"], table)] += max(0.0, e["ts"] + e["dur"] - max(end, e["ts"]))
+        end = max(end, e["ts"] + e["dur"])
+    return dict(exposed), idle
+
+
 def layer_timeline(path: str, layer: int) -> list[str]:
     """One decoder layer of a graph replay's Chrome trace, kernel by kernel: start (µs from the
     layer's first kernel), duration, idle gap before it on the device (negative: it overlaps the
     previous one), stream. A layer runs from its input RMSNorm to the next layer's (two norm launches
     a layer: the input and the post-attention norm, each with the residual add fused in)."""
-    with open(path) as f:
-        kernels = sorted((e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    kernels = trace_kernels(path)
     norms = [i for i, e in enumerate(kernels) if e["name"] == "_rms_norm_kernel"]
     if len(norms) < 2 * layer + 3:
         return [f"  (trace: {len(norms)} norm kernels, too few to find layer {layer})"]

@@ -27,3 +27,21 @@ def test_every_kernel_has_a_category(script):
     cats = {cat for cat, _ in table}
     missing = [n for n in _triton_kernels() if decode_profile.category(n, table) not in cats]
     assert not missing, f"{script}: kernels in no category: {missing}"
+
+
+def test_exposed_time_counts_what_each_kernel_adds_to_the_span():
+    """A side-stream kernel hidden under the GEMM adds nothing; one that outlasts it adds its tail; idle gaps apart."""
+    dp = load_script("benchmarks/decode_profile.py", skip_missing=True)
+    kernels = [  # start, duration (µs); by start, as trace_kernels returns them
+        {"name": "_rms_norm_kernel", "ts": 100.0, "dur": 2.0},
+        {"name": "gate_up_kernel", "ts": 103.0, "dur": 10.0},   # 1 µs idle before it
+        {"name": "act_spread_kernel", "ts": 104.0, "dur": 4.0},  # under gate_up: adds 0
+        {"name": "splitk_partial_kernel", "ts": 110.0, "dur": 6.0},  # past gate_up's end (113) by 3
+        {"name": "down_kernel", "ts": 120.0, "dur": 5.0},  # 4 µs idle before it
+    ]
+    exposed, idle = dp.exposed_by_category(kernels)
+    assert idle == 5.0
+    assert exposed == {"fused norm/rotary/router/silu": 2.0, "moe gemm + plan + combine": 15.0, "moe lora": 0.0,
+                       "dense splitk: base GEMM + LoRA shrink, reduce + expand": 3.0}
+    assert sum(exposed.values()) + idle == 125.0 - 100.0  # the span
+    assert dp.exposed_by_category([]) == ({}, 0.0)
