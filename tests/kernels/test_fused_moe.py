@@ -490,6 +490,30 @@ def test_gpu_plan_per_route_bf16(T, shrink):
 
 @pytest.mark.gpu
 @gpu_only
+@pytest.mark.parametrize("T", [1, 8, 64])
+@pytest.mark.parametrize("shrink", ["off", *PATHS])
+def test_gpu_pdl_is_bit_exact(T, shrink):
+    """Every path with programmatic dependent launch, eager and in a CUDA graph (where each kernel starts while the
+    one it waits for runs), equals its plain launches bit for bit, at the Qwen3 shape with several adapters a
+    block (the engine's PDL test runs tiny models, off the tuned tables' paths)."""
+    from moelora.kernels.moe_config import tuned_fused_moe_config
+    from moelora.kernels.pdl import pdl_supported
+
+    case = gpu_case(QWEN3, T, seed=70 + T, **({} if shrink != "off" else dict(ranks=())))
+    if not pdl_supported(case[0]):
+        pytest.skip("PDL needs compute capability >= 9.0")
+    cfg = tuned_fused_moe_config(128, 2048, 768, T, 8, torch.bfloat16, torch.cuda.get_device_name())
+    if shrink != "off":
+        cfg = cfg.on_path(shrink)
+    calls = [lambda o, pdl=pdl: fused_moe(*case[:5], lora=case[5], out=o, config=cfg, pdl=pdl) for pdl in (False, True)]
+    eager = [call(torch.empty_like(case[0])) for call in calls]  # (also compiles them for the capture)
+    plain, on = (graph_replayed(call, torch.empty_like(case[0])) for call in calls)
+    assert rel_err(plain, reference(*case, dtype=torch.float32)) <= 1e-2
+    assert torch.equal(eager[1], eager[0]) and torch.equal(plain, eager[0]) and torch.equal(on, plain)
+
+
+@pytest.mark.gpu
+@gpu_only
 @pytest.mark.parametrize("T", [3, 200])
 def test_gpu_mixtral_shape_bf16(T):
     case = gpu_case(MIXTRAL, T, seed=10 + T, ranks=(16, 8), R=16)
