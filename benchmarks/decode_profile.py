@@ -15,8 +15,9 @@ Prints tables and writes them to OUT.txt.
 usage: python benchmarks/decode_profile.py OUT.txt [--layers 0 (the model's own)] [--conc 1,64] [--top 20] [--trace DIR]
 (--trace: Chrome traces of each point's graph replay and eager forward, kernel by kernel with their
 streams, for chrome://tracing or Perfetto; and the middle layer of each graph replay printed kernel
-by kernel, `layer_timeline`, and each kind's device time past the kernels before it, a layer,
-`exposed_by_category`)
+by kernel, `layer_timeline`, and each kind's device time past the kernels before it, `exposed_by_category`,
+over the whole replay (embedding and LM head included) divided by the layer count; one replay, so read its
+shares, and the replays' median for the step's time)
 """
 
 from __future__ import annotations
