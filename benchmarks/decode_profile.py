@@ -56,7 +56,7 @@ CATEGORIES = (  # first match wins: Triton kernel names (exact or prefix), subst
     ("fused norm/rotary/router/silu", ("=_rms_norm_kernel", "=_qk_norm_rope_kernel", "=_softmax_topk_kernel",
                                        "=_router_topk_kernel", "=_silu_mul_kernel")),
     ("fp8 GEMM + activation quant", ("=_fp8_linear_kernel", "=_group_quant_kernel")),
-    ("cuBLAS GEMM", ("nvjet", "gemm", "cutlass", "xmma")),
+    ("cuBLAS GEMM", ("nvjet", "gemm", "gemv", "splitKreduce", "cutlass", "xmma")),  # + its GEMVs, split-K reduce
 )
 
 

@@ -39,8 +39,9 @@ CATEGORIES = (  # first match wins: exact Triton names (=), prefixes (^), substr
                   "=act_spread_kernel", "=lora_stacked_shrink_kernel")),
     ("dense LoRA", ("^_lora_", "=planned_delta_kernel", "^_expand_lora", "^_absorb_lora", "^_concat_")),
     ("dense splitk GEMM + LoRA", ("^splitk_",)),
-    ("dense GEMMs (cuBLAS; FP8: Triton + activation quant)", ("nvjet", "gemm", "cutlass", "xmma", "sm90_",
-                                                              "=_fp8_linear_kernel", "=_group_quant_kernel")),
+    ("dense GEMMs (cuBLAS; FP8: Triton + activation quant)", ("nvjet", "gemm", "gemv", "splitKreduce", "cutlass",
+                                                              "xmma", "sm90_", "=_fp8_linear_kernel",
+                                                              "=_group_quant_kernel")),
     ("norms / rotary / silu", ("=_rms_norm_kernel", "=_qk_norm_rope_kernel", "=_silu_mul_kernel")),
     ("copies / fills", ("Memcpy", "Memset", "copy", "Copy", "fill", "index", "gather", "scatter", "cat")),
 )

@@ -45,3 +45,20 @@ def test_exposed_time_counts_what_each_kernel_adds_to_the_span():
                        "dense splitk: base GEMM + LoRA shrink, reduce + expand": 3.0}
     assert sum(exposed.values()) + idle == 125.0 - 100.0  # the span
     assert dp.exposed_by_category([]) == ({}, 0.0)
+
+
+@pytest.mark.parametrize("script", ["benchmarks/decode_profile.py", "benchmarks/prefill_profile.py"])
+def test_cublas_helpers_count_as_its_gemms(script):
+    """cuBLAS's split-K reduction and its GEMV kernels (what it runs for a projection at decode rows) belong to the
+    dense GEMM row, not "other" (likely most of the no-LoRA engine's "other" at decode in the 53rd session's H100
+    profile: 2.7 µs a layer against the LoRA engines' 0.9, whose q/k/v / o run Triton's splitk; not checked by name)."""
+    decode_profile = load_script("benchmarks/decode_profile.py", skip_missing=True)
+    table = load_script(script, skip_missing=True).CATEGORIES
+    gemm_row = decode_profile.category("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT", table)
+    for name in ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, __nv_bfloat16, false, "
+                 "false, false>(cublasLt::cublasSplitKParams<float>, float const*, __nv_bfloat16 const*)",
+                 "void gemvx::kernel<int, int, __nv_bfloat16, __nv_bfloat16, float, float, false, true, true, false, "
+                 "7, false, cublasGemvParamsEx<int, cublasGemvTensorStridedBatched<__nv_bfloat16 const>>>()",
+                 "void gemv2N_kernel<int, int, __nv_bfloat16, __nv_bfloat16, float, float, 128, 8, 4, 4, false>()"):
+        assert decode_profile.category(name, table) == gemm_row, name
+    assert gemm_row != "other torch kernels"
