@@ -151,12 +151,13 @@ def profile_point(eng, conc, names, steps, top, log, trace: str | None = None):
         torch.cuda.synchronize()
     if trace:
         prof.export_chrome_trace(f"{trace}_eager.json")
-        exposed, idle = exposed_by_category(trace_kernels(f"{trace}_graph.json"))
+        kernels = trace_kernels(f"{trace}_graph.json")
+        exposed, idle = exposed_by_category(kernels)
         n_layers = eng.model_config.num_layers
         log(f"  graph replay, µs a layer past the kernels before ({n_layers} layers): "
             + "; ".join(f"{cat} {us / n_layers:.1f}" for cat, us in sorted(exposed.items(), key=lambda kv: -kv[1]))
             + f"; idle {idle / n_layers:.1f}")
-        for line in layer_timeline(f"{trace}_graph.json", n_layers // 2):
+        for line in layer_timeline(kernels, n_layers // 2):
             log(line)
     per_name = kernel_times(prof)
     for r in reqs:
@@ -195,12 +196,11 @@ def exposed_by_category(kernels: list[dict], table=CATEGORIES) -> tuple[dict[str
     return dict(exposed), idle
 
 
-def layer_timeline(path: str, layer: int) -> list[str]:
-    """One decoder layer of a graph replay's Chrome trace, kernel by kernel: start (µs from the
+def layer_timeline(kernels: list[dict], layer: int) -> list[str]:
+    """One decoder layer of a graph replay (its trace's `trace_kernels`), kernel by kernel: start (µs from the
     layer's first kernel), duration, idle gap before it on the device (negative: it overlaps the
     previous one), stream. A layer runs from its input RMSNorm to the next layer's (two norm launches
     a layer: the input and the post-attention norm, each with the residual add fused in)."""
-    kernels = trace_kernels(path)
     norms = [i for i, e in enumerate(kernels) if e["name"] == "_rms_norm_kernel"]
     if len(norms) < 2 * layer + 3:
         return [f"  (trace: {len(norms)} norm kernels, too few to find layer {layer})"]

@@ -25,7 +25,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
-from decode_profile import by_category, kernel_times, layer_timeline, median
+from decode_profile import by_category, kernel_times, layer_timeline, median, trace_kernels
 from host_overhead import phase_timers
 
 import moelora.engine.engine as engine_module
@@ -107,7 +107,8 @@ def profiled(eng, prompts, names, log, top: int, trace: str | None, device_ms: f
     with tempfile.TemporaryDirectory() as tmp:
         path = trace or f"{tmp}/trace.json"
         prof.export_chrome_trace(path)
-        for line in layer_timeline(path, eng.model_config.num_layers // 2):  # the first forward's middle layer
+        # the first forward's middle layer
+        for line in layer_timeline(trace_kernels(path), eng.model_config.num_layers // 2):
             log(line)
     per_name = kernel_times(prof)
     n_kernels = sum(c for c, _ in per_name.values())

@@ -30,16 +30,16 @@ VARIANTS = {  # label -> engine switches on top of base_decode_graphs=False ("gr
 
 
 def wave_diff(got, want) -> tuple[float, str]:
-    """Max |logprob difference| over the shared tokens of each request pair, and where it peaks / diverges."""
-    worst, where = 0.0, "-"
+    """Max |logprob difference| over the shared tokens of each request pair, where it peaks, and the divergences."""
+    worst, where, diverged = 0.0, "-", []
     for g, w in zip(got, want, strict=True):
         for i, (a, b, ga, wa) in enumerate(zip(g.output_ids, w.output_ids, g.logprobs, w.logprobs, strict=True)):
             if a != b:
-                where += f" ({g.request_id} diverges at {i})"
+                diverged.append(f"{g.request_id} diverges at {i}")
                 break
             if abs(ga[0] - wa[0]) > worst:
                 worst, where = abs(ga[0] - wa[0]), f"{g.request_id} step {i}"
-    return worst, where
+    return worst, "; ".join([where, *diverged])
 
 
 def main() -> None:
