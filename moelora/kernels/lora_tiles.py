@@ -241,14 +241,15 @@ def expand_segments(xa_ptr, y_ptr, b_ptr, slot0, s0, ranks, offs_t, offs_n, mine
     return acc
 
 
-# decode's few rows, every one at once: each row's A / B rows gathered by its slot (dense_lora.split.rows_path)
+# decode's few rows, a block of BT at once (rows t0 to t0 + BT - 1 of T): each row's A / B rows gathered by its slot
+# (dense_lora.split.rows_path)
 @triton.jit
-def shrink_rows(x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, p, g, T, N_in, n_slots, k_chunk, R_SEG, stride_xt,
+def shrink_rows(x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, p, g, t0, T, N_in, n_slots, k_chunk, R_SEG, stride_xt,
                  stride_xap, stride_as, stride_ar, BT: tl.constexpr, BLOCK_R: tl.constexpr, BK: tl.constexpr,
                  G: tl.constexpr):
-    """xa[p, t, g BLOCK_R + r] = x[t, chunk p] @ A_g,slot(t)[r, chunk p] for every row t (zero on rows of no slot and
-    past the slot's rank): each row's A rows gathered by its slot, products summed in fp32."""
-    offs_t = tl.arange(0, BT)
+    """xa[p, t, g BLOCK_R + r] = x[t, chunk p] @ A_g,slot(t)[r, chunk p] for every row t of the block from t0 (zero on
+    rows of no slot and past the slot's rank): each row's A rows gathered by its slot, products summed in fp32."""
+    offs_t = t0 + tl.arange(0, BT)
     offs_r = tl.arange(0, BLOCK_R)
     t_ok = offs_t < T
     slot = tl.load(slots_ptr + offs_t, mask=t_ok, other=-1)
@@ -273,11 +274,13 @@ def shrink_rows(x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, p, g, T, N_in, n_slo
 
 
 @triton.jit
-def expand_rows(acc, xa_ptr, b_ptr, slots_ptr, ranks_ptr, offs_t, n0, T, N_out, n_slots, stride_xap, stride_bs,
+def expand_rows(acc, xa_ptr, b_ptr, slots_ptr, ranks_ptr, t0, n0, T, N_out, n_slots, stride_xap, stride_bs,
                  stride_bn, y_dtype: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BLOCK_R: tl.constexpr,
                  XA_SPLIT: tl.constexpr, G: tl.constexpr, SEG_BOUNDS: tl.constexpr):
-    """acc [BT, BN] + each row's delta: its xa (the P partials summed, rounded to the output dtype, as the lanes'
-    dot reads it) times its slot's B rows of this column tile, segment by segment, gathered by slot."""
+    """acc [BT, BN] (rows t0 to t0 + BT - 1) + each row's delta: its xa (the P partials summed, rounded to the output
+    dtype, as the lanes' dot reads it) times its slot's B rows of this column tile, segment by segment, gathered by
+    slot."""
+    offs_t = t0 + tl.arange(0, BT)
     offs_r = tl.arange(0, BLOCK_R)
     offs_n = n0 + tl.arange(0, BN)
     t_ok = offs_t < T

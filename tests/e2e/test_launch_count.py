@@ -1,7 +1,8 @@
 """benchmarks/launch_count.py: what one prefill forward launches, counted on the CPU under the Triton interpreter.
 
 The counts are the host's work on the GPU too (each Triton launch ~50-100 us of Python there): a change that
-adds a launch to a prefill layer shows here, and this test names the launches a layer makes today."""
+adds a launch to a prefill layer shows here, and this test names the launches a layer makes today. Its prompts
+(2 x 9 tokens) are past `split.ROWS_MAX` (16) rows: up to it the dense LoRA takes decode's row kernels."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ LORA = Counter({"_lora_shrink_kernel": 2, "_lora_expand_add_kernel": 2, "lora_st
 
 @pytest.mark.skipif(not INTERP, reason="counts a CPU forward under TRITON_INTERPRET=1")
 def test_a_prefill_layer_launches_these_kernels(tmp_path):
-    rows = launch_count.main(["--prompts", "2", "--len", "8", "--layers", "1", "--host-runs", "1", "--piecewise",
+    rows = launch_count.main(["--prompts", "2", "--len", "9", "--layers", "1", "--host-runs", "1", "--piecewise",
                               "--json", str(tmp_path / "counts.json")])
     got = {r["workload"]: r for r in rows}
     assert list(got) == list(launch_count.WORKLOADS)
@@ -53,7 +54,7 @@ DSV2_LORA = Counter({"_lora_shrink_kernel": 5, "_lora_expand_add_kernel": 5, "lo
 
 @pytest.mark.skipif(not INTERP, reason="counts a CPU forward under TRITON_INTERPRET=1")
 def test_a_deepseek_v2_prefill_layer_launches_these_kernels():
-    rows = launch_count.main(["--model", "dsv2", "--prompts", "2", "--len", "8", "--layers", "1", "--host-runs",
+    rows = launch_count.main(["--model", "dsv2", "--prompts", "2", "--len", "9", "--layers", "1", "--host-runs",
                               "1", "--piecewise"])
     got = {r["workload"]: r for r in rows}
     assert Counter(got["no LoRA"]["launches"]["layer"]) == DSV2_BASE

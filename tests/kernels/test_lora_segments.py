@@ -173,14 +173,17 @@ def test_segments_one_and_zero_tokens_and_no_adapter(mode):
 
 @kernel_test
 @pytest.mark.parametrize("mode", ["split", "splitk"])
-@pytest.mark.parametrize("T", [2, 3, 4])
-def test_rows_segments(mode, T):
-    """The row-gathered shrink and expand (decode's rows, `split.rows_path`; split's launches and splitk's): mixed
-    slots, rows on none, ranks 0 on some segments, a segment bound straddling a tile; the same as the twin and each
-    segment alone; a wide pool's batch width, uneven bounds; a pool of rank 64 read whole (BLOCK_R 64)."""
-    from moelora.kernels.dense_lora.split import rows_path
+@pytest.mark.parametrize("T,bt", [(2, 1), (5, 1), (16, 1), (5, 4), (16, 4)])
+def test_rows_segments(mode, T, bt, monkeypatch):
+    """The row-gathered shrink and expand (decode's rows, `split.rows_path`; split's launches and splitk's) in blocks
+    of `split.ROWS_BT` rows a program (5 rows at 4: a ragged last block): mixed slots, rows on none, ranks 0 on some
+    segments, a segment bound straddling a tile; the same as the twin and each segment alone; a wide pool's batch
+    width, uneven bounds; a pool of rank 64 read whole (BLOCK_R 64)."""
+    from moelora.kernels.dense_lora import split
 
-    assert rows_path(T, 16) and rows_path(4, 64) and not rows_path(5, 16) and not rows_path(1, 1024)
+    monkeypatch.setattr(split, "ROWS_BT", bt)
+    assert split.rows_tiles(T, 16, 16).bt == bt and split.rows_tiles(T, 64, 16).bt == bt
+    assert split.rows_path(T, 64) and not split.rows_path(split.ROWS_MAX + 1, 16) and not split.rows_path(1, 1024)
     cfg = TINY[mode]
     slots = ([0, -1, 1, 2, 3, 4, 1, 0] * 2)[:T]
     h = dict(dtype=torch.float16, device=DEV)

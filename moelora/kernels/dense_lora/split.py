@@ -39,28 +39,38 @@ SHRINK_BLOCK_M, SHRINK_STAGES = 16, 3  # the shrink's row block and pipeline sta
 PREFILL_SHRINK_BLOCK_M = 64  # above PLANNED_MAX_ROWS (prefill): A read from L2 once a 64-row block, not a 16-row one
 
 
-# the row-gathered shrink / expand up to this many rows, while a [rows, BLOCK_R, depth] gather stays in registers
-ROWS_MAX = 4  # H100 lora_linear: T 1-4 7-13 % faster than the slot lanes; T 8 / 16 4-64 % slower (rows re-read A / B)
-ROWS_TILE = 8192  # elements of a row program's gathered [rows, BLOCK_R, BK] A or [rows, BN, BLOCK_R] B tile
+# the row-gathered shrink / expand up to this many rows, ROWS_BT rows a program (a grid axis of row blocks), while a
+# [bt, BLOCK_R, depth] gather stays in registers. H100 with every row in one program (51st session): T 1-4 7-13 %
+# faster than the slot lanes, T 8 / 16 4-64 % slower (fewer programs, each walking [8 or 16, BLOCK_R, BK] gathers).
+# Row blocks (one row a program): not yet measured on a GPU; predicted T=8 / 16 near T=4's cost (T programs side by
+# side, each doing T=1's work).
+ROWS_MAX = 16
+ROWS_BT = 1  # rows a rows-path program (rounded up to a power of two)
+ROWS_TILE = 8192  # elements of a row program's gathered [bt, BLOCK_R, BK] A or [bt, BN, BLOCK_R] B tile
+
+
+def rows_bt(T: int) -> int:
+    """The rows a rows-path program takes at T rows: min(T, ROWS_BT), as a power of two."""
+    return next_pow2(max(1, min(next_pow2(T), ROWS_BT)))
 
 
 def rows_path(T: int, block_r: int) -> bool:
     """Whether T rows take the row-gathered shrink and expand (`shrink_rows`, `expand_rows`)."""
-    return T <= ROWS_MAX and next_pow2(T) * block_r * 16 <= ROWS_TILE
+    return T <= ROWS_MAX and rows_bt(T) * block_r * 16 <= ROWS_TILE
 
 
 class RowsTiles(NamedTuple):
-    bt: int  # the rows' power of two
+    bt: int  # rows a program (a power of two): cdiv(T, bt) row blocks side by side
     bk: int  # the shrink's K step
     bn: int  # the expand's columns a program
 
 
 def rows_tiles(T: int, block_r: int, block_n: int) -> RowsTiles | None:
-    """The rows path's tiles for T rows (a [bt, BLOCK_R, bk] A and a [bt, bn, BLOCK_R] B gather within ROWS_TILE),
-    or None where the slot lanes take them (`rows_path`)."""
+    """The rows path's tiles for T rows (a [bt, BLOCK_R, bk] A and a [bt, bn, BLOCK_R] B gather within ROWS_TILE,
+    bt rows a program), or None where the slot lanes take them (`rows_path`)."""
     if not rows_path(T, block_r):
         return None
-    bt = next_pow2(T)
+    bt = rows_bt(T)
     per = ROWS_TILE // (bt * block_r)
     return RowsTiles(bt, min(256, per), min(block_n, per))
 
@@ -125,12 +135,13 @@ def shrink_setup(x, lora, T, n_in, cfg) -> ShrinkLaunch:
 
 def shrink(x, lora, T, n_in, cfg, side_stream=None) -> ShrinkLaunch:
     """Launch the shrink (on `side_stream` when given); xa was allocated before the fork, read after the join. Up
-    to ROWS_MAX rows (`rows_path`) one program a (chunk, segment) over every row (`lora_tiles.shrink_rows`)."""
+    to ROWS_MAX rows (`rows_path`) one program a (chunk, segment, block of `rows_tiles`' bt rows)
+    (`lora_tiles.shrink_rows`)."""
     sh = shrink_setup(x, lora, T, n_in, cfg)
     rt = rows_tiles(T, sh.seg.block_r, cfg.block_n)
     if rt is not None:
         with forked(side_stream, x.device):
-            _lora_shrink_rows_kernel[(sh.n_split * sh.seg.G,)](
+            _lora_shrink_rows_kernel[(sh.n_split * sh.seg.G, cdiv(T, rt.bt))](
                 x, sh.xa, lora.a, lora.token_slots, lora.slot_ranks, T, n_in, lora.a.shape[0], sh.chunk,
                 sh.seg.r_seg, x.stride(0), sh.xa.stride(0), lora.a.stride(0), lora.a.stride(1), BT=rt.bt,
                 BLOCK_R=sh.seg.block_r, BK=rt.bk, G=sh.seg.G, num_warps=4,
@@ -147,11 +158,11 @@ def shrink(x, lora, T, n_in, cfg, side_stream=None) -> ShrinkLaunch:
 
 def expand(out, lora, T, n_out, cfg, sh: ShrinkLaunch, bias=None):
     """out += the delta; `cfg.expand_first`: out = the delta (+ `bias`), every row (zero where no slot). Up to
-    ROWS_MAX rows (`rows_path`) one program a column tile over every row (`lora_tiles.expand_rows`)."""
+    ROWS_MAX rows (`rows_path`) one program a (column tile, block of bt rows) (`lora_tiles.expand_rows`)."""
     S = lora.a.shape[0]
     rt = None if cfg.expand_first else rows_tiles(T, sh.seg.block_r, cfg.block_n)
     if rt is not None:
-        _lora_expand_rows_kernel[(cdiv(n_out, rt.bn),)](
+        _lora_expand_rows_kernel[(cdiv(n_out, rt.bn), cdiv(T, rt.bt))](
             sh.xa, out, lora.b, lora.token_slots, lora.slot_ranks, T, n_out, S, sh.xa.stride(0), out.stride(0),
             lora.b.stride(0), lora.b.stride(1), BT=rt.bt, BN=rt.bn, BLOCK_R=sh.seg.block_r, XA_SPLIT=sh.n_split,
             G=sh.seg.G, SEG_BOUNDS=sh.seg.bounds, num_warps=4, **pdl_args(cfg.pdl, out))
@@ -217,26 +228,28 @@ def _lora_expand_add_kernel(
 def _lora_shrink_rows_kernel(x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, T, N_in, n_slots, k_chunk, R_SEG, stride_xt,
                              stride_xap, stride_as, stride_ar, BT: tl.constexpr, BLOCK_R: tl.constexpr,
                              BK: tl.constexpr, G: tl.constexpr, PDL: tl.constexpr):
-    """Program p G + g: `shrink_rows` of chunk p, segment g, every row."""
+    """Program (p G + g, b): `shrink_rows` of chunk p, segment g, rows [b BT, (b + 1) BT)."""
     pdl_wait(PDL)
     pid = tl.program_id(0)
-    shrink_rows(x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, pid // G, pid % G, T, N_in, n_slots, k_chunk, R_SEG,
-                stride_xt, stride_xap, stride_as, stride_ar, BT, BLOCK_R, BK, G)
+    shrink_rows(x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, pid // G, pid % G, tl.program_id(1) * BT, T, N_in,
+                n_slots, k_chunk, R_SEG, stride_xt, stride_xap, stride_as, stride_ar, BT, BLOCK_R, BK, G)
 
 
 @triton.jit
 def _lora_expand_rows_kernel(xa_ptr, y_ptr, b_ptr, slots_ptr, ranks_ptr, T, N_out, n_slots, stride_xap, stride_yt,
                              stride_bs, stride_bn, BT: tl.constexpr, BN: tl.constexpr, BLOCK_R: tl.constexpr,
                              XA_SPLIT: tl.constexpr, G: tl.constexpr, SEG_BOUNDS: tl.constexpr, PDL: tl.constexpr):
-    """y[rows on a slot, n tile] += their delta (`expand_rows`); rows on no slot are not touched."""
+    """Program (n tile, b): y[rows of block b on a slot, n tile] += their delta (`expand_rows`); rows on no slot are
+    not touched."""
     pdl_wait(PDL)
-    offs_t = tl.arange(0, BT)
+    t0 = tl.program_id(1) * BT
+    offs_t = t0 + tl.arange(0, BT)
     n0 = tl.program_id(0) * BN
     offs_n = n0 + tl.arange(0, BN)
     on = tl.load(slots_ptr + offs_t, mask=offs_t < T, other=-1) >= 0
     mask = on[:, None] & (offs_n < N_out)[None, :]
     y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
     acc = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-    acc = expand_rows(acc, xa_ptr, b_ptr, slots_ptr, ranks_ptr, offs_t, n0, T, N_out, n_slots, stride_xap, stride_bs,
+    acc = expand_rows(acc, xa_ptr, b_ptr, slots_ptr, ranks_ptr, t0, n0, T, N_out, n_slots, stride_xap, stride_bs,
                       stride_bn, y_ptr.dtype.element_ty, BT, BN, BLOCK_R, XA_SPLIT, G, SEG_BOUNDS)
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)

@@ -6,8 +6,9 @@ Shape legend: `base`'s (T <= SPLITK_MAX_ROWS), and P split-K chunks.
   reduce:   y [T, N_out] = sum_p ws[p] (+ bias) (+ xa @ B_slot(t)^T per row), rounded once
 Why: the expand rides in the reduce a split-K GEMM needs anyway and the shrink in the partials' launch, so
 LoRA adds no launch, stream or join at decode. Fixed summation order: deterministic.
-Up to `split.ROWS_MAX` rows (decode) the shrink and the expand work on every row at once (`lora_tiles.shrink_rows`,
-`expand_rows`): one program a (chunk, segment) of the shrink and a column tile of the reduce.
+Up to `split.ROWS_MAX` rows (decode) the shrink and the expand work on blocks of `split.ROWS_BT` rows, each row's
+A / B rows gathered by its slot (`lora_tiles.shrink_rows`, `expand_rows`): one program a (chunk, segment, row block)
+of the shrink and a (column tile, row block) of the reduce.
 """
 
 from __future__ import annotations
@@ -67,14 +68,16 @@ def splitk_partial_kernel(
     PDL: tl.constexpr,
 ):
     """ws[p, t, n tile] = x[t, chunk p] @ W[n tile, chunk p]^T (fp32); with HAS_LORA the first n_shrink programs
-    are the dense shrink's (ROWS: one a (chunk, segment) over every row, S_BM the rows' power of two); then
-    (n tile, p, m block), n fastest."""
+    are the dense shrink's (ROWS: one a (chunk, segment, block of S_BM rows), (chunk, segment) fastest: pid =
+    block n_shrink_pg + p G + g); then (n tile, p, m block), n fastest."""
     pdl_wait(PDL)
     pid = tl.program_id(0)
     if HAS_LORA:
         if ROWS & (pid < n_shrink):
-            shrink_rows(x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, pid // G, pid % G, T, N_in, n_slots, s_chunk,
-                         R_SEG, stride_xt, stride_xap, stride_as, stride_ar, S_BM, BLOCK_R, S_BK, G)
+            pg = pid % n_shrink_pg
+            shrink_rows(x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, pg // G, pg % G, (pid // n_shrink_pg) * S_BM, T,
+                        N_in, n_slots, s_chunk, R_SEG, stride_xt, stride_xap, stride_as, stride_ar, S_BM, BLOCK_R,
+                        S_BK, G)
             return
         if pid < n_shrink:
             dense_shrink_program(x_ptr, xa_ptr, a_ptr, slots_ptr, ranks_ptr, pid // (n_lanes * n_shrink_pg),
@@ -123,13 +126,15 @@ def splitk_reduce_rows_kernel(
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BLOCK_R: tl.constexpr,
     XA_SPLIT: tl.constexpr, G: tl.constexpr, SEG_BOUNDS: tl.constexpr, PDL: tl.constexpr,
 ):
-    """y[rows, n tile] = sum_p ws[p] (+ bias) (+ each row's expand, `expand_rows`): every row of the step (<= BT)."""
+    """Program (n tile, b): y[rows of block b, n tile] = sum_p ws[p] (+ bias) (+ each row's expand, `expand_rows`),
+    the block's BT rows from b BT."""
     pdl_wait(PDL)
-    offs_t = tl.arange(0, BT)
+    t0 = tl.program_id(1) * BT
+    offs_t = t0 + tl.arange(0, BT)
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     mask = (offs_t < T)[:, None] & (offs_n < N_out)[None, :]
     acc = _partials_sum(ws_ptr, bias_ptr, offs_t, offs_n, mask, N_out, stride_wsp, HAS_BIAS, SPLIT_K)
-    acc = expand_rows(acc, xa_ptr, b_ptr, slots_ptr, ranks_ptr, offs_t, tl.program_id(0) * BN, T, N_out, n_slots,
+    acc = expand_rows(acc, xa_ptr, b_ptr, slots_ptr, ranks_ptr, t0, tl.program_id(0) * BN, T, N_out, n_slots,
                        stride_xap, stride_bs, stride_bn, y_ptr.dtype.element_ty, BT, BN, BLOCK_R, XA_SPLIT, G,
                        SEG_BOUNDS)
     tl.store(y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -174,8 +179,8 @@ def splitk_reduce_kernel(
 def splitk_partials(x: torch.Tensor, weight: torch.Tensor, split_k: int, block_n: int, block_k: int,
                     shrink: ShrinkLaunch | None = None, *, rows: RowsTiles | None = None,
                     pdl: bool = False) -> torch.Tensor:
-    """ws [P, T, N_out] fp32; with `shrink`, the same launch also fills shrink.xa (`rows`: `shrink_rows`, every row
-    of a (chunk, segment) in one program); `pdl`: programmatic dependent launch where the GPU has it
+    """ws [P, T, N_out] fp32; with `shrink`, the same launch also fills shrink.xa (`rows`: `shrink_rows`, a block of
+    rows.bt rows of a (chunk, segment) a program); `pdl`: programmatic dependent launch where the GPU has it
     (`kernels.pdl`, as `splitk_reduce`'s)."""
     T, n_in = x.shape
     n_out = weight.shape[0]
@@ -191,7 +196,7 @@ def splitk_partials(x: torch.Tensor, weight: torch.Tensor, split_k: int, block_n
     else:
         sh, a = shrink, shrink.lora.a
         n_pg = sh.n_split * sh.seg.G
-        n_shrink = n_pg if rows else cdiv(T, sh.block_m) * n_pg * sh.lanes
+        n_shrink = n_pg * cdiv(T, rows.bt) if rows else cdiv(T, sh.block_m) * n_pg * sh.lanes
         lora = (sh.xa, a, sh.lora.token_slots, sh.lora.slot_ranks, a.shape[0], sh.chunk, sh.lanes, sh.seg.r_seg,
                 sh.xa.stride(0), a.stride(0), a.stride(1), n_pg, n_shrink)
         consts = dict(HAS_LORA=True, S_BM=rows.bt if rows else sh.block_m, BLOCK_R=sh.seg.block_r,
@@ -205,12 +210,12 @@ def splitk_partials(x: torch.Tensor, weight: torch.Tensor, split_k: int, block_n
 def splitk_reduce(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, lora, shrink: ShrinkLaunch | None,
                   block_m: int, block_n: int, slot_lanes: int, num_warps: int = 4, *, rows: RowsTiles | None = None,
                   pdl: bool = False) -> None:
-    """out = sum of the partials (+ bias) (+ the expand of `lora` from `shrink`'s xa; `rows`: `expand_rows`, every
-    row of a column tile in one program)."""
+    """out = sum of the partials (+ bias) (+ the expand of `lora` from `shrink`'s xa; `rows`: `expand_rows`, a
+    (column tile, block of rows.bt rows) a program)."""
     T, n_out = out.shape
     if lora is not None and rows:
         sh = shrink
-        splitk_reduce_rows_kernel[(cdiv(n_out, rows.bn),)](
+        splitk_reduce_rows_kernel[(cdiv(n_out, rows.bn), cdiv(T, rows.bt))](
             ws, out, ws if bias is None else bias, sh.xa, lora.b, lora.token_slots, lora.slot_ranks, T, n_out,
             lora.a.shape[0], ws.stride(0), out.stride(0), sh.xa.stride(0), lora.b.stride(0), lora.b.stride(1),
             HAS_BIAS=bias is not None, SPLIT_K=ws.shape[0], BT=rows.bt, BN=rows.bn, BLOCK_R=sh.seg.block_r,
