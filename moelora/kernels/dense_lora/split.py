@@ -42,10 +42,11 @@ PREFILL_SHRINK_BLOCK_M = 64  # above PLANNED_MAX_ROWS (prefill): A read from L2 
 # the row-gathered shrink / expand up to this many rows, ROWS_BT rows a program (a grid axis of row blocks), while a
 # [bt, BLOCK_R, depth] gather stays in registers. H100 with every row in one program (51st session): T 1-4 7-13 %
 # faster than the slot lanes, T 8 / 16 4-64 % slower (fewer programs, each walking [8 or 16, BLOCK_R, BK] gathers).
-# Row blocks (one row a program): not yet measured on a GPU; predicted T=8 / 16 near T=4's cost (T programs side by
-# side, each doing T=1's work).
+# Row blocks of 4 (53rd session, H100, lora_linear 8 adapters r16, splitk, PDL, ms a step, two rounds): o 0.62 / 0.62
+# at T 8 / 16 against the lanes' 0.71 / 0.70, q/k/v 1.37 / 1.41 against 1.55 / 1.54; T <= 4 as before (one block).
+# One row a program: T 2-16 0-7 % slower than blocks of 4 (o 0.64 at T 4, q/k/v 1.46 at T 16); q/k/v T 8 1.7 % faster.
 ROWS_MAX = 16
-ROWS_BT = 1  # rows a rows-path program (rounded up to a power of two)
+ROWS_BT = 4  # rows a rows-path program (rounded up to a power of two)
 ROWS_TILE = 8192  # elements of a row program's gathered [bt, BLOCK_R, BK] A or [bt, BN, BLOCK_R] B tile
 
 
