@@ -78,7 +78,11 @@ def test_piecewise_graphs_match_eager(model_and_adapters):
 def test_scoring_beside_graphed_decodes(model_and_adapters):
     """Prompt scoring (`engine/scoring.py`: eager forwards of 64 tokens, logits 7 rows at a time, one sequence over
     several forwards) between the steps of graphed decodes over 4 adapters on 2 slots: the decodes' tokens as an
-    engine's that never scored (logprobs within 0.05), the scores each sequence's own logits within 0.05."""
+    engine's that never scored and the scores as an engine's that never decoded (logprobs within 0.05), and within
+    0.1 of each sequence's logits from a forward of its own. That forward takes other kernels: its piecewise graph
+    pads a short sequence to 16 tokens, the dense LoRA's rows path, where the 64-token forwards take the lanes. Two
+    bf16 paths each about 0.05 from the fp32 engine (measured, H100, 54th session, `scripts/gpu_diag_scoring.py`:
+    MiniMax-M2's 4-token sequence, the lanes 0.052 from fp32 and the rows path 0.008) may differ by twice that."""
     from tests.helpers.runs import scoring_beside_decodes
 
     model, adapters = model_and_adapters
@@ -90,8 +94,8 @@ def test_scoring_beside_graphed_decodes(model_and_adapters):
 
     prompts, names = workload(n=10)
     seqs = workload(n=5, seed=1)[0] + [list(range(3, 203))]
-    worst = scoring_beside_decodes(make, prompts, names, seqs, ["a3", None, "a2", "a1", "a0", "a2"], 32)
-    assert worst <= 0.05
+    same, own = scoring_beside_decodes(make, prompts, names, seqs, ["a3", None, "a2", "a1", "a0", "a2"], 32)
+    assert same <= 0.05 and own <= 0.1
 
 
 def test_piecewise_step_has_no_host_sync(model_and_adapters):

@@ -257,5 +257,5 @@ def test_scoring_between_decode_steps_leaves_them_as_they_were():
     g = torch.Generator().manual_seed(6)
     ps = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (5, 9, 3, 12, 7)]
     seqs = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (6, 40, 2)]
-    worst = scoring_beside_decodes(make, ps, [None, "a0", "a1", "a2", "a3"], seqs, ["a3", None, "a1"], 10)
-    assert worst <= 1e-4
+    same, own = scoring_beside_decodes(make, ps, [None, "a0", "a1", "a2", "a3"], seqs, ["a3", None, "a1"], 10)
+    assert same <= 1e-4 and own <= 1e-4

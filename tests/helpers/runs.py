@@ -52,17 +52,22 @@ def fake_adapter(name: str, rank: int) -> LoRAAdapter:
     return LoRAAdapter(name, "", {"site": LoRAWeights(torch.ones(rank, 3), torch.ones(3, rank))})
 
 
-def scoring_beside_decodes(make, ps, names, seqs, snames, max_tokens: int, every: int = 3) -> float:
+def scoring_beside_decodes(make, ps, names, seqs, snames, max_tokens: int, every: int = 3) -> tuple[float, float]:
     """Prompt scoring (`prompt_logprobs_batch`, k 2) between the steps of greedy decodes on `make()` (an engine with
     fewer slots than adapters, so the scoring's forwards move adapters in and out of the slots the decodes read):
-    the decodes' tokens equal a run on `make()` that never scored. Returns the largest |logprob difference| seen:
-    the decodes' sampled tokens against that run's, every round's scores against each sequence's logits from one
-    forward of its own (`make(max_num_batched_tokens=...)`)."""
+    the decodes' tokens equal a run on `make()` that never scored. Returns two largest |logprob differences|:
+    - `same`: the decodes' sampled tokens against that run's, and every round's scores against the same scoring on
+      a `make()` that never decoded (the same forwards, so the same kernels: what is left is the slots' traffic);
+    - `own`: every round's scores against each sequence's logits from one forward of its own
+      (`make(max_num_batched_tokens=...)`): a forward of another size, which may take other kernels (the dense
+      LoRA's rows path at <= 16 rows where the packed forward takes the lanes), so in bf16 a rounding apart."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0)
     ref = make()
     want = [ref.add_request(p, params, a) for p, a in zip(ps, names, strict=True)]
     while ref.has_unfinished():
         ref.step()
+    batch = [(s, n, 2) for s, n in zip(seqs, snames, strict=True)]
+    alone = make().prompt_logprobs_batch(batch)
     eng = make()
     got = [eng.add_request(p, params, a) for p, a in zip(ps, names, strict=True)]
     rounds, steps = [], 0
@@ -70,19 +75,21 @@ def scoring_beside_decodes(make, ps, names, seqs, snames, max_tokens: int, every
         eng.step()
         steps += 1
         if steps % every == 1:
-            rounds.append(eng.prompt_logprobs_batch([(s, n, 2) for s, n in zip(seqs, snames, strict=True)]))
-    worst = 0.0
+            rounds.append(eng.prompt_logprobs_batch(batch))
+    same = 0.0
     for g, w in zip(got, want, strict=True):
         assert g.output_ids == w.output_ids, f"tokens diverge for {g.request_id} ({g.adapter})"
-        worst = max(worst, max(abs(a[0] - b[0]) for a, b in zip(g.logprobs, w.logprobs, strict=True)))
+        same = max(same, max(abs(a[0] - b[0]) for a, b in zip(g.logprobs, w.logprobs, strict=True)))
     assert len(rounds) >= 2
+    own = 0.0
     whole = make(max_num_batched_tokens=max(len(s) for s in seqs))
     for i, (s, n) in enumerate(zip(seqs, snames, strict=True)):
         lp = whole.prompt_logits([s], [n])[0].float().log_softmax(-1)
         for rows in (r[i] for r in rounds):
             assert len(rows) == len(s) and rows[0] == (None, None, ())
-            worst = max([worst] + [abs(rows[p][0] - lp[p - 1, s[p]].item()) for p in range(1, len(s))])
-    return worst
+            same = max([same] + [abs(rows[p][0] - alone[i][p][0]) for p in range(1, len(s))])
+            own = max([own] + [abs(rows[p][0] - lp[p - 1, s[p]].item()) for p in range(1, len(s))])
+    return same, own
 
 
 def step_with_aborts(eng, abort_after: dict[str, int], max_steps: int = 500) -> None:
