@@ -1,17 +1,16 @@
 """Whole-engine prefill throughput of a Qwen3-30B-A3B- or DeepSeek-V2-Lite-shaped model (random bf16 weights).
 
 The model of `benchmarks/decode.py` (`model_with_adapters`; --layers N keeps a run short; --quantization fp8
-[--no-fp8-activation-quant]: its projections in FP8, as decode.py's) and its no-LoRA twin over the same weights,
-each in an engine with prefix caching off and, by default, eager (--cuda-graphs decode: the decode graphs, which
-the --itl decodes replay; piecewise: also the piecewise graphs, which replay steps of up to --piecewise-tokens,
-default 512, within the chunk). At each prompt length (--prompts, default 512 / 2048 / 8192), `--tokens` prompt
-tokens a run (--tokens / length random prompts, fresh ones every run) are prefilled with one token each, chunked as
-the scheduler chunks them (--chunk: max_num_batched_tokens, default the engine's 2048; a list: an engine pair each,
-over the same weights): no LoRA, 1 adapter, and 8 adapters
-of rank 16 spread over the requests. After an untimed warm-up run of each, the three run in turns for --repeats
-rounds (median; `moelora.bench.time_prefill`: wall clock from adding the requests to the last token, one device sync
-at the end). Prints tokens/s, the % of the bf16 matmul peak measured here, and LoRA's ratio to no LoRA; writes a
-CSV.
+[--no-fp8-activation-quant]: its projections in FP8, as decode.py's) and its no-LoRA twin over the same weights, each in
+an engine with prefix caching off and, by default, the engine's default graphs (--cuda-graphs piecewise: the decode
+graphs and the piecewise graphs, which replay steps of up to --piecewise-tokens, default the engine's 2048, within the
+chunk; decode: the decode graphs only, which the --itl decodes replay; off: eager). At each prompt length (--prompts,
+default 512 / 2048 / 8192), `--tokens` prompt tokens a run (--tokens / length random prompts, fresh ones every run) are
+prefilled with one token each, chunked as the scheduler chunks them (--chunk: max_num_batched_tokens, default the
+engine's 2048; a list: an engine pair each, over the same weights): no LoRA, 1 adapter, and 8 adapters of rank 16 spread
+over the requests. After an untimed warm-up run of each, the three run in turns for --repeats rounds (median;
+`moelora.bench.time_prefill`: wall clock from adding the requests to the last token, one device sync at the end). Prints
+tokens/s, the % of the bf16 matmul peak measured here, and LoRA's ratio to no LoRA; writes a CSV.
 
 FLOPs of a prompt token (`prefill_flops`, the base model only, so a LoRA run's % is lower by what LoRA
 costs): per layer the attention projections (`decode.attention_shapes`), attention itself (a token at
@@ -31,7 +30,7 @@ functions.
 
 usage: python benchmarks/prefill.py OUT.csv [--model qwen3_30b|dsv2_lite] [--layers N] [--quantization fp8]
        [--prompts 512,2048,8192] [--tokens 16384] [--chunk 2048[,8192]] [--repeats 2] [--no-async-scheduling]
-       [--no-overlap-lora] [--cuda-graphs off|decode|piecewise [--piecewise-tokens 512]]
+       [--no-overlap-lora] [--cuda-graphs piecewise|decode|off [--piecewise-tokens 2048]]
        [--moe-table TABLE.json] [--plan-max-routes 16384]
        [--itl 32 [--itl-chunk 2048,4096,8192] [--itl-len 8192] [--itl-prompts 4] [--itl-decode-len 256]
        [--itl-quiet 10]]
@@ -182,8 +181,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-async-scheduling", action="store_true")
     ap.add_argument("--no-overlap-lora", action="store_true", help="EngineConfig.overlap_lora=False")
-    ap.add_argument("--cuda-graphs", default="off", choices=list(GRAPHS),
-                    help="the engines' CUDA graphs: off (eager), decode graphs only, or decode and piecewise graphs")
+    ap.add_argument("--cuda-graphs", default="piecewise", choices=list(GRAPHS),
+                    help="the engines' CUDA graphs: decode and piecewise graphs (the engine's default), decode graphs "
+                    "only, or off (eager)")
     ap.add_argument("--piecewise-tokens", type=int, default=EngineConfig.piecewise_graph_tokens,
                     help="--cuda-graphs piecewise: EngineConfig.piecewise_graph_tokens (steps up to min(chunk, N))")
     ap.add_argument("--moe-table", default=None, help="EngineConfig.fused_moe_table: a fused-MoE table file")
