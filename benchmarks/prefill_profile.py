@@ -62,33 +62,44 @@ class _Clock:
         return (end.t - self.t) * 1e3
 
 
+def forwards(eng) -> list[str]:
+    """The engine attributes whose `run` enqueues a step's forward: the runner, and the piecewise graphs if captured
+    (the steps of up to `piecewise_graph_tokens`: the engine's default)."""
+    return ["runner"] + (["pieces"] if eng.pieces is not None else [])
+
+
 @contextmanager
 def forward_events(eng):
-    """While open, `eng.runner.run` records CUDA events (on the CPU: clock reads) around itself; yields the
-    (start, end) pairs."""
+    """While open, each forward's `run` (`forwards`) records CUDA events (on the CPU: clock reads) around itself;
+    yields the (start, end) pairs."""
     pairs: list = []
-    run = eng.runner.run
     cuda = eng.device.type == "cuda"
+    saved = [(getattr(eng, owner), getattr(eng, owner).run) for owner in forwards(eng)]
 
-    def timed(*a, **kw):
-        s, e = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else (_Clock(),
-                                                                                                          _Clock())
-        s.record()
-        out = run(*a, **kw)
-        e.record()
-        pairs.append((s, e))
-        return out
+    def wrap(run):
+        def timed(*a, **kw):
+            s, e = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else (
+                _Clock(), _Clock())
+            s.record()
+            out = run(*a, **kw)
+            e.record()
+            pairs.append((s, e))
+            return out
+        return timed
 
-    eng.runner.run = timed
+    for obj, run in saved:
+        obj.run = wrap(run)
     try:
         yield pairs
     finally:
-        eng.runner.run = run
+        for obj, run in saved:
+            obj.run = run
 
 
 def host_and_device(eng, prompts, names, log) -> float:
     """Part 1 (see the module docstring); returns the device ms of a forward (median)."""
-    with phase_timers(eng, PHASES, "cpu") as sinks, forward_events(eng) as pairs:
+    phases = PHASES + tuple((owner, "run") for owner in forwards(eng) if owner != "runner")  # one "run" sink
+    with phase_timers(eng, phases, "cpu") as sinks, forward_events(eng) as pairs:
         wall, steps = time_prefill(eng, prompts, names)
     device = [s.elapsed_time(e) for s, e in pairs]
     log(f"  {steps} steps ({len(pairs)} forwards; the last step only reads back), {wall / len(pairs) * 1e3:.1f} ms "
