@@ -17,6 +17,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: moelora, tests.helpers
 from tests.helpers.gpu_engine import FAMILIES, generate, gpu_engine, tiny_adapters, tiny_model, workload  # noqa: E402
 
@@ -52,7 +54,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--variants", type=int, default=len(VARIANTS), help="the first N of VARIANTS only")
     args = ap.parse_args()
-    model = tiny_model(args.family)
+    model = tiny_model(args.family, dtype=getattr(torch, args.dtype))
     adapters = tiny_adapters(model, args.family)
     prompts, names = workload(n=16, seed=5)
 
