@@ -6,11 +6,12 @@ an engine with prefix caching off and, by default, the engine's default graphs (
 graphs and the piecewise graphs, which replay steps of up to --piecewise-tokens, default the engine's 2048, within the
 chunk; decode: the decode graphs only, which the --itl decodes replay; off: eager). At each prompt length (--prompts,
 default 512 / 2048 / 8192), `--tokens` prompt tokens a run (--tokens / length random prompts, fresh ones every run) are
-prefilled with one token each, chunked as the scheduler chunks them (--chunk: max_num_batched_tokens, default the
-engine's 2048; a list: an engine pair each, over the same weights): no LoRA, 1 adapter, and 8 adapters of rank 16 spread
-over the requests. After an untimed warm-up run of each, the three run in turns for --repeats rounds (median;
-`moelora.bench.time_prefill`: wall clock from adding the requests to the last token, one device sync at the end). Prints
-tokens/s, the % of the bf16 matmul peak measured here, and LoRA's ratio to no LoRA; writes a CSV.
+prefilled with one token each, chunked as the scheduler chunks them (--chunk: max_num_batched_tokens, default 2048, the
+engine's own below 70 GiB of GPU memory, 8192 above; a list: an engine pair each, over the same weights): no LoRA, 1
+adapter, and 8 adapters of rank 16 spread over the requests. After an untimed warm-up run of each, the three run in
+turns for --repeats rounds (median; `moelora.bench.time_prefill`: wall clock from adding the requests to the last token,
+one device sync at the end). Prints tokens/s, the % of the bf16 matmul peak measured here, and LoRA's ratio to no LoRA;
+writes a CSV.
 
 FLOPs of a prompt token (`prefill_flops`, the base model only, so a LoRA run's % is lower by what LoRA
 costs): per layer the attention projections (`decode.attention_shapes`), attention itself (a token at

@@ -125,7 +125,7 @@ def test_base_only_steps_replay_graphs_without_lora(model_and_adapters, request)
     request matches the eager engine (whose base-only steps run the plain path too) token for token.
     Off: no base graphs, every step replays the LoRA graphs, the same tokens; their logprobs in fp32, where the
     LoRA graphs' and the plain path's rounding apart vanishes (H100, 54th session: 0.0 every family). In bf16 the
-    two paths round apart (the spread path's raw gate / up rows): the tiny GLM-4-MoE's base wave reached 0.198 over
+    two paths (other kernels for the same values) round apart: the tiny GLM-4-MoE's base wave reached 0.198 over
     31 greedy steps (`scripts/gpu_diag_base.py`; DeepSeek-V3 0.03), with the same tokens."""
     model, adapters = model_and_adapters
     prompts, names = workload(n=16, seed=5)
