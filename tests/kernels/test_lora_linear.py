@@ -257,6 +257,19 @@ def test_default_split_lanes_by_rows():
         assert (small.mode, small.slot_lanes, small.expand_first) == ("split", 8, False)
 
 
+def test_prefill_shrink_splits_count_its_row_blocks():
+    """The shrink's K splits bring its row blocks up to SHRINK_TARGET_PROGRAMS (128, within the expand's budget of
+    4 at these tiles), counting blocks of the rows it takes: 64 above PLANNED_MAX_ROWS, 16 up to it. 2048 rows are
+    32 blocks of 64: 4 splits (they were counted as 128 blocks of 16: one split, 32 programs of a whole K each)."""
+    from moelora.kernels.dense_lora.split import shrink_setup
+
+    for T, n_in, bm, splits in ((2048, 2048, 64, 4), (2048, 4096, 64, 4), (4096, 2048, 64, 2), (8192, 256, 64, 1),
+                                (PLANNED_MAX_ROWS, 2048, 16, 2), (256, 2048, 16, 4)):
+        x, _, _, lora = make_case(T, n_in, 8, (16, 4), 16, bias=False, dtype=torch.float16, seed=1)
+        sh = shrink_setup(x, lora, T, n_in, default_lora_linear_config(T, "split", n_in=n_in, n_out=8))
+        assert (sh.block_m, sh.n_split) == (bm, splits), (T, n_in)
+
+
 class _SplitKEverywhere(DenseLoRAPolicy):
     def prefers_splitk(self, num_tokens: int, n_in: int, n_out: int, has_lora: bool) -> bool:
         return has_lora

@@ -122,14 +122,14 @@ def shrink_setup(x, lora, T, n_in, cfg) -> ShrinkLaunch:
     """The shrink's launch, its xa allocated here on the current stream; P capped to keep the expand from spilling."""
     seg, S = Segments(lora), lora.a.shape[0]
     n_kb = max(1, cdiv(n_in, cfg.block_k))
+    bm = PREFILL_SHRINK_BLOCK_M if T > PLANNED_MAX_ROWS else SHRINK_BLOCK_M
     want = cfg.split_k
-    if not want:
+    if not want:  # K splits to bring the row blocks up to SHRINK_TARGET_PROGRAMS
         budget = max(1, 32 * 32 * cfg.num_warps // (cfg.block_m * seg.block_r))
-        want = min(budget, cdiv(SHRINK_TARGET_PROGRAMS, cdiv(T, SHRINK_BLOCK_M)))
+        want = min(budget, cdiv(SHRINK_TARGET_PROGRAMS, cdiv(T, bm)))
     chunk = cdiv(n_kb, max(1, min(want, n_kb))) * cfg.block_k
     n_split = max(1, cdiv(n_in, chunk))
     xa = torch.empty(n_split, T, seg.G * seg.block_r, dtype=torch.float32, device=x.device)
-    bm = PREFILL_SHRINK_BLOCK_M if T > PLANNED_MAX_ROWS else SHRINK_BLOCK_M
     return ShrinkLaunch(xa, lora, seg, n_split, chunk, lane_count(S, T, bm, cfg.slot_lanes), bm, cfg.block_k,
                        next_pow2(S))
 
