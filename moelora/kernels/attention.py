@@ -114,7 +114,9 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, seq_lens_ptr, qstart
                     GROUP: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
-    tile, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # the last query tiles (the most keys under the causal mask) first: the short ones fill the tail
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    b, h = tl.program_id(1), tl.program_id(2)
     q0 = tl.load(qstart_ptr + b)
     q_len = tl.load(qstart_ptr + b + 1) - q0
     if tile * BLOCK_M >= q_len:
