@@ -98,15 +98,23 @@ def make_inputs(layer: Layer, M: int, seed=0):
     return x, (w / w.sum(-1, keepdim=True)).to(torch.bfloat16), ids.to(torch.int32)
 
 
-def make_lora(layer: Layer, M: int, variant: str, grouped: bool = False):
-    """The variant's LoRA args over M tokens, n adapters spread evenly: interleaved (token t on slot
-    t % n, as requests arrive in the engine's batches) or grouped (t * n // M: rows ordered by adapter)."""
+ORDERS = ("interleaved", "grouped", "last")
+
+
+def make_lora(layer: Layer, M: int, variant: str, order: str = "interleaved"):
+    """The variant's LoRA args over M tokens, n adapters spread evenly (`ORDERS`): interleaved (token t on slot
+    t % n, as decode requests arrive in the engine's batches), grouped (t * n // M: rows ordered by adapter, as a
+    chunk of n prompts is) or last (every token on the pool's last slot: a prefill chunk of one prompt on the
+    adapter loaded last, as most of a many-adapter prefill is)."""
     n_ad, pool_r, rank = LORA_VARIANTS[variant]
     if n_ad == 0:
         return None
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     ga, gb, da, db = layer.pools[pool_r]
     t = torch.arange(M, device=layer.w_gu.device)
-    slots = (t * n_ad // M if grouped else t % n_ad).to(torch.int32)
+    slots = {"interleaved": t % n_ad, "grouped": t * n_ad // M, "last": torch.full_like(t, SLOTS - 1)}[order]
+    slots = slots.to(torch.int32)
     ranks = torch.full((SLOTS,), rank, dtype=torch.int32, device=layer.w_gu.device)
     if rank < pool_r:  # the pool's convention: zeros beyond the slot's rank
         ga, gb, da, db = ga.clone(), gb.clone(), da.clone(), db.clone()

@@ -83,8 +83,8 @@ def main(argv=None):
     ap.add_argument("--configs", default="", help="';'-separated names of delta_configs() (default: all)")
     ap.add_argument("--rank0", action="store_true", help="also time each launch with every slot's rank 0: "
                     "the same programs, each leaving after its prologue (what launches, lanes and waves cost)")
-    ap.add_argument("--orders", default="interleaved", help="row orders of the tokens' slots: interleaved "
-                    "(the engine's, slot t % n) and/or grouped (t * n // M)")
+    ap.add_argument("--orders", default="interleaved", help="row orders of the tokens' slots "
+                    "(moe_bench_common.ORDERS): interleaved (decode's, slot t % n), grouped (t * n // M), last")
     args = ap.parse_args(argv)
     shape = SHAPES[args.shape]
     H, inter, E, K = shape["H"], shape["I"], shape["E"], shape["K"]
@@ -101,7 +101,7 @@ def main(argv=None):
         P = plan.sorted_route_ids.shape[0]
         h = torch.randn(P, inter, device="cuda").to(torch.bfloat16)
         for variant, order in itertools.product(args.variants.split(","), args.orders.split(",")):
-            lora = make_lora(layer, M, variant, grouped=order == "grouped")
+            lora = make_lora(layer, M, variant, order)
             rank = int(lora.gate_up_ranks[0])
             idle = dataclasses.replace(lora, gate_up_ranks=torch.zeros_like(lora.gate_up_ranks),
                                        down_ranks=torch.zeros_like(lora.down_ranks))  # --rank0

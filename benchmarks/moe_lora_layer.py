@@ -7,6 +7,8 @@ Usage: python benchmarks/moe_lora_layer.py [CSV path] [--shapes a,b] [--ms 1,8] 
        [--gate-up-at table,epilogue,activation] [--no-side-stream] [--no-pdl] [--chain 8 (default; 0: off)]
        [--sets "block_n=64;block_n=256,block_k=64"]   (LoRA variants once per ';'-separated set of the
        path's config fields, ints or strings, set on each of the config's LoRA paths that has them)
+       [--orders interleaved,grouped,last]   (the LoRA rows' slots, `moe_bench_common.make_lora`: decode's
+       interleaved adapters (default), prefill's runs of one adapter, or one prompt on the last slot)
        [--dtype bf16,fp8,fp8a8]   (expert weights: bf16, or e4m3 with 128 x 128 block scales, W8A16 ("fp8") or
        W8A8 ("fp8a8"); each dtype's rows compare with its own LoRA-off row; the bytes bound counts FP8
        weights at 1 byte)
@@ -38,6 +40,7 @@ from moe_bench_common import (  # noqa: E402
     DTYPES,
     LORA_VARIANTS,
     MS,
+    ORDERS,
     SHAPES,
     bench_side_stream,
     bytes_bound,
@@ -85,6 +88,8 @@ def main(argv=None):
     ap.add_argument("--sets", default="", help="';'-separated sets of config overrides (key=value,...)")
     ap.add_argument("--no-side-stream", action="store_true", help="LoRA deltas on the main stream (overlap_lora off)")
     ap.add_argument("--no-pdl", action="store_true", help="plain launches (the engine's default is PDL)")
+    ap.add_argument("--orders", default="interleaved", help="the LoRA rows' slots: a list of "
+                    f"{' / '.join(ORDERS)} (moe_bench_common.make_lora)")
     ap.add_argument("--dtype", default="bf16", help="a list of bf16 / fp8 (W8A16) / fp8a8 (W8A8)")
     ap.add_argument("--chain", type=int, default=8, help="also time N distinct layers in one graph, per layer "
                     "(0: not; the decode-like per-layer time, the one the targets are read against)")
@@ -109,13 +114,16 @@ def main(argv=None):
         for M in map(int, args.ms.split(",")):
             x, wts, ids = make_inputs(layer, M)
             t_off = c_off = None
-            runs = [(v, m, a, o) for v in args.variants.split(",")
+            runs = [(v, m, a, o, r) for v in args.variants.split(",")
                     for m in (["table"] if v == "off" else args.shrink.split(","))
                     for a in (["table"] if v == "off" else args.gate_up_at.split(","))
-                    for o in ([""] if v == "off" else args.sets.split(";"))]
-            for var, mode, at, sets in runs:
+                    for o in ([""] if v == "off" else args.sets.split(";"))
+                    for r in (["interleaved"] if v == "off" else args.orders.split(","))]
+            for var, mode, at, sets, order in runs:
                 label = var if dtype == "bf16" else f"{var}:{dtype}"
-                lora = make_lora(layer, M, var)
+                if order != "interleaved":
+                    label = f"{label}~{order}"
+                lora = make_lora(layer, M, var, order)
                 cfg = layer_config(layer, M, gpu)
                 if mode != "table":
                     cfg = cfg.on_path(mode)  # this path at every width
@@ -132,7 +140,8 @@ def main(argv=None):
                 t_eager = eager_time_ms(fn) if label.split("/")[0].split(":")[0] in EAGER_VARIANTS else float("nan")
                 t_chain = float("nan")
                 if others:
-                    calls = [fn] + [moe_call(o, x, wts, ids, make_lora(o, M, var), cfg, side, pdl) for o in others]
+                    calls = [fn] + [moe_call(o, x, wts, ids, make_lora(o, M, var, order), cfg, side, pdl)
+                                    for o in others]
                     t_chain = graph_time_ms(lambda calls=calls: [c() for c in calls]) / len(calls)
                 t_off = t if var == "off" else t_off
                 c_off = t_chain if var == "off" else c_off
