@@ -53,7 +53,10 @@ def default_attention_config(head_dim: int, max_query_len: int, dtype: torch.dty
     if max_query_len <= 32:  # decode and short extends: few query rows per sequence
         return AttentionConfig(max(16, next_pow2(max_query_len)), block_n, num_warps=4)
     if max_query_len >= 256 and block_d <= 128:
-        return AttentionConfig(128, block_n, num_warps=8)
+        # H200, Qwen3 heads (32 / 4 x 128), benchmarks/attention_prefill.py, µs: 64 x 64, 4 warps, 3 stages against
+        # 128 x 64, 8 warps, 2 stages: 1 x 2048 150.9 / 172.5, 4 x 512 61.1 / 66.8, 2048 after 6144 744 / 853, 1 x 8192
+        # 1646 / 1827 (128 x 128 x 8 x 3 level at the long ones, 5 % slower at 2048)
+        return AttentionConfig(64, block_n, num_warps=4, num_stages=3)
     return AttentionConfig(64, block_n, num_warps=8 if block_d >= 128 else 4)
 
 
