@@ -3,8 +3,6 @@ tuned table is keyed by them), read from config.json on the CPU."""
 
 from __future__ import annotations
 
-import pytest
-
 from tests.helpers.oracle import tiny_hf_config
 from tests.helpers.scripts import load_script
 
@@ -42,17 +40,3 @@ def test_every_timing_launches_as_the_engine(monkeypatch):
     assert any(lora for lora, _, _ in seen) and any(not lora for lora, _, _ in seen)
     assert all((side, pdl) == ("lora stream", True) for _, side, pdl in seen), set(seen)
 
-
-def test_make_lora_orders_place_the_rows_slots():
-    """The benchmarks' row orders: decode's interleaved adapters, prefill's runs of one adapter, and a one-prompt
-    chunk on the pool's last slot (where "stacked" has the most lanes ahead of the live one)."""
-    from moe_bench_common import SLOTS, make_layer, make_lora
-
-    layer = make_layer(dict(E=4, K=2, H=64, I=32), pool_ranks=(16,), device="cpu")
-    slots = {o: make_lora(layer, 8, "8ad_r16", o).token_slots.tolist() for o in ("interleaved", "grouped", "last")}
-    assert slots == {"interleaved": [0, 1, 2, 3, 4, 5, 6, 7], "grouped": [0, 1, 2, 3, 4, 5, 6, 7],
-                     "last": [SLOTS - 1] * 8}
-    assert make_lora(layer, 16, "8ad_r16", "grouped").token_slots.tolist() == [s // 2 for s in range(16)]
-    assert make_lora(layer, 16, "8ad_r16", "interleaved").token_slots.tolist() == [s % 8 for s in range(16)]
-    with pytest.raises(ValueError, match="order must be one of"):
-        make_lora(layer, 8, "8ad_r16", "sorted")
