@@ -24,34 +24,14 @@ sys.path.insert(0, __file__.rsplit("/", 2)[0])
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 
 from dense_lora_prefill import graph_us  # noqa: E402
-from mla_prefill import parse_config, parse_mix  # noqa: E402
+from mla_prefill import metadata, parse_config, parse_mix  # noqa: E402
 from moe_bench_common import matmul_tflops  # noqa: E402
 
 from moelora.kernels.attention import paged_attention  # noqa: E402
 from moelora.kernels.reference import paged_attention_ref  # noqa: E402
-from moelora.layers.attention import AttnMetadata, SeqSlice  # noqa: E402
 
 D, BS = 128, 16
 CONFIGS = "default,128x64x8x2,128x64x8x3,128x128x8x2,128x128x8x3,64x64x4x2,64x64x4x3,64x128x4x2,128x32x8x3"
-
-
-def metadata(spec: list[tuple[int, int]]) -> AttnMetadata:
-    """Sequence b on its own consecutive cache blocks; the new tokens' slots after its cached prefix."""
-    seqs, qs, tables, slots, first = [], [0], [], [], 0
-    width = max(-(-(c + n) // BS) for c, n in spec)
-    for b, (ctx, n) in enumerate(spec):
-        blocks = -(-(ctx + n) // BS)
-        tables.append(list(range(first, first + blocks)) + [0] * (width - blocks))
-        slots.extend(first * BS + p for p in range(ctx, ctx + n))
-        seqs.append(SeqSlice(qs[-1], n, ctx + n, b))
-        qs.append(qs[-1] + n)
-        first += blocks
-    i32 = dict(dtype=torch.int32, device="cuda")
-    return AttnMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64, device="cuda"),
-                        block_tables=torch.tensor(tables, **i32),
-                        seq_lens=torch.tensor([s.seq_len for s in seqs], **i32), query_start=torch.tensor(qs, **i32),
-                        seqs=tuple(seqs), max_seq_len=max(s.seq_len for s in seqs),
-                        max_query_len=max(n for _, n in spec))
 
 
 def causal_flops(spec, N: int) -> float:
@@ -71,7 +51,7 @@ def case(spec, meta, N: int, n_kv: int, seed: int):
 
 def mix_lines(N: int, n_kv: int, mix: str, configs: list[str], calls: int, peak: float) -> list[str]:
     spec = parse_mix(mix)
-    meta = metadata(spec)
+    meta = metadata(spec, BS)
     scale = D ** -0.5
     cases = [case(spec, meta, N, n_kv, seed=i) for i in range(calls)]
     q, kc, vc = cases[0]

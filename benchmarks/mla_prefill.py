@@ -47,15 +47,21 @@ def parse_mix(mix: str) -> list[tuple[int, int]]:
     return [(int(prefix or 0), int(q_len))] * int(count)
 
 
-def metadata(spec: list[tuple[int, int]]) -> AttnMetadata:
-    """The step's attention metadata (no cache: slot_mapping and block_tables unused by these paths)."""
-    seqs, qs = [], [0]
+def metadata(spec: list[tuple[int, int]], block_size: int = 16) -> AttnMetadata:
+    """The step's attention metadata: sequence b on its own consecutive cache blocks of `block_size` tokens, its new
+    tokens' slots after its cached prefix (the MLA paths here read no cache: they ignore both)."""
+    seqs, qs, tables, slots, first = [], [0], [], [], 0
+    width = max(-(-(c + n) // block_size) for c, n in spec)
     for b, (ctx, n) in enumerate(spec):
+        blocks = -(-(ctx + n) // block_size)
+        tables.append(list(range(first, first + blocks)) + [0] * (width - blocks))
+        slots.extend(first * block_size + p for p in range(ctx, ctx + n))
         seqs.append(SeqSlice(qs[-1], n, ctx + n, b))
         qs.append(qs[-1] + n)
+        first += blocks
     i32 = dict(dtype=torch.int32, device="cuda")
-    return AttnMetadata(slot_mapping=torch.zeros(qs[-1], dtype=torch.int64, device="cuda"),
-                        block_tables=torch.zeros(len(spec), 1, **i32),
+    return AttnMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64, device="cuda"),
+                        block_tables=torch.tensor(tables, **i32),
                         seq_lens=torch.tensor([s.seq_len for s in seqs], **i32), query_start=torch.tensor(qs, **i32),
                         seqs=tuple(seqs), max_seq_len=max(s.seq_len for s in seqs),
                         max_query_len=max(n for _, n in spec))
