@@ -109,3 +109,17 @@ def tiny_hf_model(family: str, *, seed: int = 0, dtype=torch.float32, **override
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     randomize_(model, seed)
     return model.eval()
+
+
+def tiny_model_cache(first_seed: int):
+    """`get(family, **overrides)`: `tiny_hf_model` built once a (family, overrides) and kept, the n-th new one with
+    seed `first_seed` + n (a test module's shared models)."""
+    cache = {}
+
+    def get(family: str, **overrides):
+        key = (family, tuple(sorted(overrides.items())))
+        if key not in cache:
+            cache[key] = tiny_hf_model(family, seed=len(cache) + first_seed, **overrides)
+        return cache[key]
+
+    return get

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from moelora.errors import CheckpointError
 from moelora.models.weights import KeyTarget, checkpoint_key, load_checkpoint, map_checkpoint_key
 from tests.helpers.models import hf_weights
-from tests.helpers.oracle import DEEPSEEK_GLM_FAMILIES, FAMILIES, tiny_hf_model
+from tests.helpers.oracle import DEEPSEEK_GLM_FAMILIES, FAMILIES, tiny_model_cache
 
 GU = "mlp.experts.gate_up_proj"
 DOWN = "mlp.experts.down_proj"
@@ -22,15 +22,7 @@ DOWN = "mlp.experts.down_proj"
 @pytest.fixture(scope="module")
 def models():
     """Tiny randomised HF models, built once per family (and variant) for the whole module."""
-    cache = {}
-
-    def get(family: str, **overrides):
-        key = (family, tuple(sorted(overrides.items())))
-        if key not in cache:
-            cache[key] = tiny_hf_model(family, seed=len(cache) + 1, **overrides)
-        return cache[key]
-
-    return get
+    return tiny_model_cache(1)
 
 
 def poisoned(model, dtype=None) -> dict[str, torch.Tensor]:

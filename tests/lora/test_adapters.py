@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from moelora.errors import AdapterError
 from moelora.lora.loader import load_adapter
 from tests.helpers import oracle_lora as ol
-from tests.helpers.oracle import FAMILIES, tiny_hf_model
+from tests.helpers.oracle import FAMILIES, tiny_model_cache
 
 PFX = "base_model.model."
 pytestmark = pytest.mark.filterwarnings("ignore:The following (rank|alpha)_pattern keys did not match")
@@ -22,15 +22,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:The following (rank|alpha)_patte
 
 @pytest.fixture(scope="module")
 def models():
-    cache = {}
-
-    def get(family: str, **overrides):
-        key = (family, tuple(sorted(overrides.items())))
-        if key not in cache:
-            cache[key] = tiny_hf_model(family, seed=len(cache) + 3, **overrides)
-        return cache[key]
-
-    return get
+    return tiny_model_cache(3)
 
 
 @pytest.fixture(scope="module")
