@@ -88,26 +88,47 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, HD: tl.constexpr, D
 
 
 @triton.jit
-def _kv_rows(bt_row, offs_j, j_mask, kvh, stride_cb, stride_ct, stride_ch, BS: tl.constexpr):
-    """[BN] int64 cache offsets of keys offs_j of one sequence (through its block-table row)."""
-    blk = tl.load(bt_row + offs_j // BS, mask=j_mask, other=0).to(tl.int64)
+def _kv_rows(bt_row, offs_j, j_mask, kvh, stride_cb, stride_ct, stride_ch, BS: tl.constexpr,
+             MASKED: tl.constexpr = True):
+    """[BN] int64 cache offsets of keys offs_j of one sequence (through its block-table row); MASKED False: every
+    key of offs_j is in the sequence (no predicate on the loads)."""
+    if MASKED:
+        blk = tl.load(bt_row + offs_j // BS, mask=j_mask, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + offs_j // BS).to(tl.int64)
     return blk * stride_cb + (offs_j % BS).to(tl.int64) * stride_ct + kvh * stride_ch
 
 
 @triton.jit
-def _scores(q, kc_ptr, rows, j_mask, offs_d, d_mask, qk_scale, PRECISION: tl.constexpr):
-    """[BM, BN] fp32 log2-domain scores of q [BM, BD] against the gathered keys."""
-    kt = tl.load(kc_ptr + rows[None, :] + offs_d[:, None], mask=j_mask[None, :] & d_mask[:, None], other=0.0)
+def _scores(q, kc_ptr, rows, j_mask, offs_d, d_mask, qk_scale, PRECISION: tl.constexpr, MASKED: tl.constexpr = True,
+            EVEN_D: tl.constexpr = False):
+    """[BM, BN] fp32 log2-domain scores of q [BM, BD] against the gathered keys (MASKED as `_kv_rows`; EVEN_D: BD is
+    the head dim, no column mask)."""
+    ptrs = kc_ptr + rows[None, :] + offs_d[:, None]
+    if MASKED:
+        kt = tl.load(ptrs, mask=j_mask[None, :] & d_mask[:, None], other=0.0)
+    elif EVEN_D:
+        kt = tl.load(ptrs)
+    else:
+        kt = tl.load(ptrs, mask=d_mask[:, None], other=0.0)
     return tl.dot(q, kt.to(q.dtype), input_precision=PRECISION) * qk_scale
 
 
 @triton.jit
-def _softmax_update(s, vc_ptr, rows, j_mask, offs_d, d_mask, m_i, l_i, acc, PRECISION: tl.constexpr):
-    """One online-softmax step: fold scores s [BM, BN] and the gathered values into (m, l, acc)."""
+def _softmax_update(s, vc_ptr, rows, j_mask, offs_d, d_mask, m_i, l_i, acc, PRECISION: tl.constexpr,
+                    MASKED: tl.constexpr = True, EVEN_D: tl.constexpr = False):
+    """One online-softmax step: fold scores s [BM, BN] and the gathered values into (m, l, acc) (masks as
+    `_scores`)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
-    v = tl.load(vc_ptr + rows[:, None] + offs_d[None, :], mask=j_mask[:, None] & d_mask[None, :], other=0.0)
+    ptrs = vc_ptr + rows[:, None] + offs_d[None, :]
+    if MASKED:
+        v = tl.load(ptrs, mask=j_mask[:, None] & d_mask[None, :], other=0.0)
+    elif EVEN_D:
+        v = tl.load(ptrs)
+    else:
+        v = tl.load(ptrs, mask=d_mask[None, :], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
@@ -138,15 +159,17 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, seq_lens_ptr, qstart
     m_i = tl.full((BLOCK_M,), NEG_INF, tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    # Keys < ctx + tile * BLOCK_M + 1 are visible to every row of the tile: no mask there.
+    # Keys < ctx + tile * BLOCK_M + 1 are visible to every row of the tile and all in the sequence: no causal mask
+    # and no predicate on their loads there.
     full_end = (ctx + tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N
     end = ctx + tl.minimum((tile + 1) * BLOCK_M, q_len)
+    EVEN_D: tl.constexpr = BLOCK_D == D
     for j0 in range(0, full_end, BLOCK_N):
         offs_j = j0 + tl.arange(0, BLOCK_N)
-        j_mask = offs_j < end
-        rows = _kv_rows(bt_row, offs_j, j_mask, kvh, stride_cb, stride_ct, stride_ch, BS)
-        s = _scores(q, kc_ptr, rows, j_mask, offs_d, d_mask, qk_scale, PRECISION)
-        m_i, l_i, acc = _softmax_update(s, vc_ptr, rows, j_mask, offs_d, d_mask, m_i, l_i, acc, PRECISION)
+        rows = _kv_rows(bt_row, offs_j, offs_j, kvh, stride_cb, stride_ct, stride_ch, BS, False)
+        s = _scores(q, kc_ptr, rows, offs_j, offs_d, d_mask, qk_scale, PRECISION, False, EVEN_D)
+        m_i, l_i, acc = _softmax_update(s, vc_ptr, rows, offs_j, offs_d, d_mask, m_i, l_i, acc, PRECISION, False,
+                                        EVEN_D)
     for j0 in range(full_end, end, BLOCK_N):
         offs_j = j0 + tl.arange(0, BLOCK_N)
         j_mask = offs_j < end
