@@ -91,7 +91,7 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, HD: tl.constexpr, D
 def _kv_rows(bt_row, offs_j, j_mask, kvh, stride_cb, stride_ct, stride_ch, BS: tl.constexpr,
              MASKED: tl.constexpr = True):
     """[BN] int64 cache offsets of keys offs_j of one sequence (through its block-table row); MASKED False: every
-    key of offs_j is in the sequence (no predicate on the loads)."""
+    key of offs_j is in the sequence (no predicate on the loads; j_mask None)."""
     if MASKED:
         blk = tl.load(bt_row + offs_j // BS, mask=j_mask, other=0).to(tl.int64)
     else:
@@ -102,8 +102,8 @@ def _kv_rows(bt_row, offs_j, j_mask, kvh, stride_cb, stride_ct, stride_ch, BS: t
 @triton.jit
 def _scores(q, kc_ptr, rows, j_mask, offs_d, d_mask, qk_scale, PRECISION: tl.constexpr, MASKED: tl.constexpr = True,
             EVEN_D: tl.constexpr = False):
-    """[BM, BN] fp32 log2-domain scores of q [BM, BD] against the gathered keys (MASKED as `_kv_rows`; EVEN_D: BD is
-    the head dim, no column mask)."""
+    """[BM, BN] fp32 log2-domain scores of q [BM, BD] against the gathered keys (MASKED as `_kv_rows`, j_mask None
+    without it; EVEN_D: BD is the head dim, no column mask)."""
     ptrs = kc_ptr + rows[None, :] + offs_d[:, None]
     if MASKED:
         kt = tl.load(ptrs, mask=j_mask[None, :] & d_mask[:, None], other=0.0)
@@ -166,10 +166,10 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, seq_lens_ptr, qstart
     EVEN_D: tl.constexpr = BLOCK_D == D
     for j0 in range(0, full_end, BLOCK_N):
         offs_j = j0 + tl.arange(0, BLOCK_N)
-        rows = _kv_rows(bt_row, offs_j, offs_j, kvh, stride_cb, stride_ct, stride_ch, BS, False)
-        s = _scores(q, kc_ptr, rows, offs_j, offs_d, d_mask, qk_scale, PRECISION, False, EVEN_D)
-        m_i, l_i, acc = _softmax_update(s, vc_ptr, rows, offs_j, offs_d, d_mask, m_i, l_i, acc, PRECISION, False,
-                                        EVEN_D)
+        rows = _kv_rows(bt_row, offs_j, None, kvh, stride_cb, stride_ct, stride_ch, BS, MASKED=False)
+        s = _scores(q, kc_ptr, rows, None, offs_d, d_mask, qk_scale, PRECISION, MASKED=False, EVEN_D=EVEN_D)
+        m_i, l_i, acc = _softmax_update(s, vc_ptr, rows, None, offs_d, d_mask, m_i, l_i, acc, PRECISION,
+                                        MASKED=False, EVEN_D=EVEN_D)
     for j0 in range(full_end, end, BLOCK_N):
         offs_j = j0 + tl.arange(0, BLOCK_N)
         j_mask = offs_j < end
