@@ -70,7 +70,7 @@ class Stacked(ShrinkFirst):
             src, xa, plan.sorted_route_ids, plan.expert_of_block, plan.num_padded, lora.token_slots, ranks, a,
             plan.num_routes, plan.top_k, a.shape[3], a.shape[0], src.stride(0), xa.stride(0), a.stride(0),
             a.stride(1), a.stride(2), GATHER_TOKENS=gather, BM=plan.block_m, BLOCK_R=call.block_r, CW=cw, BK=STACK_BK,
-            S_P2=next_pow2(a.shape[0]), num_warps=8 if plan.block_m * cw >= 8192 else 4, num_stages=3,
+            S_P2=next_pow2(a.shape[0]), num_warps=4, num_stages=3,
             **pdl_args(call.pdl, src))
 
 
