@@ -1,8 +1,9 @@
 """Per-kernel device time of one fused_moe call (torch.profiler, eager, warm; not L2-flushed).
 
 Shape legend: M tokens; shapes and LoRA variants as in moe_lora_layer.py.
-Usage: python benchmarks/moe_profile.py [shape:M:variant[:shrink mode] ...]  (default: a few decode/prefill
-       points; the mode: the routed-LoRA path instead of the tuned config's, at every pool width)
+Usage: python benchmarks/moe_profile.py [shape:M:variant[~order][:shrink mode] ...]  (default: a few
+       decode/prefill points; the order: the rows' slots as `make_lora`'s, interleaved unless given; the mode: the
+       routed-LoRA path instead of the tuned config's, at every pool width)
 Prints, per point, each kernel's mean device time in microseconds: where the layer's time goes.
 """
 
@@ -28,6 +29,7 @@ def main(points):
     layers = {}
     for point in points:
         sname, m, var, *mode = point.split(":")
+        var, _, order = var.partition("~")
         layer = layers.setdefault(sname, make_layer(SHAPES[sname], pool_ranks=(16, 64, 8)))
         x, wts, ids = make_inputs(layer, int(m))
         shape = SHAPES[sname]
@@ -35,7 +37,7 @@ def main(points):
                                      torch.cuda.get_device_name())
         if mode:
             cfg = cfg.on_path(mode[0])
-        fn = moe_call(layer, x, wts, ids, make_lora(layer, int(m), var), cfg)
+        fn = moe_call(layer, x, wts, ids, make_lora(layer, int(m), var, order or "interleaved"), cfg)
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
