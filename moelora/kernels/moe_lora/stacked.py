@@ -24,6 +24,7 @@ from moelora.kernels.moe_rows import plan_rows, slot_base
 from moelora.kernels.pdl import pdl_args, pdl_wait
 
 STACK_MAX_COLS = 512  # up to this many slot columns (8 slots of rank 64; 32 of 16): 25 MB of xa at M=4096
+STACK_RC = tl.constexpr(32)  # rank columns a down expand dot (a 64-wide one: 162 registers, one 128-row CTA an SM)
 STACK_BK = 64  # shrink depth step ([128, 64] x [64, 128] tiles, 3 stages: 96 KB of shared memory)
 
 
@@ -116,13 +117,17 @@ def stacked_epilogue(acc_g, acc_u, slots_ptr, ranks_ptr, tok, valid, offs_m, e, 
                      TWO: tl.constexpr):
     """"stacked": xa_stacked @ B_stacked[e] as more K steps, one lane of BLOCK_R columns a step, from the block's
     smallest slot to its largest (absent slots between load nothing: no branch a lane, which cost 1-8 % where every
-    slot is present); acc_g / acc_u / TWO as `add_expand`."""
+    slot is present); acc_g / acc_u / TWO as `add_expand`. The down GEMM's lanes go STACK_RC rank columns a dot
+    (unrolled), so its 128-row tiles keep two CTAs an SM at rank 64; gate_up's (one CTA an SM by its shared memory)
+    stay whole lanes."""
     slot = tl.load(slots_ptr + tok, mask=valid, other=-1)
     slot_ranks = stacked_slot_ranks(slot, ranks_ptr, n_slots, S_P2)
-    xa_rows = xa_ptr + offs_m[:, None].to(tl.int64) * stride_xa + tl.arange(0, BLOCK_R)[None, :]
+    RC: tl.constexpr = BLOCK_R if TWO else min(BLOCK_R, STACK_RC)
+    xa_rows = xa_ptr + offs_m[:, None].to(tl.int64) * stride_xa + tl.arange(0, RC)[None, :]
     first = tl.min(tl.where(slot >= 0, slot, n_slots), axis=0)  # the lanes below hold zeros only
     for s in range(first, tl.max(slot, axis=0) + 1):
-        acc_g, acc_u = add_expand(acc_g, acc_u, tl.load(xa_rows + s * BLOCK_R),
-                                  slot_base(b_ptr, s, e, stride_bs, stride_be), offs_n, n_limit, stride_bn,
-                                  rank_of(slot_ranks, s, S_P2), 0, BLOCK_R, TWO)
+        for c in tl.static_range(0, BLOCK_R, RC):
+            acc_g, acc_u = add_expand(acc_g, acc_u, tl.load(xa_rows + s * BLOCK_R + c),
+                                      slot_base(b_ptr, s, e, stride_bs, stride_be), offs_n, n_limit, stride_bn,
+                                      rank_of(slot_ranks, s, S_P2), c, RC, TWO)
     return acc_g, acc_u
