@@ -19,33 +19,35 @@ from moelora.kernels.reference import local_expert_ids, plan_capacity
 
 # Up to this many routes, one launch of E programs (each re-counting all ids) beats three launches
 _PER_EXPERT_MAX_ROUTES = 4096
+# Chunk bases a scan program writes a step down its expert's column: one step up to 131072 routes (chunks of 128)
+_SCAN_COLS = 1024
 
 
 @triton.jit
-def _layout(counts, sorted_ptr, eob_ptr, num_padded_ptr, n_routes, E, max_blocks,
-            BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
-    """From per-expert counts: padding and tail sentinels, expert_of_block, num_padded; returns each expert's start."""
+def _expert_layout(e, counts, sorted_ptr, eob_ptr, num_padded_ptr, n_routes, E, max_blocks,
+                   BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Program e's share of the layout from every expert's counts: expert e's padding sentinels and blocks, every
+    E-th block past the padded total, num_padded (program 0); returns expert e's first row."""
     cols = tl.arange(0, BLOCK_E)
     padded = (counts + BM - 1) // BM * BM
-    pend = tl.cumsum(padded, axis=0)
-    poff = pend - padded
+    poff = tl.cumsum(padded, axis=0) - padded
     total = tl.sum(padded, axis=0)
+    mine = cols == e
+    count = tl.sum(tl.where(mine, counts, 0), axis=0)
+    off = tl.sum(tl.where(mine, poff, 0), axis=0)
     j = tl.arange(0, BM)
-    pad_mask = (j[None, :] < (padded - counts)[:, None]) & (cols[:, None] < E)
-    sentinel = tl.full((BLOCK_E, BM), 0, tl.int32) + n_routes
-    tl.store(sorted_ptr + (poff + counts)[:, None] + j[None, :], sentinel, mask=pad_mask)
-    for b0 in range(0, max_blocks, BLOCK_B):
+    n_pad = (count + BM - 1) // BM * BM - count
+    tl.store(sorted_ptr + off + count + j, tl.full((BM,), 0, tl.int32) + n_routes, mask=j < n_pad)
+    for b0 in range(0, (count + n_pad) // BM, BLOCK_B):
         blk = b0 + tl.arange(0, BLOCK_B)
-        start = blk * BM
-        ends_before = (pend[None, :] <= start[:, None]) & (cols[None, :] < E)
-        expert = tl.sum(ends_before.to(tl.int32), axis=1)
-        expert = tl.where(start < total, expert, -1)
-        tl.store(eob_ptr + blk, expert, mask=blk < max_blocks)
-        tail = (start[:, None] >= total) & (blk[:, None] < max_blocks)
-        tl.store(sorted_ptr + start[:, None] + j[None, :], tl.full((BLOCK_B, BM), 0, tl.int32) + n_routes,
-                 mask=tail)
-    tl.store(num_padded_ptr, total)
-    return poff
+        tl.store(eob_ptr + off // BM + blk, tl.full((BLOCK_B,), 0, tl.int32) + e,
+                 mask=blk < (count + n_pad) // BM)
+    for b in range(total // BM + e, max_blocks, E):  # the tail: blocks past the padded total
+        tl.store(eob_ptr + b, -1)
+        tl.store(sorted_ptr + b * BM + j, tl.full((BM,), 0, tl.int32) + n_routes)
+    if e == 0:
+        tl.store(num_padded_ptr, total)
+    return off
 
 
 @triton.jit(do_not_specialize=["max_blocks"])  # not a function of T's class: warmup.py
@@ -62,27 +64,10 @@ def _plan_expert_kernel(ids_ptr, sorted_ptr, eob_ptr, num_padded_ptr, n_routes, 
     valid = valid & (ids >= 0)  # -1: another rank's expert (an expert map), in no block
     ids = tl.where(valid, ids, 0)
     counts = tl.histogram(ids, BLOCK_E, mask=valid)
-    cols = tl.arange(0, BLOCK_E)
-    padded = (counts + BM - 1) // BM * BM
-    poff = tl.cumsum(padded, axis=0) - padded
-    total = tl.sum(padded, axis=0)
-    mine = cols == e
-    count = tl.sum(tl.where(mine, counts, 0), axis=0)
-    off = tl.sum(tl.where(mine, poff, 0), axis=0)
+    off = _expert_layout(e, counts, sorted_ptr, eob_ptr, num_padded_ptr, n_routes, E, max_blocks, BM, BLOCK_E,
+                         BLOCK_B)
     sel = (valid & (ids == e)).to(tl.int32)
     tl.store(sorted_ptr + off + tl.cumsum(sel, axis=0) - 1, offs, mask=sel != 0)
-    j = tl.arange(0, BM)
-    n_pad = (count + BM - 1) // BM * BM - count
-    tl.store(sorted_ptr + off + count + j, tl.full((BM,), 0, tl.int32) + n_routes, mask=j < n_pad)
-    for b0 in range(0, (count + n_pad) // BM, BLOCK_B):
-        blk = b0 + tl.arange(0, BLOCK_B)
-        tl.store(eob_ptr + off // BM + blk, tl.full((BLOCK_B,), 0, tl.int32) + e,
-                 mask=blk < (count + n_pad) // BM)
-    for b in range(total // BM + e, max_blocks, E):  # the tail: blocks past the padded total
-        tl.store(eob_ptr + b, -1)
-        tl.store(sorted_ptr + b * BM + j, tl.full((BM,), 0, tl.int32) + n_routes)
-    if e == 0:
-        tl.store(num_padded_ptr, total)
 
 
 @triton.jit
@@ -100,22 +85,26 @@ def _plan_count_kernel(ids_ptr, counts_ptr, n_routes, C: tl.constexpr, BLOCK_E: 
 @triton.jit(do_not_specialize=["n_chunks", "max_blocks"])  # not a function of T's class: warmup.py
 def _plan_scan_kernel(counts_ptr, base_ptr, sorted_ptr, eob_ptr, num_padded_ptr, n_chunks, n_routes, E,
                       max_blocks, BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
-                      TILE_C: tl.constexpr, PDL: tl.constexpr):
-    """One program: per-expert totals, the layout, each chunk's base (the counts read TILE_C chunks a load)."""
+                      TILE_C: tl.constexpr, COLS: tl.constexpr, PDL: tl.constexpr):
+    """Program e: every expert's total (the counts summed, TILE_C chunks a load), expert e's share of the layout,
+    then its column of chunk bases (COLS chunks a step). One program for all of it took 29 µs at 32768 routes
+    (docs/performance.md)."""
     pdl_wait(PDL)
+    e = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
     rows = tl.arange(0, TILE_C)
     counts = tl.zeros((BLOCK_E,), tl.int32)
     for c0 in range(0, n_chunks, TILE_C):
         tile_off = (c0 + rows)[:, None] * BLOCK_E + cols[None, :]
         counts += tl.sum(tl.load(counts_ptr + tile_off, mask=(c0 + rows)[:, None] < n_chunks, other=0), axis=0)
-    base = _layout(counts, sorted_ptr, eob_ptr, num_padded_ptr, n_routes, E, max_blocks, BM, BLOCK_E, BLOCK_B)
-    for c0 in range(0, n_chunks, TILE_C):
-        tile_off = (c0 + rows)[:, None] * BLOCK_E + cols[None, :]
-        in_range = (c0 + rows)[:, None] < n_chunks
-        tile = tl.load(counts_ptr + tile_off, mask=in_range, other=0)
-        tl.store(base_ptr + tile_off, base[None, :] + tl.cumsum(tile, axis=0) - tile, mask=in_range)
-        base += tl.sum(tile, axis=0)
+    run = _expert_layout(e, counts, sorted_ptr, eob_ptr, num_padded_ptr, n_routes, E, max_blocks, BM, BLOCK_E,
+                         BLOCK_B)
+    chunks = tl.arange(0, COLS)
+    for c0 in range(0, n_chunks, COLS):
+        ok = c0 + chunks < n_chunks
+        col = tl.load(counts_ptr + (c0 + chunks) * BLOCK_E + e, mask=ok, other=0)
+        tl.store(base_ptr + (c0 + chunks) * BLOCK_E + e, run + tl.cumsum(col, axis=0) - col, mask=ok)
+        run += tl.sum(col, axis=0)
 
 
 @triton.jit
@@ -180,8 +169,9 @@ def build_routing_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int, *
     bases = torch.empty_like(counts)
     launch = pdl_args(pdl, ids)
     _plan_count_kernel[(n_chunks,)](ids, counts, n, C=chunk, BLOCK_E=block_e, num_warps=4, **launch)
-    _plan_scan_kernel[(1,)](counts, bases, sorted_ids, eob, num_padded, n_chunks, n, num_experts, max_blocks,
-                            BM=block_m, BLOCK_E=block_e, BLOCK_B=block_b, TILE_C=tile_c, num_warps=8, **launch)
+    _plan_scan_kernel[(num_experts,)](counts, bases, sorted_ids, eob, num_padded, n_chunks, n, num_experts,
+                                      max_blocks, BM=block_m, BLOCK_E=block_e, BLOCK_B=block_b, TILE_C=tile_c,
+                                      COLS=min(_SCAN_COLS, next_pow2(n_chunks)), num_warps=8, **launch)
     _plan_scatter_kernel[(n_chunks,)](ids, bases, sorted_ids, n, C=chunk, BLOCK_E=block_e, num_warps=4, **launch)
     return plan
 

@@ -80,6 +80,18 @@ def test_plan_one_expert_takes_every_route(n):
 
 
 @kernel_test
+@pytest.mark.parametrize("T,K,E,bm", [(1100, 8, 100, 128), (683, 6, 60, 16)])
+def test_plan_scan_columns_in_several_steps(monkeypatch, T, K, E, bm):
+    """The scan programs' column of chunk bases in steps of 16 chunks (69 / 33 chunks: 5 / 3 steps, the last
+    partial), where the launcher's step covers every chunk of a prefill at once."""
+    import moelora.kernels.moe_plan as moe_plan
+
+    monkeypatch.setattr(moe_plan, "_SCAN_COLS", 16)
+    gen = torch.Generator().manual_seed(T * 7 + E)
+    _check_plan(_topk_ids(T, K, E, gen=gen, device=DEV), E, bm)
+
+
+@kernel_test
 def test_plan_all_routes_one_expert_and_empty_experts():
     ids = torch.full((40, 1), 3, dtype=torch.int32, device=DEV)
     plan = _check_plan(ids, 9, 16)
