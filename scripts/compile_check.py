@@ -8,8 +8,8 @@ tensors over every registered routed-LoRA path's trials and refinements (moelora
 what benchmarks/tune_fused_moe.py times) on each table entry's tiles, so a kernel that cannot build fails
 here before it costs device time.
 
-Usage: python scripts/compile_check.py [--shapes qwen3_30b_a3b,...] [--ms 1,128,4096] [--resources] [--picks] [--fp8]
-                                      [--gpu "NVIDIA H100 80GB HBM3"]
+Usage: python scripts/compile_check.py [--shapes qwen3_30b_a3b,...] [--ms 1,128,4096] [--resources] [--loops]
+                                      [--picks] [--fp8] [--gpu "NVIDIA H100 80GB HBM3"]
        python scripts/compile_check.py --engine dsv2_lite,qwen3_30b [--dtypes float32,float16,bfloat16]
   --picks: only the table's own entries (the launches serving makes; a unit test compiles these).
   --gpu: whose table (the name torch.cuda.get_device_name gives; default "NVIDIA H200"); both are sm_90.
@@ -17,6 +17,9 @@ Usage: python scripts/compile_check.py [--shapes qwen3_30b_a3b,...] [--ms 1,128,
   else the bf16 entry's `fp8_tiles`), with the same LoRA trials.
   --resources: print each kernel's registers and local memory (spills) from its cubin (cuobjdump; the
   local Triton's ptxas, which may differ from the GPU machine's).
+  --loops: print the kernels with a loop that waits on memory every step in the sm_90 TTGIR (`loop_waits`): a
+  synchronous tensor load, or at 3+ stages an `async_wait` of every copy in flight (num 0), as the paged-cache
+  gathers did whose addresses come from a load of the same step (60th session).
 Exit status 1 if any launch failed to compile; tiles that need more shared memory than sm_90 has are
 listed (the tuner tries some and skips them there) but do not fail the check.
 --engine: instead, every launch a Triton engine makes (`engine_launches`: decode.py's shapes with their dense layers
@@ -145,6 +148,29 @@ def _resources(kernel) -> str:
     return f" regs {found.group(1)} local {found.group(3)} stack {found.group(2)}" if found else " regs ?"
 
 
+def loop_waits(ttgir: str) -> list[tuple[int, int | None]]:
+    """Per `scf.for` loop of a kernel's TTGIR, in order: (synchronous tensor loads in its body, the smallest
+    `num` of its `async_wait`s or None); nested loops count in their own entry. A step waits on a synchronous
+    load, and on every async copy in flight at num 0 (the pipeline's depth then is one step, whatever
+    num_stages)."""
+    loops, stack, depth = [], [], 0
+    for line in ttgir.splitlines():
+        if "scf.for " in line:
+            stack.append((depth, len(loops)))
+            loops.append([0, None])
+        elif stack:
+            entry = loops[stack[-1][1]]
+            if "= tt.load " in line and ": tensor<" in line:
+                entry[0] += 1
+            wait = re.search(r"async_wait .*\{num = (\d+)", line)
+            if wait:
+                entry[1] = int(wait.group(1)) if entry[1] is None else min(entry[1], int(wait.group(1)))
+        depth += line.count("{") - line.count("}")
+        while stack and depth <= stack[-1][0]:
+            stack.pop()
+    return [tuple(e) for e in loops]
+
+
 def configs_for(shape: dict, M: int, picks_only: bool = False, fp8: FP8ExpertScales | None = None,
                 gpu: str = GPU_NAME):
     """(base from `gpu`'s table, then on its tiles every registered path's trials and each of its refinements
@@ -214,6 +240,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--resources", action="store_true")
+    ap.add_argument("--loops", action="store_true", help="list the loops that wait on memory every step")
     ap.add_argument("--picks", action="store_true", help="only the table's own entries (what serving runs)")
     ap.add_argument("--fp8", action="store_true", help="also on FP8 expert weights (W8A16 and W8A8)")
     ap.add_argument("--gpu", default=GPU_NAME, help="the GPU whose table's entries to compile (an sm_90 one)")
@@ -246,6 +273,12 @@ def main(argv=None) -> int:
         if args.resources:
             for (fn, consts), res in sorted(comp.seen.items()):
                 print(f"  {fn} {res}  {dict(consts)}")
+        if args.loops:
+            for (fn, consts), kernel in sorted(comp.kernels.items(), key=lambda kv: str(kv[0])):
+                loops = loop_waits(kernel.asm["ttgir"])
+                deep = dict(consts).get("num_stages", 0) >= 3
+                if any(sync or (deep and num == 0) for sync, num in loops):
+                    print(f"  {fn}: (synchronous loads, smallest async_wait num) per loop {loops}  {dict(consts)}")
     for f in comp.too_big:
         print("TOO BIG (the tuner skips it)", f)
     for f in comp.failures:

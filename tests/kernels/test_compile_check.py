@@ -39,6 +39,35 @@ def _loop_carried_same(x_ptr, n, B: tl.constexpr):
     tl.store(x_ptr + tl.arange(0, B), tl.sum(xs, 1))
 
 
+@triton.jit
+def _dot_loop(a_ptr, idx_ptr, out_ptr, n, GATHER: tl.constexpr):
+    """acc += A[rows] @ A[rows]^T over row tiles: rows affine, or (GATHER) each tile's rows read from idx in
+    the same step, as the paged attention kernels read their block table."""
+    offs = tl.arange(0, 64)
+    acc = tl.zeros((64, 64), tl.float32)
+    for j0 in range(0, n, 64):
+        rows = j0 + offs
+        if GATHER:
+            rows = tl.load(idx_ptr + rows)
+        a = tl.load(a_ptr + rows[:, None] * 64 + offs[None, :])
+        acc = tl.dot(a, tl.trans(a), acc)
+    tl.store(out_ptr + offs[:, None] * 64 + offs[None, :], acc)
+
+
+def test_loop_waits_finds_the_gathered_loop():
+    """`--loops`: at 3 stages a loop whose tile addresses come from a load of the same step waits on every copy in
+    flight each step (async_wait num 0); affine tiles keep one step's copies in flight (num 1 or more)."""
+    loop_waits = load_script("scripts/compile_check.py").loop_waits
+    a, idx, out = torch.zeros(256, 64, dtype=torch.bfloat16), torch.zeros(256, dtype=torch.int32), torch.zeros(64, 64)
+    with Compiler(resources=False) as comp:
+        for gather in (False, True):
+            _dot_loop[(1,)](a, idx, out, 256, GATHER=gather, num_stages=3)
+    assert comp.failures == []
+    got = {dict(consts)["GATHER"]: loop_waits(k.asm["ttgir"]) for (_, consts), k in comp.kernels.items()}
+    assert len(got[False]) == len(got[True]) == 1, got
+    assert got[False][0][1] >= 1 and got[True][0][1] == 0, got
+
+
 def test_compile_error_reported_and_clean_kernel_passes():
     x = torch.zeros(32)
     with Compiler(resources=False) as comp:
