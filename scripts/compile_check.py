@@ -276,7 +276,7 @@ def main(argv=None) -> int:
         if args.loops:
             for (fn, consts), kernel in sorted(comp.kernels.items(), key=lambda kv: str(kv[0])):
                 loops = loop_waits(kernel.asm["ttgir"])
-                deep = dict(consts).get("num_stages", 0) >= 3
+                deep = kernel.metadata.num_stages >= 3  # launches without the option compile at Triton's 3
                 if any(sync or (deep and num == 0) for sync, num in loops):
                     print(f"  {fn}: (synchronous loads, smallest async_wait num) per loop {loops}  {dict(consts)}")
     for f in comp.too_big:
