@@ -25,7 +25,10 @@ backend (the CPU) one step of each kind is run.
 
 A launch argument derived from T in a way T's class does not fix (a chunk or block count: `cdiv(T * K, 128)`,
 `plan_capacity`) is `do_not_specialize` in its kernel, and a constexpr from one is taken from T's power-of-two
-range: tests/engine/test_warmup.py draws steps after the warm-up and finds no new specialization. MLA's
+range or from the route count's (T * top_k; the routing plan's): each such range (x, 2x] holds a power-of-two T,
+which the warm-up runs (the top of its own range). Not both in one kernel: with a top-k that is not a power of two
+the two ranges cut T in different places (DeepSeek's top-6 at 1199 tokens, 60th session).
+tests/engine/test_warmup.py draws steps after the warm-up and finds no new specialization. MLA's
 expanded attention expands every cached row of a step at once (`forward_rows`), past the token budget: its
 extends of 2 tokens over contexts of each row-count class up to CONTEXT_ROWS_COVER rows cover those.
 
