@@ -19,7 +19,9 @@ Usage: python scripts/compile_check.py [--shapes qwen3_30b_a3b,...] [--ms 1,128,
   local Triton's ptxas, which may differ from the GPU machine's).
   --loops: print the kernels with a loop that waits on memory every step in the sm_90 TTGIR (`loop_waits`): a
   synchronous tensor load, or at 3+ stages an `async_wait` of every copy in flight (num 0), as the paged-cache
-  gathers did whose addresses come from a load of the same step (60th session).
+  gathers did whose addresses come from a load of the same step (60th session). A listed loop is not a measured
+  cost: the gathers' block-table rows carried a step ahead (num 0 -> 2), and the W8A8 scales so carried, ran level
+  or slower on an H100 (61st session, performance.md's "Tried and removed").
 Exit status 1 if any launch failed to compile; tiles that need more shared memory than sm_90 has are
 listed (the tuner tries some and skips them there) but do not fail the check.
 --engine: instead, every launch a Triton engine makes (`engine_launches`: decode.py's shapes with their dense layers
