@@ -62,7 +62,9 @@ def _fp8_linear_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr
     k_hi = tl.minimum(K, k_lo + K_SPLIT)
     a_rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_a + offs_k[None, :]
     s_cols = ws_ptr + _scale_rows(offs_n, B1, B2, G1, G2, GN) * stride_wsn
-    if A_FP8:
+    # W8A8 at 17-32 rows (BM 32) runs transposed, an e4m3 wgmma with the weight tile as its M side; at BM 16 the
+    # untransposed form (both operands upcast to f16 for mma.sync) measured as fast, from BM 64 it is the wgmma
+    if A_FP8 and (BM != 32 or BN < 64):
         acc = tl.zeros((BM, BN), tl.float32)
         w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_w + offs_k[:, None]  # [BK, BN]
         for k0 in range(k_lo, k_hi, BK):
@@ -72,7 +74,7 @@ def _fp8_linear_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr
             w_s = tl.load(s_cols + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0)
             a_s = tl.load(as_ptr + offs_m * stride_as + k0 // BK, mask=m_ok, other=0.0)
             acc += tl.dot(a, w) * (a_s[:, None] * w_s[None, :])
-    else:  # transposed, the upcast weight as the MMA's register operand (as fp8_moe's W8A16 steps)
+    else:  # transposed, the weight tile the MMA's M side (W8A16 always, as in fp8_moe)
         acc_t = tl.zeros((BN, BM), tl.float32)
         w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]  # [BN, BK]
         for k0 in range(k_lo, k_hi, BK):
@@ -80,7 +82,11 @@ def _fp8_linear_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr
             a = tl.load(a_rows + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_rows + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             w_s = tl.load(s_cols + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0)
-            acc_t = tl.dot((w.to(tl.float32) * w_s[:, None]).to(a.dtype), tl.trans(a), acc_t)
+            if A_FP8:
+                a_s = tl.load(as_ptr + offs_m * stride_as + k0 // BK, mask=m_ok, other=0.0)
+                acc_t += tl.dot(w, tl.trans(a)) * (w_s[:, None] * a_s[None, :])
+            else:  # the upcast weight as the MMA's register operand
+                acc_t = tl.dot((w.to(tl.float32) * w_s[:, None]).to(a.dtype), tl.trans(a), acc_t)
         acc = tl.trans(acc_t)
     tile_ok = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K == 1:

@@ -112,11 +112,27 @@ def fp8_launch_args(scales: FP8ExpertScales | None, which: str, inter: int, a: t
 @triton.jit
 def _w8a8_dot(q_rows, s_rows, k0, valid, k_ok, w, w_scale, BK: tl.constexpr):
     """One K step (one scale block) on e4m3 activations (q_rows, scales s_rows) and weights w [BK, BN]:
-    dot(A_q, W_q) * a_s * w_s, fp32 [BM, BN] (the e4m3 MMA)."""
+    dot(A_q, W_q) * a_s * w_s, fp32 [BM, BN] (the e4m3 MMA; wgmma from BM = 64)."""
     offs_k = k0 + tl.arange(0, BK)
     aq = tl.load(q_rows[:, None] + offs_k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
     a_scale = tl.load(s_rows + k0 // BK, mask=valid, other=0.0)
     return tl.dot(aq, w) * (a_scale[:, None] * w_scale[None, :])
+
+
+@triton.jit
+def _w8a8_rows_t(q_rows, s_rows, k0, valid, k_ok, BK: tl.constexpr):
+    """One K step's e4m3 activation rows transposed, [BK, BM], and their scales [BM] (`_w8a8_dot_t`'s operands)."""
+    offs_k = k0 + tl.arange(0, BK)
+    aq = tl.load(q_rows[:, None] + offs_k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+    return tl.trans(aq), tl.load(s_rows + k0 // BK, mask=valid, other=0.0)
+
+
+@triton.jit
+def _w8a8_dot_t(acc_t, aq_t, a_scale, w, w_scale):
+    """One K step transposed: acc_t [BN, BM] + dot(W_q [BN, BK], A_q^T [BK, BM]) * w_s * a_s. With the weight
+    tile as the MMA's M side, BN >= 64 gives Hopper's e4m3 wgmma below BM = 64 rows, where the untransposed dot
+    runs mma.sync on both operands upcast to f16 (the W8A8 steps take this form there)."""
+    return acc_t + tl.dot(w, aq_t) * (w_scale[:, None] * a_scale[None, :])
 
 
 @triton.jit
@@ -137,7 +153,7 @@ def fp8_gate_up_steps(x_rows, q_rows, s_rows, valid, w_e, ws_e, offs_n, H, inter
     n_ok = offs_n < inter
     sg_ptrs = ws_e + (offs_n // GN) * stride_wsn
     su_ptrs = ws_e + (gate_rows + offs_n // GN) * stride_wsn
-    if A_FP8:
+    if A_FP8 and (BM >= 64 or BN < 64):  # untransposed: the wgmma from BM = 64, mma.sync below at BN < 64
         acc_g = tl.zeros((BM, BN), tl.float32)
         acc_u = tl.zeros((BM, BN), tl.float32)
         w_ptrs = w_e + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
@@ -150,7 +166,7 @@ def fp8_gate_up_steps(x_rows, q_rows, s_rows, valid, w_e, ws_e, offs_n, H, inter
             acc_u += _w8a8_dot(q_rows, s_rows, k0, valid, k_ok,
                                tl.load(w_ptrs + inter * stride_wn + k0, mask=w_ok, other=0.0),
                                tl.load(su_ptrs + kb, mask=n_ok, other=0.0), BK)
-    else:
+    else:  # transposed: the weight tile is the MMA's M side (`_w8a8_dot_t`, `_w8a16_dot`)
         acc_gt = tl.zeros((BN, BM), tl.float32)
         acc_ut = tl.zeros((BN, BM), tl.float32)
         w_ptrs = w_e + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
@@ -158,12 +174,20 @@ def fp8_gate_up_steps(x_rows, q_rows, s_rows, valid, w_e, ws_e, offs_n, H, inter
             k_ok = (k0 + offs_k) < H
             w_ok = n_ok[:, None] & k_ok[None, :]
             kb = (k0 // BK) * stride_wsk
-            a_t = tl.trans(tl.load(x_rows[:, None] + (k0 + offs_k)[None, :], mask=valid[:, None] & k_ok[None, :],
-                                   other=0.0))
-            acc_gt = _w8a16_dot(acc_gt, a_t, tl.load(w_ptrs + k0, mask=w_ok, other=0.0),
-                                tl.load(sg_ptrs + kb, mask=n_ok, other=0.0))
-            acc_ut = _w8a16_dot(acc_ut, a_t, tl.load(w_ptrs + inter * stride_wn + k0, mask=w_ok, other=0.0),
-                                tl.load(su_ptrs + kb, mask=n_ok, other=0.0))
+            if A_FP8:
+                aq_t, a_scale = _w8a8_rows_t(q_rows, s_rows, k0, valid, k_ok, BK)
+                acc_gt = _w8a8_dot_t(acc_gt, aq_t, a_scale, tl.load(w_ptrs + k0, mask=w_ok, other=0.0),
+                                     tl.load(sg_ptrs + kb, mask=n_ok, other=0.0))
+                acc_ut = _w8a8_dot_t(acc_ut, aq_t, a_scale, tl.load(w_ptrs + inter * stride_wn + k0, mask=w_ok,
+                                                                    other=0.0),
+                                     tl.load(su_ptrs + kb, mask=n_ok, other=0.0))
+            else:
+                a_t = tl.trans(tl.load(x_rows[:, None] + (k0 + offs_k)[None, :],
+                                       mask=valid[:, None] & k_ok[None, :], other=0.0))
+                acc_gt = _w8a16_dot(acc_gt, a_t, tl.load(w_ptrs + k0, mask=w_ok, other=0.0),
+                                    tl.load(sg_ptrs + kb, mask=n_ok, other=0.0))
+                acc_ut = _w8a16_dot(acc_ut, a_t, tl.load(w_ptrs + inter * stride_wn + k0, mask=w_ok, other=0.0),
+                                    tl.load(su_ptrs + kb, mask=n_ok, other=0.0))
         acc_g = tl.trans(acc_gt)
         acc_u = tl.trans(acc_ut)
     return acc_g, acc_u
@@ -176,7 +200,7 @@ def fp8_down_steps(h_rows, q_rows, s_rows, valid, w_e, ws_e, offs_n, H, inter, s
     offs_k = tl.arange(0, BK)
     n_ok = offs_n < H
     s_ptrs = ws_e + (offs_n // GN) * stride_wsn
-    if A_FP8:
+    if A_FP8 and (BM >= 64 or BN < 64):  # untransposed (as fp8_gate_up_steps)
         acc = tl.zeros((BM, BN), tl.float32)
         w_ptrs = w_e + offs_n[None, :] * stride_wn + offs_k[:, None]
         for k0 in range(0, inter, BK):
@@ -184,14 +208,20 @@ def fp8_down_steps(h_rows, q_rows, s_rows, valid, w_e, ws_e, offs_n, H, inter, s
             wt = tl.load(w_ptrs + k0, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             acc += _w8a8_dot(q_rows, s_rows, k0, valid, k_ok, wt,
                              tl.load(s_ptrs + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0), BK)
-    else:
+    else:  # transposed: the weight tile is the MMA's M side
         acc_t = tl.zeros((BN, BM), tl.float32)
         w_ptrs = w_e + offs_n[:, None] * stride_wn + offs_k[None, :]
         for k0 in range(0, inter, BK):
             k_ok = (k0 + offs_k) < inter
-            a_t = tl.trans(tl.load(h_rows[:, None] + (k0 + offs_k)[None, :], mask=valid[:, None] & k_ok[None, :],
-                                   other=0.0))
-            acc_t = _w8a16_dot(acc_t, a_t, tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0),
-                               tl.load(s_ptrs + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0))
+            if A_FP8:
+                aq_t, a_scale = _w8a8_rows_t(q_rows, s_rows, k0, valid, k_ok, BK)
+                acc_t = _w8a8_dot_t(acc_t, aq_t, a_scale, tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :],
+                                                                  other=0.0),
+                                    tl.load(s_ptrs + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0))
+            else:
+                a_t = tl.trans(tl.load(h_rows[:, None] + (k0 + offs_k)[None, :],
+                                       mask=valid[:, None] & k_ok[None, :], other=0.0))
+                acc_t = _w8a16_dot(acc_t, a_t, tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0),
+                                   tl.load(s_ptrs + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0))
         acc = tl.trans(acc_t)
     return acc

@@ -77,10 +77,11 @@ def run(case, segments, block, act, no_sync=False):
 @pytest.mark.parametrize("act", [False, True], ids=["w8a16", "w8a8"])
 @pytest.mark.parametrize("block", [True, False], ids=["block", "channel"])
 @pytest.mark.parametrize("segments", [(200,), (72, 40, 40)])
-@pytest.mark.parametrize("T,ranks", [(9, (8, 0, 3)), (1, ()), (40, (8, 4))])
+@pytest.mark.parametrize("T,ranks", [(9, (8, 0, 3)), (1, ()), (24, (4, 8, 0)), (40, (8, 4))])
 def test_fp8_linear_equals_twin(block, segments, T, ranks, act):
     """N_in and segments off the 128 grid (partial scale blocks, each segment blocked on its own), bias,
-    mixed adapters with rows on no adapter, ranks below the pool's (40 rows: the default "split" LoRA)."""
+    mixed adapters with rows on no adapter, ranks below the pool's (40 rows: the default "split" LoRA; 24 rows:
+    32-row tiles, where W8A8 runs transposed)."""
     case = make_case(T, 136, sum(segments), ranks, 8, dtype=torch.float32, device=DEV, seed=T)
     got, w_deq = run(case, segments, block, act)
     assert rel_err(got, twin(case, w_deq, act)) <= 1e-5
@@ -247,7 +248,7 @@ def test_gpu_silu_mul_fp8_bf16(T, inter):
 
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.parametrize("T", [1, 8, 64, 131, 512])  # 131, 512: cuBLAS's W8A8 (131 rows padded to 132)
+@pytest.mark.parametrize("T", [1, 8, 24, 64, 131, 512])  # 24: W8A8 transposed; 131, 512: cuBLAS's W8A8
 @pytest.mark.parametrize("name,n_in,segments", SHAPES, ids=[s[0] for s in SHAPES])
 @pytest.mark.parametrize("act", [False, True], ids=["w8a16", "w8a8"])
 def test_gpu_fp8_linear(T, name, n_in, segments, act):
