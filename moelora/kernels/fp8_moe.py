@@ -5,8 +5,9 @@ Shape legend: H hidden, I expert intermediate, E experts, BM x BN x BK a GEMM ti
   w_gate_up [E, 2I, H] e4m3, scale [E, 2 ceil(I/128), ceil(H/128)] (block: gate then up grid rows) or
   [E, 2I, 1] (one per output row); w_down [E, H, I] e4m3, scale [E, ceil(H/128), ceil(I/128)] or [E, H, 1]
 Scales are fp32 multipliers (w ~ q * s); a K step is one scale block. W8A8: x, then h (up to the plan's
-`num_padded` rows), quantized per token and 128 columns (`fp8_quant`), e4m3 dots; W8A16: the weight tile upcast
-in registers as the MMA's operand (`_w8a16_dot`). Needs compute capability >= 8.9 (`check_fp8` raises).
+`num_padded` rows), quantized per token and 128 columns (`fp8_quant`), e4m3 dots (transposed below BM = 64 from
+BN = 64: `_w8a8_dot_t`); W8A16: the weight tile upcast in registers as the MMA's operand (`_w8a16_dot`). Needs
+compute capability >= 8.9 (`check_fp8` raises).
 """
 
 from __future__ import annotations
