@@ -10,11 +10,13 @@ here before it costs device time.
 
 Usage: python scripts/compile_check.py [--shapes qwen3_30b_a3b,...] [--ms 1,128,4096] [--resources] [--loops]
                                       [--picks] [--fp8] [--gpu "NVIDIA H100 80GB HBM3"]
-       python scripts/compile_check.py --engine dsv2_lite,qwen3_30b [--dtypes float32,float16,bfloat16]
+       python scripts/compile_check.py --engine dsv2_lite,qwen3_30b [--dtypes float32,float16,bfloat16] [--fp8]
   --picks: only the table's own entries (the launches serving makes; a unit test compiles these).
   --gpu: whose table (the name torch.cuda.get_device_name gives; default "NVIDIA H200"); both are sm_90.
   --fp8: also on e4m3 expert weights, W8A16 and W8A8: the table's FP8 entries of each mode (`fp8_moe_config`:
-  else the bf16 entry's `fp8_tiles`), with the same LoRA trials.
+  else the bf16 entry's `fp8_tiles`), with the same LoRA trials; with --engine, also each engine in bf16 with every
+  projection in e4m3 (`--quantization fp8`), W8A8 and W8A16 (the dense `fp8_linear` launches, the norms and SwiGLU
+  writing W8A8 rows).
   --resources: print each kernel's registers and local memory (spills) from its cubin (cuobjdump; the
   local Triton's ptxas, which may differ from the GPU machine's).
   --loops: print the kernels with a loop that waits on memory every step in the sm_90 TTGIR (`loop_waits`): a
@@ -193,11 +195,12 @@ def configs_for(shape: dict, M: int, picks_only: bool = False, fp8: FP8ExpertSca
 ENGINE_PROMPTS = ((40, "a0"), (7, None), (130, "a1"), (3, "a0"))
 
 
-def engine_launches(name: str, dtype: str) -> int:
+def engine_launches(name: str, dtype: str, fp8: str | None = None) -> int:
     """Serve ENGINE_PROMPTS on a Triton engine of decode.py's MODELS[name] (its dense layers and one MoE layer, 16
     experts, a 1024-token vocab; adapters of rank 16 and 8 on every site) in `dtype` on the CPU, 3 tokens a
     request, then a request on a cached prefix: under a `Compiler` every launch compiles for sm_90 and none runs
-    (the outputs are whatever the buffers held). -> engine steps taken."""
+    (the outputs are whatever the buffers held). fp8 "w8a8" / "w8a16": every projection in e4m3 with 128 x 128
+    block scales (`--quantization fp8`; the weights left zero). -> engine steps taken."""
     from decode import MODELS, random_adapter
 
     from moelora.config import ModelConfig
@@ -206,21 +209,27 @@ def engine_launches(name: str, dtype: str) -> int:
     from moelora.engine.request import SamplingParams
     from moelora.layers.options import LayerOptions
     from moelora.models.registry import model_class
+    from moelora.quant.config import FP8Config
 
+    if fp8 not in (None, "w8a8", "w8a16"):
+        raise ValueError(f"fp8 must be None, 'w8a8' or 'w8a16', got {fp8!r}")
     spec = MODELS[name]
     cfg = ModelConfig(**{**spec, "num_layers": spec.get("first_k_dense_replace", 0) + 1, "num_experts": 16,
                          "vocab_size": 1024}).resolve()
+    quant = fp8 and dataclasses.replace(FP8Config.from_engine("fp8"), quantize_activations=fp8 == "w8a8")
     torch.manual_seed(0)
     model = model_class(cfg)(cfg, max_loras=2, max_rank=16, options=LayerOptions(kernel_backend="triton"),
-                             dtype=getattr(torch, dtype))
+                             dtype=getattr(torch, dtype), quant=quant)
     with torch.no_grad():
         for p in model.parameters():
-            p.normal_(0, 0.02)
+            if p.is_floating_point() and p.dtype != torch.float8_e4m3fn:
+                p.normal_(0, 0.02)
     adapters = {"a0": random_adapter(model, "a0", 16, 0), "a1": random_adapter(model, "a1", 8, 1)}
     os.environ["TRITON_INTERPRET"] = "1"  # the config's CUDA check passes as for the interpreter tests ...
     try:
         ecfg = EngineConfig(device="cpu", dtype=dtype, kernel_backend="triton", max_loras=2, max_lora_rank=16,
-                            max_num_seqs=8, max_model_len=512, num_kv_blocks=128, block_size=16).resolve(cfg)
+                            max_num_seqs=8, max_model_len=512, num_kv_blocks=128, block_size=16,
+                            quantization=fp8 and "fp8", fp8_activation_quant=fp8 and fp8 == "w8a8").resolve(cfg)
     finally:
         os.environ.pop("TRITON_INTERPRET")  # ... but the kernels stay the compiler's (jitted without it)
     eng = LLMEngine(model.with_options(ecfg.layer_options(model.options)), None, ecfg, lambda n, path: adapters[n])
@@ -244,17 +253,21 @@ def main(argv=None) -> int:
     ap.add_argument("--resources", action="store_true")
     ap.add_argument("--loops", action="store_true", help="list the loops that wait on memory every step")
     ap.add_argument("--picks", action="store_true", help="only the table's own entries (what serving runs)")
-    ap.add_argument("--fp8", action="store_true", help="also on FP8 expert weights (W8A16 and W8A8)")
+    ap.add_argument("--fp8", action="store_true", help="also on FP8 expert weights (W8A16 and W8A8); with --engine, "
+                    "also each engine in bf16 on FP8 weights, W8A8 and W8A16")
     ap.add_argument("--gpu", default=GPU_NAME, help="the GPU whose table's entries to compile (an sm_90 one)")
     ap.add_argument("--engine", default=None, help="instead: every launch of an engine of these decode.py shapes")
     ap.add_argument("--dtypes", default="float32,float16,bfloat16", help="--engine's model dtypes")
     args = ap.parse_args(argv)
     with Compiler(args.resources) as comp:
-        runs = [(n, d) for n in args.engine.split(",") for d in args.dtypes.split(",")] if args.engine else []
-        for name, dtype in runs:
+        runs = [(n, d, None) for n in args.engine.split(",") for d in args.dtypes.split(",")] if args.engine else []
+        if args.engine and args.fp8:
+            runs += [(n, "bfloat16", mode) for n in args.engine.split(",") for mode in ("w8a8", "w8a16")]
+        for name, dtype, fp8 in runs:
             n_before = len(comp.seen)
-            steps = engine_launches(name, dtype)
-            print(f"engine {name} {dtype}: {steps} steps, {len(comp.seen) - n_before} new kernels, "
+            steps = engine_launches(name, dtype, fp8)
+            what = f"{dtype} FP8 {fp8}" if fp8 else dtype
+            print(f"engine {name} {what}: {steps} steps, {len(comp.seen) - n_before} new kernels, "
                   f"{len(comp.failures)} failures, {len(comp.too_big)} too big so far", flush=True)
         for name in () if args.engine else args.shapes.split(","):
             shape = dict(SHAPES[name])

@@ -367,6 +367,33 @@ def test_engine_launches_compile_for_sm90_in_fp32_and_fp16(model):
     assert {"gate_up_kernel", "down_kernel"} <= fp32, fp32  # the fp32 engine's fused MoE was checked
 
 
+@pytest.mark.parametrize("model,modes", [("qwen3_30b", ("w8a8", "w8a16")), ("dsv2_lite", ("w8a8",))])
+def test_fp8_engine_launches_compile_for_sm90(model, modes):
+    """A bf16 engine on FP8 weights (every projection e4m3, 128 x 128 blocks) compiles for the H200: the dense
+    `fp8_linear` launches at decode and prefill rows, the fused MoE's FP8 K loops, the norms writing W8A8 rows. The
+    W8A8 dots run Hopper's e4m3 wgmma with no operand upcast wherever they are transposed (below 64 rows: the fused
+    MoE from 64 weight columns, `fp8_linear` at its 32-row tiles) or have 64 rows; the dense 16-row tiles keep
+    mma.sync on f16 (measured as fast there, 62nd session)."""
+    import compile_check
+
+    with Compiler(resources=False) as comp:
+        for mode in modes:
+            assert compile_check.engine_launches(model, "bfloat16", mode) >= 4
+    assert comp.failures == [] and comp.too_big == []
+    w8a8 = {}
+    for (name, consts), kernel in comp.kernels.items():
+        c = dict(consts)
+        if name in ("gate_up_kernel", "down_kernel", "_fp8_linear_kernel") and c.get("A_FP8"):
+            ptx = kernel.asm["ptx"]
+            w8a8[(name, c["BM"], c["BN"])] = ("f32.e4m3.e4m3" in ptx, "cvt.rn.f16x2.e4m3x2" in ptx)
+    assert {"gate_up_kernel", "down_kernel", "_fp8_linear_kernel"} <= {k[0] for k in w8a8}, w8a8
+    for (name, bm, bn), (e4m3_mma, upcast) in w8a8.items():
+        moe = name != "_fp8_linear_kernel"
+        native = bm >= 64 or (bn >= 64 and (moe or bm == 32))
+        assert (e4m3_mma, upcast) == (native, not native), (name, bm, bn, e4m3_mma, upcast)
+    assert ("_fp8_linear_kernel", 32, 64) in w8a8 and any(k[1] < 64 and k[0] != "_fp8_linear_kernel" for k in w8a8)
+
+
 def test_engine_check_fails_a_tile_over_shared_memory(monkeypatch):
     """Without the default fused-MoE config's cut to its shared-memory budget, the fp32 engine's 180-token prefill
     takes 3 stages of the 64 x 128 gate_up tile (240 KiB) and the engine check fails, naming it."""
