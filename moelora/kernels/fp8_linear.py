@@ -62,8 +62,9 @@ def _fp8_linear_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr
     k_hi = tl.minimum(K, k_lo + K_SPLIT)
     a_rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_a + offs_k[None, :]
     s_cols = ws_ptr + _scale_rows(offs_n, B1, B2, G1, G2, GN) * stride_wsn
-    # W8A8 at 17-32 rows (BM 32) runs transposed, an e4m3 wgmma with the weight tile as its M side; at BM 16 the
-    # untransposed form (both operands upcast to f16 for mma.sync) measured as fast, from BM 64 it is the wgmma
+    # W8A8 at 17-32 rows (BM 32) runs transposed, an e4m3 wgmma with the weight tile as its M side; at BM 16 that
+    # form measured 3-5 % slower (H100), so those tiles keep this one (mma.sync on operands upcast to f16); from
+    # BM 64 this one is the wgmma
     if A_FP8 and (BM != 32 or BN < 64):
         acc = tl.zeros((BM, BN), tl.float32)
         w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_w + offs_k[:, None]  # [BK, BN]
