@@ -111,29 +111,28 @@ def fp8_launch_args(scales: FP8ExpertScales | None, which: str, inter: int, a: t
 
 
 @triton.jit
+def _w8a8_rows(q_rows, s_rows, k0, valid, k_ok, BK: tl.constexpr):
+    """One K step's e4m3 activation rows [BM, BK] and their scales [BM] (one scale block)."""
+    offs_k = k0 + tl.arange(0, BK)
+    aq = tl.load(q_rows[:, None] + offs_k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+    return aq, tl.load(s_rows + k0 // BK, mask=valid, other=0.0)
+
+
+@triton.jit
 def _w8a8_dot(q_rows, s_rows, k0, valid, k_ok, w, w_scale, BK: tl.constexpr):
     """One K step (one scale block) on e4m3 activations (q_rows, scales s_rows) and weights w [BK, BN]:
     dot(A_q, W_q) * a_s * w_s, fp32 [BM, BN] (the e4m3 MMA; wgmma from BM = 64)."""
-    offs_k = k0 + tl.arange(0, BK)
-    aq = tl.load(q_rows[:, None] + offs_k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-    a_scale = tl.load(s_rows + k0 // BK, mask=valid, other=0.0)
+    aq, a_scale = _w8a8_rows(q_rows, s_rows, k0, valid, k_ok, BK)
     return tl.dot(aq, w) * (a_scale[:, None] * w_scale[None, :])
 
 
 @triton.jit
-def _w8a8_rows_t(q_rows, s_rows, k0, valid, k_ok, BK: tl.constexpr):
-    """One K step's e4m3 activation rows transposed, [BK, BM], and their scales [BM] (`_w8a8_dot_t`'s operands)."""
-    offs_k = k0 + tl.arange(0, BK)
-    aq = tl.load(q_rows[:, None] + offs_k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-    return tl.trans(aq), tl.load(s_rows + k0 // BK, mask=valid, other=0.0)
-
-
-@triton.jit
-def _w8a8_dot_t(acc_t, aq_t, a_scale, w, w_scale):
-    """One K step transposed: acc_t [BN, BM] + dot(W_q [BN, BK], A_q^T [BK, BM]) * w_s * a_s. With the weight
-    tile as the MMA's M side, BN >= 64 gives Hopper's e4m3 wgmma below BM = 64 rows, where the untransposed dot
-    runs mma.sync on both operands upcast to f16 (the W8A8 steps take this form there)."""
-    return acc_t + tl.dot(w, aq_t) * (w_scale[:, None] * a_scale[None, :])
+def _w8a8_dot_t(acc_t, aq, a_scale, w, w_scale):
+    """One K step transposed: acc_t [BN, BM] + dot(W_q [BN, BK], A_q^T [BK, BM]) * w_s * a_s (aq, a_scale:
+    `_w8a8_rows`). With the weight tile as the MMA's M side, BN >= 64 gives Hopper's e4m3 wgmma below BM = 64
+    rows, where the untransposed dot runs mma.sync on both operands upcast to f16 (the W8A8 steps take this form
+    there)."""
+    return acc_t + tl.dot(w, tl.trans(aq)) * (w_scale[:, None] * a_scale[None, :])
 
 
 @triton.jit
@@ -176,10 +175,10 @@ def fp8_gate_up_steps(x_rows, q_rows, s_rows, valid, w_e, ws_e, offs_n, H, inter
             w_ok = n_ok[:, None] & k_ok[None, :]
             kb = (k0 // BK) * stride_wsk
             if A_FP8:
-                aq_t, a_scale = _w8a8_rows_t(q_rows, s_rows, k0, valid, k_ok, BK)
-                acc_gt = _w8a8_dot_t(acc_gt, aq_t, a_scale, tl.load(w_ptrs + k0, mask=w_ok, other=0.0),
+                aq, a_scale = _w8a8_rows(q_rows, s_rows, k0, valid, k_ok, BK)
+                acc_gt = _w8a8_dot_t(acc_gt, aq, a_scale, tl.load(w_ptrs + k0, mask=w_ok, other=0.0),
                                      tl.load(sg_ptrs + kb, mask=n_ok, other=0.0))
-                acc_ut = _w8a8_dot_t(acc_ut, aq_t, a_scale, tl.load(w_ptrs + inter * stride_wn + k0, mask=w_ok,
+                acc_ut = _w8a8_dot_t(acc_ut, aq, a_scale, tl.load(w_ptrs + inter * stride_wn + k0, mask=w_ok,
                                                                     other=0.0),
                                      tl.load(su_ptrs + kb, mask=n_ok, other=0.0))
             else:
@@ -215,8 +214,8 @@ def fp8_down_steps(h_rows, q_rows, s_rows, valid, w_e, ws_e, offs_n, H, inter, s
         for k0 in range(0, inter, BK):
             k_ok = (k0 + offs_k) < inter
             if A_FP8:
-                aq_t, a_scale = _w8a8_rows_t(q_rows, s_rows, k0, valid, k_ok, BK)
-                acc_t = _w8a8_dot_t(acc_t, aq_t, a_scale, tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :],
+                aq, a_scale = _w8a8_rows(q_rows, s_rows, k0, valid, k_ok, BK)
+                acc_t = _w8a8_dot_t(acc_t, aq, a_scale, tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :],
                                                                   other=0.0),
                                     tl.load(s_ptrs + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0))
             else:
