@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import sys
+from pathlib import Path
 
 import torch
 import triton
 
-from moelora.kernels.args import ExpertLoRAArgs
-from moelora.kernels.fp8_moe import FP8ExpertScales, fp8_moe_config
-from moelora.kernels.fused_moe import fused_moe
-from moelora.kernels.moe_config import tuned_fused_moe_config
-from moelora.kernels.side_stream import lora_stream
-from moelora.quant.fp8 import quantize_blocks, quantize_segments
+# the repository's package first (as decode.py does), so the tuner and the MoE benchmarks run from a checkout where
+# moelora is not installed (a bare GPU machine): without it tune_fused_moe.py stopped at this module's first import
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from moelora.kernels.args import ExpertLoRAArgs  # noqa: E402
+from moelora.kernels.fp8_moe import FP8ExpertScales, fp8_moe_config  # noqa: E402
+from moelora.kernels.fused_moe import fused_moe  # noqa: E402
+from moelora.kernels.moe_config import tuned_fused_moe_config  # noqa: E402
+from moelora.kernels.side_stream import lora_stream  # noqa: E402
+from moelora.quant.fp8 import quantize_blocks, quantize_segments  # noqa: E402
 
 SHAPES = {
     "qwen3_30b_a3b": dict(E=128, K=8, H=2048, I=768),
