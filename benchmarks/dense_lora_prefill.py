@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-from moelora.kernels.args import DenseLoRAArgs
-from moelora.kernels.lora_linear import default_lora_linear_config, lora_linear
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's package (a bare GPU machine)
+from moelora.kernels.args import DenseLoRAArgs  # noqa: E402
+from moelora.kernels.lora_linear import default_lora_linear_config, lora_linear  # noqa: E402
 
 SITES = {  # name -> (N_in, output segments)
     "q_kva": (2048, (3072, 576)), "kv_b": (512, (4096,)), "o": (2048, (2048,)), "shared_gate_up": (2048, (1408, 1408)),
