@@ -25,7 +25,7 @@ import triton.language as tl
 from moelora.kernels.args import FP8_DECODE_BLOCK_N, DenseLoRAArgs, FP8Rows
 from moelora.kernels.checks import cdiv, check_rows, need, output
 from moelora.kernels.dense_lora import planned, split
-from moelora.kernels.fp8_quant import GROUP, per_token_group_quant
+from moelora.kernels.fp8_quant import GROUP, per_token_group_quant, w8a8_dot_t, w8a16_dot
 from moelora.kernels.lora_linear import check_lora, default_lora_linear_config
 from moelora.kernels.pdl import pdl_args, pdl_wait
 from moelora.kernels.side_stream import join
@@ -84,10 +84,10 @@ def _fp8_linear_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr
             w = tl.load(w_rows + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             w_s = tl.load(s_cols + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0)
             if A_FP8:
-                a_s = tl.load(as_ptr + offs_m * stride_as + k0 // BK, mask=m_ok, other=0.0)
-                acc_t += tl.dot(w, tl.trans(a)) * (w_s[:, None] * a_s[None, :])
+                acc_t = w8a8_dot_t(acc_t, a, tl.load(as_ptr + offs_m * stride_as + k0 // BK, mask=m_ok, other=0.0),
+                                   w, w_s)
             else:  # the upcast weight as the MMA's register operand
-                acc_t = tl.dot((w.to(tl.float32) * w_s[:, None]).to(a.dtype), tl.trans(a), acc_t)
+                acc_t = w8a16_dot(acc_t, tl.trans(a), w, w_s)
         acc = tl.trans(acc_t)
     tile_ok = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K == 1:

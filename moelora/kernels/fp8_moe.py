@@ -6,7 +6,7 @@ Shape legend: H hidden, I expert intermediate, E experts, BM x BN x BK a GEMM ti
   [E, 2I, 1] (one per output row); w_down [E, H, I] e4m3, scale [E, ceil(H/128), ceil(I/128)] or [E, H, 1]
 Scales are fp32 multipliers (w ~ q * s); a K step is one scale block. W8A8: x, then h (up to the plan's
 `num_padded` rows), quantized per token and 128 columns (`fp8_quant`), e4m3 dots (transposed below BM = 64 from
-BN = 64: `_w8a8_dot_t`); W8A16: the weight tile upcast in registers as the MMA's operand (`_w8a16_dot`). Needs
+BN = 64: `w8a8_dot_t`); W8A16: the weight tile upcast in registers as the MMA's operand (`w8a16_dot`). Needs
 compute capability >= 8.9 (`check_fp8` raises).
 """
 
@@ -21,7 +21,7 @@ import triton.language as tl
 
 from moelora.kernels.args import FP8Rows
 from moelora.kernels.checks import cdiv, need
-from moelora.kernels.fp8_quant import GROUP, per_token_group_quant
+from moelora.kernels.fp8_quant import GROUP, per_token_group_quant, w8a8_dot_t, w8a16_dot
 from moelora.kernels.moe_config import (
     FusedMoEConfig,
     load_table,
@@ -127,23 +127,6 @@ def _w8a8_dot(q_rows, s_rows, k0, valid, k_ok, w, w_scale, BK: tl.constexpr):
 
 
 @triton.jit
-def _w8a8_dot_t(acc_t, aq, a_scale, w, w_scale):
-    """One K step transposed: acc_t [BN, BM] + dot(W_q [BN, BK], A_q^T [BK, BM]) * w_s * a_s (aq, a_scale:
-    `_w8a8_rows`). With the weight tile as the MMA's M side, BN >= 64 gives Hopper's e4m3 wgmma below BM = 64
-    rows, where the untransposed dot runs mma.sync on both operands upcast to f16 (the W8A8 steps take this form
-    there)."""
-    return acc_t + tl.dot(w, tl.trans(aq)) * (w_scale[:, None] * a_scale[None, :])
-
-
-@triton.jit
-def _w8a16_dot(acc_t, a_t, w, w_scale):
-    """One K step transposed: acc_t [BN, BM] += (W_q [BN, BK] * w_s, in A's dtype) @ a_t [BK, BM]. The weight,
-    upcast in registers, is the MMA's register operand and the activations its shared-memory one (Hopper's
-    wgmma takes only its first operand from registers), and the accumulator stays chained."""
-    return tl.dot((w.to(tl.float32) * w_scale[:, None]).to(a_t.dtype), a_t, acc_t)
-
-
-@triton.jit
 def fp8_gate_up_steps(x_rows, q_rows, s_rows, valid, w_e, ws_e, offs_n, H, inter, stride_wn, stride_wsn, stride_wsk,
                       gate_rows, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GN: tl.constexpr,
                       A_FP8: tl.constexpr):
@@ -166,7 +149,7 @@ def fp8_gate_up_steps(x_rows, q_rows, s_rows, valid, w_e, ws_e, offs_n, H, inter
             acc_u += _w8a8_dot(q_rows, s_rows, k0, valid, k_ok,
                                tl.load(w_ptrs + inter * stride_wn + k0, mask=w_ok, other=0.0),
                                tl.load(su_ptrs + kb, mask=n_ok, other=0.0), BK)
-    else:  # transposed: the weight tile is the MMA's M side (`_w8a8_dot_t`, `_w8a16_dot`)
+    else:  # transposed: the weight tile is the MMA's M side (`w8a8_dot_t`, `w8a16_dot`)
         acc_gt = tl.zeros((BN, BM), tl.float32)
         acc_ut = tl.zeros((BN, BM), tl.float32)
         w_ptrs = w_e + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
@@ -176,17 +159,17 @@ def fp8_gate_up_steps(x_rows, q_rows, s_rows, valid, w_e, ws_e, offs_n, H, inter
             kb = (k0 // BK) * stride_wsk
             if A_FP8:
                 aq, a_scale = _w8a8_rows(q_rows, s_rows, k0, valid, k_ok, BK)
-                acc_gt = _w8a8_dot_t(acc_gt, aq, a_scale, tl.load(w_ptrs + k0, mask=w_ok, other=0.0),
+                acc_gt = w8a8_dot_t(acc_gt, aq, a_scale, tl.load(w_ptrs + k0, mask=w_ok, other=0.0),
                                      tl.load(sg_ptrs + kb, mask=n_ok, other=0.0))
-                acc_ut = _w8a8_dot_t(acc_ut, aq, a_scale, tl.load(w_ptrs + inter * stride_wn + k0, mask=w_ok,
+                acc_ut = w8a8_dot_t(acc_ut, aq, a_scale, tl.load(w_ptrs + inter * stride_wn + k0, mask=w_ok,
                                                                     other=0.0),
                                      tl.load(su_ptrs + kb, mask=n_ok, other=0.0))
             else:
                 a_t = tl.trans(tl.load(x_rows[:, None] + (k0 + offs_k)[None, :],
                                        mask=valid[:, None] & k_ok[None, :], other=0.0))
-                acc_gt = _w8a16_dot(acc_gt, a_t, tl.load(w_ptrs + k0, mask=w_ok, other=0.0),
+                acc_gt = w8a16_dot(acc_gt, a_t, tl.load(w_ptrs + k0, mask=w_ok, other=0.0),
                                     tl.load(sg_ptrs + kb, mask=n_ok, other=0.0))
-                acc_ut = _w8a16_dot(acc_ut, a_t, tl.load(w_ptrs + inter * stride_wn + k0, mask=w_ok, other=0.0),
+                acc_ut = w8a16_dot(acc_ut, a_t, tl.load(w_ptrs + inter * stride_wn + k0, mask=w_ok, other=0.0),
                                     tl.load(su_ptrs + kb, mask=n_ok, other=0.0))
         acc_g = tl.trans(acc_gt)
         acc_u = tl.trans(acc_ut)
@@ -215,13 +198,13 @@ def fp8_down_steps(h_rows, q_rows, s_rows, valid, w_e, ws_e, offs_n, H, inter, s
             k_ok = (k0 + offs_k) < inter
             if A_FP8:
                 aq, a_scale = _w8a8_rows(q_rows, s_rows, k0, valid, k_ok, BK)
-                acc_t = _w8a8_dot_t(acc_t, aq, a_scale, tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :],
+                acc_t = w8a8_dot_t(acc_t, aq, a_scale, tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :],
                                                                   other=0.0),
                                     tl.load(s_ptrs + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0))
             else:
                 a_t = tl.trans(tl.load(h_rows[:, None] + (k0 + offs_k)[None, :],
                                        mask=valid[:, None] & k_ok[None, :], other=0.0))
-                acc_t = _w8a16_dot(acc_t, a_t, tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0),
+                acc_t = w8a16_dot(acc_t, a_t, tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0),
                                    tl.load(s_ptrs + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0))
         acc = tl.trans(acc_t)
     return acc

@@ -4,6 +4,8 @@ Shape legend: M rows (tokens), K columns, G = ceil(K / 128) groups a row.
   x [M, K] fp16/bf16/fp32 -> (q [M, K] float8_e4m3fn, s [M, G] fp32), x ~ q * s per group.
 s = amax / 448 over the group (1 for an all-zero group; the last group may be partial), q = x / s rounded to
 nearest, saturated at +-448: bit for bit `moelora.quant.fp8.quantize_groups`, its torch twin.
+Also the FP8 GEMMs' transposed K steps on e4m3 weights (`w8a8_dot_t`, `w8a16_dot`), shared by `fp8_moe` and
+`fp8_linear`.
 """
 
 from __future__ import annotations
@@ -86,3 +88,21 @@ def per_token_group_quant(x: torch.Tensor, rows: torch.Tensor | None = None, *, 
         x, q, s, x if rows is None else rows, M, K, n_groups, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
         GROUP_=GROUP, GB=gb, ROW_LIMIT=rows is not None, num_warps=4, **pdl_args(pdl, x))
     return q, s
+
+
+# the transposed e4m3 K steps of the FP8 GEMMs (`fp8_moe`, `fp8_linear`): one form, one place
+@triton.jit
+def w8a8_dot_t(acc_t, aq, a_scale, w, w_scale):
+    """One K step transposed: acc_t [BN, BM] + dot(W_q [BN, BK], A_q^T [BK, BM]) * w_s * a_s (aq, a_scale:
+    `fp8_moe._w8a8_rows`). With the weight tile as the MMA's M side, BN >= 64 gives Hopper's e4m3 wgmma below
+    BM = 64 rows, where the untransposed dot runs mma.sync on both operands upcast to f16 (the W8A8 steps take this form
+    there)."""
+    return acc_t + tl.dot(w, tl.trans(aq)) * (w_scale[:, None] * a_scale[None, :])
+
+
+@triton.jit
+def w8a16_dot(acc_t, a_t, w, w_scale):
+    """One K step transposed: acc_t [BN, BM] += (W_q [BN, BK] * w_s, in A's dtype) @ a_t [BK, BM]. The weight,
+    upcast in registers, is the MMA's register operand and the activations its shared-memory one (Hopper's
+    wgmma takes only its first operand from registers), and the accumulator stays chained."""
+    return tl.dot((w.to(tl.float32) * w_scale[:, None]).to(a_t.dtype), a_t, acc_t)
