@@ -5,9 +5,9 @@ per token and 1 x 128 group in the kernel, e4m3 MMA) equals the twin with the sa
 (`quant.fp8.fake_quantize_groups`) and stays within tests/helpers/fp8_bounds.py's bound of the W8A16 twin. The Triton
 interpreter (3.9) loads float8_e4m3fn, upcasts it and runs e4m3 dots exactly, and the activation quantization
 rounds to the e4m3 grid itself (`fp8_quant._round_e4m3`: the interpreter's own fp32 -> e4m3 cast is wrong
-across a binade), so both modes run on the CPU under TRITON_INTERPRET=1 (fp32 activations). The `gpu` cases
-run the Qwen3-30B-A3B and DeepSeek-V2-Lite expert shapes in bf16 (E scaled down where the fp64 bound is slow)
-against the fp32 twin.
+across a binade), so both modes run on the CPU under TRITON_INTERPRET=1: in fp32 at 1e-4 (there only: CUDA runs fp32
+dots in TF32) and in fp16 (`test_fp8_paths_in_fp16`, on CUDA too). The `gpu` cases run the Qwen3-30B-A3B and
+DeepSeek-V2-Lite expert shapes in bf16 (E scaled down where the fp64 bound is slow) against the fp32 twin.
 """
 
 from __future__ import annotations
