@@ -160,17 +160,17 @@ def fp8_gate_up_steps(x_rows, q_rows, s_rows, valid, w_e, ws_e, offs_n, H, inter
             if A_FP8:
                 aq, a_scale = _w8a8_rows(q_rows, s_rows, k0, valid, k_ok, BK)
                 acc_gt = w8a8_dot_t(acc_gt, aq, a_scale, tl.load(w_ptrs + k0, mask=w_ok, other=0.0),
-                                     tl.load(sg_ptrs + kb, mask=n_ok, other=0.0))
+                                    tl.load(sg_ptrs + kb, mask=n_ok, other=0.0))
                 acc_ut = w8a8_dot_t(acc_ut, aq, a_scale, tl.load(w_ptrs + inter * stride_wn + k0, mask=w_ok,
-                                                                    other=0.0),
-                                     tl.load(su_ptrs + kb, mask=n_ok, other=0.0))
+                                                                   other=0.0),
+                                    tl.load(su_ptrs + kb, mask=n_ok, other=0.0))
             else:
                 a_t = tl.trans(tl.load(x_rows[:, None] + (k0 + offs_k)[None, :],
                                        mask=valid[:, None] & k_ok[None, :], other=0.0))
                 acc_gt = w8a16_dot(acc_gt, a_t, tl.load(w_ptrs + k0, mask=w_ok, other=0.0),
-                                    tl.load(sg_ptrs + kb, mask=n_ok, other=0.0))
+                                   tl.load(sg_ptrs + kb, mask=n_ok, other=0.0))
                 acc_ut = w8a16_dot(acc_ut, a_t, tl.load(w_ptrs + inter * stride_wn + k0, mask=w_ok, other=0.0),
-                                    tl.load(su_ptrs + kb, mask=n_ok, other=0.0))
+                                   tl.load(su_ptrs + kb, mask=n_ok, other=0.0))
         acc_g = tl.trans(acc_gt)
         acc_u = tl.trans(acc_ut)
     return acc_g, acc_u
@@ -199,12 +199,12 @@ def fp8_down_steps(h_rows, q_rows, s_rows, valid, w_e, ws_e, offs_n, H, inter, s
             if A_FP8:
                 aq, a_scale = _w8a8_rows(q_rows, s_rows, k0, valid, k_ok, BK)
                 acc_t = w8a8_dot_t(acc_t, aq, a_scale, tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :],
-                                                                  other=0.0),
-                                    tl.load(s_ptrs + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0))
+                                                                 other=0.0),
+                                   tl.load(s_ptrs + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0))
             else:
                 a_t = tl.trans(tl.load(h_rows[:, None] + (k0 + offs_k)[None, :],
                                        mask=valid[:, None] & k_ok[None, :], other=0.0))
                 acc_t = w8a16_dot(acc_t, a_t, tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0),
-                                   tl.load(s_ptrs + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0))
+                                  tl.load(s_ptrs + (k0 // BK) * stride_wsk, mask=n_ok, other=0.0))
         acc = tl.trans(acc_t)
     return acc
