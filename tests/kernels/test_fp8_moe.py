@@ -128,15 +128,31 @@ PATH_CASES = [(True, p) for p in ("off", "separate", "route", "block", "stacked"
 PATH_IDS = [f"{'block' if b else 'channel'}-{p}" for b, p in PATH_CASES]
 
 
+def path_config(shrink):
+    """The tiny FP8 config of a PATH_CASES shrink ("off": the base loops, LoRA fields of "separate")."""
+    return tiny_fp8_config("separate" if shrink == "off" else shrink)
+
+
+def awkward_case(shrink, dtype):
+    """H and I off the 128 grid; with LoRA (shrink not "off") mixed adapters, rows on no adapter, ranks below R."""
+    ranks = () if shrink == "off" else (8, 0, 3, 8)
+    return make_case(9, 200, 136, 5, 2, ranks=ranks, R=8, dtype=dtype, device=DEV, seed=3)
+
+
+def one_token_cases(dtype):
+    """One token; six tokens with every route on expert 2."""
+    return (make_case(1, 130, 64, 4, 2, dtype=dtype, device=DEV, seed=5),
+            make_case(6, 130, 64, 4, 2, dtype=dtype, device=DEV, seed=6, one_expert=2))
+
+
 @interp_only  # fp32 at 1e-4; on CUDA (H100) tl.dot takes fp32 inputs as TF32: 3e-3 (test_fp8_paths_in_fp16)
 @pytest.mark.parametrize("act", [False, True], ids=["w8a16", "w8a8"])
 @pytest.mark.parametrize("block,shrink", PATH_CASES, ids=PATH_IDS)
 def test_fp8_experts_equal_twin(block, act, shrink):
     """Awkward sizes: H and I off the 128 grid (partial scale blocks, a gate half of 3 grid rows), mixed
     adapters with rows on no adapter and ranks below the pool's."""
-    ranks = () if shrink == "off" else (8, 0, 3, 8)
-    case = make_case(9, 200, 136, 5, 2, ranks=ranks, R=8, dtype=torch.float32, device=DEV, seed=3)
-    got, deq_gu, deq_d = run_fp8(case, tiny_fp8_config("separate" if shrink == "off" else shrink), block, act)
+    case = awkward_case(shrink, torch.float32)
+    got, deq_gu, deq_d = run_fp8(case, path_config(shrink), block, act)
     assert rel_err(got, dequantized_twin(case, deq_gu, deq_d, act)) <= 1e-4
     if act:
         check_w8a8_within_bound(got, case, deq_gu, deq_d, 1e-5)
@@ -144,8 +160,7 @@ def test_fp8_experts_equal_twin(block, act, shrink):
 
 @interp_only  # fp32 at 1e-4, as above
 def test_fp8_one_token_and_all_routes_on_one_expert():
-    for case in (make_case(1, 130, 64, 4, 2, dtype=torch.float32, device=DEV, seed=5),
-                 make_case(6, 130, 64, 4, 2, dtype=torch.float32, device=DEV, seed=6, one_expert=2)):
+    for case in one_token_cases(torch.float32):
         for act in (False, True):
             got, deq_gu, deq_d = run_fp8(case, tiny_fp8_config(), True, act)
             assert rel_err(got, dequantized_twin(case, deq_gu, deq_d, act)) <= 1e-4
@@ -158,13 +173,9 @@ def test_fp8_paths_in_fp16(block, act, shrink):
     """The two tests above in fp16, so they hold on CUDA too (fp16 dots, fp32 sums): the fp32 twin within fp16's
     rounding of h and the output (the interpreter: 3e-4..6e-4 W8A16, up to 2.6e-3 W8A8 where a rounded h crosses an
     e4m3 step), and W8A8 within the activation rounding's bound."""
-    ranks = () if shrink == "off" else (8, 0, 3, 8)
-    cases = [make_case(9, 200, 136, 5, 2, ranks=ranks, R=8, dtype=torch.float16, device=DEV, seed=3)]
-    if shrink == "off":
-        cases += [make_case(1, 130, 64, 4, 2, dtype=torch.float16, device=DEV, seed=5),
-                  make_case(6, 130, 64, 4, 2, dtype=torch.float16, device=DEV, seed=6, one_expert=2)]
+    cases = (awkward_case(shrink, torch.float16),) + (one_token_cases(torch.float16) if shrink == "off" else ())
     for case in cases:
-        got, deq_gu, deq_d = run_fp8(case, tiny_fp8_config("separate" if shrink == "off" else shrink), block, act)
+        got, deq_gu, deq_d = run_fp8(case, path_config(shrink), block, act)
         assert rel_err(got, dequantized_twin(case, deq_gu, deq_d, act, torch.float32)) <= (1e-2 if act else 2e-3)
         if act:
             check_w8a8_within_bound(got, case, deq_gu, deq_d, 1e-3)
